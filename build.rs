@@ -1,0 +1,18 @@
+//! Compiles the C shim over Mooncake's exported C++ API (`src/transport/shim.cc`).
+//! Mooncake itself is not linked here: the shim loads it at run time.
+
+fn main() {
+    println!("cargo:rerun-if-changed=src/transport/shim.cc");
+    cc::Build::new()
+        .cpp(true)
+        .file("src/transport/shim.cc")
+        .flag_if_supported("-std=c++17")
+        // Mooncake's wheels use the C++11 string ABI; so must we.
+        .define("_GLIBCXX_USE_CXX11_ABI", "1")
+        .flag_if_supported("-Wall")
+        .flag_if_supported("-Wextra")
+        .warnings_into_errors(true)
+        .compile("orbitkv_mooncake_shim");
+    println!("cargo:rustc-link-lib=dylib=dl");
+    println!("cargo:rustc-link-lib=dylib=stdc++");
+}
