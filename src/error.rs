@@ -86,3 +86,105 @@ pub enum TransportError {
 }
 
 pub type TransportResult<T> = Result<T, TransportError>;
+
+/// A KV geometry that is inconsistent, or two geometries that do not fit.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum GeometryError {
+    #[error("layout has no layers")]
+    NoLayers,
+    #[error("layer {layer} has {found} planes, layer 0 has {expected}")]
+    PlaneCount {
+        layer: u32,
+        found: usize,
+        expected: usize,
+    },
+    #[error("layer {layer} plane {plane}: {reason}")]
+    BadPlane {
+        layer: u32,
+        plane: usize,
+        reason: String,
+    },
+    #[error("layer {a_layer} plane {a_plane} overlaps layer {b_layer} plane {b_plane}")]
+    Overlap {
+        a_layer: u32,
+        a_plane: usize,
+        b_layer: u32,
+        b_plane: usize,
+    },
+    #[error("block id {block} is outside the region of {num_blocks} blocks")]
+    BlockOutOfRange { block: u32, num_blocks: u32 },
+    #[error("block id {block} is listed twice")]
+    DuplicateBlock { block: u32 },
+    #[error("tensor parallel: {0}")]
+    TensorParallel(String),
+    #[error("producer has {producer} layers, consumer has {consumer}")]
+    LayerCount { producer: usize, consumer: usize },
+    #[error(
+        "layer {layer} plane {plane}: {what} per head differs (producer {producer}, consumer {consumer})"
+    )]
+    HeadBytes {
+        layer: u32,
+        plane: usize,
+        what: &'static str,
+        producer: u64,
+        consumer: u64,
+    },
+    #[error("layer {layer} is outside the layout's {num_layers} layers")]
+    LayerOutOfRange { layer: u32, num_layers: usize },
+    #[error("request block index {index} is outside the {authorized} authorized destination blocks")]
+    OutsideAuthorization { index: u32, authorized: usize },
+    #[error("request block index {index} is outside the producer's {available} source blocks")]
+    OutsideSource { index: u32, available: usize },
+}
+
+/// A handshake or notification that cannot be admitted.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum ProtocolError {
+    #[error("malformed {what}: {reason}")]
+    Malformed { what: &'static str, reason: String },
+    #[error("unsupported wire version {found} (this build speaks {supported})")]
+    Version { found: u32, supported: u32 },
+    #[error("bad geometry in handshake: {0}")]
+    Geometry(#[from] GeometryError),
+    #[error("bad endpoint in handshake: {0}")]
+    Endpoint(String),
+    #[error("handshake for {request} {generation} changes the authorization captured for that generation")]
+    AuthorizationChanged { request: String, generation: u64 },
+}
+
+/// Errors of the request runtime (the actor system and its façade).
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum RuntimeError {
+    #[error(transparent)]
+    Transport(#[from] TransportError),
+    #[error(transparent)]
+    Protocol(#[from] ProtocolError),
+    #[error(transparent)]
+    Geometry(#[from] GeometryError),
+    #[error("unknown request {0}")]
+    UnknownRequest(String),
+    #[error("request {request}: generation {got} is stale (current {current})")]
+    StaleGeneration { request: String, got: u64, current: u64 },
+    #[error("request {0} already exists on this side")]
+    DuplicateRequest(String),
+    #[error("request {request}: peer {peer} is dead or unreachable: {reason}")]
+    PeerDead {
+        request: String,
+        peer: String,
+        reason: String,
+    },
+    #[error("request {request}: {what} timed out after {millis} ms")]
+    Timeout {
+        request: String,
+        what: &'static str,
+        millis: u64,
+    },
+    #[error("request {request}: invalid in state {state}: {what}")]
+    InvalidState {
+        request: String,
+        state: &'static str,
+        what: String,
+    },
+    #[error("the runtime has stopped")]
+    Stopped,
+}

@@ -5,12 +5,22 @@
 //! layout and the per-request state machine; Mooncake moves the bytes.
 //!
 //! * [`transport`]: the native boundary over Mooncake (`MooncakeTransferEngine`).
+//! * [`layout`]: KV geometry and the producer → consumer block mapping.
+//! * [`wire`]: the versioned handshake and notification.
+//! * [`actors`]: the request runtime and its pure state machines.
 //! * [`error`]: typed errors.
 
+pub mod actors;
 pub mod error;
+pub mod ids;
+pub mod layout;
 pub mod transport;
+pub mod wire;
 
-pub use error::{TransportError, TransportResult};
+pub use error::{GeometryError, ProtocolError, RuntimeError, TransportError, TransportResult};
+pub use ids::{Generation, LayerIdx, ProducerRank, RequestId};
+pub use layout::{KvLayout, LayerGeometry, Plane};
 pub use transport::{
     BatchHandle, BatchState, EngineConfig, MooncakeTransferEngine, Notification, Transport, WriteRange,
 };
+pub use wire::{Handshake, Notice, Outcome};

@@ -1,0 +1,500 @@
+//! KV geometry: where each (layer, block) of a rank's KV cache lives, and how
+//! a producer's blocks map onto a consumer's under tensor parallelism.
+//!
+//! A layer is one or more *planes*: arrays of equally sized blocks, block `b`
+//! at `base + b * block_stride`, `block_bytes` long. vLLM's CPU layout has one
+//! plane per layer (K and V together); layouts with K and V apart have two.
+//! Inside a block, when `head_major` is set, the rank's KV heads are
+//! contiguous equal slices — which is what lets a producer of one TP size
+//! write into a consumer of another.
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::GeometryError;
+use crate::transport::WriteRange;
+
+/// One array of blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Plane {
+    pub base: u64,
+    pub block_stride: u64,
+    pub block_bytes: u64,
+}
+
+impl Plane {
+    /// Address of block `b`.
+    pub fn block_addr(&self, b: u32) -> u64 {
+        self.base + b as u64 * self.block_stride
+    }
+
+    /// End (exclusive) of the plane for `num_blocks` blocks; `None` on overflow.
+    fn end(&self, num_blocks: u32) -> Option<u64> {
+        let last = (num_blocks as u64).checked_sub(1)?;
+        self.base
+            .checked_add(last.checked_mul(self.block_stride)?)?
+            .checked_add(self.block_bytes)
+    }
+}
+
+/// A layer's planes.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LayerGeometry {
+    pub planes: Vec<Plane>,
+}
+
+/// A rank's KV cache geometry.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KvLayout {
+    /// Blocks in every plane.
+    pub num_blocks: u32,
+    /// Tokens per block (informative; both sides must agree).
+    pub block_size: u32,
+    /// KV heads of the whole model (all ranks together).
+    pub total_kv_heads: u32,
+    /// This rank and the TP size of its instance.
+    pub tp_rank: u32,
+    pub tp_size: u32,
+    /// Whether heads are contiguous equal slices inside each block.
+    pub head_major: bool,
+    pub layers: Vec<LayerGeometry>,
+}
+
+/// A half-open interval of KV heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Heads {
+    start: u32,
+    end: u32,
+}
+
+impl KvLayout {
+    /// The heads this rank holds.
+    fn heads(&self) -> Heads {
+        let per = self.total_kv_heads / self.tp_size;
+        Heads {
+            start: self.tp_rank * per,
+            end: (self.tp_rank + 1) * per,
+        }
+    }
+
+    fn local_heads(&self) -> u32 {
+        self.total_kv_heads / self.tp_size
+    }
+
+    /// Checks internal consistency: planes well formed, nothing overlapping,
+    /// TP numbers sensible, no address arithmetic overflow.
+    pub fn validate(&self) -> Result<(), GeometryError> {
+        if self.layers.is_empty() {
+            return Err(GeometryError::NoLayers);
+        }
+        if self.tp_size == 0 || self.tp_rank >= self.tp_size {
+            return Err(GeometryError::TensorParallel(format!(
+                "rank {} of size {}",
+                self.tp_rank, self.tp_size
+            )));
+        }
+        if self.total_kv_heads == 0 || self.total_kv_heads % self.tp_size != 0 {
+            return Err(GeometryError::TensorParallel(format!(
+                "{} KV heads do not split over {} ranks",
+                self.total_kv_heads, self.tp_size
+            )));
+        }
+        if self.num_blocks == 0 {
+            return Err(GeometryError::BadPlane {
+                layer: 0,
+                plane: 0,
+                reason: "zero blocks".into(),
+            });
+        }
+        let expected = self.layers[0].planes.len();
+        let mut spans: Vec<(u64, u64, u32, usize)> = Vec::new();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let li = li as u32;
+            if layer.planes.len() != expected || expected == 0 {
+                return Err(GeometryError::PlaneCount {
+                    layer: li,
+                    found: layer.planes.len(),
+                    expected,
+                });
+            }
+            for (pi, p) in layer.planes.iter().enumerate() {
+                let bad = |reason: &str| GeometryError::BadPlane {
+                    layer: li,
+                    plane: pi,
+                    reason: reason.into(),
+                };
+                if p.base == 0 {
+                    return Err(bad("null base address"));
+                }
+                if p.block_bytes == 0 {
+                    return Err(bad("zero block bytes"));
+                }
+                if self.num_blocks > 1 && p.block_stride < p.block_bytes {
+                    return Err(bad("block stride smaller than block bytes (blocks overlap)"));
+                }
+                if self.head_major && p.block_bytes % self.local_heads() as u64 != 0 {
+                    return Err(bad("block bytes do not split evenly into heads"));
+                }
+                let end = p
+                    .end(self.num_blocks)
+                    .ok_or_else(|| bad("address range overflows"))?;
+                spans.push((p.base, end, li, pi));
+            }
+        }
+        spans.sort_unstable();
+        for w in spans.windows(2) {
+            let (a, b) = (w[0], w[1]);
+            if b.0 < a.1 {
+                return Err(GeometryError::Overlap {
+                    a_layer: a.2,
+                    a_plane: a.3,
+                    b_layer: b.2,
+                    b_plane: b.3,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks that every block id is in range and listed once.
+    pub fn validate_blocks(&self, blocks: &[u32]) -> Result<(), GeometryError> {
+        let mut seen = std::collections::HashSet::with_capacity(blocks.len());
+        for &b in blocks {
+            if b >= self.num_blocks {
+                return Err(GeometryError::BlockOutOfRange {
+                    block: b,
+                    num_blocks: self.num_blocks,
+                });
+            }
+            if !seen.insert(b) {
+                return Err(GeometryError::DuplicateBlock { block: b });
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether this producer rank holds any heads the consumer rank holds.
+    pub fn overlaps_heads(&self, consumer: &KvLayout) -> bool {
+        let (p, c) = (self.heads(), consumer.heads());
+        p.start.max(c.start) < p.end.min(c.end)
+    }
+
+    /// How many producer ranks of TP size `producer_tp` hold heads of this
+    /// consumer rank: the consumer's expected producer count.
+    pub fn expected_producers(&self, producer_tp: u32) -> u32 {
+        if producer_tp <= self.tp_size {
+            1
+        } else {
+            producer_tp / self.tp_size
+        }
+    }
+
+    /// Checks that this (producer) layout can write into `consumer`.
+    pub fn check_compatible(&self, consumer: &KvLayout) -> Result<(), GeometryError> {
+        if self.layers.len() != consumer.layers.len() {
+            return Err(GeometryError::LayerCount {
+                producer: self.layers.len(),
+                consumer: consumer.layers.len(),
+            });
+        }
+        if self.total_kv_heads != consumer.total_kv_heads {
+            return Err(GeometryError::TensorParallel(format!(
+                "producer model has {} KV heads, consumer {}",
+                self.total_kv_heads, consumer.total_kv_heads
+            )));
+        }
+        if self.block_size != consumer.block_size {
+            return Err(GeometryError::TensorParallel(format!(
+                "block size {} vs {} tokens",
+                self.block_size, consumer.block_size
+            )));
+        }
+        let bigger = self.tp_size.max(consumer.tp_size);
+        let smaller = self.tp_size.min(consumer.tp_size);
+        if bigger % smaller != 0 {
+            return Err(GeometryError::TensorParallel(format!(
+                "TP sizes {} and {} are not multiples",
+                self.tp_size, consumer.tp_size
+            )));
+        }
+        if !self.overlaps_heads(consumer) {
+            return Err(GeometryError::TensorParallel(format!(
+                "producer rank {}/{} holds none of consumer rank {}/{}'s heads",
+                self.tp_rank, self.tp_size, consumer.tp_rank, consumer.tp_size
+            )));
+        }
+        if self.tp_size != consumer.tp_size {
+            if self.tp_size > consumer.tp_size && !consumer.head_major {
+                return Err(GeometryError::TensorParallel(
+                    "consumer blocks are not head-major, so a producer of larger TP cannot write a head slice"
+                        .into(),
+                ));
+            }
+            if self.tp_size < consumer.tp_size && !self.head_major {
+                return Err(GeometryError::TensorParallel(
+                    "producer blocks are not head-major, so a consumer of larger TP cannot take a head slice"
+                        .into(),
+                ));
+            }
+        }
+        let (ph, ch) = (self.local_heads() as u64, consumer.local_heads() as u64);
+        for (li, (pl, cl)) in self.layers.iter().zip(&consumer.layers).enumerate() {
+            if pl.planes.len() != cl.planes.len() {
+                return Err(GeometryError::PlaneCount {
+                    layer: li as u32,
+                    found: cl.planes.len(),
+                    expected: pl.planes.len(),
+                });
+            }
+            for (pi, (pp, cp)) in pl.planes.iter().zip(&cl.planes).enumerate() {
+                if pp.block_bytes * ch != cp.block_bytes * ph {
+                    return Err(GeometryError::HeadBytes {
+                        layer: li as u32,
+                        plane: pi,
+                        what: "block bytes",
+                        producer: pp.block_bytes / ph,
+                        consumer: cp.block_bytes / ch,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The byte ranges that write request blocks `indices` of `layer` from
+    /// this producer into `consumer`. `src_blocks[i]` goes to `dst_blocks[i]`.
+    /// Contiguous runs are coalesced into one range. Every destination range
+    /// lies inside an authorized block: an index outside `dst_blocks` is an
+    /// error, never a write.
+    pub fn plan_layer(
+        &self,
+        consumer: &KvLayout,
+        layer: u32,
+        src_blocks: &[u32],
+        dst_blocks: &[u32],
+        indices: std::ops::Range<u32>,
+        out: &mut Vec<WriteRange>,
+    ) -> Result<(), GeometryError> {
+        let num_layers = self.layers.len();
+        let (Some(pl), Some(cl)) = (
+            self.layers.get(layer as usize),
+            consumer.layers.get(layer as usize),
+        ) else {
+            return Err(GeometryError::LayerOutOfRange { layer, num_layers });
+        };
+        if indices.end as usize > dst_blocks.len() {
+            return Err(GeometryError::OutsideAuthorization {
+                index: indices.end - 1,
+                authorized: dst_blocks.len(),
+            });
+        }
+        if indices.end as usize > src_blocks.len() {
+            return Err(GeometryError::OutsideSource {
+                index: indices.end - 1,
+                available: src_blocks.len(),
+            });
+        }
+        let (p, c) = (self.heads(), consumer.heads());
+        let (start, end) = (p.start.max(c.start), p.end.min(c.end));
+        if start >= end {
+            return Ok(());
+        }
+        let (ph, ch) = (self.local_heads() as u64, consumer.local_heads() as u64);
+        for (pp, cp) in pl.planes.iter().zip(&cl.planes) {
+            let head_bytes = pp.block_bytes / ph;
+            let src_off = (start - p.start) as u64 * head_bytes;
+            let dst_off = (start - c.start) as u64 * head_bytes;
+            let len = (end - start) as u64 * head_bytes;
+            debug_assert_eq!(cp.block_bytes / ch, head_bytes);
+            let first = out.len();
+            for i in indices.clone() {
+                let (s, d) = (src_blocks[i as usize], dst_blocks[i as usize]);
+                let r = WriteRange {
+                    src: pp.block_addr(s) + src_off,
+                    dst: cp.block_addr(d) + dst_off,
+                    len,
+                };
+                let can_merge = out.len() > first
+                    && out
+                        .last()
+                        .is_some_and(|l| l.src + l.len == r.src && l.dst + l.len == r.dst);
+                match out.last_mut() {
+                    Some(last) if can_merge => last.len += r.len,
+                    _ => out.push(r),
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    /// A layout with one plane per layer, blocks of `block_bytes`, laid out
+    /// one layer after another from `base`.
+    pub(crate) fn layout(
+        base: u64,
+        layers: u32,
+        blocks: u32,
+        block_bytes: u64,
+        tp: (u32, u32),
+        heads: u32,
+    ) -> KvLayout {
+        KvLayout {
+            num_blocks: blocks,
+            block_size: 16,
+            total_kv_heads: heads,
+            tp_rank: tp.0,
+            tp_size: tp.1,
+            head_major: true,
+            layers: (0..layers as u64)
+                .map(|l| LayerGeometry {
+                    planes: vec![Plane {
+                        base: base + l * blocks as u64 * block_bytes,
+                        block_stride: block_bytes,
+                        block_bytes,
+                    }],
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn valid_layout_passes() {
+        layout(0x1000, 4, 8, 256, (0, 1), 2).validate().unwrap();
+    }
+
+    #[test]
+    fn overlapping_layers_are_rejected() {
+        let mut l = layout(0x1000, 2, 8, 256, (0, 1), 2);
+        l.layers[1].planes[0].base = 0x1000 + 256 * 7;
+        assert!(matches!(l.validate(), Err(GeometryError::Overlap { .. })));
+    }
+
+    #[test]
+    fn stride_smaller_than_block_is_rejected() {
+        let mut l = layout(0x1000, 1, 8, 256, (0, 1), 2);
+        l.layers[0].planes[0].block_stride = 128;
+        assert!(matches!(l.validate(), Err(GeometryError::BadPlane { .. })));
+    }
+
+    #[test]
+    fn overflow_is_rejected() {
+        let mut l = layout(u64::MAX - 10, 1, 8, 256, (0, 1), 2);
+        l.layers[0].planes[0].base = u64::MAX - 10;
+        assert!(matches!(l.validate(), Err(GeometryError::BadPlane { .. })));
+    }
+
+    #[test]
+    fn blocks_out_of_range_or_duplicate() {
+        let l = layout(0x1000, 1, 8, 256, (0, 1), 2);
+        assert!(matches!(
+            l.validate_blocks(&[1, 8]),
+            Err(GeometryError::BlockOutOfRange { block: 8, .. })
+        ));
+        assert!(matches!(
+            l.validate_blocks(&[1, 1]),
+            Err(GeometryError::DuplicateBlock { block: 1 })
+        ));
+        l.validate_blocks(&[0, 7, 3]).unwrap();
+    }
+
+    #[test]
+    fn same_tp_coalesces_contiguous_blocks() {
+        let p = layout(0x10_0000, 2, 8, 256, (0, 1), 2);
+        let c = layout(0x90_0000, 2, 8, 256, (0, 1), 2);
+        p.check_compatible(&c).unwrap();
+        let mut out = Vec::new();
+        p.plan_layer(&c, 1, &[2, 3, 4, 0], &[5, 6, 7, 1], 0..4, &mut out)
+            .unwrap();
+        let pb = 0x10_0000 + 8 * 256;
+        let cb = 0x90_0000 + 8 * 256;
+        assert_eq!(
+            out,
+            vec![
+                WriteRange {
+                    src: pb + 2 * 256,
+                    dst: cb + 5 * 256,
+                    len: 3 * 256
+                },
+                WriteRange {
+                    src: pb,
+                    dst: cb + 256,
+                    len: 256
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn two_producers_write_their_head_halves() {
+        // consumer TP 1 holds 4 heads (block 256 B = 4 x 64 B); producers TP 2 hold 2 heads each.
+        let c = layout(0x90_0000, 1, 4, 256, (0, 1), 4);
+        let p0 = layout(0x10_0000, 1, 4, 128, (0, 2), 4);
+        let p1 = layout(0x20_0000, 1, 4, 128, (1, 2), 4);
+        assert_eq!(c.expected_producers(2), 2);
+        for (rank, p) in [p0, p1].iter().enumerate() {
+            p.check_compatible(&c).unwrap();
+            let mut out = Vec::new();
+            p.plan_layer(&c, 0, &[0, 1], &[2, 3], 0..2, &mut out).unwrap();
+            let off = rank as u64 * 128;
+            assert_eq!(
+                out,
+                vec![
+                    WriteRange {
+                        src: p.layers[0].planes[0].base,
+                        dst: 0x90_0000 + 2 * 256 + off,
+                        len: 128
+                    },
+                    WriteRange {
+                        src: p.layers[0].planes[0].base + 128,
+                        dst: 0x90_0000 + 3 * 256 + off,
+                        len: 128
+                    },
+                ]
+            );
+        }
+    }
+
+    #[test]
+    fn index_outside_authorization_is_an_error_not_a_write() {
+        let p = layout(0x10_0000, 1, 8, 256, (0, 1), 2);
+        let c = layout(0x90_0000, 1, 8, 256, (0, 1), 2);
+        let mut out = Vec::new();
+        let err = p
+            .plan_layer(&c, 0, &[0, 1, 2], &[4, 5], 0..3, &mut out)
+            .unwrap_err();
+        assert!(matches!(
+            err,
+            GeometryError::OutsideAuthorization {
+                index: 2,
+                authorized: 2
+            }
+        ));
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn mismatched_geometry_is_rejected() {
+        let p = layout(0x10_0000, 2, 8, 256, (0, 1), 2);
+        let c = layout(0x90_0000, 3, 8, 256, (0, 1), 2);
+        assert!(matches!(
+            p.check_compatible(&c),
+            Err(GeometryError::LayerCount { .. })
+        ));
+        let c = layout(0x90_0000, 2, 8, 512, (0, 1), 2);
+        assert!(matches!(
+            p.check_compatible(&c),
+            Err(GeometryError::HeadBytes { .. })
+        ));
+        let c = layout(0x90_0000, 2, 8, 256, (0, 1), 4);
+        assert!(matches!(
+            p.check_compatible(&c),
+            Err(GeometryError::TensorParallel(_))
+        ));
+    }
+}
