@@ -17,6 +17,7 @@ pub mod layout;
 pub mod transport;
 pub mod wire;
 
+pub use actors::{Runtime, RuntimeConfig, RuntimeEvent, StatsSnapshot};
 pub use error::{GeometryError, ProtocolError, RuntimeError, TransportError, TransportResult};
 pub use ids::{Generation, LayerIdx, ProducerRank, RequestId};
 pub use layout::{KvLayout, LayerGeometry, Plane};

@@ -1,4 +1,22 @@
-//! The P/D request runtime: one actor per request and side, layer writers
-//! per peer, and a notification router. The rules live in [`state`].
+//! The P/D request runtime (actix): one request actor per request and side,
+//! a layer writer per peer, a notification router, and a completion poller.
+//! The rules of the safety contract live in [`state`], a pure state machine
+//! under each request actor; the actors carry out its effects.
+//!
+//! * [`runtime::Runtime`]: the thread-safe façade the binding calls.
+//! * [`request`]: `ConsumerActor` (decode side) and `ProducerActor` (prefill side).
+//! * [`writer`]: `LayerWriter` per peer, the completion poller.
+//! * [`router`]: the `NotificationRouter`.
+//! * [`messages`]: every message, one struct each.
 
+pub mod messages;
+pub mod request;
+pub mod router;
+pub mod runtime;
 pub mod state;
+pub mod stats;
+pub mod writer;
+
+pub use messages::RuntimeEvent;
+pub use runtime::{Runtime, RuntimeConfig};
+pub use stats::StatsSnapshot;

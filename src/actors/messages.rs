@@ -1,0 +1,157 @@
+//! The messages between the actors. Commands are imperative
+//! (`WriteLayer`, `SendNotice`), events are facts in the past tense
+//! (`LayerWritten`, `NoticeArrived`). Every event carries the request ID and
+//! generation, so a stale one is dropped by rule.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use actix::prelude::*;
+
+use crate::ids::{Generation, RequestId};
+use crate::transport::WriteRange;
+use crate::wire::{Handshake, Notice, Outcome};
+
+use super::state::WriteId;
+
+// ---- to a producer request actor ----------------------------------------
+
+/// A consumer's handshake for this request, validated against the local layout.
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct HandshakeArrived(pub Arc<Handshake>);
+
+/// Prefill finished `layer` for request blocks `blocks`.
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct LayerReady {
+    pub layer: u32,
+    pub blocks: Range<u32>,
+}
+
+/// A layer writer finished one admitted write.
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct LayerWritten {
+    pub request: RequestId,
+    pub write: WriteId,
+    pub generation: Generation,
+    pub bytes: u64,
+}
+
+/// A layer writer could not complete one admitted write.
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct LayerWriteFailed {
+    pub request: RequestId,
+    pub write: WriteId,
+    pub generation: Generation,
+    pub reason: String,
+}
+
+/// vLLM finished the request on the prefill side.
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct FinishRequest;
+
+/// Stop the request.
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct AbortRequest {
+    pub reason: String,
+}
+
+// ---- to a consumer request actor ----------------------------------------
+
+/// A producer's notice for this request (routed by request ID).
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct NoticeArrived(pub Notice);
+
+/// vLLM is done with the request on the decode side.
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct ReleaseRequest;
+
+// ---- to a layer writer ---------------------------------------------------
+
+/// Write these ranges to the writer's peer and report to `reply_to`.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct WriteLayer {
+    pub request: RequestId,
+    pub write: WriteId,
+    pub generation: Generation,
+    pub layer: u32,
+    pub ranges: Vec<WriteRange>,
+    pub bytes: u64,
+    pub done_to: Recipient<LayerWritten>,
+    pub failed_to: Recipient<LayerWriteFailed>,
+}
+
+/// Send a notice to the writer's peer (after the request's writes drained).
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct SendNotice(pub Notice);
+
+/// The completion poller's verdict on one batch.
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct BatchFinished {
+    pub token: u64,
+    pub result: Result<u64, String>,
+}
+
+// ---- to the notification router -----------------------------------------
+
+/// Route notices for (`request`, `generation`) to `to`.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct RegisterConsumer {
+    pub request: RequestId,
+    pub generation: Generation,
+    pub to: Recipient<NoticeArrived>,
+}
+
+/// Stop routing for (`request`, `generation`).
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct UnregisterConsumer {
+    pub request: RequestId,
+    pub generation: Generation,
+}
+
+/// Notifications drained from the transport.
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct NotificationsTaken(pub Vec<crate::transport::Notification>);
+
+// ---- from the actors to the façade --------------------------------------
+
+/// What the runtime tells its user (the vLLM connector) happened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RuntimeEvent {
+    /// Decode side: every producer reported done; the KV is in place.
+    ConsumerCompleted {
+        request: RequestId,
+        generation: Generation,
+        bytes: u64,
+    },
+    /// Decode side: the KV will not be complete (failure, abort, timeout).
+    ConsumerFailed {
+        request: RequestId,
+        generation: Generation,
+        reason: String,
+    },
+    /// Decode side: no producer can write into the blocks any more.
+    ConsumerReleased {
+        request: RequestId,
+        generation: Generation,
+    },
+    /// Prefill side: every admitted write drained; source blocks may be freed.
+    ProducerReleased {
+        request: RequestId,
+        outcome: Outcome,
+        reason: Option<String>,
+    },
+}

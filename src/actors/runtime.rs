@@ -1,0 +1,379 @@
+//! The runtime's façade: a thread-safe, synchronous API over the actor
+//! system (which runs on its own thread). This is what the Python binding
+//! and the vLLM connector call.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use actix::prelude::*;
+use crossbeam_channel::{Receiver, Sender};
+use parking_lot::Mutex;
+
+use super::messages::*;
+use super::request::{generation_seed, ConsumerActor, ProducerActor};
+use super::router::NotificationRouter;
+use super::state::ConsumerMachine;
+use super::stats::{Stats, StatsSnapshot};
+use super::writer::{spawn_poller, PollJob, WriterPool};
+use crate::error::{GeometryError, RuntimeError};
+use crate::ids::{Generation, RequestId};
+use crate::layout::KvLayout;
+use crate::transport::Transport;
+use crate::wire::{Handshake, WIRE_VERSION};
+
+/// Runtime settings. Defaults suit a CPU or GPU P/D pair on one network.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RuntimeConfig {
+    /// How long a consumer waits for all producers before failing the request.
+    pub consumer_timeout: Duration,
+    /// How long a producer waits for the consumer's handshake.
+    pub handshake_timeout: Duration,
+    /// How long one write batch may take before it counts as failed.
+    pub write_timeout: Duration,
+    /// Bytes in flight per peer before further layers queue.
+    pub max_bytes_in_flight_per_peer: u64,
+    /// How often the router drains Mooncake's notifications.
+    pub notify_poll: Duration,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self {
+            consumer_timeout: Duration::from_secs(120),
+            handshake_timeout: Duration::from_secs(120),
+            write_timeout: Duration::from_secs(30),
+            max_bytes_in_flight_per_peer: 1 << 30,
+            notify_poll: Duration::from_millis(1),
+        }
+    }
+}
+
+/// The request runtime of one rank.
+pub struct Runtime {
+    transport: Arc<dyn Transport>,
+    local: Arc<KvLayout>,
+    cfg: RuntimeConfig,
+    arbiter: ArbiterHandle,
+    system: System,
+    system_thread: Option<std::thread::JoinHandle<()>>,
+    router: Addr<NotificationRouter>,
+    writers: Arc<WriterPool>,
+    poller_tx: Option<Sender<PollJob>>,
+    poller_stop: Arc<AtomicBool>,
+    poller_thread: Option<std::thread::JoinHandle<()>>,
+    events_tx: Sender<RuntimeEvent>,
+    events_rx: Receiver<RuntimeEvent>,
+    consumers: Mutex<HashMap<RequestId, (Generation, Addr<ConsumerActor>)>>,
+    producers: Mutex<HashMap<RequestId, Addr<ProducerActor>>>,
+    parked: Mutex<HashMap<RequestId, (Arc<Handshake>, Instant)>>,
+    next_generation: AtomicU64,
+    stats: Arc<Stats>,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime")
+            .field("endpoint", &self.transport.endpoint())
+            .finish()
+    }
+}
+
+impl Runtime {
+    /// Starts the actor system for a rank whose KV cache is `local`
+    /// (registered with `transport` by the caller).
+    pub fn start(
+        transport: Arc<dyn Transport>,
+        local: KvLayout,
+        cfg: RuntimeConfig,
+    ) -> Result<Self, RuntimeError> {
+        local.validate()?;
+        let stats = Arc::new(Stats::default());
+        let (boot_tx, boot_rx) = crossbeam_channel::bounded(1);
+        let router_transport = transport.clone();
+        let (poll_every, router_stats) = (cfg.notify_poll, stats.clone());
+        let system_thread = std::thread::Builder::new()
+            .name("orbitkv-runtime".into())
+            .spawn(move || {
+                let sys = System::new();
+                sys.block_on(async move {
+                    let router = NotificationRouter::new(router_transport, poll_every, router_stats).start();
+                    let _ = boot_tx.send((router, System::current(), Arbiter::current()));
+                });
+                let _ = sys.run();
+            })
+            .map_err(|_| RuntimeError::Stopped)?;
+        let (router, system, arbiter) = boot_rx
+            .recv_timeout(Duration::from_secs(10))
+            .map_err(|_| RuntimeError::Stopped)?;
+        let (poller_tx, poller_rx) = crossbeam_channel::unbounded();
+        let poller_stop = Arc::new(AtomicBool::new(false));
+        let poller_thread = spawn_poller(transport.clone(), poller_rx, poller_stop.clone());
+        let writers = Arc::new(WriterPool::new(
+            transport.clone(),
+            poller_tx.clone(),
+            cfg.write_timeout,
+            cfg.max_bytes_in_flight_per_peer,
+            stats.clone(),
+        ));
+        let (events_tx, events_rx) = crossbeam_channel::unbounded();
+        Ok(Self {
+            transport,
+            local: Arc::new(local),
+            cfg,
+            arbiter,
+            system,
+            system_thread: Some(system_thread),
+            router,
+            writers,
+            poller_tx: Some(poller_tx),
+            poller_stop,
+            poller_thread: Some(poller_thread),
+            events_tx,
+            events_rx,
+            consumers: Mutex::new(HashMap::new()),
+            producers: Mutex::new(HashMap::new()),
+            parked: Mutex::new(HashMap::new()),
+            next_generation: AtomicU64::new(generation_seed().0),
+            stats,
+        })
+    }
+
+    /// This rank's Mooncake endpoint.
+    pub fn endpoint(&self) -> &str {
+        self.transport.endpoint()
+    }
+
+    /// This rank's KV geometry.
+    pub fn layout(&self) -> &KvLayout {
+        &self.local
+    }
+
+    pub fn config(&self) -> &RuntimeConfig {
+        &self.cfg
+    }
+
+    pub fn stats(&self) -> StatsSnapshot {
+        self.stats.snapshot()
+    }
+
+    // ---- decode side ----------------------------------------------------
+
+    /// Authorizes `block_ids` of this rank for `request`, expecting the
+    /// producer ranks of an instance of TP size `producer_tp`, and returns
+    /// the handshake to publish. A request ID still authorized is refused:
+    /// release it first (reuse then gets a new generation).
+    pub fn consumer_open(
+        &self,
+        request: RequestId,
+        block_ids: Vec<u32>,
+        producer_tp: u32,
+    ) -> Result<Handshake, RuntimeError> {
+        if producer_tp == 0 {
+            return Err(GeometryError::TensorParallel("producer TP size 0".into()).into());
+        }
+        self.local.validate_blocks(&block_ids)?;
+        let mut consumers = self.consumers.lock();
+        if consumers.get(&request).is_some_and(|(_, a)| a.connected()) {
+            return Err(RuntimeError::DuplicateRequest(request.0));
+        }
+        let generation = Generation(self.next_generation.fetch_add(1, Ordering::Relaxed));
+        let expected = ConsumerMachine::expected_ranks(self.local.tp_rank, self.local.tp_size, producer_tp);
+        let handshake = Handshake {
+            version: WIRE_VERSION,
+            request_id: request.clone(),
+            generation,
+            endpoint: self.transport.endpoint().to_string(),
+            expected_producers: expected.len() as u32,
+            block_ids,
+            layout: (*self.local).clone(),
+        };
+        handshake.validate()?;
+        let machine = ConsumerMachine::new(request.clone(), generation, expected);
+        let actor = ConsumerActor::new(
+            machine,
+            self.cfg.consumer_timeout,
+            self.router.clone(),
+            self.events_tx.clone(),
+            self.stats.clone(),
+        );
+        let addr = ConsumerActor::start_in_arbiter(&self.arbiter, move |_| actor);
+        // Registered before the handshake leaves this function, so no notice
+        // can arrive before its route exists.
+        self.router.do_send(RegisterConsumer {
+            request: request.clone(),
+            generation,
+            to: addr.clone().recipient(),
+        });
+        consumers.insert(request, (generation, addr));
+        Ok(handshake)
+    }
+
+    /// vLLM is done with `request` on the decode side. The blocks are
+    /// released (a `ConsumerReleased` event) once no producer can write into
+    /// them any more.
+    pub fn consumer_release(&self, request: &RequestId) -> Result<(), RuntimeError> {
+        let (_, addr) = self
+            .consumers
+            .lock()
+            .remove(request)
+            .ok_or_else(|| RuntimeError::UnknownRequest(request.0.clone()))?;
+        addr.do_send(ReleaseRequest);
+        Ok(())
+    }
+
+    // ---- prefill side ---------------------------------------------------
+
+    /// Opens the producer side of `request`, whose blocks (in request order)
+    /// are `src_blocks` of this rank. A handshake that arrived earlier is
+    /// taken up now.
+    pub fn producer_open(&self, request: RequestId, src_blocks: Vec<u32>) -> Result<(), RuntimeError> {
+        self.local.validate_blocks(&src_blocks)?;
+        let mut producers = self.producers.lock();
+        if producers.get(&request).is_some_and(|a| a.connected()) {
+            return Err(RuntimeError::DuplicateRequest(request.0));
+        }
+        let actor = ProducerActor::new(
+            request.clone(),
+            src_blocks,
+            self.local.clone(),
+            self.writers.clone(),
+            self.cfg.handshake_timeout,
+            self.events_tx.clone(),
+            self.stats.clone(),
+        );
+        let addr = ProducerActor::start_in_arbiter(&self.arbiter, move |_| actor);
+        if let Some((h, _)) = self.parked.lock().remove(&request) {
+            addr.do_send(HandshakeArrived(h));
+        }
+        producers.insert(request, addr);
+        Ok(())
+    }
+
+    /// Admits a consumer's handshake: validated strictly and checked against
+    /// this rank's layout. On any error nothing changes. It may arrive before
+    /// `producer_open` (it is then parked until then, up to the handshake
+    /// timeout) or after layers are ready (they are written on arrival).
+    pub fn producer_handshake(&self, handshake: Handshake) -> Result<(), RuntimeError> {
+        handshake.validate()?;
+        self.local.check_compatible(&handshake.layout)?;
+        let h = Arc::new(handshake);
+        let producers = self.producers.lock();
+        match producers.get(&h.request_id) {
+            Some(addr) if addr.connected() => addr.do_send(HandshakeArrived(h)),
+            _ => {
+                let mut parked = self.parked.lock();
+                let ttl = self.cfg.handshake_timeout;
+                parked.retain(|_, (_, at)| at.elapsed() < ttl);
+                parked.insert(h.request_id.clone(), (h, Instant::now()));
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Self::producer_handshake`] from the JSON the consumer published.
+    pub fn producer_handshake_json(&self, json: &str) -> Result<(), RuntimeError> {
+        self.producer_handshake(Handshake::from_json(json)?)
+    }
+
+    fn producer(&self, request: &RequestId) -> Result<Addr<ProducerActor>, RuntimeError> {
+        match self.producers.lock().get(request) {
+            Some(a) if a.connected() => Ok(a.clone()),
+            _ => Err(RuntimeError::UnknownRequest(request.0.clone())),
+        }
+    }
+
+    /// Prefill finished `layer` for request blocks `blocks` (indices into
+    /// the request's block list). Never blocks on the transfer.
+    pub fn layer_ready(
+        &self,
+        request: &RequestId,
+        layer: u32,
+        blocks: Range<u32>,
+    ) -> Result<(), RuntimeError> {
+        if layer as usize >= self.local.layers.len() {
+            return Err(GeometryError::LayerOutOfRange {
+                layer,
+                num_layers: self.local.layers.len(),
+            }
+            .into());
+        }
+        let addr = self.producer(request)?;
+        addr.do_send(LayerReady { layer, blocks });
+        Ok(())
+    }
+
+    /// vLLM finished `request` on the prefill side: once its writes drain,
+    /// the consumer is told and the source blocks are released.
+    pub fn producer_finish(&self, request: &RequestId) -> Result<(), RuntimeError> {
+        self.producer(request)?.do_send(FinishRequest);
+        Ok(())
+    }
+
+    /// Aborts the producer side of `request` (writes in flight still drain).
+    pub fn producer_abort(&self, request: &RequestId, reason: &str) -> Result<(), RuntimeError> {
+        self.producer(request)?.do_send(AbortRequest {
+            reason: reason.to_string(),
+        });
+        Ok(())
+    }
+
+    // ---- events ---------------------------------------------------------
+
+    fn note(&self, ev: &RuntimeEvent) {
+        if let RuntimeEvent::ProducerReleased { request, .. } = ev {
+            let mut producers = self.producers.lock();
+            if producers.get(request).is_some_and(|a| !a.connected()) {
+                producers.remove(request);
+            }
+        }
+    }
+
+    /// Everything that happened since the last call.
+    pub fn poll_events(&self) -> Vec<RuntimeEvent> {
+        let out: Vec<RuntimeEvent> = self.events_rx.try_iter().collect();
+        out.iter().for_each(|e| self.note(e));
+        out
+    }
+
+    /// Waits up to `timeout` for the next event.
+    pub fn next_event(&self, timeout: Duration) -> Option<RuntimeEvent> {
+        let ev = self.events_rx.recv_timeout(timeout).ok()?;
+        self.note(&ev);
+        Some(ev)
+    }
+
+    /// Requests with a live actor on either side (for leak checks).
+    pub fn live_requests(&self) -> (usize, usize) {
+        let c = self
+            .consumers
+            .lock()
+            .values()
+            .filter(|(_, a)| a.connected())
+            .count();
+        let p = self.producers.lock().values().filter(|a| a.connected()).count();
+        (c, p)
+    }
+
+    /// Stops the actors and threads. Writes in flight are abandoned.
+    pub fn shutdown(&mut self) {
+        self.writers.stop();
+        self.system.stop();
+        if let Some(t) = self.system_thread.take() {
+            let _ = t.join();
+        }
+        self.poller_tx.take();
+        self.poller_stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.poller_thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}

@@ -1,0 +1,80 @@
+//! Counters the runtime keeps; the vLLM connector reports them through
+//! vLLM's stats hooks.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A monotonically increasing counter.
+#[derive(Debug, Default)]
+pub struct Counter(AtomicU64);
+
+impl Counter {
+    pub fn inc(&self) {
+        self.0.fetch_add(1, Ordering::Relaxed);
+    }
+    pub fn add(&self, n: u64) {
+        self.0.fetch_add(n, Ordering::Relaxed);
+    }
+    pub fn get(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Everything counted, shared by the actors.
+#[derive(Debug, Default)]
+pub struct Stats {
+    pub bytes_written: Counter,
+    pub layers_written: Counter,
+    pub writes_failed: Counter,
+    pub notices_sent: Counter,
+    pub notices_failed: Counter,
+    pub notices_routed: Counter,
+    pub notices_unknown_request: Counter,
+    pub notices_stale_generation: Counter,
+    pub notices_malformed: Counter,
+    pub events_dropped: Counter,
+    pub consumers_completed: Counter,
+    pub consumers_failed: Counter,
+    pub producers_released: Counter,
+    /// Sum over completed consumer requests of open → complete, in µs.
+    pub transfer_micros: Counter,
+}
+
+/// A point-in-time copy of [`Stats`].
+#[derive(Debug, Clone, Default, PartialEq, Eq, serde::Serialize)]
+pub struct StatsSnapshot {
+    pub bytes_written: u64,
+    pub layers_written: u64,
+    pub writes_failed: u64,
+    pub notices_sent: u64,
+    pub notices_failed: u64,
+    pub notices_routed: u64,
+    pub notices_unknown_request: u64,
+    pub notices_stale_generation: u64,
+    pub notices_malformed: u64,
+    pub events_dropped: u64,
+    pub consumers_completed: u64,
+    pub consumers_failed: u64,
+    pub producers_released: u64,
+    pub transfer_micros: u64,
+}
+
+impl Stats {
+    pub fn snapshot(&self) -> StatsSnapshot {
+        StatsSnapshot {
+            bytes_written: self.bytes_written.get(),
+            layers_written: self.layers_written.get(),
+            writes_failed: self.writes_failed.get(),
+            notices_sent: self.notices_sent.get(),
+            notices_failed: self.notices_failed.get(),
+            notices_routed: self.notices_routed.get(),
+            notices_unknown_request: self.notices_unknown_request.get(),
+            notices_stale_generation: self.notices_stale_generation.get(),
+            notices_malformed: self.notices_malformed.get(),
+            events_dropped: self.events_dropped.get(),
+            consumers_completed: self.consumers_completed.get(),
+            consumers_failed: self.consumers_failed.get(),
+            producers_released: self.producers_released.get(),
+            transfer_micros: self.transfer_micros.get(),
+        }
+    }
+}

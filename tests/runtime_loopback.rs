@@ -1,0 +1,342 @@
+//! The request runtime against the real Mooncake engine on 127.0.0.1:
+//! producers stream layers into a consumer's authorized blocks, bytes are
+//! checked, nothing outside the authorization is touched, notices are routed.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use orbitkv::{
+    EngineConfig, Generation, KvLayout, LayerGeometry, MooncakeTransferEngine, Notice, Outcome, Plane,
+    ProducerRank, RequestId, Runtime, RuntimeConfig, RuntimeError, RuntimeEvent,
+};
+
+const GUARD: u8 = 0xA5;
+
+/// A rank's KV cache in host memory, registered with its own engine.
+struct Rank {
+    mem: Vec<u8>,
+    layout: KvLayout,
+    runtime: Runtime,
+}
+
+fn rank(
+    layers: u32,
+    blocks: u32,
+    block_bytes: u64,
+    tp: (u32, u32),
+    heads: u32,
+    fill: impl Fn(usize) -> u8,
+) -> Rank {
+    let size = (layers as u64 * blocks as u64 * block_bytes) as usize;
+    let mut mem: Vec<u8> = (0..size).map(fill).collect();
+    let base = mem.as_mut_ptr() as u64;
+    let layout = KvLayout {
+        num_blocks: blocks,
+        block_size: 16,
+        total_kv_heads: heads,
+        tp_rank: tp.0,
+        tp_size: tp.1,
+        head_major: true,
+        layers: (0..layers as u64)
+            .map(|l| LayerGeometry {
+                planes: vec![Plane {
+                    base: base + l * blocks as u64 * block_bytes,
+                    block_stride: block_bytes,
+                    block_bytes,
+                }],
+            })
+            .collect(),
+    };
+    let engine = Arc::new(MooncakeTransferEngine::new(&EngineConfig::default()).expect("engine"));
+    engine
+        .register_memory(base, size as u64, "cpu:0")
+        .expect("register");
+    let cfg = RuntimeConfig {
+        consumer_timeout: Duration::from_secs(20),
+        ..RuntimeConfig::default()
+    };
+    let runtime = Runtime::start(engine, layout.clone(), cfg).expect("runtime");
+    Rank { mem, layout, runtime }
+}
+
+fn block<'a>(r: &'a Rank, layer: u32, b: u32) -> &'a [u8] {
+    let p = r.layout.layers[layer as usize].planes[0];
+    let off = (p.block_addr(b) - r.mem.as_ptr() as u64) as usize;
+    &r.mem[off..off + p.block_bytes as usize]
+}
+
+fn wait_for(rt: &Runtime, what: &str, pred: impl Fn(&RuntimeEvent) -> bool) -> RuntimeEvent {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if let Some(ev) = rt.next_event(Duration::from_millis(100)) {
+            if pred(&ev) {
+                return ev;
+            }
+        }
+    }
+    panic!("timed out waiting for {what}");
+}
+
+fn src_pattern(i: usize) -> u8 {
+    (i.wrapping_mul(31) % 251) as u8
+}
+
+#[test]
+fn one_producer_streams_layers_into_authorized_blocks_only() {
+    let (layers, blocks, bb) = (4, 16, 4096);
+    let producer = rank(layers, blocks, bb, (0, 1), 2, src_pattern);
+    let consumer = rank(layers, blocks, bb, (0, 1), 2, |_| GUARD);
+    let req = RequestId::new("req-one");
+    let src_blocks = vec![0, 1, 2, 3, 7];
+    let dst_blocks = vec![5, 6, 7, 12, 2];
+
+    let hs = consumer
+        .runtime
+        .consumer_open(req.clone(), dst_blocks.clone(), 1)
+        .unwrap();
+    producer
+        .runtime
+        .producer_open(req.clone(), src_blocks.clone())
+        .unwrap();
+    // Two layers are ready before the handshake, two after: both orders work.
+    producer.runtime.layer_ready(&req, 0, 0..5).unwrap();
+    producer.runtime.layer_ready(&req, 1, 0..3).unwrap();
+    producer.runtime.producer_handshake_json(&hs.to_json()).unwrap();
+    producer.runtime.layer_ready(&req, 1, 3..5).unwrap();
+    producer.runtime.layer_ready(&req, 2, 0..5).unwrap();
+    producer.runtime.layer_ready(&req, 3, 0..5).unwrap();
+    producer.runtime.producer_finish(&req).unwrap();
+
+    let ev = wait_for(&producer.runtime, "producer release", |e| {
+        matches!(e, RuntimeEvent::ProducerReleased { .. })
+    });
+    assert!(
+        matches!(
+            ev,
+            RuntimeEvent::ProducerReleased {
+                outcome: Outcome::Done,
+                ..
+            }
+        ),
+        "{ev:?}"
+    );
+    let ev = wait_for(&consumer.runtime, "consumer completion", |e| {
+        matches!(
+            e,
+            RuntimeEvent::ConsumerCompleted { .. } | RuntimeEvent::ConsumerFailed { .. }
+        )
+    });
+    let expected_bytes = layers as u64 * 5 * bb;
+    assert_eq!(
+        ev,
+        RuntimeEvent::ConsumerCompleted {
+            request: req.clone(),
+            generation: hs.generation,
+            bytes: expected_bytes
+        }
+    );
+
+    for l in 0..layers {
+        for b in 0..blocks {
+            match dst_blocks.iter().position(|&d| d == b) {
+                Some(i) => assert_eq!(
+                    block(&consumer, l, b),
+                    block(&producer, l, src_blocks[i]),
+                    "layer {l} block {b}"
+                ),
+                None => assert!(
+                    block(&consumer, l, b).iter().all(|&x| x == GUARD),
+                    "unauthorized block {b} touched"
+                ),
+            }
+        }
+    }
+
+    consumer.runtime.consumer_release(&req).unwrap();
+    wait_for(&consumer.runtime, "consumer release", |e| {
+        matches!(e, RuntimeEvent::ConsumerReleased { .. })
+    });
+    assert_eq!(consumer.runtime.live_requests(), (0, 0));
+    assert_eq!(producer.runtime.live_requests(), (0, 0));
+    let s = producer.runtime.stats();
+    assert_eq!(s.bytes_written, expected_bytes);
+    assert_eq!(s.writes_failed, 0);
+    assert_eq!(consumer.runtime.stats().notices_routed, 1);
+}
+
+#[test]
+fn two_producer_ranks_fill_their_head_halves_and_the_consumer_waits_for_both() {
+    // The model has 4 KV heads of 1 KiB per block; the consumer (TP 1) holds
+    // all 4, each producer (TP 2) holds 2.
+    let (layers, blocks, hb) = (3, 8, 1024u64);
+    let consumer = rank(layers, blocks, 4 * hb, (0, 1), 4, |_| GUARD);
+    let p0 = rank(layers, blocks, 2 * hb, (0, 2), 4, src_pattern);
+    let p1 = rank(layers, blocks, 2 * hb, (1, 2), 4, |i| src_pattern(i + 7));
+    let req = RequestId::new("req-tp2");
+    let src_blocks = vec![1, 2, 3];
+    let dst_blocks = vec![4, 5, 0];
+    let hs = consumer
+        .runtime
+        .consumer_open(req.clone(), dst_blocks.clone(), 2)
+        .unwrap();
+    assert_eq!(hs.expected_producers, 2);
+
+    for p in [&p0, &p1] {
+        p.runtime.producer_handshake(hs.clone()).unwrap(); // before open: parked
+        p.runtime.producer_open(req.clone(), src_blocks.clone()).unwrap();
+    }
+    for l in 0..layers {
+        p0.runtime.layer_ready(&req, l, 0..3).unwrap();
+    }
+    p0.runtime.producer_finish(&req).unwrap();
+    wait_for(&p0.runtime, "p0 release", |e| {
+        matches!(
+            e,
+            RuntimeEvent::ProducerReleased {
+                outcome: Outcome::Done,
+                ..
+            }
+        )
+    });
+    // One producer done is not enough.
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        !consumer
+            .runtime
+            .poll_events()
+            .iter()
+            .any(|e| matches!(e, RuntimeEvent::ConsumerCompleted { .. })),
+        "completed with one of two producers"
+    );
+    for l in 0..layers {
+        p1.runtime.layer_ready(&req, l, 0..3).unwrap();
+    }
+    p1.runtime.producer_finish(&req).unwrap();
+    let ev = wait_for(&consumer.runtime, "completion", |e| {
+        matches!(
+            e,
+            RuntimeEvent::ConsumerCompleted { .. } | RuntimeEvent::ConsumerFailed { .. }
+        )
+    });
+    assert!(matches!(ev, RuntimeEvent::ConsumerCompleted { .. }), "{ev:?}");
+
+    for l in 0..layers {
+        for b in 0..blocks {
+            let got = block(&consumer, l, b);
+            match dst_blocks.iter().position(|&d| d == b) {
+                Some(i) => {
+                    let s = src_blocks[i];
+                    assert_eq!(
+                        &got[..2 * hb as usize],
+                        block(&p0, l, s),
+                        "layer {l} block {b} heads 0-1"
+                    );
+                    assert_eq!(
+                        &got[2 * hb as usize..],
+                        block(&p1, l, s),
+                        "layer {l} block {b} heads 2-3"
+                    );
+                }
+                None => assert!(got.iter().all(|&x| x == GUARD), "unauthorized block {b} touched"),
+            }
+        }
+    }
+}
+
+#[test]
+fn notices_for_unknown_requests_or_stale_generations_are_dropped_and_counted() {
+    let consumer = rank(1, 4, 4096, (0, 1), 2, |_| GUARD);
+    let sender = MooncakeTransferEngine::new(&EngineConfig::default()).unwrap();
+    let req = RequestId::new("req-stale");
+    let hs = consumer.runtime.consumer_open(req.clone(), vec![1], 1).unwrap();
+    let notice = |request: &str, generation: Generation| Notice {
+        version: 1,
+        request_id: RequestId::new(request),
+        generation,
+        producer_rank: ProducerRank(0),
+        outcome: Outcome::Done,
+        reason: None,
+        bytes: 0,
+    };
+    let ep = consumer.runtime.endpoint().to_string();
+    sender
+        .send_notification(&ep, "orbitkv", &notice("nobody", hs.generation).to_json())
+        .unwrap();
+    sender
+        .send_notification(
+            &ep,
+            "orbitkv",
+            &notice("req-stale", Generation(hs.generation.0 - 1)).to_json(),
+        )
+        .unwrap();
+    sender
+        .send_notification(&ep, "orbitkv", b"{\"version\": 1}")
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        let s = consumer.runtime.stats();
+        if s.notices_unknown_request == 1 && s.notices_stale_generation == 1 && s.notices_malformed == 1 {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let s = consumer.runtime.stats();
+    assert_eq!(
+        (
+            s.notices_unknown_request,
+            s.notices_stale_generation,
+            s.notices_malformed
+        ),
+        (1, 1, 1)
+    );
+    assert_eq!(s.notices_routed, 0);
+    assert!(
+        consumer.runtime.poll_events().is_empty(),
+        "a dropped notice reached the request"
+    );
+}
+
+#[test]
+fn bad_input_gets_typed_errors_and_changes_nothing() {
+    let p = rank(2, 4, 4096, (0, 1), 2, src_pattern);
+    let c = rank(2, 4, 4096, (0, 1), 2, |_| GUARD);
+    let req = RequestId::new("req-bad");
+    assert!(matches!(
+        p.runtime.layer_ready(&req, 0, 0..1),
+        Err(RuntimeError::UnknownRequest(_))
+    ));
+    assert!(matches!(
+        p.runtime.producer_finish(&req),
+        Err(RuntimeError::UnknownRequest(_))
+    ));
+    assert!(matches!(
+        c.runtime.consumer_release(&req),
+        Err(RuntimeError::UnknownRequest(_))
+    ));
+    assert!(matches!(
+        c.runtime.consumer_open(req.clone(), vec![9], 1),
+        Err(RuntimeError::Geometry(_))
+    ));
+    assert!(matches!(
+        p.runtime.producer_handshake_json("{\"version\": 3}"),
+        Err(RuntimeError::Protocol(_))
+    ));
+    let mut hs = c.runtime.consumer_open(req.clone(), vec![1, 2], 1).unwrap();
+    assert!(matches!(
+        c.runtime.consumer_open(req.clone(), vec![3], 1),
+        Err(RuntimeError::DuplicateRequest(_))
+    ));
+    // Wrong geometry: the consumer claims blocks of another size.
+    hs.layout.layers[0].planes[0].block_bytes = 2048;
+    hs.layout.layers[0].planes[0].block_stride = 2048;
+    assert!(matches!(
+        p.runtime.producer_handshake(hs),
+        Err(RuntimeError::Geometry(_))
+    ));
+    p.runtime.producer_open(req.clone(), vec![0, 1]).unwrap();
+    assert!(matches!(
+        p.runtime.layer_ready(&req, 5, 0..1),
+        Err(RuntimeError::Geometry(_))
+    ));
+    assert_eq!(p.runtime.stats().bytes_written, 0);
+}
