@@ -340,3 +340,53 @@ fn bad_input_gets_typed_errors_and_changes_nothing() {
     ));
     assert_eq!(p.runtime.stats().bytes_written, 0);
 }
+
+#[test]
+fn chunked_prefill_grows_the_source_block_list() {
+    let (layers, blocks, bb) = (2, 8, 4096);
+    let producer = rank(layers, blocks, bb, (0, 1), 2, src_pattern);
+    let consumer = rank(layers, blocks, bb, (0, 1), 2, |_| GUARD);
+    let req = RequestId::new("req-chunked");
+    let dst_blocks = vec![7, 6, 5, 4];
+    let hs = consumer
+        .runtime
+        .consumer_open(req.clone(), dst_blocks.clone(), 1)
+        .unwrap();
+    producer.runtime.producer_handshake(hs).unwrap();
+    producer.runtime.producer_open(req.clone(), vec![0, 1]).unwrap();
+    for l in 0..layers {
+        producer.runtime.layer_ready(&req, l, 0..2).unwrap();
+    }
+    // The second chunk brings two more blocks; a duplicate is refused.
+    assert!(matches!(
+        producer.runtime.producer_add_blocks(&req, vec![1]),
+        Err(RuntimeError::Geometry(_))
+    ));
+    producer.runtime.producer_add_blocks(&req, vec![2, 3]).unwrap();
+    for l in 0..layers {
+        producer.runtime.layer_ready(&req, l, 2..4).unwrap();
+    }
+    producer.runtime.producer_finish(&req).unwrap();
+    let ev = wait_for(&consumer.runtime, "completion", |e| {
+        matches!(
+            e,
+            RuntimeEvent::ConsumerCompleted { .. } | RuntimeEvent::ConsumerFailed { .. }
+        )
+    });
+    assert!(matches!(ev, RuntimeEvent::ConsumerCompleted { .. }), "{ev:?}");
+    for l in 0..layers {
+        for (i, &d) in dst_blocks.iter().enumerate() {
+            assert_eq!(
+                block(&consumer, l, d),
+                block(&producer, l, i as u32),
+                "layer {l} block {d}"
+            );
+        }
+        for b in 0..4 {
+            assert!(
+                block(&consumer, l, b).iter().all(|&x| x == GUARD),
+                "unauthorized block {b} touched"
+            );
+        }
+    }
+}

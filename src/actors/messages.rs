@@ -29,6 +29,11 @@ pub struct LayerReady {
     pub blocks: Range<u32>,
 }
 
+/// More source blocks for the request (chunked prefill grows its block list).
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct SourceBlocksAdded(pub Vec<u32>);
+
 /// A layer writer finished one admitted write.
 #[derive(Message, Debug)]
 #[rtype(result = "()")]

@@ -329,6 +329,16 @@ macro_rules! producer_handler {
     };
 }
 
+impl Handler<SourceBlocksAdded> for ProducerActor {
+    type Result = ();
+    fn handle(&mut self, msg: SourceBlocksAdded, _ctx: &mut Context<Self>) {
+        let span =
+            tracing::info_span!(parent: &self.span, "msg", kind = "SourceBlocksAdded", added = msg.0.len());
+        let _g = span.enter();
+        self.src_blocks.extend(msg.0);
+    }
+}
+
 producer_handler!(
     HandshakeArrived,
     "HandshakeArrived",

@@ -68,6 +68,8 @@ pub struct Runtime {
     events_rx: Receiver<RuntimeEvent>,
     consumers: Mutex<HashMap<RequestId, (Generation, Addr<ConsumerActor>)>>,
     producers: Mutex<HashMap<RequestId, Addr<ProducerActor>>>,
+    /// Each live producer's source block list, as validated.
+    producer_blocks: Mutex<HashMap<RequestId, Vec<u32>>>,
     parked: Mutex<HashMap<RequestId, (Arc<Handshake>, Instant)>>,
     next_generation: AtomicU64,
     stats: Arc<Stats>,
@@ -135,6 +137,7 @@ impl Runtime {
             events_rx,
             consumers: Mutex::new(HashMap::new()),
             producers: Mutex::new(HashMap::new()),
+            producer_blocks: Mutex::new(HashMap::new()),
             parked: Mutex::new(HashMap::new()),
             next_generation: AtomicU64::new(generation_seed().0),
             stats,
@@ -237,18 +240,36 @@ impl Runtime {
         }
         let actor = ProducerActor::new(
             request.clone(),
-            src_blocks,
+            src_blocks.clone(),
             self.local.clone(),
             self.writers.clone(),
             self.cfg.handshake_timeout,
             self.events_tx.clone(),
             self.stats.clone(),
         );
+        self.producer_blocks
+            .lock()
+            .insert(request.clone(), src_blocks.clone());
         let addr = ProducerActor::start_in_arbiter(&self.arbiter, move |_| actor);
         if let Some((h, _)) = self.parked.lock().remove(&request) {
             addr.do_send(HandshakeArrived(h));
         }
         producers.insert(request, addr);
+        Ok(())
+    }
+
+    /// Appends source blocks to `request`'s block list (chunked prefill
+    /// allocates blocks chunk by chunk). The whole list stays validated:
+    /// in range and without duplicates.
+    pub fn producer_add_blocks(&self, request: &RequestId, blocks: Vec<u32>) -> Result<(), RuntimeError> {
+        let addr = self.producer(request)?;
+        let mut known = self.producer_blocks.lock();
+        let list = known.entry(request.clone()).or_default();
+        let mut all = list.clone();
+        all.extend_from_slice(&blocks);
+        self.local.validate_blocks(&all)?;
+        *list = all;
+        addr.do_send(SourceBlocksAdded(blocks));
         Ok(())
     }
 
@@ -327,6 +348,7 @@ impl Runtime {
             let mut producers = self.producers.lock();
             if producers.get(request).is_some_and(|a| !a.connected()) {
                 producers.remove(request);
+                self.producer_blocks.lock().remove(request);
             }
         }
     }
