@@ -31,7 +31,12 @@ pub struct Handshake {
     pub endpoint: String,
     /// How many producer ranks must report done.
     pub expected_producers: u32,
-    /// Authorized destination blocks, in request order.
+    /// Index, in the request's block list, of the first authorized block:
+    /// blocks before it the consumer already holds (a local prefix-cache
+    /// hit) and are not written.
+    pub first_block: u32,
+    /// Authorized destination blocks for request blocks `first_block..`,
+    /// in request order.
     pub block_ids: Vec<u32>,
     /// The consumer rank's KV geometry (TP rank and size included).
     pub layout: KvLayout,
@@ -165,6 +170,7 @@ mod tests {
             generation: Generation(7),
             endpoint: "127.0.0.1:15000".into(),
             expected_producers: 1,
+            first_block: 0,
             block_ids: vec![3, 1, 2],
             layout: layout(0x10_0000, 2, 8, 256, (0, 1), 2),
         }

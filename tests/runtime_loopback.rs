@@ -92,7 +92,7 @@ fn one_producer_streams_layers_into_authorized_blocks_only() {
 
     let hs = consumer
         .runtime
-        .consumer_open(req.clone(), dst_blocks.clone(), 1)
+        .consumer_open(req.clone(), 0, dst_blocks.clone(), 1)
         .unwrap();
     producer
         .runtime
@@ -177,7 +177,7 @@ fn two_producer_ranks_fill_their_head_halves_and_the_consumer_waits_for_both() {
     let dst_blocks = vec![4, 5, 0];
     let hs = consumer
         .runtime
-        .consumer_open(req.clone(), dst_blocks.clone(), 2)
+        .consumer_open(req.clone(), 0, dst_blocks.clone(), 2)
         .unwrap();
     assert_eq!(hs.expected_producers, 2);
 
@@ -248,7 +248,10 @@ fn notices_for_unknown_requests_or_stale_generations_are_dropped_and_counted() {
     let consumer = rank(1, 4, 4096, (0, 1), 2, |_| GUARD);
     let sender = MooncakeTransferEngine::new(&EngineConfig::default()).unwrap();
     let req = RequestId::new("req-stale");
-    let hs = consumer.runtime.consumer_open(req.clone(), vec![1], 1).unwrap();
+    let hs = consumer
+        .runtime
+        .consumer_open(req.clone(), 0, vec![1], 1)
+        .unwrap();
     let notice = |request: &str, generation: Generation| Notice {
         version: 1,
         request_id: RequestId::new(request),
@@ -314,16 +317,16 @@ fn bad_input_gets_typed_errors_and_changes_nothing() {
         Err(RuntimeError::UnknownRequest(_))
     ));
     assert!(matches!(
-        c.runtime.consumer_open(req.clone(), vec![9], 1),
+        c.runtime.consumer_open(req.clone(), 0, vec![9], 1),
         Err(RuntimeError::Geometry(_))
     ));
     assert!(matches!(
         p.runtime.producer_handshake_json("{\"version\": 3}"),
         Err(RuntimeError::Protocol(_))
     ));
-    let mut hs = c.runtime.consumer_open(req.clone(), vec![1, 2], 1).unwrap();
+    let mut hs = c.runtime.consumer_open(req.clone(), 0, vec![1, 2], 1).unwrap();
     assert!(matches!(
-        c.runtime.consumer_open(req.clone(), vec![3], 1),
+        c.runtime.consumer_open(req.clone(), 0, vec![3], 1),
         Err(RuntimeError::DuplicateRequest(_))
     ));
     // Wrong geometry: the consumer claims blocks of another size.
@@ -350,7 +353,7 @@ fn chunked_prefill_grows_the_source_block_list() {
     let dst_blocks = vec![7, 6, 5, 4];
     let hs = consumer
         .runtime
-        .consumer_open(req.clone(), dst_blocks.clone(), 1)
+        .consumer_open(req.clone(), 0, dst_blocks.clone(), 1)
         .unwrap();
     producer.runtime.producer_handshake(hs).unwrap();
     producer.runtime.producer_open(req.clone(), vec![0, 1]).unwrap();
@@ -383,6 +386,49 @@ fn chunked_prefill_grows_the_source_block_list() {
             );
         }
         for b in 0..4 {
+            assert!(
+                block(&consumer, l, b).iter().all(|&x| x == GUARD),
+                "unauthorized block {b} touched"
+            );
+        }
+    }
+}
+
+#[test]
+fn blocks_the_consumer_already_holds_are_not_written() {
+    let (layers, blocks, bb) = (2, 8, 4096);
+    let producer = rank(layers, blocks, bb, (0, 1), 2, src_pattern);
+    let consumer = rank(layers, blocks, bb, (0, 1), 2, |_| GUARD);
+    let req = RequestId::new("req-prefix-hit");
+    // The consumer holds request block 0 from its prefix cache; it
+    // authorizes blocks 3 and 4 for request blocks 1 and 2.
+    let hs = consumer
+        .runtime
+        .consumer_open(req.clone(), 1, vec![3, 4], 1)
+        .unwrap();
+    producer
+        .runtime
+        .producer_open(req.clone(), vec![5, 6, 7])
+        .unwrap();
+    producer.runtime.producer_handshake(hs).unwrap();
+    for l in 0..layers {
+        producer.runtime.layer_ready(&req, l, 0..3).unwrap();
+    }
+    producer.runtime.producer_finish(&req).unwrap();
+    let ev = wait_for(&consumer.runtime, "completion", |e| {
+        matches!(
+            e,
+            RuntimeEvent::ConsumerCompleted { .. } | RuntimeEvent::ConsumerFailed { .. }
+        )
+    });
+    assert!(
+        matches!(ev, RuntimeEvent::ConsumerCompleted { bytes, .. } if bytes == 2 * 2 * bb),
+        "{ev:?}"
+    );
+    for l in 0..layers {
+        assert_eq!(block(&consumer, l, 3), block(&producer, l, 6));
+        assert_eq!(block(&consumer, l, 4), block(&producer, l, 7));
+        for b in [0, 1, 2, 5, 6, 7] {
             assert!(
                 block(&consumer, l, b).iter().all(|&x| x == GUARD),
                 "unauthorized block {b} touched"

@@ -217,13 +217,25 @@ impl ProducerActor {
                 blocks,
                 auth,
             } => {
+                // Request blocks before `first_block` the consumer already
+                // holds; indices are shifted into the authorization's.
+                let first = auth.first_block;
+                let (lo, hi) = (blocks.start.max(first), blocks.end);
+                if lo >= hi {
+                    return Some(ProducerEvent::WriteDone {
+                        write,
+                        generation,
+                        bytes: 0,
+                    });
+                }
                 self.planned.clear();
+                let src = self.src_blocks.get(first as usize..).unwrap_or(&[]);
                 let planned = self.local.plan_layer(
                     &auth.layout,
                     layer,
-                    &self.src_blocks,
+                    src,
                     &auth.block_ids,
-                    blocks.clone(),
+                    (lo - first)..(hi - first),
                     &mut self.planned,
                 );
                 if let Err(e) = planned {

@@ -164,13 +164,15 @@ impl Runtime {
 
     // ---- decode side ----------------------------------------------------
 
-    /// Authorizes `block_ids` of this rank for `request`, expecting the
-    /// producer ranks of an instance of TP size `producer_tp`, and returns
-    /// the handshake to publish. A request ID still authorized is refused:
+    /// Authorizes `block_ids` of this rank for request blocks
+    /// `first_block..` of `request` (blocks before `first_block` the
+    /// consumer already holds), expecting the producer ranks of an instance
+    /// of TP size `producer_tp`, and returns the handshake to publish. A request ID still authorized is refused:
     /// release it first (reuse then gets a new generation).
     pub fn consumer_open(
         &self,
         request: RequestId,
+        first_block: u32,
         block_ids: Vec<u32>,
         producer_tp: u32,
     ) -> Result<Handshake, RuntimeError> {
@@ -190,6 +192,7 @@ impl Runtime {
             generation,
             endpoint: self.transport.endpoint().to_string(),
             expected_producers: expected.len() as u32,
+            first_block,
             block_ids,
             layout: (*self.local).clone(),
         };

@@ -70,7 +70,8 @@ pub enum ConsumerEvent {
 pub enum ConsumerEffect {
     /// Every expected producer reported done: the KV is in place.
     Completed { bytes: u64 },
-    /// The KV will not be complete; vLLM must treat the blocks as failed loads.
+    /// The KV will not be complete; vLLM must treat the blocks as failed
+    /// loads. Emitted once every producer ended (or at the deadline).
     Failed { reason: String },
     /// An event was ignored (counted, traced).
     Dropped(Dropped),
@@ -110,7 +111,6 @@ pub struct ConsumerMachine {
     done: BTreeSet<ProducerRank>,
     /// Producers that reported anything terminal (done, failed, aborted).
     ended: BTreeSet<ProducerRank>,
-    timed_out: bool,
     phase: ConsumerPhase,
     bytes: u64,
     reason: Option<String>,
@@ -126,7 +126,6 @@ impl ConsumerMachine {
             expected,
             done: BTreeSet::new(),
             ended: BTreeSet::new(),
-            timed_out: false,
             phase: ConsumerPhase::Waiting,
             bytes: 0,
             reason: None,
@@ -201,65 +200,73 @@ impl ConsumerMachine {
                     }
                     P::Complete => vec![E::Dropped(Dropped::AfterTerminal)],
                     P::Failed => vec![E::Dropped(Dropped::AfterTerminal)],
-                    P::Waiting => match outcome {
-                        Outcome::Done => {
-                            self.done.insert(rank);
-                            self.bytes += bytes;
-                            if self.done.len() == self.expected.len() {
-                                self.phase = P::Complete;
-                                vec![E::Completed { bytes: self.bytes }]
-                            } else {
-                                vec![]
+                    P::Waiting => {
+                        match outcome {
+                            Outcome::Done => {
+                                self.done.insert(rank);
+                                self.bytes += bytes;
                             }
-                        }
-                        Outcome::Failed | Outcome::Aborted => {
-                            let why = reason.unwrap_or_else(|| "no reason given".into());
-                            let reason = format!(
-                                "producer rank {} reported {}: {why}",
-                                rank.0,
-                                if outcome == Outcome::Failed {
+                            Outcome::Failed | Outcome::Aborted => {
+                                let why = reason.unwrap_or_else(|| "no reason given".into());
+                                let what = if outcome == Outcome::Failed {
                                     "failure"
                                 } else {
                                     "abort"
+                                };
+                                if self.reason.is_none() {
+                                    self.reason =
+                                        Some(format!("producer rank {} reported {what}: {why}", rank.0));
                                 }
-                            );
-                            self.phase = P::Failed;
-                            self.reason = Some(reason.clone());
-                            vec![E::Failed { reason }]
+                            }
                         }
-                    },
+                        if !self.all_ended() {
+                            // A failure is published only once every producer
+                            // ended, so no write can land after vLLM reuses
+                            // or recomputes the blocks.
+                            return vec![];
+                        }
+                        match &self.reason {
+                            None => {
+                                self.phase = P::Complete;
+                                vec![E::Completed { bytes: self.bytes }]
+                            }
+                            Some(r) => {
+                                self.phase = P::Failed;
+                                vec![E::Failed { reason: r.clone() }]
+                            }
+                        }
+                    }
                 }
             }
             ConsumerEvent::TimedOut => match self.phase {
                 P::Waiting => {
-                    self.timed_out = true;
-                    let reason = format!(
+                    let mut reason = format!(
                         "timed out waiting for producers: {} of {} reported done",
                         self.done.len(),
                         self.expected.len()
                     );
+                    if let Some(first) = &self.reason {
+                        reason = format!("{first}; then {reason}");
+                    }
                     self.phase = P::Failed;
                     self.reason = Some(reason.clone());
                     vec![E::Failed { reason }]
                 }
                 P::Releasing => {
-                    self.timed_out = true;
                     self.phase = P::Released;
                     vec![E::Released]
                 }
-                P::Failed => {
-                    self.timed_out = true;
-                    vec![]
-                }
-                P::Complete | P::Released => vec![],
+                P::Failed | P::Complete | P::Released => vec![],
             },
             ConsumerEvent::Release => match self.phase {
                 P::Released | P::Releasing => vec![E::Dropped(Dropped::AfterTerminal)],
-                _ if self.all_ended() || self.timed_out => {
+                // Complete and Failed are only reached once every producer
+                // ended (or the deadline passed): nothing can land any more.
+                P::Complete | P::Failed => {
                     self.phase = P::Released;
                     vec![E::Released]
                 }
-                _ => {
+                P::Waiting => {
                     self.phase = P::Releasing;
                     vec![]
                 }
@@ -574,6 +581,7 @@ mod tests {
             generation: Generation(generation),
             endpoint: "127.0.0.1:1000".into(),
             expected_producers: 1,
+            first_block: 0,
             block_ids: blocks,
             layout: layout(0x10_0000, 2, 8, 256, (0, 1), 2),
         })
@@ -644,6 +652,19 @@ mod tests {
             );
             assert_eq!(c2.phase(), ConsumerPhase::Failed);
         }
+    }
+
+    // A failure is published only when no producer can write any more.
+    #[test]
+    fn failure_waits_for_the_other_producers_to_end() {
+        let mut c = consumer(2);
+        assert!(c.on_event(notice(1, 0, Outcome::Failed)).is_empty());
+        assert_eq!(c.phase(), ConsumerPhase::Waiting);
+        assert!(matches!(
+            c.on_event(notice(1, 1, Outcome::Done))[..],
+            [ConsumerEffect::Failed { .. }]
+        ));
+        assert_eq!(c.on_event(ConsumerEvent::Release), vec![ConsumerEffect::Released]);
     }
 
     #[test]
