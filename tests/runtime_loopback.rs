@@ -59,7 +59,7 @@ fn rank(
     Rank { mem, layout, runtime }
 }
 
-fn block<'a>(r: &'a Rank, layer: u32, b: u32) -> &'a [u8] {
+fn block(r: &Rank, layer: u32, b: u32) -> &[u8] {
     let p = r.layout.layers[layer as usize].planes[0];
     let off = (p.block_addr(b) - r.mem.as_ptr() as u64) as usize;
     &r.mem[off..off + p.block_bytes as usize]
