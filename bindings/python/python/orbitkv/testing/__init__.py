@@ -1,0 +1,1 @@
+"""Helpers for OrbitKV's tests, demo and benchmarks (no hub, no network)."""

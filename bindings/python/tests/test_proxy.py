@@ -1,0 +1,348 @@
+"""The P/D proxy against two fake vLLM servers (real HTTP on 127.0.0.1).
+
+Each fake answers only once it has seen the other side's request, so a proxy
+that called prefill and decode one after the other would fail these tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+import orbitkv
+from orbitkv import proxy
+from orbitkv.vllm import params as kvp
+
+WAIT_S = 5.0
+DECODE_JSON = {
+    "id": "cmpl-decode",
+    "object": "text_completion",
+    "choices": [{"index": 0, "text": " from decode"}],
+}
+SSE_EVENTS = [
+    b'data: {"choices":[{"index":0,"text":" one"}]}\n\n',
+    b'data: {"choices":[{"index":0,"text":" two"}]}\n\n',
+    b'data: {"choices":[{"index":0,"text":" three"}]}\n\n',
+    b"data: [DONE]\n\n",
+]
+
+Reply = Callable[["Backend", web.Request, dict], Awaitable[web.StreamResponse]]
+
+
+class LoopThread:
+    """An event loop in a thread, for the servers; the tests stay synchronous."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="test-proxy-loop", daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Awaitable[Any], timeout: float = 30.0) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=10)
+        self.loop.close()
+
+
+class Backend:
+    """A fake vLLM server: records each request, answers with ``reply``."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.seen: list[dict[str, Any]] = []
+        self.cancelled: list[dict[str, Any]] = []
+        self.reply: Reply | None = None
+        self.other: Backend | None = None
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        self.seen.append({"t": time.monotonic(), "body": body, "headers": headers, "path": request.path})
+        assert self.reply is not None
+        try:
+            return await self.reply(self, request, body)
+        except asyncio.CancelledError:
+            self.cancelled.append(body)
+            raise
+
+    async def other_arrived(self) -> bool:
+        """Waits (bounded) until the other backend has seen a request."""
+        assert self.other is not None
+        deadline = time.monotonic() + WAIT_S
+        while not self.other.seen:
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_post("/v1/chat/completions", self.handle)
+        return app
+
+
+async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
+
+
+class Setup:
+    def __init__(self, lt: LoopThread) -> None:
+        self.lt = lt
+        self.prefill, self.decode = Backend("prefill"), Backend("decode")
+        self.prefill.other, self.decode.other = self.decode, self.prefill
+        self.runners: list[web.AppRunner] = []
+        ports = []
+        for b in (self.prefill, self.decode):
+            runner, port = lt.run(_serve(b.app()))
+            self.runners.append(runner)
+            ports.append(port)
+        self.prefill_url = f"http://127.0.0.1:{ports[0]}"
+        self.decode_url = f"http://127.0.0.1:{ports[1]}"
+        self.cfg = proxy.ProxyConfig.make(self.prefill_url, self.decode_url, prefill_kv="127.0.0.1:17999")
+        runner, self.port = lt.run(_serve(proxy.make_app(self.cfg)))
+        self.runners.append(runner)
+
+    def close(self) -> None:
+        for r in reversed(self.runners):
+            self.lt.run(r.cleanup())
+
+    def post(self, body: dict, port: int | None = None) -> tuple[int, str, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=30)
+        try:
+            conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            return r.status, r.getheader("Content-Type", ""), r.read()
+        finally:
+            conn.close()
+
+    def check_pair(self, client_body: dict) -> tuple[dict, dict]:
+        """Both sides got one request each, concurrently, with one identity."""
+        assert len(self.prefill.seen) == 1 and len(self.decode.seen) == 1
+        p, d = self.prefill.seen[0], self.decode.seen[0]
+        pk, dk = p["body"][proxy.KV_PARAMS_FIELD], d["body"][proxy.KV_PARAMS_FIELD]
+        assert pk[kvp.ROLE] == kvp.PRODUCER and dk[kvp.ROLE] == kvp.CONSUMER
+        assert pk[kvp.REQUEST] == dk[kvp.REQUEST] and len(pk[kvp.REQUEST]) >= 16
+        assert dk[kvp.PREFILL_KV] == "127.0.0.1:17999"
+        assert kvp.PdParams.parse(pk) is not None and kvp.PdParams.parse(dk) is not None
+        rid_header = proxy.REQUEST_ID_HEADER.lower()
+        assert p["headers"][rid_header] == d["headers"][rid_header] == pk[kvp.REQUEST]
+        assert abs(p["t"] - d["t"]) < 1.0
+        # Prefill runs one token, unstreamed; decode runs the client's request.
+        assert p["body"]["max_tokens"] == 1 and p["body"]["stream"] is False
+        assert "stream_options" not in p["body"]
+        expected = dict(client_body)
+        expected.pop(proxy.KV_PARAMS_FIELD, None)
+        assert {k: v for k, v in d["body"].items() if k != proxy.KV_PARAMS_FIELD} == expected
+        return p["body"], d["body"]
+
+
+@pytest.fixture(scope="module")
+def loop_thread() -> Iterator[LoopThread]:
+    lt = LoopThread()
+    yield lt
+    lt.stop()
+
+
+@pytest.fixture
+def pd(loop_thread: LoopThread) -> Iterator[Setup]:
+    s = Setup(loop_thread)
+    yield s
+    s.close()
+
+
+async def prefill_ok(b: Backend, request: web.Request, body: dict) -> web.StreamResponse:
+    if not await b.other_arrived():
+        return web.json_response({"error": "decode request did not arrive while prefill ran"}, status=500)
+    return web.json_response({"id": "cmpl-prefill", "choices": [{"index": 0, "text": " P"}]})
+
+
+async def decode_json(b: Backend, request: web.Request, body: dict) -> web.StreamResponse:
+    if not await b.other_arrived():
+        return web.json_response({"error": "prefill request did not arrive while decode waited"}, status=500)
+    return web.json_response(DECODE_JSON)
+
+
+async def decode_sse(b: Backend, request: web.Request, body: dict) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await resp.prepare(request)
+    if not await b.other_arrived():
+        await resp.write(b'data: {"error": "prefill request did not arrive"}\n\n')
+        return resp
+    for event in SSE_EVENTS:
+        await resp.write(event)
+        await asyncio.sleep(0.05)
+    await resp.write_eof()
+    return resp
+
+
+async def wait_then_hang(b: Backend, request: web.Request, body: dict) -> web.StreamResponse:
+    await b.other_arrived()
+    await asyncio.sleep(60)
+    raise AssertionError("not dropped")
+
+
+def test_non_streaming_goes_to_both_at_once(pd: Setup) -> None:
+    pd.prefill.reply, pd.decode.reply = prefill_ok, decode_json
+    client = {"model": "tiny", "prompt": [0, 5, 9], "max_tokens": 7, "temperature": 0}
+    status, ctype, body = pd.post(client)
+    assert status == 200, body
+    assert ctype.startswith("application/json")
+    assert json.loads(body) == DECODE_JSON
+    pd.check_pair(client)
+
+
+def test_streaming_is_passed_through(pd: Setup) -> None:
+    pd.prefill.reply, pd.decode.reply = prefill_ok, decode_sse
+    client = {"model": "tiny", "prompt": "hello", "max_tokens": 3, "stream": True,
+              "stream_options": {"include_usage": True}}
+    status, ctype, body = pd.post(client)
+    assert status == 200
+    assert ctype.startswith("text/event-stream")
+    assert body == b"".join(SSE_EVENTS)
+    pd.check_pair(client)
+
+
+def test_client_params_are_replaced(pd: Setup) -> None:
+    pd.prefill.reply, pd.decode.reply = prefill_ok, decode_json
+    client = {"model": "tiny", "prompt": "x", "max_tokens": 2,
+              proxy.KV_PARAMS_FIELD: {kvp.ROLE: kvp.CONSUMER, kvp.REQUEST: "client-chosen"}}
+    status, _, _ = pd.post(client)
+    assert status == 200
+    pk, dk = (b["body"][proxy.KV_PARAMS_FIELD] for b in (pd.prefill.seen[0], pd.decode.seen[0]))
+    assert pk[kvp.REQUEST] == dk[kvp.REQUEST] != "client-chosen"
+
+
+def test_failed_prefill_drops_decode(pd: Setup) -> None:
+    async def prefill_fails(b: Backend, request: web.Request, body: dict) -> web.StreamResponse:
+        await b.other_arrived()
+        return web.json_response({"error": "boom"}, status=500)
+
+    pd.prefill.reply, pd.decode.reply = prefill_fails, wait_then_hang
+    t0 = time.monotonic()
+    status, _, body = pd.post({"model": "tiny", "prompt": "x", "max_tokens": 4})
+    assert status == 502
+    assert "prefill failed" in json.loads(body)["error"]["message"]
+    assert time.monotonic() - t0 < 3.0
+    deadline = time.monotonic() + WAIT_S
+    while not pd.decode.cancelled and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pd.decode.cancelled, "decode request was not dropped"
+
+
+def test_failed_prefill_mid_stream_sends_sse_error(pd: Setup) -> None:
+    async def prefill_fails_late(b: Backend, request: web.Request, body: dict) -> web.StreamResponse:
+        await b.other_arrived()
+        await asyncio.sleep(0.2)
+        return web.json_response({"error": "boom"}, status=503)
+
+    async def decode_stream_hang(b: Backend, request: web.Request, body: dict) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(SSE_EVENTS[0])
+        await asyncio.sleep(60)
+        raise AssertionError("not dropped")
+
+    pd.prefill.reply, pd.decode.reply = prefill_fails_late, decode_stream_hang
+    status, _, body = pd.post({"model": "tiny", "prompt": "x", "max_tokens": 4, "stream": True})
+    assert status == 200
+    assert body.startswith(SSE_EVENTS[0])
+    events = [e for e in body.split(b"\n\n") if e]
+    assert b"prefill failed" in events[-2] and events[-1] == b"data: [DONE]"
+
+
+def test_failed_decode_drops_prefill(pd: Setup) -> None:
+    async def decode_refuses(b: Backend, request: web.Request, body: dict) -> web.StreamResponse:
+        await b.other_arrived()
+        return web.json_response({"error": {"message": "bad request"}}, status=400)
+
+    pd.prefill.reply, pd.decode.reply = wait_then_hang, decode_refuses
+    status, _, body = pd.post({"model": "tiny", "prompt": "x", "max_tokens": 4})
+    assert status == 400 and json.loads(body)["error"]["message"] == "bad request"
+    deadline = time.monotonic() + WAIT_S
+    while not pd.prefill.cancelled and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pd.prefill.cancelled, "prefill request was not dropped"
+
+
+def test_client_disconnect_drops_both(pd: Setup) -> None:
+    async def decode_slow_stream(b: Backend, request: web.Request, body: dict) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(600):
+            await resp.write(SSE_EVENTS[0])
+            await asyncio.sleep(0.1)
+        raise AssertionError("not dropped")
+
+    pd.prefill.reply, pd.decode.reply = wait_then_hang, decode_slow_stream
+    conn = http.client.HTTPConnection("127.0.0.1", pd.port, timeout=10)
+    conn.request("POST", "/v1/completions",
+                 json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 500, "stream": True}),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    assert r.status == 200
+    assert r.read1(1024).startswith(b"data:")
+    conn.close()
+    deadline = time.monotonic() + WAIT_S
+    while not (pd.decode.cancelled and pd.prefill.cancelled) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert pd.decode.cancelled and pd.prefill.cancelled
+
+
+def test_body_prefill_and_decode_helpers() -> None:
+    body = {"messages": [], "max_completion_tokens": 50, "stream": True,
+            "stream_options": {"include_usage": True}}
+    p = proxy.prefill_body(body, {"a": 1})
+    assert p["max_tokens"] == 1 and p["max_completion_tokens"] == 1 and p["stream"] is False
+    assert "stream_options" not in p and p[proxy.KV_PARAMS_FIELD] == {"a": 1}
+    d = proxy.decode_body(body, {"b": 2})
+    assert d["max_completion_tokens"] == 50 and d["stream"] is True and d[proxy.KV_PARAMS_FIELD] == {"b": 2}
+    assert proxy.KV_PARAMS_FIELD not in body  # the client's dict is left alone
+
+
+def test_cli_serves(pd: Setup) -> None:
+    pd.prefill.reply, pd.decode.reply = prefill_ok, decode_json
+    env = dict(os.environ)
+    pkg_root = str(Path(orbitkv.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "orbitkv.proxy", "--prefill", pd.prefill_url, "--decode", pd.decode_url,
+         "--port", "0", "--prefill-kv", "127.0.0.1:17999", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+    )
+    try:
+        line = ""
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            line = proc.stdout.readline() if proc.stdout else ""
+            if "listening on" in line or not line:
+                break
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+        assert m, f"proxy did not start: {line!r}"
+        status, _, body = pd.post({"model": "tiny", "prompt": "x", "max_tokens": 2}, port=int(m.group(1)))
+        assert status == 200 and json.loads(body) == DECODE_JSON
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
