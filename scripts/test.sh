@@ -8,7 +8,16 @@ source scripts/env.sh
 
 echo "== rustfmt, clippy"
 cargo fmt --all -- --check
-cargo clippy --quiet --all-targets -- -D warnings
+cargo clippy --quiet --workspace --all-targets -- -D warnings
 
 echo "== Rust tests (unit, property, integration against real Mooncake)"
 cargo test --all-targets 2>&1 | tee /tmp/orbitkv-cargo-test.log
+
+echo "== Python tests (the orbitkv package against real Mooncake)"
+rc=0
+python -m pytest bindings/python/tests -q || rc=$?
+if [ "$rc" -ne 0 ]; then
+  # 5: pytest collected no tests, which is a failure here.
+  [ "$rc" -eq 5 ] && echo "test.sh: pytest collected no tests in bindings/python/tests" >&2
+  exit "$rc"
+fi

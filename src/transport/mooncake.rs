@@ -437,8 +437,19 @@ impl MooncakeTransferEngine {
     }
 
     /// Sends a notification (`name`, `message`) to a peer's endpoint.
+    ///
+    /// `message` must be UTF-8 (any UTF-8, NUL included): Mooncake carries
+    /// notifications as JSON text and replaces invalid UTF-8 with U+FFFD on
+    /// the way (measured with 0.3.13.post1), so other bytes are refused with
+    /// `InvalidArgument` instead of arriving altered.
     pub fn send_notification(&self, peer: &str, name: &str, message: &[u8]) -> TransportResult<()> {
         parse_endpoint(peer)?;
+        if let Err(e) = std::str::from_utf8(message) {
+            return Err(TransportError::InvalidArgument(format!(
+                "notification message is not UTF-8 ({e}); Mooncake would alter it in transit: \
+                 encode binary payloads (e.g. hex or base64) first"
+            )));
+        }
         let p = cstring(peer, "endpoint")?;
         // SAFETY: live engine; name/message pointers with their lengths are
         // valid for the call; the shim copies them into std::string.

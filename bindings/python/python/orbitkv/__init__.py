@@ -1,0 +1,67 @@
+"""OrbitKV: a vLLM prefill/decode KV-transfer connector with a Rust core.
+
+The native boundary is :class:`MooncakeTransferEngine` (Mooncake Transfer
+Engine, reached from Rust through a C++ shim; no Python on the data path);
+:class:`Runtime` is a rank's request runtime (the P/D request actors).
+Errors are the classes of :mod:`orbitkv.errors`, all derived from
+:class:`OrbitKVError`. The vLLM connector lives in :mod:`orbitkv.vllm` and is
+not imported here.
+"""
+
+from orbitkv._native import PINNED_MOONCAKE_VERSION, Batch, MooncakeTransferEngine, Runtime, RuntimeEvent
+from orbitkv._native import __version__ as __version__
+from orbitkv.errors import (
+    BadEndpointError,
+    DuplicateRequestError,
+    EngineClosedError,
+    EngineInitError,
+    GeometryError,
+    HandshakeError,
+    InvalidArgumentError,
+    InvalidStateError,
+    MooncakeError,
+    MooncakeLibraryError,
+    MooncakeVersionError,
+    NotificationError,
+    OrbitKVError,
+    PeerDeadError,
+    RegistrationError,
+    RuntimeStoppedError,
+    RuntimeTimeoutError,
+    StaleGenerationError,
+    TransferError,
+    TransferTimeoutError,
+    UnknownRequestError,
+    UnregisteredMemoryError,
+)
+
+__all__ = [
+    "__version__",
+    "PINNED_MOONCAKE_VERSION",
+    "MooncakeTransferEngine",
+    "Batch",
+    "Runtime",
+    "RuntimeEvent",
+    "OrbitKVError",
+    "MooncakeLibraryError",
+    "MooncakeVersionError",
+    "EngineInitError",
+    "EngineClosedError",
+    "BadEndpointError",
+    "UnregisteredMemoryError",
+    "RegistrationError",
+    "TransferError",
+    "TransferTimeoutError",
+    "NotificationError",
+    "InvalidArgumentError",
+    "MooncakeError",
+    "HandshakeError",
+    "GeometryError",
+    "UnknownRequestError",
+    "StaleGenerationError",
+    "DuplicateRequestError",
+    "PeerDeadError",
+    "RuntimeTimeoutError",
+    "InvalidStateError",
+    "RuntimeStoppedError",
+]

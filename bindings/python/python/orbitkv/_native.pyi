@@ -1,0 +1,278 @@
+"""Native core of OrbitKV (Rust). Import from `orbitkv` rather than from here."""
+
+import os
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any, Literal, TypeAlias, final
+
+from typing_extensions import Self
+
+__all__ = ["__version__", "PINNED_MOONCAKE_VERSION", "MooncakeTransferEngine", "Batch", "Runtime", "RuntimeEvent"]
+
+__version__: str
+"""Version of the `orbitkv` package (the Rust crate's version)."""
+
+PINNED_MOONCAKE_VERSION: str
+"""The Mooncake version whose C++ data layouts OrbitKV declares (`0.3.13.post1`)."""
+
+# An int address, a torch tensor (duck-typed: data_ptr, numel, element_size,
+# is_contiguous, device), or a writable C-contiguous buffer (numpy array,
+# bytearray, mmap). numpy's stubs declare the buffer protocol only for
+# Python >= 3.12, so this stays Any.
+_Region: TypeAlias = Any
+
+@final
+class MooncakeTransferEngine:
+    """A Mooncake Transfer Engine (P2P handshake, no metadata service).
+
+    `MooncakeTransferEngine(bind_host="127.0.0.1", nics=None, library=None,
+    allow_version=None)` loads Mooncake's `engine.so` (once per process) and
+    starts an engine that listens on `bind_host`; `endpoint` is what peers
+    address. `nics` restricts RDMA to those devices; empty or None lets Mooncake
+    choose (TCP where there is no RDMA device; `MC_FORCE_TCP=1` forces TCP).
+    `library` is `engine.so` or a folder holding it; None uses
+    `ORBITKV_MOONCAKE_LIB` if set, else the installed `mooncake` package.
+    `allow_version` accepts one Mooncake version besides the pinned one
+    (default: `ORBITKV_MOONCAKE_ALLOW_VERSION`).
+
+    Thread-safe. Blocking calls release the GIL. Use it as a context manager,
+    or call `close()`, to unregister everything and free the engine.
+
+    Raises `MooncakeLibraryError`, `MooncakeVersionError` or `EngineInitError`.
+    """
+
+    def __new__(
+        cls,
+        bind_host: str = "127.0.0.1",
+        nics: list[str] | None = None,
+        library: str | os.PathLike[str] | None = None,
+        allow_version: str | None = None,
+    ) -> Self: ...
+    @property
+    def endpoint(self) -> str:
+        """The endpoint (`ip:port`) peers pass to `write` and `send_notification`."""
+
+    @property
+    def mooncake_version(self) -> str | None:
+        """The version of the loaded Mooncake wheel, or None if its metadata was not found."""
+
+    @property
+    def mooncake_library(self) -> str:
+        """The path of the loaded Mooncake `engine.so`."""
+
+    @property
+    def closed(self) -> bool:
+        """True once `close()` ran."""
+
+    def register_memory(self, region: _Region, length: int | None = None, location: str = "") -> tuple[int, int]:
+        """Registers memory so it can be a WRITE source here and a WRITE target
+        for peers. Returns `(addr, length)` as registered.
+
+        `region` is an int address (then `length` is required), a contiguous
+        torch tensor (`data_ptr()`, `numel() * element_size()` bytes, location
+        `cpu:0`/`cuda:N` from its device), or a writable C-contiguous buffer
+        such as a numpy array. `length` registers only the first `length`
+        bytes. `location` overrides the Mooncake location (`cpu:0`, `cuda:1`);
+        empty lets it be derived or detected. Tensors and buffers are kept
+        alive until `unregister_memory` or `close`; for an address the caller
+        keeps the memory alive. Regions must not overlap.
+
+        Raises `RegistrationError`, `InvalidArgumentError`, `TypeError`.
+        """
+
+    def unregister_memory(self, region: _Region) -> None:
+        """Unregisters the region that starts at `region`'s address (an int
+        address, or the tensor/buffer that was registered) and releases the
+        object kept alive for it. Raises `RegistrationError` if nothing is
+        registered there.
+        """
+
+    def is_registered(self, addr: int, length: int) -> bool:
+        """True when `[addr, addr + length)` lies inside one registered region."""
+
+    def write(self, peer: str, ranges: Iterable[tuple[int, int, int]], timeout_s: float = 30.0) -> int:
+        """Writes `ranges` (`(src_addr, dst_addr, length)` tuples: local source,
+        peer's virtual address) to `peer` and waits for the whole batch.
+        Returns the bytes written. Every source must be registered here and
+        every destination registered by the peer. Raises `TransferError` if the
+        batch fails and `TransferTimeoutError` after `timeout_s` seconds (the
+        batch is then left to Mooncake: keep its memory registered). The GIL is
+        released while submitting and waiting.
+
+        Also raises `BadEndpointError`, `UnregisteredMemoryError`,
+        `InvalidArgumentError`.
+        """
+
+    def submit_write(self, peer: str, ranges: Iterable[tuple[int, int, int]]) -> Batch:
+        """Submits `ranges` to `peer` without waiting; returns a `Batch` to poll
+        or wait on. Same rules as `write`.
+        """
+
+    def send_notification(self, peer: str, name: str, message: bytes | bytearray | memoryview | str) -> None:
+        """Sends a notification `(name, message)` to `peer`'s endpoint; the peer
+        receives it from `take_notifications`. The message must be UTF-8 text
+        (a `str` is encoded; bytes that are not UTF-8 raise `InvalidArgumentError`,
+        since Mooncake would alter them in transit: encode binary payloads).
+
+        Raises `BadEndpointError` or `NotificationError`.
+        """
+
+    def take_notifications(self) -> list[tuple[str, bytes]]:
+        """Drains the notifications received since the last call, oldest first,
+        as `(name, message)` pairs. Each notification is returned once.
+        """
+
+    def close(self) -> None:
+        """Unregisters every region, frees the engine and releases the objects
+        kept alive for registered regions. Waits for calls running in other
+        threads to let go of the engine. Idempotent; any later call (also on
+        its batches) raises `EngineClosedError`.
+        """
+
+    def __enter__(self) -> Self:
+        """Returns the engine itself."""
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc_value: BaseException | None = None,
+        traceback: TracebackType | None = None,
+    ) -> bool:
+        """Closes the engine; exceptions propagate."""
+
+@final
+class Batch:
+    """A submitted batch of WRITEs (from `MooncakeTransferEngine.submit_write`).
+
+    `poll()` and `wait()` release the GIL. Once the batch is terminal its
+    outcome is remembered: `poll()` keeps returning `"completed"` (or raising
+    the same `TransferError`).
+    """
+
+    @property
+    def peer(self) -> str:
+        """The peer endpoint the batch writes to."""
+
+    @property
+    def tasks(self) -> int:
+        """Number of ranges in the batch."""
+
+    @property
+    def nbytes(self) -> int:
+        """Total bytes the batch writes."""
+
+    def poll(self) -> Literal["in_flight", "completed"]:
+        """Checks the batch once without waiting: `"in_flight"` or `"completed"`;
+        raises `TransferError` if it failed.
+        """
+
+    def wait(self, timeout_s: float = 30.0) -> int:
+        """Waits until the batch is terminal; returns the bytes written. Raises
+        `TransferError` if it failed and `TransferTimeoutError` after
+        `timeout_s` seconds (the batch stays pending: wait or poll again).
+        """
+
+@final
+class RuntimeEvent:
+    """Something the runtime reports: a decode request's KV arrived
+    (`"consumer_completed"`) or will not (`"consumer_failed"`), its blocks are
+    free of writers (`"consumer_released"`), or a prefill request's writes all
+    drained (`"producer_released"`, with `outcome` `"done"`, `"failed"` or
+    `"aborted"`)."""
+
+    @property
+    def kind(self) -> Literal["consumer_completed", "consumer_failed", "consumer_released", "producer_released"]:
+        """`"consumer_completed"`, `"consumer_failed"`, `"consumer_released"` or `"producer_released"`."""
+
+    @property
+    def request_id(self) -> str:
+        """The P/D request ID."""
+
+    @property
+    def generation(self) -> int | None:
+        """The consumer generation (consumer events only)."""
+
+    @property
+    def bytes(self) -> int | None:
+        """Bytes that arrived (`consumer_completed` only)."""
+
+    @property
+    def outcome(self) -> Literal["done", "failed", "aborted"] | None:
+        """`"done"`, `"failed"` or `"aborted"` (`producer_released` only)."""
+
+    @property
+    def reason(self) -> str | None:
+        """Why (failures, aborts)."""
+
+@final
+class Runtime:
+    """The request runtime of one rank: a request actor per P/D request and
+    side, a layer writer per peer, a notification router (Rust, actix).
+
+    Decode side: `consumer_open` -> publish the returned handshake ->
+    `consumer_completed`/`consumer_failed` event -> `consumer_release` ->
+    `consumer_released`. Prefill side: `producer_open`, `producer_handshake`
+    (any order), `layer_ready` per computed layer, `producer_finish` or
+    `producer_abort` -> `producer_released` once every write drained.
+    Calls only send messages; `next_event` and `shutdown` release the GIL.
+    """
+
+    def __new__(
+        cls,
+        engine: MooncakeTransferEngine,
+        layout_json: str,
+        *,
+        consumer_timeout_s: float = 120.0,
+        handshake_timeout_s: float = 120.0,
+        write_timeout_s: float = 30.0,
+        max_bytes_in_flight_per_peer: int = 1073741824,
+        notify_poll_ms: float = 1.0,
+    ) -> Self: ...
+    @property
+    def endpoint(self) -> str:
+        """This rank's Mooncake endpoint (`ip:port`)."""
+
+    def consumer_open(self, request_id: str, first_block: int, block_ids: list[int], producer_tp: int) -> str:
+        """Decode side: authorizes `block_ids` for request blocks `first_block..`
+        of `request_id`, expecting the producers of a prefill instance of TP
+        size `producer_tp`. Returns the handshake (JSON) to send to them."""
+
+    def consumer_release(self, request_id: str) -> None:
+        """Decode side: vLLM is done with the request; a `consumer_released`
+        event follows once no producer can write into its blocks."""
+
+    def producer_open(self, request_id: str, block_ids: list[int]) -> None:
+        """Prefill side: opens the request with its source blocks (request order)."""
+
+    def producer_add_blocks(self, request_id: str, block_ids: list[int]) -> None:
+        """Prefill side: appends source blocks (chunked prefill)."""
+
+    def producer_handshake(self, handshake_json: str) -> None:
+        """Prefill side: admits a consumer's handshake (JSON). Strict: a bad one
+        raises `HandshakeError`/`GeometryError` and changes nothing."""
+
+    def layer_ready(self, request_id: str, layer: int, start: int, end: int) -> None:
+        """Prefill side: `layer` is computed for request blocks `[start, end)`.
+        Never waits for the transfer."""
+
+    def producer_finish(self, request_id: str) -> None:
+        """Prefill side: no more layers come; notify the consumer once drained."""
+
+    def producer_abort(self, request_id: str, reason: str) -> None:
+        """Prefill side: stop; writes in flight still drain, then the consumer is
+        told the request was aborted."""
+
+    def poll_events(self) -> list[RuntimeEvent]:
+        """Every event since the last call."""
+
+    def next_event(self, timeout_s: float) -> RuntimeEvent | None:
+        """Waits up to `timeout_s` for the next event (GIL released)."""
+
+    def live_requests(self) -> tuple[int, int]:
+        """`(consumers, producers)` with a live request actor (leak checks)."""
+
+    def stats(self) -> dict[str, int]:
+        """The runtime's counters."""
+
+    def shutdown(self) -> None:
+        """Stops the actors (writes in flight are abandoned). Idempotent."""

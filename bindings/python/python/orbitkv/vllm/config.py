@@ -1,0 +1,115 @@
+"""``kv_connector_extra_config`` keys of the PdConnector, their defaults and
+their checks. Every bad value raises :class:`ConfigError` naming the key.
+Imports nothing from vLLM. ``docs/configuration.md`` documents each key."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+PREFIX = "orbitkv.pd."
+
+KEYS = {
+    "orbitkv.pd.mooncake.bind_host",
+    "orbitkv.pd.mooncake.rank_map",
+    "orbitkv.pd.mooncake.library",
+    "orbitkv.pd.side_channel_host",
+    "orbitkv.pd.side_channel_port",
+    "orbitkv.pd.timeout_s",
+    "orbitkv.pd.handshake_timeout_s",
+    "orbitkv.pd.write_timeout_s",
+    "orbitkv.pd.max_inflight_mb",
+    "orbitkv.pd.trace",
+}
+
+
+class ConfigError(ValueError):
+    """A ``kv_connector_extra_config`` value OrbitKV cannot use."""
+
+
+def _positive_float(cfg: Mapping[str, Any], key: str, default: float) -> float:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+        raise ConfigError(f"{key} must be a positive number of seconds, got {v!r}")
+    return float(v)
+
+
+def _port(cfg: Mapping[str, Any], key: str, default: int) -> int:
+    v = cfg.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65535:
+        raise ConfigError(f"{key} must be a TCP port in 1..65535, got {v!r}")
+    return v
+
+
+@dataclass(frozen=True)
+class PdConfig:
+    bind_host: str = "127.0.0.1"
+    rank_nics: dict[int, list[str]] = field(default_factory=dict)
+    library: str | None = None
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 17500
+    timeout_s: float = 120.0
+    handshake_timeout_s: float = 120.0
+    write_timeout_s: float = 30.0
+    max_inflight_mb: int = 1024
+    trace: str | None = None
+
+    def nics_for(self, rank: int) -> list[str]:
+        return list(self.rank_nics.get(rank, []))
+
+    def side_channel_port_for(self, rank: int) -> int:
+        return self.side_channel_port + rank
+
+    @staticmethod
+    def from_extra_config(extra: Mapping[str, Any] | None) -> "PdConfig":
+        cfg = dict(extra or {})
+        unknown = sorted(k for k in cfg if k.startswith(PREFIX) and k not in KEYS)
+        if unknown:
+            raise ConfigError(f"unknown OrbitKV setting(s) {unknown}; known: {sorted(KEYS)}")
+        default_host = os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
+        bind_host = cfg.get("orbitkv.pd.mooncake.bind_host", default_host)
+        if not isinstance(bind_host, str) or not bind_host or any(c.isspace() for c in bind_host):
+            raise ConfigError(f"orbitkv.pd.mooncake.bind_host must be a host name or IP, got {bind_host!r}")
+        rank_map = cfg.get("orbitkv.pd.mooncake.rank_map", {}) or {}
+        if not isinstance(rank_map, Mapping):
+            raise ConfigError(f"orbitkv.pd.mooncake.rank_map must map TP rank -> {{'nic': NAME}}, got {rank_map!r}")
+        rank_nics: dict[int, list[str]] = {}
+        for rank, entry in rank_map.items():
+            try:
+                r = int(rank)
+            except (TypeError, ValueError):
+                raise ConfigError(f"orbitkv.pd.mooncake.rank_map: rank {rank!r} is not an integer") from None
+            if r < 0:
+                raise ConfigError(f"orbitkv.pd.mooncake.rank_map: rank {r} is negative")
+            if not isinstance(entry, Mapping) or set(entry) - {"nic"}:
+                raise ConfigError(f"orbitkv.pd.mooncake.rank_map[{rank!r}] must be {{'nic': NAME}}, got {entry!r}")
+            nic = entry.get("nic")
+            nics = [nic] if isinstance(nic, str) else nic
+            if not isinstance(nics, list) or not all(isinstance(n, str) and n for n in nics):
+                raise ConfigError(f"orbitkv.pd.mooncake.rank_map[{rank!r}].nic must be a NIC name, got {nic!r}")
+            rank_nics[r] = nics
+        library = cfg.get("orbitkv.pd.mooncake.library")
+        if library is not None and not isinstance(library, str):
+            raise ConfigError(f"orbitkv.pd.mooncake.library must be a path, got {library!r}")
+        sc_host = cfg.get("orbitkv.pd.side_channel_host", bind_host)
+        if not isinstance(sc_host, str) or not sc_host:
+            raise ConfigError(f"orbitkv.pd.side_channel_host must be a host, got {sc_host!r}")
+        inflight = cfg.get("orbitkv.pd.max_inflight_mb", 1024)
+        if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 1:
+            raise ConfigError(f"orbitkv.pd.max_inflight_mb must be a positive integer, got {inflight!r}")
+        trace = cfg.get("orbitkv.pd.trace")
+        if trace is not None and not isinstance(trace, str):
+            raise ConfigError(f"orbitkv.pd.trace must be a file path, got {trace!r}")
+        return PdConfig(
+            bind_host=bind_host,
+            rank_nics=rank_nics,
+            library=library,
+            side_channel_host=sc_host,
+            side_channel_port=_port(cfg, "orbitkv.pd.side_channel_port", 17500),
+            timeout_s=_positive_float(cfg, "orbitkv.pd.timeout_s", 120.0),
+            handshake_timeout_s=_positive_float(cfg, "orbitkv.pd.handshake_timeout_s", 120.0),
+            write_timeout_s=_positive_float(cfg, "orbitkv.pd.write_timeout_s", 30.0),
+            max_inflight_mb=inflight,
+            trace=trace,
+        )

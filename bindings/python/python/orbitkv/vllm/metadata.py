@@ -1,0 +1,55 @@
+"""What the scheduler side tells the worker side each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class ConsumerOpen:
+    """Decode: authorize these blocks and send the handshake to the producers."""
+
+    req_id: str
+    pd_id: str
+    first_block: int
+    block_ids: list[int]
+    prefill_kv: str
+    prefill_tp: int
+
+
+@dataclass
+class ProducerChunk:
+    """Prefill: this step computes request blocks ``[start_block, end_block)``."""
+
+    req_id: str
+    pd_id: str
+    opens: bool
+    new_block_ids: list[int]
+    start_block: int
+    end_block: int
+    last: bool
+
+
+@dataclass
+class RequestEnd:
+    """vLLM finished a P/D request (``aborted`` when it did not complete).
+
+    ``report``: the scheduler delayed freeing the blocks, so the worker
+    must report the request once no transfer can touch them any more.
+    """
+
+    req_id: str
+    pd_id: str
+    aborted: bool
+    reason: str
+    report: bool
+
+
+@dataclass
+class PdConnectorMetadata(KVConnectorMetadata):
+    consumers_open: list[ConsumerOpen] = field(default_factory=list)
+    producer_chunks: list[ProducerChunk] = field(default_factory=list)
+    consumers_end: list[RequestEnd] = field(default_factory=list)
+    producers_end: list[RequestEnd] = field(default_factory=list)

@@ -1,0 +1,148 @@
+"""``PdConnector``: OrbitKV's layer-wise P/D connector for vLLM (0.26).
+
+Use it on a prefill and a decode instance with::
+
+    --kv-transfer-config '{"kv_connector": "PdConnector",
+                           "kv_connector_module_path": "orbitkv.vllm.pd",
+                           "kv_role": "kv_both", "engine_id": "p0",
+                           "kv_connector_extra_config": {
+                               "orbitkv.pd.mooncake.bind_host": "10.0.0.2"}}'
+
+and ``python -m orbitkv.proxy`` in front. Each request carries its P/D role
+in ``kv_transfer_params`` (see :mod:`orbitkv.vllm.params`); the facade
+builds the scheduler-side or the worker-side object by role, as vLLM's own
+connectors do.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from orbitkv.vllm.config import PdConfig
+from orbitkv.vllm.metadata import PdConnectorMetadata
+from orbitkv.vllm.scheduler import PdScheduler
+from orbitkv.vllm.stats import PdConnectorStats, PdPromMetrics
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["PdConnector", "PdConnectorMetadata"]
+
+
+class PdConnector(KVConnectorBase_V1):
+    def __init__(
+        self,
+        vllm_config: "VllmConfig",
+        role: KVConnectorRole,
+        kv_cache_config: "KVCacheConfig | None" = None,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config = PdConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        if self.config.trace:
+            import orbitkv
+
+            install = getattr(orbitkv, "install_chrome_trace", None)
+            if install is not None:
+                install(f"{self.config.trace}.{role.name.lower()}.json")
+        self.scheduler: PdScheduler | None = None
+        self.worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = PdScheduler(vllm_config, self.config)
+        else:
+            from orbitkv.vllm.worker import PdWorker
+
+            self.worker = PdWorker(vllm_config, self.config)
+
+    # ---- scheduler side ----------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        return self.scheduler is not None and self.scheduler.has_pending_push_work()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PdConnectorStats:
+        return PdConnectorStats(data=dict(data)) if data is not None else PdConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> PdPromMetrics:
+        return PdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    # ---- worker side -------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdConnectorMetadata)
+        self.worker.start_load_kv(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Decode starts only after every producer reported (get_finished);
+        # there is nothing to wait for per layer.
+        return
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: "AttentionMetadata",
+        **kwargs: Any,
+    ) -> None:
+        assert self.worker is not None
+        self.worker.save_kv_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        # Never blocks prefill on a transfer: writes drain in the background.
+        assert self.worker is not None
+        self.worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self.worker is not None
+        return self.worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker is not None
+        return self.worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> PdConnectorStats | None:
+        return self.worker.get_kv_connector_stats() if self.worker is not None else None
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.shutdown()

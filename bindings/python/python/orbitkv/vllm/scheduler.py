@@ -1,0 +1,189 @@
+"""The PdConnector's scheduler side: decides what each worker does per step.
+
+Decode (consumer) requests: the prompt's KV is loaded asynchronously; once
+vLLM allocated blocks, the worker authorizes them and sends the handshake.
+Prefill (producer) requests: each step's computed blocks are streamed layer
+by layer; the blocks are held (``request_finished`` delays the free) until
+every admitted write drained.
+
+A request's blocks are reported back to vLLM exactly once:
+* consumer: in ``finished_recving`` when the KV arrived or failed, or, if
+  vLLM finished the request first, once no producer can write any more;
+* producer: in ``finished_sending`` once vLLM finished the request and every
+  write drained.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from orbitkv.vllm.config import PdConfig
+from orbitkv.vllm.metadata import ConsumerOpen, PdConnectorMetadata, ProducerChunk, RequestEnd
+from orbitkv.vllm.params import CONSUMER, PRODUCER, PdParams
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger("orbitkv.vllm.scheduler")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass
+class _Producer:
+    pd_id: str
+    prompt_len: int
+    opened: bool = False
+    done_blocks: int = 0
+    last_sent: bool = False
+
+
+@dataclass
+class _Consumer:
+    pd_id: str
+    loaded: bool = False
+
+
+class PdScheduler:
+    def __init__(self, vllm_config: "VllmConfig", config: PdConfig):
+        self.config = config
+        self.block_size = vllm_config.cache_config.block_size
+        self._producers: dict[str, _Producer] = {}
+        self._consumers: dict[str, _Consumer] = {}
+        self._open: list[ConsumerOpen] = []
+        self._consumers_end: list[RequestEnd] = []
+        self._producers_end: list[RequestEnd] = []
+        # Requests whose block free vLLM delayed on our word.
+        self._delayed: set[str] = set()
+
+    # ---- hooks -------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+        p = PdParams.parse(request.kv_transfer_params)
+        if p is None or p.role != CONSUMER or request.request_id in self._consumers:
+            return 0, False
+        n = len(request.prompt_token_ids or ()) - num_computed_tokens
+        return (n, True) if n > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        p = PdParams.parse(request.kv_transfer_params)
+        if p is None:
+            return
+        rid = request.request_id
+        if p.role == PRODUCER and rid not in self._producers:
+            self._producers[rid] = _Producer(p.request, len(request.prompt_token_ids or ()))
+            return
+        if p.role != CONSUMER or num_external_tokens <= 0 or rid in self._consumers:
+            return
+        all_ids = blocks.get_block_ids()[0]
+        fresh = blocks.get_unhashed_block_ids()
+        # Blocks with a hash come from the local prefix cache and lead the list.
+        first_block = len(all_ids) - len(fresh)
+        self._consumers[rid] = _Consumer(p.request)
+        assert p.prefill_kv is not None
+        self._open.append(ConsumerOpen(rid, p.request, first_block, list(fresh), p.prefill_kv, p.prefill_tp))
+
+    def build_connector_meta(self, so: "SchedulerOutput") -> PdConnectorMetadata:
+        meta = PdConnectorMetadata(
+            consumers_open=self._open,
+            consumers_end=self._consumers_end,
+            producers_end=self._producers_end,
+        )
+        self._open, self._consumers_end, self._producers_end = [], [], []
+        for new in so.scheduled_new_reqs:
+            self._chunk(meta, new.req_id, list(new.block_ids[0]) if new.block_ids else [], new.num_computed_tokens, so)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            if rid not in self._producers:
+                continue
+            if rid in cached.resumed_req_ids:
+                # Preempted and resumed: its blocks were replaced. The stream
+                # already sent cannot be trusted to continue; abort it.
+                self._abort_producer(rid, "preempted on the prefill instance")
+                continue
+            nb = cached.new_block_ids[i]
+            self._chunk(meta, rid, list(nb[0]) if nb else [], cached.num_computed_tokens[i], so)
+        return meta
+
+    def _chunk(self, meta: PdConnectorMetadata, rid: str, new_blocks: list[int], computed: int, so: Any) -> None:
+        p = self._producers.get(rid)
+        if p is None or p.last_sent:
+            return
+        end_tok = min(computed + so.num_scheduled_tokens.get(rid, 0), p.prompt_len)
+        end_block = _cdiv(end_tok, self.block_size)
+        # The first chunk also carries blocks of a local prefix-cache hit.
+        start_block = 0 if not p.opened else p.done_blocks
+        # The last block of a chunk may be partial: send it again next chunk.
+        last = end_tok >= p.prompt_len
+        meta.producer_chunks.append(
+            ProducerChunk(rid, p.pd_id, not p.opened, new_blocks, min(start_block, end_block), end_block, last)
+        )
+        p.opened = True
+        p.done_blocks = end_tok // self.block_size
+        p.last_sent = last
+
+    def _abort_producer(self, rid: str, reason: str) -> None:
+        p = self._producers.get(rid)
+        if p is not None and p.opened:
+            p.last_sent = True
+            self._producers_end.append(RequestEnd(rid, p.pd_id, True, reason, report=False))
+
+    def request_finished(self, request: "Request", block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        status = str(getattr(request, "status", ""))
+        aborted = "ABORTED" in status or "ERROR" in status
+        if rid in self._producers:
+            p = self._producers[rid]
+            if not p.opened:
+                del self._producers[rid]
+                return False, None
+            complete = p.last_sent and not aborted
+            self._producers_end.append(RequestEnd(rid, p.pd_id, not complete, status, report=True))
+            self._delayed.add(rid)
+            return True, None
+        if rid in self._consumers:
+            c = self._consumers[rid]
+            pending = next((o for o in self._open if o.req_id == rid), None)
+            if pending is not None:
+                # The worker never authorized it: nothing can be written.
+                self._open.remove(pending)
+                del self._consumers[rid]
+                return False, None
+            if c.loaded:
+                # Complete or failed: every producer already ended.
+                self._consumers_end.append(RequestEnd(rid, c.pd_id, aborted, status, report=False))
+                del self._consumers[rid]
+                return False, None
+            self._consumers_end.append(RequestEnd(rid, c.pd_id, True, status, report=True))
+            self._delayed.add(rid)
+            return True, None
+        return False, None
+
+    def update_connector_output(self, out: "KVConnectorOutput") -> None:
+        for rid in out.finished_recving or ():
+            c = self._consumers.get(rid)
+            if c is not None:
+                c.loaded = True
+            if rid in self._delayed:
+                self._delayed.discard(rid)
+                self._consumers.pop(rid, None)
+        for rid in out.finished_sending or ():
+            self._delayed.discard(rid)
+            self._producers.pop(rid, None)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(
+            self._delayed
+            or self._open
+            or self._consumers_end
+            or self._producers_end
+            or any(p.opened for p in self._producers.values())
+        )

@@ -1,0 +1,98 @@
+"""Connector statistics through vLLM's stats hooks (and so Prometheus)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+# Counters the runtime keeps (``Runtime.stats()``) that travel to the logger.
+COUNTERS = (
+    "bytes_written",
+    "layers_written",
+    "writes_failed",
+    "notices_sent",
+    "notices_failed",
+    "notices_unknown_request",
+    "notices_stale_generation",
+    "consumers_completed",
+    "consumers_failed",
+    "producers_released",
+    "transfer_micros",
+)
+
+
+@dataclass
+class PdConnectorStats(KVConnectorStats):
+    """Counter deltas since the last report: {name: int}."""
+
+    def __post_init__(self) -> None:
+        for k in COUNTERS:
+            self.data.setdefault(k, 0)
+
+    def reset(self) -> None:
+        self.data = {k: 0 for k in COUNTERS}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k in COUNTERS:
+            self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {k: self.data.get(k, 0) for k in COUNTERS}
+        done = self.data.get("consumers_completed", 0)
+        out["avg_transfer_ms"] = (self.data.get("transfer_micros", 0) / done / 1000.0) if done else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k, 0) for k in COUNTERS)
+
+
+_PROM = {
+    "bytes_written": ("vllm:orbitkv_bytes_written", "KV bytes written to decode instances by OrbitKV."),
+    "layers_written": ("vllm:orbitkv_layer_writes", "Layer write batches OrbitKV completed."),
+    "writes_failed": ("vllm:orbitkv_write_failures", "Layer write batches that failed."),
+    "notices_failed": ("vllm:orbitkv_notice_failures", "Completion notices that could not be sent."),
+    "notices_unknown_request": (
+        "vllm:orbitkv_notices_unknown_request",
+        "Notices dropped because no request of that ID was waiting.",
+    ),
+    "notices_stale_generation": (
+        "vllm:orbitkv_notices_stale_generation",
+        "Notices dropped because they carried a stale generation.",
+    ),
+    "consumers_completed": ("vllm:orbitkv_transfers_completed", "P/D requests whose KV arrived complete."),
+    "consumers_failed": ("vllm:orbitkv_transfers_failed", "P/D requests whose KV did not arrive complete."),
+    "producers_released": ("vllm:orbitkv_producers_released", "Prefill requests whose source blocks were released."),
+}
+
+
+class PdPromMetrics(KVConnectorPromMetrics):
+    """Prometheus counters named ``vllm:orbitkv_*`` (and the transfer time)."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters: dict[str, dict[int, Any]] = {}
+        for key, (name, doc) in _PROM.items():
+            c = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self._counters[key] = create_metric_per_engine(c, per_engine_labelvalues)
+        t = self._counter_cls(
+            name="vllm:orbitkv_transfer_seconds",
+            documentation="Sum over completed P/D requests of authorization-to-complete time.",
+            labelnames=labelnames,
+        )
+        self._transfer_seconds = create_metric_per_engine(t, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self._counters.items():
+            v = transfer_stats_data.get(key, 0)
+            if v:
+                per_engine[engine_idx].inc(v)
+        micros = transfer_stats_data.get("transfer_micros", 0)
+        if micros:
+            self._transfer_seconds[engine_idx].inc(micros / 1e6)

@@ -1,0 +1,368 @@
+"""The PdConnector's worker side: owns the rank's Mooncake engine, the
+request runtime and the side channel, and turns vLLM's per-layer hooks into
+runtime calls. Nothing here waits on a transfer: ``save_kv_layer`` only
+enqueues, ``get_finished`` only drains events.
+
+No ``torch.cuda``/``torch.accelerator`` call runs on a CPU machine: the
+device is taken from vLLM's platform and from the KV tensors themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from orbitkv import MooncakeTransferEngine, Runtime
+from orbitkv.vllm.config import PdConfig
+from orbitkv.vllm.metadata import PdConnectorMetadata, ProducerChunk
+from orbitkv.vllm.side_channel import SideChannelServer, post_handshake
+from orbitkv.vllm.stats import COUNTERS, PdConnectorStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+logger = logging.getLogger("orbitkv.vllm.worker")
+
+
+def _layer_index(name: str) -> int:
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    return extract_layer_index(name)
+
+
+def kv_layout_of(
+    kv_caches: dict[str, torch.Tensor],
+    num_blocks: int,
+    local_heads: int,
+    total_heads: int,
+    block_size: int,
+    tp_rank: int,
+    tp_size: int,
+) -> tuple[dict[str, Any], list[str]]:
+    """The OrbitKV layout (as the JSON-ready dict the runtime takes) of a
+    rank's KV tensors, and the layer names in layer order.
+
+    Supported shapes: ``[num_blocks, ...]`` (one plane per layer, e.g. vLLM's
+    CPU ``[nb, heads, block, 2*hd]``) and ``[2, num_blocks, ...]`` (K and V
+    planes, e.g. FlashAttention's ``[2, nb, block, heads, hd]``). Blocks are
+    head-major when the dimension right after the block dimension is heads.
+    """
+    names = sorted(kv_caches, key=_layer_index)
+    layers = []
+    head_major = None
+    for name in names:
+        t = kv_caches[name]
+        es = t.element_size()
+        if t.dim() >= 2 and t.shape[0] == num_blocks:
+            bdim, planes = 0, [t]
+        elif t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == num_blocks:
+            bdim, planes = 1, [t[0], t[1]]
+        else:
+            raise ValueError(
+                f"KV cache {name!r} has shape {tuple(t.shape)}: OrbitKV needs the block "
+                f"dimension ({num_blocks} blocks) first, or after a K/V dimension of 2"
+            )
+        inner = planes[0]
+        if not inner[0].is_contiguous():
+            raise ValueError(f"KV cache {name!r}: a block is not contiguous in memory")
+        hm = inner.dim() >= 2 and inner.shape[1] == local_heads
+        head_major = hm if head_major is None else (head_major and hm)
+        block_bytes = inner[0].numel() * es
+        layers.append(
+            {
+                "planes": [
+                    {"base": p.data_ptr(), "block_stride": p.stride(0) * es, "block_bytes": block_bytes}
+                    for p in planes
+                ]
+            }
+        )
+        del bdim
+    layout = {
+        "num_blocks": num_blocks,
+        "block_size": block_size,
+        "total_kv_heads": total_heads,
+        "tp_rank": tp_rank,
+        "tp_size": tp_size,
+        "head_major": bool(head_major),
+        "layers": layers,
+    }
+    return layout, names
+
+
+def producer_ranks(consumer_rank: int, consumer_tp: int, producer_tp: int) -> range:
+    """The prefill ranks holding heads of this decode rank (as the runtime's
+    expected producers)."""
+    if producer_tp <= consumer_tp:
+        r = consumer_rank // (consumer_tp // producer_tp)
+        return range(r, r + 1)
+    per = producer_tp // consumer_tp
+    return range(consumer_rank * per, (consumer_rank + 1) * per)
+
+
+class _Ordered:
+    """Runs calls in order on one background thread. On CUDA each call may
+    wait for an event first (the layer's KV written by the kernel)."""
+
+    def __init__(self) -> None:
+        self._q: queue.Queue = queue.Queue()
+        self._t = threading.Thread(target=self._run, name="orbitkv-layer-ready", daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            event, fn, args = item
+            try:
+                if event is not None:
+                    event.synchronize()
+                fn(*args)
+            except Exception:  # reported through the runtime's events
+                logger.exception("OrbitKV background call failed")
+
+    def put(self, event: Any, fn: Any, *args: Any) -> None:
+        self._q.put((event, fn, args))
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._t.join(timeout=10)
+
+
+class PdWorker:
+    def __init__(self, vllm_config: "VllmConfig", config: PdConfig):
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.platforms import current_platform
+
+        self.vllm_config = vllm_config
+        self.config = config
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self.tp_rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
+        self.is_cuda = bool(current_platform.is_cuda_alike())
+        self.engine: MooncakeTransferEngine | None = None
+        self.runtime: Runtime | None = None
+        self.side_channel: SideChannelServer | None = None
+        self._layer_index: dict[str, int] = {}
+        self._posts = ThreadPoolExecutor(max_workers=4, thread_name_prefix="orbitkv-handshake")
+        self._ordered = _Ordered() if self.is_cuda else None
+        self._step_chunks: list[ProducerChunk] = []
+        # pd_id -> vLLM request id, per side
+        self._consumer_req: dict[str, str] = {}
+        self._consumer_blocks: dict[str, list[int]] = {}
+        self._consumer_end: dict[str, bool] = {}  # pd_id -> report on release
+        self._consumer_reported: set[str] = set()
+        self._producer_req: dict[str, str] = {}
+        self._producer_end: set[str] = set()  # vLLM finished it
+        self._producer_released: set[str] = set()
+        self._finished_producers: set[str] = set()  # producer_finish called
+        self._load_errors: set[int] = set()
+        self._last_stats = {k: 0 for k in COUNTERS}
+
+    # ---- registration ----------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        mc = self.vllm_config.model_config
+        pc = self.vllm_config.parallel_config
+        first = next(iter(kv_caches.values()))
+        num_blocks = first.shape[1] if first.shape[0] == 2 else first.shape[0]
+        layout, names = kv_layout_of(
+            kv_caches,
+            num_blocks=num_blocks,
+            local_heads=mc.get_num_kv_heads(pc),
+            total_heads=mc.get_total_num_kv_heads(),
+            block_size=self.vllm_config.cache_config.block_size,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+        )
+        self._layer_index = {n: i for i, n in enumerate(names)}
+        self.engine = MooncakeTransferEngine(
+            bind_host=self.config.bind_host,
+            nics=self.config.nics_for(self.tp_rank) or None,
+            library=self.config.library,
+        )
+        # Register each distinct storage once (layers may share one).
+        seen: set[int] = set()
+        for t in kv_caches.values():
+            st = t.untyped_storage()
+            if st.data_ptr() in seen:
+                continue
+            seen.add(st.data_ptr())
+            loc = f"cuda:{t.device.index}" if t.device.type == "cuda" else "cpu:0"
+            self.engine.register_memory(st.data_ptr(), st.nbytes(), location=loc)
+        self.runtime = Runtime(
+            self.engine,
+            json.dumps(layout),
+            consumer_timeout_s=self.config.timeout_s,
+            handshake_timeout_s=self.config.handshake_timeout_s,
+            write_timeout_s=self.config.write_timeout_s,
+            max_bytes_in_flight_per_peer=self.config.max_inflight_mb << 20,
+        )
+        port = self.config.side_channel_port_for(self.tp_rank)
+        self.side_channel = SideChannelServer(
+            self.config.side_channel_host, port, self.runtime.producer_handshake
+        )
+        logger.info(
+            "OrbitKV rank %d/%d: mooncake %s, side channel %s, %d layers, %d blocks, head_major=%s",
+            self.tp_rank,
+            self.tp_size,
+            self.engine.endpoint,
+            self.side_channel.address,
+            len(names),
+            num_blocks,
+            layout["head_major"],
+        )
+
+    # ---- per step ----------------------------------------------------------
+
+    def start_load_kv(self, meta: PdConnectorMetadata) -> None:
+        rt = self.runtime
+        assert rt is not None, "register_kv_caches was not called"
+        for end in meta.producers_end:
+            self._producer_end.add(end.pd_id)
+            try:
+                if end.aborted:
+                    rt.producer_abort(end.pd_id, end.reason or "aborted")
+                elif end.pd_id not in self._finished_producers:
+                    rt.producer_finish(end.pd_id)
+                    self._finished_producers.add(end.pd_id)
+            except Exception as e:  # UnknownRequestError: already released
+                logger.debug("producer end %s: %s", end.pd_id, e)
+        for end in meta.consumers_end:
+            self._consumer_end[end.pd_id] = end.report
+            try:
+                rt.consumer_release(end.pd_id)
+            except Exception as e:
+                logger.warning("consumer release %s: %s", end.pd_id, e)
+        for c in meta.consumers_open:
+            self._open_consumer(c)
+        self._step_chunks = []
+        for ch in meta.producer_chunks:
+            self._producer_req[ch.pd_id] = ch.req_id
+            try:
+                if ch.opens:
+                    rt.producer_open(ch.pd_id, ch.new_block_ids)
+                elif ch.new_block_ids:
+                    rt.producer_add_blocks(ch.pd_id, ch.new_block_ids)
+            except Exception as e:
+                logger.warning("producer %s: %s", ch.pd_id, e)
+                continue
+            if ch.end_block > ch.start_block or ch.last:
+                self._step_chunks.append(ch)
+
+    def _open_consumer(self, c: Any) -> None:
+        rt = self.runtime
+        assert rt is not None
+        self._consumer_req[c.pd_id] = c.req_id
+        self._consumer_blocks[c.pd_id] = c.block_ids
+        handshake = rt.consumer_open(c.pd_id, c.first_block, c.block_ids, c.prefill_tp)
+        host, port = c.prefill_kv.rsplit(":", 1)
+        ranks = producer_ranks(self.tp_rank, self.tp_size, c.prefill_tp)
+        for r in ranks:
+            addr = f"{host}:{int(port) + r}"
+            self._posts.submit(self._post, addr, handshake, c.pd_id)
+
+    def _post(self, addr: str, handshake: str, pd_id: str) -> None:
+        try:
+            post_handshake(addr, handshake, timeout_s=min(10.0, self.config.timeout_s))
+        except Exception as e:
+            # The consumer fails at its deadline; say why now.
+            logger.warning("handshake for %s to %s failed: %s", pd_id, addr, e)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
+        if not self._step_chunks:
+            return
+        rt = self.runtime
+        assert rt is not None
+        idx = self._layer_index[layer_name]
+        if self._ordered is not None:
+            # CUDA: the attention kernel may still be writing this layer.
+            ev = torch.cuda.Event()
+            ev.record()
+            for ch in self._step_chunks:
+                self._ordered.put(ev, rt.layer_ready, ch.pd_id, idx, ch.start_block, ch.end_block)
+            return
+        for ch in self._step_chunks:
+            rt.layer_ready(ch.pd_id, idx, ch.start_block, ch.end_block)
+
+    def wait_for_save(self) -> None:
+        rt = self.runtime
+        if rt is None:
+            return
+        for ch in self._step_chunks:
+            if ch.last and ch.pd_id not in self._finished_producers:
+                self._finished_producers.add(ch.pd_id)
+                if self._ordered is not None:
+                    self._ordered.put(None, rt.producer_finish, ch.pd_id)
+                else:
+                    rt.producer_finish(ch.pd_id)
+        self._step_chunks = []
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        rt = self.runtime
+        if rt is None:
+            return None, None
+        sending: set[str] = set()
+        recving: set[str] = set()
+        for ev in rt.poll_events():
+            pd = ev.request_id
+            if ev.kind in ("consumer_completed", "consumer_failed"):
+                if ev.kind == "consumer_failed":
+                    logger.warning("KV for %s did not arrive complete: %s", pd, ev.reason)
+                    self._load_errors.update(self._consumer_blocks.get(pd, ()))
+                if pd not in self._consumer_end and pd not in self._consumer_reported:
+                    self._consumer_reported.add(pd)
+                    recving.add(self._consumer_req[pd])
+            elif ev.kind == "consumer_released":
+                if self._consumer_end.get(pd) and pd not in self._consumer_reported:
+                    recving.add(self._consumer_req[pd])
+                self._consumer_req.pop(pd, None)
+                self._consumer_blocks.pop(pd, None)
+                self._consumer_end.pop(pd, None)
+                self._consumer_reported.discard(pd)
+            elif ev.kind == "producer_released":
+                if ev.outcome != "done":
+                    logger.warning("prefill %s ended %s: %s", pd, ev.outcome, ev.reason)
+                self._producer_released.add(pd)
+        for pd in list(self._producer_released):
+            if pd in self._producer_end:
+                sending.add(self._producer_req.pop(pd))
+                self._producer_released.discard(pd)
+                self._producer_end.discard(pd)
+                self._finished_producers.discard(pd)
+        return (sending or None), (recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def get_kv_connector_stats(self) -> PdConnectorStats | None:
+        if self.runtime is None:
+            return None
+        now = self.runtime.stats()
+        delta = {k: now.get(k, 0) - self._last_stats.get(k, 0) for k in COUNTERS}
+        self._last_stats = {k: now.get(k, 0) for k in COUNTERS}
+        stats = PdConnectorStats(data=delta)
+        return None if stats.is_empty() else stats
+
+    def live_requests(self) -> tuple[int, int]:
+        return self.runtime.live_requests() if self.runtime is not None else (0, 0)
+
+    def shutdown(self) -> None:
+        if self._ordered is not None:
+            self._ordered.close()
+        self._posts.shutdown(wait=False, cancel_futures=True)
+        if self.side_channel is not None:
+            self.side_channel.close()
+            self.side_channel = None
+        if self.runtime is not None:
+            self.runtime.shutdown()
+            self.runtime = None
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None

@@ -1,0 +1,35 @@
+//! `orbitkv._native`: the PyO3 module inside the `orbitkv` Python package.
+//!
+//! * [`engine`]: `MooncakeTransferEngine` and `Batch` over the core's
+//!   transport (the seed's native boundary).
+//! * [`region`]: what `register_memory` accepts (addresses, torch tensors,
+//!   buffers).
+//! * [`runtime`]: `Runtime` and `RuntimeEvent`, the request runtime of a
+//!   rank (producer and consumer sides of each P/D request).
+//! * [`errors`]: core errors → the classes of `orbitkv.errors`.
+//!
+//! The Python sources (`python/orbitkv`) re-export these; the stubs are in
+//! `python/orbitkv/_native.pyi` and are checked against this module by
+//! `tests/test_stubs.py`.
+
+use pyo3::prelude::*;
+
+mod engine;
+mod errors;
+mod region;
+mod runtime;
+
+/// Native core of OrbitKV (Rust). Import from `orbitkv` rather than from here.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add(
+        "PINNED_MOONCAKE_VERSION",
+        orbitkv::transport::PINNED_MOONCAKE_VERSION,
+    )?;
+    m.add_class::<engine::PyEngine>()?;
+    m.add_class::<engine::PyBatch>()?;
+    m.add_class::<runtime::PyRuntime>()?;
+    m.add_class::<runtime::PyRuntimeEvent>()?;
+    Ok(())
+}

@@ -1,0 +1,389 @@
+//! `Runtime` and `RuntimeEvent` for Python: the request runtime of one rank
+//! (the core's `orbitkv::Runtime`, actors on their own threads).
+//!
+//! Every call only sends a message or reads a channel; `next_event` and
+//! `shutdown`, which can wait, release the GIL. Nothing calls back into Python.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use orbitkv::{KvLayout, Outcome, RequestId, Runtime, RuntimeConfig, RuntimeError, RuntimeEvent};
+use parking_lot::RwLock;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::engine::PyEngine;
+use crate::errors::{invalid_argument, new_error, transport_error, Detail};
+
+/// Maps each runtime error variant to its Python class.
+pub(crate) fn runtime_error(py: Python<'_>, err: RuntimeError) -> PyErr {
+    let message = err.to_string();
+    let (class, kind, details): (&str, &str, Vec<(&'static str, Detail)>) = match err {
+        RuntimeError::Transport(e) => return transport_error(py, e),
+        RuntimeError::Protocol(e) => (
+            "HandshakeError",
+            "Protocol",
+            vec![("reason", e.to_string().into())],
+        ),
+        RuntimeError::Geometry(e) => (
+            "GeometryError",
+            "Geometry",
+            vec![("reason", e.to_string().into())],
+        ),
+        RuntimeError::UnknownRequest(r) => (
+            "UnknownRequestError",
+            "UnknownRequest",
+            vec![("request_id", r.into())],
+        ),
+        RuntimeError::StaleGeneration {
+            request,
+            got,
+            current,
+        } => (
+            "StaleGenerationError",
+            "StaleGeneration",
+            vec![
+                ("request_id", request.into()),
+                ("got", got.into()),
+                ("current", current.into()),
+            ],
+        ),
+        RuntimeError::DuplicateRequest(r) => (
+            "DuplicateRequestError",
+            "DuplicateRequest",
+            vec![("request_id", r.into())],
+        ),
+        RuntimeError::PeerDead {
+            request,
+            peer,
+            reason,
+        } => (
+            "PeerDeadError",
+            "PeerDead",
+            vec![
+                ("request_id", request.into()),
+                ("peer", peer.into()),
+                ("reason", reason.into()),
+            ],
+        ),
+        RuntimeError::Timeout {
+            request,
+            what,
+            millis,
+        } => (
+            "RuntimeTimeoutError",
+            "Timeout",
+            vec![
+                ("request_id", request.into()),
+                ("what", what.into()),
+                ("timeout_s", (millis as f64 / 1000.0).into()),
+            ],
+        ),
+        RuntimeError::InvalidState { request, state, what } => (
+            "InvalidStateError",
+            "InvalidState",
+            vec![
+                ("request_id", request.into()),
+                ("state", state.into()),
+                ("reason", what.into()),
+            ],
+        ),
+        RuntimeError::Stopped => ("RuntimeStoppedError", "Stopped", Vec::new()),
+    };
+    new_error(py, class, kind, message, details)
+}
+
+fn seconds(py: Python<'_>, name: &str, s: f64) -> PyResult<Duration> {
+    if !s.is_finite() || s <= 0.0 {
+        return Err(invalid_argument(
+            py,
+            format!("{name} must be a finite number > 0, not {s}"),
+        ));
+    }
+    Duration::try_from_secs_f64(s).map_err(|e| invalid_argument(py, format!("{name}: {e}")))
+}
+
+/// Something the runtime reports: a decode request's KV arrived
+/// (`"consumer_completed"`) or will not (`"consumer_failed"`), its blocks are
+/// free of writers (`"consumer_released"`), or a prefill request's writes all
+/// drained (`"producer_released"`, with `outcome` `"done"`, `"failed"` or
+/// `"aborted"`).
+#[pyclass(module = "orbitkv._native", name = "RuntimeEvent", frozen, get_all)]
+#[derive(Debug, Clone)]
+pub struct PyRuntimeEvent {
+    /// `"consumer_completed"`, `"consumer_failed"`, `"consumer_released"` or `"producer_released"`.
+    kind: &'static str,
+    /// The P/D request ID.
+    request_id: String,
+    /// The consumer generation (consumer events only).
+    generation: Option<u64>,
+    /// Bytes that arrived (`consumer_completed` only).
+    bytes: Option<u64>,
+    /// `"done"`, `"failed"` or `"aborted"` (`producer_released` only).
+    outcome: Option<&'static str>,
+    /// Why (failures, aborts).
+    reason: Option<String>,
+}
+
+#[pymethods]
+impl PyRuntimeEvent {
+    fn __repr__(&self) -> String {
+        format!(
+            "RuntimeEvent(kind={:?}, request_id={:?}, generation={:?}, bytes={:?}, outcome={:?}, reason={:?})",
+            self.kind, self.request_id, self.generation, self.bytes, self.outcome, self.reason
+        )
+    }
+}
+
+fn outcome_name(o: Outcome) -> &'static str {
+    match o {
+        Outcome::Done => "done",
+        Outcome::Failed => "failed",
+        Outcome::Aborted => "aborted",
+    }
+}
+
+impl From<RuntimeEvent> for PyRuntimeEvent {
+    fn from(ev: RuntimeEvent) -> Self {
+        let base = |kind, request: RequestId| PyRuntimeEvent {
+            kind,
+            request_id: request.0,
+            generation: None,
+            bytes: None,
+            outcome: None,
+            reason: None,
+        };
+        match ev {
+            RuntimeEvent::ConsumerCompleted {
+                request,
+                generation,
+                bytes,
+            } => PyRuntimeEvent {
+                generation: Some(generation.0),
+                bytes: Some(bytes),
+                ..base("consumer_completed", request)
+            },
+            RuntimeEvent::ConsumerFailed {
+                request,
+                generation,
+                reason,
+            } => PyRuntimeEvent {
+                generation: Some(generation.0),
+                reason: Some(reason),
+                ..base("consumer_failed", request)
+            },
+            RuntimeEvent::ConsumerReleased { request, generation } => PyRuntimeEvent {
+                generation: Some(generation.0),
+                ..base("consumer_released", request)
+            },
+            RuntimeEvent::ProducerReleased {
+                request,
+                outcome,
+                reason,
+            } => PyRuntimeEvent {
+                outcome: Some(outcome_name(outcome)),
+                reason,
+                ..base("producer_released", request)
+            },
+        }
+    }
+}
+
+/// The request runtime of one rank.
+///
+/// `Runtime(engine, layout_json, *, consumer_timeout_s=120, handshake_timeout_s=120,
+/// write_timeout_s=30, max_bytes_in_flight_per_peer=1 GiB, notify_poll_ms=1)`.
+/// `layout_json` is this rank's KV geometry (see `docs/architecture.md`);
+/// its memory must be registered with `engine`.
+///
+/// Decode side: `consumer_open` → publish the returned handshake →
+/// `consumer_completed`/`consumer_failed` event → `consumer_release` →
+/// `consumer_released`. Prefill side: `producer_open`, `producer_handshake`
+/// (any order), `layer_ready` per computed layer, `producer_finish` or
+/// `producer_abort` → `producer_released` once every write drained.
+#[pyclass(module = "orbitkv._native", name = "Runtime", frozen)]
+pub struct PyRuntime {
+    inner: RwLock<Option<Arc<Runtime>>>,
+    endpoint: String,
+}
+
+impl PyRuntime {
+    fn rt(&self, py: Python<'_>) -> PyResult<Arc<Runtime>> {
+        self.inner
+            .read()
+            .clone()
+            .ok_or_else(|| runtime_error(py, RuntimeError::Stopped))
+    }
+}
+
+#[pymethods]
+impl PyRuntime {
+    #[new]
+    #[allow(clippy::too_many_arguments)] // mirrors the keyword-only Python signature
+    #[pyo3(signature = (engine, layout_json, *, consumer_timeout_s=120.0, handshake_timeout_s=120.0,
+        write_timeout_s=30.0, max_bytes_in_flight_per_peer=1_073_741_824, notify_poll_ms=1.0))]
+    fn new(
+        py: Python<'_>,
+        engine: &PyEngine,
+        layout_json: &str,
+        consumer_timeout_s: f64,
+        handshake_timeout_s: f64,
+        write_timeout_s: f64,
+        max_bytes_in_flight_per_peer: u64,
+        notify_poll_ms: f64,
+    ) -> PyResult<Self> {
+        let layout: KvLayout = serde_json::from_str(layout_json).map_err(|e| {
+            runtime_error(
+                py,
+                orbitkv::ProtocolError::Malformed {
+                    what: "layout",
+                    reason: e.to_string(),
+                }
+                .into(),
+            )
+        })?;
+        let cfg = RuntimeConfig {
+            consumer_timeout: seconds(py, "consumer_timeout_s", consumer_timeout_s)?,
+            handshake_timeout: seconds(py, "handshake_timeout_s", handshake_timeout_s)?,
+            write_timeout: seconds(py, "write_timeout_s", write_timeout_s)?,
+            max_bytes_in_flight_per_peer: max_bytes_in_flight_per_peer.max(1),
+            notify_poll: seconds(py, "notify_poll_ms", notify_poll_ms / 1000.0)?,
+        };
+        let transport = engine.transport(py)?;
+        let endpoint = transport.endpoint().to_string();
+        let rt = py
+            .detach(|| Runtime::start(transport, layout, cfg))
+            .map_err(|e| runtime_error(py, e))?;
+        Ok(Self {
+            inner: RwLock::new(Some(Arc::new(rt))),
+            endpoint,
+        })
+    }
+
+    /// This rank's Mooncake endpoint (`ip:port`).
+    #[getter]
+    fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    /// Decode side: authorizes `block_ids` for request blocks `first_block..`
+    /// of `request_id`, expecting the producers of a prefill instance of TP
+    /// size `producer_tp`. Returns the handshake (JSON) to send to them.
+    fn consumer_open(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        first_block: u32,
+        block_ids: Vec<u32>,
+        producer_tp: u32,
+    ) -> PyResult<String> {
+        let rt = self.rt(py)?;
+        rt.consumer_open(RequestId::new(request_id), first_block, block_ids, producer_tp)
+            .map(|h| h.to_json())
+            .map_err(|e| runtime_error(py, e))
+    }
+
+    /// Decode side: vLLM is done with the request; a `consumer_released`
+    /// event follows once no producer can write into its blocks.
+    fn consumer_release(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
+        self.rt(py)?
+            .consumer_release(&RequestId::new(request_id))
+            .map_err(|e| runtime_error(py, e))
+    }
+
+    /// Prefill side: opens the request with its source blocks (request order).
+    fn producer_open(&self, py: Python<'_>, request_id: &str, block_ids: Vec<u32>) -> PyResult<()> {
+        self.rt(py)?
+            .producer_open(RequestId::new(request_id), block_ids)
+            .map_err(|e| runtime_error(py, e))
+    }
+
+    /// Prefill side: appends source blocks (chunked prefill).
+    fn producer_add_blocks(&self, py: Python<'_>, request_id: &str, block_ids: Vec<u32>) -> PyResult<()> {
+        self.rt(py)?
+            .producer_add_blocks(&RequestId::new(request_id), block_ids)
+            .map_err(|e| runtime_error(py, e))
+    }
+
+    /// Prefill side: admits a consumer's handshake (JSON). Strict: a bad one
+    /// raises `HandshakeError`/`GeometryError` and changes nothing.
+    fn producer_handshake(&self, py: Python<'_>, handshake_json: &str) -> PyResult<()> {
+        self.rt(py)?
+            .producer_handshake_json(handshake_json)
+            .map_err(|e| runtime_error(py, e))
+    }
+
+    /// Prefill side: `layer` is computed for request blocks `[start, end)`.
+    /// Never waits for the transfer.
+    fn layer_ready(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        layer: u32,
+        start: u32,
+        end: u32,
+    ) -> PyResult<()> {
+        if end < start {
+            return Err(invalid_argument(
+                py,
+                format!("block range [{start}, {end}) is reversed"),
+            ));
+        }
+        self.rt(py)?
+            .layer_ready(&RequestId::new(request_id), layer, start..end)
+            .map_err(|e| runtime_error(py, e))
+    }
+
+    /// Prefill side: no more layers come; notify the consumer once drained.
+    fn producer_finish(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
+        self.rt(py)?
+            .producer_finish(&RequestId::new(request_id))
+            .map_err(|e| runtime_error(py, e))
+    }
+
+    /// Prefill side: stop; writes in flight still drain, then the consumer is
+    /// told the request was aborted.
+    fn producer_abort(&self, py: Python<'_>, request_id: &str, reason: &str) -> PyResult<()> {
+        self.rt(py)?
+            .producer_abort(&RequestId::new(request_id), reason)
+            .map_err(|e| runtime_error(py, e))
+    }
+
+    /// Every event since the last call.
+    fn poll_events(&self, py: Python<'_>) -> PyResult<Vec<PyRuntimeEvent>> {
+        Ok(self.rt(py)?.poll_events().into_iter().map(Into::into).collect())
+    }
+
+    /// Waits up to `timeout_s` for the next event (GIL released).
+    fn next_event(&self, py: Python<'_>, timeout_s: f64) -> PyResult<Option<PyRuntimeEvent>> {
+        let rt = self.rt(py)?;
+        let t = seconds(py, "timeout_s", timeout_s)?;
+        Ok(py.detach(|| rt.next_event(t)).map(Into::into))
+    }
+
+    /// `(consumers, producers)` with a live request actor (leak checks).
+    fn live_requests(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
+        Ok(self.rt(py)?.live_requests())
+    }
+
+    /// The runtime's counters.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.rt(py)?.stats();
+        let d = PyDict::new(py);
+        let v = serde_json::to_value(&s).map_err(|e| invalid_argument(py, e.to_string()))?;
+        if let Some(map) = v.as_object() {
+            for (k, v) in map {
+                d.set_item(k, v.as_u64().unwrap_or(0))?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// Stops the actors (writes in flight are abandoned). Idempotent.
+    fn shutdown(&self, py: Python<'_>) {
+        let rt = self.inner.write().take();
+        if let Some(rt) = rt {
+            py.detach(move || drop(rt));
+        }
+    }
+}

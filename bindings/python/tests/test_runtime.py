@@ -1,0 +1,144 @@
+"""`orbitkv.Runtime` from Python, against real Mooncake on 127.0.0.1: a
+producer rank streams layers of torch KV tensors into a consumer rank's
+authorized blocks; bytes are checked, unauthorized blocks untouched, and each
+runtime error surfaces as its own exception class."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import orbitkv
+
+LAYERS, BLOCKS, HEADS, BLOCK, HEAD_DIM = 3, 16, 2, 16, 8
+GUARD = -7.0
+
+
+def layout_json(caches: list[torch.Tensor]) -> str:
+    es = caches[0].element_size()
+    return json.dumps(
+        {
+            "num_blocks": BLOCKS,
+            "block_size": BLOCK,
+            "total_kv_heads": HEADS,
+            "tp_rank": 0,
+            "tp_size": 1,
+            "head_major": True,
+            "layers": [
+                {
+                    "planes": [
+                        {
+                            "base": t.data_ptr(),
+                            "block_stride": t.stride(0) * es,
+                            "block_bytes": t[0].numel() * es,
+                        }
+                    ]
+                }
+                for t in caches
+            ],
+        }
+    )
+
+
+class Rank:
+    """A rank with vLLM-CPU-shaped KV tensors [blocks, heads, block, 2*head_dim]."""
+
+    def __init__(self, fill: float | None) -> None:
+        self.engine = orbitkv.MooncakeTransferEngine()
+        if fill is None:
+            self.caches = [torch.randn(BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM) for _ in range(LAYERS)]
+        else:
+            self.caches = [torch.full((BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM), fill) for _ in range(LAYERS)]
+        for t in self.caches:
+            self.engine.register_memory(t)
+        self.runtime = orbitkv.Runtime(self.engine, layout_json(self.caches), consumer_timeout_s=20.0)
+
+    def close(self) -> None:
+        self.runtime.shutdown()
+        self.engine.close()
+
+
+@pytest.fixture
+def ranks() -> Iterator[tuple[Rank, Rank]]:
+    p, c = Rank(None), Rank(GUARD)
+    yield p, c
+    p.close()
+    c.close()
+
+
+def wait_event(rt: orbitkv.Runtime, kinds: set[str], timeout_s: float = 20.0) -> orbitkv.RuntimeEvent:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ev = rt.next_event(0.2)
+        if ev is not None and ev.kind in kinds:
+            return ev
+    raise AssertionError(f"no {kinds} event within {timeout_s}s")
+
+
+def test_layers_stream_into_authorized_blocks(ranks: tuple[Rank, Rank]) -> None:
+    p, c = ranks
+    src, dst = [0, 1, 2, 9], [4, 5, 6, 11]
+    hs = c.runtime.consumer_open("req-py", 0, dst, 1)
+    p.runtime.producer_open("req-py", src[:2])
+    p.runtime.layer_ready("req-py", 0, 0, 2)  # before the handshake: written on arrival
+    p.runtime.producer_handshake(hs)
+    p.runtime.producer_add_blocks("req-py", src[2:])
+    p.runtime.layer_ready("req-py", 0, 2, 4)
+    for layer in range(1, LAYERS):
+        p.runtime.layer_ready("req-py", layer, 0, 4)
+    p.runtime.producer_finish("req-py")
+
+    done = wait_event(p.runtime, {"producer_released"})
+    assert (done.outcome, done.request_id) == ("done", "req-py")
+    ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
+    assert ev.kind == "consumer_completed", ev
+    assert ev.bytes == LAYERS * len(src) * c.caches[0][0].numel() * 4
+    for layer in range(LAYERS):
+        for s, d in zip(src, dst):
+            assert torch.equal(c.caches[layer][d], p.caches[layer][s]), (layer, d)
+        untouched = [b for b in range(BLOCKS) if b not in dst]
+        assert bool((c.caches[layer][untouched] == GUARD).all()), f"layer {layer}: unauthorized block written"
+
+    c.runtime.consumer_release("req-py")
+    assert wait_event(c.runtime, {"consumer_released"}).request_id == "req-py"
+    assert c.runtime.live_requests() == (0, 0)
+    assert p.runtime.live_requests() == (0, 0)
+    assert p.runtime.stats()["bytes_written"] == ev.bytes
+
+
+def test_runtime_errors_are_typed_and_change_nothing(ranks: tuple[Rank, Rank]) -> None:
+    p, c = ranks
+    with pytest.raises(orbitkv.UnknownRequestError):
+        p.runtime.layer_ready("nobody", 0, 0, 1)
+    with pytest.raises(orbitkv.UnknownRequestError):
+        c.runtime.consumer_release("nobody")
+    with pytest.raises(orbitkv.HandshakeError):
+        p.runtime.producer_handshake('{"version": 1}')
+    with pytest.raises(orbitkv.HandshakeError):
+        p.runtime.producer_handshake("not json")
+    with pytest.raises(orbitkv.GeometryError):
+        c.runtime.consumer_open("r", 0, [BLOCKS], 1)  # outside the region
+    with pytest.raises(orbitkv.GeometryError):
+        c.runtime.consumer_open("r", 0, [1, 1], 1)  # listed twice
+    hs = json.loads(c.runtime.consumer_open("r", 0, [1, 2], 1))
+    with pytest.raises(orbitkv.DuplicateRequestError):
+        c.runtime.consumer_open("r", 0, [3], 1)
+    hs["layout"]["layers"].pop()  # wrong geometry: one layer fewer
+    with pytest.raises(orbitkv.GeometryError):
+        p.runtime.producer_handshake(json.dumps(hs))
+    with pytest.raises(orbitkv.InvalidArgumentError):
+        p.runtime.layer_ready("r", 0, 2, 1)
+    assert p.runtime.stats()["bytes_written"] == 0
+    assert bool(all((t == GUARD).all() for t in c.caches))
+
+
+def test_shutdown_is_idempotent_and_later_calls_raise(ranks: tuple[Rank, Rank]) -> None:
+    p, _ = ranks
+    p.runtime.shutdown()
+    p.runtime.shutdown()
+    with pytest.raises(orbitkv.RuntimeStoppedError):
+        p.runtime.producer_open("x", [0])
