@@ -117,9 +117,13 @@ pub fn check_version(lib: &MooncakeLibrary, allow: Option<&str>) -> TransportRes
 }
 
 /// Finds Mooncake. `explicit` wins over `ORBITKV_MOONCAKE_LIB`, which wins
-/// over the Python package. Also returns the libpython to load when the
-/// process has no Python runtime.
-pub fn locate(explicit: Option<&Path>) -> TransportResult<(MooncakeLibrary, Option<PathBuf>)> {
+/// over the Python package. With `want_libpython` (a process without a
+/// Python runtime) also returns the libpython to load; otherwise no Python
+/// interpreter is started when the library path is known.
+pub fn locate(
+    explicit: Option<&Path>,
+    want_libpython: bool,
+) -> TransportResult<(MooncakeLibrary, Option<PathBuf>)> {
     let mut searched = Vec::new();
     let env_lib = std::env::var_os("ORBITKV_MOONCAKE_LIB").map(PathBuf::from);
     let mut engine = None;
@@ -136,7 +140,7 @@ pub fn locate(explicit: Option<&Path>) -> TransportResult<(MooncakeLibrary, Opti
         }
     }
     let mut libpython = std::env::var_os("ORBITKV_LIBPYTHON").map(PathBuf::from);
-    let need_python_lookup = engine.is_none() || libpython.is_none();
+    let need_python_lookup = engine.is_none() || (want_libpython && libpython.is_none());
     if need_python_lookup {
         for py in python_candidates() {
             let Some((pkg, lib)) = ask_python(&py) else {
@@ -214,7 +218,7 @@ mod tests {
     fn explicit_path_without_engine_is_library_not_found() {
         let dir = std::env::temp_dir().join(format!("okv-empty-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let err = locate(Some(&dir)).unwrap_err();
+        let err = locate(Some(&dir), false).unwrap_err();
         assert!(matches!(err, TransportError::LibraryNotFound { .. }), "{err}");
         assert!(err.to_string().contains("ORBITKV_MOONCAKE_LIB"));
     }

@@ -53,10 +53,10 @@ pub fn load_mooncake(
 ) -> TransportResult<MooncakeLibrary> {
     LOADED
         .get_or_init(|| {
-            let (lib, libpython) = library::locate(explicit)?;
-            library::check_version(&lib, allow_version)?;
             // SAFETY: pure query of the process's symbol table.
             let has_python = unsafe { ffi::okv_process_has_python() } == 1;
+            let (lib, libpython) = library::locate(explicit, !has_python)?;
+            library::check_version(&lib, allow_version)?;
             let libpython = if has_python {
                 None
             } else {
