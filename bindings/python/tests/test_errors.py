@@ -194,7 +194,10 @@ def test_hierarchy():
     assert issubclass(errors.TransferTimeoutError, TimeoutError)
     assert issubclass(errors.InvalidArgumentError, ValueError)
     assert issubclass(errors.EngineClosedError, RuntimeError)
-    assert len(set(classes)) == len(classes) == 13
+    assert issubclass(errors.GeometryError, ValueError)
+    assert issubclass(errors.UnknownRequestError, KeyError)
+    assert issubclass(errors.RuntimeTimeoutError, TimeoutError)
+    assert len(set(classes)) == len(classes) == 22
 
 
 # --- loading Mooncake (fresh interpreters) ------------------------------------
