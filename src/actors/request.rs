@@ -3,6 +3,7 @@
 //! its pure state machine ([`super::state`]) and carries out the effects.
 //! Handlers stay thin; failures travel as messages.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,9 +16,11 @@ use super::router::NotificationRouter;
 use super::state::*;
 use super::stats::Stats;
 use super::writer::WriterPool;
+use crate::error::GeometryError;
 use crate::ids::{Generation, ProducerRank, RequestId};
 use crate::layout::KvLayout;
-use crate::wire::{Notice, WIRE_VERSION};
+use crate::transport::WriteRange;
+use crate::wire::{Handshake, Notice, WIRE_VERSION};
 
 // ------------------------------------------------------------------------
 // Consumer
@@ -196,8 +199,10 @@ impl ProducerActor {
     }
 
     fn feed(&mut self, ev: ProducerEvent, ctx: &mut Context<Self>) {
-        let mut queue = std::collections::VecDeque::from([ev]);
-        while let Some(ev) = queue.pop_front() {
+        // Follow-up events are rare: the queue allocates only when one comes.
+        let mut queue = std::collections::VecDeque::new();
+        let mut next = Some(ev);
+        while let Some(ev) = next.take().or_else(|| queue.pop_front()) {
             for fx in self.machine.on_event(ev) {
                 if let Some(follow) = self.apply(fx, ctx) {
                     queue.push_back(follow);
@@ -217,25 +222,12 @@ impl ProducerActor {
                 blocks,
                 auth,
             } => {
-                // Request blocks before `first_block` the consumer already
-                // holds; indices are shifted into the authorization's.
-                let first = auth.first_block;
-                let (lo, hi) = (blocks.start.max(first), blocks.end);
-                if lo >= hi {
-                    return Some(ProducerEvent::WriteDone {
-                        write,
-                        generation,
-                        bytes: 0,
-                    });
-                }
-                self.planned.clear();
-                let src = self.src_blocks.get(first as usize..).unwrap_or(&[]);
-                let planned = self.local.plan_layer(
-                    &auth.layout,
+                let planned = plan_write(
+                    &self.local,
+                    &self.src_blocks,
+                    &auth,
                     layer,
-                    src,
-                    &auth.block_ids,
-                    (lo - first)..(hi - first),
+                    blocks.clone(),
                     &mut self.planned,
                 );
                 if let Err(e) = planned {
@@ -255,18 +247,21 @@ impl ProducerActor {
                 }
                 let bytes = self.planned.iter().map(|r| r.len).sum();
                 tracing::debug!(
+                    write,
                     layer,
                     ?blocks,
                     ranges = self.planned.len(),
                     bytes,
                     "layer admitted"
                 );
+                let cap = self.planned.len();
                 self.writers.get(&auth.endpoint).do_send(WriteLayer {
                     request,
                     write,
                     generation,
                     layer,
-                    ranges: std::mem::take(&mut self.planned),
+                    // The next layer plans into a buffer of this size (no regrowth).
+                    ranges: std::mem::replace(&mut self.planned, Vec::with_capacity(cap)),
                     bytes,
                     done_to: ctx.address().recipient(),
                     failed_to: ctx.address().recipient(),
@@ -328,12 +323,14 @@ impl Actor for ProducerActor {
     }
 }
 
+/// A handler: a `msg` span (with `kind` and the given span fields) around
+/// feeding the event to the machine.
 macro_rules! producer_handler {
-    ($msg:ty, $kind:literal, |$m:ident| $ev:expr) => {
+    ($msg:ty, $kind:literal, |$m:ident| $ev:expr $(, $($field:tt)+)?) => {
         impl Handler<$msg> for ProducerActor {
             type Result = ();
             fn handle(&mut self, $m: $msg, ctx: &mut Context<Self>) {
-                let span = tracing::info_span!(parent: &self.span, "msg", kind = $kind);
+                let span = tracing::info_span!(parent: &self.span, "msg", kind = $kind $(, $($field)+)?);
                 let _g = span.enter();
                 self.feed($ev, ctx);
             }
@@ -354,28 +351,83 @@ impl Handler<SourceBlocksAdded> for ProducerActor {
 producer_handler!(
     HandshakeArrived,
     "HandshakeArrived",
-    |m| ProducerEvent::Handshake(m.0)
+    |m| ProducerEvent::Handshake(m.0),
+    generation = m.0.generation.0,
+    blocks = m.0.block_ids.len()
 );
-producer_handler!(LayerReady, "LayerReady", |m| ProducerEvent::LayerReady {
-    layer: m.layer,
-    blocks: m.blocks
-});
-producer_handler!(LayerWritten, "LayerWritten", |m| ProducerEvent::WriteDone {
-    write: m.write,
-    generation: m.generation,
-    bytes: m.bytes
-});
-producer_handler!(LayerWriteFailed, "LayerWriteFailed", |m| {
-    ProducerEvent::WriteFailed {
+producer_handler!(
+    LayerReady,
+    "LayerReady",
+    |m| ProducerEvent::LayerReady {
+        layer: m.layer,
+        blocks: m.blocks
+    },
+    layer = m.layer,
+    blocks = ?m.blocks
+);
+producer_handler!(
+    LayerWritten,
+    "LayerWritten",
+    |m| ProducerEvent::WriteDone {
         write: m.write,
         generation: m.generation,
-        reason: m.reason,
-    }
-});
+        bytes: m.bytes
+    },
+    write = m.write,
+    bytes = m.bytes
+);
+producer_handler!(
+    LayerWriteFailed,
+    "LayerWriteFailed",
+    |m| {
+        ProducerEvent::WriteFailed {
+            write: m.write,
+            generation: m.generation,
+            reason: m.reason,
+        }
+    },
+    write = m.write,
+    reason = %m.reason
+);
 producer_handler!(FinishRequest, "FinishRequest", |_m| ProducerEvent::Finish);
-producer_handler!(AbortRequest, "AbortRequest", |m| ProducerEvent::Abort {
-    reason: m.reason
-});
+producer_handler!(
+    AbortRequest,
+    "AbortRequest",
+    |m| ProducerEvent::Abort { reason: m.reason },
+    reason = %m.reason
+);
+
+/// Turns an admitted write (a `Submit`) into byte ranges inside `auth`, as
+/// the producer actor does before handing them to a layer writer. Pure, so
+/// the property test (`tests/contract_props.rs`) plans exactly as the actor
+/// does. Request blocks before `auth.first_block` the consumer already holds
+/// and are skipped; the rest are shifted into the authorization's indices.
+/// `Ok` with `out` empty: nothing to write. An index outside the
+/// authorization (or the source blocks) is an error, never a range.
+pub fn plan_write(
+    local: &KvLayout,
+    src_blocks: &[u32],
+    auth: &Handshake,
+    layer: u32,
+    blocks: Range<u32>,
+    out: &mut Vec<WriteRange>,
+) -> Result<(), GeometryError> {
+    out.clear();
+    let first = auth.first_block;
+    let (lo, hi) = (blocks.start.max(first), blocks.end);
+    if lo >= hi {
+        return Ok(());
+    }
+    let src = src_blocks.get(first as usize..).unwrap_or(&[]);
+    local.plan_layer(
+        &auth.layout,
+        layer,
+        src,
+        &auth.block_ids,
+        (lo - first)..(hi - first),
+        out,
+    )
+}
 
 /// A fresh generation: time-based, so a restarted consumer never reuses one.
 pub fn generation_seed() -> Generation {

@@ -85,13 +85,17 @@ impl std::fmt::Debug for Runtime {
 
 impl Runtime {
     /// Starts the actor system for a rank whose KV cache is `local`
-    /// (registered with `transport` by the caller).
+    /// (registered with `transport` by the caller). With `ORBITKV_TRACE=path`
+    /// set, the first runtime of a process installs a Chrome trace of the
+    /// actors ([`crate::trace`]); every runtime's shutdown rewrites the file.
     pub fn start(
         transport: Arc<dyn Transport>,
         local: KvLayout,
         cfg: RuntimeConfig,
     ) -> Result<Self, RuntimeError> {
         local.validate()?;
+        // `ORBITKV_TRACE=path`: record a Chrome trace (once per process).
+        crate::trace::init_from_env();
         let stats = Arc::new(Stats::default());
         let (boot_tx, boot_rx) = crossbeam_channel::bounded(1);
         let router_transport = transport.clone();
@@ -254,8 +258,12 @@ impl Runtime {
             .lock()
             .insert(request.clone(), src_blocks.clone());
         let addr = ProducerActor::start_in_arbiter(&self.arbiter, move |_| actor);
-        if let Some((h, _)) = self.parked.lock().remove(&request) {
-            addr.do_send(HandshakeArrived(h));
+        if let Some((h, at)) = self.parked.lock().remove(&request) {
+            // One parked past the handshake deadline is stale: its consumer
+            // may have failed and freed the blocks it names.
+            if at.elapsed() < self.cfg.handshake_timeout {
+                addr.do_send(HandshakeArrived(h));
+            }
         }
         producers.insert(request, addr);
         Ok(())
@@ -384,6 +392,7 @@ impl Runtime {
 
     /// Stops the actors and threads. Writes in flight are abandoned.
     pub fn shutdown(&mut self) {
+        let was_running = self.system_thread.is_some();
         self.writers.stop();
         self.system.stop();
         if let Some(t) = self.system_thread.take() {
@@ -393,6 +402,12 @@ impl Runtime {
         self.poller_stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.poller_thread.take() {
             let _ = t.join();
+        }
+        if was_running {
+            // A trace installed by `ORBITKV_TRACE` or `trace::ChromeTrace::install`.
+            if let Err(e) = crate::trace::flush() {
+                eprintln!("orbitkv: {e}");
+            }
         }
     }
 }

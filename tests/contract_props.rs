@@ -1,0 +1,1269 @@
+//! Property test of the safety contract over the pure state machines
+//! (`orbitkv::actors::state`): one [`ConsumerMachine`] per generation of a
+//! request ID and one or two [`ProducerMachine`]s, driven through random
+//! interleavings of handshake delivery (before or after layers, duplicated,
+//! stale), layer ready, write done or failed (any in-flight write, in any
+//! order), duplicate completions, finish, abort, timeouts on both sides,
+//! request-ID reuse (the consumer releases the request and authorizes it again
+//! under a new generation with new blocks, while old writes are in flight),
+//! and notices delivered late, twice, to a stale generation or from a rank the
+//! consumer does not expect.
+//!
+//! The model does what the actors do with each effect: a `Submit` is planned
+//! into byte ranges with the actor's own `orbitkv::actors::request::plan_write`
+//! (a refused plan becomes a failed write, an empty one a done write, as in
+//! `ProducerActor::apply`) and becomes an in-flight write in a pool the
+//! strategy picks from; a `Notify` becomes a pending notice that the
+//! `NotificationRouter` would deliver only to the consumer of its generation
+//! while that one is registered (else it is dropped and counted).
+//!
+//! Invariants, checked on every step:
+//! * (a) every `Submit` carries the authorization of its own generation,
+//!   exactly as delivered, and every byte range planned from it lies inside
+//!   that generation's authorized blocks and touches no block of another
+//!   generation (also checked when the write lands);
+//! * (b) a consumer completes only after every expected producer emitted
+//!   `Notify{Done}` for its generation and that notice reached it, and never
+//!   after a failed or aborted notice of its generation;
+//! * (c) a producer never notifies or releases while it has writes in flight;
+//! * (d) each producer releases (and notifies) at most once, and submits
+//!   nothing after releasing;
+//! * (e) a consumer generation never both completes and fails;
+//! * (f) a consumer frees its blocks (`Released`) while a write of its
+//!   generation is in flight only after a deadline (the documented limit);
+//! * stale, misrouted, foreign-rank and duplicate events change nothing.
+//!
+//! After the steps the model drains (writes complete, producers finish or
+//! time out, notices are delivered, consumers are released and time out) and
+//! checks that every producer and consumer released exactly once: nothing leaks.
+//!
+//! How 10,000 is reached: `contract_holds_over_10000_interleavings` runs
+//! proptest's `TestRunner` with `cases: 10_000`; every case is one generated
+//! interleaving (up to 64 steps plus the drain). The test counts the cases it
+//! ran and asserts the count is at least 10,000, and counts how often the
+//! interesting races happened (re-authorization with old writes in flight,
+//! router drops, duplicates, drains after an error...) and asserts each was
+//! exercised. The `broken_*` tests run the same model with a deliberately
+//! broken actor and assert the checker reports the violation, so this
+//! property test can fail.
+
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::ops::Range;
+use std::sync::Arc;
+
+use orbitkv::actors::request::plan_write;
+use orbitkv::actors::state::{
+    ConsumerEffect, ConsumerEvent, ConsumerMachine, ConsumerPhase, Dropped, ProducerEffect, ProducerEvent,
+    ProducerMachine, WriteId,
+};
+use orbitkv::wire::WIRE_VERSION;
+use orbitkv::{
+    Generation, Handshake, KvLayout, LayerGeometry, Outcome, Plane, ProducerRank, RequestId, WriteRange,
+};
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
+
+const LAYERS: u32 = 3;
+/// Blocks of the request (the producer's source blocks).
+const REQ_BLOCKS: u32 = 3;
+/// Generations of the request ID (the first one and up to 3 re-authorizations).
+const MAX_GENS: usize = 4;
+const HEADS: u32 = 4;
+/// Consumer block bytes (4 heads of 64 B); a producer of TP 2 holds 2 heads.
+const C_BLOCK: u64 = 256;
+const SRC_BLOCKS: [u32; REQ_BLOCKS as usize] = [4, 1, 2];
+
+type Check = Result<(), String>;
+
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err(format!($($fmt)+));
+        }
+    };
+}
+
+fn layout(base: u64, blocks: u32, block_bytes: u64, tp: (u32, u32)) -> KvLayout {
+    KvLayout {
+        num_blocks: blocks,
+        block_size: 16,
+        total_kv_heads: HEADS,
+        tp_rank: tp.0,
+        tp_size: tp.1,
+        head_major: true,
+        layers: (0..LAYERS as u64)
+            .map(|l| LayerGeometry {
+                planes: vec![Plane {
+                    base: base + l * blocks as u64 * block_bytes,
+                    block_stride: block_bytes,
+                    block_bytes,
+                }],
+            })
+            .collect(),
+    }
+}
+
+fn rid() -> RequestId {
+    RequestId::new("req-reused")
+}
+
+// ------------------------------------------------------------------ steps
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Deliver the handshake of generation `which` (mod generations so far) to producer `p`.
+    Handshake {
+        p: usize,
+        which: usize,
+    },
+    /// Prefill finished `layer` for request blocks `start..start+len` (clamped).
+    LayerReady {
+        p: usize,
+        layer: u32,
+        start: u32,
+        len: u32,
+    },
+    /// An in-flight write (any producer, any generation) ends.
+    Complete {
+        pick: usize,
+        ok: bool,
+    },
+    /// A completion for a write that already ended arrives again.
+    Replay {
+        pick: usize,
+        ok: bool,
+    },
+    Finish {
+        p: usize,
+    },
+    Abort {
+        p: usize,
+    },
+    /// The producer's deadline (the actor only fires it before a handshake; the
+    /// machine must be safe at any time).
+    ProducerTimeout {
+        p: usize,
+    },
+    /// vLLM releases the newest consumer generation and authorizes the same
+    /// request ID again: new generation, new blocks (shaped by `shape`),
+    /// optionally delivered to every producer at once.
+    Reauthorize {
+        rot: u32,
+        shape: Shape,
+        deliver: bool,
+    },
+    /// vLLM releases the newest consumer generation.
+    ConsumerRelease,
+    /// The router takes a pending notice (`keep`: it will arrive again, late).
+    Deliver {
+        pick: usize,
+        keep: bool,
+    },
+    /// A pending notice handed straight to the newest consumer, bypassing the router.
+    Misroute {
+        pick: usize,
+    },
+    /// A notice from a rank the consumer of generation `which` does not expect.
+    ForeignRank {
+        which: usize,
+        rank_off: u32,
+        outcome: u8,
+    },
+    ConsumerTimeout {
+        which: usize,
+    },
+}
+
+/// How a generation's authorization covers the request's blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    /// Every request block.
+    Full,
+    /// One block fewer than the request has: writing the last one is refused.
+    Short,
+    /// The consumer already holds request block 0 (prefix-cache hit):
+    /// `first_block` 1, blocks for request blocks 1.. only.
+    Prefix,
+}
+
+/// One generated interleaving: the producer count and the steps, each drawn
+/// as a plain `u64` and decoded by [`decode`] (cheap to generate and to shrink
+/// in a debug build; a failure prints the decoded steps).
+#[derive(Clone)]
+struct Case {
+    producers: usize,
+    steps: Vec<u64>,
+}
+
+impl Case {
+    fn ops(&self) -> Vec<Op> {
+        self.steps.iter().map(|&x| decode(x)).collect()
+    }
+}
+
+impl std::fmt::Debug for Case {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Case")
+            .field("producers", &self.producers)
+            .field("ops", &self.ops())
+            .finish()
+    }
+}
+
+/// Pulls bounded fields out of a `u64`.
+struct Bits(u64);
+
+impl Bits {
+    fn take(&mut self, n: u64) -> u64 {
+        let v = self.0 % n;
+        self.0 /= n;
+        v
+    }
+    fn index(&mut self) -> usize {
+        self.take(64) as usize
+    }
+    /// True with probability `pct` percent.
+    fn chance(&mut self, pct: u64) -> bool {
+        self.take(100) < pct
+    }
+}
+
+/// A step from its bits. The weights set how often each kind comes up.
+fn decode(x: u64) -> Op {
+    const WEIGHTS: [u64; 13] = [4, 6, 8, 1, 2, 1, 1, 3, 1, 7, 1, 1, 1];
+    let mut b = Bits(x);
+    let mut k = b.take(WEIGHTS.iter().sum());
+    let kind = WEIGHTS
+        .iter()
+        .position(|&w| {
+            if k < w {
+                true
+            } else {
+                k -= w;
+                false
+            }
+        })
+        .expect("k is below the sum of the weights");
+    match kind {
+        0 => Op::Handshake {
+            p: b.index(),
+            which: b.index(),
+        },
+        1 => Op::LayerReady {
+            p: b.index(),
+            layer: b.take(LAYERS as u64) as u32,
+            start: b.take(REQ_BLOCKS as u64) as u32,
+            len: b.take(REQ_BLOCKS as u64 + 1) as u32,
+        },
+        2 => Op::Complete {
+            pick: b.index(),
+            ok: b.chance(85),
+        },
+        3 => Op::Replay {
+            pick: b.index(),
+            ok: b.chance(50),
+        },
+        4 => Op::Finish { p: b.index() },
+        5 => Op::Abort { p: b.index() },
+        6 => Op::ProducerTimeout { p: b.index() },
+        7 => Op::Reauthorize {
+            rot: b.take(REQ_BLOCKS as u64) as u32,
+            shape: match b.take(8) {
+                0..=5 => Shape::Full,
+                6 => Shape::Short,
+                _ => Shape::Prefix,
+            },
+            deliver: b.chance(60),
+        },
+        8 => Op::ConsumerRelease,
+        9 => Op::Deliver {
+            pick: b.index(),
+            keep: b.chance(30),
+        },
+        10 => Op::Misroute { pick: b.index() },
+        11 => Op::ForeignRank {
+            which: b.index(),
+            rank_off: b.take(3) as u32,
+            outcome: b.take(3) as u8,
+        },
+        _ => Op::ConsumerTimeout { which: b.index() },
+    }
+}
+
+fn case() -> impl Strategy<Value = Case> {
+    (1..=2usize, prop::collection::vec(any::<u64>(), 0..64))
+        .prop_map(|(producers, steps)| Case { producers, steps })
+}
+
+// ------------------------------------------------------------------ model
+
+/// A deliberately broken actor, to show the checker catches each kind of bug.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mutation {
+    None,
+    /// A queued write is planned when it runs, with the producer's current
+    /// authorization instead of the one captured at admission.
+    PlanWithCurrentAuth,
+    /// A write error releases the producer at once, without waiting for drain.
+    ReleaseOnError,
+    /// The consumer publishes completion on the first producer's done.
+    CompleteOnFirstDone,
+}
+
+struct Gen {
+    handshake: Arc<Handshake>,
+    /// Some while registered with the router (until it emitted `Released`).
+    consumer: Option<ConsumerMachine>,
+    vllm_released: bool,
+    timed_out: bool,
+    completed: u32,
+    failed: u32,
+    released: u32,
+    /// Ranks that emitted `Notify{Done}` for this generation.
+    done_from: BTreeSet<u32>,
+    /// Ranks whose done notice of this generation reached its consumer.
+    done_delivered: BTreeSet<u32>,
+    /// A failed or aborted notice of this generation reached its consumer.
+    failure_delivered: bool,
+}
+
+struct Prod {
+    rank: u32,
+    machine: ProducerMachine,
+    layout: KvLayout,
+    delivered: BTreeMap<Generation, Arc<Handshake>>,
+    in_flight: BTreeSet<WriteId>,
+    notified: u32,
+    released: u32,
+}
+
+struct Write {
+    p: usize,
+    id: WriteId,
+    generation: Generation,
+    layer: u32,
+    blocks: Range<u32>,
+    ranges: Vec<WriteRange>,
+    bytes: u64,
+}
+
+#[derive(Debug, Clone)]
+struct Note {
+    generation: Generation,
+    rank: u32,
+    outcome: Outcome,
+    reason: Option<String>,
+    bytes: u64,
+}
+
+/// How often the interesting races happened (summed over all cases).
+#[derive(Debug, Default, Clone)]
+struct Coverage {
+    steps: u64,
+    /// A newer generation's handshake taken up while older writes were in flight.
+    reuse_races: u64,
+    /// An old-generation write that landed after its producer moved on.
+    old_writes_landed_after_reuse: u64,
+    router_drops: u64,
+    duplicates_delivered: u64,
+    misroutes: u64,
+    foreign_ranks: u64,
+    completions_replayed: u64,
+    refused_plans: u64,
+    /// A write failed while others of the same producer were still in flight.
+    errors_with_writes_in_flight: u64,
+    completed: u64,
+    failed: u64,
+    consumer_timeouts: u64,
+    released_by_deadline_with_writes_in_flight: u64,
+}
+
+struct Model {
+    mutation: Mutation,
+    consumer_layout: KvLayout,
+    expected: BTreeSet<ProducerRank>,
+    gens: Vec<Gen>,
+    prods: Vec<Prod>,
+    pool: Vec<Write>,
+    ended_writes: Vec<(usize, WriteId, Generation)>,
+    notices: Vec<Note>,
+    cov: Coverage,
+}
+
+impl Model {
+    fn new(producers: usize, mutation: Mutation) -> Self {
+        let consumer_layout = layout(0x9000_0000, REQ_BLOCKS * MAX_GENS as u32, C_BLOCK, (0, 1));
+        let prods = (0..producers as u32)
+            .map(|rank| {
+                let (tp, bb) = if producers == 1 {
+                    ((0, 1), C_BLOCK)
+                } else {
+                    ((rank, 2), C_BLOCK / 2)
+                };
+                Prod {
+                    rank,
+                    machine: ProducerMachine::new(rid()),
+                    layout: layout(0x1000_0000 * (rank as u64 + 1), REQ_BLOCKS + 2, bb, tp),
+                    delivered: BTreeMap::new(),
+                    in_flight: BTreeSet::new(),
+                    notified: 0,
+                    released: 0,
+                }
+            })
+            .collect();
+        let mut m = Self {
+            mutation,
+            consumer_layout,
+            expected: ConsumerMachine::expected_ranks(0, 1, producers as u32),
+            gens: Vec::new(),
+            prods,
+            pool: Vec::new(),
+            ended_writes: Vec::new(),
+            notices: Vec::new(),
+            cov: Coverage::default(),
+        };
+        m.open_generation(0, Shape::Full);
+        m
+    }
+
+    /// `consumer_open`: a new generation with new blocks (disjoint from every
+    /// other generation's, so a write into the wrong one is visible).
+    fn open_generation(&mut self, rot: u32, shape: Shape) {
+        let k = self.gens.len() as u32;
+        let (first_block, n) = match shape {
+            Shape::Full => (0, REQ_BLOCKS),
+            Shape::Short => (0, REQ_BLOCKS - 1),
+            Shape::Prefix => (1, REQ_BLOCKS - 1),
+        };
+        let blocks = (0..n).map(|i| k * REQ_BLOCKS + (i + rot) % REQ_BLOCKS).collect();
+        let generation = Generation(1_000 + 10 * k as u64);
+        let handshake = Arc::new(Handshake {
+            version: WIRE_VERSION,
+            request_id: rid(),
+            generation,
+            endpoint: "127.0.0.1:17001".into(),
+            expected_producers: self.expected.len() as u32,
+            first_block,
+            block_ids: blocks,
+            layout: self.consumer_layout.clone(),
+        });
+        handshake.validate().expect("the model's handshake is valid");
+        self.gens.push(Gen {
+            handshake,
+            consumer: Some(ConsumerMachine::new(rid(), generation, self.expected.clone())),
+            vllm_released: false,
+            timed_out: false,
+            completed: 0,
+            failed: 0,
+            released: 0,
+            done_from: BTreeSet::new(),
+            done_delivered: BTreeSet::new(),
+            failure_delivered: false,
+        });
+    }
+
+    fn gen_index(&self, g: Generation) -> Option<usize> {
+        self.gens.iter().position(|x| x.handshake.generation == g)
+    }
+
+    fn step(&mut self, op: &Op) -> Check {
+        self.cov.steps += 1;
+        let np = self.prods.len();
+        match *op {
+            Op::Handshake { p, which } => self.deliver_handshake(p % np, which % self.gens.len()),
+            Op::LayerReady { p, layer, start, len } => {
+                let end = (start + len).min(REQ_BLOCKS);
+                self.feed_producer(
+                    p % np,
+                    ProducerEvent::LayerReady {
+                        layer,
+                        blocks: start..end,
+                    },
+                )
+            }
+            Op::Complete { pick, ok } => self.complete(pick, ok),
+            Op::Replay { pick, ok } => {
+                if self.ended_writes.is_empty() {
+                    return Ok(());
+                }
+                let (p, write, generation) = self.ended_writes[pick % self.ended_writes.len()];
+                let ev = if ok {
+                    ProducerEvent::WriteDone {
+                        write,
+                        generation,
+                        bytes: 1,
+                    }
+                } else {
+                    ProducerEvent::WriteFailed {
+                        write,
+                        generation,
+                        reason: "late duplicate failure".into(),
+                    }
+                };
+                let fx = self.prods[p].machine.on_event(ev);
+                self.cov.completions_replayed += 1;
+                ensure!(
+                    fx.iter().all(|e| matches!(e, ProducerEffect::Dropped(_))),
+                    "a duplicate completion of write {write} changed producer {p}: {fx:?}"
+                );
+                Ok(())
+            }
+            Op::Finish { p } => self.feed_producer(p % np, ProducerEvent::Finish),
+            Op::Abort { p } => self.feed_producer(
+                p % np,
+                ProducerEvent::Abort {
+                    reason: "client went away".into(),
+                },
+            ),
+            Op::ProducerTimeout { p } => self.feed_producer(p % np, ProducerEvent::TimedOut),
+            Op::Reauthorize { rot, shape, deliver } => {
+                if self.gens.len() >= MAX_GENS {
+                    return Ok(());
+                }
+                let last = self.gens.len() - 1;
+                self.release_consumer(last)?;
+                self.open_generation(rot, shape);
+                if deliver {
+                    for p in 0..np {
+                        self.deliver_handshake(p, self.gens.len() - 1)?;
+                    }
+                }
+                Ok(())
+            }
+            Op::ConsumerRelease => self.release_consumer(self.gens.len() - 1),
+            Op::Deliver { pick, keep } => self.deliver_notice(pick, keep),
+            Op::Misroute { pick } => {
+                if self.notices.is_empty() {
+                    return Ok(());
+                }
+                let n = self.notices[pick % self.notices.len()].clone();
+                let Some(c) = self.gens.iter_mut().rev().find_map(|g| g.consumer.as_mut()) else {
+                    return Ok(());
+                };
+                if c.generation == n.generation {
+                    return Ok(());
+                }
+                let current = c.generation;
+                let fx = c.on_event(notice_event(&n));
+                self.cov.misroutes += 1;
+                ensure!(
+                    fx == vec![ConsumerEffect::Dropped(Dropped::StaleGeneration {
+                        got: n.generation,
+                        current
+                    })],
+                    "rule 2: a notice of {} reached the consumer of {current}: {fx:?}",
+                    n.generation
+                );
+                Ok(())
+            }
+            Op::ForeignRank {
+                which,
+                rank_off,
+                outcome,
+            } => {
+                let gi = which % self.gens.len();
+                let rank = self.expected.len() as u32 + rank_off;
+                let Some(c) = self.gens[gi].consumer.as_mut() else {
+                    return Ok(());
+                };
+                let n = Note {
+                    generation: c.generation,
+                    rank,
+                    outcome: [Outcome::Done, Outcome::Failed, Outcome::Aborted][outcome as usize % 3],
+                    reason: Some("forged".into()),
+                    bytes: 1,
+                };
+                let fx = c.on_event(notice_event(&n));
+                self.cov.foreign_ranks += 1;
+                ensure!(
+                    fx == vec![ConsumerEffect::Dropped(Dropped::UnexpectedRank(ProducerRank(
+                        rank
+                    )))],
+                    "rule 3: a notice from unexpected rank {rank} was acted on: {fx:?}"
+                );
+                Ok(())
+            }
+            Op::ConsumerTimeout { which } => {
+                let gi = which % self.gens.len();
+                if self.gens[gi].consumer.is_none() {
+                    return Ok(());
+                }
+                self.gens[gi].timed_out = true;
+                self.cov.consumer_timeouts += 1;
+                self.feed_consumer(gi, ConsumerEvent::TimedOut)
+            }
+        }
+    }
+
+    fn deliver_handshake(&mut self, p: usize, gi: usize) -> Check {
+        let h = self.gens[gi].handshake.clone();
+        let older_in_flight = match self.prods[p].machine.generation() {
+            Some(cur) if cur < h.generation => self.pool.iter().any(|w| w.p == p && w.generation == cur),
+            _ => false,
+        };
+        self.prods[p].delivered.insert(h.generation, h.clone());
+        self.feed_producer(p, ProducerEvent::Handshake(h.clone()))?;
+        if older_in_flight && self.prods[p].machine.generation() == Some(h.generation) {
+            self.cov.reuse_races += 1;
+        }
+        Ok(())
+    }
+
+    fn release_consumer(&mut self, gi: usize) -> Check {
+        let g = &mut self.gens[gi];
+        if g.vllm_released || g.consumer.is_none() {
+            return Ok(());
+        }
+        g.vllm_released = true;
+        self.feed_consumer(gi, ConsumerEvent::Release)
+    }
+
+    fn complete(&mut self, pick: usize, ok: bool) -> Check {
+        if self.pool.is_empty() {
+            return Ok(());
+        }
+        let mut w = self.pool.remove(pick % self.pool.len());
+        if self.mutation == Mutation::PlanWithCurrentAuth {
+            let prod = &self.prods[w.p];
+            if let Some(cur) = prod.machine.generation().and_then(|g| prod.delivered.get(&g)) {
+                let mut out = Vec::new();
+                if plan_write(
+                    &prod.layout,
+                    &SRC_BLOCKS,
+                    cur,
+                    w.layer,
+                    w.blocks.clone(),
+                    &mut out,
+                )
+                .is_ok()
+                {
+                    w.ranges = out;
+                }
+            }
+        }
+        // The bytes land now: they must still be inside their own authorization.
+        self.check_ranges(w.generation, w.layer, &w.ranges)?;
+        if self.prods[w.p].machine.generation() != Some(w.generation) {
+            self.cov.old_writes_landed_after_reuse += 1;
+        }
+        if !ok
+            && self.prods[w.p].machine.generation() == Some(w.generation)
+            && self.pool.iter().any(|o| o.p == w.p)
+        {
+            self.cov.errors_with_writes_in_flight += 1;
+        }
+        self.ended_writes.push((w.p, w.id, w.generation));
+        let ev = if ok {
+            ProducerEvent::WriteDone {
+                write: w.id,
+                generation: w.generation,
+                bytes: w.bytes,
+            }
+        } else {
+            ProducerEvent::WriteFailed {
+                write: w.id,
+                generation: w.generation,
+                reason: "peer reported a transfer error".into(),
+            }
+        };
+        self.feed_producer(w.p, ev)
+    }
+
+    fn deliver_notice(&mut self, pick: usize, keep: bool) -> Check {
+        if self.notices.is_empty() {
+            return Ok(());
+        }
+        let i = pick % self.notices.len();
+        let n = if keep {
+            self.cov.duplicates_delivered += 1;
+            self.notices[i].clone()
+        } else {
+            self.notices.remove(i)
+        };
+        // The router: delivered only to the registered consumer of its generation.
+        match self.gen_index(n.generation) {
+            Some(gi) if self.gens[gi].consumer.is_some() => self.feed_consumer(gi, notice_event(&n)),
+            _ => {
+                self.cov.router_drops += 1;
+                Ok(())
+            }
+        }
+    }
+
+    // ---- producer ------------------------------------------------------
+
+    fn feed_producer(&mut self, p: usize, ev: ProducerEvent) -> Check {
+        let mut queue = VecDeque::from([ev]);
+        while let Some(ev) = queue.pop_front() {
+            let failure = matches!(ev, ProducerEvent::WriteFailed { .. });
+            if let ProducerEvent::WriteDone { write, .. } | ProducerEvent::WriteFailed { write, .. } = &ev {
+                self.prods[p].in_flight.remove(write);
+            }
+            let mut fx = self.prods[p].machine.on_event(ev);
+            if self.mutation == Mutation::ReleaseOnError
+                && failure
+                && !fx.iter().any(|e| matches!(e, ProducerEffect::Release { .. }))
+                && self.prods[p].released == 0
+            {
+                fx.push(ProducerEffect::Release {
+                    outcome: Outcome::Failed,
+                    reason: Some("broken: released on error".into()),
+                });
+            }
+            for e in fx {
+                if let Some(follow) = self.apply_producer(p, e)? {
+                    queue.push_back(follow);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Carries out one producer effect as `ProducerActor::apply` does, checking
+    /// the invariants; may return an event to feed back.
+    fn apply_producer(&mut self, p: usize, e: ProducerEffect) -> Result<Option<ProducerEvent>, String> {
+        match e {
+            ProducerEffect::Submit {
+                write,
+                generation,
+                layer,
+                blocks,
+                auth,
+            } => {
+                let prod = &self.prods[p];
+                ensure!(
+                    prod.released == 0,
+                    "(d) producer {p} submitted write {write} after releasing"
+                );
+                ensure!(
+                    auth.generation == generation,
+                    "(a) write {write} of {generation} carries the authorization of {}",
+                    auth.generation
+                );
+                ensure!(
+                    prod.delivered.get(&generation).is_some_and(|h| **h == *auth),
+                    "(a) write {write} of {generation} carries an authorization never delivered for it"
+                );
+                let gi = self
+                    .gen_index(generation)
+                    .ok_or_else(|| format!("(a) write {write} under unknown {generation}"))?;
+                ensure!(
+                    *self.gens[gi].handshake == *auth,
+                    "(a) write {write} of {generation} does not carry that generation's authorization"
+                );
+                ensure!(
+                    self.prods[p].in_flight.insert(write),
+                    "producer {p} reused write id {write}"
+                );
+                // Planned exactly as `ProducerActor` plans a `Submit`.
+                let mut out = Vec::new();
+                let planned = plan_write(
+                    &self.prods[p].layout,
+                    &SRC_BLOCKS,
+                    &auth,
+                    layer,
+                    blocks.clone(),
+                    &mut out,
+                );
+                let authorized_end = auth.first_block as usize + auth.block_ids.len();
+                if blocks.end as usize > authorized_end && blocks.start.max(auth.first_block) < blocks.end {
+                    ensure!(
+                        planned.is_err() && out.is_empty(),
+                        "(a) request blocks {blocks:?} reach past the authorization of {generation} \
+                         (request blocks {}..{authorized_end}) but were planned",
+                        auth.first_block
+                    );
+                    self.cov.refused_plans += 1;
+                }
+                if let Err(err) = planned {
+                    return Ok(Some(ProducerEvent::WriteFailed {
+                        write,
+                        generation,
+                        reason: err.to_string(),
+                    }));
+                }
+                self.check_ranges(generation, layer, &out)?;
+                if out.is_empty() {
+                    return Ok(Some(ProducerEvent::WriteDone {
+                        write,
+                        generation,
+                        bytes: 0,
+                    }));
+                }
+                let bytes = out.iter().map(|r| r.len).sum();
+                self.pool.push(Write {
+                    p,
+                    id: write,
+                    generation,
+                    layer,
+                    blocks,
+                    ranges: out,
+                    bytes,
+                });
+                Ok(None)
+            }
+            ProducerEffect::Notify {
+                auth,
+                outcome,
+                reason,
+                bytes,
+            } => {
+                let prod = &mut self.prods[p];
+                ensure!(prod.released == 0, "(d) producer {p} notified after releasing");
+                prod.notified += 1;
+                ensure!(
+                    prod.notified == 1,
+                    "(d) producer {p} notified {} times",
+                    prod.notified
+                );
+                ensure!(
+                    prod.in_flight.is_empty(),
+                    "(c) producer {p} notified {outcome:?} with {} writes in flight",
+                    prod.in_flight.len()
+                );
+                ensure!(
+                    prod.delivered.get(&auth.generation).is_some_and(|h| **h == *auth),
+                    "producer {p} notified an authorization it was never given"
+                );
+                let rank = prod.rank;
+                let gi = self
+                    .gen_index(auth.generation)
+                    .expect("delivered generations exist");
+                if outcome == Outcome::Done {
+                    self.gens[gi].done_from.insert(rank);
+                }
+                self.notices.push(Note {
+                    generation: auth.generation,
+                    rank,
+                    outcome,
+                    reason,
+                    bytes,
+                });
+                Ok(None)
+            }
+            ProducerEffect::Release { outcome, .. } => {
+                let prod = &mut self.prods[p];
+                ensure!(
+                    prod.in_flight.is_empty(),
+                    "(c) producer {p} released ({outcome:?}) with {} writes in flight",
+                    prod.in_flight.len()
+                );
+                prod.released += 1;
+                ensure!(
+                    prod.released == 1,
+                    "(d) producer {p} released {} times",
+                    prod.released
+                );
+                Ok(None)
+            }
+            ProducerEffect::Dropped(_) => Ok(None),
+        }
+    }
+
+    /// (a) at byte level: every range lies in blocks authorized for
+    /// `generation` and touches no block of another generation.
+    fn check_ranges(&self, generation: Generation, layer: u32, ranges: &[WriteRange]) -> Check {
+        let gi = self
+            .gen_index(generation)
+            .ok_or_else(|| format!("(a) a write under unknown {generation}"))?;
+        let plane = self.consumer_layout.layers[layer as usize].planes[0];
+        let extent = |b: u32| (plane.block_addr(b), plane.block_addr(b) + plane.block_bytes);
+        for r in ranges {
+            let (lo, hi) = (r.dst, r.dst + r.len);
+            for (other, g) in self.gens.iter().enumerate().filter(|(i, _)| *i != gi) {
+                for &b in &g.handshake.block_ids {
+                    let (s, e) = extent(b);
+                    ensure!(
+                        hi <= s || lo >= e,
+                        "(a) a write of {generation} lands in block {b} of generation #{other} ({})",
+                        g.handshake.generation
+                    );
+                }
+            }
+            let mut pos = lo;
+            while pos < hi {
+                let next = self.gens[gi]
+                    .handshake
+                    .block_ids
+                    .iter()
+                    .map(|&b| extent(b))
+                    .find(|&(s, e)| s <= pos && pos < e)
+                    .map(|(_, e)| e);
+                let Some(e) = next else {
+                    return Err(format!(
+                        "(a) a write of {generation} lands at {pos:#x}, outside its authorized blocks"
+                    ));
+                };
+                pos = e.min(hi);
+            }
+        }
+        Ok(())
+    }
+
+    // ---- consumer ------------------------------------------------------
+
+    fn feed_consumer(&mut self, gi: usize, ev: ConsumerEvent) -> Check {
+        let gen = self.gens[gi].handshake.generation;
+        let (bad_notice, done_notice) = match &ev {
+            ConsumerEvent::Notice {
+                generation, outcome, ..
+            } if *generation == gen => (*outcome != Outcome::Done, *outcome == Outcome::Done),
+            _ => (false, false),
+        };
+        if bad_notice {
+            self.gens[gi].failure_delivered = true;
+        }
+        if let ConsumerEvent::Notice {
+            rank,
+            outcome: Outcome::Done,
+            ..
+        } = &ev
+        {
+            if done_notice && self.expected.contains(rank) {
+                self.gens[gi].done_delivered.insert(rank.0);
+            }
+        }
+        let Some(c) = self.gens[gi].consumer.as_mut() else {
+            return Err(format!("model bug: consumer #{gi} is not registered"));
+        };
+        let mut fx = c.on_event(ev);
+        if self.mutation == Mutation::CompleteOnFirstDone
+            && done_notice
+            && c.phase() == ConsumerPhase::Waiting
+            && fx.is_empty()
+        {
+            fx.push(ConsumerEffect::Completed { bytes: 0 });
+        }
+        for e in fx {
+            let g = &mut self.gens[gi];
+            match e {
+                ConsumerEffect::Completed { .. } => {
+                    let missing: Vec<_> = self
+                        .expected
+                        .iter()
+                        .filter(|r| !g.done_from.contains(&r.0) || !g.done_delivered.contains(&r.0))
+                        .collect();
+                    ensure!(
+                        missing.is_empty(),
+                        "(b) consumer of {gen} completed without a done notice (emitted by the \
+                         producer and delivered) from ranks {missing:?}"
+                    );
+                    ensure!(
+                        !g.failure_delivered,
+                        "(b) consumer of {gen} completed after a failed/aborted notice"
+                    );
+                    ensure!(g.failed == 0, "(e) consumer of {gen} completed after failing");
+                    g.completed += 1;
+                    ensure!(g.completed == 1, "consumer of {gen} completed twice");
+                    self.cov.completed += 1;
+                }
+                ConsumerEffect::Failed { .. } => {
+                    ensure!(g.completed == 0, "(e) consumer of {gen} failed after completing");
+                    g.failed += 1;
+                    ensure!(g.failed == 1, "consumer of {gen} failed twice");
+                    self.cov.failed += 1;
+                }
+                ConsumerEffect::Released => {
+                    g.released += 1;
+                    ensure!(g.released == 1, "consumer of {gen} released its blocks twice");
+                    let timed_out = g.timed_out;
+                    g.consumer = None; // the router forgets it
+                    let in_flight = self.pool.iter().filter(|w| w.generation == gen).count();
+                    if in_flight > 0 {
+                        ensure!(
+                            timed_out,
+                            "(f) consumer of {gen} freed its blocks with {in_flight} writes into them in flight"
+                        );
+                        self.cov.released_by_deadline_with_writes_in_flight += 1;
+                    }
+                }
+                ConsumerEffect::Dropped(_) => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Everything ends: writes land, producers finish (or time out without a
+    /// handshake, as the actor does), notices arrive, vLLM releases every
+    /// consumer and deadlines pass. Then nothing may be left held.
+    fn drain(&mut self) -> Check {
+        for _ in 0..4 {
+            while !self.pool.is_empty() {
+                self.complete(0, true)?;
+            }
+            for p in 0..self.prods.len() {
+                if self.prods[p].released == 0 {
+                    let ev = if self.prods[p].machine.has_handshake() {
+                        ProducerEvent::Finish
+                    } else {
+                        ProducerEvent::TimedOut
+                    };
+                    self.feed_producer(p, ev)?;
+                }
+            }
+            while !self.notices.is_empty() {
+                self.deliver_notice(0, false)?;
+            }
+        }
+        ensure!(self.pool.is_empty(), "writes still in flight after the drain");
+        for (p, prod) in self.prods.iter().enumerate() {
+            ensure!(
+                prod.released == 1,
+                "producer {p} never released (phase {}, {} in flight): source blocks leak",
+                prod.machine.phase().name(),
+                prod.machine.in_flight()
+            );
+        }
+        for gi in 0..self.gens.len() {
+            self.release_consumer(gi)?;
+            if self.gens[gi].consumer.is_some() {
+                self.gens[gi].timed_out = true;
+                self.feed_consumer(gi, ConsumerEvent::TimedOut)?;
+            }
+            if self.gens[gi].consumer.is_some() {
+                self.feed_consumer(gi, ConsumerEvent::TimedOut)?;
+            }
+            let g = &self.gens[gi];
+            ensure!(
+                g.consumer.is_none() && g.released == 1,
+                "consumer of {} never released its blocks (phase {:?})",
+                g.handshake.generation,
+                g.consumer.as_ref().map(|c| c.phase())
+            );
+        }
+        Ok(())
+    }
+}
+
+fn notice_event(n: &Note) -> ConsumerEvent {
+    ConsumerEvent::Notice {
+        generation: n.generation,
+        rank: ProducerRank(n.rank),
+        outcome: n.outcome,
+        reason: n.reason.clone(),
+        bytes: n.bytes,
+    }
+}
+
+fn run_case(c: &Case, mutation: Mutation) -> Result<Coverage, String> {
+    let mut m = Model::new(c.producers, mutation);
+    for (i, op) in c.ops().iter().enumerate() {
+        m.step(op).map_err(|e| format!("step {i} ({op:?}): {e}"))?;
+    }
+    m.drain().map_err(|e| format!("drain: {e}"))?;
+    Ok(m.cov)
+}
+
+fn runner(cases: u32) -> TestRunner {
+    TestRunner::new(Config {
+        cases,
+        failure_persistence: None,
+        max_shrink_iters: 512,
+        ..Config::default()
+    })
+}
+
+/// Runs `cases` interleavings with `mutation`; returns the coverage summed
+/// over them, or the (shrunk) failing case and its message.
+fn explore(cases: u32, mutation: Mutation) -> Result<(u64, Coverage), (String, Case)> {
+    let total = RefCell::new((0u64, Coverage::default()));
+    let r = runner(cases).run(&case(), |c| {
+        let cov = run_case(&c, mutation).map_err(TestCaseError::fail)?;
+        let mut t = total.borrow_mut();
+        t.0 += 1;
+        let s = &mut t.1;
+        s.steps += cov.steps;
+        s.reuse_races += cov.reuse_races;
+        s.old_writes_landed_after_reuse += cov.old_writes_landed_after_reuse;
+        s.router_drops += cov.router_drops;
+        s.duplicates_delivered += cov.duplicates_delivered;
+        s.misroutes += cov.misroutes;
+        s.foreign_ranks += cov.foreign_ranks;
+        s.completions_replayed += cov.completions_replayed;
+        s.refused_plans += cov.refused_plans;
+        s.errors_with_writes_in_flight += cov.errors_with_writes_in_flight;
+        s.completed += cov.completed;
+        s.failed += cov.failed;
+        s.consumer_timeouts += cov.consumer_timeouts;
+        s.released_by_deadline_with_writes_in_flight += cov.released_by_deadline_with_writes_in_flight;
+        Ok(())
+    });
+    match r {
+        Ok(()) => Ok(total.into_inner()),
+        Err(TestError::Fail(why, c)) => Err((why.to_string(), c)),
+        Err(TestError::Abort(why)) => Err((
+            format!("aborted: {why}"),
+            Case {
+                producers: 0,
+                steps: vec![],
+            },
+        )),
+    }
+}
+
+#[test]
+fn contract_holds_over_10000_interleavings() {
+    let started = std::time::Instant::now();
+    let (cases, cov) = match explore(10_000, Mutation::None) {
+        Ok(x) => x,
+        Err((why, c)) => panic!("contract violated: {why}\nminimal interleaving: {c:#?}"),
+    };
+    println!(
+        "{cases} interleavings in {:?}, coverage: {cov:#?}",
+        started.elapsed()
+    );
+    assert!(cases >= 10_000, "ran only {cases} interleavings");
+    // The generator must reach the races the contract is about.
+    let floors = [
+        ("re-authorization with old writes in flight", cov.reuse_races),
+        (
+            "old writes landing after re-authorization",
+            cov.old_writes_landed_after_reuse,
+        ),
+        ("notices dropped by the router", cov.router_drops),
+        ("notices delivered twice", cov.duplicates_delivered),
+        ("misrouted notices", cov.misroutes),
+        ("foreign-rank notices", cov.foreign_ranks),
+        ("replayed completions", cov.completions_replayed),
+        ("plans refused by the authorization", cov.refused_plans),
+        (
+            "write errors with writes in flight",
+            cov.errors_with_writes_in_flight,
+        ),
+        ("consumer completions", cov.completed),
+        ("consumer failures", cov.failed),
+        ("consumer timeouts", cov.consumer_timeouts),
+    ];
+    for (what, n) in floors {
+        assert!(
+            n >= 100,
+            "only {n} cases of {what}: the generator no longer covers it"
+        );
+    }
+}
+
+// ------------------------------------------------------ the checker bites
+
+fn expect_caught(mutation: Mutation, rule: &str) {
+    match explore(3_000, mutation) {
+        Ok((n, _)) => panic!("{mutation:?}: {n} interleavings and the checker saw nothing"),
+        Err((why, c)) => {
+            println!("{mutation:?} caught: {why}\nminimal interleaving: {c:?}");
+            assert!(
+                why.contains(rule),
+                "{mutation:?}: expected a {rule} violation, got: {why}"
+            );
+        }
+    }
+}
+
+#[test]
+fn broken_writer_that_plans_with_the_current_authorization_is_caught() {
+    expect_caught(Mutation::PlanWithCurrentAuth, "(a)");
+}
+
+#[test]
+fn broken_producer_that_releases_on_error_is_caught() {
+    expect_caught(Mutation::ReleaseOnError, "(c)");
+}
+
+#[test]
+fn broken_consumer_that_completes_on_first_done_is_caught() {
+    expect_caught(Mutation::CompleteOnFirstDone, "(b)");
+}
+
+/// Fabricated effects, one per invariant, fed straight to the checker.
+#[test]
+fn checker_rejects_fabricated_violations() {
+    let mut m = Model::new(2, Mutation::None);
+    m.deliver_handshake(0, 0).unwrap();
+    m.step(&Op::Reauthorize {
+        rot: 1,
+        shape: Shape::Full,
+        deliver: true,
+    })
+    .unwrap();
+    let (old, new) = (m.gens[0].handshake.clone(), m.gens[1].handshake.clone());
+
+    // (a) an old-generation write carrying the new authorization.
+    let err = m
+        .apply_producer(
+            0,
+            ProducerEffect::Submit {
+                write: 99,
+                generation: old.generation,
+                layer: 0,
+                blocks: 0..1,
+                auth: new.clone(),
+            },
+        )
+        .unwrap_err();
+    assert!(err.starts_with("(a)"), "{err}");
+    // (a) bytes of the old generation landing in the new blocks.
+    let plane = m.consumer_layout.layers[0].planes[0];
+    let err = m
+        .check_ranges(
+            old.generation,
+            0,
+            &[WriteRange {
+                src: 0x1000,
+                dst: plane.block_addr(new.block_ids[0]),
+                len: 64,
+            }],
+        )
+        .unwrap_err();
+    assert!(err.contains("lands in block"), "{err}");
+
+    // (c) a release while a write is in flight.
+    m.step(&Op::LayerReady {
+        p: 1,
+        layer: 0,
+        start: 0,
+        len: 1,
+    })
+    .unwrap();
+    assert_eq!(m.prods[1].in_flight.len(), 1);
+    let err = m
+        .apply_producer(
+            1,
+            ProducerEffect::Release {
+                outcome: Outcome::Failed,
+                reason: None,
+            },
+        )
+        .unwrap_err();
+    assert!(err.starts_with("(c)"), "{err}");
+
+    // (d) a second release.
+    let mut m2 = Model::new(1, Mutation::None);
+    let release = ProducerEffect::Release {
+        outcome: Outcome::Aborted,
+        reason: None,
+    };
+    m2.apply_producer(0, release.clone()).unwrap();
+    let err = m2.apply_producer(0, release).unwrap_err();
+    assert!(err.starts_with("(d)"), "{err}");
+
+    // (b) a completion with one of two producers done; (e) failure after completion.
+    let mut m3 = Model::new(2, Mutation::CompleteOnFirstDone);
+    m3.gens[0].done_from.insert(0);
+    let err = m3
+        .feed_consumer(
+            0,
+            notice_event(&Note {
+                generation: m3.gens[0].handshake.generation,
+                rank: 0,
+                outcome: Outcome::Done,
+                reason: None,
+                bytes: 1,
+            }),
+        )
+        .unwrap_err();
+    assert!(err.starts_with("(b)"), "{err}");
+    let mut m4 = Model::new(1, Mutation::None);
+    m4.gens[0].completed = 1;
+    m4.gens[0].timed_out = true;
+    let err = m4.feed_consumer(0, ConsumerEvent::TimedOut).unwrap_err();
+    assert!(err.starts_with("(e)"), "{err}");
+}
