@@ -9,11 +9,13 @@
 //! * [`wire`]: the versioned handshake and notification.
 //! * [`actors`]: the request runtime and its pure state machines.
 //! * [`error`]: typed errors.
+//! * [`trace`]: Chrome trace (Perfetto) export of the actors' spans (`ORBITKV_TRACE=path`).
 
 pub mod actors;
 pub mod error;
 pub mod ids;
 pub mod layout;
+pub mod trace;
 pub mod transport;
 pub mod wire;
 

@@ -96,6 +96,8 @@ struct Pending {
     bytes: u64,
     done_to: Recipient<LayerWritten>,
     failed_to: Recipient<LayerWriteFailed>,
+    /// The write in flight, for the trace (closed when the batch ends).
+    span: tracing::Span,
 }
 
 /// Writes to one peer. Bounds the bytes it has in flight; queues the rest.
@@ -114,9 +116,14 @@ pub struct LayerWriter {
 
 impl LayerWriter {
     fn submit(&mut self, msg: WriteLayer, ctx: &mut Context<Self>) {
-        let span = tracing::debug_span!("write_layer", request = %msg.request, layer = msg.layer,
-            generation = msg.generation.0, ranges = msg.ranges.len(), bytes = msg.bytes);
+        let span = tracing::debug_span!("write_layer", request = %msg.request, write = msg.write,
+            layer = msg.layer, generation = msg.generation.0, peer = %self.peer,
+            ranges = msg.ranges.len(), bytes = msg.bytes);
         let _g = span.enter();
+        // Submit to completion; never entered, so an async slice in a trace.
+        let in_flight = tracing::debug_span!(parent: None, "write", request = %msg.request,
+            write = msg.write, layer = msg.layer, generation = msg.generation.0, peer = %self.peer,
+            bytes = msg.bytes, result = tracing::field::Empty);
         match self.transport.submit_write(&self.peer, &msg.ranges) {
             Ok(handle) => {
                 let token = self.next_token;
@@ -131,6 +138,7 @@ impl LayerWriter {
                         bytes: msg.bytes,
                         done_to: msg.done_to,
                         failed_to: msg.failed_to,
+                        span: in_flight,
                     },
                 );
                 let job = PollJob {
@@ -152,6 +160,7 @@ impl LayerWriter {
             }
             Err(e) => {
                 self.stats.writes_failed.inc();
+                in_flight.record("result", "submit failed");
                 tracing::warn!(peer = %self.peer, error = %e, "submit failed");
                 msg.failed_to.do_send(LayerWriteFailed {
                     request: msg.request,
@@ -193,6 +202,13 @@ impl Handler<BatchFinished> for LayerWriter {
             return;
         };
         self.in_flight -= p.bytes;
+        p.span.record(
+            "result",
+            match &msg.result {
+                Ok(_) => "ok",
+                Err(_) => "failed",
+            },
+        );
         match msg.result {
             Ok(bytes) => {
                 self.stats.bytes_written.add(bytes);
@@ -224,7 +240,7 @@ impl Handler<SendNotice> for LayerWriter {
     fn handle(&mut self, msg: SendNotice, _ctx: &mut Context<Self>) {
         let n = msg.0;
         let _g = tracing::debug_span!("send_notice", request = %n.request_id, generation = n.generation.0,
-            outcome = ?n.outcome)
+            outcome = ?n.outcome, peer = %self.peer)
         .entered();
         match self
             .transport

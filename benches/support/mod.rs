@@ -1,0 +1,327 @@
+//! Shared by the runtime benchmarks (`benches/runtime.rs`,
+//! `benches/runtime_memory.rs`): [`InstantTransport`], a transport **test
+//! double** that completes every write at once and moves no bytes, so the
+//! benchmarks measure the runtime's own CPU and memory, not Mooncake; and a
+//! few helpers (KV geometry, process CPU clock, RSS).
+
+#![allow(dead_code)]
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use orbitkv::{
+    BatchHandle, BatchState, KvLayout, LayerGeometry, Notification, Plane, Runtime, RuntimeConfig, Transport,
+    TransportResult, WriteRange,
+};
+use parking_lot::Mutex;
+
+/// A transport test double: `submit_write` records when it was called and
+/// returns a batch that `poll` reports complete at once; notifications are
+/// served from a queue the benchmark fills.
+pub struct InstantTransport {
+    endpoint: String,
+    base: Instant,
+    next_id: AtomicU64,
+    submits: AtomicU64,
+    /// ns after `base` of the latest `submit_write`.
+    last_submit_ns: AtomicU64,
+    notices_sent: AtomicU64,
+    inbox: Mutex<VecDeque<Notification>>,
+    /// While set, `poll` says in flight (completions wait for the release).
+    hold: AtomicBool,
+}
+
+impl InstantTransport {
+    pub fn new(endpoint: &str) -> Arc<Self> {
+        Arc::new(Self {
+            endpoint: endpoint.into(),
+            base: Instant::now(),
+            next_id: AtomicU64::new(1),
+            submits: AtomicU64::new(0),
+            last_submit_ns: AtomicU64::new(0),
+            notices_sent: AtomicU64::new(0),
+            inbox: Mutex::new(VecDeque::new()),
+            hold: AtomicBool::new(false),
+        })
+    }
+
+    /// Holds every batch in flight (`true`) or lets them complete (`false`).
+    pub fn hold(&self, on: bool) {
+        self.hold.store(on, Ordering::Release);
+    }
+
+    /// `submit_write` calls so far.
+    pub fn submits(&self) -> u64 {
+        self.submits.load(Ordering::Acquire)
+    }
+
+    /// When the latest `submit_write` was called.
+    pub fn last_submit(&self) -> Instant {
+        self.base + Duration::from_nanos(self.last_submit_ns.load(Ordering::Acquire))
+    }
+
+    /// Spins until `submit_write` was called `n` times in all.
+    pub fn wait_submits(&self, n: u64) {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.submits() < n {
+            assert!(
+                Instant::now() < deadline,
+                "stuck at {} of {n} submits",
+                self.submits()
+            );
+            std::hint::spin_loop();
+        }
+    }
+
+    /// Queues notifications for the router's next `take_notifications`.
+    pub fn deliver(&self, list: impl IntoIterator<Item = Notification>) {
+        self.inbox.lock().extend(list);
+    }
+}
+
+impl Transport for InstantTransport {
+    fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+
+    fn submit_write(&self, peer: &str, ranges: &[WriteRange]) -> TransportResult<BatchHandle> {
+        let ns = self.base.elapsed().as_nanos() as u64;
+        self.last_submit_ns.store(ns, Ordering::Release);
+        let bytes = ranges.iter().map(|r| r.len).sum();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let handle = BatchHandle::new(id, peer, ranges.len(), bytes);
+        self.submits.fetch_add(1, Ordering::Release);
+        Ok(handle)
+    }
+
+    fn poll(&self, handle: &mut BatchHandle) -> TransportResult<BatchState> {
+        if self.hold.load(Ordering::Acquire) {
+            return Ok(BatchState::InFlight);
+        }
+        Ok(BatchState::Completed { bytes: handle.bytes })
+    }
+
+    fn send_notification(&self, _peer: &str, _name: &str, _message: &[u8]) -> TransportResult<()> {
+        self.notices_sent.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn take_notifications(&self) -> TransportResult<Vec<Notification>> {
+        let mut inbox = self.inbox.lock();
+        Ok(inbox.drain(..).collect())
+    }
+}
+
+/// A Llama-3-8B-like KV cache at fake addresses (the double never touches
+/// them): 32 layers, K and V as two planes, 32 KiB per block per plane
+/// (16 tokens x 8 KV heads x 128 dims x fp16), `num_blocks` blocks.
+pub fn layout(base: u64, num_blocks: u32) -> KvLayout {
+    const BLOCK: u64 = 32 << 10;
+    let plane_bytes = num_blocks as u64 * BLOCK;
+    KvLayout {
+        num_blocks,
+        block_size: 16,
+        total_kv_heads: 8,
+        tp_rank: 0,
+        tp_size: 1,
+        head_major: true,
+        layers: (0..32u64)
+            .map(|l| LayerGeometry {
+                planes: (0..2u64)
+                    .map(|p| Plane {
+                        base: base + (2 * l + p) * plane_bytes,
+                        block_stride: BLOCK,
+                        block_bytes: BLOCK,
+                    })
+                    .collect(),
+            })
+            .collect(),
+    }
+}
+
+pub const NUM_BLOCKS: u32 = 8192;
+/// Blocks per request: 2,048 tokens.
+pub const REQUEST_BLOCKS: u32 = 128;
+
+/// Request `i`'s blocks as a paged allocator leaves them: runs of `run`
+/// contiguous blocks at scattered places (`run` a power of two; an odd
+/// multiplier permutes the run slots, so a request's runs are distinct).
+pub fn scattered_blocks(i: u32, run: u32, mult: u32) -> Vec<u32> {
+    let runs = REQUEST_BLOCKS / run;
+    let slots = NUM_BLOCKS / run;
+    (0..runs)
+        .flat_map(|r| {
+            let slot = (i.wrapping_mul(runs) + r).wrapping_mul(mult | 1) % slots;
+            (0..run).map(move |k| slot * run + k)
+        })
+        .collect()
+}
+
+/// A producer and a consumer runtime over [`InstantTransport`]s.
+pub struct Pair {
+    pub producer: Runtime,
+    pub consumer: Runtime,
+    pub p_transport: Arc<InstantTransport>,
+    pub c_transport: Arc<InstantTransport>,
+}
+
+pub fn pair() -> Pair {
+    let p_transport = InstantTransport::new("127.0.0.1:10001");
+    let c_transport = InstantTransport::new("127.0.0.1:10002");
+    let cfg = RuntimeConfig {
+        consumer_timeout: Duration::from_secs(3600),
+        handshake_timeout: Duration::from_secs(3600),
+        ..RuntimeConfig::default()
+    };
+    let producer = Runtime::start(
+        p_transport.clone(),
+        layout(0x1000_0000_0000, NUM_BLOCKS),
+        cfg.clone(),
+    )
+    .expect("producer runtime");
+    let consumer = Runtime::start(c_transport.clone(), layout(0x2000_0000_0000, NUM_BLOCKS), cfg)
+        .expect("consumer runtime");
+    Pair {
+        producer,
+        consumer,
+        p_transport,
+        c_transport,
+    }
+}
+
+/// Whether this is a measuring run (`cargo bench` passes `--bench`); under
+/// `cargo test --all-targets` the benchmarks run once, small, as a smoke test.
+pub fn measuring() -> bool {
+    std::env::args().any(|a| a == "--bench")
+}
+
+// ---------------------------------------------------------------- clocks
+
+#[repr(C)]
+struct Timespec {
+    tv_sec: i64,
+    tv_nsec: i64,
+}
+
+extern "C" {
+    fn clock_gettime(clock: i32, ts: *mut Timespec) -> i32;
+    fn sysconf(name: i32) -> i64;
+}
+
+const CLOCK_PROCESS_CPUTIME_ID: i32 = 2;
+
+fn clock(id: i32) -> Option<Duration> {
+    let mut ts = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; Linux x86_64/aarch64 layout.
+    let rc = unsafe { clock_gettime(id, &mut ts) };
+    (rc == 0).then(|| Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32))
+}
+
+/// The CPU clocks of this process's threads, except those named in
+/// `exclude`, read with `clock_gettime` on each thread's CPU clock id (the
+/// kernel's `MAKE_THREAD_CPUCLOCK(tid, CPUCLOCK_SCHED)`, what glibc's
+/// `pthread_getcpuclockid` returns).
+pub struct ThreadClocks {
+    pub names: Vec<String>,
+    ids: Vec<i32>,
+}
+
+impl ThreadClocks {
+    /// Every thread but the calling one and those whose name starts with
+    /// one of `exclude`.
+    pub fn new(exclude: &[&str]) -> Self {
+        let me = std::fs::read_link("/proc/thread-self").ok().and_then(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .and_then(|n| n.parse::<i32>().ok())
+        });
+        let (mut names, mut ids) = (Vec::new(), Vec::new());
+        for task in std::fs::read_dir("/proc/self/task")
+            .expect("/proc/self/task")
+            .flatten()
+        {
+            let comm = std::fs::read_to_string(task.path().join("comm")).unwrap_or_default();
+            let comm = comm.trim().to_string();
+            let Some(tid) = task.file_name().to_str().and_then(|t| t.parse::<i32>().ok()) else {
+                continue;
+            };
+            if Some(tid) == me || exclude.iter().any(|e| comm.starts_with(e)) {
+                continue;
+            }
+            names.push(comm);
+            ids.push((!tid << 3) | 6);
+        }
+        Self { names, ids }
+    }
+
+    /// CPU time of each thread (in the order of [`Self::names`]).
+    pub fn each(&self) -> Vec<Duration> {
+        self.ids.iter().map(|&id| clock(id).unwrap_or_default()).collect()
+    }
+}
+const SC_PAGESIZE: i32 = 30;
+
+/// CPU time of the calling thread so far.
+pub fn thread_cpu_now() -> Duration {
+    clock(3).expect("CLOCK_THREAD_CPUTIME_ID")
+}
+
+/// CPU time of the whole process (every thread) so far.
+pub fn process_cpu() -> Duration {
+    let mut ts = Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; Linux x86_64/aarch64 layout.
+    let rc = unsafe { clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
+    assert_eq!(rc, 0, "clock_gettime");
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+/// Resident set size from `/proc/self/statm`, in bytes.
+pub fn rss_bytes() -> u64 {
+    let statm = std::fs::read_to_string("/proc/self/statm").expect("/proc/self/statm");
+    let pages: u64 = statm
+        .split_whitespace()
+        .nth(1)
+        .and_then(|v| v.parse().ok())
+        .expect("resident pages");
+    // SAFETY: sysconf has no preconditions.
+    let page = unsafe { sysconf(SC_PAGESIZE) };
+    pages * page.max(4096) as u64
+}
+
+/// Per thread name: (CPU ns from `/proc/self/task/*/schedstat`, voluntary
+/// and involuntary context switches from `status`).
+pub fn thread_cpu() -> std::collections::BTreeMap<String, (u64, u64, u64)> {
+    let mut out = std::collections::BTreeMap::new();
+    for task in std::fs::read_dir("/proc/self/task")
+        .expect("/proc/self/task")
+        .flatten()
+    {
+        let p = task.path();
+        let comm = std::fs::read_to_string(p.join("comm")).unwrap_or_default();
+        let ns: u64 = std::fs::read_to_string(p.join("schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+            .unwrap_or(0);
+        let status = std::fs::read_to_string(p.join("status")).unwrap_or_default();
+        let switches = |key: &str| -> u64 {
+            status
+                .lines()
+                .find(|l| l.starts_with(key))
+                .and_then(|l| l.split_whitespace().nth(1).and_then(|v| v.parse().ok()))
+                .unwrap_or(0)
+        };
+        let e = out.entry(comm.trim().to_string()).or_insert((0, 0, 0));
+        e.0 += ns;
+        e.1 += switches("voluntary_ctxt_switches:");
+        e.2 += switches("nonvoluntary_ctxt_switches:");
+    }
+    out
+}

@@ -1,0 +1,82 @@
+//! `ORBITKV_TRACE=path` alone turns the actor trace on: the first
+//! `Runtime::start` of the process installs it and the runtime's shutdown
+//! writes the file. (Its own file: a process has one global subscriber.)
+//!
+//! The transport here is a test double that refuses every write: the
+//! request below is aborted before any write, so none is attempted.
+
+use std::sync::Arc;
+
+use orbitkv::{
+    BatchHandle, BatchState, KvLayout, LayerGeometry, Notification, Plane, RequestId, Runtime, RuntimeConfig,
+    RuntimeEvent, Transport, TransportError, TransportResult, WriteRange,
+};
+
+/// A transport test double with nothing behind it.
+struct NullTransport;
+
+impl Transport for NullTransport {
+    fn endpoint(&self) -> &str {
+        "127.0.0.1:1"
+    }
+    fn submit_write(&self, _peer: &str, _ranges: &[WriteRange]) -> TransportResult<BatchHandle> {
+        Err(TransportError::InvalidArgument("null transport".into()))
+    }
+    fn poll(&self, _handle: &mut BatchHandle) -> TransportResult<BatchState> {
+        Ok(BatchState::Failed {
+            reason: "null transport".into(),
+        })
+    }
+    fn send_notification(&self, _peer: &str, _name: &str, _message: &[u8]) -> TransportResult<()> {
+        Ok(())
+    }
+    fn take_notifications(&self) -> TransportResult<Vec<Notification>> {
+        Ok(Vec::new())
+    }
+}
+
+#[test]
+fn the_env_var_installs_the_trace_and_shutdown_writes_it() {
+    let path = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("trace_env.json");
+    let _ = std::fs::remove_file(&path);
+    std::env::set_var(orbitkv::trace::TRACE_ENV, &path);
+    let layout = KvLayout {
+        num_blocks: 4,
+        block_size: 16,
+        total_kv_heads: 1,
+        tp_rank: 0,
+        tp_size: 1,
+        head_major: true,
+        layers: vec![LayerGeometry {
+            planes: vec![Plane {
+                base: 0x10_0000,
+                block_stride: 4096,
+                block_bytes: 4096,
+            }],
+        }],
+    };
+    let mut rt = Runtime::start(Arc::new(NullTransport), layout, RuntimeConfig::default()).unwrap();
+    assert_eq!(orbitkv::trace::init_from_env(), Some(path.as_path()));
+    let req = RequestId::new("env-req");
+    rt.producer_open(req.clone(), vec![0, 1]).unwrap();
+    rt.producer_abort(&req, "test").unwrap();
+    let ev = rt
+        .next_event(std::time::Duration::from_secs(10))
+        .expect("released");
+    assert!(matches!(ev, RuntimeEvent::ProducerReleased { .. }), "{ev:?}");
+    rt.shutdown();
+
+    let trace: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).expect("written")).unwrap();
+    let events = trace["traceEvents"].as_array().unwrap();
+    let lane = events
+        .iter()
+        .find(|e| e["ph"] == "M" && e["args"]["name"] == "producer env-req r0")
+        .expect("the request's lane")["tid"]
+        .clone();
+    let on_lane: Vec<&str> = events
+        .iter()
+        .filter(|e| e["tid"] == lane && e["ph"] == "X")
+        .map(|e| e["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(on_lane, ["request", "AbortRequest"]);
+}
