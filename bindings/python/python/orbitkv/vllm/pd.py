@@ -16,6 +16,7 @@ connectors do.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +44,21 @@ if TYPE_CHECKING:
 __all__ = ["PdConnector", "PdConnectorMetadata"]
 
 
+def _log_through_vllm() -> None:
+    """Sends the ``orbitkv.*`` loggers' records through vLLM's handler (its
+    format, level and per-process prefix). Without it they reach no handler
+    in vLLM's engine and worker processes and the connector's warnings are
+    lost."""
+    ours = logging.getLogger("orbitkv")
+    theirs = logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for h in theirs.handlers:
+        ours.addHandler(h)
+    ours.setLevel(theirs.level)
+    ours.propagate = False
+
+
 class PdConnector(KVConnectorBase_V1):
     def __init__(
         self,
@@ -51,6 +67,7 @@ class PdConnector(KVConnectorBase_V1):
         kv_cache_config: "KVCacheConfig | None" = None,
     ):
         super().__init__(vllm_config, role, kv_cache_config)
+        _log_through_vllm()
         self.config = PdConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         if self.config.trace:
             import orbitkv

@@ -13,12 +13,14 @@ import json
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from orbitkv import MooncakeTransferEngine, Runtime
+from orbitkv.vllm._testing import TestingHooks, corrupt_block
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.metadata import PdConnectorMetadata, ProducerChunk
 from orbitkv.vllm.side_channel import SideChannelServer, post_handshake
@@ -105,12 +107,20 @@ def producer_ranks(consumer_rank: int, consumer_tp: int, producer_tp: int) -> ra
     return range(consumer_rank * per, (consumer_rank + 1) * per)
 
 
+def _delayed(delay_s: float, fn: Any, *args: Any) -> None:
+    if delay_s > 0:
+        time.sleep(delay_s)
+    fn(*args)
+
+
 class _Ordered:
     """Runs calls in order on one background thread. On CUDA each call may
     wait for an event first (the layer's KV written by the kernel)."""
 
     def __init__(self) -> None:
         self._q: queue.Queue = queue.Queue()
+        self._lock = threading.Lock()
+        self.pending = 0  # calls queued or running
         self._t = threading.Thread(target=self._run, name="orbitkv-layer-ready", daemon=True)
         self._t.start()
 
@@ -126,8 +136,13 @@ class _Ordered:
                 fn(*args)
             except Exception:  # reported through the runtime's events
                 logger.exception("OrbitKV background call failed")
+            finally:
+                with self._lock:
+                    self.pending -= 1
 
     def put(self, event: Any, fn: Any, *args: Any) -> None:
+        with self._lock:
+            self.pending += 1
         self._q.put((event, fn, args))
 
     def close(self) -> None:
@@ -150,7 +165,12 @@ class PdWorker:
         self.side_channel: SideChannelServer | None = None
         self._layer_index: dict[str, int] = {}
         self._posts = ThreadPoolExecutor(max_workers=4, thread_name_prefix="orbitkv-handshake")
-        self._ordered = _Ordered() if self.is_cuda else None
+        # Test-only fault hooks, off unless their environment variables are set.
+        self._hooks = TestingHooks.from_env()
+        delay_hook = self._hooks is not None and self._hooks.write_delay_file is not None
+        self._ordered = _Ordered() if self.is_cuda or delay_hook else None
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._num_blocks = 0
         self._step_chunks: list[ProducerChunk] = []
         # pd_id -> vLLM request id, per side
         self._consumer_req: dict[str, str] = {}
@@ -181,6 +201,8 @@ class PdWorker:
             tp_size=self.tp_size,
         )
         self._layer_index = {n: i for i, n in enumerate(names)}
+        self._kv_caches = dict(kv_caches)
+        self._num_blocks = num_blocks
         self.engine = MooncakeTransferEngine(
             bind_host=self.config.bind_host,
             nics=self.config.nics_for(self.tp_rank) or None,
@@ -280,28 +302,45 @@ class PdWorker:
         rt = self.runtime
         assert rt is not None
         idx = self._layer_index[layer_name]
-        if self._ordered is not None:
+        if self.is_cuda:
+            assert self._ordered is not None
             # CUDA: the attention kernel may still be writing this layer.
             ev = torch.cuda.Event()
             ev.record()
             for ch in self._step_chunks:
                 self._ordered.put(ev, rt.layer_ready, ch.pd_id, idx, ch.start_block, ch.end_block)
-            return
-        for ch in self._step_chunks:
-            rt.layer_ready(ch.pd_id, idx, ch.start_block, ch.end_block)
+        elif self._ordered is not None and self._hooks is not None and (
+            self._ordered.pending > 0 or self._hooks.write_delay_s() > 0
+        ):
+            # Test hook (ORBITKV_TESTING_WRITE_DELAY): a slow link.
+            delay = self._hooks.write_delay_s()
+            for ch in self._step_chunks:
+                self._ordered.put(None, _delayed, delay, rt.layer_ready, ch.pd_id, idx, ch.start_block, ch.end_block)
+        else:
+            for ch in self._step_chunks:
+                rt.layer_ready(ch.pd_id, idx, ch.start_block, ch.end_block)
+        if idx == len(self._layer_index) - 1:
+            # Every layer of a request's last chunk is admitted: finish it now
+            # rather than after the rest of the forward (the last MLP, the
+            # logits), so decode learns that its KV is complete sooner.
+            self._finish_last_chunks()
 
     def wait_for_save(self) -> None:
-        rt = self.runtime
-        if rt is None:
+        if self.runtime is None:
             return
+        self._finish_last_chunks()  # if the last layer's save was not seen
+        self._step_chunks = []
+
+    def _finish_last_chunks(self) -> None:
+        rt = self.runtime
+        assert rt is not None
         for ch in self._step_chunks:
             if ch.last and ch.pd_id not in self._finished_producers:
                 self._finished_producers.add(ch.pd_id)
-                if self._ordered is not None:
+                if self._ordered is not None and (self.is_cuda or self._ordered.pending > 0):
                     self._ordered.put(None, rt.producer_finish, ch.pd_id)
                 else:
                     rt.producer_finish(ch.pd_id)
-        self._step_chunks = []
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         rt = self.runtime
@@ -316,6 +355,10 @@ class PdWorker:
                     logger.warning("KV for %s did not arrive complete: %s", pd, ev.reason)
                     self._load_errors.update(self._consumer_blocks.get(pd, ()))
                 if pd not in self._consumer_end and pd not in self._consumer_reported:
+                    if ev.kind == "consumer_completed" and self._hooks is not None and self._hooks.take_corruption():
+                        blocks = self._consumer_blocks.get(pd) or []
+                        if blocks:  # test hook: decode must compute on changed KV
+                            corrupt_block(self._kv_caches, self._num_blocks, blocks[0])
                     self._consumer_reported.add(pd)
                     recving.add(self._consumer_req[pd])
             elif ev.kind == "consumer_released":

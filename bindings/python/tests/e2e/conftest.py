@@ -1,0 +1,62 @@
+"""End-to-end fixtures: real vLLM (CPU) servers with the PdConnector, real
+HTTP, real Mooncake (TCP on 127.0.0.1). The tiny model is made in a
+temporary directory; nothing is downloaded.
+
+Every test module here sets ``pytestmark = pytest.mark.e2e``
+(``-m "not e2e"`` leaves them out of a quick local run; ``scripts/test.sh``
+and CI run them)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+
+# No hub access from anything started here (the servers get it too).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+
+from orbitkv.testing.cluster import Cluster  # noqa: E402
+from orbitkv.testing.tiny_model import make_tiny_model  # noqa: E402
+
+# The connector's consumer and handshake timeouts in these tests
+# (orbitkv.pd.timeout_s / handshake_timeout_s): small, so a dead prefill fails
+# the decode request quickly.
+PD_TIMEOUT_S = 15.0
+# Chunked prefill in steps of 600 tokens (not a multiple of the 128-token
+# block): long prompts take several steps on the prefill, each ending inside
+# a block, and an abort can land between two of them.
+MAX_BATCHED_TOKENS = 600
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "e2e: end-to-end test with real vLLM servers (slow)")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    """Prefill + decode + proxy, with the test hooks wired to files in the
+    run directory (inert until a test creates those files)."""
+    run = tmp_path_factory.mktemp("pd-cluster")
+    c = Cluster(
+        tiny_model,
+        run,
+        timeout_s=PD_TIMEOUT_S,
+        prefill_config={"orbitkv.pd.handshake_timeout_s": PD_TIMEOUT_S},
+        prefill_env={"ORBITKV_TESTING_WRITE_DELAY": str(run / "write-delay")},
+        decode_env={"ORBITKV_TESTING_CORRUPT_AFTER_LOAD": str(run / "corrupt-next-load")},
+        vllm_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)],
+        kv_load_failure_policy="fail",
+    )
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+        print(f"\ncluster logs: {run}")

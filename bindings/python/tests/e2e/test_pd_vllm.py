@@ -1,0 +1,298 @@
+"""P/D through real vLLM servers: correctness against one engine, corrupted
+KV, aborts, and a prefill instance that dies.
+
+One cluster (prefill + decode + proxy, see conftest.py) serves the module;
+the tests run in file order and the last one kills the prefill instance.
+The single-engine baseline is a plain request (no ``kv_transfer_params``) to
+the prefill server, which then runs as a normal engine. Greedy decoding of
+the fp32 tiny model is deterministic, so token ids must match exactly.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from orbitkv.testing.cluster import Abandoned, Cluster, Completion, complete, wait_until
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 128  # vLLM's CPU default block size (the servers do not set --block-size)
+GEN = 16  # tokens generated per request
+REQ_TIMEOUT_S = 120.0
+# How long a test waits for both instances to hold nothing: the cluster's
+# orbitkv.pd.timeout_s (conftest: 15 s) bounds every wait for a peer.
+IDLE_TIMEOUT_S = 45.0
+
+SUCCESS = "vllm:request_success_total"
+COMPLETED = "vllm:orbitkv_transfers_completed_total"
+FAILED = "vllm:orbitkv_transfers_failed_total"
+RELEASED = "vllm:orbitkv_producers_released_total"
+BYTES = "vllm:orbitkv_bytes_written_total"
+
+_seed = iter(range(1000, 100000))
+
+
+def fresh_prompt(n: int) -> list[int]:
+    """``n`` token ids no other prompt of this module starts with (so no
+    prefix-cache hit from another test)."""
+    rng = random.Random(next(_seed))
+    return [rng.randrange(3, 1024) for _ in range(n)]
+
+
+def ok(c: Completion, what: str) -> Completion:
+    assert c.status == 200, f"{what}: HTTP {c.status}: {c.error}"
+    assert len(c.token_ids) == GEN, f"{what}: {len(c.token_ids)} tokens: {c.body or c.text!r}"
+    return c
+
+
+def baseline(cluster: Cluster, prompt: list[int] | str) -> list[int]:
+    return ok(complete(cluster.prefill_url, prompt, GEN, timeout_s=REQ_TIMEOUT_S), "single engine").token_ids
+
+
+def pd(cluster: Cluster, prompt: list[int] | str, stream: bool = False) -> Completion:
+    return ok(complete(cluster.proxy_url, prompt, GEN, stream=stream, timeout_s=REQ_TIMEOUT_S), "P/D")
+
+
+def snapshot(cluster: Cluster, name: str) -> dict[str, float]:
+    return cluster.metrics(name)
+
+
+def assert_serves_correctly(cluster: Cluster, n: int = 300) -> None:
+    prompt = fresh_prompt(n)
+    got = pd(cluster, prompt).token_ids
+    assert got == baseline(cluster, prompt), "P/D after the event differs from one engine"
+    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+
+
+# ---- (a) P/D output equals one engine, token for token ----------------------
+
+LENGTHS = {
+    "shorter-than-a-block": 5,
+    "one-less-than-a-block": BLOCK - 1,
+    "exactly-a-block": BLOCK,
+    "a-block-plus-one": BLOCK + 1,
+    "many-blocks": 1000,
+    "many-blocks-chunked": 3000,  # 5 prefill steps of 600 tokens
+}
+
+
+@pytest.mark.parametrize("n", list(LENGTHS.values()), ids=list(LENGTHS))
+def test_pd_equals_single_engine(cluster: Cluster, n: int) -> None:
+    before_p, before_d = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
+    # Cold on both instances: P/D first, then the single engine.
+    cold = fresh_prompt(n)
+    pd_cold = pd(cluster, cold).token_ids
+    assert pd_cold == baseline(cluster, cold)
+    # Single engine first: the prefill instance then has the prompt's full
+    # blocks in its prefix cache and streams them without computing them.
+    warm = fresh_prompt(n)
+    want = baseline(cluster, warm)
+    assert pd(cluster, warm).token_ids == want
+    # Again: now decode has the full blocks in its own prefix cache too and
+    # loads only the rest (the handshake's first_block > 0 when n > BLOCK).
+    assert pd(cluster, warm, stream=True).token_ids == want
+
+    after_p, after_d = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
+    assert after_d[COMPLETED] - before_d[COMPLETED] == 3, "decode did not load KV for each P/D request"
+    assert after_d[FAILED] == before_d[FAILED]
+    assert after_p[BYTES] > before_p[BYTES]
+    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+
+
+def test_pd_text_prompts_and_streaming(cluster: Cluster) -> None:
+    """Text prompts (tokenized by vLLM, with BOS), streamed and not."""
+    prompts = [
+        "The quick brown fox",
+        " ".join(["prefill decode cache block layer transfer"] * 40),
+    ]
+    for text in prompts:
+        want = baseline(cluster, text)
+        streamed = pd(cluster, text, stream=True)
+        assert streamed.token_ids == want
+        assert streamed.ttft_s is not None and streamed.ttft_s <= streamed.total_s
+        assert pd(cluster, text).token_ids == want
+    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+
+
+def test_pd_concurrent_requests(cluster: Cluster) -> None:
+    """Several P/D requests at once (batched on both instances)."""
+    prompts = [fresh_prompt(n) for n in (40, 128, 700, 1500)]
+    results: dict[int, Completion] = {}
+
+    def run(i: int) -> None:
+        results[i] = complete(cluster.proxy_url, prompts[i], GEN, timeout_s=REQ_TIMEOUT_S)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(REQ_TIMEOUT_S + 10)
+    assert sorted(results) == list(range(len(prompts)))
+    for i, prompt in enumerate(prompts):
+        assert ok(results[i], f"concurrent #{i}").token_ids == baseline(cluster, prompt), f"request #{i}"
+    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+
+
+# ---- (b) a corrupted block changes decode's output ---------------------------
+
+
+def test_corrupted_block_changes_output(cluster: Cluster) -> None:
+    arm = cluster.run_dir / "corrupt-next-load"
+    prompt = fresh_prompt(3 * BLOCK + 44)
+    want = baseline(cluster, prompt)
+    arm.touch()
+    try:
+        got = pd(cluster, prompt).token_ids
+        assert not arm.exists(), "the decode's corruption hook did not fire"
+    finally:
+        arm.unlink(missing_ok=True)
+    assert got != want, "decode's output did not change with a corrupted KV block: is it using the transferred KV?"
+    # The hook is one-shot: the next request is correct again.
+    assert_serves_correctly(cluster)
+
+
+# ---- (c) aborts: both instances stay healthy and hold nothing -----------------
+
+
+def _drop_when(cluster: Cluster, req: Abandoned, pred, what: str, timeout_s: float = 60.0) -> None:
+    try:
+        wait_until(pred, timeout_s, what, [cluster.procs[n] for n in ("prefill", "decode", "proxy")], every_s=0.01)
+    finally:
+        req.drop()
+
+
+def test_abort_during_prefill(cluster: Cluster) -> None:
+    """The client goes away while the prefill instance is still computing a
+    long prompt (several chunked-prefill steps): the prefill request is
+    aborted before it completes, the decode request while it waits for KV."""
+    p0, d0 = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
+    req = Abandoned(cluster.proxy_url, fresh_prompt(4000), GEN, stream=True)
+    _drop_when(
+        cluster,
+        req,
+        lambda: snapshot(cluster, "prefill").get("vllm:num_requests_running", 0) >= 1,
+        "the prefill instance to run the request",
+    )
+    t_drop = time.monotonic()
+    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    idle_s = time.monotonic() - t_drop
+    p1, d1 = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
+    assert p1[SUCCESS] == p0[SUCCESS], "the prefill request completed: the abort did not land during prefill"
+    assert d1[SUCCESS] == d0[SUCCESS]
+    assert d1[COMPLETED] == d0[COMPLETED], "decode received the whole KV of an aborted prefill"
+    print(f"abort during prefill: both instances idle {idle_s:.2f}s after the disconnect")
+    cluster.check_alive()
+    assert_serves_correctly(cluster)
+
+
+def test_abort_during_transfer(cluster: Cluster) -> None:
+    """The client goes away after the prefill instance finished computing
+    but before its KV reached decode: the prefill's layer writes are slowed
+    down by the test hook (``ORBITKV_TESTING_WRITE_DELAY``), so the decode
+    request is aborted while writes into its pages are still to come."""
+    delay = cluster.run_dir / "write-delay"
+    p0, d0 = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
+    delay.write_text("0.75")  # per layer: 4 layers -> 3 s of transfer
+    try:
+        req = Abandoned(cluster.proxy_url, fresh_prompt(2 * BLOCK + 50), GEN, stream=True)
+        _drop_when(
+            cluster,
+            req,
+            lambda: snapshot(cluster, "prefill")[SUCCESS] > p0[SUCCESS],
+            "the prefill instance to finish the request",
+        )
+        t_drop = time.monotonic()
+        at_drop = snapshot(cluster, "decode")
+    finally:
+        delay.unlink(missing_ok=True)
+    assert at_drop[COMPLETED] == d0[COMPLETED], "the KV had already arrived: the abort was not during the transfer"
+    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    idle_s = time.monotonic() - t_drop
+    p1, d1 = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
+    assert d1[SUCCESS] == d0[SUCCESS], "the decode request completed despite the disconnect"
+    assert p1[RELEASED] > p0[RELEASED], "the prefill's source blocks were not released"
+    print(f"abort during transfer: both instances idle {idle_s:.2f}s after the disconnect")
+    cluster.check_alive()
+    assert_serves_correctly(cluster)
+
+
+# ---- (d) the prefill instance dies mid-request: runs last ---------------------
+
+
+def test_prefill_killed_mid_request(cluster: Cluster) -> None:
+    """SIGKILL of the prefill's process group while it computes. A decode
+    request driven directly (its consumer half: nobody cancels it) fails
+    within ``orbitkv.pd.timeout_s``; a request through the proxy gets an
+    error; decode then serves plain requests and holds no block."""
+    after_prompt = fresh_prompt(300)
+    want_after = baseline(cluster, after_prompt)  # while the prefill is alive
+
+    prompt = fresh_prompt(4000)
+    pd_id = f"killtest-{uuid.uuid4().hex}"
+    consumer = {
+        "orbitkv_role": "consumer",
+        "orbitkv_request": pd_id,
+        "orbitkv_prefill_kv": cluster.prefill_kv,
+        "orbitkv_prefill_tp": 1,
+    }
+    producer = {"orbitkv_role": "producer", "orbitkv_request": pd_id}
+    out: dict[str, object] = {}
+
+    def call(key: str, url: str, max_tokens: int, params: dict | None, stream: bool = False) -> None:
+        try:
+            extra = {"kv_transfer_params": params} if params else {}
+            out[key] = complete(url, prompt, max_tokens, stream=stream, timeout_s=REQ_TIMEOUT_S, **extra)
+        except Exception as e:  # the prefill dies under this one
+            out[key] = e
+        out[key + "_at"] = time.monotonic()
+
+    threads = [
+        threading.Thread(target=call, args=("decode", cluster.decode_url, GEN, consumer)),
+        threading.Thread(target=call, args=("prefill", cluster.prefill_url, 1, producer)),
+        threading.Thread(target=call, args=("proxy", cluster.proxy_url, GEN, None, True)),
+    ]
+    for t in threads:
+        t.start()
+    try:
+        wait_until(
+            lambda: snapshot(cluster, "prefill").get("vllm:num_requests_running", 0) >= 1,
+            60,
+            "the prefill instance to run the requests",
+            [cluster.procs["prefill"]],
+            every_s=0.01,
+        )
+    finally:
+        cluster.kill("prefill")
+        t_kill = time.monotonic()
+    for t in threads:
+        t.join(REQ_TIMEOUT_S + 10)
+    assert not any(t.is_alive() for t in threads), "a request did not end"
+
+    dec = out["decode"]
+    assert isinstance(dec, Completion), dec
+    assert dec.status >= 500, f"decode answered {dec.status} without its KV: {dec.text!r}"
+    timeout_s = cluster.timeout_s
+    assert timeout_s is not None
+    fail_s = float(out["decode_at"]) - t_kill
+    assert fail_s <= timeout_s + 10, f"decode failed the request {fail_s:.1f}s after the kill"
+    prx = out["proxy"]
+    assert isinstance(prx, Completion) and prx.status != 200, f"the proxy request did not fail: {prx}"
+    assert float(out["proxy_at"]) - t_kill <= timeout_s + 10
+    print(f"prefill killed: decode failed its request after {fail_s:.1f}s; proxy answered {prx.status}")
+
+    cluster.check_alive(["decode", "proxy"])
+    cluster.wait_idle(["decode"], timeout_s=IDLE_TIMEOUT_S)
+    plain = ok(complete(cluster.decode_url, after_prompt, GEN, timeout_s=REQ_TIMEOUT_S), "decode alone")
+    assert plain.token_ids == want_after
+    cluster.wait_idle(["decode"], timeout_s=IDLE_TIMEOUT_S)
+    d = snapshot(cluster, "decode")
+    assert d[FAILED] >= 1, "decode did not count the failed transfer"
+    assert not Path(cluster.log("decode")).read_text(errors="replace").count("Traceback (most recent call last)"), (
+        f"decode logged a traceback: {cluster.log('decode')}"
+    )

@@ -1,0 +1,63 @@
+"""The connector's test-only fault hooks (used by the end-to-end tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from orbitkv.vllm import _testing as hooks  # noqa: E402
+
+
+def test_off_without_the_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(hooks.CORRUPT_ENV, raising=False)
+    monkeypatch.delenv(hooks.WRITE_DELAY_ENV, raising=False)
+    assert hooks.TestingHooks.from_env() is None
+
+
+def test_corruption_always_or_one_shot(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(hooks.CORRUPT_ENV, "1")
+    monkeypatch.delenv(hooks.WRITE_DELAY_ENV, raising=False)
+    h = hooks.TestingHooks.from_env()
+    assert h is not None and h.take_corruption() and h.take_corruption()
+
+    arm = tmp_path / "arm"
+    monkeypatch.setenv(hooks.CORRUPT_ENV, str(arm))
+    h = hooks.TestingHooks.from_env()
+    assert h is not None and not h.take_corruption()
+    arm.touch()
+    assert h.take_corruption()
+    assert not arm.exists()
+    assert not h.take_corruption()
+
+
+def test_write_delay_follows_the_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    f = tmp_path / "delay"
+    monkeypatch.delenv(hooks.CORRUPT_ENV, raising=False)
+    monkeypatch.setenv(hooks.WRITE_DELAY_ENV, str(f))
+    h = hooks.TestingHooks.from_env()
+    assert h is not None and h.write_delay_s() == 0.0
+    f.write_text("0.25")
+    assert h.write_delay_s() == 0.25
+    f.write_text("not a number")
+    assert h.write_delay_s() == 0.0
+    f.unlink()
+    assert h.write_delay_s() == 0.0
+
+
+@pytest.mark.parametrize("shape", [(6, 2, 4, 8), (2, 6, 4, 2, 8)], ids=["cpu-layout", "kv-planes-first"])
+def test_corrupt_block_changes_exactly_one_block(shape: tuple[int, ...]) -> None:
+    num_blocks = 6
+    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(shape) for i in range(3)}
+    before = {k: v.clone() for k, v in caches.items()}
+    hooks.corrupt_block(caches, num_blocks, 4)
+    for name, t in caches.items():
+        b = before[name]
+        if shape[0] == num_blocks:
+            changed, same = (t[4], b[4]), (torch.cat([t[:4], t[5:]]), torch.cat([b[:4], b[5:]]))
+        else:
+            changed, same = (t[:, 4], b[:, 4]), (torch.cat([t[:, :4], t[:, 5:]], 1), torch.cat([b[:, :4], b[:, 5:]], 1))
+        assert torch.equal(changed[0], -changed[1]), name
+        assert torch.equal(same[0], same[1]), name
