@@ -436,3 +436,60 @@ fn blocks_the_consumer_already_holds_are_not_written() {
         }
     }
 }
+
+#[test]
+fn a_layer_with_thousands_of_scattered_blocks_goes_out_in_several_batches() {
+    // 4096 blocks that cannot be coalesced: one range each. Mooncake's TCP
+    // transport refuses more than 1024 queued transfers per peer, so the
+    // layer writer must split the layer under its range budget.
+    let (layers, blocks, bb) = (4, 4096, 256);
+    let producer = rank(layers, blocks, bb, (0, 1), 2, src_pattern);
+    let consumer = rank(layers, blocks, bb, (0, 1), 2, |_| GUARD);
+    let req = RequestId::new("req-scattered");
+    let src_blocks: Vec<u32> = (0..blocks).collect();
+    // Reversed, and only every other block: no two ranges are adjacent.
+    let dst_blocks: Vec<u32> = (0..blocks / 2).rev().map(|b| b * 2).collect();
+    let n = dst_blocks.len() as u32;
+    let hs = consumer
+        .runtime
+        .consumer_open(req.clone(), 0, dst_blocks.clone(), 1)
+        .unwrap();
+    producer
+        .runtime
+        .producer_open(req.clone(), src_blocks[..n as usize].to_vec())
+        .unwrap();
+    producer.runtime.producer_handshake(hs).unwrap();
+    // All layers at once: 4 x 2048 ranges would be in flight unbounded.
+    for l in 0..layers {
+        producer.runtime.layer_ready(&req, l, 0..n).unwrap();
+    }
+    producer.runtime.producer_finish(&req).unwrap();
+    let ev = wait_for(&consumer.runtime, "completion", |e| {
+        matches!(
+            e,
+            RuntimeEvent::ConsumerCompleted { .. } | RuntimeEvent::ConsumerFailed { .. }
+        )
+    });
+    assert!(
+        matches!(ev, RuntimeEvent::ConsumerCompleted { bytes, .. } if bytes == layers as u64 * n as u64 * bb),
+        "{ev:?}"
+    );
+    for l in 0..layers {
+        for (i, &d) in dst_blocks.iter().enumerate() {
+            assert_eq!(
+                block(&consumer, l, d),
+                block(&producer, l, i as u32),
+                "layer {l} block {d}"
+            );
+            let next = block(&consumer, l, d + 1);
+            assert!(
+                next.iter().all(|&x| x == GUARD),
+                "layer {l}: unauthorized block {} touched",
+                d + 1
+            );
+        }
+    }
+    // One admitted write per layer, each reported once, although each took
+    // several batches.
+    assert_eq!(producer.runtime.stats().layers_written, layers as u64);
+}

@@ -35,6 +35,10 @@ pub struct RuntimeConfig {
     pub write_timeout: Duration,
     /// Bytes in flight per peer before further layers queue.
     pub max_bytes_in_flight_per_peer: u64,
+    /// Ranges in flight per peer; a layer with more goes out as several
+    /// batches. Mooncake's TCP transport queues at most 1024 transfers per
+    /// peer by default (`MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`).
+    pub max_ranges_in_flight_per_peer: usize,
     /// How often the router drains Mooncake's notifications.
     pub notify_poll: Duration,
 }
@@ -46,6 +50,7 @@ impl Default for RuntimeConfig {
             handshake_timeout: Duration::from_secs(120),
             write_timeout: Duration::from_secs(30),
             max_bytes_in_flight_per_peer: 1 << 30,
+            max_ranges_in_flight_per_peer: 768,
             notify_poll: Duration::from_millis(1),
         }
     }
@@ -122,6 +127,7 @@ impl Runtime {
             poller_tx.clone(),
             cfg.write_timeout,
             cfg.max_bytes_in_flight_per_peer,
+            cfg.max_ranges_in_flight_per_peer,
             stats.clone(),
         ));
         let (events_tx, events_rx) = crossbeam_channel::unbounded();

@@ -89,96 +89,132 @@ pub fn spawn_poller(
         .expect("spawn the completion poller thread")
 }
 
-struct Pending {
+/// One admitted write (a layer's ranges to this peer). A write with more
+/// ranges than the per-peer range budget goes out as several batches; it is
+/// reported once, when every batch ended (failed if any failed).
+struct Job {
     request: crate::ids::RequestId,
     write: u64,
     generation: crate::ids::Generation,
-    bytes: u64,
+    ranges: Vec<crate::transport::WriteRange>,
+    /// Index of the next range to submit.
+    next: usize,
+    /// Batches submitted and not yet ended.
+    outstanding: usize,
+    written: u64,
+    failed: Option<String>,
     done_to: Recipient<LayerWritten>,
     failed_to: Recipient<LayerWriteFailed>,
-    /// The write in flight, for the trace (closed when the batch ends).
+    /// The write in flight, for the trace (closed when the job ends).
     span: tracing::Span,
 }
 
-/// Writes to one peer. Bounds the bytes it has in flight; queues the rest.
+/// Writes to one peer. Bounds the bytes and the ranges it has in flight
+/// (Mooncake's TCP transport refuses more than about a thousand queued
+/// transfers per peer); queues the rest, splitting a layer with more ranges
+/// than the budget into several batches.
 pub struct LayerWriter {
     peer: String,
     transport: Arc<dyn Transport>,
     poller: Sender<PollJob>,
     write_timeout: Duration,
     max_in_flight: u64,
+    max_ranges: usize,
     in_flight: u64,
-    queue: VecDeque<WriteLayer>,
-    pending: HashMap<u64, Pending>,
+    in_flight_ranges: usize,
+    jobs: HashMap<u64, Job>,
+    queue: VecDeque<u64>,
+    /// Batch token -> (job, bytes, ranges).
+    pending: HashMap<u64, (u64, u64, usize)>,
     next_token: u64,
+    next_job: u64,
     stats: Arc<Stats>,
 }
 
 impl LayerWriter {
-    fn submit(&mut self, msg: WriteLayer, ctx: &mut Context<Self>) {
-        let span = tracing::debug_span!("write_layer", request = %msg.request, write = msg.write,
-            layer = msg.layer, generation = msg.generation.0, peer = %self.peer,
-            ranges = msg.ranges.len(), bytes = msg.bytes);
-        let _g = span.enter();
-        // Submit to completion; never entered, so an async slice in a trace.
-        let in_flight = tracing::debug_span!(parent: None, "write", request = %msg.request,
-            write = msg.write, layer = msg.layer, generation = msg.generation.0, peer = %self.peer,
-            bytes = msg.bytes, result = tracing::field::Empty);
-        match self.transport.submit_write(&self.peer, &msg.ranges) {
-            Ok(handle) => {
-                let token = self.next_token;
-                self.next_token += 1;
-                self.in_flight += msg.bytes;
-                self.pending.insert(
-                    token,
-                    Pending {
-                        request: msg.request,
-                        write: msg.write,
-                        generation: msg.generation,
-                        bytes: msg.bytes,
-                        done_to: msg.done_to,
-                        failed_to: msg.failed_to,
-                        span: in_flight,
-                    },
-                );
-                let job = PollJob {
-                    handle,
-                    deadline: Instant::now() + self.write_timeout,
-                    token,
-                    reply: ctx.address().recipient(),
-                };
-                if self.poller.send(job).is_err() {
-                    let p = self.pending.remove(&token).expect("just inserted");
-                    self.in_flight -= p.bytes;
-                    p.failed_to.do_send(LayerWriteFailed {
-                        request: p.request,
-                        write: p.write,
-                        generation: p.generation,
-                        reason: "the runtime is shutting down".into(),
-                    });
-                }
+    /// Submits as many batches as the budgets allow, in arrival order.
+    fn pump(&mut self, ctx: &mut Context<Self>) {
+        while let Some(&id) = self.queue.front() {
+            let job = self.jobs.get_mut(&id).expect("queued job exists");
+            if job.failed.is_some() || job.next == job.ranges.len() {
+                self.queue.pop_front();
+                self.maybe_finish(id);
+                continue;
             }
-            Err(e) => {
-                self.stats.writes_failed.inc();
-                in_flight.record("result", "submit failed");
-                tracing::warn!(peer = %self.peer, error = %e, "submit failed");
-                msg.failed_to.do_send(LayerWriteFailed {
-                    request: msg.request,
-                    write: msg.write,
-                    generation: msg.generation,
-                    reason: e.to_string(),
-                });
+            let end = (job.next + self.max_ranges).min(job.ranges.len());
+            let chunk = &job.ranges[job.next..end];
+            let bytes: u64 = chunk.iter().map(|r| r.len).sum();
+            let busy = self.in_flight > 0 || self.in_flight_ranges > 0;
+            if busy
+                && (self.in_flight + bytes > self.max_in_flight
+                    || self.in_flight_ranges + chunk.len() > self.max_ranges)
+            {
+                break;
+            }
+            let _g = tracing::debug_span!("write_layer", request = %job.request, write = job.write,
+                generation = job.generation.0, peer = %self.peer, ranges = chunk.len(), bytes)
+            .entered();
+            let n = chunk.len();
+            match self.transport.submit_write(&self.peer, chunk) {
+                Ok(handle) => {
+                    let token = self.next_token;
+                    self.next_token += 1;
+                    let job_deadline = Instant::now() + self.write_timeout;
+                    let poll = PollJob {
+                        handle,
+                        deadline: job_deadline,
+                        token,
+                        reply: ctx.address().recipient(),
+                    };
+                    if self.poller.send(poll).is_err() {
+                        job.failed = Some("the runtime is shutting down".into());
+                        continue;
+                    }
+                    job.next = end;
+                    job.outstanding += 1;
+                    self.in_flight += bytes;
+                    self.in_flight_ranges += n;
+                    self.pending.insert(token, (id, bytes, n));
+                }
+                Err(e) => {
+                    tracing::warn!(peer = %self.peer, error = %e, "submit failed");
+                    job.failed = Some(e.to_string());
+                }
             }
         }
     }
 
-    fn pump(&mut self, ctx: &mut Context<Self>) {
-        while let Some(next) = self.queue.front() {
-            if self.in_flight > 0 && self.in_flight + next.bytes > self.max_in_flight {
-                break;
+    /// Reports a job once nothing of it is in flight and nothing is left to submit.
+    fn maybe_finish(&mut self, id: u64) {
+        let Some(job) = self.jobs.get(&id) else { return };
+        let submitted_all = job.next == job.ranges.len();
+        if job.outstanding > 0 || !(submitted_all || job.failed.is_some()) {
+            return;
+        }
+        let job = self.jobs.remove(&id).expect("checked above");
+        match job.failed {
+            None => {
+                job.span.record("result", "ok");
+                self.stats.bytes_written.add(job.written);
+                self.stats.layers_written.inc();
+                job.done_to.do_send(LayerWritten {
+                    request: job.request,
+                    write: job.write,
+                    generation: job.generation,
+                    bytes: job.written,
+                });
             }
-            let msg = self.queue.pop_front().expect("front exists");
-            self.submit(msg, ctx);
+            Some(reason) => {
+                job.span.record("result", "failed");
+                self.stats.writes_failed.inc();
+                tracing::warn!(peer = %self.peer, request = %job.request, %reason, "write failed");
+                job.failed_to.do_send(LayerWriteFailed {
+                    request: job.request,
+                    write: job.write,
+                    generation: job.generation,
+                    reason: format!("write to {} failed: {reason}", self.peer),
+                });
+            }
         }
     }
 }
@@ -190,7 +226,29 @@ impl Actor for LayerWriter {
 impl Handler<WriteLayer> for LayerWriter {
     type Result = ();
     fn handle(&mut self, msg: WriteLayer, ctx: &mut Context<Self>) {
-        self.queue.push_back(msg);
+        // Submit to completion; never entered, so an async slice in a trace.
+        let span = tracing::debug_span!(parent: None, "write", request = %msg.request,
+            write = msg.write, layer = msg.layer, generation = msg.generation.0, peer = %self.peer,
+            bytes = msg.bytes, result = tracing::field::Empty);
+        let id = self.next_job;
+        self.next_job += 1;
+        self.jobs.insert(
+            id,
+            Job {
+                request: msg.request,
+                write: msg.write,
+                generation: msg.generation,
+                ranges: msg.ranges,
+                next: 0,
+                outstanding: 0,
+                written: 0,
+                failed: None,
+                done_to: msg.done_to,
+                failed_to: msg.failed_to,
+                span,
+            },
+        );
+        self.queue.push_back(id);
         self.pump(ctx);
     }
 }
@@ -198,39 +256,21 @@ impl Handler<WriteLayer> for LayerWriter {
 impl Handler<BatchFinished> for LayerWriter {
     type Result = ();
     fn handle(&mut self, msg: BatchFinished, ctx: &mut Context<Self>) {
-        let Some(p) = self.pending.remove(&msg.token) else {
+        let Some((id, bytes, n)) = self.pending.remove(&msg.token) else {
             return;
         };
-        self.in_flight -= p.bytes;
-        p.span.record(
-            "result",
-            match &msg.result {
-                Ok(_) => "ok",
-                Err(_) => "failed",
-            },
-        );
-        match msg.result {
-            Ok(bytes) => {
-                self.stats.bytes_written.add(bytes);
-                self.stats.layers_written.inc();
-                p.done_to.do_send(LayerWritten {
-                    request: p.request,
-                    write: p.write,
-                    generation: p.generation,
-                    bytes,
-                });
-            }
-            Err(reason) => {
-                self.stats.writes_failed.inc();
-                tracing::warn!(peer = %self.peer, request = %p.request, %reason, "write failed");
-                p.failed_to.do_send(LayerWriteFailed {
-                    request: p.request,
-                    write: p.write,
-                    generation: p.generation,
-                    reason: format!("write to {} failed: {reason}", self.peer),
-                });
+        self.in_flight -= bytes;
+        self.in_flight_ranges -= n;
+        if let Some(job) = self.jobs.get_mut(&id) {
+            job.outstanding -= 1;
+            match msg.result {
+                Ok(written) => job.written += written,
+                Err(reason) => {
+                    job.failed.get_or_insert(reason);
+                }
             }
         }
+        self.maybe_finish(id);
         self.pump(ctx);
     }
 }
@@ -262,6 +302,7 @@ pub struct WriterPool {
     poller: Sender<PollJob>,
     write_timeout: Duration,
     max_in_flight: u64,
+    max_ranges: usize,
     stats: Arc<Stats>,
     writers: Mutex<HashMap<String, (Arbiter, Addr<LayerWriter>)>>,
 }
@@ -272,6 +313,7 @@ impl WriterPool {
         poller: Sender<PollJob>,
         write_timeout: Duration,
         max_in_flight: u64,
+        max_ranges: usize,
         stats: Arc<Stats>,
     ) -> Self {
         Self {
@@ -279,6 +321,7 @@ impl WriterPool {
             poller,
             write_timeout,
             max_in_flight,
+            max_ranges: max_ranges.max(1),
             stats,
             writers: Mutex::new(HashMap::new()),
         }
@@ -296,10 +339,14 @@ impl WriterPool {
             poller: self.poller.clone(),
             write_timeout: self.write_timeout,
             max_in_flight: self.max_in_flight,
+            max_ranges: self.max_ranges,
             in_flight: 0,
+            in_flight_ranges: 0,
+            jobs: HashMap::new(),
             queue: VecDeque::new(),
             pending: HashMap::new(),
             next_token: 1,
+            next_job: 1,
             stats: self.stats.clone(),
         };
         let addr = LayerWriter::start_in_arbiter(&arbiter.handle(), move |_| writer);

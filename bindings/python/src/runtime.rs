@@ -192,7 +192,8 @@ impl From<RuntimeEvent> for PyRuntimeEvent {
 /// The request runtime of one rank.
 ///
 /// `Runtime(engine, layout_json, *, consumer_timeout_s=120, handshake_timeout_s=120,
-/// write_timeout_s=30, max_bytes_in_flight_per_peer=1 GiB, notify_poll_ms=1)`.
+/// write_timeout_s=30, max_bytes_in_flight_per_peer=1 GiB, max_ranges_in_flight_per_peer=768,
+/// notify_poll_ms=1)`.
 /// `layout_json` is this rank's KV geometry (see `docs/architecture.md`);
 /// its memory must be registered with `engine`.
 ///
@@ -221,7 +222,8 @@ impl PyRuntime {
     #[new]
     #[allow(clippy::too_many_arguments)] // mirrors the keyword-only Python signature
     #[pyo3(signature = (engine, layout_json, *, consumer_timeout_s=120.0, handshake_timeout_s=120.0,
-        write_timeout_s=30.0, max_bytes_in_flight_per_peer=1_073_741_824, notify_poll_ms=1.0))]
+        write_timeout_s=30.0, max_bytes_in_flight_per_peer=1_073_741_824,
+        max_ranges_in_flight_per_peer=768, notify_poll_ms=1.0))]
     fn new(
         py: Python<'_>,
         engine: &PyEngine,
@@ -230,6 +232,7 @@ impl PyRuntime {
         handshake_timeout_s: f64,
         write_timeout_s: f64,
         max_bytes_in_flight_per_peer: u64,
+        max_ranges_in_flight_per_peer: usize,
         notify_poll_ms: f64,
     ) -> PyResult<Self> {
         let layout: KvLayout = serde_json::from_str(layout_json).map_err(|e| {
@@ -247,6 +250,7 @@ impl PyRuntime {
             handshake_timeout: seconds(py, "handshake_timeout_s", handshake_timeout_s)?,
             write_timeout: seconds(py, "write_timeout_s", write_timeout_s)?,
             max_bytes_in_flight_per_peer: max_bytes_in_flight_per_peer.max(1),
+            max_ranges_in_flight_per_peer: max_ranges_in_flight_per_peer.max(1),
             notify_poll: seconds(py, "notify_poll_ms", notify_poll_ms / 1000.0)?,
         };
         let transport = engine.transport(py)?;

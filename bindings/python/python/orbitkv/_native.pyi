@@ -226,6 +226,7 @@ class Runtime:
         handshake_timeout_s: float = 120.0,
         write_timeout_s: float = 30.0,
         max_bytes_in_flight_per_peer: int = 1073741824,
+        max_ranges_in_flight_per_peer: int = 768,
         notify_poll_ms: float = 1.0,
     ) -> Self: ...
     @property

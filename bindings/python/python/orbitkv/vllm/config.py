@@ -20,6 +20,7 @@ KEYS = {
     "orbitkv.pd.handshake_timeout_s",
     "orbitkv.pd.write_timeout_s",
     "orbitkv.pd.max_inflight_mb",
+    "orbitkv.pd.max_inflight_ranges",
     "orbitkv.pd.trace",
 }
 
@@ -53,6 +54,7 @@ class PdConfig:
     handshake_timeout_s: float = 120.0
     write_timeout_s: float = 30.0
     max_inflight_mb: int = 1024
+    max_inflight_ranges: int = 768
     trace: str | None = None
 
     def nics_for(self, rank: int) -> list[str]:
@@ -98,6 +100,9 @@ class PdConfig:
         inflight = cfg.get("orbitkv.pd.max_inflight_mb", 1024)
         if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 1:
             raise ConfigError(f"orbitkv.pd.max_inflight_mb must be a positive integer, got {inflight!r}")
+        ranges = cfg.get("orbitkv.pd.max_inflight_ranges", 768)
+        if isinstance(ranges, bool) or not isinstance(ranges, int) or ranges < 1:
+            raise ConfigError(f"orbitkv.pd.max_inflight_ranges must be a positive integer, got {ranges!r}")
         trace = cfg.get("orbitkv.pd.trace")
         if trace is not None and not isinstance(trace, str):
             raise ConfigError(f"orbitkv.pd.trace must be a file path, got {trace!r}")
@@ -111,5 +116,6 @@ class PdConfig:
             handshake_timeout_s=_positive_float(cfg, "orbitkv.pd.handshake_timeout_s", 120.0),
             write_timeout_s=_positive_float(cfg, "orbitkv.pd.write_timeout_s", 30.0),
             max_inflight_mb=inflight,
+            max_inflight_ranges=ranges,
             trace=trace,
         )

@@ -17,6 +17,7 @@ connectors do.
 from __future__ import annotations
 
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,12 +70,10 @@ class PdConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_through_vllm()
         self.config = PdConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        if self.config.trace:
-            import orbitkv
-
-            install = getattr(orbitkv, "install_chrome_trace", None)
-            if install is not None:
-                install(f"{self.config.trace}.{role.name.lower()}.json")
+        if self.config.trace and role == KVConnectorRole.WORKER and not os.environ.get("ORBITKV_TRACE"):
+            # The runtime (started by the worker) installs the Chrome trace
+            # that ORBITKV_TRACE names; one file per worker process.
+            os.environ["ORBITKV_TRACE"] = f"{self.config.trace}.worker.{os.getpid()}.json"
         self.scheduler: PdScheduler | None = None
         self.worker = None
         if role == KVConnectorRole.SCHEDULER:

@@ -224,6 +224,7 @@ class PdWorker:
             handshake_timeout_s=self.config.handshake_timeout_s,
             write_timeout_s=self.config.write_timeout_s,
             max_bytes_in_flight_per_peer=self.config.max_inflight_mb << 20,
+            max_ranges_in_flight_per_peer=self.config.max_inflight_ranges,
         )
         port = self.config.side_channel_port_for(self.tp_rank)
         self.side_channel = SideChannelServer(
