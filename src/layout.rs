@@ -70,6 +70,38 @@ struct Heads {
 }
 
 impl KvLayout {
+    /// The layout of one contiguous region starting at `base`: `layers`
+    /// layers one after another, each one plane of `blocks` blocks of
+    /// `block_bytes` (heads contiguous inside a block, as vLLM's CPU layout),
+    /// block size 16 tokens. This rank is `tp.0` of TP size `tp.1` of a model
+    /// with `total_kv_heads` KV heads.
+    pub fn packed(
+        base: u64,
+        layers: u32,
+        blocks: u32,
+        block_bytes: u64,
+        tp: (u32, u32),
+        total_kv_heads: u32,
+    ) -> Self {
+        KvLayout {
+            num_blocks: blocks,
+            block_size: 16,
+            total_kv_heads,
+            tp_rank: tp.0,
+            tp_size: tp.1,
+            head_major: true,
+            layers: (0..layers as u64)
+                .map(|l| LayerGeometry {
+                    planes: vec![Plane {
+                        base: base + l * blocks as u64 * block_bytes,
+                        block_stride: block_bytes,
+                        block_bytes,
+                    }],
+                })
+                .collect(),
+        }
+    }
+
     /// The heads this rank holds.
     fn heads(&self) -> Heads {
         let per = self.total_kv_heads / self.tp_size;
@@ -344,23 +376,7 @@ pub(crate) mod tests {
         tp: (u32, u32),
         heads: u32,
     ) -> KvLayout {
-        KvLayout {
-            num_blocks: blocks,
-            block_size: 16,
-            total_kv_heads: heads,
-            tp_rank: tp.0,
-            tp_size: tp.1,
-            head_major: true,
-            layers: (0..layers as u64)
-                .map(|l| LayerGeometry {
-                    planes: vec![Plane {
-                        base: base + l * blocks as u64 * block_bytes,
-                        block_stride: block_bytes,
-                        block_bytes,
-                    }],
-                })
-                .collect(),
-        }
+        KvLayout::packed(base, layers, blocks, block_bytes, tp, heads)
     }
 
     #[test]

@@ -58,9 +58,7 @@ use orbitkv::actors::state::{
     ProducerMachine, WriteId,
 };
 use orbitkv::wire::WIRE_VERSION;
-use orbitkv::{
-    Generation, Handshake, KvLayout, LayerGeometry, Outcome, Plane, ProducerRank, RequestId, WriteRange,
-};
+use orbitkv::{Generation, Handshake, KvLayout, Outcome, ProducerRank, RequestId, WriteRange};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
 
@@ -85,23 +83,7 @@ macro_rules! ensure {
 }
 
 fn layout(base: u64, blocks: u32, block_bytes: u64, tp: (u32, u32)) -> KvLayout {
-    KvLayout {
-        num_blocks: blocks,
-        block_size: 16,
-        total_kv_heads: HEADS,
-        tp_rank: tp.0,
-        tp_size: tp.1,
-        head_major: true,
-        layers: (0..LAYERS as u64)
-            .map(|l| LayerGeometry {
-                planes: vec![Plane {
-                    base: base + l * blocks as u64 * block_bytes,
-                    block_stride: block_bytes,
-                    block_bytes,
-                }],
-            })
-            .collect(),
-    }
+    KvLayout::packed(base, LAYERS, blocks, block_bytes, tp, HEADS)
 }
 
 fn rid() -> RequestId {

@@ -6,8 +6,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use orbitkv::{
-    EngineConfig, Generation, KvLayout, LayerGeometry, MooncakeTransferEngine, Notice, Outcome, Plane,
-    ProducerRank, RequestId, Runtime, RuntimeConfig, RuntimeError, RuntimeEvent,
+    EngineConfig, Generation, KvLayout, MooncakeTransferEngine, Notice, Outcome, ProducerRank, RequestId,
+    Runtime, RuntimeConfig, RuntimeError, RuntimeEvent,
 };
 
 const GUARD: u8 = 0xA5;
@@ -30,23 +30,7 @@ fn rank(
     let size = (layers as u64 * blocks as u64 * block_bytes) as usize;
     let mut mem: Vec<u8> = (0..size).map(fill).collect();
     let base = mem.as_mut_ptr() as u64;
-    let layout = KvLayout {
-        num_blocks: blocks,
-        block_size: 16,
-        total_kv_heads: heads,
-        tp_rank: tp.0,
-        tp_size: tp.1,
-        head_major: true,
-        layers: (0..layers as u64)
-            .map(|l| LayerGeometry {
-                planes: vec![Plane {
-                    base: base + l * blocks as u64 * block_bytes,
-                    block_stride: block_bytes,
-                    block_bytes,
-                }],
-            })
-            .collect(),
-    };
+    let layout = KvLayout::packed(base, layers, blocks, block_bytes, tp, heads);
     let engine = Arc::new(MooncakeTransferEngine::new(&EngineConfig::default()).expect("engine"));
     engine
         .register_memory(base, size as u64, "cpu:0")

@@ -8,8 +8,8 @@
 use std::sync::Arc;
 
 use orbitkv::{
-    BatchHandle, BatchState, KvLayout, LayerGeometry, Notification, Plane, RequestId, Runtime, RuntimeConfig,
-    RuntimeEvent, Transport, TransportError, TransportResult, WriteRange,
+    BatchHandle, BatchState, KvLayout, Notification, RequestId, Runtime, RuntimeConfig, RuntimeEvent,
+    Transport, TransportError, TransportResult, WriteRange,
 };
 
 /// A transport test double with nothing behind it.
@@ -40,21 +40,7 @@ fn the_env_var_installs_the_trace_and_shutdown_writes_it() {
     let path = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("trace_env.json");
     let _ = std::fs::remove_file(&path);
     std::env::set_var(orbitkv::trace::TRACE_ENV, &path);
-    let layout = KvLayout {
-        num_blocks: 4,
-        block_size: 16,
-        total_kv_heads: 1,
-        tp_rank: 0,
-        tp_size: 1,
-        head_major: true,
-        layers: vec![LayerGeometry {
-            planes: vec![Plane {
-                base: 0x10_0000,
-                block_stride: 4096,
-                block_bytes: 4096,
-            }],
-        }],
-    };
+    let layout = KvLayout::packed(0x10_0000, 1, 4, 4096, (0, 1), 1);
     let mut rt = Runtime::start(Arc::new(NullTransport), layout, RuntimeConfig::default()).unwrap();
     assert_eq!(orbitkv::trace::init_from_env(), Some(path.as_path()));
     let req = RequestId::new("env-req");

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use orbitkv::trace::ChromeTrace;
 use orbitkv::{
-    EngineConfig, Generation, KvLayout, LayerGeometry, MooncakeTransferEngine, Notice, Outcome, Plane,
-    ProducerRank, RequestId, Runtime, RuntimeConfig, RuntimeEvent,
+    EngineConfig, Generation, KvLayout, MooncakeTransferEngine, Notice, Outcome, ProducerRank, RequestId,
+    Runtime, RuntimeConfig, RuntimeEvent,
 };
 use serde_json::Value;
 
@@ -29,23 +29,7 @@ fn rank(layers: u32, blocks: u32, block_bytes: u64, fill: u8) -> Rank {
     let size = (layers as u64 * blocks as u64 * block_bytes) as usize;
     let mut mem = vec![fill; size];
     let base = mem.as_mut_ptr() as u64;
-    let layout = KvLayout {
-        num_blocks: blocks,
-        block_size: 16,
-        total_kv_heads: 2,
-        tp_rank: 0,
-        tp_size: 1,
-        head_major: true,
-        layers: (0..layers as u64)
-            .map(|l| LayerGeometry {
-                planes: vec![Plane {
-                    base: base + l * blocks as u64 * block_bytes,
-                    block_stride: block_bytes,
-                    block_bytes,
-                }],
-            })
-            .collect(),
-    };
+    let layout = KvLayout::packed(base, layers, blocks, block_bytes, (0, 1), 2);
     let engine = Arc::new(MooncakeTransferEngine::new(&EngineConfig::default()).expect("engine"));
     engine
         .register_memory(base, size as u64, "cpu:0")

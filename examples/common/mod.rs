@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 
 use orbitkv::trace::{ChromeTrace, ChromeTraceGuard};
 use orbitkv::{
-    EngineConfig, Generation, KvLayout, LayerGeometry, MooncakeTransferEngine, Outcome, Plane, RequestId,
-    Runtime, RuntimeConfig, RuntimeEvent,
+    EngineConfig, Generation, KvLayout, MooncakeTransferEngine, Outcome, RequestId, Runtime, RuntimeConfig,
+    RuntimeEvent,
 };
 
 /// What unwritten destination memory holds.
@@ -120,23 +120,14 @@ impl Rank {
         let size = spec.layers as u64 * spec.blocks as u64 * spec.block_bytes;
         let mem = HostMemory::new(size, fill);
         let base = mem.addr();
-        let layout = KvLayout {
-            num_blocks: spec.blocks,
-            block_size: 16,
-            total_kv_heads: spec.kv_heads,
-            tp_rank: spec.tp.0,
-            tp_size: spec.tp.1,
-            head_major: true,
-            layers: (0..spec.layers as u64)
-                .map(|l| LayerGeometry {
-                    planes: vec![Plane {
-                        base: base + l * spec.blocks as u64 * spec.block_bytes,
-                        block_stride: spec.block_bytes,
-                        block_bytes: spec.block_bytes,
-                    }],
-                })
-                .collect(),
-        };
+        let layout = KvLayout::packed(
+            base,
+            spec.layers,
+            spec.blocks,
+            spec.block_bytes,
+            spec.tp,
+            spec.kv_heads,
+        );
         let engine = MooncakeTransferEngine::new(&EngineConfig::default())
             .unwrap_or_else(|e| fail_setup(&format!("start a Mooncake engine for {name}"), e));
         engine
