@@ -477,3 +477,33 @@ fn a_layer_with_thousands_of_scattered_blocks_goes_out_in_several_batches() {
     // several batches.
     assert_eq!(producer.runtime.stats().layers_written, layers as u64);
 }
+
+#[test]
+fn a_cancelled_request_releases_its_source_blocks_without_waiting_for_a_handshake() {
+    let producer = rank(2, 8, 4096, (0, 1), 2, src_pattern);
+    // Cancelled while open: released at once, outcome aborted.
+    let open = RequestId::new("req-cancel-open");
+    producer.runtime.producer_open(open.clone(), vec![0, 1]).unwrap();
+    producer.runtime.layer_ready(&open, 0, 0..2).unwrap();
+    producer.runtime.producer_cancel(&open, "client went away");
+    let ev = wait_for(&producer.runtime, "release", |e| {
+        matches!(e, RuntimeEvent::ProducerReleased { .. })
+    });
+    assert!(
+        matches!(ev, RuntimeEvent::ProducerReleased { outcome: Outcome::Aborted, ref request, .. } if *request == open),
+        "{ev:?}"
+    );
+    // Cancelled before it opened: released as soon as it opens.
+    let early = RequestId::new("req-cancel-early");
+    producer.runtime.producer_cancel(&early, "client went away");
+    producer.runtime.producer_open(early.clone(), vec![2, 3]).unwrap();
+    let ev = wait_for(&producer.runtime, "release", |e| {
+        matches!(e, RuntimeEvent::ProducerReleased { .. })
+    });
+    assert!(
+        matches!(ev, RuntimeEvent::ProducerReleased { outcome: Outcome::Aborted, ref request, .. } if *request == early),
+        "{ev:?}"
+    );
+    assert_eq!(producer.runtime.live_requests(), (0, 0));
+    assert_eq!(producer.runtime.stats().bytes_written, 0);
+}

@@ -76,6 +76,8 @@ pub struct Runtime {
     /// Each live producer's source block list, as validated.
     producer_blocks: Mutex<HashMap<RequestId, Vec<u32>>>,
     parked: Mutex<HashMap<RequestId, (Arc<Handshake>, Instant)>>,
+    /// Requests the consumer cancelled before this side opened them.
+    cancelled: Mutex<HashMap<RequestId, (String, Instant)>>,
     next_generation: AtomicU64,
     stats: Arc<Stats>,
 }
@@ -149,6 +151,7 @@ impl Runtime {
             producers: Mutex::new(HashMap::new()),
             producer_blocks: Mutex::new(HashMap::new()),
             parked: Mutex::new(HashMap::new()),
+            cancelled: Mutex::new(HashMap::new()),
             next_generation: AtomicU64::new(generation_seed().0),
             stats,
         })
@@ -271,8 +274,34 @@ impl Runtime {
                 addr.do_send(HandshakeArrived(h));
             }
         }
+        if let Some((reason, at)) = self.cancelled.lock().remove(&request) {
+            if at.elapsed() < self.cfg.handshake_timeout {
+                // No consumer will send a handshake: release at once
+                // instead of holding the source blocks until the deadline.
+                addr.do_send(AbortRequest { reason });
+            }
+        }
         producers.insert(request, addr);
         Ok(())
+    }
+
+    /// The consumer gave up `request` (e.g. the client went away) before it
+    /// could authorize anything: no handshake will come. A producer already
+    /// open is aborted (its writes, if any, still drain); one not yet open is
+    /// aborted as soon as it opens (remembered up to the handshake timeout).
+    /// A handshake parked for it is dropped.
+    pub fn producer_cancel(&self, request: &RequestId, reason: &str) {
+        self.parked.lock().remove(request);
+        let reason = format!("cancelled by the consumer: {reason}");
+        match self.producer(request) {
+            Ok(addr) => addr.do_send(AbortRequest { reason }),
+            Err(_) => {
+                let mut cancelled = self.cancelled.lock();
+                let ttl = self.cfg.handshake_timeout;
+                cancelled.retain(|_, (_, at)| at.elapsed() < ttl);
+                cancelled.insert(request.clone(), (reason, Instant::now()));
+            }
+        }
     }
 
     /// Appends source blocks to `request`'s block list (chunked prefill

@@ -353,6 +353,14 @@ impl PyRuntime {
             .map_err(|e| runtime_error(py, e))
     }
 
+    /// Prefill side: the consumer gave the request up before authorizing
+    /// anything (no handshake will come). An open producer is aborted; one
+    /// not yet open is aborted as soon as it opens.
+    fn producer_cancel(&self, py: Python<'_>, request_id: &str, reason: &str) -> PyResult<()> {
+        self.rt(py)?.producer_cancel(&RequestId::new(request_id), reason);
+        Ok(())
+    }
+
     /// Every event since the last call.
     fn poll_events(&self, py: Python<'_>) -> PyResult<Vec<PyRuntimeEvent>> {
         Ok(self.rt(py)?.poll_events().into_iter().map(Into::into).collect())

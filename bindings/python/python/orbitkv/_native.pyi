@@ -263,6 +263,11 @@ class Runtime:
         """Prefill side: stop; writes in flight still drain, then the consumer is
         told the request was aborted."""
 
+    def producer_cancel(self, request_id: str, reason: str) -> None:
+        """Prefill side: the consumer gave the request up before authorizing
+        anything (no handshake will come). An open producer is aborted; one
+        not yet open is aborted as soon as it opens."""
+
     def poll_events(self) -> list[RuntimeEvent]:
         """Every event since the last call."""
 

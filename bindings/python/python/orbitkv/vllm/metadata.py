@@ -48,8 +48,20 @@ class RequestEnd:
 
 
 @dataclass
+class ConsumerCancel:
+    """Decode: vLLM finished the request before it was authorized; tell the
+    producers no handshake will come, so they free their source blocks."""
+
+    pd_id: str
+    prefill_kv: str
+    prefill_tp: int
+    reason: str
+
+
+@dataclass
 class PdConnectorMetadata(KVConnectorMetadata):
     consumers_open: list[ConsumerOpen] = field(default_factory=list)
     producer_chunks: list[ProducerChunk] = field(default_factory=list)
     consumers_end: list[RequestEnd] = field(default_factory=list)
     producers_end: list[RequestEnd] = field(default_factory=list)
+    consumers_cancel: list[ConsumerCancel] = field(default_factory=list)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from orbitkv.vllm.config import PdConfig
-from orbitkv.vllm.metadata import ConsumerOpen, PdConnectorMetadata, ProducerChunk, RequestEnd
+from orbitkv.vllm.metadata import ConsumerCancel, ConsumerOpen, PdConnectorMetadata, ProducerChunk, RequestEnd
 from orbitkv.vllm.params import CONSUMER, PRODUCER, PdParams
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ class PdScheduler:
         self._open: list[ConsumerOpen] = []
         self._consumers_end: list[RequestEnd] = []
         self._producers_end: list[RequestEnd] = []
+        self._cancel: list[ConsumerCancel] = []
         # Requests whose block free vLLM delayed on our word.
         self._delayed: set[str] = set()
 
@@ -96,8 +97,9 @@ class PdScheduler:
             consumers_open=self._open,
             consumers_end=self._consumers_end,
             producers_end=self._producers_end,
+            consumers_cancel=self._cancel,
         )
-        self._open, self._consumers_end, self._producers_end = [], [], []
+        self._open, self._consumers_end, self._producers_end, self._cancel = [], [], [], []
         for new in so.scheduled_new_reqs:
             self._chunk(meta, new.req_id, list(new.block_ids[0]) if new.block_ids else [], new.num_computed_tokens, so)
         cached = so.scheduled_cached_reqs
@@ -153,9 +155,12 @@ class PdScheduler:
             c = self._consumers[rid]
             pending = next((o for o in self._open if o.req_id == rid), None)
             if pending is not None:
-                # The worker never authorized it: nothing can be written.
+                # The worker never authorized it: nothing can be written. Tell
+                # the producers, so they need not hold their blocks until the
+                # handshake deadline.
                 self._open.remove(pending)
                 del self._consumers[rid]
+                self._cancel.append(ConsumerCancel(c.pd_id, pending.prefill_kv, pending.prefill_tp, status))
                 return False, None
             if c.loaded:
                 # Complete or failed: every producer already ended.
@@ -165,6 +170,11 @@ class PdScheduler:
             self._consumers_end.append(RequestEnd(rid, c.pd_id, True, status, report=True))
             self._delayed.add(rid)
             return True, None
+        p = PdParams.parse(request.kv_transfer_params)
+        if p is not None and p.role == CONSUMER and p.prefill_kv is not None:
+            # Finished before any block was allocated for it (e.g. aborted
+            # while queued): the producers must not wait for a handshake.
+            self._cancel.append(ConsumerCancel(p.request, p.prefill_kv, p.prefill_tp, status))
         return False, None
 
     def update_connector_output(self, out: "KVConnectorOutput") -> None:
@@ -183,6 +193,7 @@ class PdScheduler:
         return bool(
             self._delayed
             or self._open
+            or self._cancel
             or self._consumers_end
             or self._producers_end
             or any(p.opened for p in self._producers.values())

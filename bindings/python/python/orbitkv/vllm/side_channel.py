@@ -21,6 +21,7 @@ from typing import Callable
 logger = logging.getLogger("orbitkv.side_channel")
 
 HANDSHAKE_PATH = "/orbitkv/v1/handshake"
+CANCEL_PATH = "/orbitkv/v1/cancel"
 HEALTH_PATH = "/orbitkv/v1/health"
 MAX_BODY = 16 << 20
 
@@ -30,10 +31,18 @@ class HandshakeRejected(RuntimeError):
 
 
 class SideChannelServer:
-    """Receives handshakes for ``admit`` (which raises on a bad one)."""
+    """Receives handshakes for ``admit`` (which raises on a bad one) and
+    cancellations (``{"version": 1, "request_id": ...}``) for ``cancel``."""
 
-    def __init__(self, host: str, port: int, admit: Callable[[str], None]):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        admit: Callable[[str], None],
+        cancel: Callable[[str, str], None] | None = None,
+    ):
         admit_fn = admit
+        cancel_fn = cancel
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
@@ -56,7 +65,7 @@ class SideChannelServer:
                     self._reply(404, {"error": "NotFound", "message": self.path})
 
             def do_POST(self) -> None:  # noqa: N802
-                if self.path != HANDSHAKE_PATH:
+                if self.path not in (HANDSHAKE_PATH, CANCEL_PATH):
                     self._reply(404, {"error": "NotFound", "message": self.path})
                     return
                 try:
@@ -67,6 +76,18 @@ class SideChannelServer:
                     self._reply(413, {"error": "BadLength", "message": f"Content-Length {n}"})
                     return
                 body = self.rfile.read(n).decode("utf-8", errors="replace")
+                if self.path == CANCEL_PATH:
+                    try:
+                        msg = json.loads(body)
+                        if msg.get("version") != 1 or not isinstance(msg.get("request_id"), str) or not msg["request_id"]:
+                            raise ValueError("expected {\"version\": 1, \"request_id\": STR, \"reason\": STR}")
+                    except ValueError as e:
+                        self._reply(400, {"error": "Malformed", "message": str(e)})
+                        return
+                    if cancel_fn is not None:
+                        cancel_fn(msg["request_id"], str(msg.get("reason", "")))
+                    self._reply(200, {"ok": True})
+                    return
                 try:
                     admit_fn(body)
                 except Exception as e:  # the runtime's typed errors
@@ -114,3 +135,18 @@ def post_handshake(address: str, handshake_json: str, timeout_s: float = 5.0) ->
         raise HandshakeRejected(
             f"{address} refused the handshake: {detail.get('error', e.code)}: {detail.get('message', '')}"
         ) from None
+
+
+def post_cancel(address: str, request_id: str, reason: str, timeout_s: float = 5.0) -> None:
+    """Tells a producer rank that the consumer gave ``request_id`` up before
+    authorizing anything, so it need not hold its source blocks until the
+    handshake deadline. Raises ``OSError`` when the rank cannot be reached."""
+    body = json.dumps({"version": 1, "request_id": request_id, "reason": reason}).encode()
+    req = urllib.request.Request(
+        f"http://{address}{CANCEL_PATH}", data=body, headers={"Content-Type": "application/json"}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
+            resp.read()
+    except urllib.error.HTTPError as e:
+        raise HandshakeRejected(f"{address} refused the cancellation: HTTP {e.code}") from None

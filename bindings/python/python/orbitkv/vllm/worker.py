@@ -23,7 +23,7 @@ from orbitkv import MooncakeTransferEngine, Runtime
 from orbitkv.vllm._testing import TestingHooks, corrupt_block
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.metadata import PdConnectorMetadata, ProducerChunk
-from orbitkv.vllm.side_channel import SideChannelServer, post_handshake
+from orbitkv.vllm.side_channel import SideChannelServer, post_cancel, post_handshake
 from orbitkv.vllm.stats import COUNTERS, PdConnectorStats
 
 if TYPE_CHECKING:
@@ -228,7 +228,7 @@ class PdWorker:
         )
         port = self.config.side_channel_port_for(self.tp_rank)
         self.side_channel = SideChannelServer(
-            self.config.side_channel_host, port, self.runtime.producer_handshake
+            self.config.side_channel_host, port, self.runtime.producer_handshake, self.runtime.producer_cancel
         )
         logger.info(
             "OrbitKV rank %d/%d: mooncake %s, side channel %s, %d layers, %d blocks, head_major=%s",
@@ -264,6 +264,10 @@ class PdWorker:
                 logger.warning("consumer release %s: %s", end.pd_id, e)
         for c in meta.consumers_open:
             self._open_consumer(c)
+        for x in meta.consumers_cancel:
+            host, port = x.prefill_kv.rsplit(":", 1)
+            for r in producer_ranks(self.tp_rank, self.tp_size, x.prefill_tp):
+                self._posts.submit(self._post_cancel, f"{host}:{int(port) + r}", x.pd_id, x.reason)
         self._step_chunks = []
         for ch in meta.producer_chunks:
             self._producer_req[ch.pd_id] = ch.req_id
@@ -296,6 +300,13 @@ class PdWorker:
         except Exception as e:
             # The consumer fails at its deadline; say why now.
             logger.warning("handshake for %s to %s failed: %s", pd_id, addr, e)
+
+    def _post_cancel(self, addr: str, pd_id: str, reason: str) -> None:
+        try:
+            post_cancel(addr, pd_id, reason, timeout_s=min(10.0, self.config.timeout_s))
+        except Exception as e:
+            # The producer then frees its blocks at its handshake deadline.
+            logger.warning("cancellation of %s to %s failed: %s", pd_id, addr, e)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         if not self._step_chunks:
