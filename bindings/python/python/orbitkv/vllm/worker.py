@@ -247,7 +247,11 @@ class PdWorker:
         rt = self.runtime
         assert rt is not None, "register_kv_caches was not called"
         for end in meta.producers_end:
-            self._producer_end.add(end.pd_id)
+            if end.report:
+                # vLLM finished the request and waits for our word to free
+                # its blocks; an abort of a request vLLM still runs (it was
+                # preempted) must not free anything.
+                self._producer_end.add(end.pd_id)
             try:
                 if end.aborted:
                     rt.producer_abort(end.pd_id, end.reason or "aborted")

@@ -1,0 +1,251 @@
+"""The PdConnector's bookkeeping rules, step by step, without servers.
+
+vLLM's `Request`, `KVCacheBlocks` and `SchedulerOutput` are replaced by small
+test doubles carrying only the fields the connector reads, and the worker's
+runtime by `RecordingRuntime`, a test double that records calls and hands out
+the events a test queues. The real runtime, Mooncake and vLLM are exercised by
+`test_runtime.py` and `e2e/`; this file pins the rules that keep vLLM's block
+accounting right: every request's blocks are reported back exactly once, and
+never while vLLM still runs the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from orbitkv.vllm.config import PdConfig
+from orbitkv.vllm.metadata import ConsumerOpen, PdConnectorMetadata, ProducerChunk, RequestEnd
+from orbitkv.vllm.scheduler import PdScheduler
+from orbitkv.vllm.worker import PdWorker
+
+BS = 16
+
+
+@dataclass
+class FakeRequest:
+    """Test double of vLLM's Request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict[str, Any] | None
+    status: str = "RUNNING"
+
+
+@dataclass
+class FakeBlocks:
+    """Test double of KVCacheBlocks: `hashed` leading blocks from the prefix cache."""
+
+    ids: list[int]
+    hashed: int = 0
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+    def get_unhashed_block_ids(self) -> list[int]:
+        return self.ids[self.hashed :]
+
+
+@dataclass
+class FakeNewReq:
+    req_id: str
+    block_ids: tuple[list[int], ...]
+    num_computed_tokens: int
+
+
+@dataclass
+class FakeCached:
+    req_ids: list[str] = field(default_factory=list)
+    resumed_req_ids: set[str] = field(default_factory=set)
+    new_block_ids: list[Any] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+def sched_output(new=(), cached: FakeCached | None = None, scheduled: dict[str, int] | None = None) -> Any:
+    """Test double of SchedulerOutput."""
+    return SimpleNamespace(
+        scheduled_new_reqs=list(new),
+        scheduled_cached_reqs=cached or FakeCached(),
+        num_scheduled_tokens=scheduled or {},
+    )
+
+
+def scheduler() -> PdScheduler:
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS))
+    return PdScheduler(cfg, PdConfig())  # type: ignore[arg-type]
+
+
+def consumer(rid: str, n_tokens: int, pd: str = "pd-1") -> FakeRequest:
+    params = {"orbitkv_role": "consumer", "orbitkv_request": pd, "orbitkv_prefill_kv": "127.0.0.1:17500"}
+    return FakeRequest(rid, list(range(n_tokens)), params)
+
+
+def producer(rid: str, n_tokens: int, pd: str = "pd-1") -> FakeRequest:
+    return FakeRequest(rid, list(range(n_tokens)), {"orbitkv_role": "producer", "orbitkv_request": pd})
+
+
+def out(recving=(), sending=()) -> Any:
+    return SimpleNamespace(finished_recving=set(recving), finished_sending=set(sending))
+
+
+# ---- scheduler, decode side ---------------------------------------------------------
+
+
+def test_consumer_loads_the_prompt_once_and_skips_its_prefix_hit() -> None:
+    s = scheduler()
+    r = consumer("d1", 40)
+    assert s.get_num_new_matched_tokens(r, 16) == (24, True)
+    s.update_state_after_alloc(r, FakeBlocks([7, 8, 9], hashed=1), 24)
+    # Asked again (a retry after a load error): nothing more to load.
+    assert s.get_num_new_matched_tokens(r, 16) == (0, False)
+    s.update_state_after_alloc(r, FakeBlocks([7, 8, 9], hashed=1), 0)
+    meta = s.build_connector_meta(sched_output())
+    assert [(o.pd_id, o.first_block, o.block_ids) for o in meta.consumers_open] == [("pd-1", 1, [8, 9])]
+    assert s.build_connector_meta(sched_output()).consumers_open == []
+
+
+def test_consumer_finished_before_authorization_frees_now_and_cancels_the_producer() -> None:
+    s = scheduler()
+    r = consumer("d1", 40)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, FakeBlocks([1, 2, 3]), 40)
+    assert s.request_finished(r, [1, 2, 3]) == (False, None)
+    meta = s.build_connector_meta(sched_output())
+    assert meta.consumers_open == []
+    assert [c.pd_id for c in meta.consumers_cancel] == ["pd-1"]
+    # Never allocated at all (aborted while queued): cancelled too.
+    q = consumer("d2", 40, pd="pd-2")
+    assert s.request_finished(q, []) == (False, None)
+    assert [c.pd_id for c in s.build_connector_meta(sched_output()).consumers_cancel] == ["pd-2"]
+
+
+def test_consumer_aborted_while_waiting_keeps_its_blocks_until_reported() -> None:
+    s = scheduler()
+    r = consumer("d1", 40)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, FakeBlocks([1, 2, 3]), 40)
+    s.build_connector_meta(sched_output())
+    assert s.request_finished(r, [1, 2, 3]) == (True, None)
+    ends = s.build_connector_meta(sched_output()).consumers_end
+    assert [(e.pd_id, e.report) for e in ends] == [("pd-1", True)]
+    assert s.has_pending_push_work()
+    s.update_connector_output(out(recving={"d1"}))
+    assert not s.has_pending_push_work()
+
+
+def test_consumer_finished_after_its_load_frees_at_once() -> None:
+    s = scheduler()
+    r = consumer("d1", 40)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, FakeBlocks([1, 2, 3]), 40)
+    s.build_connector_meta(sched_output())
+    s.update_connector_output(out(recving={"d1"}))  # KV arrived
+    r.status = "FINISHED_STOPPED"
+    assert s.request_finished(r, [1, 2, 3]) == (False, None)
+    ends = s.build_connector_meta(sched_output()).consumers_end
+    assert [(e.pd_id, e.report) for e in ends] == [("pd-1", False)]
+
+
+# ---- scheduler, prefill side --------------------------------------------------------
+
+
+def test_producer_chunks_cover_every_block_and_resend_a_partial_one() -> None:
+    s = scheduler()
+    r = producer("p1", 40)  # 3 blocks of 16: the last one partial
+    s.update_state_after_alloc(r, FakeBlocks([]), 0)
+    m1 = s.build_connector_meta(sched_output([FakeNewReq("p1", ([4, 5],), 0)], scheduled={"p1": 24}))
+    (c1,) = m1.producer_chunks
+    assert (c1.opens, c1.new_block_ids, c1.start_block, c1.end_block, c1.last) == (True, [4, 5], 0, 2, False)
+    cached = FakeCached(["p1"], set(), [([6],)], [24])
+    (c2,) = s.build_connector_meta(sched_output(cached=cached, scheduled={"p1": 16})).producer_chunks
+    # Block 1 was half written by the first chunk: it is sent again.
+    assert (c2.opens, c2.new_block_ids, c2.start_block, c2.end_block, c2.last) == (False, [6], 1, 3, True)
+    # The decode steps after the prompt stream nothing more.
+    cached = FakeCached(["p1"], set(), [None], [40])
+    assert s.build_connector_meta(sched_output(cached=cached, scheduled={"p1": 1})).producer_chunks == []
+
+
+def test_producer_blocks_are_held_until_its_writes_drained() -> None:
+    s = scheduler()
+    r = producer("p1", 20)
+    s.update_state_after_alloc(r, FakeBlocks([]), 0)
+    s.build_connector_meta(sched_output([FakeNewReq("p1", ([1, 2],), 0)], scheduled={"p1": 20}))
+    r.status = "FINISHED_LENGTH_CAPPED"
+    assert s.request_finished(r, [1, 2]) == (True, None)
+    (end,) = s.build_connector_meta(sched_output()).producers_end
+    assert (end.pd_id, end.aborted, end.report) == ("pd-1", False, True)
+    assert s.has_pending_push_work()
+    s.update_connector_output(out(sending={"p1"}))
+    assert not s.has_pending_push_work()
+    # Never scheduled: nothing to hold.
+    q = producer("p2", 20, pd="pd-2")
+    s.update_state_after_alloc(q, FakeBlocks([]), 0)
+    assert s.request_finished(q, []) == (False, None)
+
+
+# ---- worker reporting ---------------------------------------------------------------
+
+
+class RecordingRuntime:
+    """Test double of `orbitkv.Runtime`: records calls, returns queued events."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+        self.events: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *a: self.calls.append((name, *a)) or "{}"
+
+    def poll_events(self) -> list[Any]:
+        ev, self.events = self.events, []
+        return ev
+
+
+def ev(kind: str, pd: str, **kw: Any) -> Any:
+    return SimpleNamespace(kind=kind, request_id=pd, reason=kw.get("reason"), outcome=kw.get("outcome"))
+
+
+@pytest.fixture
+def worker() -> PdWorker:
+    cfg = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    w = PdWorker(cfg, PdConfig())  # type: ignore[arg-type]
+    w.runtime = RecordingRuntime()  # type: ignore[assignment]
+    return w
+
+
+def test_producer_reported_only_after_vllm_finished_it(worker: PdWorker) -> None:
+    rt = worker.runtime
+    meta = PdConnectorMetadata()
+    meta.producer_chunks.append(ProducerChunk("p1", "pd-1", True, [1], 0, 1, False))
+    worker.start_load_kv(meta)
+    # Preempted: aborted, but vLLM still runs the request: no report.
+    worker.start_load_kv(PdConnectorMetadata(producers_end=[RequestEnd("p1", "pd-1", True, "preempted", report=False)]))
+    rt.events.append(ev("producer_released", "pd-1", outcome="aborted"))
+    assert worker.get_finished() == (None, None)
+    # vLLM finishes it: now, and only now, its blocks are reported, once.
+    worker.start_load_kv(PdConnectorMetadata(producers_end=[RequestEnd("p1", "pd-1", False, "done", report=True)]))
+    assert worker.get_finished() == ({"p1"}, None)
+    assert worker.get_finished() == (None, None)
+
+
+def test_consumer_reported_exactly_once(worker: PdWorker) -> None:
+    rt = worker.runtime
+    worker.start_load_kv(PdConnectorMetadata(consumers_open=[ConsumerOpen("d1", "pd-1", 0, [3, 4], "127.0.0.1:1", 1)]))
+    rt.events.append(ev("consumer_failed", "pd-1", reason="producer aborted"))
+    assert worker.get_finished() == (None, {"d1"})
+    assert worker.get_block_ids_with_load_errors() == {3, 4}
+    # vLLM ends it after the report: the release is bookkeeping only.
+    worker.start_load_kv(PdConnectorMetadata(consumers_end=[RequestEnd("d1", "pd-1", False, "", report=False)]))
+    rt.events.append(ev("consumer_released", "pd-1"))
+    assert worker.get_finished() == (None, None)
+
+    # Aborted while waiting: reported once no producer can write any more.
+    worker.start_load_kv(PdConnectorMetadata(consumers_open=[ConsumerOpen("d2", "pd-2", 0, [5], "127.0.0.1:1", 1)]))
+    worker.start_load_kv(PdConnectorMetadata(consumers_end=[RequestEnd("d2", "pd-2", True, "aborted", report=True)]))
+    rt.events.append(ev("consumer_completed", "pd-2"))  # a late completion is not a report
+    assert worker.get_finished() == (None, None)
+    rt.events.append(ev("consumer_released", "pd-2"))
+    assert worker.get_finished() == (None, {"d2"})
