@@ -61,6 +61,24 @@ fn wait_for(rt: &Runtime, what: &str, pred: impl Fn(&RuntimeEvent) -> bool) -> R
     panic!("timed out waiting for {what}");
 }
 
+/// The consumer's verdict on a request: completed or failed.
+fn outcome(rt: &Runtime) -> RuntimeEvent {
+    wait_for(rt, "the consumer's outcome", |e| {
+        matches!(
+            e,
+            RuntimeEvent::ConsumerCompleted { .. } | RuntimeEvent::ConsumerFailed { .. }
+        )
+    })
+}
+
+/// Asserts that no byte of `layer`'s block `b` on `r` was written.
+fn assert_untouched(r: &Rank, layer: u32, b: u32) {
+    assert!(
+        block(r, layer, b).iter().all(|&x| x == GUARD),
+        "layer {layer}: unauthorized block {b} touched"
+    );
+}
+
 fn src_pattern(i: usize) -> u8 {
     (i.wrapping_mul(31) % 251) as u8
 }
@@ -104,12 +122,7 @@ fn one_producer_streams_layers_into_authorized_blocks_only() {
         ),
         "{ev:?}"
     );
-    let ev = wait_for(&consumer.runtime, "consumer completion", |e| {
-        matches!(
-            e,
-            RuntimeEvent::ConsumerCompleted { .. } | RuntimeEvent::ConsumerFailed { .. }
-        )
-    });
+    let ev = outcome(&consumer.runtime);
     let expected_bytes = layers as u64 * 5 * bb;
     assert_eq!(
         ev,
@@ -128,10 +141,7 @@ fn one_producer_streams_layers_into_authorized_blocks_only() {
                     block(&producer, l, src_blocks[i]),
                     "layer {l} block {b}"
                 ),
-                None => assert!(
-                    block(&consumer, l, b).iter().all(|&x| x == GUARD),
-                    "unauthorized block {b} touched"
-                ),
+                None => assert_untouched(&consumer, l, b),
             }
         }
     }
@@ -196,12 +206,7 @@ fn two_producer_ranks_fill_their_head_halves_and_the_consumer_waits_for_both() {
         p1.runtime.layer_ready(&req, l, 0..3).unwrap();
     }
     p1.runtime.producer_finish(&req).unwrap();
-    let ev = wait_for(&consumer.runtime, "completion", |e| {
-        matches!(
-            e,
-            RuntimeEvent::ConsumerCompleted { .. } | RuntimeEvent::ConsumerFailed { .. }
-        )
-    });
+    let ev = outcome(&consumer.runtime);
     assert!(matches!(ev, RuntimeEvent::ConsumerCompleted { .. }), "{ev:?}");
 
     for l in 0..layers {
@@ -221,7 +226,7 @@ fn two_producer_ranks_fill_their_head_halves_and_the_consumer_waits_for_both() {
                         "layer {l} block {b} heads 2-3"
                     );
                 }
-                None => assert!(got.iter().all(|&x| x == GUARD), "unauthorized block {b} touched"),
+                None => assert_untouched(&consumer, l, b),
             }
         }
     }
@@ -354,12 +359,7 @@ fn chunked_prefill_grows_the_source_block_list() {
         producer.runtime.layer_ready(&req, l, 2..4).unwrap();
     }
     producer.runtime.producer_finish(&req).unwrap();
-    let ev = wait_for(&consumer.runtime, "completion", |e| {
-        matches!(
-            e,
-            RuntimeEvent::ConsumerCompleted { .. } | RuntimeEvent::ConsumerFailed { .. }
-        )
-    });
+    let ev = outcome(&consumer.runtime);
     assert!(matches!(ev, RuntimeEvent::ConsumerCompleted { .. }), "{ev:?}");
     for l in 0..layers {
         for (i, &d) in dst_blocks.iter().enumerate() {
@@ -370,10 +370,7 @@ fn chunked_prefill_grows_the_source_block_list() {
             );
         }
         for b in 0..4 {
-            assert!(
-                block(&consumer, l, b).iter().all(|&x| x == GUARD),
-                "unauthorized block {b} touched"
-            );
+            assert_untouched(&consumer, l, b);
         }
     }
 }
@@ -399,12 +396,7 @@ fn blocks_the_consumer_already_holds_are_not_written() {
         producer.runtime.layer_ready(&req, l, 0..3).unwrap();
     }
     producer.runtime.producer_finish(&req).unwrap();
-    let ev = wait_for(&consumer.runtime, "completion", |e| {
-        matches!(
-            e,
-            RuntimeEvent::ConsumerCompleted { .. } | RuntimeEvent::ConsumerFailed { .. }
-        )
-    });
+    let ev = outcome(&consumer.runtime);
     assert!(
         matches!(ev, RuntimeEvent::ConsumerCompleted { bytes, .. } if bytes == 2 * 2 * bb),
         "{ev:?}"
@@ -413,10 +405,7 @@ fn blocks_the_consumer_already_holds_are_not_written() {
         assert_eq!(block(&consumer, l, 3), block(&producer, l, 6));
         assert_eq!(block(&consumer, l, 4), block(&producer, l, 7));
         for b in [0, 1, 2, 5, 6, 7] {
-            assert!(
-                block(&consumer, l, b).iter().all(|&x| x == GUARD),
-                "unauthorized block {b} touched"
-            );
+            assert_untouched(&consumer, l, b);
         }
     }
 }
@@ -448,12 +437,7 @@ fn a_layer_with_thousands_of_scattered_blocks_goes_out_in_several_batches() {
         producer.runtime.layer_ready(&req, l, 0..n).unwrap();
     }
     producer.runtime.producer_finish(&req).unwrap();
-    let ev = wait_for(&consumer.runtime, "completion", |e| {
-        matches!(
-            e,
-            RuntimeEvent::ConsumerCompleted { .. } | RuntimeEvent::ConsumerFailed { .. }
-        )
-    });
+    let ev = outcome(&consumer.runtime);
     assert!(
         matches!(ev, RuntimeEvent::ConsumerCompleted { bytes, .. } if bytes == layers as u64 * n as u64 * bb),
         "{ev:?}"
@@ -465,12 +449,7 @@ fn a_layer_with_thousands_of_scattered_blocks_goes_out_in_several_batches() {
                 block(&producer, l, i as u32),
                 "layer {l} block {d}"
             );
-            let next = block(&consumer, l, d + 1);
-            assert!(
-                next.iter().all(|&x| x == GUARD),
-                "layer {l}: unauthorized block {} touched",
-                d + 1
-            );
+            assert_untouched(&consumer, l, d + 1);
         }
     }
     // One admitted write per layer, each reported once, although each took
