@@ -116,6 +116,25 @@ class PdConnector(KVConnectorBase_V1):
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> PdPromMetrics:
         return PdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        """The KV cache layout this connector asks vLLM for, as NixlConnector
+        does: ``"HND"`` (heads outermost in each block), so that each KV head
+        is one contiguous slice of a block and a prefill and a decode of
+        different TP sizes can exchange head slices; ``None`` (vLLM's default,
+        NHD on GPU) for MLA models, whose one latent KV head is the same in
+        every layout, and when the config has no model.
+
+        vLLM applies it when no attention backend requires a layout (FlashInfer
+        on Blackwell and the CPU backend require HND) and
+        ``VLLM_KV_CACHE_LAYOUT`` is unset. Any layout with dense blocks works
+        for equal TP sizes (see :mod:`orbitkv.vllm.layout`).
+        """
+        mc = vllm_config.model_config
+        if mc is None or mc.use_mla:
+            return None
+        return "HND"
+
     # ---- worker side -------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

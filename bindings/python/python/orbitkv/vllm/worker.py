@@ -22,6 +22,7 @@ import torch
 from orbitkv import MooncakeTransferEngine, Runtime
 from orbitkv.vllm._testing import TestingHooks, corrupt_block
 from orbitkv.vllm.config import PdConfig
+from orbitkv.vllm.layout import kv_layout_of
 from orbitkv.vllm.metadata import PdConnectorMetadata, ProducerChunk
 from orbitkv.vllm.side_channel import SideChannelServer, post_cancel, post_handshake
 from orbitkv.vllm.stats import COUNTERS, PdConnectorStats
@@ -30,71 +31,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = logging.getLogger("orbitkv.vllm.worker")
-
-
-def _layer_index(name: str) -> int:
-    from vllm.model_executor.models.utils import extract_layer_index
-
-    return extract_layer_index(name)
-
-
-def kv_layout_of(
-    kv_caches: dict[str, torch.Tensor],
-    num_blocks: int,
-    local_heads: int,
-    total_heads: int,
-    block_size: int,
-    tp_rank: int,
-    tp_size: int,
-) -> tuple[dict[str, Any], list[str]]:
-    """The OrbitKV layout (as the JSON-ready dict the runtime takes) of a
-    rank's KV tensors, and the layer names in layer order.
-
-    Supported shapes: ``[num_blocks, ...]`` (one plane per layer, e.g. vLLM's
-    CPU ``[nb, heads, block, 2*hd]``) and ``[2, num_blocks, ...]`` (K and V
-    planes, e.g. FlashAttention's ``[2, nb, block, heads, hd]``). Blocks are
-    head-major when the dimension right after the block dimension is heads.
-    """
-    names = sorted(kv_caches, key=_layer_index)
-    layers = []
-    head_major = None
-    for name in names:
-        t = kv_caches[name]
-        es = t.element_size()
-        if t.dim() >= 2 and t.shape[0] == num_blocks:
-            bdim, planes = 0, [t]
-        elif t.dim() >= 3 and t.shape[0] == 2 and t.shape[1] == num_blocks:
-            bdim, planes = 1, [t[0], t[1]]
-        else:
-            raise ValueError(
-                f"KV cache {name!r} has shape {tuple(t.shape)}: OrbitKV needs the block "
-                f"dimension ({num_blocks} blocks) first, or after a K/V dimension of 2"
-            )
-        inner = planes[0]
-        if not inner[0].is_contiguous():
-            raise ValueError(f"KV cache {name!r}: a block is not contiguous in memory")
-        hm = inner.dim() >= 2 and inner.shape[1] == local_heads
-        head_major = hm if head_major is None else (head_major and hm)
-        block_bytes = inner[0].numel() * es
-        layers.append(
-            {
-                "planes": [
-                    {"base": p.data_ptr(), "block_stride": p.stride(0) * es, "block_bytes": block_bytes}
-                    for p in planes
-                ]
-            }
-        )
-        del bdim
-    layout = {
-        "num_blocks": num_blocks,
-        "block_size": block_size,
-        "total_kv_heads": total_heads,
-        "tp_rank": tp_rank,
-        "tp_size": tp_size,
-        "head_major": bool(head_major),
-        "layers": layers,
-    }
-    return layout, names
 
 
 def producer_ranks(consumer_rank: int, consumer_tp: int, producer_tp: int) -> range:
