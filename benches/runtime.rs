@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use orbitkv::{Handshake, Notice, Notification, Outcome, ProducerRank, RequestId, Runtime};
-use support::{scattered_blocks, InstantTransport, REQUEST_BLOCKS};
+use support::{cap, scattered_blocks, InstantTransport, REQUEST_BLOCKS};
 
 /// Layer requests stream their layers in; the 32 layers are cycled.
 const LAYERS: u64 = 32;
@@ -54,6 +54,7 @@ impl Producer {
             .consumer
             .consumer_open(
                 RequestId::new("template"),
+                cap(),
                 0,
                 scattered_blocks(0, 4, 0x9E37_79B1),
                 1,
@@ -76,7 +77,7 @@ impl Producer {
         hs.request_id = req.clone();
         hs.generation.0 += self.next as u64;
         self.runtime
-            .producer_open(req.clone(), scattered_blocks(self.next, 8, 0x85EB_CA6B))
+            .producer_open(req.clone(), scattered_blocks(self.next, 8, 0x85EB_CA6B), cap())
             .expect("producer_open");
         self.runtime.producer_handshake(hs).expect("handshake");
         req
@@ -306,7 +307,7 @@ fn notification_router(c: &mut Criterion) {
             let req = RequestId::new(format!("route-{i}"));
             let hs = pair
                 .consumer
-                .consumer_open(req.clone(), 0, scattered_blocks(i, 4, 0x9E37_79B1), 1)
+                .consumer_open(req.clone(), cap(), 0, scattered_blocks(i, 4, 0x9E37_79B1), 1)
                 .expect("consumer_open");
             let n = Notice {
                 version: hs.version,

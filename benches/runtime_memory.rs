@@ -13,7 +13,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use orbitkv::{RequestId, Runtime};
-use support::{rss_bytes, scattered_blocks};
+use support::{cap, rss_bytes, scattered_blocks};
 
 /// Waits until RSS stops growing (the actors are started on their thread).
 fn settled_rss() -> u64 {
@@ -36,6 +36,7 @@ fn mb(b: u64) -> f64 {
 fn open_consumer(rt: &Runtime, prefix: &str, i: u32) -> orbitkv::Handshake {
     rt.consumer_open(
         RequestId::new(format!("{prefix}-{i}")),
+        cap(),
         0,
         scattered_blocks(i, 4, 0x9E37_79B1),
         1,
@@ -53,7 +54,7 @@ fn main() {
         let hs = open_consumer(&pair.consumer, "warm", i);
         let req = hs.request_id.clone();
         pair.producer
-            .producer_open(req.clone(), scattered_blocks(i, 8, 0x85EB_CA6B))
+            .producer_open(req.clone(), scattered_blocks(i, 8, 0x85EB_CA6B), cap())
             .unwrap();
         pair.producer.producer_handshake(hs).unwrap();
         pair.producer.producer_abort(&req, "warm-up").unwrap();
@@ -75,7 +76,7 @@ fn main() {
         let mut hs = template.clone();
         hs.request_id = RequestId::new(format!("mem-{i}"));
         pair.producer
-            .producer_open(hs.request_id.clone(), scattered_blocks(i, 8, 0x85EB_CA6B))
+            .producer_open(hs.request_id.clone(), scattered_blocks(i, 8, 0x85EB_CA6B), cap())
             .expect("producer_open");
         pair.producer.producer_handshake(hs).expect("handshake");
     }

@@ -58,13 +58,16 @@ fn run(r: &mut Report) {
 
     let hs = consumer
         .runtime
-        .consumer_open(req.clone(), 0, dst.clone(), 1)
+        .consumer_open(req.clone(), cap(), 0, dst.clone(), 1)
         .unwrap();
     r.step(format!(
         "consumer authorizes {req} {}: blocks {dst:?}",
         hs.generation
     ));
-    producer.runtime.producer_open(req.clone(), src.clone()).unwrap();
+    producer
+        .runtime
+        .producer_open(req.clone(), src.clone(), cap())
+        .unwrap();
     producer.runtime.producer_handshake_json(&hs.to_json()).unwrap();
 
     producer.runtime.layer_ready(&req, 0, 0..4).unwrap();

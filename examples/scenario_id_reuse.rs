@@ -62,13 +62,16 @@ fn run(r: &mut Report) {
 
     let hs1 = consumer
         .runtime
-        .consumer_open(req.clone(), 0, old_blocks.clone(), 1)
+        .consumer_open(req.clone(), cap(), 0, old_blocks.clone(), 1)
         .unwrap();
     r.step(format!(
         "consumer authorizes {req} {}: old blocks {old_blocks:?}",
         hs1.generation
     ));
-    producer.runtime.producer_open(req.clone(), src.clone()).unwrap();
+    producer
+        .runtime
+        .producer_open(req.clone(), src.clone(), cap())
+        .unwrap();
     producer.runtime.producer_handshake_json(&hs1.to_json()).unwrap();
     for l in 0..early {
         producer.runtime.layer_ready(&req, l, 0..4).unwrap();
@@ -81,7 +84,7 @@ fn run(r: &mut Report) {
     consumer.runtime.consumer_release(&req).unwrap();
     let hs2 = consumer
         .runtime
-        .consumer_open(req.clone(), 0, new_blocks.clone(), 1)
+        .consumer_open(req.clone(), cap(), 0, new_blocks.clone(), 1)
         .unwrap();
     r.step(format!(
         "consumer releases {req} {} and authorizes it again: {} with new blocks {new_blocks:?}",

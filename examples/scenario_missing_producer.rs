@@ -70,7 +70,7 @@ fn run(r: &mut Report) {
     let opened = Instant::now();
     let hs = consumer
         .runtime
-        .consumer_open(req.clone(), 0, dst.clone(), 2)
+        .consumer_open(req.clone(), cap(), 0, dst.clone(), 2)
         .unwrap();
     r.step(format!(
         "consumer authorizes {req} {}: blocks {dst:?}, expecting {} producers",
@@ -78,7 +78,7 @@ fn run(r: &mut Report) {
     ));
     r.check(hs.expected_producers == 2, "two producer ranks are expected");
 
-    p0.runtime.producer_open(req.clone(), src.clone()).unwrap();
+    p0.runtime.producer_open(req.clone(), src.clone(), cap()).unwrap();
     p0.runtime.producer_handshake(hs.clone()).unwrap();
     for l in 0..3 {
         p0.runtime.layer_ready(&req, l, 0..3).unwrap();

@@ -64,7 +64,7 @@ fn run(r: &mut Report) {
 
     let hs = consumer
         .runtime
-        .consumer_open(req.clone(), 0, dst.clone(), 1)
+        .consumer_open(req.clone(), cap(), 0, dst.clone(), 1)
         .unwrap();
     let mut bad = hs.clone();
     bad.layout.layers[bad_layer as usize].planes[0].base = decoy.addr();
@@ -74,7 +74,10 @@ fn run(r: &mut Report) {
         hs.generation,
         decoy.addr()
     ));
-    producer.runtime.producer_open(req.clone(), src.clone()).unwrap();
+    producer
+        .runtime
+        .producer_open(req.clone(), src.clone(), cap())
+        .unwrap();
     producer.runtime.producer_handshake_json(&bad.to_json()).unwrap();
     for l in 0..spec.layers {
         producer.runtime.layer_ready(&req, l, 0..4).unwrap();

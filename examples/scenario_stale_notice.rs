@@ -73,13 +73,16 @@ fn run(r: &mut Report) {
 
     let hs1 = consumer
         .runtime
-        .consumer_open(req.clone(), 0, g1_blocks.clone(), 1)
+        .consumer_open(req.clone(), cap(), 0, g1_blocks.clone(), 1)
         .unwrap();
     r.step(format!(
         "consumer authorizes {req} g1 = {}: blocks {g1_blocks:?}",
         hs1.generation
     ));
-    producer.runtime.producer_open(req.clone(), src.clone()).unwrap();
+    producer
+        .runtime
+        .producer_open(req.clone(), src.clone(), cap())
+        .unwrap();
     producer.runtime.producer_handshake_json(&hs1.to_json()).unwrap();
     for l in 0..spec.layers {
         producer.runtime.layer_ready(&req, l, 0..4).unwrap();
@@ -109,7 +112,7 @@ fn run(r: &mut Report) {
 
     let hs2 = consumer
         .runtime
-        .consumer_open(req.clone(), 0, g2_blocks.clone(), 1)
+        .consumer_open(req.clone(), cap(), 0, g2_blocks.clone(), 1)
         .unwrap();
     r.step(format!(
         "consumer authorizes the same request ID again: g2 = {}, blocks {g2_blocks:?}",
@@ -143,7 +146,10 @@ fn run(r: &mut Report) {
 
     // A producer for g2 (prefill ran again for the re-authorized request).
     let opened_again = wait_until(Duration::from_secs(5), || {
-        producer.runtime.producer_open(req.clone(), src.clone()).is_ok()
+        producer
+            .runtime
+            .producer_open(req.clone(), src.clone(), cap())
+            .is_ok()
     });
     r.check(opened_again, "the producer side opens the request ID again");
     producer.runtime.producer_handshake_json(&hs2.to_json()).unwrap();

@@ -185,6 +185,13 @@ pub enum RuntimeError {
         state: &'static str,
         what: String,
     },
+    /// A handshake or cancel without the request's capability: refused,
+    /// and nothing about the request changes.
+    #[error("request {request}: forbidden: {reason}")]
+    Forbidden { request: String, reason: String },
+    /// A bounded resource (parked handshakes, remembered cancels) is full.
+    #[error("overloaded: {0}")]
+    Overloaded(String),
     #[error("the runtime has stopped")]
     Stopped,
 }

@@ -50,3 +50,99 @@ pub struct LayerIdx(pub u32);
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct ProducerRank(pub u32);
+
+/// A per-request secret shared by a request's prefill and decode halves
+/// (the router hands it to both in `kv_transfer_params`). A handshake or a
+/// cancel is accepted only with the capability the producer was opened with,
+/// so nobody who merely reaches a side channel can steer a write or cancel a
+/// request. Compared in constant time; never printed.
+#[derive(Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct Capability(String);
+
+impl TryFrom<String> for Capability {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        Self::parse(&s)
+    }
+}
+
+impl From<Capability> for String {
+    fn from(c: Capability) -> String {
+        c.0
+    }
+}
+
+impl Capability {
+    /// Shortest accepted capability: 32 hex digits (128 bits).
+    pub const MIN_HEX: usize = 32;
+    /// Longest accepted capability.
+    pub const MAX_HEX: usize = 128;
+
+    /// A capability of 32 to 128 lowercase or uppercase hex digits.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let n = s.len();
+        if !(Self::MIN_HEX..=Self::MAX_HEX).contains(&n) || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(format!(
+                "a capability is {} to {} hex digits, got {} characters",
+                Self::MIN_HEX,
+                Self::MAX_HEX,
+                n
+            ));
+        }
+        Ok(Self(s.to_ascii_lowercase()))
+    }
+
+    /// A fresh capability of 256 bits from the operating system's
+    /// cryptographic random source (two v4 UUIDs, 244 random bits).
+    pub fn random() -> Self {
+        let (a, b) = (uuid::Uuid::new_v4(), uuid::Uuid::new_v4());
+        Self(format!("{}{}", a.simple(), b.simple()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// Constant-time comparison (in the length of the longer value).
+    pub fn matches(&self, other: &Capability) -> bool {
+        let (a, b) = (self.0.as_bytes(), other.0.as_bytes());
+        let mut diff = (a.len() ^ b.len()) as u8 | ((a.len() ^ b.len()) >> 8) as u8;
+        for i in 0..a.len().max(b.len()) {
+            diff |= a.get(i).copied().unwrap_or(0) ^ b.get(i).copied().unwrap_or(0xff);
+        }
+        std::hint::black_box(diff) == 0
+    }
+}
+
+impl std::fmt::Debug for Capability {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Capability(<redacted>)")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Capability;
+
+    #[test]
+    fn capability_parses_hex_of_128_bits_or_more() {
+        let ok = "0123456789abcdefABCDEF0123456789";
+        assert_eq!(Capability::parse(ok).unwrap().as_str(), ok.to_ascii_lowercase());
+        assert!(Capability::parse(&ok[1..]).is_err());
+        assert!(Capability::parse(&"a".repeat(129)).is_err());
+        assert!(Capability::parse(&format!("{}g", &ok[1..])).is_err());
+        assert!(Capability::parse("").is_err());
+    }
+
+    #[test]
+    fn capability_compares_whole_values() {
+        let a = Capability::parse(&"a".repeat(32)).unwrap();
+        let b = Capability::parse(&"a".repeat(33)).unwrap();
+        let c = Capability::parse(&format!("{}b", "a".repeat(31))).unwrap();
+        assert!(a.matches(&a.clone()));
+        assert!(!a.matches(&b) && !b.matches(&a));
+        assert!(!a.matches(&c));
+        assert_eq!(format!("{a:?}"), "Capability(<redacted>)");
+    }
+}

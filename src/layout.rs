@@ -102,6 +102,10 @@ impl KvLayout {
         }
     }
 
+    /// Largest block accepted (no KV block comes near it; a larger value
+    /// is a corrupt or hostile geometry).
+    pub const MAX_BLOCK_BYTES: u64 = 1 << 40;
+
     /// The heads this rank holds.
     fn heads(&self) -> Heads {
         let per = self.total_kv_heads / self.tp_size;
@@ -162,6 +166,9 @@ impl KvLayout {
                 }
                 if p.block_bytes == 0 {
                     return Err(bad("zero block bytes"));
+                }
+                if p.block_bytes > Self::MAX_BLOCK_BYTES {
+                    return Err(bad("block bytes over 1 TiB"));
                 }
                 if self.num_blocks > 1 && p.block_stride < p.block_bytes {
                     return Err(bad("block stride smaller than block bytes (blocks overlap)"));
@@ -271,7 +278,8 @@ impl KvLayout {
                 ));
             }
         }
-        let (ph, ch) = (self.local_heads() as u64, consumer.local_heads() as u64);
+        // u128: block sizes come from the network and may be near 2^64.
+        let (ph, ch) = (self.local_heads() as u128, consumer.local_heads() as u128);
         for (li, (pl, cl)) in self.layers.iter().zip(&consumer.layers).enumerate() {
             if pl.planes.len() != cl.planes.len() {
                 return Err(GeometryError::PlaneCount {
@@ -281,13 +289,13 @@ impl KvLayout {
                 });
             }
             for (pi, (pp, cp)) in pl.planes.iter().zip(&cl.planes).enumerate() {
-                if pp.block_bytes * ch != cp.block_bytes * ph {
+                if pp.block_bytes as u128 * ch != cp.block_bytes as u128 * ph {
                     return Err(GeometryError::HeadBytes {
                         layer: li as u32,
                         plane: pi,
                         what: "block bytes",
-                        producer: pp.block_bytes / ph,
-                        consumer: cp.block_bytes / ch,
+                        producer: (pp.block_bytes as u128 / ph) as u64,
+                        consumer: (cp.block_bytes as u128 / ch) as u64,
                     });
                 }
             }
@@ -403,6 +411,23 @@ pub(crate) mod tests {
         let mut l = layout(u64::MAX - 10, 1, 8, 256, (0, 1), 2);
         l.layers[0].planes[0].base = u64::MAX - 10;
         assert!(matches!(l.validate(), Err(GeometryError::BadPlane { .. })));
+    }
+
+    #[test]
+    fn huge_block_bytes_are_rejected_not_wrapped() {
+        // 2^63 + 128: `block_bytes * heads` wraps in u64 (a panic in debug,
+        // 256 bytes in release, as the hardening issue found).
+        let producer = layout(0x1000, 1, 1, 256, (0, 1), 2);
+        let mut consumer = layout(0x10_0000, 1, 1, 256, (0, 1), 2);
+        consumer.layers[0].planes[0].block_bytes = (1u64 << 63) + 128;
+        assert!(matches!(consumer.validate(), Err(GeometryError::BadPlane { .. })));
+        assert!(matches!(
+            producer.check_compatible(&consumer),
+            Err(GeometryError::HeadBytes { .. })
+        ));
+        let mut c2 = layout(0x10_0000, 1, 1, 256, (0, 2), 2);
+        c2.layers[0].planes[0].block_bytes = u64::MAX;
+        assert!(producer.check_compatible(&c2).is_err());
     }
 
     #[test]

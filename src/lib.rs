@@ -21,9 +21,9 @@ pub mod wire;
 
 pub use actors::{Runtime, RuntimeConfig, RuntimeEvent, StatsSnapshot};
 pub use error::{GeometryError, ProtocolError, RuntimeError, TransportError, TransportResult};
-pub use ids::{Generation, LayerIdx, ProducerRank, RequestId};
+pub use ids::{Capability, Generation, LayerIdx, ProducerRank, RequestId};
 pub use layout::{KvLayout, LayerGeometry, Plane};
 pub use transport::{
     BatchHandle, BatchState, EngineConfig, MooncakeTransferEngine, Notification, Transport, WriteRange,
 };
-pub use wire::{Handshake, Notice, Outcome};
+pub use wire::{Cancel, Handshake, Notice, Outcome};

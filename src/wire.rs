@@ -10,12 +10,13 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::ProtocolError;
-use crate::ids::{Generation, ProducerRank, RequestId};
+use crate::ids::{Capability, Generation, ProducerRank, RequestId};
 use crate::layout::KvLayout;
 use crate::transport::parse_endpoint;
 
-/// The wire version this build speaks.
-pub const WIRE_VERSION: u32 = 1;
+/// The wire version this build speaks. Version 2 added the request's
+/// capability to the handshake and the cancel message to the wire.
+pub const WIRE_VERSION: u32 = 2;
 
 /// Mooncake notification name under which OrbitKV notices travel.
 pub const NOTIFY_NAME: &str = "orbitkv";
@@ -26,6 +27,9 @@ pub const NOTIFY_NAME: &str = "orbitkv";
 pub struct Handshake {
     pub version: u32,
     pub request_id: RequestId,
+    /// The request's secret, as the router gave it to both halves: the
+    /// producer admits the handshake only if it matches its own.
+    pub capability: Capability,
     pub generation: Generation,
     /// The consumer rank's Mooncake endpoint (`ip:port`).
     pub endpoint: String,
@@ -79,6 +83,60 @@ impl Handshake {
 
     pub fn to_json(&self) -> String {
         serde_json::to_string(self).expect("a handshake always serializes")
+    }
+}
+
+/// A consumer (decode) rank gives a request up before it authorized anything:
+/// no handshake will come, so the producer need not hold its source blocks.
+/// Accepted only with the request's capability.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Cancel {
+    pub version: u32,
+    pub request_id: RequestId,
+    pub capability: Capability,
+    /// Why (informative, at most [`Cancel::MAX_REASON`] bytes).
+    #[serde(default)]
+    pub reason: String,
+}
+
+impl Cancel {
+    pub const MAX_REASON: usize = 1024;
+
+    pub fn new(request_id: RequestId, capability: Capability, reason: &str) -> Self {
+        let mut reason = reason.to_string();
+        if reason.len() > Self::MAX_REASON {
+            let mut cut = Self::MAX_REASON;
+            while !reason.is_char_boundary(cut) {
+                cut -= 1;
+            }
+            reason.truncate(cut);
+        }
+        Self {
+            version: WIRE_VERSION,
+            request_id,
+            capability,
+            reason,
+        }
+    }
+
+    pub fn from_json(text: &str) -> Result<Self, ProtocolError> {
+        let c: Self = parse_versioned(text, "cancel")?;
+        let malformed = |reason: &str| ProtocolError::Malformed {
+            what: "cancel",
+            reason: reason.into(),
+        };
+        if c.request_id.as_str().is_empty() {
+            return Err(malformed("empty request_id"));
+        }
+        if c.reason.len() > Self::MAX_REASON {
+            return Err(malformed("reason longer than 1024 bytes"));
+        }
+        Ok(c)
+    }
+
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(self).expect("a cancel always serializes")
     }
 }
 
@@ -163,10 +221,15 @@ mod tests {
     use super::*;
     use crate::layout::tests::layout;
 
+    fn cap() -> Capability {
+        Capability::parse(&"c".repeat(32)).unwrap()
+    }
+
     fn handshake() -> Handshake {
         Handshake {
             version: WIRE_VERSION,
             request_id: RequestId::new("req-1"),
+            capability: cap(),
             generation: Generation(7),
             endpoint: "127.0.0.1:15000".into(),
             expected_producers: 1,
@@ -195,14 +258,14 @@ mod tests {
     #[test]
     fn unknown_version_is_typed() {
         let mut v: serde_json::Value = serde_json::from_str(&handshake().to_json()).unwrap();
-        v["version"] = 2.into();
+        v["version"] = 3.into();
         v["something_new"] = 1.into();
         let err = Handshake::from_json(&v.to_string()).unwrap_err();
         assert_eq!(
             err,
             ProtocolError::Version {
-                found: 2,
-                supported: 1
+                found: 3,
+                supported: WIRE_VERSION
             }
         );
     }
@@ -276,6 +339,52 @@ mod tests {
         assert!(matches!(
             Handshake::from_json(&h.to_json()),
             Err(ProtocolError::Malformed { .. })
+        ));
+    }
+
+    #[test]
+    fn a_handshake_without_a_valid_capability_is_malformed() {
+        let mut v: serde_json::Value = serde_json::from_str(&handshake().to_json()).unwrap();
+        v.as_object_mut().unwrap().remove("capability");
+        assert!(matches!(
+            Handshake::from_json(&v.to_string()),
+            Err(ProtocolError::Malformed { .. })
+        ));
+        for bad in ["", "short", &"z".repeat(32), &"a".repeat(129)] {
+            v["capability"] = bad.into();
+            assert!(matches!(
+                Handshake::from_json(&v.to_string()),
+                Err(ProtocolError::Malformed { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn cancel_round_trip_and_strict_parsing() {
+        let c = Cancel::new(RequestId::new("r"), cap(), &"é".repeat(2000));
+        assert!(c.reason.len() <= Cancel::MAX_REASON);
+        assert_eq!(Cancel::from_json(&c.to_json()).unwrap(), c);
+        for bad in [
+            r#"{"version":2,"request_id":"r"}"#.to_string(),
+            r#"{"version":2,"request_id":"","capability":"cccccccccccccccccccccccccccccccc"}"#.to_string(),
+            r#"{"version":2,"request_id":"r","capability":"cccccccccccccccccccccccccccccccc","x":1}"#
+                .to_string(),
+            r#"{"version":2,"request_id":7,"capability":"cccccccccccccccccccccccccccccccc"}"#.to_string(),
+            format!(
+                r#"{{"version":2,"request_id":"r","capability":"{}","reason":"{}"}}"#,
+                "c".repeat(32),
+                "x".repeat(1025)
+            ),
+            "[]".to_string(),
+        ] {
+            assert!(
+                matches!(Cancel::from_json(&bad), Err(ProtocolError::Malformed { .. })),
+                "{bad}"
+            );
+        }
+        assert!(matches!(
+            Cancel::from_json(r#"{"version":1,"request_id":"r"}"#),
+            Err(ProtocolError::Version { found: 1, .. })
         ));
     }
 }

@@ -423,6 +423,7 @@ impl Model {
         let handshake = Arc::new(Handshake {
             version: WIRE_VERSION,
             request_id: rid(),
+            capability: cap(),
             generation,
             endpoint: "127.0.0.1:17001".into(),
             expected_producers: self.expected.len() as u32,
@@ -1248,4 +1249,10 @@ fn checker_rejects_fabricated_violations() {
     m4.gens[0].timed_out = true;
     let err = m4.feed_consumer(0, ConsumerEvent::TimedOut).unwrap_err();
     assert!(err.starts_with("(e)"), "{err}");
+}
+
+/// The capability every request of this test shares (the router would give
+/// each request its own).
+fn cap() -> orbitkv::Capability {
+    orbitkv::Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
 }

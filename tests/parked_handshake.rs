@@ -39,11 +39,14 @@ fn a_handshake_parked_past_its_deadline_authorizes_nothing() {
     let req = request("parked-stale");
     let hs = consumer
         .runtime
-        .consumer_open(req.clone(), 0, vec![1, 2], 1)
+        .consumer_open(req.clone(), cap(), 0, vec![1, 2], 1)
         .unwrap();
     producer.runtime.producer_handshake(hs).unwrap(); // no producer yet: parked
     std::thread::sleep(Duration::from_millis(400));
-    producer.runtime.producer_open(req.clone(), vec![5, 6]).unwrap();
+    producer
+        .runtime
+        .producer_open(req.clone(), vec![5, 6], cap())
+        .unwrap();
     producer.runtime.layer_ready(&req, 0, 0..2).unwrap();
     producer.runtime.producer_finish(&req).unwrap();
     let ev = producer_outcome(&producer);
@@ -71,10 +74,13 @@ fn a_fresh_parked_handshake_is_taken_up() {
     let req = request("parked-fresh");
     let hs = consumer
         .runtime
-        .consumer_open(req.clone(), 0, vec![1, 2], 1)
+        .consumer_open(req.clone(), cap(), 0, vec![1, 2], 1)
         .unwrap();
     producer.runtime.producer_handshake(hs).unwrap();
-    producer.runtime.producer_open(req.clone(), vec![5, 6]).unwrap();
+    producer
+        .runtime
+        .producer_open(req.clone(), vec![5, 6], cap())
+        .unwrap();
     producer.runtime.layer_ready(&req, 0, 0..2).unwrap();
     producer.runtime.producer_finish(&req).unwrap();
     let ev = producer_outcome(&producer);

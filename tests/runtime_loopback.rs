@@ -94,11 +94,11 @@ fn one_producer_streams_layers_into_authorized_blocks_only() {
 
     let hs = consumer
         .runtime
-        .consumer_open(req.clone(), 0, dst_blocks.clone(), 1)
+        .consumer_open(req.clone(), cap(), 0, dst_blocks.clone(), 1)
         .unwrap();
     producer
         .runtime
-        .producer_open(req.clone(), src_blocks.clone())
+        .producer_open(req.clone(), src_blocks.clone(), cap())
         .unwrap();
     // Two layers are ready before the handshake, two after: both orders work.
     producer.runtime.layer_ready(&req, 0, 0..5).unwrap();
@@ -171,13 +171,15 @@ fn two_producer_ranks_fill_their_head_halves_and_the_consumer_waits_for_both() {
     let dst_blocks = vec![4, 5, 0];
     let hs = consumer
         .runtime
-        .consumer_open(req.clone(), 0, dst_blocks.clone(), 2)
+        .consumer_open(req.clone(), cap(), 0, dst_blocks.clone(), 2)
         .unwrap();
     assert_eq!(hs.expected_producers, 2);
 
     for p in [&p0, &p1] {
         p.runtime.producer_handshake(hs.clone()).unwrap(); // before open: parked
-        p.runtime.producer_open(req.clone(), src_blocks.clone()).unwrap();
+        p.runtime
+            .producer_open(req.clone(), src_blocks.clone(), cap())
+            .unwrap();
     }
     for l in 0..layers {
         p0.runtime.layer_ready(&req, l, 0..3).unwrap();
@@ -239,10 +241,10 @@ fn notices_for_unknown_requests_or_stale_generations_are_dropped_and_counted() {
     let req = RequestId::new("req-stale");
     let hs = consumer
         .runtime
-        .consumer_open(req.clone(), 0, vec![1], 1)
+        .consumer_open(req.clone(), cap(), 0, vec![1], 1)
         .unwrap();
     let notice = |request: &str, generation: Generation| Notice {
-        version: 1,
+        version: orbitkv::wire::WIRE_VERSION,
         request_id: RequestId::new(request),
         generation,
         producer_rank: ProducerRank(0),
@@ -306,16 +308,19 @@ fn bad_input_gets_typed_errors_and_changes_nothing() {
         Err(RuntimeError::UnknownRequest(_))
     ));
     assert!(matches!(
-        c.runtime.consumer_open(req.clone(), 0, vec![9], 1),
+        c.runtime.consumer_open(req.clone(), cap(), 0, vec![9], 1),
         Err(RuntimeError::Geometry(_))
     ));
     assert!(matches!(
         p.runtime.producer_handshake_json("{\"version\": 3}"),
         Err(RuntimeError::Protocol(_))
     ));
-    let mut hs = c.runtime.consumer_open(req.clone(), 0, vec![1, 2], 1).unwrap();
+    let mut hs = c
+        .runtime
+        .consumer_open(req.clone(), cap(), 0, vec![1, 2], 1)
+        .unwrap();
     assert!(matches!(
-        c.runtime.consumer_open(req.clone(), 0, vec![3], 1),
+        c.runtime.consumer_open(req.clone(), cap(), 0, vec![3], 1),
         Err(RuntimeError::DuplicateRequest(_))
     ));
     // Wrong geometry: the consumer claims blocks of another size.
@@ -325,7 +330,7 @@ fn bad_input_gets_typed_errors_and_changes_nothing() {
         p.runtime.producer_handshake(hs),
         Err(RuntimeError::Geometry(_))
     ));
-    p.runtime.producer_open(req.clone(), vec![0, 1]).unwrap();
+    p.runtime.producer_open(req.clone(), vec![0, 1], cap()).unwrap();
     assert!(matches!(
         p.runtime.layer_ready(&req, 5, 0..1),
         Err(RuntimeError::Geometry(_))
@@ -342,10 +347,13 @@ fn chunked_prefill_grows_the_source_block_list() {
     let dst_blocks = vec![7, 6, 5, 4];
     let hs = consumer
         .runtime
-        .consumer_open(req.clone(), 0, dst_blocks.clone(), 1)
+        .consumer_open(req.clone(), cap(), 0, dst_blocks.clone(), 1)
         .unwrap();
     producer.runtime.producer_handshake(hs).unwrap();
-    producer.runtime.producer_open(req.clone(), vec![0, 1]).unwrap();
+    producer
+        .runtime
+        .producer_open(req.clone(), vec![0, 1], cap())
+        .unwrap();
     for l in 0..layers {
         producer.runtime.layer_ready(&req, l, 0..2).unwrap();
     }
@@ -385,11 +393,11 @@ fn blocks_the_consumer_already_holds_are_not_written() {
     // authorizes blocks 3 and 4 for request blocks 1 and 2.
     let hs = consumer
         .runtime
-        .consumer_open(req.clone(), 1, vec![3, 4], 1)
+        .consumer_open(req.clone(), cap(), 1, vec![3, 4], 1)
         .unwrap();
     producer
         .runtime
-        .producer_open(req.clone(), vec![5, 6, 7])
+        .producer_open(req.clone(), vec![5, 6, 7], cap())
         .unwrap();
     producer.runtime.producer_handshake(hs).unwrap();
     for l in 0..layers {
@@ -425,11 +433,11 @@ fn a_layer_with_thousands_of_scattered_blocks_goes_out_in_several_batches() {
     let n = dst_blocks.len() as u32;
     let hs = consumer
         .runtime
-        .consumer_open(req.clone(), 0, dst_blocks.clone(), 1)
+        .consumer_open(req.clone(), cap(), 0, dst_blocks.clone(), 1)
         .unwrap();
     producer
         .runtime
-        .producer_open(req.clone(), src_blocks[..n as usize].to_vec())
+        .producer_open(req.clone(), src_blocks[..n as usize].to_vec(), cap())
         .unwrap();
     producer.runtime.producer_handshake(hs).unwrap();
     // All layers at once: 4 x 2048 ranges would be in flight unbounded.
@@ -462,9 +470,15 @@ fn a_cancelled_request_releases_its_source_blocks_without_waiting_for_a_handshak
     let producer = rank(2, 8, 4096, (0, 1), 2, src_pattern);
     // Cancelled while open: released at once, outcome aborted.
     let open = RequestId::new("req-cancel-open");
-    producer.runtime.producer_open(open.clone(), vec![0, 1]).unwrap();
+    producer
+        .runtime
+        .producer_open(open.clone(), vec![0, 1], cap())
+        .unwrap();
     producer.runtime.layer_ready(&open, 0, 0..2).unwrap();
-    producer.runtime.producer_cancel(&open, "client went away");
+    producer
+        .runtime
+        .producer_cancel(&orbitkv::Cancel::new(open.clone(), cap(), "client went away"))
+        .unwrap();
     let ev = wait_for(&producer.runtime, "release", |e| {
         matches!(e, RuntimeEvent::ProducerReleased { .. })
     });
@@ -474,8 +488,14 @@ fn a_cancelled_request_releases_its_source_blocks_without_waiting_for_a_handshak
     );
     // Cancelled before it opened: released as soon as it opens.
     let early = RequestId::new("req-cancel-early");
-    producer.runtime.producer_cancel(&early, "client went away");
-    producer.runtime.producer_open(early.clone(), vec![2, 3]).unwrap();
+    producer
+        .runtime
+        .producer_cancel(&orbitkv::Cancel::new(early.clone(), cap(), "client went away"))
+        .unwrap();
+    producer
+        .runtime
+        .producer_open(early.clone(), vec![2, 3], cap())
+        .unwrap();
     let ev = wait_for(&producer.runtime, "release", |e| {
         matches!(e, RuntimeEvent::ProducerReleased { .. })
     });
@@ -485,4 +505,116 @@ fn a_cancelled_request_releases_its_source_blocks_without_waiting_for_a_handshak
     );
     assert_eq!(producer.runtime.live_requests(), (0, 0));
     assert_eq!(producer.runtime.stats().bytes_written, 0);
+}
+
+#[test]
+fn a_request_prefill_gave_up_before_opening_fails_its_consumer_at_once() {
+    // Both orders: the handshake parked first, then the discard; and the
+    // discard first, then the handshake. Either way the consumer fails well
+    // inside its 20 s deadline, and nothing is written.
+    for handshake_first in [true, false] {
+        let producer = rank(2, 8, 4096, (0, 1), 2, src_pattern);
+        let consumer = rank(2, 8, 4096, (0, 1), 2, |_| GUARD);
+        let req = RequestId::new("req-discarded");
+        let hs = consumer
+            .runtime
+            .consumer_open(req.clone(), cap(), 0, vec![1, 2], 1)
+            .unwrap();
+        let start = Instant::now();
+        if handshake_first {
+            producer.runtime.producer_handshake(hs).unwrap();
+            producer
+                .runtime
+                .producer_discard(&req, &cap(), "aborted while queued")
+                .unwrap();
+        } else {
+            producer
+                .runtime
+                .producer_discard(&req, &cap(), "aborted while queued")
+                .unwrap();
+            producer.runtime.producer_handshake(hs).unwrap();
+        }
+        let ev = outcome(&consumer.runtime);
+        assert!(
+            matches!(&ev, RuntimeEvent::ConsumerFailed { reason, .. } if reason.contains("prefill gave the request up")),
+            "{ev:?}"
+        );
+        assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+        consumer.runtime.consumer_release(&req).unwrap();
+        wait_for(&consumer.runtime, "release", |e| {
+            matches!(e, RuntimeEvent::ConsumerReleased { .. })
+        });
+        assert_untouched(&consumer, 0, 1);
+        assert_untouched(&consumer, 1, 2);
+        assert_eq!(consumer.runtime.live_requests(), (0, 0));
+    }
+}
+
+#[test]
+fn a_refused_handshake_fails_its_rank_now_and_a_stale_refusal_changes_nothing() {
+    let consumer = rank(1, 8, 256, (0, 1), 2, |_| GUARD);
+    let req = RequestId::new("req-refused");
+    let hs = consumer
+        .runtime
+        .consumer_open(req.clone(), cap(), 0, vec![1], 1)
+        .unwrap();
+    let stale = Generation(hs.generation.0 - 1);
+    assert!(matches!(
+        consumer.runtime.consumer_handshake_refused(&req, stale, 0, "old"),
+        Err(RuntimeError::StaleGeneration { .. })
+    ));
+    assert!(consumer.runtime.next_event(Duration::from_millis(300)).is_none());
+    let start = Instant::now();
+    consumer
+        .runtime
+        .consumer_handshake_refused(&req, hs.generation, 0, "403 ForbiddenError")
+        .unwrap();
+    let ev = outcome(&consumer.runtime);
+    assert!(
+        matches!(&ev, RuntimeEvent::ConsumerFailed { reason, .. } if reason.contains("refused the handshake")),
+        "{ev:?}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(5));
+    assert!(matches!(
+        consumer
+            .runtime
+            .consumer_handshake_refused(&RequestId::new("nobody"), hs.generation, 0, "x"),
+        Err(RuntimeError::UnknownRequest(_))
+    ));
+}
+
+#[test]
+fn a_cancel_racing_the_open_is_never_lost() {
+    // The cancel and the open come from two threads at once, many times: the
+    // producer is always aborted (before the fix, a cancel that checked for
+    // the producer just before it opened was lost until the deadline).
+    let producer = rank(1, 64, 256, (0, 1), 2, src_pattern);
+    for i in 0..50u32 {
+        let req = RequestId::new(format!("race-{i}"));
+        std::thread::scope(|s| {
+            let (rt, r) = (&producer.runtime, req.clone());
+            s.spawn(move || {
+                rt.producer_cancel(&orbitkv::Cancel::new(r, cap(), "client left"))
+                    .unwrap()
+            });
+            producer
+                .runtime
+                .producer_open(req.clone(), vec![i % 64], cap())
+                .unwrap();
+        });
+        let ev = wait_for(&producer.runtime, "release", |e| {
+            matches!(e, RuntimeEvent::ProducerReleased { .. })
+        });
+        assert!(
+            matches!(&ev, RuntimeEvent::ProducerReleased { outcome: Outcome::Aborted, request, .. } if *request == req),
+            "{ev:?}"
+        );
+    }
+    assert_eq!(producer.runtime.live_requests(), (0, 0));
+}
+
+/// The capability every request of this test shares (the router would give
+/// each request its own).
+fn cap() -> orbitkv::Capability {
+    orbitkv::Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
 }

@@ -68,11 +68,11 @@ fn a_request_is_a_lane_per_actor_with_a_span_per_message() {
     let req = RequestId::new("req-trace");
     let hs = consumer
         .runtime
-        .consumer_open(req.clone(), 0, vec![4, 5, 6], 1)
+        .consumer_open(req.clone(), cap(), 0, vec![4, 5, 6], 1)
         .unwrap();
     producer
         .runtime
-        .producer_open(req.clone(), vec![0, 1, 2])
+        .producer_open(req.clone(), vec![0, 1, 2], cap())
         .unwrap();
     // Layer 0 before the handshake (written when it arrives), the rest after.
     producer.runtime.layer_ready(&req, 0, 0..3).unwrap();
@@ -95,7 +95,7 @@ fn a_request_is_a_lane_per_actor_with_a_span_per_message() {
     // A stale notice: the router drops it, the consumer never sees it.
     let sender = MooncakeTransferEngine::new(&EngineConfig::default()).unwrap();
     let stale = Notice {
-        version: 1,
+        version: orbitkv::wire::WIRE_VERSION,
         request_id: req.clone(),
         generation: Generation(hs.generation.0 - 1),
         producer_rank: ProducerRank(0),
@@ -285,4 +285,10 @@ fn a_request_is_a_lane_per_actor_with_a_span_per_message() {
     assert!(submits
         .iter()
         .all(|s| lanes[&s["tid"].as_u64().unwrap()].starts_with("thread ")));
+}
+
+/// The capability every request of this test shares (the router would give
+/// each request its own).
+fn cap() -> orbitkv::Capability {
+    orbitkv::Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
 }

@@ -54,6 +54,10 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+# Both halves of every benchmark request share this capability (a router
+# gives each request its own).
+BENCH_CAPABILITY = "0123456789abcdef" * 4
+
 # ----------------------------------------------------------------------------
 # geometry (Llama-3-8B: 32 layers, 8 KV heads, head dim 128, bf16, block 16)
 
@@ -416,7 +420,7 @@ class MooncakeSide(Side):
         raise TimeoutError(f"no {sorted(kinds)} event for {req} within {timeout}s")
 
     def cmd_consumer_open(self, req: str, dst: list[int]) -> str:
-        return self.runtime.consumer_open(req, 0, dst, 1)
+        return self.runtime.consumer_open(req, BENCH_CAPABILITY, 0, dst, 1)
 
     def cmd_consumer_wait(self, req: str) -> dict[str, Any]:
         ev = self.next_event({"consumer_completed", "consumer_failed"}, req, self.opts["step_timeout"])
@@ -430,7 +434,7 @@ class MooncakeSide(Side):
 
     def cmd_producer_stream(self, req: str, src: list[int], handshake: str) -> dict[str, Any]:
         rt = self.runtime
-        rt.producer_open(req, src)
+        rt.producer_open(req, src, BENCH_CAPABILITY)
         rt.producer_handshake(handshake)
         n = len(src)
         t0 = time.monotonic_ns()

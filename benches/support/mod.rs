@@ -325,3 +325,9 @@ pub fn thread_cpu() -> std::collections::BTreeMap<String, (u64, u64, u64)> {
     }
     out
 }
+
+/// The capability every request of this test shares (the router would give
+/// each request its own).
+pub fn cap() -> orbitkv::Capability {
+    orbitkv::Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
+}

@@ -403,3 +403,9 @@ impl Report {
 pub fn request(name: &str) -> RequestId {
     RequestId::new(format!("{name}-{}", std::process::id()))
 }
+
+/// The capability every request of this test shares (the router would give
+/// each request its own).
+pub fn cap() -> orbitkv::Capability {
+    orbitkv::Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
+}

@@ -10,6 +10,7 @@
 //! * [`messages`]: every message, one struct each.
 
 pub mod messages;
+pub mod preopen;
 pub mod request;
 pub mod router;
 pub mod runtime;

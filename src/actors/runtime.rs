@@ -13,16 +13,17 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
 use super::messages::*;
+use super::preopen::{Parked, PreOpen, PreOpenLimits};
 use super::request::{generation_seed, ConsumerActor, ProducerActor};
 use super::router::NotificationRouter;
 use super::state::ConsumerMachine;
 use super::stats::{Stats, StatsSnapshot};
 use super::writer::{spawn_poller, PollJob, WriterPool};
 use crate::error::{GeometryError, RuntimeError};
-use crate::ids::{Generation, RequestId};
+use crate::ids::{Capability, Generation, RequestId};
 use crate::layout::KvLayout;
 use crate::transport::Transport;
-use crate::wire::{Handshake, WIRE_VERSION};
+use crate::wire::{Cancel, Handshake, WIRE_VERSION};
 
 /// Runtime settings. Defaults suit a CPU or GPU P/D pair on one network.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -41,6 +42,11 @@ pub struct RuntimeConfig {
     pub max_ranges_in_flight_per_peer: usize,
     /// How often the router drains Mooncake's notifications.
     pub notify_poll: Duration,
+    /// Handshakes parked and cancels remembered before their request opened
+    /// on this (prefill) side, all requests together; more are refused.
+    pub max_parked: usize,
+    /// Approximate bytes of parked handshakes; more are refused.
+    pub max_parked_bytes: usize,
 }
 
 impl Default for RuntimeConfig {
@@ -52,6 +58,8 @@ impl Default for RuntimeConfig {
             max_bytes_in_flight_per_peer: 1 << 30,
             max_ranges_in_flight_per_peer: 768,
             notify_poll: Duration::from_millis(1),
+            max_parked: 4096,
+            max_parked_bytes: 64 << 20,
         }
     }
 }
@@ -72,12 +80,13 @@ pub struct Runtime {
     events_tx: Sender<RuntimeEvent>,
     events_rx: Receiver<RuntimeEvent>,
     consumers: Mutex<HashMap<RequestId, (Generation, Addr<ConsumerActor>)>>,
-    producers: Mutex<HashMap<RequestId, Addr<ProducerActor>>>,
+    /// Live producers and the capability each was opened with.
+    producers: Mutex<HashMap<RequestId, (Addr<ProducerActor>, Capability)>>,
     /// Each live producer's source block list, as validated.
     producer_blocks: Mutex<HashMap<RequestId, Vec<u32>>>,
-    parked: Mutex<HashMap<RequestId, (Arc<Handshake>, Instant)>>,
-    /// Requests the consumer cancelled before this side opened them.
-    cancelled: Mutex<HashMap<RequestId, (String, Instant)>>,
+    /// Handshakes and cancels that arrived before their request opened here
+    /// (bounded, keyed by capability, expired on a timer).
+    pre_open: Arc<Mutex<PreOpen>>,
     next_generation: AtomicU64,
     stats: Arc<Stats>,
 }
@@ -133,6 +142,25 @@ impl Runtime {
             stats.clone(),
         ));
         let (events_tx, events_rx) = crossbeam_channel::unbounded();
+        let pre_open = Arc::new(Mutex::new(PreOpen::new(PreOpenLimits {
+            ttl: cfg.handshake_timeout,
+            max_entries: cfg.max_parked,
+            max_bytes: cfg.max_parked_bytes,
+            ..PreOpenLimits::default()
+        })));
+        // Parked handshakes expire on a timer, not only when the next one
+        // comes: an idle prefill must not keep a flood's memory.
+        let (sweep, sweep_stats) = (Arc::downgrade(&pre_open), stats.clone());
+        let every = (cfg.handshake_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
+        arbiter.spawn(async move {
+            let mut tick = actix::clock::interval(every);
+            loop {
+                tick.tick().await;
+                let Some(p) = sweep.upgrade() else { break };
+                let n = p.lock().expire(Instant::now());
+                sweep_stats.parked_expired.add(n as u64);
+            }
+        });
         Ok(Self {
             transport,
             local: Arc::new(local),
@@ -150,8 +178,7 @@ impl Runtime {
             consumers: Mutex::new(HashMap::new()),
             producers: Mutex::new(HashMap::new()),
             producer_blocks: Mutex::new(HashMap::new()),
-            parked: Mutex::new(HashMap::new()),
-            cancelled: Mutex::new(HashMap::new()),
+            pre_open,
             next_generation: AtomicU64::new(generation_seed().0),
             stats,
         })
@@ -180,11 +207,14 @@ impl Runtime {
     /// Authorizes `block_ids` of this rank for request blocks
     /// `first_block..` of `request` (blocks before `first_block` the
     /// consumer already holds), expecting the producer ranks of an instance
-    /// of TP size `producer_tp`, and returns the handshake to publish. A request ID still authorized is refused:
-    /// release it first (reuse then gets a new generation).
+    /// of TP size `producer_tp`, and returns the handshake to publish
+    /// (carrying the request's `capability`, which the producers check). A
+    /// request ID still authorized is refused: release it first (reuse then
+    /// gets a new generation).
     pub fn consumer_open(
         &self,
         request: RequestId,
+        capability: Capability,
         first_block: u32,
         block_ids: Vec<u32>,
         producer_tp: u32,
@@ -202,6 +232,7 @@ impl Runtime {
         let handshake = Handshake {
             version: WIRE_VERSION,
             request_id: request.clone(),
+            capability,
             generation,
             endpoint: self.transport.endpoint().to_string(),
             expected_producers: expected.len() as u32,
@@ -230,6 +261,42 @@ impl Runtime {
         Ok(handshake)
     }
 
+    /// A producer rank refused `request`'s handshake of `generation` (or
+    /// could not be reached at all), so nothing from it can land: the
+    /// consumer counts that rank as failed now instead of waiting for its
+    /// deadline. A stale generation or an unknown request changes nothing.
+    pub fn consumer_handshake_refused(
+        &self,
+        request: &RequestId,
+        generation: Generation,
+        producer_rank: u32,
+        reason: &str,
+    ) -> Result<(), RuntimeError> {
+        let consumers = self.consumers.lock();
+        let Some((g, addr)) = consumers.get(request) else {
+            return Err(RuntimeError::UnknownRequest(request.0.clone()));
+        };
+        if *g != generation {
+            return Err(RuntimeError::StaleGeneration {
+                request: request.0.clone(),
+                got: generation.0,
+                current: g.0,
+            });
+        }
+        addr.do_send(NoticeArrived(crate::wire::Notice {
+            version: WIRE_VERSION,
+            request_id: request.clone(),
+            generation,
+            producer_rank: crate::ids::ProducerRank(producer_rank),
+            outcome: crate::wire::Outcome::Failed,
+            reason: Some(format!(
+                "producer rank {producer_rank} refused the handshake: {reason}"
+            )),
+            bytes: 0,
+        }));
+        Ok(())
+    }
+
     /// vLLM is done with `request` on the decode side. The blocks are
     /// released (a `ConsumerReleased` event) once no producer can write into
     /// them any more.
@@ -246,12 +313,19 @@ impl Runtime {
     // ---- prefill side ---------------------------------------------------
 
     /// Opens the producer side of `request`, whose blocks (in request order)
-    /// are `src_blocks` of this rank. A handshake that arrived earlier is
-    /// taken up now.
-    pub fn producer_open(&self, request: RequestId, src_blocks: Vec<u32>) -> Result<(), RuntimeError> {
+    /// are `src_blocks` of this rank; only handshakes and cancels carrying
+    /// `capability` will be accepted for it. A handshake that arrived earlier
+    /// under that capability is taken up now, and so is an early cancel;
+    /// anything parked under another capability is dropped.
+    pub fn producer_open(
+        &self,
+        request: RequestId,
+        src_blocks: Vec<u32>,
+        capability: Capability,
+    ) -> Result<(), RuntimeError> {
         self.local.validate_blocks(&src_blocks)?;
         let mut producers = self.producers.lock();
-        if producers.get(&request).is_some_and(|a| a.connected()) {
+        if producers.get(&request).is_some_and(|(a, _)| a.connected()) {
             return Err(RuntimeError::DuplicateRequest(request.0));
         }
         let actor = ProducerActor::new(
@@ -267,41 +341,64 @@ impl Runtime {
             .lock()
             .insert(request.clone(), src_blocks.clone());
         let addr = ProducerActor::start_in_arbiter(&self.arbiter, move |_| actor);
-        if let Some((h, at)) = self.parked.lock().remove(&request) {
-            // One parked past the handshake deadline is stale: its consumer
-            // may have failed and freed the blocks it names.
-            if at.elapsed() < self.cfg.handshake_timeout {
-                addr.do_send(HandshakeArrived(h));
-            }
+        let taken = self.pre_open.lock().take(&request, &capability);
+        self.stats.side_channel_forbidden.add(taken.strangers as u64);
+        if let Some(h) = taken.handshake {
+            addr.do_send(HandshakeArrived(h));
         }
-        if let Some((reason, at)) = self.cancelled.lock().remove(&request) {
-            if at.elapsed() < self.cfg.handshake_timeout {
-                // No consumer will send a handshake: release at once
-                // instead of holding the source blocks until the deadline.
-                addr.do_send(AbortRequest { reason });
-            }
+        if let Some(reason) = taken.cancel {
+            // No consumer will send a handshake: release at once instead of
+            // holding the source blocks until the deadline.
+            addr.do_send(AbortRequest { reason });
         }
-        producers.insert(request, addr);
+        producers.insert(request, (addr, capability));
         Ok(())
     }
 
     /// The consumer gave up `request` (e.g. the client went away) before it
-    /// could authorize anything: no handshake will come. A producer already
-    /// open is aborted (its writes, if any, still drain); one not yet open is
-    /// aborted as soon as it opens (remembered up to the handshake timeout).
-    /// A handshake parked for it is dropped.
-    pub fn producer_cancel(&self, request: &RequestId, reason: &str) {
-        self.parked.lock().remove(request);
-        let reason = format!("cancelled by the consumer: {reason}");
-        match self.producer(request) {
-            Ok(addr) => addr.do_send(AbortRequest { reason }),
-            Err(_) => {
-                let mut cancelled = self.cancelled.lock();
-                let ttl = self.cfg.handshake_timeout;
-                cancelled.retain(|_, (_, at)| at.elapsed() < ttl);
-                cancelled.insert(request.clone(), (reason, Instant::now()));
+    /// could authorize anything: no handshake will come. Accepted only with
+    /// the request's capability ([`RuntimeError::Forbidden`] otherwise, and
+    /// nothing changes). A producer already open is aborted (its writes, if
+    /// any, still drain); one not yet open is aborted as soon as it opens
+    /// (remembered up to the handshake timeout), and a handshake parked for it
+    /// under that capability is dropped.
+    pub fn producer_cancel(&self, cancel: &Cancel) -> Result<(), RuntimeError> {
+        let request = &cancel.request_id;
+        let reason = format!("cancelled by the consumer: {}", cancel.reason);
+        let producers = self.producers.lock();
+        match producers.get(request) {
+            Some((addr, cap)) if addr.connected() => {
+                self.check_capability(request, cap, &cancel.capability)?;
+                addr.do_send(AbortRequest { reason });
+                Ok(())
             }
+            _ => self
+                .pre_open
+                .lock()
+                .cancel(request, &cancel.capability, reason)
+                .inspect_err(|_| self.stats.side_channel_overloaded.inc()),
         }
+    }
+
+    /// [`Self::producer_cancel`] from the JSON the consumer sent.
+    pub fn producer_cancel_json(&self, json: &str) -> Result<(), RuntimeError> {
+        self.producer_cancel(&Cancel::from_json(json)?)
+    }
+
+    fn check_capability(
+        &self,
+        request: &RequestId,
+        own: &Capability,
+        got: &Capability,
+    ) -> Result<(), RuntimeError> {
+        if own.matches(got) {
+            return Ok(());
+        }
+        self.stats.side_channel_forbidden.inc();
+        Err(RuntimeError::Forbidden {
+            request: request.0.clone(),
+            reason: "the capability does not match the request's".into(),
+        })
     }
 
     /// Appends source blocks to `request`'s block list (chunked prefill
@@ -319,25 +416,74 @@ impl Runtime {
         Ok(())
     }
 
-    /// Admits a consumer's handshake: validated strictly and checked against
-    /// this rank's layout. On any error nothing changes. It may arrive before
-    /// `producer_open` (it is then parked until then, up to the handshake
-    /// timeout) or after layers are ready (they are written on arrival).
+    /// Admits a consumer's handshake: validated strictly, checked against
+    /// this rank's layout and against the request's capability. On any
+    /// error nothing changes. It may arrive before `producer_open` (it is
+    /// then parked, bounded, until then, up to the handshake timeout) or
+    /// after layers are ready (they are written on arrival).
     pub fn producer_handshake(&self, handshake: Handshake) -> Result<(), RuntimeError> {
         handshake.validate()?;
         self.local.check_compatible(&handshake.layout)?;
         let h = Arc::new(handshake);
         let producers = self.producers.lock();
         match producers.get(&h.request_id) {
-            Some(addr) if addr.connected() => addr.do_send(HandshakeArrived(h)),
+            Some((addr, cap)) if addr.connected() => {
+                self.check_capability(&h.request_id, cap, &h.capability)?;
+                addr.do_send(HandshakeArrived(h));
+                Ok(())
+            }
             _ => {
-                let mut parked = self.parked.lock();
-                let ttl = self.cfg.handshake_timeout;
-                parked.retain(|_, (_, at)| at.elapsed() < ttl);
-                parked.insert(h.request_id.clone(), (h, Instant::now()));
+                let parked = self.pre_open.lock().park(h.clone());
+                match parked.inspect_err(|_| self.stats.side_channel_overloaded.inc())? {
+                    Parked::Waiting | Parked::Stale => {}
+                    Parked::Discarded(reason) => self.answer_aborted(h, reason),
+                }
+                Ok(())
             }
         }
+    }
+
+    /// vLLM finished `request` on this (prefill) side before it was ever
+    /// scheduled (aborted while queued): its consumer, which may already
+    /// have authorized blocks, is told `aborted` now — for a handshake
+    /// parked under `capability`, or one arriving later — instead of
+    /// holding those blocks until its deadline.
+    pub fn producer_discard(
+        &self,
+        request: &RequestId,
+        capability: &Capability,
+        reason: &str,
+    ) -> Result<(), RuntimeError> {
+        let producers = self.producers.lock();
+        if producers.get(request).is_some_and(|(a, _)| a.connected()) {
+            return Err(RuntimeError::DuplicateRequest(request.0.clone()));
+        }
+        let reason = format!("prefill gave the request up: {reason}");
+        let parked = self
+            .pre_open
+            .lock()
+            .discard(request, capability, reason.clone())?;
+        if let Some(h) = parked {
+            self.answer_aborted(h, reason);
+        }
         Ok(())
+    }
+
+    /// Tells the consumer of `h` that this rank sends nothing: a producer
+    /// with no source blocks, aborted at once, notifies `aborted` and ends.
+    fn answer_aborted(&self, h: Arc<Handshake>, reason: String) {
+        let actor = ProducerActor::new(
+            h.request_id.clone(),
+            Vec::new(),
+            self.local.clone(),
+            self.writers.clone(),
+            self.cfg.handshake_timeout,
+            self.events_tx.clone(),
+            self.stats.clone(),
+        );
+        let addr = ProducerActor::start_in_arbiter(&self.arbiter, move |_| actor);
+        addr.do_send(HandshakeArrived(h));
+        addr.do_send(AbortRequest { reason });
     }
 
     /// [`Self::producer_handshake`] from the JSON the consumer published.
@@ -347,7 +493,7 @@ impl Runtime {
 
     fn producer(&self, request: &RequestId) -> Result<Addr<ProducerActor>, RuntimeError> {
         match self.producers.lock().get(request) {
-            Some(a) if a.connected() => Ok(a.clone()),
+            Some((a, _)) if a.connected() => Ok(a.clone()),
             _ => Err(RuntimeError::UnknownRequest(request.0.clone())),
         }
     }
@@ -392,7 +538,7 @@ impl Runtime {
     fn note(&self, ev: &RuntimeEvent) {
         if let RuntimeEvent::ProducerReleased { request, .. } = ev {
             let mut producers = self.producers.lock();
-            if producers.get(request).is_some_and(|a| !a.connected()) {
+            if producers.get(request).is_some_and(|(a, _)| !a.connected()) {
                 producers.remove(request);
                 self.producer_blocks.lock().remove(request);
             }
@@ -421,7 +567,12 @@ impl Runtime {
             .values()
             .filter(|(_, a)| a.connected())
             .count();
-        let p = self.producers.lock().values().filter(|a| a.connected()).count();
+        let p = self
+            .producers
+            .lock()
+            .values()
+            .filter(|(a, _)| a.connected())
+            .count();
         (c, p)
     }
 

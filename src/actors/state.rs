@@ -578,6 +578,7 @@ mod tests {
         Arc::new(Handshake {
             version: WIRE_VERSION,
             request_id: rid(),
+            capability: crate::ids::Capability::parse(&"c".repeat(32)).unwrap(),
             generation: Generation(generation),
             endpoint: "127.0.0.1:1000".into(),
             expected_producers: 1,

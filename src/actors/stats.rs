@@ -35,6 +35,12 @@ pub struct Stats {
     pub consumers_completed: Counter,
     pub consumers_failed: Counter,
     pub producers_released: Counter,
+    /// Handshakes and cancels refused for a wrong or missing capability.
+    pub side_channel_forbidden: Counter,
+    /// Handshakes and cancels refused because the parking budget was full.
+    pub side_channel_overloaded: Counter,
+    /// Parked handshakes and early cancels dropped at their deadline.
+    pub parked_expired: Counter,
     /// Sum over completed consumer requests of open → complete, in µs.
     pub transfer_micros: Counter,
 }
@@ -55,6 +61,9 @@ pub struct StatsSnapshot {
     pub consumers_completed: u64,
     pub consumers_failed: u64,
     pub producers_released: u64,
+    pub side_channel_forbidden: u64,
+    pub side_channel_overloaded: u64,
+    pub parked_expired: u64,
     pub transfer_micros: u64,
 }
 
@@ -74,6 +83,9 @@ impl Stats {
             consumers_completed: self.consumers_completed.get(),
             consumers_failed: self.consumers_failed.get(),
             producers_released: self.producers_released.get(),
+            side_channel_forbidden: self.side_channel_forbidden.get(),
+            side_channel_overloaded: self.side_channel_overloaded.get(),
+            parked_expired: self.parked_expired.get(),
             transfer_micros: self.transfer_micros.get(),
         }
     }

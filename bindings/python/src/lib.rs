@@ -31,5 +31,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyBatch>()?;
     m.add_class::<runtime::PyRuntime>()?;
     m.add_class::<runtime::PyRuntimeEvent>()?;
+    m.add_function(wrap_pyfunction!(runtime::new_capability, m)?)?;
+    m.add_function(wrap_pyfunction!(runtime::cancel_message, m)?)?;
     Ok(())
 }

@@ -7,7 +7,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use orbitkv::{KvLayout, Outcome, RequestId, Runtime, RuntimeConfig, RuntimeError, RuntimeEvent};
+use orbitkv::{
+    Cancel, Capability, KvLayout, Outcome, RequestId, Runtime, RuntimeConfig, RuntimeError, RuntimeEvent,
+};
 use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -88,9 +90,48 @@ pub(crate) fn runtime_error(py: Python<'_>, err: RuntimeError) -> PyErr {
                 ("reason", what.into()),
             ],
         ),
+        RuntimeError::Forbidden { request, reason } => (
+            "ForbiddenError",
+            "Forbidden",
+            vec![("request_id", request.into()), ("reason", reason.into())],
+        ),
+        RuntimeError::Overloaded(reason) => {
+            ("OverloadedError", "Overloaded", vec![("reason", reason.into())])
+        }
         RuntimeError::Stopped => ("RuntimeStoppedError", "Stopped", Vec::new()),
     };
     new_error(py, class, kind, message, details)
+}
+
+fn capability(py: Python<'_>, s: &str) -> PyResult<Capability> {
+    Capability::parse(s).map_err(|e| invalid_argument(py, format!("capability: {e}")))
+}
+
+/// A fresh random capability (256 bits from the OS's cryptographic source)
+/// for one request, as a router hands it to both halves.
+#[pyfunction]
+pub fn new_capability() -> String {
+    Capability::random().as_str().to_string()
+}
+
+/// The cancel message (wire JSON) a consumer sends to a producer rank's
+/// side channel when it gives `request_id` up before authorizing anything.
+#[pyfunction]
+pub fn cancel_message(
+    py: Python<'_>,
+    request_id: &str,
+    capability_hex: &str,
+    reason: &str,
+) -> PyResult<String> {
+    if request_id.is_empty() {
+        return Err(invalid_argument(py, "request_id is empty".to_string()));
+    }
+    Ok(Cancel::new(
+        RequestId::new(request_id),
+        capability(py, capability_hex)?,
+        reason,
+    )
+    .to_json())
 }
 
 fn seconds(py: Python<'_>, name: &str, s: f64) -> PyResult<Duration> {
@@ -223,7 +264,8 @@ impl PyRuntime {
     #[allow(clippy::too_many_arguments)] // mirrors the keyword-only Python signature
     #[pyo3(signature = (engine, layout_json, *, consumer_timeout_s=120.0, handshake_timeout_s=120.0,
         write_timeout_s=30.0, max_bytes_in_flight_per_peer=1_073_741_824,
-        max_ranges_in_flight_per_peer=768, notify_poll_ms=1.0))]
+        max_ranges_in_flight_per_peer=768, notify_poll_ms=1.0, max_parked=4096,
+        max_parked_bytes=67_108_864))]
     fn new(
         py: Python<'_>,
         engine: &PyEngine,
@@ -234,6 +276,8 @@ impl PyRuntime {
         max_bytes_in_flight_per_peer: u64,
         max_ranges_in_flight_per_peer: usize,
         notify_poll_ms: f64,
+        max_parked: usize,
+        max_parked_bytes: usize,
     ) -> PyResult<Self> {
         let layout: KvLayout = serde_json::from_str(layout_json).map_err(|e| {
             runtime_error(
@@ -252,6 +296,8 @@ impl PyRuntime {
             max_bytes_in_flight_per_peer: max_bytes_in_flight_per_peer.max(1),
             max_ranges_in_flight_per_peer: max_ranges_in_flight_per_peer.max(1),
             notify_poll: seconds(py, "notify_poll_ms", notify_poll_ms / 1000.0)?,
+            max_parked: max_parked.max(1),
+            max_parked_bytes: max_parked_bytes.max(1),
         };
         let transport = engine.transport(py)?;
         let endpoint = transport.endpoint().to_string();
@@ -272,18 +318,49 @@ impl PyRuntime {
 
     /// Decode side: authorizes `block_ids` for request blocks `first_block..`
     /// of `request_id`, expecting the producers of a prefill instance of TP
-    /// size `producer_tp`. Returns the handshake (JSON) to send to them.
+    /// size `producer_tp`. Returns the handshake (JSON) to send to them; it
+    /// carries `capability` (hex), the request's secret.
     fn consumer_open(
         &self,
         py: Python<'_>,
         request_id: &str,
+        capability_hex: &str,
         first_block: u32,
         block_ids: Vec<u32>,
         producer_tp: u32,
     ) -> PyResult<String> {
+        let cap = capability(py, capability_hex)?;
         let rt = self.rt(py)?;
-        rt.consumer_open(RequestId::new(request_id), first_block, block_ids, producer_tp)
-            .map(|h| h.to_json())
+        rt.consumer_open(
+            RequestId::new(request_id),
+            cap,
+            first_block,
+            block_ids,
+            producer_tp,
+        )
+        .map(|h| h.to_json())
+        .map_err(|e| runtime_error(py, e))
+    }
+
+    /// Decode side: producer rank `producer_rank` refused the handshake of
+    /// `generation` (or could not be reached), so nothing from it can land;
+    /// the consumer counts that rank as failed now rather than at its
+    /// deadline. `StaleGenerationError`/`UnknownRequestError` otherwise.
+    fn consumer_handshake_refused(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        generation: u64,
+        producer_rank: u32,
+        reason: &str,
+    ) -> PyResult<()> {
+        self.rt(py)?
+            .consumer_handshake_refused(
+                &RequestId::new(request_id),
+                orbitkv::Generation(generation),
+                producer_rank,
+                reason,
+            )
             .map_err(|e| runtime_error(py, e))
     }
 
@@ -295,10 +372,19 @@ impl PyRuntime {
             .map_err(|e| runtime_error(py, e))
     }
 
-    /// Prefill side: opens the request with its source blocks (request order).
-    fn producer_open(&self, py: Python<'_>, request_id: &str, block_ids: Vec<u32>) -> PyResult<()> {
+    /// Prefill side: opens the request with its source blocks (request
+    /// order); only handshakes and cancels carrying `capability` (hex) are
+    /// accepted for it.
+    fn producer_open(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        block_ids: Vec<u32>,
+        capability_hex: &str,
+    ) -> PyResult<()> {
+        let cap = capability(py, capability_hex)?;
         self.rt(py)?
-            .producer_open(RequestId::new(request_id), block_ids)
+            .producer_open(RequestId::new(request_id), block_ids, cap)
             .map_err(|e| runtime_error(py, e))
     }
 
@@ -310,10 +396,15 @@ impl PyRuntime {
     }
 
     /// Prefill side: admits a consumer's handshake (JSON). Strict: a bad one
-    /// raises `HandshakeError`/`GeometryError` and changes nothing.
+    /// raises `HandshakeError`/`GeometryError`, one without the request's
+    /// capability `ForbiddenError`, one over the parking budget
+    /// `OverloadedError`; none changes anything.
+    /// Parsing and checking run with the GIL released (a large handshake
+    /// must not stall the worker's forward pass).
     fn producer_handshake(&self, py: Python<'_>, handshake_json: &str) -> PyResult<()> {
-        self.rt(py)?
-            .producer_handshake_json(handshake_json)
+        let rt = self.rt(py)?;
+        let json = handshake_json.to_owned();
+        py.detach(move || rt.producer_handshake_json(&json))
             .map_err(|e| runtime_error(py, e))
     }
 
@@ -354,11 +445,31 @@ impl PyRuntime {
     }
 
     /// Prefill side: the consumer gave the request up before authorizing
-    /// anything (no handshake will come). An open producer is aborted; one
-    /// not yet open is aborted as soon as it opens.
-    fn producer_cancel(&self, py: Python<'_>, request_id: &str, reason: &str) -> PyResult<()> {
-        self.rt(py)?.producer_cancel(&RequestId::new(request_id), reason);
-        Ok(())
+    /// anything (no handshake will come); `cancel_json` is the wire message
+    /// (`cancel_message`). An open producer is aborted; one not yet open is
+    /// aborted as soon as it opens. Without the request's capability:
+    /// `ForbiddenError`, and nothing changes.
+    fn producer_cancel(&self, py: Python<'_>, cancel_json: &str) -> PyResult<()> {
+        self.rt(py)?
+            .producer_cancel_json(cancel_json)
+            .map_err(|e| runtime_error(py, e))
+    }
+
+    /// Prefill side: vLLM finished the request before it was ever scheduled
+    /// here (aborted while queued). Its consumer is told `aborted` at once —
+    /// for a handshake parked under `capability` or one arriving later — so
+    /// decode frees its blocks now instead of at its deadline.
+    fn producer_discard(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        capability_hex: &str,
+        reason: &str,
+    ) -> PyResult<()> {
+        let cap = capability(py, capability_hex)?;
+        self.rt(py)?
+            .producer_discard(&RequestId::new(request_id), &cap, reason)
+            .map_err(|e| runtime_error(py, e))
     }
 
     /// Every event since the last call.

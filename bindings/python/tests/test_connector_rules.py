@@ -78,13 +78,22 @@ def scheduler() -> PdScheduler:
     return PdScheduler(cfg, PdConfig())  # type: ignore[arg-type]
 
 
+CAP = "0123456789abcdef" * 4
+
+
 def consumer(rid: str, n_tokens: int, pd: str = "pd-1") -> FakeRequest:
-    params = {"orbitkv_role": "consumer", "orbitkv_request": pd, "orbitkv_prefill_kv": "127.0.0.1:17500"}
+    params = {
+        "orbitkv_role": "consumer",
+        "orbitkv_request": pd,
+        "orbitkv_capability": CAP,
+        "orbitkv_prefill_kv": "127.0.0.1:17500",
+    }
     return FakeRequest(rid, list(range(n_tokens)), params)
 
 
 def producer(rid: str, n_tokens: int, pd: str = "pd-1") -> FakeRequest:
-    return FakeRequest(rid, list(range(n_tokens)), {"orbitkv_role": "producer", "orbitkv_request": pd})
+    params = {"orbitkv_role": "producer", "orbitkv_request": pd, "orbitkv_capability": CAP}
+    return FakeRequest(rid, list(range(n_tokens)), params)
 
 
 def out(recving=(), sending=()) -> Any:
@@ -219,7 +228,7 @@ def worker() -> PdWorker:
 def test_producer_reported_only_after_vllm_finished_it(worker: PdWorker) -> None:
     rt = worker.runtime
     meta = PdConnectorMetadata()
-    meta.producer_chunks.append(ProducerChunk("p1", "pd-1", True, [1], 0, 1, False))
+    meta.producer_chunks.append(ProducerChunk("p1", "pd-1", CAP, True, [1], 0, 1, False))
     worker.start_load_kv(meta)
     # Preempted: aborted, but vLLM still runs the request: no report.
     worker.start_load_kv(PdConnectorMetadata(producers_end=[RequestEnd("p1", "pd-1", True, "preempted", report=False)]))
@@ -233,7 +242,7 @@ def test_producer_reported_only_after_vllm_finished_it(worker: PdWorker) -> None
 
 def test_consumer_reported_exactly_once(worker: PdWorker) -> None:
     rt = worker.runtime
-    worker.start_load_kv(PdConnectorMetadata(consumers_open=[ConsumerOpen("d1", "pd-1", 0, [3, 4], "127.0.0.1:1", 1)]))
+    worker.start_load_kv(PdConnectorMetadata(consumers_open=[ConsumerOpen("d1", "pd-1", CAP, 0, [3, 4], "127.0.0.1:1", 1)]))
     rt.events.append(ev("consumer_failed", "pd-1", reason="producer aborted"))
     assert worker.get_finished() == (None, {"d1"})
     assert worker.get_block_ids_with_load_errors() == {3, 4}
@@ -243,9 +252,143 @@ def test_consumer_reported_exactly_once(worker: PdWorker) -> None:
     assert worker.get_finished() == (None, None)
 
     # Aborted while waiting: reported once no producer can write any more.
-    worker.start_load_kv(PdConnectorMetadata(consumers_open=[ConsumerOpen("d2", "pd-2", 0, [5], "127.0.0.1:1", 1)]))
+    worker.start_load_kv(PdConnectorMetadata(consumers_open=[ConsumerOpen("d2", "pd-2", CAP, 0, [5], "127.0.0.1:1", 1)]))
     worker.start_load_kv(PdConnectorMetadata(consumers_end=[RequestEnd("d2", "pd-2", True, "aborted", report=True)]))
     rt.events.append(ev("consumer_completed", "pd-2"))  # a late completion is not a report
     assert worker.get_finished() == (None, None)
     rt.events.append(ev("consumer_released", "pd-2"))
     assert worker.get_finished() == (None, {"d2"})
+
+
+# ---- hostile kv_transfer_params: the request is served plainly, nothing else changes ----
+
+BAD_PARAMS = {
+    "bogus role": {"orbitkv_role": "bogus", "orbitkv_request": "x"},
+    "no capability": {"orbitkv_role": "consumer", "orbitkv_request": "x", "orbitkv_prefill_kv": "127.0.0.1:1"},
+    "short capability": {"orbitkv_role": "producer", "orbitkv_request": "x", "orbitkv_capability": "ab" * 8},
+    "port not a number": {
+        "orbitkv_role": "consumer", "orbitkv_request": "x", "orbitkv_capability": CAP, "orbitkv_prefill_kv": "host:abc",
+    },
+    "port out of range": {
+        "orbitkv_role": "consumer", "orbitkv_request": "x", "orbitkv_capability": CAP, "orbitkv_prefill_kv": "h:70000",
+    },
+    "tp a string": {
+        "orbitkv_role": "consumer", "orbitkv_request": "x", "orbitkv_capability": CAP,
+        "orbitkv_prefill_kv": "127.0.0.1:17500", "orbitkv_prefill_tp": "2",
+    },
+    "tp zero": {
+        "orbitkv_role": "consumer", "orbitkv_request": "x", "orbitkv_capability": CAP,
+        "orbitkv_prefill_kv": "127.0.0.1:17500", "orbitkv_prefill_tp": 0,
+    },
+    "request id with spaces": {"orbitkv_role": "producer", "orbitkv_request": "a b", "orbitkv_capability": CAP},
+    "request id a list": {"orbitkv_role": "producer", "orbitkv_request": ["x"], "orbitkv_capability": CAP},
+    "unknown key": {"orbitkv_role": "producer", "orbitkv_request": "x", "orbitkv_capability": CAP, "orbitkv_rkey": 1},
+    "prefill not allowed": {
+        "orbitkv_role": "consumer", "orbitkv_request": "x", "orbitkv_capability": CAP,
+        "orbitkv_prefill_kv": "127.0.0.2:17500",
+    },
+}
+
+
+@pytest.mark.parametrize("params", list(BAD_PARAMS.values()), ids=list(BAD_PARAMS))
+def test_malformed_params_serve_the_request_plainly(params: dict[str, Any]) -> None:
+    s = scheduler()
+    r = FakeRequest("bad", list(range(40)), params)
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)  # no error inside vLLM's scheduler
+    s.update_state_after_alloc(r, FakeBlocks([1, 2, 3]), 0)
+    meta = s.build_connector_meta(sched_output([FakeNewReq("bad", ([1, 2, 3],), 0)], scheduled={"bad": 40}))
+    assert (meta.consumers_open, meta.producer_chunks) == ([], [])
+    assert s.request_finished(r, [1, 2, 3]) == (False, None)
+    assert s.refused == 1
+    assert not s.has_pending_push_work()
+    # A good request on the same scheduler still works.
+    ok = consumer("good", 40)
+    assert s.get_num_new_matched_tokens(ok, 0) == (40, True)
+
+
+def test_the_allow_list_decides_where_decode_may_send_a_handshake() -> None:
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS))
+    s = PdScheduler(cfg, PdConfig.from_extra_config({"orbitkv.pd.allowed_prefill": ["10.0.0.7:17500"]}))  # type: ignore[arg-type]
+    r = consumer("d1", 40)  # names 127.0.0.1:17500, not on this list
+    assert s.get_num_new_matched_tokens(r, 0) == (0, False)
+    r2 = consumer("d2", 40, pd="pd-2")
+    r2.kv_transfer_params = dict(r2.kv_transfer_params or {}, orbitkv_prefill_kv="10.0.0.7:17500")
+    assert s.get_num_new_matched_tokens(r2, 0) == (40, True)
+
+
+def test_a_duplicate_request_id_is_served_plainly_and_the_first_keeps_its_transfer() -> None:
+    s = scheduler()
+    first, second = consumer("d1", 40), consumer("d2", 40)  # both "pd-1"
+    assert s.get_num_new_matched_tokens(first, 0) == (40, True)
+    assert s.get_num_new_matched_tokens(second, 0) == (0, False)
+    s.update_state_after_alloc(first, FakeBlocks([1, 2, 3]), 40)
+    s.update_state_after_alloc(second, FakeBlocks([4, 5, 6]), 0)
+    meta = s.build_connector_meta(sched_output())
+    assert [o.req_id for o in meta.consumers_open] == ["d1"]
+    # Once the first is gone, the ID may be used again.
+    s.update_connector_output(out(recving={"d1"}))
+    first.status = "FINISHED_STOPPED"
+    s.request_finished(first, [1, 2, 3])
+    assert s.get_num_new_matched_tokens(consumer("d3", 40), 0) == (40, True)
+
+
+def test_a_producer_finished_before_it_was_scheduled_is_discarded() -> None:
+    s = scheduler()
+    r = producer("p1", 40)
+    s.update_state_after_alloc(r, FakeBlocks([]), 0)
+    r.status = "FINISHED_ABORTED"
+    assert s.request_finished(r, []) == (False, None)
+    (d,) = s.build_connector_meta(sched_output()).producers_discard
+    assert (d.pd_id, d.capability) == ("pd-1", CAP)
+
+
+class RaisingRuntime(RecordingRuntime):
+    """Test double of `orbitkv.Runtime` whose producers were all released
+    (a dead decode, a cancel, a deadline) and whose consumer_open refuses."""
+
+    def __getattr__(self, name: str) -> Any:
+        import orbitkv
+
+        def call(*a: Any) -> Any:
+            self.calls.append((name, *a))
+            if name in ("layer_ready", "producer_finish", "producer_add_blocks", "producer_abort"):
+                raise orbitkv.UnknownRequestError("released", kind="UnknownRequest", request_id=a[0])
+            if name == "consumer_open":
+                raise orbitkv.DuplicateRequestError("dup", kind="DuplicateRequest", request_id=a[0])
+            return "{}"
+
+        return call
+
+
+def test_a_released_producer_never_raises_inside_the_forward(worker: PdWorker) -> None:
+    worker.runtime = RaisingRuntime()  # type: ignore[assignment]
+    worker._layer_index = {"layer.0": 0, "layer.1": 1}
+    meta = PdConnectorMetadata()
+    meta.producer_chunks.append(ProducerChunk("p1", "pd-1", CAP, True, [1], 0, 1, True))
+    worker.start_load_kv(meta)
+    worker.save_kv_layer("layer.0", None)  # type: ignore[arg-type]
+    worker.save_kv_layer("layer.1", None)  # type: ignore[arg-type]
+    worker.wait_for_save()
+    worker.start_load_kv(PdConnectorMetadata(producers_end=[RequestEnd("p1", "pd-1", False, "done", report=True)]))
+    names = [c[0] for c in worker.runtime.calls]  # type: ignore[attr-defined]
+    assert names.count("layer_ready") == 1  # dropped from the step after the first refusal
+    assert names.count("producer_finish") <= 1
+
+
+def test_a_refused_authorization_fails_that_request_alone(worker: PdWorker) -> None:
+    worker.runtime = RaisingRuntime()  # type: ignore[assignment]
+    worker.start_load_kv(PdConnectorMetadata(consumers_open=[ConsumerOpen("d1", "pd-1", CAP, 0, [3, 4], "127.0.0.1:1", 1)]))
+    assert worker.get_finished() == (None, {"d1"})
+    assert worker.get_block_ids_with_load_errors() == {3, 4}
+    assert worker.get_finished() == (None, None)
+
+
+def test_a_handshake_nobody_takes_fails_that_rank_at_once(worker: PdWorker) -> None:
+    """Decode's POST finds no side channel there (connection refused): the
+    handshake was never delivered, so the consumer fails that producer rank
+    now instead of waiting for its deadline."""
+    rt = worker.runtime
+    worker._post("127.0.0.1:1", '{"version":2,"request_id":"pd-1","capability":"x","generation":42}', "pd-1", 42, 0)
+    (call,) = [c for c in rt.calls if c[0] == "consumer_handshake_refused"]  # type: ignore[attr-defined]
+    assert call[1:4] == ("pd-1", 42, 0)
+    assert "not listening" in call[4]

@@ -197,7 +197,8 @@ def test_hierarchy():
     assert issubclass(errors.GeometryError, ValueError)
     assert issubclass(errors.UnknownRequestError, KeyError)
     assert issubclass(errors.RuntimeTimeoutError, TimeoutError)
-    assert len(set(classes)) == len(classes) == 22
+    assert issubclass(errors.ForbiddenError, PermissionError)
+    assert len(set(classes)) == len(classes) == 24
 
 
 # --- loading Mooncake (fresh interpreters) ------------------------------------

@@ -16,6 +16,9 @@ import orbitkv
 
 LAYERS, BLOCKS, HEADS, BLOCK, HEAD_DIM = 3, 16, 2, 16, 8
 GUARD = -7.0
+# The capability both halves of every test request share (a router gives
+# each request its own).
+CAP = "0123456789abcdef" * 4
 
 
 def layout_json(caches: list[torch.Tensor]) -> str:
@@ -55,7 +58,8 @@ class Rank:
             self.caches = [torch.full((BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM), fill) for _ in range(LAYERS)]
         for t in self.caches:
             self.engine.register_memory(t)
-        self.runtime = orbitkv.Runtime(self.engine, layout_json(self.caches), consumer_timeout_s=20.0)
+        self.layout_json = layout_json(self.caches)
+        self.runtime = orbitkv.Runtime(self.engine, self.layout_json, consumer_timeout_s=20.0)
 
     def close(self) -> None:
         self.runtime.shutdown()
@@ -82,8 +86,8 @@ def wait_event(rt: orbitkv.Runtime, kinds: set[str], timeout_s: float = 20.0) ->
 def test_layers_stream_into_authorized_blocks(ranks: tuple[Rank, Rank]) -> None:
     p, c = ranks
     src, dst = [0, 1, 2, 9], [4, 5, 6, 11]
-    hs = c.runtime.consumer_open("req-py", 0, dst, 1)
-    p.runtime.producer_open("req-py", src[:2])
+    hs = c.runtime.consumer_open("req-py", CAP, 0, dst, 1)
+    p.runtime.producer_open("req-py", src[:2], CAP)
     p.runtime.layer_ready("req-py", 0, 0, 2)  # before the handshake: written on arrival
     p.runtime.producer_handshake(hs)
     p.runtime.producer_add_blocks("req-py", src[2:])
@@ -117,16 +121,16 @@ def test_runtime_errors_are_typed_and_change_nothing(ranks: tuple[Rank, Rank]) -
     with pytest.raises(orbitkv.UnknownRequestError):
         c.runtime.consumer_release("nobody")
     with pytest.raises(orbitkv.HandshakeError):
-        p.runtime.producer_handshake('{"version": 1}')
+        p.runtime.producer_handshake('{"version": 2}')
     with pytest.raises(orbitkv.HandshakeError):
         p.runtime.producer_handshake("not json")
     with pytest.raises(orbitkv.GeometryError):
-        c.runtime.consumer_open("r", 0, [BLOCKS], 1)  # outside the region
+        c.runtime.consumer_open("r", CAP, 0, [BLOCKS], 1)  # outside the region
     with pytest.raises(orbitkv.GeometryError):
-        c.runtime.consumer_open("r", 0, [1, 1], 1)  # listed twice
-    hs = json.loads(c.runtime.consumer_open("r", 0, [1, 2], 1))
+        c.runtime.consumer_open("r", CAP, 0, [1, 1], 1)  # listed twice
+    hs = json.loads(c.runtime.consumer_open("r", CAP, 0, [1, 2], 1))
     with pytest.raises(orbitkv.DuplicateRequestError):
-        c.runtime.consumer_open("r", 0, [3], 1)
+        c.runtime.consumer_open("r", CAP, 0, [3], 1)
     hs["layout"]["layers"].pop()  # wrong geometry: one layer fewer
     with pytest.raises(orbitkv.GeometryError):
         p.runtime.producer_handshake(json.dumps(hs))
@@ -141,4 +145,4 @@ def test_shutdown_is_idempotent_and_later_calls_raise(ranks: tuple[Rank, Rank]) 
     p.runtime.shutdown()
     p.runtime.shutdown()
     with pytest.raises(orbitkv.RuntimeStoppedError):
-        p.runtime.producer_open("x", [0])
+        p.runtime.producer_open("x", [0], CAP)

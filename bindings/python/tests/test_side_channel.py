@@ -1,39 +1,60 @@
 """The P/D HTTP control channel, over real HTTP on 127.0.0.1 into a real
-`orbitkv.Runtime`: a handshake is admitted or refused with its typed error,
-and a cancellation releases a producer without waiting for its deadline."""
+`orbitkv.Runtime` and real Mooncake: a handshake is admitted or refused with
+its typed error, a cancellation releases a producer without waiting for its
+deadline, and a stranger — without the request's capability, or without the
+deployment key's signature — can neither steer a write nor cancel a request.
+"""
 
 from __future__ import annotations
 
 import json
+import socket
 import time
 
 import pytest
 import torch
 
 import orbitkv
-from orbitkv.vllm.side_channel import HandshakeRejected, SideChannelServer, post_cancel, post_handshake
+from orbitkv.vllm.side_channel import (
+    SIGNATURE_HEADER,
+    HandshakeRejected,
+    SideChannelServer,
+    post_cancel,
+    post_handshake,
+)
 
-from test_runtime import LAYERS, Rank, wait_event
+from test_runtime import CAP, GUARD, LAYERS, Rank, wait_event
+
+STRANGER = "f" * 64
+KEY = b"deployment-key-0123456789"
+
+
+def serve(p: Rank, **kw) -> SideChannelServer:
+    return SideChannelServer("127.0.0.1", 0, p.runtime.producer_handshake, p.runtime.producer_cancel, **kw)
 
 
 @pytest.fixture
 def served():
-    p, c = Rank(None), Rank(-7.0)
-    server = SideChannelServer("127.0.0.1", 0, p.runtime.producer_handshake, p.runtime.producer_cancel)
+    p, c = Rank(None), Rank(GUARD)
+    server = serve(p)
     yield p, c, server.address
     server.close()
     p.close()
     c.close()
 
 
+def stream_all(p: Rank, req: str, blocks: int) -> None:
+    for layer in range(LAYERS):
+        p.runtime.layer_ready(req, layer, 0, blocks)
+    p.runtime.producer_finish(req)
+
+
 def test_handshake_over_http_then_layers_land(served) -> None:
     p, c, addr = served
-    hs = c.runtime.consumer_open("req-http", 0, [3, 4], 1)
-    p.runtime.producer_open("req-http", [0, 1])
+    hs = c.runtime.consumer_open("req-http", CAP, 0, [3, 4], 1)
+    p.runtime.producer_open("req-http", [0, 1], CAP)
     post_handshake(addr, hs)
-    for layer in range(LAYERS):
-        p.runtime.layer_ready("req-http", layer, 0, 2)
-    p.runtime.producer_finish("req-http")
+    stream_all(p, "req-http", 2)
     ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
     assert ev.kind == "consumer_completed", ev
     assert torch.equal(c.caches[0][3], p.caches[0][0])
@@ -41,7 +62,7 @@ def test_handshake_over_http_then_layers_land(served) -> None:
 
 def test_a_bad_handshake_is_refused_with_its_error(served) -> None:
     p, c, addr = served
-    hs = json.loads(c.runtime.consumer_open("req-bad", 0, [3], 1))
+    hs = json.loads(c.runtime.consumer_open("req-bad", CAP, 0, [3], 1))
     hs["layout"]["layers"].pop()
     with pytest.raises(HandshakeRejected, match="GeometryError"):
         post_handshake(addr, json.dumps(hs))
@@ -51,12 +72,158 @@ def test_a_bad_handshake_is_refused_with_its_error(served) -> None:
 
 def test_cancel_releases_the_producer_at_once(served) -> None:
     p, _, addr = served
-    p.runtime.producer_open("req-gone", [0])
+    p.runtime.producer_open("req-gone", [0], CAP)
     start = time.monotonic()
-    post_cancel(addr, "req-gone", "client went away")
+    post_cancel(addr, orbitkv.cancel_message("req-gone", CAP, "client went away"))
     ev = wait_event(p.runtime, {"producer_released"}, timeout_s=10.0)
     assert (ev.request_id, ev.outcome) == ("req-gone", "aborted")
     assert "cancelled by the consumer" in (ev.reason or "")
     assert time.monotonic() - start < 5.0  # not the 120 s handshake deadline
-    with pytest.raises(HandshakeRejected):
-        post_cancel(addr, "", "")  # malformed: refused, nothing changes
+    with pytest.raises(HandshakeRejected) as e:
+        post_cancel(addr, '{"version": 2, "request_id": ""}')  # malformed: refused, nothing changes
+    assert e.value.status == 400
+
+
+# ---- strangers ------------------------------------------------------------------------
+
+
+def test_a_forged_handshake_is_forbidden_and_steers_nothing(served) -> None:
+    """A stranger who learned the request ID and the decode's geometry (the
+    attack the hardening issue showed) forges a newer-generation handshake
+    into a third party's memory: 403, nothing written there, and the real
+    decode still gets its KV."""
+    p, c, addr = served
+    victim = Rank(GUARD)  # a third process's registered memory
+    try:
+        real = c.runtime.consumer_open("req-x", CAP, 0, [3, 4], 1)
+        forged = json.loads(victim.runtime.consumer_open("req-x", STRANGER, 0, [5, 6], 1))
+        forged["generation"] = json.loads(real)["generation"] + 1000
+        # Before the producer opened (parked) and after (live): refused or ignored.
+        post_handshake(addr, json.dumps(forged))  # parked beside the real one, never taken
+        p.runtime.producer_open("req-x", [0, 1], CAP)
+        with pytest.raises(HandshakeRejected) as e:
+            post_handshake(addr, json.dumps(forged))
+        assert e.value.status == 403 and "ForbiddenError" in str(e.value)
+        post_handshake(addr, real)
+        stream_all(p, "req-x", 2)
+        ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
+        assert ev.kind == "consumer_completed", ev
+        assert torch.equal(c.caches[1][4], p.caches[1][1])
+        assert all(bool((t == GUARD).all()) for t in victim.caches), "a forged handshake steered a write"
+        assert victim.runtime.next_event(0.5) is None  # and no notice reached the victim
+        assert p.runtime.stats()["side_channel_forbidden"] >= 2
+    finally:
+        victim.close()
+
+
+def test_a_strangers_cancel_is_forbidden_and_changes_nothing(served) -> None:
+    p, c, addr = served
+    hs = c.runtime.consumer_open("req-c", CAP, 0, [7], 1)
+    # Early (before open) and late (while open): neither aborts the request.
+    post_cancel(addr, orbitkv.cancel_message("req-c", STRANGER, "stranger"))
+    p.runtime.producer_open("req-c", [2], CAP)
+    with pytest.raises(HandshakeRejected) as e:
+        post_cancel(addr, orbitkv.cancel_message("req-c", STRANGER, "stranger"))
+    assert e.value.status == 403
+    post_handshake(addr, hs)
+    stream_all(p, "req-c", 1)
+    ev = wait_event(p.runtime, {"producer_released"})
+    assert ev.outcome == "done", ev
+    assert wait_event(c.runtime, {"consumer_completed", "consumer_failed"}).kind == "consumer_completed"
+
+
+def test_parking_is_bounded_and_refuses_a_flood() -> None:
+    p, c = Rank(None), Rank(GUARD)
+    p.runtime.shutdown()
+    p.runtime = orbitkv.Runtime(p.engine, p.layout_json, max_parked=8)
+    server = serve(p)
+    try:
+        for i in range(8):
+            post_handshake(server.address, c.runtime.consumer_open(f"flood-{i}", CAP, 0, [1], 1))
+        with pytest.raises(HandshakeRejected) as e:
+            post_handshake(server.address, c.runtime.consumer_open("flood-9", CAP, 0, [1], 1))
+        assert e.value.status == 503 and "OverloadedError" in str(e.value)
+        assert p.runtime.stats()["side_channel_overloaded"] == 1
+    finally:
+        server.close()
+        p.close()
+        c.close()
+
+
+def test_parked_handshakes_expire_on_a_timer() -> None:
+    p, c = Rank(None), Rank(GUARD)
+    p.runtime.shutdown()
+    p.runtime = orbitkv.Runtime(p.engine, p.layout_json, handshake_timeout_s=0.3)
+    try:
+        p.runtime.producer_handshake(c.runtime.consumer_open("late", CAP, 0, [1], 1))
+        deadline = time.monotonic() + 5
+        while p.runtime.stats()["parked_expired"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # nothing else happens on this runtime: the timer expires it
+        assert p.runtime.stats()["parked_expired"] == 1
+    finally:
+        p.close()
+        c.close()
+
+
+def test_the_deployment_key_authenticates_every_post() -> None:
+    p, c = Rank(None), Rank(GUARD)
+    server = serve(p, key=KEY)
+    try:
+        hs = c.runtime.consumer_open("req-k", CAP, 0, [3], 1)
+        for key in (None, b"another-key-0123456789"):
+            with pytest.raises(HandshakeRejected) as e:
+                post_handshake(server.address, hs, key=key)
+            assert e.value.status == 401
+            with pytest.raises(HandshakeRejected) as e:
+                post_cancel(server.address, orbitkv.cancel_message("req-k", CAP, "x"), key=key)
+            assert e.value.status == 401
+        assert server.refused["signature"] == 4
+        p.runtime.producer_open("req-k", [0], CAP)
+        post_handshake(server.address, hs, key=KEY)
+        stream_all(p, "req-k", 1)
+        assert wait_event(c.runtime, {"consumer_completed", "consumer_failed"}).kind == "consumer_completed"
+    finally:
+        server.close()
+        p.close()
+        c.close()
+
+
+def test_slow_and_excess_connections_are_bounded() -> None:
+    """Slow clients neither hold a thread past the read timeout nor grow the
+    worker without bound: connections beyond the cap get 503 at once, and
+    service resumes when the slow ones are cut."""
+    p = Rank(None)
+    server = serve(p, read_timeout_s=0.5, max_connections=4)
+    host, port = server.address.rsplit(":", 1)
+    slow = []
+    try:
+        for _ in range(4):  # headers promising a body that never comes
+            s = socket.create_connection((host, int(port)))
+            s.sendall(b"POST /orbitkv/v1/handshake HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+            slow.append(s)
+        time.sleep(0.1)
+        extra = socket.create_connection((host, int(port)))
+        extra.settimeout(2)
+        assert extra.recv(64).startswith(b"HTTP/1.1 503")
+        extra.close()
+        for s in slow:  # each is answered 408 and closed at the read timeout
+            s.settimeout(3)
+            assert s.recv(64).startswith(b"HTTP/1.1 408")
+        with pytest.raises(HandshakeRejected) as e:  # service is back
+            post_handshake(server.address, '{"version": 9}')
+        assert e.value.status == 400
+    finally:
+        for s in slow:
+            s.close()
+        server.close()
+        p.close()
+
+
+def test_oversized_and_unsigned_bodies_are_refused_before_parsing(served) -> None:
+    _, _, addr = served
+    host, port = addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST /orbitkv/v1/handshake HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n")
+        s.settimeout(2)
+        assert s.recv(64).startswith(b"HTTP/1.1 413")
+    assert SIGNATURE_HEADER.startswith("X-OrbitKV")

@@ -8,13 +8,22 @@ Errors are the classes of :mod:`orbitkv.errors`, all derived from
 not imported here.
 """
 
-from orbitkv._native import PINNED_MOONCAKE_VERSION, Batch, MooncakeTransferEngine, Runtime, RuntimeEvent
+from orbitkv._native import (
+    PINNED_MOONCAKE_VERSION,
+    Batch,
+    MooncakeTransferEngine,
+    Runtime,
+    RuntimeEvent,
+    cancel_message,
+    new_capability,
+)
 from orbitkv._native import __version__ as __version__
 from orbitkv.errors import (
     BadEndpointError,
     DuplicateRequestError,
     EngineClosedError,
     EngineInitError,
+    ForbiddenError,
     GeometryError,
     HandshakeError,
     InvalidArgumentError,
@@ -24,6 +33,7 @@ from orbitkv.errors import (
     MooncakeVersionError,
     NotificationError,
     OrbitKVError,
+    OverloadedError,
     PeerDeadError,
     RegistrationError,
     RuntimeStoppedError,
@@ -41,6 +51,8 @@ __all__ = [
     "MooncakeTransferEngine",
     "Batch",
     "Runtime",
+    "new_capability",
+    "cancel_message",
     "RuntimeEvent",
     "OrbitKVError",
     "MooncakeLibraryError",
@@ -63,5 +75,7 @@ __all__ = [
     "PeerDeadError",
     "RuntimeTimeoutError",
     "InvalidStateError",
+    "ForbiddenError",
+    "OverloadedError",
     "RuntimeStoppedError",
 ]

@@ -7,7 +7,16 @@ from typing import Any, Literal, TypeAlias, final
 
 from typing_extensions import Self
 
-__all__ = ["__version__", "PINNED_MOONCAKE_VERSION", "MooncakeTransferEngine", "Batch", "Runtime", "RuntimeEvent"]
+__all__ = [
+    "__version__",
+    "PINNED_MOONCAKE_VERSION",
+    "MooncakeTransferEngine",
+    "Batch",
+    "Runtime",
+    "RuntimeEvent",
+    "new_capability",
+    "cancel_message",
+]
 
 __version__: str
 """Version of the `orbitkv` package (the Rust crate's version)."""
@@ -228,29 +237,44 @@ class Runtime:
         max_bytes_in_flight_per_peer: int = 1073741824,
         max_ranges_in_flight_per_peer: int = 768,
         notify_poll_ms: float = 1.0,
+        max_parked: int = 4096,
+        max_parked_bytes: int = 67108864,
     ) -> Self: ...
     @property
     def endpoint(self) -> str:
         """This rank's Mooncake endpoint (`ip:port`)."""
 
-    def consumer_open(self, request_id: str, first_block: int, block_ids: list[int], producer_tp: int) -> str:
+    def consumer_open(
+        self, request_id: str, capability_hex: str, first_block: int, block_ids: list[int], producer_tp: int
+    ) -> str:
         """Decode side: authorizes `block_ids` for request blocks `first_block..`
         of `request_id`, expecting the producers of a prefill instance of TP
-        size `producer_tp`. Returns the handshake (JSON) to send to them."""
+        size `producer_tp`. Returns the handshake (JSON) to send to them; it
+        carries `capability` (hex), the request's secret."""
+
+    def consumer_handshake_refused(self, request_id: str, generation: int, producer_rank: int, reason: str) -> None:
+        """Decode side: producer rank `producer_rank` refused the handshake of
+        `generation` (or could not be reached), so nothing from it can land;
+        the consumer counts that rank as failed now rather than at its
+        deadline. `StaleGenerationError`/`UnknownRequestError` otherwise."""
 
     def consumer_release(self, request_id: str) -> None:
         """Decode side: vLLM is done with the request; a `consumer_released`
         event follows once no producer can write into its blocks."""
 
-    def producer_open(self, request_id: str, block_ids: list[int]) -> None:
-        """Prefill side: opens the request with its source blocks (request order)."""
+    def producer_open(self, request_id: str, block_ids: list[int], capability_hex: str) -> None:
+        """Prefill side: opens the request with its source blocks (request
+        order); only handshakes and cancels carrying `capability` (hex) are
+        accepted for it."""
 
     def producer_add_blocks(self, request_id: str, block_ids: list[int]) -> None:
         """Prefill side: appends source blocks (chunked prefill)."""
 
     def producer_handshake(self, handshake_json: str) -> None:
         """Prefill side: admits a consumer's handshake (JSON). Strict: a bad one
-        raises `HandshakeError`/`GeometryError` and changes nothing."""
+        raises `HandshakeError`/`GeometryError`, one without the request's
+        capability `ForbiddenError`, one over the parking budget
+        `OverloadedError`; none changes anything."""
 
     def layer_ready(self, request_id: str, layer: int, start: int, end: int) -> None:
         """Prefill side: `layer` is computed for request blocks `[start, end)`.
@@ -263,10 +287,18 @@ class Runtime:
         """Prefill side: stop; writes in flight still drain, then the consumer is
         told the request was aborted."""
 
-    def producer_cancel(self, request_id: str, reason: str) -> None:
+    def producer_cancel(self, cancel_json: str) -> None:
         """Prefill side: the consumer gave the request up before authorizing
-        anything (no handshake will come). An open producer is aborted; one
-        not yet open is aborted as soon as it opens."""
+        anything (no handshake will come); `cancel_json` is the wire message
+        (`cancel_message`). An open producer is aborted; one not yet open is
+        aborted as soon as it opens. Without the request's capability:
+        `ForbiddenError`, and nothing changes."""
+
+    def producer_discard(self, request_id: str, capability_hex: str, reason: str) -> None:
+        """Prefill side: vLLM finished the request before it was ever scheduled
+        here (aborted while queued). Its consumer is told `aborted` at once —
+        for a handshake parked under `capability` or one arriving later — so
+        decode frees its blocks now instead of at its deadline."""
 
     def poll_events(self) -> list[RuntimeEvent]:
         """Every event since the last call."""
@@ -282,3 +314,11 @@ class Runtime:
 
     def shutdown(self) -> None:
         """Stops the actors (writes in flight are abandoned). Idempotent."""
+
+def new_capability() -> str:
+    """A fresh random capability (256 bits from the OS's cryptographic
+    source) for one request, as a router hands it to both halves."""
+
+def cancel_message(request_id: str, capability_hex: str, reason: str) -> str:
+    """The cancel message (wire JSON) a consumer sends to a producer rank's
+    side channel when it gives `request_id` up before authorizing anything."""

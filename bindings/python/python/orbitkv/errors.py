@@ -40,6 +40,8 @@ __all__ = [
     "PeerDeadError",
     "RuntimeTimeoutError",
     "InvalidStateError",
+    "ForbiddenError",
+    "OverloadedError",
     "RuntimeStoppedError",
 ]
 
@@ -193,6 +195,16 @@ class RuntimeTimeoutError(OrbitKVError, TimeoutError):
 
 class InvalidStateError(OrbitKVError):
     """The request is in a state where this call is not allowed."""
+
+
+class ForbiddenError(OrbitKVError, PermissionError):
+    """A handshake or cancel did not carry the request's capability (the
+    secret the router gave both halves): refused, nothing changed."""
+
+
+class OverloadedError(OrbitKVError):
+    """A bounded resource is full (handshakes parked before their request
+    opened): refused, nothing changed; the sender may retry."""
 
 
 class RuntimeStoppedError(OrbitKVError, RuntimeError):

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import secrets
 import sys
 import time
 import uuid
@@ -80,12 +81,18 @@ class ProxyConfig:
             prefill_kv = f"{urlsplit(prefill).hostname}:{DEFAULT_SIDE_CHANNEL_PORT}"
         return ProxyConfig(prefill, decode, prefill_kv, prefill_tp, timeout_s)
 
-    def params(self, role: str, request_id: str) -> dict[str, Any]:
-        """The ``kv_transfer_params`` for one side of one request."""
+    def params(self, role: str, request_id: str, capability: str) -> dict[str, Any]:
+        """The ``kv_transfer_params`` for one side of one request. Both sides
+        get the request's ``capability``, a fresh secret per request: prefill
+        accepts the decode's handshake and cancel only with it."""
         if role == PRODUCER:
-            return PdParams(role=PRODUCER, request=request_id).to_dict()
+            return PdParams(role=PRODUCER, request=request_id, capability=capability).to_dict()
         return PdParams(
-            role=CONSUMER, request=request_id, prefill_kv=self.prefill_kv, prefill_tp=self.prefill_tp
+            role=CONSUMER,
+            request=request_id,
+            capability=capability,
+            prefill_kv=self.prefill_kv,
+            prefill_tp=self.prefill_tp,
         ).to_dict()
 
 
@@ -126,6 +133,8 @@ class _Exchange:
         self.session = session
         self.cfg = cfg
         self.id = uuid.uuid4().hex
+        # 256 bits from the OS's cryptographic source, never logged.
+        self.capability = secrets.token_hex(32)
         self.response: web.StreamResponse | None = None
         self.stream = False
 
@@ -140,11 +149,11 @@ class _Exchange:
         path = self.request.path
         t0 = time.monotonic()
         prefill = asyncio.create_task(
-            self._prefill(path, prefill_body(body, self.cfg.params(PRODUCER, self.id))),
+            self._prefill(path, prefill_body(body, self.cfg.params(PRODUCER, self.id, self.capability))),
             name=f"orbitkv-prefill-{self.id}",
         )
         decode = asyncio.create_task(
-            self._relay_decode(path, decode_body(body, self.cfg.params(CONSUMER, self.id))),
+            self._relay_decode(path, decode_body(body, self.cfg.params(CONSUMER, self.id, self.capability))),
             name=f"orbitkv-decode-{self.id}",
         )
         try:

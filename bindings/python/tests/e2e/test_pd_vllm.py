@@ -222,6 +222,162 @@ def test_abort_during_transfer(cluster: Cluster) -> None:
     assert_serves_correctly(cluster)
 
 
+# ---- (c2) hostile input and dead peers: no engine exits ----------------------
+
+
+def _cap() -> str:
+    return uuid.uuid4().hex + uuid.uuid4().hex
+
+
+def _bad_params(prefill_kv: str) -> dict[str, dict[str, object]]:
+    """kv_transfer_params a client can send straight to a server's API."""
+    return {
+        "bogus role": {"orbitkv_role": "bogus", "orbitkv_request": "x"},
+        "no capability": {"orbitkv_role": "consumer", "orbitkv_request": "x", "orbitkv_prefill_kv": prefill_kv},
+        "port not a number": {
+            "orbitkv_role": "consumer",
+            "orbitkv_request": "x",
+            "orbitkv_capability": _cap(),
+            "orbitkv_prefill_kv": "127.0.0.1:abc",
+        },
+        "prefill not allowed": {  # a loopback address outside the allow-list: no handshake leaves
+            "orbitkv_role": "consumer",
+            "orbitkv_request": "x",
+            "orbitkv_capability": _cap(),
+            "orbitkv_prefill_kv": "127.0.0.2:17500",
+        },
+        "role a number": {"orbitkv_role": 7, "orbitkv_request": "x", "orbitkv_capability": _cap()},
+        "not a mapping": {"orbitkv_role": "producer", "orbitkv_request": {"a": 1}, "orbitkv_capability": _cap()},
+    }
+
+
+def test_hostile_params_fail_that_request_alone(cluster: Cluster) -> None:
+    """The hardening issue's first critical reproduction: a request with
+    malformed OrbitKV params sent straight to either server killed its
+    engine. Now each is served as a plain request (same tokens as one
+    engine), both engines live on, and P/D still works."""
+    prompt = fresh_prompt(200)
+    want = baseline(cluster, prompt)
+    for what, params in _bad_params(cluster.prefill_kv).items():
+        for server in ("decode", "prefill"):
+            c = complete(cluster.url_of(server), prompt, GEN, timeout_s=REQ_TIMEOUT_S, kv_transfer_params=params)
+            assert c.status == 200, f"{what} on {server}: HTTP {c.status}: {c.error}"
+            assert c.token_ids == want, f"{what} on {server}: not served as a plain request"
+            cluster.check_alive()
+    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    assert_serves_correctly(cluster)
+
+
+def test_duplicate_request_ids_fail_alone(cluster: Cluster) -> None:
+    """Two concurrent decode requests with the same orbitkv_request (decode
+    died of this before): the first gets the KV from its prefill, the second
+    is served plainly; both answer the right tokens."""
+    prompt = fresh_prompt(300)
+    want = baseline(cluster, prompt)
+    pd_id, cap = f"dup-{uuid.uuid4().hex}", _cap()
+    consumer = {
+        "orbitkv_role": "consumer",
+        "orbitkv_request": pd_id,
+        "orbitkv_capability": cap,
+        "orbitkv_prefill_kv": cluster.prefill_kv,
+    }
+    producer = {"orbitkv_role": "producer", "orbitkv_request": pd_id, "orbitkv_capability": cap}
+    out: dict[str, Completion] = {}
+
+    def call(key: str, url: str, n: int, params: dict) -> None:
+        out[key] = complete(url, prompt, n, timeout_s=REQ_TIMEOUT_S, kv_transfer_params=params)
+
+    threads = [
+        threading.Thread(target=call, args=("d1", cluster.decode_url, GEN, consumer)),
+        threading.Thread(target=call, args=("d2", cluster.decode_url, GEN, consumer)),
+        threading.Thread(target=call, args=("p", cluster.prefill_url, 1, producer)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(REQ_TIMEOUT_S + 10)
+    assert ok(out["d1"], "first").token_ids == want
+    assert ok(out["d2"], "duplicate").token_ids == want
+    cluster.check_alive()
+    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    assert_serves_correctly(cluster)
+
+
+def test_a_producer_released_mid_prefill_does_not_kill_prefill(cluster: Cluster) -> None:
+    """The second critical reproduction: the producer is released while vLLM
+    still computes the prompt (here: decode's cancel, with the request's
+    capability, lands between two chunked-prefill steps). vLLM's later
+    per-layer saves find nothing to send; before the fix the first of them
+    raised inside the forward and killed the engine."""
+    from orbitkv import cancel_message
+    from orbitkv.vllm.side_channel import post_cancel
+
+    p0 = snapshot(cluster, "prefill")
+    pd_id, cap = f"released-{uuid.uuid4().hex}", _cap()
+    producer = {"orbitkv_role": "producer", "orbitkv_request": pd_id, "orbitkv_capability": cap}
+    out: dict[str, object] = {}
+
+    def call() -> None:
+        out["p"] = complete(cluster.prefill_url, fresh_prompt(4000), 1, timeout_s=REQ_TIMEOUT_S, kv_transfer_params=producer)
+
+    t = threading.Thread(target=call)
+    t.start()
+    wait_until(
+        lambda: snapshot(cluster, "prefill").get("vllm:num_requests_running", 0) >= 1,
+        60,
+        "the prefill to run the request",
+        [cluster.procs["prefill"]],
+        every_s=0.01,
+    )
+    post_cancel(cluster.prefill_kv, cancel_message(pd_id, cap, "test: decode gave up"))
+    released_while_running = False
+    while t.is_alive():
+        released_while_running |= snapshot(cluster, "prefill")[RELEASED] > p0[RELEASED] and t.is_alive()
+        time.sleep(0.01)
+    t.join()
+    c = out["p"]
+    assert isinstance(c, Completion) and c.status == 200, c
+    assert released_while_running, "the producer was not released while vLLM still computed the prompt"
+    cluster.check_alive()
+    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    assert_serves_correctly(cluster)
+
+
+def test_decode_killed_mid_transfer_then_restarted(cluster: Cluster) -> None:
+    """Decode dies (SIGKILL) while prefill's layer writes into it are still
+    to come: prefill fails or aborts the request within its write timeout,
+    releases its blocks and stays up; decode restarted on the same port
+    serves P/D again."""
+    delay = cluster.run_dir / "write-delay"
+    p0 = snapshot(cluster, "prefill")
+    delay.write_text("0.75")  # per layer: 4 layers -> 3 s of transfer
+    try:
+        req = Abandoned(cluster.proxy_url, fresh_prompt(2 * BLOCK + 50), GEN, stream=True)
+        try:
+            wait_until(
+                lambda: snapshot(cluster, "prefill")[SUCCESS] > p0[SUCCESS],
+                60,
+                "the prefill instance to finish the request",
+                [cluster.procs["prefill"], cluster.procs["decode"]],
+                every_s=0.01,
+            )
+            cluster.kill("decode")
+            t_kill = time.monotonic()
+        finally:
+            req.drop()
+    finally:
+        delay.unlink(missing_ok=True)
+    cluster.check_alive(["prefill", "proxy"])
+    cluster.wait_idle(["prefill"], timeout_s=IDLE_TIMEOUT_S)
+    released_s = time.monotonic() - t_kill
+    assert snapshot(cluster, "prefill")[RELEASED] > p0[RELEASED], "prefill did not release the request"
+    t_restart = time.monotonic()
+    cluster.start_server("decode")
+    print(f"decode killed: prefill idle {released_s:.1f}s later; decode back in {time.monotonic() - t_restart:.1f}s")
+    cluster.check_alive()
+    assert_serves_correctly(cluster)
+
+
 # ---- (d) the prefill instance dies mid-request: runs last ---------------------
 
 
@@ -235,13 +391,15 @@ def test_prefill_killed_mid_request(cluster: Cluster) -> None:
 
     prompt = fresh_prompt(4000)
     pd_id = f"killtest-{uuid.uuid4().hex}"
+    capability = uuid.uuid4().hex + uuid.uuid4().hex
     consumer = {
         "orbitkv_role": "consumer",
         "orbitkv_request": pd_id,
+        "orbitkv_capability": capability,
         "orbitkv_prefill_kv": cluster.prefill_kv,
         "orbitkv_prefill_tp": 1,
     }
-    producer = {"orbitkv_role": "producer", "orbitkv_request": pd_id}
+    producer = {"orbitkv_role": "producer", "orbitkv_request": pd_id, "orbitkv_capability": capability}
     out: dict[str, object] = {}
 
     def call(key: str, url: str, max_tokens: int, params: dict | None, stream: bool = False) -> None:

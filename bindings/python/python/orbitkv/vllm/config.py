@@ -22,7 +22,15 @@ KEYS = {
     "orbitkv.pd.max_inflight_mb",
     "orbitkv.pd.max_inflight_ranges",
     "orbitkv.pd.trace",
+    "orbitkv.pd.allowed_prefill",
+    "orbitkv.pd.side_channel_key_file",
 }
+
+# Where decode may send handshakes when `orbitkv.pd.allowed_prefill` is unset.
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# The deployment key, when it is not in a file (`side_channel_key_file`).
+KEY_ENV = "ORBITKV_SIDE_CHANNEL_KEY"
+MIN_KEY_BYTES = 16
 
 
 class ConfigError(ValueError):
@@ -56,6 +64,15 @@ class PdConfig:
     max_inflight_mb: int = 1024
     max_inflight_ranges: int = 768
     trace: str | None = None
+    # (host, port or None) pairs; ("*", None) allows any (trusts the network).
+    allowed_prefill: tuple[tuple[str, int | None], ...] = tuple((h, None) for h in LOOPBACK)
+    side_channel_key: bytes | None = field(default=None, repr=False)
+
+    def prefill_allowed(self, host: str, port: int) -> bool:
+        """Whether decode may send this request's handshake to the side
+        channel ``host:port`` (a client names it in ``kv_transfer_params``)."""
+        h = host.strip("[]").lower()
+        return any(e == "*" or (e == h and p in (None, port)) for e, p in self.allowed_prefill)
 
     def nics_for(self, rank: int) -> list[str]:
         return list(self.rank_nics.get(rank, []))
@@ -106,6 +123,13 @@ class PdConfig:
         trace = cfg.get("orbitkv.pd.trace")
         if trace is not None and not isinstance(trace, str):
             raise ConfigError(f"orbitkv.pd.trace must be a file path, got {trace!r}")
+        allowed = cfg.get("orbitkv.pd.allowed_prefill", list(LOOPBACK))
+        if isinstance(allowed, str):
+            allowed = [allowed]
+        if not isinstance(allowed, (list, tuple)):
+            raise ConfigError(f"orbitkv.pd.allowed_prefill must be a list of 'host' or 'host:port', got {allowed!r}")
+        allow = tuple(_allow_entry(a) for a in allowed)
+        key = _side_channel_key(cfg.get("orbitkv.pd.side_channel_key_file"))
         return PdConfig(
             bind_host=bind_host,
             rank_nics=rank_nics,
@@ -118,4 +142,51 @@ class PdConfig:
             max_inflight_mb=inflight,
             max_inflight_ranges=ranges,
             trace=trace,
+            allowed_prefill=allow,
+            side_channel_key=key,
         )
+
+
+def _allow_entry(a: Any) -> tuple[str, int | None]:
+    """``"*"``, ``"host"``, ``"host:port"``, ``"::1"`` or ``"[::1]:port"``."""
+    bad = ConfigError(
+        "orbitkv.pd.allowed_prefill entries are 'host' or 'host:port' (or '*' for any), " f"got {a!r}"
+    )
+    if not isinstance(a, str) or not a or any(c.isspace() for c in a):
+        raise bad
+    if a == "*":
+        return ("*", None)
+    if a.startswith("["):
+        host, bracket, rest = a[1:].partition("]")
+        if not bracket:
+            raise bad
+        port = rest[1:] if rest.startswith(":") else None
+        if not host or (rest and port is None):
+            raise bad
+    elif a.count(":") == 1:
+        host, _, port = a.partition(":")
+    else:
+        host, port = a, None  # a host name, or a bare IPv6 address
+    if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise bad
+    return (host.lower(), int(port) if port is not None else None)
+
+
+def _side_channel_key(path: Any) -> bytes | None:
+    """The deployment key: the file `side_channel_key_file` names, else the
+    environment variable ORBITKV_SIDE_CHANNEL_KEY, else none."""
+    if path is not None:
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"orbitkv.pd.side_channel_key_file must be a file path, got {path!r}")
+        try:
+            with open(path, "rb") as f:
+                key = f.read().strip()
+        except OSError as e:
+            raise ConfigError(f"orbitkv.pd.side_channel_key_file: cannot read {path!r}: {e}") from None
+    else:
+        key = os.environ.get(KEY_ENV, "").strip().encode()
+        if not key:
+            return None
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(f"the side channel key must be at least {MIN_KEY_BYTES} bytes, got {len(key)}")
+    return key

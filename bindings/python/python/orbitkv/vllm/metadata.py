@@ -13,6 +13,7 @@ class ConsumerOpen:
 
     req_id: str
     pd_id: str
+    capability: str
     first_block: int
     block_ids: list[int]
     prefill_kv: str
@@ -25,6 +26,7 @@ class ProducerChunk:
 
     req_id: str
     pd_id: str
+    capability: str
     opens: bool
     new_block_ids: list[int]
     start_block: int
@@ -53,8 +55,19 @@ class ConsumerCancel:
     producers no handshake will come, so they free their source blocks."""
 
     pd_id: str
+    capability: str
     prefill_kv: str
     prefill_tp: int
+    reason: str
+
+
+@dataclass
+class ProducerDiscard:
+    """Prefill: vLLM finished the request before scheduling it; tell its
+    consumer now that nothing will come."""
+
+    pd_id: str
+    capability: str
     reason: str
 
 
@@ -65,3 +78,4 @@ class PdConnectorMetadata(KVConnectorMetadata):
     consumers_end: list[RequestEnd] = field(default_factory=list)
     producers_end: list[RequestEnd] = field(default_factory=list)
     consumers_cancel: list[ConsumerCancel] = field(default_factory=list)
+    producers_discard: list[ProducerDiscard] = field(default_factory=list)

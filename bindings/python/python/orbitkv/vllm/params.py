@@ -1,25 +1,47 @@
 """The ``kv_transfer_params`` keys OrbitKV reads on a request.
 
 The proxy (``python -m orbitkv.proxy``) sets them; anyone driving vLLM
-directly can set them too. Imports nothing from vLLM.
+directly can set them too, so every one of them is client input: parsed
+strictly here, and a request whose OrbitKV keys are malformed is served as
+a plain request (computed locally, nothing transferred) with a warning —
+never an error inside vLLM's scheduler. Imports nothing from vLLM.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 ROLE = "orbitkv_role"
 REQUEST = "orbitkv_request"
+CAPABILITY = "orbitkv_capability"
 PREFILL_KV = "orbitkv_prefill_kv"
 PREFILL_TP = "orbitkv_prefill_tp"
+KEYS = (ROLE, REQUEST, CAPABILITY, PREFILL_KV, PREFILL_TP)
 
 PRODUCER = "producer"
 CONSUMER = "consumer"
 
+MAX_REQUEST_LEN = 256
+MAX_TP = 1024
+_CAPABILITY = re.compile(r"[0-9a-fA-F]{32,128}")
+_REQUEST = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces
+_HOST = re.compile(r"[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]")
+
 
 class RequestParamsError(ValueError):
     """A request's ``kv_transfer_params`` are malformed."""
+
+
+def split_host_port(value: Any, what: str) -> tuple[str, int]:
+    """``"host:port"`` (``"[v6]:port"`` for IPv6) into its parts, strictly."""
+    if not isinstance(value, str) or ":" not in value:
+        raise RequestParamsError(f"{what} must be 'host:port', got {value!r}")
+    host, _, port_s = value.rpartition(":")
+    if not _HOST.fullmatch(host) or not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
+        raise RequestParamsError(f"{what} must be 'host:port' with a port in 1..65535, got {value!r}")
+    return host.strip("[]"), int(port_s)
 
 
 @dataclass(frozen=True)
@@ -28,33 +50,52 @@ class PdParams:
 
     role: str
     request: str
+    capability: str
     prefill_kv: str | None = None
     prefill_tp: int = 1
 
+    @property
+    def prefill_host_port(self) -> tuple[str, int]:
+        """The prefill's side channel (consumer requests only)."""
+        assert self.prefill_kv is not None
+        return split_host_port(self.prefill_kv, PREFILL_KV)
+
     @staticmethod
     def parse(params: Mapping[str, Any] | None) -> "PdParams | None":
-        """``None`` when the request is not an OrbitKV P/D request."""
-        if not params or ROLE not in params:
+        """``None`` when the request is not an OrbitKV P/D request; raises
+        :class:`RequestParamsError` when its OrbitKV keys are malformed."""
+        if not params or not isinstance(params, Mapping) or ROLE not in params:
             return None
+        unknown = sorted(k for k in params if isinstance(k, str) and k.startswith("orbitkv_") and k not in KEYS)
+        if unknown:
+            raise RequestParamsError(f"unknown OrbitKV key(s) {unknown}; known: {list(KEYS)}")
         role = params.get(ROLE)
         if role not in (PRODUCER, CONSUMER):
             raise RequestParamsError(f"{ROLE} must be {PRODUCER!r} or {CONSUMER!r}, got {role!r}")
         request = params.get(REQUEST)
-        if not isinstance(request, str) or not request:
-            raise RequestParamsError(f"{REQUEST} must be a non-empty string, got {request!r}")
+        if not isinstance(request, str) or not _REQUEST.fullmatch(request) or len(request) > MAX_REQUEST_LEN:
+            raise RequestParamsError(
+                f"{REQUEST} must be 1..{MAX_REQUEST_LEN} printable ASCII characters without spaces, got {request!r}"
+            )
+        capability = params.get(CAPABILITY)
+        if not isinstance(capability, str) or not _CAPABILITY.fullmatch(capability):
+            raise RequestParamsError(
+                f"{CAPABILITY} must be the request's secret, 32..128 hex digits (the router sets it)"
+            )
         prefill_kv = params.get(PREFILL_KV)
         tp = params.get(PREFILL_TP, 1)
         if role == CONSUMER:
-            if not isinstance(prefill_kv, str) or ":" not in prefill_kv:
-                raise RequestParamsError(
-                    f"{PREFILL_KV} must be the prefill's side channel 'host:port', got {prefill_kv!r}"
-                )
-            if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-                raise RequestParamsError(f"{PREFILL_TP} must be a positive integer, got {tp!r}")
-        return PdParams(role=role, request=request, prefill_kv=prefill_kv, prefill_tp=int(tp))
+            _, port = split_host_port(prefill_kv, PREFILL_KV)
+            if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_TP:
+                raise RequestParamsError(f"{PREFILL_TP} must be an integer in 1..{MAX_TP}, got {tp!r}")
+            if port + tp - 1 > 65535:
+                raise RequestParamsError(f"{PREFILL_KV} port {port} + {PREFILL_TP} {tp} passes port 65535")
+        else:
+            prefill_kv, tp = None, 1
+        return PdParams(role=role, request=request, capability=capability.lower(), prefill_kv=prefill_kv, prefill_tp=tp)
 
     def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {ROLE: self.role, REQUEST: self.request}
+        out: dict[str, Any] = {ROLE: self.role, REQUEST: self.request, CAPABILITY: self.capability}
         if self.prefill_kv is not None:
             out[PREFILL_KV] = self.prefill_kv
             out[PREFILL_TP] = self.prefill_tp

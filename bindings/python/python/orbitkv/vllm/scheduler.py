@@ -6,6 +6,13 @@ Prefill (producer) requests: each step's computed blocks are streamed layer
 by layer; the blocks are held (``request_finished`` delays the free) until
 every admitted write drained.
 
+Every request's ``kv_transfer_params`` are client input: a request whose
+OrbitKV keys are malformed, whose ``orbitkv_request`` is already live on
+this instance, or whose prefill side channel the configuration does not
+allow (``orbitkv.pd.allowed_prefill``) is served as a plain request
+(computed here, nothing transferred) with a warning naming the reason.
+Nothing such a request carries can stop the engine.
+
 A request's blocks are reported back to vLLM exactly once:
 * consumer: in ``finished_recving`` when the KV arrived or failed, or, if
   vLLM finished the request first, once no producer can write any more;
@@ -20,8 +27,15 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from orbitkv.vllm.config import PdConfig
-from orbitkv.vllm.metadata import ConsumerCancel, ConsumerOpen, PdConnectorMetadata, ProducerChunk, RequestEnd
-from orbitkv.vllm.params import CONSUMER, PRODUCER, PdParams
+from orbitkv.vllm.metadata import (
+    ConsumerCancel,
+    ConsumerOpen,
+    PdConnectorMetadata,
+    ProducerChunk,
+    ProducerDiscard,
+    RequestEnd,
+)
+from orbitkv.vllm.params import CONSUMER, PRODUCER, PdParams, RequestParamsError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -40,6 +54,7 @@ def _cdiv(a: int, b: int) -> int:
 @dataclass
 class _Producer:
     pd_id: str
+    capability: str
     prompt_len: int
     opened: bool = False
     done_blocks: int = 0
@@ -62,25 +77,66 @@ class PdScheduler:
         self._consumers_end: list[RequestEnd] = []
         self._producers_end: list[RequestEnd] = []
         self._cancel: list[ConsumerCancel] = []
+        self._discard: list[ProducerDiscard] = []
         # Requests whose block free vLLM delayed on our word.
         self._delayed: set[str] = set()
+        # vLLM request id -> its OrbitKV params (None: a plain request, or
+        # one whose params were refused), decided once per request.
+        self._params: dict[str, PdParams | None] = {}
+        # orbitkv_request -> the vLLM request id that holds it here.
+        self._live: dict[str, str] = {}
+        self.refused = 0  # requests served plainly because their params were refused
+
+    def params_of(self, request: "Request") -> PdParams | None:
+        """The request's OrbitKV params, or ``None`` to serve it plainly.
+        Decided at the first hook that sees the request and kept until it
+        finishes; a refusal is logged once with its reason."""
+        rid = request.request_id
+        if rid in self._params:
+            return self._params[rid]
+        try:
+            p = PdParams.parse(getattr(request, "kv_transfer_params", None))
+            if p is not None:
+                holder = self._live.get(p.request)
+                if holder is not None and holder != rid:
+                    raise RequestParamsError(f"orbitkv_request {p.request!r} is already live on this instance")
+                if p.role == CONSUMER:
+                    host, port = p.prefill_host_port
+                    if not self.config.prefill_allowed(host, port):
+                        raise RequestParamsError(
+                            f"orbitkv_prefill_kv {p.prefill_kv!r} is not an allowed prefill side channel "
+                            "(set orbitkv.pd.allowed_prefill)"
+                        )
+        except RequestParamsError as e:
+            self.refused += 1
+            logger.warning("request %s is served without P/D transfer: %s", rid, e)
+            p = None
+        if p is not None:
+            self._live[p.request] = rid
+        self._params[rid] = p
+        return p
+
+    def _forget(self, rid: str) -> None:
+        p = self._params.pop(rid, None)
+        if p is not None and self._live.get(p.request) == rid:
+            del self._live[p.request]
 
     # ---- hooks -------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
-        p = PdParams.parse(request.kv_transfer_params)
+        p = self.params_of(request)
         if p is None or p.role != CONSUMER or request.request_id in self._consumers:
             return 0, False
         n = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (n, True) if n > 0 else (0, False)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
-        p = PdParams.parse(request.kv_transfer_params)
+        p = self.params_of(request)
         if p is None:
             return
         rid = request.request_id
         if p.role == PRODUCER and rid not in self._producers:
-            self._producers[rid] = _Producer(p.request, len(request.prompt_token_ids or ()))
+            self._producers[rid] = _Producer(p.request, p.capability, len(request.prompt_token_ids or ()))
             return
         if p.role != CONSUMER or num_external_tokens <= 0 or rid in self._consumers:
             return
@@ -90,7 +146,9 @@ class PdScheduler:
         first_block = len(all_ids) - len(fresh)
         self._consumers[rid] = _Consumer(p.request)
         assert p.prefill_kv is not None
-        self._open.append(ConsumerOpen(rid, p.request, first_block, list(fresh), p.prefill_kv, p.prefill_tp))
+        self._open.append(
+            ConsumerOpen(rid, p.request, p.capability, first_block, list(fresh), p.prefill_kv, p.prefill_tp)
+        )
 
     def build_connector_meta(self, so: "SchedulerOutput") -> PdConnectorMetadata:
         meta = PdConnectorMetadata(
@@ -98,8 +156,9 @@ class PdScheduler:
             consumers_end=self._consumers_end,
             producers_end=self._producers_end,
             consumers_cancel=self._cancel,
+            producers_discard=self._discard,
         )
-        self._open, self._consumers_end, self._producers_end, self._cancel = [], [], [], []
+        self._open, self._consumers_end, self._producers_end, self._cancel, self._discard = [], [], [], [], []
         for new in so.scheduled_new_reqs:
             self._chunk(meta, new.req_id, list(new.block_ids[0]) if new.block_ids else [], new.num_computed_tokens, so)
         cached = so.scheduled_cached_reqs
@@ -126,7 +185,9 @@ class PdScheduler:
         # The last block of a chunk may be partial: send it again next chunk.
         last = end_tok >= p.prompt_len
         meta.producer_chunks.append(
-            ProducerChunk(rid, p.pd_id, not p.opened, new_blocks, min(start_block, end_block), end_block, last)
+            ProducerChunk(
+                rid, p.pd_id, p.capability, not p.opened, new_blocks, min(start_block, end_block), end_block, last
+            )
         )
         p.opened = True
         p.done_blocks = end_tok // self.block_size
@@ -140,12 +201,22 @@ class PdScheduler:
 
     def request_finished(self, request: "Request", block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
+        try:
+            return self._finished(request, rid)
+        finally:
+            if rid not in self._delayed:
+                self._forget(rid)
+
+    def _finished(self, request: "Request", rid: str) -> tuple[bool, dict[str, Any] | None]:
         status = str(getattr(request, "status", ""))
         aborted = "ABORTED" in status or "ERROR" in status
         if rid in self._producers:
             p = self._producers[rid]
             if not p.opened:
+                # Never scheduled here (aborted while queued): its decode may
+                # have authorized blocks already; tell it nothing will come.
                 del self._producers[rid]
+                self._discard.append(ProducerDiscard(p.pd_id, p.capability, status))
                 return False, None
             complete = p.last_sent and not aborted
             self._producers_end.append(RequestEnd(rid, p.pd_id, not complete, status, report=True))
@@ -160,7 +231,9 @@ class PdScheduler:
                 # handshake deadline.
                 self._open.remove(pending)
                 del self._consumers[rid]
-                self._cancel.append(ConsumerCancel(c.pd_id, pending.prefill_kv, pending.prefill_tp, status))
+                self._cancel.append(
+                    ConsumerCancel(c.pd_id, pending.capability, pending.prefill_kv, pending.prefill_tp, status)
+                )
                 return False, None
             if c.loaded:
                 # Complete or failed: every producer already ended.
@@ -170,11 +243,11 @@ class PdScheduler:
             self._consumers_end.append(RequestEnd(rid, c.pd_id, True, status, report=True))
             self._delayed.add(rid)
             return True, None
-        p = PdParams.parse(request.kv_transfer_params)
+        p = self.params_of(request)
         if p is not None and p.role == CONSUMER and p.prefill_kv is not None:
             # Finished before any block was allocated for it (e.g. aborted
             # while queued): the producers must not wait for a handshake.
-            self._cancel.append(ConsumerCancel(p.request, p.prefill_kv, p.prefill_tp, status))
+            self._cancel.append(ConsumerCancel(p.request, p.capability, p.prefill_kv, p.prefill_tp, status))
         return False, None
 
     def update_connector_output(self, out: "KVConnectorOutput") -> None:
@@ -185,15 +258,18 @@ class PdScheduler:
             if rid in self._delayed:
                 self._delayed.discard(rid)
                 self._consumers.pop(rid, None)
+                self._forget(rid)
         for rid in out.finished_sending or ():
             self._delayed.discard(rid)
             self._producers.pop(rid, None)
+            self._forget(rid)
 
     def has_pending_push_work(self) -> bool:
         return bool(
             self._delayed
             or self._open
             or self._cancel
+            or self._discard
             or self._consumers_end
             or self._producers_end
             or any(p.opened for p in self._producers.values())

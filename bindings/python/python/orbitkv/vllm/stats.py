@@ -23,6 +23,9 @@ COUNTERS = (
     "consumers_completed",
     "consumers_failed",
     "producers_released",
+    "side_channel_forbidden",
+    "side_channel_overloaded",
+    "parked_expired",
     "transfer_micros",
 )
 
@@ -69,6 +72,18 @@ _PROM = {
     "consumers_completed": ("vllm:orbitkv_transfers_completed", "P/D requests whose KV arrived complete."),
     "consumers_failed": ("vllm:orbitkv_transfers_failed", "P/D requests whose KV did not arrive complete."),
     "producers_released": ("vllm:orbitkv_producers_released", "Prefill requests whose source blocks were released."),
+    "side_channel_forbidden": (
+        "vllm:orbitkv_side_channel_forbidden",
+        "Handshakes and cancels refused because they lacked the request's capability.",
+    ),
+    "side_channel_overloaded": (
+        "vllm:orbitkv_side_channel_overloaded",
+        "Handshakes and cancels refused because the parking budget was full.",
+    ),
+    "parked_expired": (
+        "vllm:orbitkv_parked_expired",
+        "Handshakes and cancels that waited for their request past the handshake deadline.",
+    ),
 }
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,18 +20,22 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from orbitkv import MooncakeTransferEngine, Runtime
+from orbitkv import MooncakeTransferEngine, OrbitKVError, Runtime, UnknownRequestError, cancel_message
 from orbitkv.vllm._testing import TestingHooks, corrupt_block
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.layout import kv_layout_of
 from orbitkv.vllm.metadata import PdConnectorMetadata, ProducerChunk
-from orbitkv.vllm.side_channel import SideChannelServer, post_cancel, post_handshake
+from orbitkv.vllm.side_channel import HandshakeRejected, SideChannelServer, post_cancel, post_handshake
 from orbitkv.vllm.stats import COUNTERS, PdConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
 logger = logging.getLogger("orbitkv.vllm.worker")
+
+# The generation in a handshake's JSON (serde writes `version`, `request_id`,
+# `capability`, then `generation`).
+_GENERATION = re.compile(r'"generation":(\d+)')
 
 
 def producer_ranks(consumer_rank: int, consumer_tp: int, producer_tp: int) -> range:
@@ -118,6 +123,9 @@ class PdWorker:
         self._producer_released: set[str] = set()
         self._finished_producers: set[str] = set()  # producer_finish called
         self._load_errors: set[int] = set()
+        # Consumers whose authorization the runtime refused: reported once,
+        # their blocks as load errors (vLLM recomputes them).
+        self._refused_consumers: set[str] = set()
         self._last_stats = {k: 0 for k in COUNTERS}
 
     # ---- registration ----------------------------------------------------
@@ -164,7 +172,11 @@ class PdWorker:
         )
         port = self.config.side_channel_port_for(self.tp_rank)
         self.side_channel = SideChannelServer(
-            self.config.side_channel_host, port, self.runtime.producer_handshake, self.runtime.producer_cancel
+            self.config.side_channel_host,
+            port,
+            self.runtime.producer_handshake,
+            self.runtime.producer_cancel,
+            key=self.config.side_channel_key,
         )
         logger.info(
             "OrbitKV rank %d/%d: mooncake %s, side channel %s, %d layers, %d blocks, head_major=%s",
@@ -188,14 +200,11 @@ class PdWorker:
                 # its blocks; an abort of a request vLLM still runs (it was
                 # preempted) must not free anything.
                 self._producer_end.add(end.pd_id)
-            try:
-                if end.aborted:
-                    rt.producer_abort(end.pd_id, end.reason or "aborted")
-                elif end.pd_id not in self._finished_producers:
-                    rt.producer_finish(end.pd_id)
-                    self._finished_producers.add(end.pd_id)
-            except Exception as e:  # UnknownRequestError: already released
-                logger.debug("producer end %s: %s", end.pd_id, e)
+            if end.aborted:
+                self._producer_call(rt.producer_abort, end.pd_id, end.reason or "aborted")
+            elif end.pd_id not in self._finished_producers:
+                self._finished_producers.add(end.pd_id)
+                self._producer_call(rt.producer_finish, end.pd_id)
         for end in meta.consumers_end:
             self._consumer_end[end.pd_id] = end.report
             try:
@@ -206,44 +215,92 @@ class PdWorker:
             self._open_consumer(c)
         for x in meta.consumers_cancel:
             host, port = x.prefill_kv.rsplit(":", 1)
+            try:
+                body = cancel_message(x.pd_id, x.capability, x.reason)
+            except OrbitKVError as e:
+                logger.warning("cancellation of %s not sent: %s", x.pd_id, e)
+                continue
             for r in producer_ranks(self.tp_rank, self.tp_size, x.prefill_tp):
-                self._posts.submit(self._post_cancel, f"{host}:{int(port) + r}", x.pd_id, x.reason)
+                self._posts.submit(self._post_cancel, f"{host}:{int(port) + r}", x.pd_id, body)
+        for d in meta.producers_discard:
+            self._producer_call(rt.producer_discard, d.pd_id, d.capability, d.reason or "finished before scheduled")
         self._step_chunks = []
         for ch in meta.producer_chunks:
-            self._producer_req[ch.pd_id] = ch.req_id
-            try:
-                if ch.opens:
-                    rt.producer_open(ch.pd_id, ch.new_block_ids)
-                elif ch.new_block_ids:
-                    rt.producer_add_blocks(ch.pd_id, ch.new_block_ids)
-            except Exception as e:
-                logger.warning("producer %s: %s", ch.pd_id, e)
-                continue
-            if ch.end_block > ch.start_block or ch.last:
+            if ch.opens:
+                self._producer_req[ch.pd_id] = ch.req_id
+                ok = self._producer_call(rt.producer_open, ch.pd_id, ch.new_block_ids, ch.capability)
+                if not ok:
+                    # Never opened, so no release event will come: vLLM gets
+                    # its blocks back as soon as it finishes the request.
+                    self._producer_released.add(ch.pd_id)
+            elif ch.new_block_ids:
+                ok = self._producer_call(rt.producer_add_blocks, ch.pd_id, ch.new_block_ids)
+            else:
+                ok = True
+            if ok and (ch.end_block > ch.start_block or ch.last):
                 self._step_chunks.append(ch)
+
+    def _producer_call(self, fn: Any, pd_id: str, *args: Any) -> bool:
+        """Calls the runtime for producer ``pd_id`` inside vLLM's hooks, where
+        no exception may escape: a producer already released (the decode
+        died, cancelled, a deadline passed) means nothing more to send for
+        that request; any other error fails that request alone."""
+        try:
+            fn(pd_id, *args)
+            return True
+        except UnknownRequestError:
+            logger.debug("%s for %s: already released, nothing more to send", fn.__name__, pd_id)
+        except OrbitKVError as e:
+            logger.warning("%s for %s failed: %s", fn.__name__, pd_id, e)
+        return False
 
     def _open_consumer(self, c: Any) -> None:
         rt = self.runtime
         assert rt is not None
+        try:
+            handshake = rt.consumer_open(c.pd_id, c.capability, c.first_block, c.block_ids, c.prefill_tp)
+        except OrbitKVError as e:
+            # Nothing was authorized: vLLM recomputes the prompt here.
+            logger.warning("request %s: KV cannot be received (%s); decode recomputes it", c.req_id, e)
+            self._load_errors.update(c.block_ids)
+            self._refused_consumers.add(c.req_id)
+            return
         self._consumer_req[c.pd_id] = c.req_id
         self._consumer_blocks[c.pd_id] = c.block_ids
-        handshake = rt.consumer_open(c.pd_id, c.first_block, c.block_ids, c.prefill_tp)
         host, port = c.prefill_kv.rsplit(":", 1)
         ranks = producer_ranks(self.tp_rank, self.tp_size, c.prefill_tp)
+        m = _GENERATION.search(handshake, 0, 1024)  # request_id and capability come first
+        generation = int(m.group(1)) if m else -1
         for r in ranks:
             addr = f"{host}:{int(port) + r}"
-            self._posts.submit(self._post, addr, handshake, c.pd_id)
+            self._posts.submit(self._post, addr, handshake, c.pd_id, generation, r)
 
-    def _post(self, addr: str, handshake: str, pd_id: str) -> None:
+    def _post(self, addr: str, handshake: str, pd_id: str, generation: int, rank: int) -> None:
         try:
-            post_handshake(addr, handshake, timeout_s=min(10.0, self.config.timeout_s))
-        except Exception as e:
-            # The consumer fails at its deadline; say why now.
-            logger.warning("handshake for %s to %s failed: %s", pd_id, addr, e)
+            post_handshake(
+                addr, handshake, timeout_s=min(10.0, self.config.timeout_s), key=self.config.side_channel_key
+            )
+            return
+        except HandshakeRejected as e:
+            # Refused (malformed, forbidden, bad signature): nothing admitted.
+            # A 503 (overloaded) may be transient but admitted nothing either.
+            refused = True
+            why = str(e)
+        except ConnectionRefusedError as e:
+            refused, why = True, f"{addr} is not listening: {e}"  # not delivered
+        except Exception as e:  # a timeout: it may have been admitted
+            refused, why = False, f"{type(e).__name__}: {e}"
+        logger.warning("handshake for %s to %s failed: %s", pd_id, addr, why)
+        if refused and self.runtime is not None and generation >= 0:
+            # Nothing from that rank can land: fail it now, not at the deadline.
+            try:
+                self.runtime.consumer_handshake_refused(pd_id, generation, rank, why)
+            except OrbitKVError as e:  # released or reopened meanwhile
+                logger.debug("handshake refusal for %s: %s", pd_id, e)
 
-    def _post_cancel(self, addr: str, pd_id: str, reason: str) -> None:
+    def _post_cancel(self, addr: str, pd_id: str, body: str) -> None:
         try:
-            post_cancel(addr, pd_id, reason, timeout_s=min(10.0, self.config.timeout_s))
+            post_cancel(addr, body, timeout_s=min(10.0, self.config.timeout_s), key=self.config.side_channel_key)
         except Exception as e:
             # The producer then frees its blocks at its handshake deadline.
             logger.warning("cancellation of %s to %s failed: %s", pd_id, addr, e)
@@ -253,24 +310,33 @@ class PdWorker:
             return
         rt = self.runtime
         assert rt is not None
-        idx = self._layer_index[layer_name]
+        idx = self._layer_index.get(layer_name)
+        if idx is None:
+            return  # not a KV layer we registered (e.g. a cross-attention cache)
         if self.is_cuda:
             assert self._ordered is not None
             # CUDA: the attention kernel may still be writing this layer.
             ev = torch.cuda.Event()
             ev.record()
             for ch in self._step_chunks:
-                self._ordered.put(ev, rt.layer_ready, ch.pd_id, idx, ch.start_block, ch.end_block)
+                self._ordered.put(ev, self._producer_call, rt.layer_ready, ch.pd_id, idx, ch.start_block, ch.end_block)
         elif self._ordered is not None and self._hooks is not None and (
             self._ordered.pending > 0 or self._hooks.write_delay_s() > 0
         ):
             # Test hook (ORBITKV_TESTING_WRITE_DELAY): a slow link.
             delay = self._hooks.write_delay_s()
             for ch in self._step_chunks:
-                self._ordered.put(None, _delayed, delay, rt.layer_ready, ch.pd_id, idx, ch.start_block, ch.end_block)
+                self._ordered.put(
+                    None, _delayed, delay, self._producer_call, rt.layer_ready, ch.pd_id, idx, ch.start_block, ch.end_block
+                )
         else:
-            for ch in self._step_chunks:
-                rt.layer_ready(ch.pd_id, idx, ch.start_block, ch.end_block)
+            gone = [
+                ch
+                for ch in self._step_chunks
+                if not self._producer_call(rt.layer_ready, ch.pd_id, idx, ch.start_block, ch.end_block)
+            ]
+            for ch in gone:  # released under us: nothing more to send for it
+                self._step_chunks.remove(ch)
         if idx == len(self._layer_index) - 1:
             # Every layer of a request's last chunk is admitted: finish it now
             # rather than after the rest of the forward (the last MLP, the
@@ -290,16 +356,17 @@ class PdWorker:
             if ch.last and ch.pd_id not in self._finished_producers:
                 self._finished_producers.add(ch.pd_id)
                 if self._ordered is not None and (self.is_cuda or self._ordered.pending > 0):
-                    self._ordered.put(None, rt.producer_finish, ch.pd_id)
+                    self._ordered.put(None, self._producer_call, rt.producer_finish, ch.pd_id)
                 else:
-                    rt.producer_finish(ch.pd_id)
+                    self._producer_call(rt.producer_finish, ch.pd_id)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         rt = self.runtime
         if rt is None:
             return None, None
         sending: set[str] = set()
-        recving: set[str] = set()
+        recving: set[str] = set(self._refused_consumers)
+        self._refused_consumers.clear()
         for ev in rt.poll_events():
             pd = ev.request_id
             if ev.kind in ("consumer_completed", "consumer_failed"):
@@ -323,7 +390,8 @@ class PdWorker:
             elif ev.kind == "producer_released":
                 if ev.outcome != "done":
                     logger.warning("prefill %s ended %s: %s", pd, ev.outcome, ev.reason)
-                self._producer_released.add(pd)
+                if pd in self._producer_req:  # not a discarded request's answer
+                    self._producer_released.add(pd)
         for pd in list(self._producer_released):
             if pd in self._producer_end:
                 sending.add(self._producer_req.pop(pd))

@@ -1,0 +1,56 @@
+"""`kv_connector_extra_config` parsing (`orbitkv.vllm.config`): defaults,
+the keys added for hostile networks (allow-list, deployment key), and the
+error each bad value gets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from orbitkv.vllm.config import KEY_ENV, ConfigError, PdConfig
+
+
+def test_defaults_and_per_rank_helpers() -> None:
+    c = PdConfig.from_extra_config({"orbitkv.pd.mooncake.rank_map": {"1": {"nic": "mlx5_1"}}})
+    assert c.nics_for(0) == [] and c.nics_for(1) == ["mlx5_1"]
+    assert c.side_channel_port_for(3) == 17503
+    assert c.side_channel_key is None
+    # Loopback only, unless configured.
+    assert c.prefill_allowed("127.0.0.1", 17500) and c.prefill_allowed("localhost", 1)
+    assert c.prefill_allowed("[::1]", 1)
+    assert not c.prefill_allowed("127.0.0.2", 17500) and not c.prefill_allowed("10.0.0.2", 17500)
+
+
+def test_allowed_prefill_entries() -> None:
+    c = PdConfig.from_extra_config(
+        {"orbitkv.pd.allowed_prefill": ["10.0.0.2:17500", "[fd00::1]:9000", "P1.example", "fd00::2"]}
+    )
+    assert c.prefill_allowed("10.0.0.2", 17500) and not c.prefill_allowed("10.0.0.2", 17501)
+    assert c.prefill_allowed("fd00::1", 9000) and not c.prefill_allowed("fd00::1", 9001)
+    assert c.prefill_allowed("p1.example", 1) and c.prefill_allowed("fd00::2", 5)
+    assert PdConfig.from_extra_config({"orbitkv.pd.allowed_prefill": "*"}).prefill_allowed("10.9.9.9", 1)
+    for bad in (["10.0.0.2:0"], ["a b"], [""], [7], ["h:x"], ["[::1"], {"h": 1}):
+        with pytest.raises(ConfigError, match="allowed_prefill"):
+            PdConfig.from_extra_config({"orbitkv.pd.allowed_prefill": bad})
+
+
+def test_deployment_key_from_file_or_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    f = tmp_path / "key"
+    f.write_bytes(b"  a-key-of-sixteen-bytes-or-more\n")
+    assert PdConfig.from_extra_config({"orbitkv.pd.side_channel_key_file": str(f)}).side_channel_key == (
+        b"a-key-of-sixteen-bytes-or-more"
+    )
+    assert "key" not in repr(PdConfig.from_extra_config({"orbitkv.pd.side_channel_key_file": str(f)})).split("(")[1]
+    monkeypatch.setenv(KEY_ENV, "env-key-0123456789")
+    assert PdConfig.from_extra_config({}).side_channel_key == b"env-key-0123456789"
+    monkeypatch.setenv(KEY_ENV, "short")
+    with pytest.raises(ConfigError, match="at least 16 bytes"):
+        PdConfig.from_extra_config({})
+    with pytest.raises(ConfigError, match="cannot read"):
+        PdConfig.from_extra_config({"orbitkv.pd.side_channel_key_file": str(tmp_path / "missing")})
+
+
+def test_unknown_keys_are_errors() -> None:
+    with pytest.raises(ConfigError, match="unknown OrbitKV setting"):
+        PdConfig.from_extra_config({"orbitkv.pd.allowed_prefil": ["x"]})

@@ -1,0 +1,392 @@
+//! The pre-open life of a producer request: handshakes that arrived before
+//! vLLM scheduled the request on prefill (parked) and cancels that arrived
+//! before it (remembered). Both are client-reachable input, so both are
+//! bounded (count and bytes), keyed by the request's capability (a stranger
+//! without it can neither replace nor cancel the real one), and expire at
+//! the handshake deadline on a timer.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::error::RuntimeError;
+use crate::ids::{Capability, RequestId};
+use crate::wire::Handshake;
+
+/// Bounds of what may wait for `producer_open`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PreOpenLimits {
+    /// How long a parked handshake or an early cancel stays valid.
+    pub ttl: Duration,
+    /// Parked handshakes and remembered cancels, all requests together.
+    pub max_entries: usize,
+    /// Approximate bytes of parked handshakes, all together.
+    pub max_bytes: usize,
+    /// Distinct capabilities waiting under one request ID (the real one
+    /// and a few strangers'); more is refused.
+    pub max_per_request: usize,
+}
+
+impl Default for PreOpenLimits {
+    fn default() -> Self {
+        Self {
+            ttl: Duration::from_secs(120),
+            max_entries: 4096,
+            max_bytes: 64 << 20,
+            max_per_request: 4,
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    capability: Capability,
+    handshake: Option<Arc<Handshake>>,
+    cancel: Option<String>,
+    /// Prefill itself gave the request up before opening it: a handshake
+    /// under this capability is answered `aborted` at once.
+    discarded: Option<String>,
+    bytes: usize,
+    at: Instant,
+}
+
+/// What became of a handshake offered to [`PreOpen::park`].
+#[derive(Debug, PartialEq, Eq)]
+pub enum Parked {
+    /// It waits for `producer_open`.
+    Waiting,
+    /// An older generation than the one already parked: dropped.
+    Stale,
+    /// Prefill already gave the request up (the reason): the consumer must
+    /// be told `aborted` now.
+    Discarded(String),
+}
+
+/// What `take` hands the opening producer.
+#[derive(Debug, Default)]
+pub struct Taken {
+    /// The handshake parked under the producer's capability.
+    pub handshake: Option<Arc<Handshake>>,
+    /// A cancel remembered under the producer's capability.
+    pub cancel: Option<String>,
+    /// Entries under other capabilities, discarded.
+    pub strangers: usize,
+}
+
+/// Parked handshakes and early cancels (one instance per runtime).
+#[derive(Debug)]
+pub struct PreOpen {
+    limits: PreOpenLimits,
+    by_request: HashMap<RequestId, Vec<Entry>>,
+    entries: usize,
+    bytes: usize,
+}
+
+/// Rough memory of a parked handshake.
+fn handshake_bytes(h: &Handshake) -> usize {
+    let planes: usize = h.layout.layers.iter().map(|l| l.planes.len()).sum();
+    256 + h.request_id.as_str().len() + h.endpoint.len() + h.block_ids.len() * 4 + planes * 24
+}
+
+impl PreOpen {
+    pub fn new(limits: PreOpenLimits) -> Self {
+        Self {
+            limits,
+            by_request: HashMap::new(),
+            entries: 0,
+            bytes: 0,
+        }
+    }
+
+    pub fn limits(&self) -> PreOpenLimits {
+        self.limits
+    }
+
+    /// Entries and bytes held now.
+    pub fn usage(&self) -> (usize, usize) {
+        (self.entries, self.bytes)
+    }
+
+    fn slot(
+        &mut self,
+        request: &RequestId,
+        capability: &Capability,
+        extra_bytes: usize,
+    ) -> Result<&mut Entry, RuntimeError> {
+        let overloaded = |what: String| Err(RuntimeError::Overloaded(what));
+        let list = self.by_request.get(request);
+        let existing = list.and_then(|l| l.iter().position(|e| e.capability.matches(capability)));
+        if existing.is_none() {
+            if list.is_some_and(|l| l.len() >= self.limits.max_per_request) {
+                return overloaded(format!(
+                    "{} different capabilities already wait for request {request}",
+                    self.limits.max_per_request
+                ));
+            }
+            if self.entries >= self.limits.max_entries {
+                return overloaded(format!(
+                    "{} handshakes/cancels already wait to be opened",
+                    self.entries
+                ));
+            }
+        }
+        if self.bytes + extra_bytes > self.limits.max_bytes {
+            return overloaded(format!("parked handshakes hold {} bytes", self.bytes));
+        }
+        let list = self.by_request.entry(request.clone()).or_default();
+        let i = match existing {
+            Some(i) => i,
+            None => {
+                self.entries += 1;
+                list.push(Entry {
+                    capability: capability.clone(),
+                    handshake: None,
+                    cancel: None,
+                    discarded: None,
+                    bytes: 0,
+                    at: Instant::now(),
+                });
+                list.len() - 1
+            }
+        };
+        Ok(&mut list[i])
+    }
+
+    /// Parks `h` until its request opens. Under one capability the newest
+    /// generation wins (an older one arriving late is dropped); handshakes
+    /// under other capabilities wait beside it and never replace it.
+    pub fn park(&mut self, h: Arc<Handshake>) -> Result<Parked, RuntimeError> {
+        let bytes = handshake_bytes(&h);
+        let (request, capability) = (h.request_id.clone(), h.capability.clone());
+        let slot = self.slot(&request, &capability, bytes)?;
+        if let Some(reason) = &slot.discarded {
+            return Ok(Parked::Discarded(reason.clone()));
+        }
+        if slot
+            .handshake
+            .as_ref()
+            .is_some_and(|old| old.generation > h.generation)
+        {
+            return Ok(Parked::Stale);
+        }
+        let freed = std::mem::replace(&mut slot.bytes, bytes);
+        slot.handshake = Some(h);
+        slot.at = Instant::now();
+        self.bytes = self.bytes + bytes - freed;
+        Ok(Parked::Waiting)
+    }
+
+    /// Prefill gives `request` up before opening it (vLLM finished it while
+    /// queued). Returns the handshake parked under `capability`, whose
+    /// consumer must be told `aborted`; one arriving later (until the
+    /// deadline) gets [`Parked::Discarded`].
+    pub fn discard(
+        &mut self,
+        request: &RequestId,
+        capability: &Capability,
+        reason: String,
+    ) -> Result<Option<Arc<Handshake>>, RuntimeError> {
+        let slot = self.slot(request, capability, 0)?;
+        let freed = std::mem::take(&mut slot.bytes);
+        let parked = slot.handshake.take();
+        slot.discarded = Some(reason);
+        slot.at = Instant::now();
+        self.bytes -= freed;
+        Ok(parked)
+    }
+
+    /// Remembers that the holder of `capability` cancelled `request`; a
+    /// handshake parked under it is dropped.
+    pub fn cancel(
+        &mut self,
+        request: &RequestId,
+        capability: &Capability,
+        reason: String,
+    ) -> Result<(), RuntimeError> {
+        let slot = self.slot(request, capability, 0)?;
+        let freed = std::mem::take(&mut slot.bytes);
+        slot.handshake = None;
+        slot.cancel = Some(reason);
+        slot.at = Instant::now();
+        self.bytes -= freed;
+        Ok(())
+    }
+
+    /// Everything waiting for `request`: what its own capability left,
+    /// and a count of strangers' entries (all removed).
+    pub fn take(&mut self, request: &RequestId, capability: &Capability) -> Taken {
+        let mut out = Taken::default();
+        let ttl = self.limits.ttl;
+        for e in self.by_request.remove(request).unwrap_or_default() {
+            self.entries -= 1;
+            self.bytes -= e.bytes;
+            if !e.capability.matches(capability) {
+                out.strangers += 1;
+            } else if e.at.elapsed() < ttl {
+                // One parked past the deadline is stale: its consumer may
+                // have failed and freed the blocks it names.
+                out.handshake = e.handshake;
+                out.cancel = e.cancel;
+            }
+        }
+        out
+    }
+
+    /// Drops what waited past the deadline; returns how many.
+    pub fn expire(&mut self, now: Instant) -> usize {
+        let ttl = self.limits.ttl;
+        let mut dropped = 0;
+        let (mut entries, mut bytes) = (self.entries, self.bytes);
+        self.by_request.retain(|_, list| {
+            list.retain(|e| {
+                let keep = now.saturating_duration_since(e.at) < ttl;
+                if !keep {
+                    dropped += 1;
+                    entries -= 1;
+                    bytes -= e.bytes;
+                }
+                keep
+            });
+            !list.is_empty()
+        });
+        (self.entries, self.bytes) = (entries, bytes);
+        dropped
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::Generation;
+    use crate::layout::KvLayout;
+    use crate::wire::WIRE_VERSION;
+
+    fn cap(c: char) -> Capability {
+        Capability::parse(&c.to_string().repeat(32)).unwrap()
+    }
+
+    fn hs(request: &str, c: char, generation: u64, blocks: u32) -> Arc<Handshake> {
+        Arc::new(Handshake {
+            version: WIRE_VERSION,
+            request_id: RequestId::new(request),
+            capability: cap(c),
+            generation: Generation(generation),
+            endpoint: "127.0.0.1:1".into(),
+            expected_producers: 1,
+            first_block: 0,
+            block_ids: (0..blocks).collect(),
+            layout: KvLayout::packed(0x1000, 1, 1024, 64, (0, 1), 1),
+        })
+    }
+
+    fn limits() -> PreOpenLimits {
+        PreOpenLimits {
+            ttl: Duration::from_secs(60),
+            max_entries: 8,
+            max_bytes: 64 << 10,
+            max_per_request: 2,
+        }
+    }
+
+    #[test]
+    fn a_stranger_neither_replaces_nor_is_taken() {
+        let mut p = PreOpen::new(limits());
+        p.park(hs("r", 'a', 5, 2)).unwrap();
+        p.park(hs("r", 'b', 9, 2)).unwrap(); // forged, newer generation
+        let t = p.take(&RequestId::new("r"), &cap('a'));
+        assert_eq!(t.handshake.unwrap().generation, Generation(5));
+        assert_eq!(t.strangers, 1);
+        assert_eq!(p.usage(), (0, 0));
+    }
+
+    #[test]
+    fn under_one_capability_the_newest_generation_wins() {
+        let mut p = PreOpen::new(limits());
+        p.park(hs("r", 'a', 7, 2)).unwrap();
+        p.park(hs("r", 'a', 3, 2)).unwrap(); // older, late
+        let t = p.take(&RequestId::new("r"), &cap('a'));
+        assert_eq!(t.handshake.unwrap().generation, Generation(7));
+        p.park(hs("r", 'a', 3, 2)).unwrap();
+        p.park(hs("r", 'a', 8, 2)).unwrap();
+        assert_eq!(
+            p.take(&RequestId::new("r"), &cap('a'))
+                .handshake
+                .unwrap()
+                .generation,
+            Generation(8)
+        );
+    }
+
+    #[test]
+    fn a_cancel_counts_only_under_its_capability() {
+        let mut p = PreOpen::new(limits());
+        p.park(hs("r", 'a', 1, 2)).unwrap();
+        p.cancel(&RequestId::new("r"), &cap('b'), "stranger".into())
+            .unwrap();
+        let t = p.take(&RequestId::new("r"), &cap('a'));
+        assert!(t.handshake.is_some() && t.cancel.is_none());
+        p.park(hs("r", 'a', 1, 2)).unwrap();
+        p.cancel(&RequestId::new("r"), &cap('a'), "client left".into())
+            .unwrap();
+        let t = p.take(&RequestId::new("r"), &cap('a'));
+        assert!(t.handshake.is_none());
+        assert_eq!(t.cancel.as_deref(), Some("client left"));
+    }
+
+    #[test]
+    fn budgets_refuse_instead_of_growing() {
+        let mut p = PreOpen::new(limits());
+        p.park(hs("r", 'a', 1, 1)).unwrap();
+        p.park(hs("r", 'b', 1, 1)).unwrap();
+        assert!(matches!(
+            p.park(hs("r", 'c', 1, 1)),
+            Err(RuntimeError::Overloaded(_))
+        ));
+        for i in 0..6 {
+            p.park(hs(&format!("x{i}"), 'a', 1, 1)).unwrap();
+        }
+        assert!(matches!(
+            p.park(hs("y", 'a', 1, 1)),
+            Err(RuntimeError::Overloaded(_))
+        ));
+        assert!(matches!(
+            p.cancel(&RequestId::new("y"), &cap('a'), String::new()),
+            Err(RuntimeError::Overloaded(_))
+        ));
+        // bytes: one handshake of 16k blocks is over the 64 KiB budget
+        let mut p = PreOpen::new(limits());
+        assert!(matches!(
+            p.park(hs("big", 'a', 1, 16 << 10)),
+            Err(RuntimeError::Overloaded(_))
+        ));
+        assert_eq!(p.usage(), (0, 0));
+    }
+
+    #[test]
+    fn a_discarded_request_answers_its_handshake_at_once() {
+        let mut p = PreOpen::new(limits());
+        p.park(hs("r", 'a', 1, 2)).unwrap();
+        let parked = p
+            .discard(&RequestId::new("r"), &cap('a'), "aborted while queued".into())
+            .unwrap();
+        assert_eq!(parked.unwrap().generation, Generation(1));
+        assert_eq!(
+            p.park(hs("r", 'a', 2, 2)).unwrap(),
+            Parked::Discarded("aborted while queued".into())
+        );
+        // a stranger's handshake is not answered for it
+        assert_eq!(p.park(hs("r", 'b', 2, 2)).unwrap(), Parked::Waiting);
+        assert_eq!(p.usage().0, 2);
+    }
+
+    #[test]
+    fn expiry_frees_everything_past_the_deadline() {
+        let mut p = PreOpen::new(limits());
+        p.park(hs("r", 'a', 1, 4)).unwrap();
+        p.cancel(&RequestId::new("s"), &cap('a'), String::new()).unwrap();
+        assert_eq!(p.expire(Instant::now()), 0);
+        assert_eq!(p.expire(Instant::now() + Duration::from_secs(61)), 2);
+        assert_eq!(p.usage(), (0, 0));
+        assert!(p.take(&RequestId::new("r"), &cap('a')).handshake.is_none());
+    }
+}
