@@ -13,6 +13,9 @@ cargo clippy --quiet --workspace --all-targets -- -D warnings
 echo "== Rust tests (unit, property, integration against real Mooncake)"
 cargo test --all-targets 2>&1 | tee /tmp/orbitkv-cargo-test.log
 
+echo "== Fuzzing the wire contract (coverage-guided, bounded: ORBITKV_FUZZ_SECONDS, default 60)"
+./scripts/fuzz.sh
+
 echo "== Python tests (the orbitkv package against real Mooncake)"
 rc=0
 python -m pytest bindings/python/tests -q || rc=$?
