@@ -18,7 +18,9 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(n) = Notice::from_json(data) {
         assert_eq!(Notice::from_json(&n.to_json()).unwrap(), n);
     }
-    let Ok(text) = std::str::from_utf8(data) else { return };
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
     if let Ok(c) = Cancel::from_json(text) {
         assert_eq!(Cancel::from_json(&c.to_json()).unwrap(), c);
     }
@@ -35,13 +37,20 @@ fuzz_target!(|data: &[u8]| {
     let mut out = Vec::new();
     for layer in 0..local.layers.len() as u32 {
         out.clear();
-        if local.plan_layer(&h.layout, layer, &src, &h.block_ids, 0..n, &mut out).is_err() {
+        if local
+            .plan_layer(&h.layout, layer, &src, &h.block_ids, 0..n, &mut out)
+            .is_err()
+        {
             continue;
         }
         let cl = &h.layout.layers[layer as usize];
         let blocks: Vec<(u64, u64)> = h.block_ids[..n as usize]
             .iter()
-            .flat_map(|&b| cl.planes.iter().map(move |p| (p.block_addr(b), p.block_addr(b) + p.block_bytes)))
+            .flat_map(|&b| {
+                cl.planes
+                    .iter()
+                    .map(move |p| (p.block_addr(b), p.block_addr(b) + p.block_bytes))
+            })
             .collect();
         for r in &out {
             // A coalesced range may span adjacent authorized blocks: walk it.
