@@ -69,6 +69,56 @@ struct Heads {
     end: u32,
 }
 
+impl Heads {
+    fn len(self) -> u32 {
+        self.end - self.start
+    }
+}
+
+/// The KV heads rank `rank` of TP size `tp` holds, of `total`: an equal
+/// slice when `total >= tp`; otherwise vLLM replicates each head on
+/// `tp / total` consecutive ranks and the rank holds one.
+fn rank_heads(total: u32, tp: u32, rank: u32) -> Heads {
+    if total >= tp {
+        let per = total / tp.max(1);
+        Heads {
+            start: rank * per,
+            end: (rank + 1) * per,
+        }
+    } else {
+        let h = rank / (tp / total.max(1)).max(1);
+        Heads { start: h, end: h + 1 }
+    }
+}
+
+/// For each head of `wanted`, the lowest rank of an instance of TP size
+/// `tp` that holds it.
+fn senders(total: u32, wanted: Heads, tp: u32) -> std::collections::BTreeSet<u32> {
+    let tp = tp.max(1);
+    (wanted.start..wanted.end)
+        .map(|h| {
+            if total >= tp {
+                h / (total / tp).max(1)
+            } else {
+                h * (tp / total.max(1))
+            }
+        })
+        .collect()
+}
+
+/// The producer ranks (TP size `producer_tp`) that send to consumer rank
+/// `consumer_rank` of TP size `consumer_tp`, for a model of `total` KV heads
+/// (the single source of the TP fan-in: the consumer's expected producers,
+/// the ranks decode sends its handshake to, the producer's admission check).
+pub fn producer_ranks_for(
+    total: u32,
+    consumer_rank: u32,
+    consumer_tp: u32,
+    producer_tp: u32,
+) -> std::collections::BTreeSet<u32> {
+    senders(total, rank_heads(total, consumer_tp, consumer_rank), producer_tp)
+}
+
 impl KvLayout {
     /// The layout of one contiguous region starting at `base`: `layers`
     /// layers one after another, each one plane of `blocks` blocks of
@@ -108,15 +158,19 @@ impl KvLayout {
 
     /// The heads this rank holds.
     fn heads(&self) -> Heads {
-        let per = self.total_kv_heads / self.tp_size;
-        Heads {
-            start: self.tp_rank * per,
-            end: (self.tp_rank + 1) * per,
-        }
+        rank_heads(self.total_kv_heads, self.tp_size, self.tp_rank)
     }
 
     fn local_heads(&self) -> u32 {
-        self.total_kv_heads / self.tp_size
+        self.heads().len()
+    }
+
+    /// The producer ranks, of an instance of TP size `producer_tp`, that
+    /// send to this consumer rank: for each head this rank holds, the lowest
+    /// producer rank holding it (when vLLM replicates KV heads over ranks,
+    /// exactly one replica sends). The consumer waits for each of them.
+    pub fn producer_ranks(&self, producer_tp: u32) -> std::collections::BTreeSet<u32> {
+        senders(self.total_kv_heads, self.heads(), producer_tp)
     }
 
     /// Checks internal consistency: planes well formed, nothing overlapping,
@@ -131,9 +185,11 @@ impl KvLayout {
                 self.tp_rank, self.tp_size
             )));
         }
-        if self.total_kv_heads == 0 || self.total_kv_heads % self.tp_size != 0 {
+        if self.total_kv_heads == 0
+            || (self.total_kv_heads % self.tp_size != 0 && self.tp_size % self.total_kv_heads != 0)
+        {
             return Err(GeometryError::TensorParallel(format!(
-                "{} KV heads do not split over {} ranks",
+                "{} KV heads neither split over nor replicate evenly on {} ranks",
                 self.total_kv_heads, self.tp_size
             )));
         }
@@ -214,20 +270,16 @@ impl KvLayout {
         Ok(())
     }
 
-    /// Whether this producer rank holds any heads the consumer rank holds.
+    /// Whether this producer rank is one `consumer` waits for (it holds
+    /// some of the consumer's heads and is the lowest replica of them).
     pub fn overlaps_heads(&self, consumer: &KvLayout) -> bool {
-        let (p, c) = (self.heads(), consumer.heads());
-        p.start.max(c.start) < p.end.min(c.end)
+        consumer.producer_ranks(self.tp_size).contains(&self.tp_rank)
     }
 
-    /// How many producer ranks of TP size `producer_tp` hold heads of this
-    /// consumer rank: the consumer's expected producer count.
+    /// How many producer ranks of TP size `producer_tp` this consumer rank
+    /// waits for.
     pub fn expected_producers(&self, producer_tp: u32) -> u32 {
-        if producer_tp <= self.tp_size {
-            1
-        } else {
-            producer_tp / self.tp_size
-        }
+        self.producer_ranks(producer_tp).len() as u32
     }
 
     /// Checks that this (producer) layout can write into `consumer`.
@@ -260,7 +312,8 @@ impl KvLayout {
         }
         if !self.overlaps_heads(consumer) {
             return Err(GeometryError::TensorParallel(format!(
-                "producer rank {}/{} holds none of consumer rank {}/{}'s heads",
+                "producer rank {}/{} does not send to consumer rank {}/{} (it holds none of its heads, \
+                 or a lower rank holds the same replica)",
                 self.tp_rank, self.tp_size, consumer.tp_rank, consumer.tp_size
             )));
         }
@@ -411,6 +464,57 @@ pub(crate) mod tests {
         let mut l = layout(u64::MAX - 10, 1, 8, 256, (0, 1), 2);
         l.layers[0].planes[0].base = u64::MAX - 10;
         assert!(matches!(l.validate(), Err(GeometryError::BadPlane { .. })));
+    }
+
+    #[test]
+    fn replicated_kv_heads_have_exactly_one_sender() {
+        // 1 KV head (block 128 B): TP 2 replicates it on both ranks.
+        let p0 = layout(0x10_0000, 1, 4, 128, (0, 2), 1);
+        let p1 = layout(0x20_0000, 1, 4, 128, (1, 2), 1);
+        let c = layout(0x90_0000, 1, 4, 128, (0, 1), 1);
+        p0.validate().unwrap();
+        assert_eq!(c.expected_producers(2), 1);
+        p0.check_compatible(&c).unwrap();
+        assert!(matches!(
+            p1.check_compatible(&c),
+            Err(GeometryError::TensorParallel(_))
+        ));
+        let mut out = Vec::new();
+        p0.plan_layer(&c, 0, &[0, 1], &[2, 3], 0..2, &mut out).unwrap();
+        assert_eq!(
+            out,
+            vec![WriteRange {
+                src: 0x10_0000,
+                dst: 0x90_0000 + 2 * 128,
+                len: 256
+            }]
+        );
+        // TP 1 -> TP 2: the one producer fills each consumer rank's replica.
+        let p = layout(0x10_0000, 1, 4, 128, (0, 1), 1);
+        for rank in 0..2 {
+            let c = layout(0x90_0000, 1, 4, 128, (rank, 2), 1);
+            assert_eq!(c.producer_ranks(1), [0].into());
+            p.check_compatible(&c).unwrap();
+            out.clear();
+            p.plan_layer(&c, 0, &[1], &[3], 0..1, &mut out).unwrap();
+            assert_eq!(
+                out,
+                vec![WriteRange {
+                    src: 0x10_0000 + 128,
+                    dst: 0x90_0000 + 3 * 128,
+                    len: 128
+                }]
+            );
+        }
+        // 2 heads on TP 4 (2 replicas each) -> TP 1: ranks 0 and 2 send a half each.
+        let c = layout(0x90_0000, 1, 4, 256, (0, 1), 2);
+        assert_eq!(c.producer_ranks(4), [0, 2].into());
+        for (rank, sends) in [(0, true), (1, false), (2, true), (3, false)] {
+            let p = layout(0x10_0000, 1, 4, 128, (rank, 4), 2);
+            assert_eq!(p.check_compatible(&c).is_ok(), sends, "rank {rank}");
+        }
+        // 3 heads neither split over nor replicate on 2 ranks.
+        assert!(layout(0x10_0000, 1, 4, 96, (0, 2), 3).validate().is_err());
     }
 
     #[test]

@@ -394,10 +394,12 @@ impl Model {
                 }
             })
             .collect();
+        let expected =
+            ConsumerMachine::expected_ranks(consumer_layout.total_kv_heads, 0, 1, producers as u32);
         let mut m = Self {
             mutation,
             consumer_layout,
-            expected: ConsumerMachine::expected_ranks(0, 1, producers as u32),
+            expected,
             gens: Vec::new(),
             prods,
             pool: Vec::new(),

@@ -45,7 +45,7 @@ fn a_handshake_parked_past_its_deadline_authorizes_nothing() {
     std::thread::sleep(Duration::from_millis(400));
     producer
         .runtime
-        .producer_open(req.clone(), vec![5, 6], cap())
+        .producer_open(req.clone(), vec![5, 6], cap(), 1)
         .unwrap();
     producer.runtime.layer_ready(&req, 0, 0..2).unwrap();
     producer.runtime.producer_finish(&req).unwrap();
@@ -79,7 +79,7 @@ fn a_fresh_parked_handshake_is_taken_up() {
     producer.runtime.producer_handshake(hs).unwrap();
     producer
         .runtime
-        .producer_open(req.clone(), vec![5, 6], cap())
+        .producer_open(req.clone(), vec![5, 6], cap(), 1)
         .unwrap();
     producer.runtime.layer_ready(&req, 0, 0..2).unwrap();
     producer.runtime.producer_finish(&req).unwrap();

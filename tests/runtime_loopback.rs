@@ -98,7 +98,7 @@ fn one_producer_streams_layers_into_authorized_blocks_only() {
         .unwrap();
     producer
         .runtime
-        .producer_open(req.clone(), src_blocks.clone(), cap())
+        .producer_open(req.clone(), src_blocks.clone(), cap(), 1)
         .unwrap();
     // Two layers are ready before the handshake, two after: both orders work.
     producer.runtime.layer_ready(&req, 0, 0..5).unwrap();
@@ -178,7 +178,7 @@ fn two_producer_ranks_fill_their_head_halves_and_the_consumer_waits_for_both() {
     for p in [&p0, &p1] {
         p.runtime.producer_handshake(hs.clone()).unwrap(); // before open: parked
         p.runtime
-            .producer_open(req.clone(), src_blocks.clone(), cap())
+            .producer_open(req.clone(), src_blocks.clone(), cap(), 1)
             .unwrap();
     }
     for l in 0..layers {
@@ -330,7 +330,9 @@ fn bad_input_gets_typed_errors_and_changes_nothing() {
         p.runtime.producer_handshake(hs),
         Err(RuntimeError::Geometry(_))
     ));
-    p.runtime.producer_open(req.clone(), vec![0, 1], cap()).unwrap();
+    p.runtime
+        .producer_open(req.clone(), vec![0, 1], cap(), 1)
+        .unwrap();
     assert!(matches!(
         p.runtime.layer_ready(&req, 5, 0..1),
         Err(RuntimeError::Geometry(_))
@@ -352,7 +354,7 @@ fn chunked_prefill_grows_the_source_block_list() {
     producer.runtime.producer_handshake(hs).unwrap();
     producer
         .runtime
-        .producer_open(req.clone(), vec![0, 1], cap())
+        .producer_open(req.clone(), vec![0, 1], cap(), 1)
         .unwrap();
     for l in 0..layers {
         producer.runtime.layer_ready(&req, l, 0..2).unwrap();
@@ -397,7 +399,7 @@ fn blocks_the_consumer_already_holds_are_not_written() {
         .unwrap();
     producer
         .runtime
-        .producer_open(req.clone(), vec![5, 6, 7], cap())
+        .producer_open(req.clone(), vec![5, 6, 7], cap(), 1)
         .unwrap();
     producer.runtime.producer_handshake(hs).unwrap();
     for l in 0..layers {
@@ -437,7 +439,7 @@ fn a_layer_with_thousands_of_scattered_blocks_goes_out_in_several_batches() {
         .unwrap();
     producer
         .runtime
-        .producer_open(req.clone(), src_blocks[..n as usize].to_vec(), cap())
+        .producer_open(req.clone(), src_blocks[..n as usize].to_vec(), cap(), 1)
         .unwrap();
     producer.runtime.producer_handshake(hs).unwrap();
     // All layers at once: 4 x 2048 ranges would be in flight unbounded.
@@ -472,7 +474,7 @@ fn a_cancelled_request_releases_its_source_blocks_without_waiting_for_a_handshak
     let open = RequestId::new("req-cancel-open");
     producer
         .runtime
-        .producer_open(open.clone(), vec![0, 1], cap())
+        .producer_open(open.clone(), vec![0, 1], cap(), 1)
         .unwrap();
     producer.runtime.layer_ready(&open, 0, 0..2).unwrap();
     producer
@@ -494,7 +496,7 @@ fn a_cancelled_request_releases_its_source_blocks_without_waiting_for_a_handshak
         .unwrap();
     producer
         .runtime
-        .producer_open(early.clone(), vec![2, 3], cap())
+        .producer_open(early.clone(), vec![2, 3], cap(), 1)
         .unwrap();
     let ev = wait_for(&producer.runtime, "release", |e| {
         matches!(e, RuntimeEvent::ProducerReleased { .. })
@@ -551,6 +553,123 @@ fn a_request_prefill_gave_up_before_opening_fails_its_consumer_at_once() {
 }
 
 #[test]
+fn one_producer_rank_fills_two_consumer_ranks_each_with_its_heads() {
+    // Prefill TP 1 holds both KV heads (1 KiB each per block); decode TP 2
+    // holds one per rank. The one producer sends each decode rank its head
+    // under that rank's own authorization and generation, and is released
+    // once, after both.
+    let (layers, blocks, hb) = (2, 8, 1024u64);
+    let producer = rank(layers, blocks, 2 * hb, (0, 1), 2, src_pattern);
+    let c0 = rank(layers, blocks, hb, (0, 2), 2, |_| GUARD);
+    let c1 = rank(layers, blocks, hb, (1, 2), 2, |_| GUARD);
+    let req = RequestId::new("req-1-to-2");
+    let src = vec![1, 2, 3];
+    let dst = [vec![4, 5, 6], vec![7, 0, 2]];
+    let h0 = c0
+        .runtime
+        .consumer_open(req.clone(), cap(), 0, dst[0].clone(), 1)
+        .unwrap();
+    let h1 = c1
+        .runtime
+        .consumer_open(req.clone(), cap(), 0, dst[1].clone(), 1)
+        .unwrap();
+    assert_eq!((h0.expected_producers, h1.expected_producers), (1, 1));
+    producer.runtime.producer_handshake(h1).unwrap(); // parked before the open
+    producer
+        .runtime
+        .producer_open(req.clone(), src.clone(), cap(), 2)
+        .unwrap();
+    producer.runtime.producer_handshake(h0).unwrap(); // after it
+    for l in 0..layers {
+        producer.runtime.layer_ready(&req, l, 0..3).unwrap();
+    }
+    producer.runtime.producer_finish(&req).unwrap();
+    for (c, consumer) in [&c0, &c1].into_iter().enumerate() {
+        let ev = outcome(&consumer.runtime);
+        assert!(
+            matches!(ev, RuntimeEvent::ConsumerCompleted { .. }),
+            "rank {c}: {ev:?}"
+        );
+        for l in 0..layers {
+            for b in 0..blocks {
+                match dst[c].iter().position(|&d| d == b) {
+                    Some(i) => {
+                        let head = &block(&producer, l, src[i])[c * hb as usize..(c + 1) * hb as usize];
+                        assert_eq!(block(consumer, l, b), head, "rank {c} layer {l} block {b}");
+                    }
+                    None => assert_untouched(consumer, l, b),
+                }
+            }
+        }
+    }
+    let released: Vec<_> = (0..3)
+        .filter_map(|_| producer.runtime.next_event(Duration::from_millis(500)))
+        .filter(|e| matches!(e, RuntimeEvent::ProducerReleased { .. }))
+        .collect();
+    assert_eq!(released.len(), 1, "{released:?}");
+    assert!(matches!(
+        released[0],
+        RuntimeEvent::ProducerReleased {
+            outcome: Outcome::Done,
+            ..
+        }
+    ));
+    assert_eq!(producer.runtime.live_requests(), (0, 0));
+}
+
+#[test]
+fn a_rank_holding_only_replicas_is_released_at_once_and_refuses_handshakes() {
+    // One KV head replicated on prefill TP 2: rank 1 never sends.
+    let p1 = rank(1, 8, 256, (1, 2), 1, src_pattern);
+    let consumer = rank(1, 8, 256, (0, 1), 1, |_| GUARD);
+    let req = RequestId::new("req-replica");
+    let hs = consumer
+        .runtime
+        .consumer_open(req.clone(), cap(), 0, vec![1], 2)
+        .unwrap();
+    assert_eq!(hs.expected_producers, 1);
+    p1.runtime.producer_open(req.clone(), vec![0], cap(), 1).unwrap();
+    let ev = wait_for(&p1.runtime, "release", |e| {
+        matches!(e, RuntimeEvent::ProducerReleased { .. })
+    });
+    assert!(
+        matches!(
+            ev,
+            RuntimeEvent::ProducerReleased {
+                outcome: Outcome::Done,
+                ..
+            }
+        ),
+        "{ev:?}"
+    );
+    assert!(matches!(
+        p1.runtime.producer_handshake(hs),
+        Err(RuntimeError::Geometry(_))
+    ));
+    assert!(matches!(
+        p1.runtime.layer_ready(&req, 0, 0..1),
+        Err(RuntimeError::UnknownRequest(_))
+    ));
+}
+
+#[test]
+fn a_consumer_told_the_wrong_prefill_tp_is_refused() {
+    // Decode thinks prefill has TP 1 (expects one producer) but the prefill
+    // rank is one of two: its handshake is refused with the reason.
+    let consumer = rank(1, 8, 512, (0, 1), 2, |_| GUARD);
+    let p0 = rank(1, 8, 256, (0, 2), 2, src_pattern);
+    let hs = consumer
+        .runtime
+        .consumer_open(RequestId::new("req-wrong-tp"), cap(), 0, vec![1], 1)
+        .unwrap();
+    let err = p0.runtime.producer_handshake(hs).unwrap_err();
+    assert!(
+        err.to_string().contains("orbitkv_prefill_tp does not match"),
+        "{err}"
+    );
+}
+
+#[test]
 fn a_refused_handshake_fails_its_rank_now_and_a_stale_refusal_changes_nothing() {
     let consumer = rank(1, 8, 256, (0, 1), 2, |_| GUARD);
     let req = RequestId::new("req-refused");
@@ -599,7 +718,7 @@ fn a_cancel_racing_the_open_is_never_lost() {
             });
             producer
                 .runtime
-                .producer_open(req.clone(), vec![i % 64], cap())
+                .producer_open(req.clone(), vec![i % 64], cap(), 1)
                 .unwrap();
         });
         let ev = wait_for(&producer.runtime, "release", |e| {

@@ -44,7 +44,7 @@ fn the_env_var_installs_the_trace_and_shutdown_writes_it() {
     let mut rt = Runtime::start(Arc::new(NullTransport), layout, RuntimeConfig::default()).unwrap();
     assert_eq!(orbitkv::trace::init_from_env(), Some(path.as_path()));
     let req = RequestId::new("env-req");
-    rt.producer_open(req.clone(), vec![0, 1], cap()).unwrap();
+    rt.producer_open(req.clone(), vec![0, 1], cap(), 1).unwrap();
     rt.producer_abort(&req, "test").unwrap();
     let ev = rt
         .next_event(std::time::Duration::from_secs(10))

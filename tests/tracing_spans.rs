@@ -72,7 +72,7 @@ fn a_request_is_a_lane_per_actor_with_a_span_per_message() {
         .unwrap();
     producer
         .runtime
-        .producer_open(req.clone(), vec![0, 1, 2], cap())
+        .producer_open(req.clone(), vec![0, 1, 2], cap(), 1)
         .unwrap();
     // Layer 0 before the handshake (written when it arrives), the rest after.
     producer.runtime.layer_ready(&req, 0, 0..3).unwrap();

@@ -434,7 +434,7 @@ class MooncakeSide(Side):
 
     def cmd_producer_stream(self, req: str, src: list[int], handshake: str) -> dict[str, Any]:
         rt = self.runtime
-        rt.producer_open(req, src, BENCH_CAPABILITY)
+        rt.producer_open(req, src, BENCH_CAPABILITY, 1)
         rt.producer_handshake(handshake)
         n = len(src)
         t0 = time.monotonic_ns()

@@ -22,7 +22,7 @@ use super::state::WriteId;
 pub struct HandshakeArrived(pub Arc<Handshake>);
 
 /// Prefill finished `layer` for request blocks `blocks`.
-#[derive(Message, Debug)]
+#[derive(Message, Debug, Clone)]
 #[rtype(result = "()")]
 pub struct LayerReady {
     pub layer: u32,
@@ -30,7 +30,7 @@ pub struct LayerReady {
 }
 
 /// More source blocks for the request (chunked prefill grows its block list).
-#[derive(Message, Debug)]
+#[derive(Message, Debug, Clone)]
 #[rtype(result = "()")]
 pub struct SourceBlocksAdded(pub Vec<u32>);
 
@@ -55,12 +55,12 @@ pub struct LayerWriteFailed {
 }
 
 /// vLLM finished the request on the prefill side.
-#[derive(Message, Debug)]
+#[derive(Message, Debug, Clone)]
 #[rtype(result = "()")]
 pub struct FinishRequest;
 
 /// Stop the request.
-#[derive(Message, Debug)]
+#[derive(Message, Debug, Clone)]
 #[rtype(result = "()")]
 pub struct AbortRequest {
     pub reason: String,

@@ -33,7 +33,7 @@ impl Default for PreOpenLimits {
             ttl: Duration::from_secs(120),
             max_entries: 4096,
             max_bytes: 64 << 20,
-            max_per_request: 4,
+            max_per_request: 16,
         }
     }
 }
@@ -41,6 +41,9 @@ impl Default for PreOpenLimits {
 #[derive(Debug)]
 struct Entry {
     capability: Capability,
+    /// The consumer (decode) rank of a parked handshake; `None` for a
+    /// cancel or a discard, which concern the whole request.
+    consumer_rank: Option<u32>,
     handshake: Option<Arc<Handshake>>,
     cancel: Option<String>,
     /// Prefill itself gave the request up before opening it: a handshake
@@ -65,8 +68,9 @@ pub enum Parked {
 /// What `take` hands the opening producer.
 #[derive(Debug, Default)]
 pub struct Taken {
-    /// The handshake parked under the producer's capability.
-    pub handshake: Option<Arc<Handshake>>,
+    /// The handshakes parked under the producer's capability, one per
+    /// consumer rank.
+    pub handshakes: Vec<Arc<Handshake>>,
     /// A cancel remembered under the producer's capability.
     pub cancel: Option<String>,
     /// Entries under other capabilities, discarded.
@@ -111,15 +115,19 @@ impl PreOpen {
         &mut self,
         request: &RequestId,
         capability: &Capability,
+        consumer_rank: Option<u32>,
         extra_bytes: usize,
     ) -> Result<&mut Entry, RuntimeError> {
         let overloaded = |what: String| Err(RuntimeError::Overloaded(what));
         let list = self.by_request.get(request);
-        let existing = list.and_then(|l| l.iter().position(|e| e.capability.matches(capability)));
+        let existing = list.and_then(|l| {
+            l.iter()
+                .position(|e| e.consumer_rank == consumer_rank && e.capability.matches(capability))
+        });
         if existing.is_none() {
             if list.is_some_and(|l| l.len() >= self.limits.max_per_request) {
                 return overloaded(format!(
-                    "{} different capabilities already wait for request {request}",
+                    "{} handshakes or cancels already wait for request {request}",
                     self.limits.max_per_request
                 ));
             }
@@ -140,6 +148,7 @@ impl PreOpen {
                 self.entries += 1;
                 list.push(Entry {
                     capability: capability.clone(),
+                    consumer_rank,
                     handshake: None,
                     cancel: None,
                     discarded: None,
@@ -152,16 +161,22 @@ impl PreOpen {
         Ok(&mut list[i])
     }
 
-    /// Parks `h` until its request opens. Under one capability the newest
-    /// generation wins (an older one arriving late is dropped); handshakes
-    /// under other capabilities wait beside it and never replace it.
+    /// Parks `h` until its request opens. Per consumer rank and capability
+    /// the newest generation wins (an older one arriving late is dropped);
+    /// handshakes under other capabilities wait beside it and never replace
+    /// it.
     pub fn park(&mut self, h: Arc<Handshake>) -> Result<Parked, RuntimeError> {
         let bytes = handshake_bytes(&h);
         let (request, capability) = (h.request_id.clone(), h.capability.clone());
-        let slot = self.slot(&request, &capability, bytes)?;
-        if let Some(reason) = &slot.discarded {
-            return Ok(Parked::Discarded(reason.clone()));
+        let discarded = self.by_request.get(&request).and_then(|l| {
+            l.iter()
+                .find(|e| e.consumer_rank.is_none() && e.capability.matches(&capability))
+                .and_then(|e| e.discarded.clone())
+        });
+        if let Some(reason) = discarded {
+            return Ok(Parked::Discarded(reason));
         }
+        let slot = self.slot(&request, &capability, Some(h.layout.tp_rank), bytes)?;
         if slot
             .handshake
             .as_ref()
@@ -177,43 +192,64 @@ impl PreOpen {
     }
 
     /// Prefill gives `request` up before opening it (vLLM finished it while
-    /// queued). Returns the handshake parked under `capability`, whose
-    /// consumer must be told `aborted`; one arriving later (until the
+    /// queued). Returns the handshakes parked under `capability`, whose
+    /// consumers must be told `aborted`; one arriving later (until the
     /// deadline) gets [`Parked::Discarded`].
     pub fn discard(
         &mut self,
         request: &RequestId,
         capability: &Capability,
         reason: String,
-    ) -> Result<Option<Arc<Handshake>>, RuntimeError> {
-        let slot = self.slot(request, capability, 0)?;
-        let freed = std::mem::take(&mut slot.bytes);
-        let parked = slot.handshake.take();
+    ) -> Result<Vec<Arc<Handshake>>, RuntimeError> {
+        let parked = self.drop_handshakes(request, capability);
+        let slot = self.slot(request, capability, None, 0)?;
         slot.discarded = Some(reason);
         slot.at = Instant::now();
-        self.bytes -= freed;
         Ok(parked)
     }
 
-    /// Remembers that the holder of `capability` cancelled `request`; a
-    /// handshake parked under it is dropped.
+    /// Remembers that the holder of `capability` cancelled `request`; the
+    /// handshakes parked under it are dropped.
     pub fn cancel(
         &mut self,
         request: &RequestId,
         capability: &Capability,
         reason: String,
     ) -> Result<(), RuntimeError> {
-        let slot = self.slot(request, capability, 0)?;
-        let freed = std::mem::take(&mut slot.bytes);
-        slot.handshake = None;
+        self.drop_handshakes(request, capability);
+        let slot = self.slot(request, capability, None, 0)?;
         slot.cancel = Some(reason);
         slot.at = Instant::now();
-        self.bytes -= freed;
         Ok(())
     }
 
-    /// Everything waiting for `request`: what its own capability left,
-    /// and a count of strangers' entries (all removed).
+    /// Removes and returns the handshakes parked for `request` under
+    /// `capability`.
+    fn drop_handshakes(&mut self, request: &RequestId, capability: &Capability) -> Vec<Arc<Handshake>> {
+        let mut out = Vec::new();
+        let Some(list) = self.by_request.get_mut(request) else {
+            return out;
+        };
+        let (mut entries, mut bytes) = (self.entries, self.bytes);
+        list.retain_mut(|e| {
+            let drop = e.consumer_rank.is_some() && e.capability.matches(capability);
+            if drop {
+                entries -= 1;
+                bytes -= e.bytes;
+                out.extend(e.handshake.take());
+            }
+            !drop
+        });
+        if list.is_empty() {
+            self.by_request.remove(request);
+        }
+        (self.entries, self.bytes) = (entries, bytes);
+        out
+    }
+
+    /// Everything waiting for `request`: what its own capability left (a
+    /// handshake per consumer rank, a cancel), and a count of strangers'
+    /// entries (all removed).
     pub fn take(&mut self, request: &RequestId, capability: &Capability) -> Taken {
         let mut out = Taken::default();
         let ttl = self.limits.ttl;
@@ -225,8 +261,10 @@ impl PreOpen {
             } else if e.at.elapsed() < ttl {
                 // One parked past the deadline is stale: its consumer may
                 // have failed and freed the blocks it names.
-                out.handshake = e.handshake;
-                out.cancel = e.cancel;
+                out.handshakes.extend(e.handshake);
+                if e.cancel.is_some() {
+                    out.cancel = e.cancel;
+                }
             }
         }
         out
@@ -294,7 +332,8 @@ mod tests {
         p.park(hs("r", 'a', 5, 2)).unwrap();
         p.park(hs("r", 'b', 9, 2)).unwrap(); // forged, newer generation
         let t = p.take(&RequestId::new("r"), &cap('a'));
-        assert_eq!(t.handshake.unwrap().generation, Generation(5));
+        assert_eq!(t.handshakes.len(), 1);
+        assert_eq!(t.handshakes[0].generation, Generation(5));
         assert_eq!(t.strangers, 1);
         assert_eq!(p.usage(), (0, 0));
     }
@@ -305,14 +344,11 @@ mod tests {
         p.park(hs("r", 'a', 7, 2)).unwrap();
         p.park(hs("r", 'a', 3, 2)).unwrap(); // older, late
         let t = p.take(&RequestId::new("r"), &cap('a'));
-        assert_eq!(t.handshake.unwrap().generation, Generation(7));
+        assert_eq!(t.handshakes[0].generation, Generation(7));
         p.park(hs("r", 'a', 3, 2)).unwrap();
         p.park(hs("r", 'a', 8, 2)).unwrap();
         assert_eq!(
-            p.take(&RequestId::new("r"), &cap('a'))
-                .handshake
-                .unwrap()
-                .generation,
+            p.take(&RequestId::new("r"), &cap('a')).handshakes[0].generation,
             Generation(8)
         );
     }
@@ -324,12 +360,12 @@ mod tests {
         p.cancel(&RequestId::new("r"), &cap('b'), "stranger".into())
             .unwrap();
         let t = p.take(&RequestId::new("r"), &cap('a'));
-        assert!(t.handshake.is_some() && t.cancel.is_none());
+        assert!(t.handshakes.len() == 1 && t.cancel.is_none());
         p.park(hs("r", 'a', 1, 2)).unwrap();
         p.cancel(&RequestId::new("r"), &cap('a'), "client left".into())
             .unwrap();
         let t = p.take(&RequestId::new("r"), &cap('a'));
-        assert!(t.handshake.is_none());
+        assert!(t.handshakes.is_empty());
         assert_eq!(t.cancel.as_deref(), Some("client left"));
     }
 
@@ -363,13 +399,30 @@ mod tests {
     }
 
     #[test]
+    fn each_consumer_rank_parks_its_own_handshake() {
+        // Prefill TP 1 -> decode TP 2: both decode ranks' handshakes (same
+        // request, same capability, own generations) wait side by side.
+        let mut p = PreOpen::new(limits());
+        let mut h1 = (*hs("r", 'a', 9, 2)).clone();
+        (h1.layout.tp_rank, h1.layout.tp_size) = (1, 2);
+        let mut h0 = h1.clone();
+        (h0.layout.tp_rank, h0.generation) = (0, Generation(3));
+        p.park(Arc::new(h1)).unwrap();
+        p.park(Arc::new(h0)).unwrap();
+        let taken = p.take(&RequestId::new("r"), &cap('a'));
+        let mut ranks: Vec<u32> = taken.handshakes.iter().map(|h| h.layout.tp_rank).collect();
+        ranks.sort();
+        assert_eq!(ranks, vec![0, 1]);
+    }
+
+    #[test]
     fn a_discarded_request_answers_its_handshake_at_once() {
         let mut p = PreOpen::new(limits());
         p.park(hs("r", 'a', 1, 2)).unwrap();
         let parked = p
             .discard(&RequestId::new("r"), &cap('a'), "aborted while queued".into())
             .unwrap();
-        assert_eq!(parked.unwrap().generation, Generation(1));
+        assert_eq!(parked[0].generation, Generation(1));
         assert_eq!(
             p.park(hs("r", 'a', 2, 2)).unwrap(),
             Parked::Discarded("aborted while queued".into())
@@ -387,6 +440,6 @@ mod tests {
         assert_eq!(p.expire(Instant::now()), 0);
         assert_eq!(p.expire(Instant::now() + Duration::from_secs(61)), 2);
         assert_eq!(p.usage(), (0, 0));
-        assert!(p.take(&RequestId::new("r"), &cap('a')).handshake.is_none());
+        assert!(p.take(&RequestId::new("r"), &cap('a')).handshakes.is_empty());
     }
 }

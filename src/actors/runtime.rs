@@ -64,6 +64,46 @@ impl Default for RuntimeConfig {
     }
 }
 
+/// The producer side of one request on this rank: a `ProducerActor` per
+/// consumer (decode) rank it sends to — one when the TP sizes are equal or
+/// decode's is smaller, several when decode's is larger (each decode rank
+/// holds its own copy of some of this rank's heads) — opened together,
+/// driven together, reported released once all are.
+struct ProducerGroup {
+    capability: Capability,
+    consumer_tp: u32,
+    /// (consumer rank, its actor)
+    members: Vec<(u32, Addr<ProducerActor>)>,
+    /// Members not yet released, and how the released ones ended (the worst
+    /// outcome wins: failed, then aborted, then done).
+    pending: usize,
+    outcome: Option<(crate::wire::Outcome, Option<String>)>,
+}
+
+impl ProducerGroup {
+    fn live(&self) -> bool {
+        self.pending > 0 && self.members.iter().any(|(_, a)| a.connected())
+    }
+
+    fn send<M>(&self, msg: M)
+    where
+        M: Message + Send + Clone + 'static,
+        M::Result: Send,
+        ProducerActor: Handler<M>,
+    {
+        for (_, a) in &self.members {
+            a.do_send(msg.clone());
+        }
+    }
+
+    fn member(&self, consumer_rank: u32) -> Option<&Addr<ProducerActor>> {
+        self.members
+            .iter()
+            .find(|(c, _)| *c == consumer_rank)
+            .map(|(_, a)| a)
+    }
+}
+
 /// The request runtime of one rank.
 pub struct Runtime {
     transport: Arc<dyn Transport>,
@@ -80,8 +120,9 @@ pub struct Runtime {
     events_tx: Sender<RuntimeEvent>,
     events_rx: Receiver<RuntimeEvent>,
     consumers: Mutex<HashMap<RequestId, (Generation, Addr<ConsumerActor>)>>,
-    /// Live producers and the capability each was opened with.
-    producers: Mutex<HashMap<RequestId, (Addr<ProducerActor>, Capability)>>,
+    /// Live producer requests: per request, one actor per consumer rank it
+    /// sends to, and the capability it was opened with.
+    producers: Mutex<HashMap<RequestId, ProducerGroup>>,
     /// Each live producer's source block list, as validated.
     producer_blocks: Mutex<HashMap<RequestId, Vec<u32>>>,
     /// Handshakes and cancels that arrived before their request opened here
@@ -228,7 +269,12 @@ impl Runtime {
             return Err(RuntimeError::DuplicateRequest(request.0));
         }
         let generation = Generation(self.next_generation.fetch_add(1, Ordering::Relaxed));
-        let expected = ConsumerMachine::expected_ranks(self.local.tp_rank, self.local.tp_size, producer_tp);
+        let expected = ConsumerMachine::expected_ranks(
+            self.local.total_kv_heads,
+            self.local.tp_rank,
+            self.local.tp_size,
+            producer_tp,
+        );
         let handshake = Handshake {
             version: WIRE_VERSION,
             request_id: request.clone(),
@@ -313,45 +359,82 @@ impl Runtime {
     // ---- prefill side ---------------------------------------------------
 
     /// Opens the producer side of `request`, whose blocks (in request order)
-    /// are `src_blocks` of this rank; only handshakes and cancels carrying
-    /// `capability` will be accepted for it. A handshake that arrived earlier
-    /// under that capability is taken up now, and so is an early cancel;
-    /// anything parked under another capability is dropped.
+    /// are `src_blocks` of this rank, for a decode instance of TP size
+    /// `consumer_tp`; only handshakes and cancels carrying `capability` will
+    /// be accepted for it. One producer actor starts per decode rank this
+    /// rank sends to; handshakes that arrived earlier under that capability
+    /// are taken up now, and so is an early cancel; anything parked under
+    /// another capability is dropped. A rank that sends to no decode rank
+    /// (it holds only replicas of heads a lower rank sends) is released at
+    /// once.
     pub fn producer_open(
         &self,
         request: RequestId,
         src_blocks: Vec<u32>,
         capability: Capability,
+        consumer_tp: u32,
     ) -> Result<(), RuntimeError> {
         self.local.validate_blocks(&src_blocks)?;
+        let total = self.local.total_kv_heads;
+        if consumer_tp == 0 || (total % consumer_tp != 0 && consumer_tp % total != 0) {
+            return Err(GeometryError::TensorParallel(format!(
+                "{total} KV heads neither split over nor replicate on a decode TP of {consumer_tp}"
+            ))
+            .into());
+        }
         let mut producers = self.producers.lock();
-        if producers.get(&request).is_some_and(|(a, _)| a.connected()) {
+        if producers.get(&request).is_some_and(ProducerGroup::live) {
             return Err(RuntimeError::DuplicateRequest(request.0));
         }
-        let actor = ProducerActor::new(
-            request.clone(),
-            src_blocks.clone(),
-            self.local.clone(),
-            self.writers.clone(),
-            self.cfg.handshake_timeout,
-            self.events_tx.clone(),
-            self.stats.clone(),
-        );
-        self.producer_blocks
-            .lock()
-            .insert(request.clone(), src_blocks.clone());
-        let addr = ProducerActor::start_in_arbiter(&self.arbiter, move |_| actor);
+        let targets: Vec<u32> = (0..consumer_tp)
+            .filter(|&c| {
+                crate::layout::producer_ranks_for(total, c, consumer_tp, self.local.tp_size)
+                    .contains(&self.local.tp_rank)
+            })
+            .collect();
         let taken = self.pre_open.lock().take(&request, &capability);
         self.stats.side_channel_forbidden.add(taken.strangers as u64);
-        if let Some(h) = taken.handshake {
-            addr.do_send(HandshakeArrived(h));
+        if targets.is_empty() {
+            let _ = self.events_tx.send(RuntimeEvent::ProducerReleased {
+                request,
+                outcome: crate::wire::Outcome::Done,
+                reason: Some("this rank holds only replicas of heads a lower rank sends".into()),
+            });
+            return Ok(());
+        }
+        let mut members = Vec::with_capacity(targets.len());
+        for &c in &targets {
+            let actor = ProducerActor::new(
+                request.clone(),
+                src_blocks.clone(),
+                self.local.clone(),
+                self.writers.clone(),
+                self.cfg.handshake_timeout,
+                self.events_tx.clone(),
+                self.stats.clone(),
+            );
+            members.push((c, ProducerActor::start_in_arbiter(&self.arbiter, move |_| actor)));
+        }
+        self.producer_blocks.lock().insert(request.clone(), src_blocks);
+        let group = ProducerGroup {
+            capability,
+            consumer_tp,
+            pending: members.len(),
+            members,
+            outcome: None,
+        };
+        for h in taken.handshakes {
+            match group.member(h.layout.tp_rank) {
+                Some(a) if h.layout.tp_size == consumer_tp => a.do_send(HandshakeArrived(h)),
+                _ => self.stats.events_dropped.inc(),
+            }
         }
         if let Some(reason) = taken.cancel {
             // No consumer will send a handshake: release at once instead of
             // holding the source blocks until the deadline.
-            addr.do_send(AbortRequest { reason });
+            group.send(AbortRequest { reason });
         }
-        producers.insert(request, (addr, capability));
+        producers.insert(request, group);
         Ok(())
     }
 
@@ -367,9 +450,9 @@ impl Runtime {
         let reason = format!("cancelled by the consumer: {}", cancel.reason);
         let producers = self.producers.lock();
         match producers.get(request) {
-            Some((addr, cap)) if addr.connected() => {
-                self.check_capability(request, cap, &cancel.capability)?;
-                addr.do_send(AbortRequest { reason });
+            Some(group) if group.live() => {
+                self.check_capability(request, &group.capability, &cancel.capability)?;
+                group.send(AbortRequest { reason });
                 Ok(())
             }
             _ => self
@@ -405,14 +488,17 @@ impl Runtime {
     /// allocates blocks chunk by chunk). The whole list stays validated:
     /// in range and without duplicates.
     pub fn producer_add_blocks(&self, request: &RequestId, blocks: Vec<u32>) -> Result<(), RuntimeError> {
-        let addr = self.producer(request)?;
+        let producers = self.producers.lock();
+        let Some(group) = producers.get(request).filter(|g| g.live()) else {
+            return Err(RuntimeError::UnknownRequest(request.0.clone()));
+        };
         let mut known = self.producer_blocks.lock();
         let list = known.entry(request.clone()).or_default();
         let mut all = list.clone();
         all.extend_from_slice(&blocks);
         self.local.validate_blocks(&all)?;
         *list = all;
-        addr.do_send(SourceBlocksAdded(blocks));
+        group.send(SourceBlocksAdded(blocks));
         Ok(())
     }
 
@@ -424,11 +510,36 @@ impl Runtime {
     pub fn producer_handshake(&self, handshake: Handshake) -> Result<(), RuntimeError> {
         handshake.validate()?;
         self.local.check_compatible(&handshake.layout)?;
+        let senders = handshake.layout.expected_producers(self.local.tp_size);
+        if handshake.expected_producers != senders {
+            // The consumer was told another prefill TP size than this
+            // instance has: it would wait for ranks that never send.
+            return Err(GeometryError::TensorParallel(format!(
+                "the consumer waits for {} producer rank(s), but this prefill instance (TP {}) has {} for it: \
+                 the request's orbitkv_prefill_tp does not match the prefill instance",
+                handshake.expected_producers, self.local.tp_size, senders
+            ))
+            .into());
+        }
         let h = Arc::new(handshake);
         let producers = self.producers.lock();
         match producers.get(&h.request_id) {
-            Some((addr, cap)) if addr.connected() => {
-                self.check_capability(&h.request_id, cap, &h.capability)?;
+            Some(group) if group.live() => {
+                self.check_capability(&h.request_id, &group.capability, &h.capability)?;
+                if h.layout.tp_size != group.consumer_tp {
+                    return Err(GeometryError::TensorParallel(format!(
+                        "the consumer has TP size {}, but the request's orbitkv_decode_tp says {}",
+                        h.layout.tp_size, group.consumer_tp
+                    ))
+                    .into());
+                }
+                let Some(addr) = group.member(h.layout.tp_rank) else {
+                    return Err(GeometryError::TensorParallel(format!(
+                        "this rank does not send to consumer rank {}",
+                        h.layout.tp_rank
+                    ))
+                    .into());
+                };
                 addr.do_send(HandshakeArrived(h));
                 Ok(())
             }
@@ -455,7 +566,7 @@ impl Runtime {
         reason: &str,
     ) -> Result<(), RuntimeError> {
         let producers = self.producers.lock();
-        if producers.get(request).is_some_and(|(a, _)| a.connected()) {
+        if producers.get(request).is_some_and(ProducerGroup::live) {
             return Err(RuntimeError::DuplicateRequest(request.0.clone()));
         }
         let reason = format!("prefill gave the request up: {reason}");
@@ -463,8 +574,8 @@ impl Runtime {
             .pre_open
             .lock()
             .discard(request, capability, reason.clone())?;
-        if let Some(h) = parked {
-            self.answer_aborted(h, reason);
+        for h in parked {
+            self.answer_aborted(h, reason.clone());
         }
         Ok(())
     }
@@ -491,9 +602,18 @@ impl Runtime {
         self.producer_handshake(Handshake::from_json(json)?)
     }
 
-    fn producer(&self, request: &RequestId) -> Result<Addr<ProducerActor>, RuntimeError> {
+    /// Sends `msg` to every actor of `request`'s producer group.
+    fn to_producer<M>(&self, request: &RequestId, msg: M) -> Result<(), RuntimeError>
+    where
+        M: Message + Send + Clone + 'static,
+        M::Result: Send,
+        ProducerActor: Handler<M>,
+    {
         match self.producers.lock().get(request) {
-            Some((a, _)) if a.connected() => Ok(a.clone()),
+            Some(group) if group.live() => {
+                group.send(msg);
+                Ok(())
+            }
             _ => Err(RuntimeError::UnknownRequest(request.0.clone())),
         }
     }
@@ -513,50 +633,90 @@ impl Runtime {
             }
             .into());
         }
-        let addr = self.producer(request)?;
-        addr.do_send(LayerReady { layer, blocks });
-        Ok(())
+        self.to_producer(request, LayerReady { layer, blocks })
     }
 
     /// vLLM finished `request` on the prefill side: once its writes drain,
     /// the consumer is told and the source blocks are released.
     pub fn producer_finish(&self, request: &RequestId) -> Result<(), RuntimeError> {
-        self.producer(request)?.do_send(FinishRequest);
-        Ok(())
+        self.to_producer(request, FinishRequest)
     }
 
     /// Aborts the producer side of `request` (writes in flight still drain).
     pub fn producer_abort(&self, request: &RequestId, reason: &str) -> Result<(), RuntimeError> {
-        self.producer(request)?.do_send(AbortRequest {
-            reason: reason.to_string(),
-        });
-        Ok(())
+        self.to_producer(
+            request,
+            AbortRequest {
+                reason: reason.to_string(),
+            },
+        )
     }
 
     // ---- events ---------------------------------------------------------
 
-    fn note(&self, ev: &RuntimeEvent) {
-        if let RuntimeEvent::ProducerReleased { request, .. } = ev {
-            let mut producers = self.producers.lock();
-            if producers.get(request).is_some_and(|(a, _)| !a.connected()) {
-                producers.remove(request);
-                self.producer_blocks.lock().remove(request);
-            }
+    /// Folds the releases of a producer group's actors into one event,
+    /// emitted when the last one released (the worst outcome wins); other
+    /// events pass unchanged.
+    fn note(&self, ev: RuntimeEvent) -> Option<RuntimeEvent> {
+        let RuntimeEvent::ProducerReleased {
+            request,
+            outcome,
+            reason,
+        } = ev
+        else {
+            return Some(ev);
+        };
+        let mut producers = self.producers.lock();
+        let Some(group) = producers.get_mut(&request) else {
+            return Some(RuntimeEvent::ProducerReleased {
+                request,
+                outcome,
+                reason,
+            });
+        };
+        use crate::wire::Outcome::*;
+        let rank = |o: crate::wire::Outcome| match o {
+            Done => 0,
+            Aborted => 1,
+            Failed => 2,
+        };
+        if group
+            .outcome
+            .as_ref()
+            .map_or(true, |(o, _)| rank(outcome) > rank(*o))
+        {
+            group.outcome = Some((outcome, reason));
         }
+        group.pending = group.pending.saturating_sub(1);
+        if group.pending > 0 {
+            return None;
+        }
+        let (outcome, reason) = group.outcome.take().expect("set above");
+        producers.remove(&request);
+        self.producer_blocks.lock().remove(&request);
+        Some(RuntimeEvent::ProducerReleased {
+            request,
+            outcome,
+            reason,
+        })
     }
 
     /// Everything that happened since the last call.
     pub fn poll_events(&self) -> Vec<RuntimeEvent> {
-        let out: Vec<RuntimeEvent> = self.events_rx.try_iter().collect();
-        out.iter().for_each(|e| self.note(e));
-        out
+        let raw: Vec<RuntimeEvent> = self.events_rx.try_iter().collect();
+        raw.into_iter().filter_map(|e| self.note(e)).collect()
     }
 
     /// Waits up to `timeout` for the next event.
     pub fn next_event(&self, timeout: Duration) -> Option<RuntimeEvent> {
-        let ev = self.events_rx.recv_timeout(timeout).ok()?;
-        self.note(&ev);
-        Some(ev)
+        let deadline = Instant::now() + timeout;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let ev = self.events_rx.recv_timeout(left).ok()?;
+            if let Some(ev) = self.note(ev) {
+                return Some(ev);
+            }
+        }
     }
 
     /// Requests with a live actor on either side (for leak checks).
@@ -567,12 +727,7 @@ impl Runtime {
             .values()
             .filter(|(_, a)| a.connected())
             .count();
-        let p = self
-            .producers
-            .lock()
-            .values()
-            .filter(|(a, _)| a.connected())
-            .count();
+        let p = self.producers.lock().values().filter(|g| g.live()).count();
         (c, p)
     }
 

@@ -132,17 +132,18 @@ impl ConsumerMachine {
         }
     }
 
-    /// Producer ranks `[first, first + count)` for a consumer rank, given both TP sizes.
-    pub fn expected_ranks(consumer_rank: u32, consumer_tp: u32, producer_tp: u32) -> BTreeSet<ProducerRank> {
-        if producer_tp <= consumer_tp {
-            let per = consumer_tp / producer_tp.max(1);
-            [ProducerRank(consumer_rank / per.max(1))].into()
-        } else {
-            let per = producer_tp / consumer_tp;
-            (consumer_rank * per..(consumer_rank + 1) * per)
-                .map(ProducerRank)
-                .collect()
-        }
+    /// The producer ranks a consumer rank waits for, given the model's KV
+    /// heads and both TP sizes (`KvLayout::producer_ranks`, the one source).
+    pub fn expected_ranks(
+        total_kv_heads: u32,
+        consumer_rank: u32,
+        consumer_tp: u32,
+        producer_tp: u32,
+    ) -> BTreeSet<ProducerRank> {
+        crate::layout::producer_ranks_for(total_kv_heads, consumer_rank, consumer_tp, producer_tp)
+            .into_iter()
+            .map(ProducerRank)
+            .collect()
     }
 
     pub fn phase(&self) -> ConsumerPhase {
@@ -701,10 +702,19 @@ mod tests {
     #[test]
     fn expected_ranks_follow_tp() {
         let r = |v: &[u32]| v.iter().copied().map(ProducerRank).collect::<BTreeSet<_>>();
-        assert_eq!(ConsumerMachine::expected_ranks(0, 1, 2), r(&[0, 1]));
-        assert_eq!(ConsumerMachine::expected_ranks(1, 2, 4), r(&[2, 3]));
-        assert_eq!(ConsumerMachine::expected_ranks(3, 4, 2), r(&[1]));
-        assert_eq!(ConsumerMachine::expected_ranks(1, 2, 2), r(&[1]));
+        // 8 KV heads: TP fan-in and fan-out.
+        assert_eq!(ConsumerMachine::expected_ranks(8, 0, 1, 2), r(&[0, 1]));
+        assert_eq!(ConsumerMachine::expected_ranks(8, 1, 2, 4), r(&[2, 3]));
+        assert_eq!(ConsumerMachine::expected_ranks(8, 3, 4, 2), r(&[1]));
+        assert_eq!(ConsumerMachine::expected_ranks(8, 1, 2, 2), r(&[1]));
+        // 1 KV head, replicated on every rank: one replica sends.
+        assert_eq!(ConsumerMachine::expected_ranks(1, 0, 1, 2), r(&[0]));
+        assert_eq!(ConsumerMachine::expected_ranks(1, 1, 2, 1), r(&[0]));
+        assert_eq!(ConsumerMachine::expected_ranks(1, 1, 2, 4), r(&[0]));
+        // 2 KV heads on TP 4 (each head on 2 ranks) -> TP 1: ranks 0 and 2.
+        assert_eq!(ConsumerMachine::expected_ranks(2, 0, 1, 4), r(&[0, 2]));
+        // ... and TP 1 -> TP 4: each consumer rank from rank 0.
+        assert_eq!(ConsumerMachine::expected_ranks(2, 3, 4, 1), r(&[0]));
     }
 
     fn submits(fx: &[ProducerEffect]) -> Vec<(WriteId, Generation, u32)> {

@@ -33,5 +33,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<runtime::PyRuntimeEvent>()?;
     m.add_function(wrap_pyfunction!(runtime::new_capability, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::cancel_message, m)?)?;
+    m.add_function(wrap_pyfunction!(runtime::producer_ranks, m)?)?;
     Ok(())
 }

@@ -107,6 +107,36 @@ fn capability(py: Python<'_>, s: &str) -> PyResult<Capability> {
     Capability::parse(s).map_err(|e| invalid_argument(py, format!("capability: {e}")))
 }
 
+/// The prefill ranks (TP size `producer_tp`) that send to decode rank
+/// `consumer_rank` of TP size `consumer_tp`, for a model of `total_kv_heads`
+/// KV heads: for each head the decode rank holds, the lowest prefill rank
+/// holding it (vLLM replicates heads when there are fewer than ranks). The
+/// ranks decode sends its handshake to, and the producers it waits for.
+#[pyfunction]
+pub fn producer_ranks(
+    py: Python<'_>,
+    total_kv_heads: u32,
+    consumer_rank: u32,
+    consumer_tp: u32,
+    producer_tp: u32,
+) -> PyResult<Vec<u32>> {
+    let ok = |h: u32, tp: u32| tp > 0 && h > 0 && (h % tp == 0 || tp % h == 0);
+    if !ok(total_kv_heads, consumer_tp) || !ok(total_kv_heads, producer_tp) || consumer_rank >= consumer_tp {
+        return Err(invalid_argument(
+            py,
+            format!(
+                "{total_kv_heads} KV heads, decode rank {consumer_rank} of TP {consumer_tp}, prefill TP {producer_tp}: \
+                 heads must split over or replicate evenly on both"
+            ),
+        ));
+    }
+    Ok(
+        orbitkv::layout::producer_ranks_for(total_kv_heads, consumer_rank, consumer_tp, producer_tp)
+            .into_iter()
+            .collect(),
+    )
+}
+
 /// A fresh random capability (256 bits from the OS's cryptographic source)
 /// for one request, as a router hands it to both halves.
 #[pyfunction]
@@ -373,18 +403,20 @@ impl PyRuntime {
     }
 
     /// Prefill side: opens the request with its source blocks (request
-    /// order); only handshakes and cancels carrying `capability` (hex) are
-    /// accepted for it.
+    /// order) for a decode instance of TP size `consumer_tp`; only
+    /// handshakes and cancels carrying `capability` (hex) are accepted for it.
+    #[pyo3(signature = (request_id, block_ids, capability_hex, consumer_tp=1))]
     fn producer_open(
         &self,
         py: Python<'_>,
         request_id: &str,
         block_ids: Vec<u32>,
         capability_hex: &str,
+        consumer_tp: u32,
     ) -> PyResult<()> {
         let cap = capability(py, capability_hex)?;
         self.rt(py)?
-            .producer_open(RequestId::new(request_id), block_ids, cap)
+            .producer_open(RequestId::new(request_id), block_ids, cap, consumer_tp)
             .map_err(|e| runtime_error(py, e))
     }
 

@@ -219,7 +219,10 @@ def ev(kind: str, pd: str, **kw: Any) -> Any:
 
 @pytest.fixture
 def worker() -> PdWorker:
-    cfg = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    cfg = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2),
+    )
     w = PdWorker(cfg, PdConfig())  # type: ignore[arg-type]
     w.runtime = RecordingRuntime()  # type: ignore[assignment]
     return w
@@ -228,7 +231,7 @@ def worker() -> PdWorker:
 def test_producer_reported_only_after_vllm_finished_it(worker: PdWorker) -> None:
     rt = worker.runtime
     meta = PdConnectorMetadata()
-    meta.producer_chunks.append(ProducerChunk("p1", "pd-1", CAP, True, [1], 0, 1, False))
+    meta.producer_chunks.append(ProducerChunk("p1", "pd-1", CAP, 1, True, [1], 0, 1, False))
     worker.start_load_kv(meta)
     # Preempted: aborted, but vLLM still runs the request: no report.
     worker.start_load_kv(PdConnectorMetadata(producers_end=[RequestEnd("p1", "pd-1", True, "preempted", report=False)]))
@@ -364,7 +367,7 @@ def test_a_released_producer_never_raises_inside_the_forward(worker: PdWorker) -
     worker.runtime = RaisingRuntime()  # type: ignore[assignment]
     worker._layer_index = {"layer.0": 0, "layer.1": 1}
     meta = PdConnectorMetadata()
-    meta.producer_chunks.append(ProducerChunk("p1", "pd-1", CAP, True, [1], 0, 1, True))
+    meta.producer_chunks.append(ProducerChunk("p1", "pd-1", CAP, 1, True, [1], 0, 1, True))
     worker.start_load_kv(meta)
     worker.save_kv_layer("layer.0", None)  # type: ignore[arg-type]
     worker.save_kv_layer("layer.1", None)  # type: ignore[arg-type]

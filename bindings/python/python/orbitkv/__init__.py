@@ -16,6 +16,7 @@ from orbitkv._native import (
     RuntimeEvent,
     cancel_message,
     new_capability,
+    producer_ranks,
 )
 from orbitkv._native import __version__ as __version__
 from orbitkv.errors import (
@@ -53,6 +54,7 @@ __all__ = [
     "Runtime",
     "new_capability",
     "cancel_message",
+    "producer_ranks",
     "RuntimeEvent",
     "OrbitKVError",
     "MooncakeLibraryError",

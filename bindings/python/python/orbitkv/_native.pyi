@@ -16,6 +16,7 @@ __all__ = [
     "RuntimeEvent",
     "new_capability",
     "cancel_message",
+    "producer_ranks",
 ]
 
 __version__: str
@@ -262,10 +263,10 @@ class Runtime:
         """Decode side: vLLM is done with the request; a `consumer_released`
         event follows once no producer can write into its blocks."""
 
-    def producer_open(self, request_id: str, block_ids: list[int], capability_hex: str) -> None:
+    def producer_open(self, request_id: str, block_ids: list[int], capability_hex: str, consumer_tp: int = 1) -> None:
         """Prefill side: opens the request with its source blocks (request
-        order); only handshakes and cancels carrying `capability` (hex) are
-        accepted for it."""
+        order) for a decode instance of TP size `consumer_tp`; only
+        handshakes and cancels carrying `capability` (hex) are accepted for it."""
 
     def producer_add_blocks(self, request_id: str, block_ids: list[int]) -> None:
         """Prefill side: appends source blocks (chunked prefill)."""
@@ -322,3 +323,10 @@ def new_capability() -> str:
 def cancel_message(request_id: str, capability_hex: str, reason: str) -> str:
     """The cancel message (wire JSON) a consumer sends to a producer rank's
     side channel when it gives `request_id` up before authorizing anything."""
+
+def producer_ranks(total_kv_heads: int, consumer_rank: int, consumer_tp: int, producer_tp: int) -> list[int]:
+    """The prefill ranks (TP size `producer_tp`) that send to decode rank
+    `consumer_rank` of TP size `consumer_tp`, for a model of `total_kv_heads`
+    KV heads: for each head the decode rank holds, the lowest prefill rank
+    holding it (vLLM replicates heads when there are fewer than ranks). The
+    ranks decode sends its handshake to, and the producers it waits for."""

@@ -63,6 +63,7 @@ class ProxyConfig:
     prefill_kv: str
     prefill_tp: int = 1
     timeout_s: float | None = None
+    decode_tp: int = 1
 
     @staticmethod
     def make(
@@ -71,6 +72,7 @@ class ProxyConfig:
         prefill_kv: str | None = None,
         prefill_tp: int = 1,
         timeout_s: float | None = None,
+        decode_tp: int = 1,
     ) -> "ProxyConfig":
         prefill, decode = prefill.rstrip("/"), decode.rstrip("/")
         for name, url in (("prefill", prefill), ("decode", decode)):
@@ -79,14 +81,19 @@ class ProxyConfig:
                 raise ValueError(f"--{name} must be an http(s) URL, got {url!r}")
         if prefill_kv is None:
             prefill_kv = f"{urlsplit(prefill).hostname}:{DEFAULT_SIDE_CHANNEL_PORT}"
-        return ProxyConfig(prefill, decode, prefill_kv, prefill_tp, timeout_s)
+        for name, tp in (("prefill-tp", prefill_tp), ("decode-tp", decode_tp)):
+            if tp < 1:
+                raise ValueError(f"--{name} must be at least 1, got {tp}")
+        return ProxyConfig(prefill, decode, prefill_kv, prefill_tp, timeout_s, decode_tp)
 
     def params(self, role: str, request_id: str, capability: str) -> dict[str, Any]:
         """The ``kv_transfer_params`` for one side of one request. Both sides
         get the request's ``capability``, a fresh secret per request: prefill
         accepts the decode's handshake and cancel only with it."""
         if role == PRODUCER:
-            return PdParams(role=PRODUCER, request=request_id, capability=capability).to_dict()
+            return PdParams(
+                role=PRODUCER, request=request_id, capability=capability, decode_tp=self.decode_tp
+            ).to_dict()
         return PdParams(
             role=CONSUMER,
             request=request_id,
@@ -318,12 +325,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-kv", help="prefill's OrbitKV side channel host:port "
                    f"(default: the prefill URL's host, port {DEFAULT_SIDE_CHANNEL_PORT})")
     p.add_argument("--prefill-tp", type=int, default=1, help="prefill tensor-parallel size")
+    p.add_argument("--decode-tp", type=int, default=1, help="decode tensor-parallel size")
     p.add_argument("--timeout-s", type=float, default=None, help="limit for one backend call")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        cfg = ProxyConfig.make(args.prefill, args.decode, args.prefill_kv, args.prefill_tp, args.timeout_s)
+        cfg = ProxyConfig.make(
+            args.prefill, args.decode, args.prefill_kv, args.prefill_tp, args.timeout_s, args.decode_tp
+        )
     except ValueError as e:
         p.error(str(e))
     with contextlib.suppress(KeyboardInterrupt):

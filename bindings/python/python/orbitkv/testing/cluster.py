@@ -415,6 +415,7 @@ class InstanceSpec:
     extra_config: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     kv_load_failure_policy: str = "fail"
+    tp: int = 1
 
     @property
     def url(self) -> str:
@@ -453,6 +454,8 @@ class Cluster:
         vllm_args: Sequence[str] = (),
         connector: bool = True,
         start_timeout_s: float = 300.0,
+        prefill_tp: int = 1,
+        decode_tp: int = 1,
     ):
         self.model = str(model)
         self.run_dir = Path(run_dir).resolve()
@@ -467,22 +470,26 @@ class Cluster:
         common: dict[str, Any] = {}
         if timeout_s is not None:
             common["orbitkv.pd.timeout_s"] = timeout_s
+        # A TP instance binds one core per rank ("0|1"); its side channel
+        # ports are base + rank, so keep a gap of the TP size.
         self.prefill = InstanceSpec(
             "prefill",
             pp,
             sc_p or free_port(),
-            "0",
+            "|".join(str(r % 2) for r in range(prefill_tp)),
             {**common, **(prefill_config or {})},
             dict(prefill_env or {}),
+            tp=prefill_tp,
         )
         self.decode = InstanceSpec(
             "decode",
             dp,
             sc_d or free_port(),
-            "1",
+            "|".join(str((r + 1) % 2) for r in range(decode_tp)),
             {**common, **(decode_config or {})},
             dict(decode_env or {}),
             kv_load_failure_policy,
+            tp=decode_tp,
         )
         self.proxy_port = xp
         self.procs: dict[str, Proc] = {}
@@ -545,6 +552,7 @@ class Cluster:
             HOST,
             "--port",
             str(spec.port),
+            *(["--tensor-parallel-size", str(spec.tp)] if spec.tp > 1 else []),
             *self.vllm_args,
         ]
         if self.connector:
@@ -568,6 +576,10 @@ class Cluster:
             self.decode_url,
             "--prefill-kv",
             self.prefill_kv,
+            "--prefill-tp",
+            str(self.prefill.tp),
+            "--decode-tp",
+            str(self.decode.tp),
             "--host",
             HOST,
             "--port",

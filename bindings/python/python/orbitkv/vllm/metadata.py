@@ -27,6 +27,7 @@ class ProducerChunk:
     req_id: str
     pd_id: str
     capability: str
+    consumer_tp: int
     opens: bool
     new_block_ids: list[int]
     start_block: int

@@ -18,7 +18,8 @@ REQUEST = "orbitkv_request"
 CAPABILITY = "orbitkv_capability"
 PREFILL_KV = "orbitkv_prefill_kv"
 PREFILL_TP = "orbitkv_prefill_tp"
-KEYS = (ROLE, REQUEST, CAPABILITY, PREFILL_KV, PREFILL_TP)
+DECODE_TP = "orbitkv_decode_tp"
+KEYS = (ROLE, REQUEST, CAPABILITY, PREFILL_KV, PREFILL_TP, DECODE_TP)
 
 PRODUCER = "producer"
 CONSUMER = "consumer"
@@ -53,6 +54,7 @@ class PdParams:
     capability: str
     prefill_kv: str | None = None
     prefill_tp: int = 1
+    decode_tp: int = 1
 
     @property
     def prefill_host_port(self) -> tuple[str, int]:
@@ -83,20 +85,35 @@ class PdParams:
                 f"{CAPABILITY} must be the request's secret, 32..128 hex digits (the router sets it)"
             )
         prefill_kv = params.get(PREFILL_KV)
-        tp = params.get(PREFILL_TP, 1)
+        tp, dtp = params.get(PREFILL_TP, 1), params.get(DECODE_TP, 1)
         if role == CONSUMER:
             _, port = split_host_port(prefill_kv, PREFILL_KV)
-            if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_TP:
-                raise RequestParamsError(f"{PREFILL_TP} must be an integer in 1..{MAX_TP}, got {tp!r}")
+            _check_tp(PREFILL_TP, tp)
             if port + tp - 1 > 65535:
                 raise RequestParamsError(f"{PREFILL_KV} port {port} + {PREFILL_TP} {tp} passes port 65535")
+            dtp = 1
         else:
             prefill_kv, tp = None, 1
-        return PdParams(role=role, request=request, capability=capability.lower(), prefill_kv=prefill_kv, prefill_tp=tp)
+            _check_tp(DECODE_TP, dtp)
+        return PdParams(
+            role=role,
+            request=request,
+            capability=capability.lower(),
+            prefill_kv=prefill_kv,
+            prefill_tp=tp,
+            decode_tp=dtp,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {ROLE: self.role, REQUEST: self.request, CAPABILITY: self.capability}
         if self.prefill_kv is not None:
             out[PREFILL_KV] = self.prefill_kv
             out[PREFILL_TP] = self.prefill_tp
+        else:
+            out[DECODE_TP] = self.decode_tp
         return out
+
+
+def _check_tp(key: str, tp: Any) -> None:
+    if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_TP:
+        raise RequestParamsError(f"{key} must be an integer in 1..{MAX_TP}, got {tp!r}")

@@ -55,6 +55,7 @@ def _cdiv(a: int, b: int) -> int:
 class _Producer:
     pd_id: str
     capability: str
+    consumer_tp: int
     prompt_len: int
     opened: bool = False
     done_blocks: int = 0
@@ -136,7 +137,7 @@ class PdScheduler:
             return
         rid = request.request_id
         if p.role == PRODUCER and rid not in self._producers:
-            self._producers[rid] = _Producer(p.request, p.capability, len(request.prompt_token_ids or ()))
+            self._producers[rid] = _Producer(p.request, p.capability, p.decode_tp, len(request.prompt_token_ids or ()))
             return
         if p.role != CONSUMER or num_external_tokens <= 0 or rid in self._consumers:
             return
@@ -186,7 +187,15 @@ class PdScheduler:
         last = end_tok >= p.prompt_len
         meta.producer_chunks.append(
             ProducerChunk(
-                rid, p.pd_id, p.capability, not p.opened, new_blocks, min(start_block, end_block), end_block, last
+                rid,
+                p.pd_id,
+                p.capability,
+                p.consumer_tp,
+                not p.opened,
+                new_blocks,
+                min(start_block, end_block),
+                end_block,
+                last,
             )
         )
         p.opened = True

@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from orbitkv import MooncakeTransferEngine, OrbitKVError, Runtime, UnknownRequestError, cancel_message
+from orbitkv import (
+    MooncakeTransferEngine,
+    OrbitKVError,
+    Runtime,
+    UnknownRequestError,
+    cancel_message,
+    producer_ranks,
+)
 from orbitkv.vllm._testing import TestingHooks, corrupt_block
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.layout import kv_layout_of
@@ -36,16 +43,6 @@ logger = logging.getLogger("orbitkv.vllm.worker")
 # The generation in a handshake's JSON (serde writes `version`, `request_id`,
 # `capability`, then `generation`).
 _GENERATION = re.compile(r'"generation":(\d+)')
-
-
-def producer_ranks(consumer_rank: int, consumer_tp: int, producer_tp: int) -> range:
-    """The prefill ranks holding heads of this decode rank (as the runtime's
-    expected producers)."""
-    if producer_tp <= consumer_tp:
-        r = consumer_rank // (consumer_tp // producer_tp)
-        return range(r, r + 1)
-    per = producer_tp // consumer_tp
-    return range(consumer_rank * per, (consumer_rank + 1) * per)
 
 
 def _delayed(delay_s: float, fn: Any, *args: Any) -> None:
@@ -220,7 +217,12 @@ class PdWorker:
             except OrbitKVError as e:
                 logger.warning("cancellation of %s not sent: %s", x.pd_id, e)
                 continue
-            for r in producer_ranks(self.tp_rank, self.tp_size, x.prefill_tp):
+            try:
+                ranks = self._senders(x.prefill_tp)
+            except OrbitKVError as e:
+                logger.warning("cancellation of %s not sent: %s", x.pd_id, e)
+                continue
+            for r in ranks:
                 self._posts.submit(self._post_cancel, f"{host}:{int(port) + r}", x.pd_id, body)
         for d in meta.producers_discard:
             self._producer_call(rt.producer_discard, d.pd_id, d.capability, d.reason or "finished before scheduled")
@@ -228,7 +230,7 @@ class PdWorker:
         for ch in meta.producer_chunks:
             if ch.opens:
                 self._producer_req[ch.pd_id] = ch.req_id
-                ok = self._producer_call(rt.producer_open, ch.pd_id, ch.new_block_ids, ch.capability)
+                ok = self._producer_call(rt.producer_open, ch.pd_id, ch.new_block_ids, ch.capability, ch.consumer_tp)
                 if not ok:
                     # Never opened, so no release event will come: vLLM gets
                     # its blocks back as soon as it finishes the request.
@@ -239,6 +241,11 @@ class PdWorker:
                 ok = True
             if ok and (ch.end_block > ch.start_block or ch.last):
                 self._step_chunks.append(ch)
+
+    def _senders(self, prefill_tp: int) -> list[int]:
+        """The prefill ranks that send to this decode rank (the core's rule)."""
+        total = self.vllm_config.model_config.get_total_num_kv_heads()
+        return producer_ranks(total, self.tp_rank, self.tp_size, prefill_tp)
 
     def _producer_call(self, fn: Any, pd_id: str, *args: Any) -> bool:
         """Calls the runtime for producer ``pd_id`` inside vLLM's hooks, where
@@ -258,6 +265,10 @@ class PdWorker:
         rt = self.runtime
         assert rt is not None
         try:
+            # The prefill ranks first: a prefill TP size the model's heads
+            # cannot split over refuses the request before anything is
+            # authorized.
+            ranks = self._senders(c.prefill_tp)
             handshake = rt.consumer_open(c.pd_id, c.capability, c.first_block, c.block_ids, c.prefill_tp)
         except OrbitKVError as e:
             # Nothing was authorized: vLLM recomputes the prompt here.
@@ -268,7 +279,6 @@ class PdWorker:
         self._consumer_req[c.pd_id] = c.req_id
         self._consumer_blocks[c.pd_id] = c.block_ids
         host, port = c.prefill_kv.rsplit(":", 1)
-        ranks = producer_ranks(self.tp_rank, self.tp_size, c.prefill_tp)
         m = _GENERATION.search(handshake, 0, 1024)  # request_id and capability come first
         generation = int(m.group(1)) if m else -1
         for r in ranks:

