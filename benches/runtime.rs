@@ -77,7 +77,7 @@ impl Producer {
         hs.request_id = req.clone();
         hs.generation.0 += self.next as u64;
         self.runtime
-            .producer_open(req.clone(), scattered_blocks(self.next, 8, 0x85EB_CA6B), cap())
+            .producer_open(req.clone(), scattered_blocks(self.next, 8, 0x85EB_CA6B), cap(), 1)
             .expect("producer_open");
         self.runtime.producer_handshake(hs).expect("handshake");
         req

@@ -54,7 +54,7 @@ fn main() {
         let hs = open_consumer(&pair.consumer, "warm", i);
         let req = hs.request_id.clone();
         pair.producer
-            .producer_open(req.clone(), scattered_blocks(i, 8, 0x85EB_CA6B), cap())
+            .producer_open(req.clone(), scattered_blocks(i, 8, 0x85EB_CA6B), cap(), 1)
             .unwrap();
         pair.producer.producer_handshake(hs).unwrap();
         pair.producer.producer_abort(&req, "warm-up").unwrap();
@@ -76,7 +76,12 @@ fn main() {
         let mut hs = template.clone();
         hs.request_id = RequestId::new(format!("mem-{i}"));
         pair.producer
-            .producer_open(hs.request_id.clone(), scattered_blocks(i, 8, 0x85EB_CA6B), cap())
+            .producer_open(
+                hs.request_id.clone(),
+                scattered_blocks(i, 8, 0x85EB_CA6B),
+                cap(),
+                1,
+            )
             .expect("producer_open");
         pair.producer.producer_handshake(hs).expect("handshake");
     }

@@ -66,7 +66,7 @@ fn run(r: &mut Report) {
     ));
     producer
         .runtime
-        .producer_open(req.clone(), src.clone(), cap())
+        .producer_open(req.clone(), src.clone(), cap(), 1)
         .unwrap();
     producer.runtime.producer_handshake_json(&hs.to_json()).unwrap();
 

@@ -70,7 +70,7 @@ fn run(r: &mut Report) {
     ));
     producer
         .runtime
-        .producer_open(req.clone(), src.clone(), cap())
+        .producer_open(req.clone(), src.clone(), cap(), 1)
         .unwrap();
     producer.runtime.producer_handshake_json(&hs1.to_json()).unwrap();
     for l in 0..early {

@@ -78,7 +78,9 @@ fn run(r: &mut Report) {
     ));
     r.check(hs.expected_producers == 2, "two producer ranks are expected");
 
-    p0.runtime.producer_open(req.clone(), src.clone(), cap()).unwrap();
+    p0.runtime
+        .producer_open(req.clone(), src.clone(), cap(), 1)
+        .unwrap();
     p0.runtime.producer_handshake(hs.clone()).unwrap();
     for l in 0..3 {
         p0.runtime.layer_ready(&req, l, 0..3).unwrap();

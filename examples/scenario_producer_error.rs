@@ -76,7 +76,7 @@ fn run(r: &mut Report) {
     ));
     producer
         .runtime
-        .producer_open(req.clone(), src.clone(), cap())
+        .producer_open(req.clone(), src.clone(), cap(), 1)
         .unwrap();
     producer.runtime.producer_handshake_json(&bad.to_json()).unwrap();
     for l in 0..spec.layers {

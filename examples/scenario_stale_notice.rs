@@ -81,7 +81,7 @@ fn run(r: &mut Report) {
     ));
     producer
         .runtime
-        .producer_open(req.clone(), src.clone(), cap())
+        .producer_open(req.clone(), src.clone(), cap(), 1)
         .unwrap();
     producer.runtime.producer_handshake_json(&hs1.to_json()).unwrap();
     for l in 0..spec.layers {
@@ -148,7 +148,7 @@ fn run(r: &mut Report) {
     let opened_again = wait_until(Duration::from_secs(5), || {
         producer
             .runtime
-            .producer_open(req.clone(), src.clone(), cap())
+            .producer_open(req.clone(), src.clone(), cap(), 1)
             .is_ok()
     });
     r.check(opened_again, "the producer side opens the request ID again");
