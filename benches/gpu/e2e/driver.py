@@ -1,0 +1,1170 @@
+"""OrbitKV end to end on GPUs with real vLLM: correctness, load and TTFT,
+side by side with one engine and with vLLM's NixlConnector, in one run.
+
+Run by ``benches/gpu/e2e/run.sh`` on the device machine (two H200s: GPU 0
+prefill and the single engine, GPU 1 decode), or on CPU as a dry run of its
+logic (``--device cpu``, tiny sizes, no NIXL: the NIXL proxy flow then runs
+against two connector-less servers)::
+
+    python benches/gpu/e2e/driver.py --device cuda --work /root/orbitkv-e2e/work \
+        --out /root/orbitkv-e2e/results --deadline-s 1200
+
+Stages, in this order (each bounded in time; each writes ``OUT/<stage>.json``
+as soon as it ends, so a later time-out loses nothing; ``OUT/progress.log``
+says what happened when):
+
+``a-default``, ``a-eager``
+    Correctness of OrbitKV P/D (``PdConnector`` on both instances,
+    ``orbitkv.proxy`` in front, Mooncake's intra-node NVLink transport) against
+    one engine, greedy, token for token, under vLLM's defaults (CUDA graphs,
+    async scheduling, no ``VLLM_KV_CACHE_LAYOUT``), then with
+    ``--enforce-eager``; for two small random-weight Llamas made here with
+    transformers (8 KV heads x 128 like Llama-3-8B, 4 layers): fp32 (vLLM
+    picks Triton attention) and bf16 (FlashAttention). Prompts at block
+    boundaries, long prompts, a chunked prefill (longer than
+    ``max_num_batched_tokens``), a prefix-cache hit on decode, a streamed
+    request and 16 concurrent requests; then both instances must hold no KV
+    block (``vllm:kv_cache_usage_perc`` back to 0), and OrbitKV's counters
+    (``vllm:orbitkv_*``) must show the transfers.
+``b-default``
+    Under load: ``vllm bench serve`` (random prompts of 1k-8k tokens, 64
+    output tokens) at 1, 4 and 16 in flight against one engine, OrbitKV P/D
+    and NixlConnector P/D; Llama-3-8B shape (32 layers, 32 heads, 8 KV heads,
+    head_dim 128, hidden 4096, MLP 14336, vocabulary 128256, bf16, random
+    weights: ``--load-format dummy``). The instances' KV usage and queues are
+    sampled during each run.
+``c-default``, ``c-eager``
+    TTFT at 1k / 8k / 32k prompt tokens, a fresh random prompt for every
+    request, medians after warm-up, one engine vs OrbitKV vs NIXL; vLLM's
+    default mode, then ``--enforce-eager`` (the Llama-3-8B-shaped instances
+    restarted).
+``b-eager``
+    The load runs again in eager mode, if time is left.
+
+Also ``--report DIR``: (re)writes ``DIR/summary.md`` from the stage files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import contextlib
+import json
+import os
+import platform
+import random
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+HERE = Path(__file__).resolve().parent
+HOST = "127.0.0.1"
+T0 = time.monotonic()
+GIB = 1 << 30
+
+# ---- small helpers ---------------------------------------------------------------------------
+
+
+class Ctx:
+    """Run-wide settings and the progress log."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.cuda = args.device == "cuda"
+        self.out = Path(args.out)
+        self.work = Path(args.work)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.work.mkdir(parents=True, exist_ok=True)
+        (self.work / "logs").mkdir(exist_ok=True)
+        self.deadline = T0 + args.deadline_s
+        self._log = open(self.out / "progress.log", "a", buffering=1)
+        self.rng = random.Random(args.seed)
+        self.used_ports: set[int] = set()
+
+    def log(self, msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S', time.gmtime())} +{time.monotonic() - T0:6.1f}s] {msg}"
+        print(line, flush=True)
+        self._log.write(line + "\n")
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def save(self, name: str, obj: Any) -> None:
+        tmp = self.out / f".{name}.json.tmp"
+        tmp.write_text(json.dumps(obj, indent=1, default=str))
+        tmp.rename(self.out / f"{name}.json")
+
+    def port(self) -> int:
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((HOST, 0))
+                p = s.getsockname()[1]
+            if p not in self.used_ports and p + 1 not in self.used_ports:
+                self.used_ports.update((p, p + 1))
+                return p
+
+
+def error_excerpt(log: Path | None, lines: int = 60) -> str:
+    """The last Python traceback in a log (or its last lines)."""
+    if log is None:
+        return "(no log)"
+    try:
+        text = log.read_text(errors="replace").splitlines()
+    except OSError as e:
+        return f"(no log: {e})"
+    starts = [i for i, l in enumerate(text) if "Traceback (most recent call last)" in l]
+    if starts:
+        i = starts[-1]
+        # the first traceback of the last burst is usually the cause
+        while starts and len(starts) > 1 and starts[-2] > i - 120 and starts[-2] != i:
+            starts.pop()
+            i = starts[-1]
+        return "\n".join(text[max(0, i - 3) : i + lines])
+    return "\n".join(text[-lines:])
+
+
+def q(xs: list[float], p: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(p * (len(s) - 1))))]
+
+
+# ---- models ---------------------------------------------------------------------------------
+
+SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<unk>"]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    vocab: int
+    max_pos: int
+    dtype: str  # float32 | bfloat16
+    weights: bool  # False: config and tokenizer only (vLLM --load-format dummy)
+    init_range: float = 0.05
+    seed: int = 20261130
+
+
+def make_model(spec: ModelSpec, root: Path) -> str:
+    """A Llama made here (no hub): a word-level tokenizer whose words are
+    ``t<id>`` (text and token ids convert both ways exactly, so vLLM's random
+    benchmark prompts keep their lengths), and random weights (seeded) or
+    only the config."""
+    out = root / spec.name
+    marker = out / "orbitkv-e2e-model.json"
+    want = json.dumps(spec.__dict__, sort_keys=True)
+    if marker.exists() and marker.read_text() == want:
+        return str(out)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
+
+    vocab = {t: i for i, t in enumerate(SPECIALS)}
+    for i in range(len(SPECIALS), spec.vocab):
+        vocab[f"t{i}"] = i
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{SPECIALS[0]} $A", pair=f"{SPECIALS[0]} $A {SPECIALS[0]} $B", special_tokens=[(SPECIALS[0], 0)]
+    )
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=SPECIALS[0],
+        eos_token=SPECIALS[1],
+        pad_token=SPECIALS[2],
+        unk_token=SPECIALS[3],
+        model_max_length=spec.max_pos,
+    )
+    hf_tok.save_pretrained(out)
+    config = LlamaConfig(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        intermediate_size=spec.inter,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_pos,
+        rope_theta=500000.0,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=spec.init_range,
+        dtype=spec.dtype,
+    )
+    if spec.weights:
+        import torch
+        from transformers import LlamaForCausalLM
+
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(config).to(getattr(torch, spec.dtype))
+        model.save_pretrained(out)
+    else:
+        config.save_pretrained(out)
+    marker.write_text(want)
+    return str(out)
+
+
+def small_spec(ctx: Ctx, dtype: str) -> ModelSpec:
+    if ctx.cuda:
+        return ModelSpec(f"small-{dtype}", 4, 2048, 16, 8, 128, 4096, 8192, 16384, dtype, True)
+    return ModelSpec(f"small-{dtype}", 2, 256, 4, 2, 64, 512, 2048, 4096, "float32", True, init_range=0.1)
+
+
+def big_spec(ctx: Ctx) -> ModelSpec:
+    if ctx.cuda:
+        return ModelSpec("llama3-8b-shape", 32, 4096, 32, 8, 128, 14336, 128256, 40960, "bfloat16", False)
+    return ModelSpec("llama3-8b-shape", 2, 256, 4, 2, 64, 512, 4096, 4096, "float32", False)
+
+
+# ---- processes ------------------------------------------------------------------------------
+
+from orbitkv.testing.cluster import (  # noqa: E402  (after the docstring on purpose)
+    ClusterError,
+    Proc,
+    complete,
+    healthy,
+    metrics,
+    vllm_env,
+    wait_until,
+)
+
+
+@dataclass
+class Server:
+    name: str
+    model: str
+    spec: ModelSpec
+    gpu: int
+    connector: str  # none | orbit | nixl
+    eager: bool
+    kv_bytes: int
+    max_model_len: int
+    port: int
+    side_port: int
+    extra_env: dict[str, str] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)
+    proc: Proc | None = None
+    log: Path | None = None
+    started_s: float | None = None
+    ready_s: float | None = None
+    error: str | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+
+def server_argv(ctx: Ctx, s: Server) -> list[str]:
+    dtype = s.spec.dtype if ctx.cuda else "float32"
+    argv = [
+        ctx.args.python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", s.model, "--served-model-name", s.spec.name,
+        "--dtype", dtype, "--host", HOST, "--port", str(s.port),
+        "--max-model-len", str(s.max_model_len),
+        "--kv-cache-memory-bytes", str(int(s.kv_bytes)),
+        "--disable-uvicorn-access-log",
+    ]
+    if ctx.cuda:
+        # several instances share a GPU: the KV size is fixed above, and this is
+        # only the share vLLM checks is free when it starts
+        argv += ["--gpu-memory-utilization", str(ctx.args.gpu_mem_util)]
+    if not s.spec.weights:
+        argv += ["--load-format", "dummy"]
+    if s.eager or not ctx.cuda:
+        argv += ["--enforce-eager"]
+    if s.connector == "orbit":
+        cfg = {
+            "kv_connector": "PdConnector",
+            "kv_connector_module_path": "orbitkv.vllm.pd",
+            "kv_role": "kv_both",
+            "engine_id": s.name,
+            "kv_connector_extra_config": {
+                "orbitkv.pd.mooncake.bind_host": HOST,
+                "orbitkv.pd.side_channel_port": s.side_port,
+            },
+        }
+        argv += ["--kv-transfer-config", json.dumps(cfg)]
+    elif s.connector == "nixl" and not ctx.args.nixl_mock:
+        argv += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})]
+    return argv + s.extra_args
+
+
+def server_env(ctx: Ctx, s: Server) -> dict[str, str]:
+    if ctx.cuda:
+        env = dict(os.environ)
+        env.update({
+            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "PYTHONUNBUFFERED": "1", "VLLM_HOST_IP": HOST, "GLOG_minloglevel": env.get("GLOG_minloglevel", "1"),
+            # both GPUs visible, this instance's first: vLLM (TP 1) runs on the first, and
+            # CUDA IPC (Mooncake NVLink, UCX cuda_ipc) can open the peer's memory
+            "CUDA_VISIBLE_DEVICES": "0,1" if s.gpu == 0 else "1,0",
+        })
+        env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # CUDA IPC shares whole cudaMalloc allocations
+        # up to a dozen instances compile at once on 32 cores: fewer Inductor workers each
+        env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "8")
+    else:
+        env = vllm_env(str(s.gpu % max(1, os.cpu_count() or 1)))
+    if s.connector == "orbit":
+        env["MC_INTRANODE_NVLINK"] = "1" if ctx.cuda else "0"
+        if not ctx.cuda:
+            env.pop("MC_INTRANODE_NVLINK")
+    if s.connector == "nixl":
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = HOST
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(s.side_port)
+    env.update(s.extra_env)
+    return env
+
+
+def start_server(ctx: Ctx, s: Server) -> None:
+    s.log = ctx.work / "logs" / f"{s.name}.log"
+    argv = server_argv(ctx, s)
+    env = server_env(ctx, s)
+    s.proc = Proc(s.name, argv, env, s.log)
+    s.started_s = time.monotonic() - T0
+    s.ready_s = None
+    s.error = None
+    shown = {k: env[k] for k in sorted(env) if k.startswith(("CUDA_VISIBLE", "MC_", "VLLM_", "ORBITKV_"))}
+    ctx.log(f"start {s.name} (pid {s.proc.pid}, port {s.port}, GPU {s.gpu}) env {shown}")
+
+
+def stop(ctx: Ctx, procs: list[Any]) -> None:
+    """Stops servers (and proxies) at once: SIGTERM to all, then waits."""
+    live = [p for p in procs if p is not None and getattr(p, "proc", p) is not None]
+    threads = []
+    for x in live:
+        proc = x.proc if isinstance(x, Server) else x
+        t = threading.Thread(target=proc.stop, kwargs={"grace_s": 15.0})
+        t.start()
+        threads.append(t)
+    for t in threads:
+        t.join(30)
+    for x in live:
+        if isinstance(x, Server):
+            x.proc = None
+
+
+def wait_ready(ctx: Ctx, servers: list[Server], timeout_s: float) -> dict[str, str]:
+    """Waits until every server answers /health; a server whose process ends
+    is marked failed at once (its traceback kept) and the others are still
+    awaited. Returns {name: error} for the failed ones."""
+    deadline = time.monotonic() + timeout_s
+    pending = [s for s in servers if s.proc is not None and s.ready_s is None]
+    failed: dict[str, str] = {}
+    while pending and time.monotonic() < deadline:
+        for s in list(pending):
+            assert s.proc is not None
+            if not s.proc.alive():
+                s.error = f"exited with {s.proc.popen.returncode} during start-up:\n{error_excerpt(s.log)}"
+                failed[s.name] = s.error
+                ctx.log(f"FAILED to start: {s.name}: exit {s.proc.popen.returncode}; log {s.log}")
+                pending.remove(s)
+                continue
+            try:
+                ok = healthy(s.url)
+            except Exception:  # noqa: BLE001 - not up yet
+                ok = False
+            if ok:
+                s.ready_s = time.monotonic() - T0
+                ctx.log(f"ready: {s.name} after {s.ready_s - s.started_s:.0f}s")
+                pending.remove(s)
+        time.sleep(0.5)
+    for s in pending:
+        s.error = f"not healthy after {timeout_s:.0f}s:\n{error_excerpt(s.log, 30)}"
+        failed[s.name] = s.error
+        ctx.log(f"FAILED to start: {s.name}: not healthy after {timeout_s:.0f}s")
+    return failed
+
+
+def start_proxy(ctx: Ctx, kind: str, name: str, pre: Server, dec: Server) -> tuple[Proc, str]:
+    port = ctx.port()
+    log = ctx.work / "logs" / f"{name}.log"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if kind == "orbit":
+        argv = [ctx.args.python, "-m", "orbitkv.proxy", "--prefill", pre.url, "--decode", dec.url,
+                "--prefill-kv", f"{HOST}:{pre.side_port}", "--host", HOST, "--port", str(port)]
+    else:
+        argv = [ctx.args.python, str(HERE / "nixl_proxy.py"), "--prefill", pre.url, "--decode", dec.url,
+                "--host", HOST, "--port", str(port)]
+    p = Proc(name, argv, env, log)
+    url = f"http://{HOST}:{port}"
+    wait_until(lambda: healthy(url), 60, f"{name} at {url}", [p], every_s=0.2)
+    ctx.log(f"proxy {name} up at {url}")
+    return p, url
+
+
+def snapshot(url: str) -> dict[str, float]:
+    try:
+        return metrics(url)
+    except Exception as e:  # noqa: BLE001
+        return {"error": str(e)}  # type: ignore[dict-item]
+
+
+KEEP_METRICS = ("vllm:orbitkv", "vllm:nixl", "vllm:prefix_cache", "vllm:kv_cache_usage_perc", "vllm:num_requests",
+                "vllm:num_preemptions", "vllm:prompt_tokens", "vllm:generation_tokens", "vllm:request_success")
+
+
+def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    out = {}
+    for k, v in after.items():
+        if not isinstance(v, (int, float)) or not k.startswith(KEEP_METRICS):
+            continue
+        if k.startswith(("vllm:kv_cache_usage_perc", "vllm:num_requests")):
+            out[k] = v  # gauges: the value after
+        else:
+            out[k] = round(v - before.get(k, 0.0), 6)
+    return out
+
+
+def idle(url: str) -> bool:
+    m = metrics(url)
+    return (m.get("vllm:num_requests_running", -1) == 0 and m.get("vllm:num_requests_waiting", -1) == 0
+            and m.get("vllm:kv_cache_usage_perc", -1) == 0)
+
+
+def wait_idle(servers: list[Server], timeout_s: float) -> dict[str, Any]:
+    out = {}
+    for s in servers:
+        t0 = time.monotonic()
+        try:
+            wait_until(lambda s=s: idle(s.url), timeout_s, f"{s.name} idle", [s.proc] if s.proc else [], every_s=0.25)
+            out[s.name] = {"idle": True, "after_s": round(time.monotonic() - t0, 2)}
+        except ClusterError as e:
+            m = snapshot(s.url)
+            out[s.name] = {"idle": False, "error": str(e)[:500],
+                           "now": {k: m.get(k) for k in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                                                         "vllm:kv_cache_usage_perc")}}
+    return out
+
+
+FACT_PATTERNS = (r"[Aa]sync[ _]schedul", r"Using \S+ (attention )?backend", r"[Aa]ttention backend", r"cudagraph_mode",
+                 r"CUDA graph", r"KV cache layout|kv_cache_layout|VLLM_KV_CACHE_LAYOUT| HND| NHD",
+                 r"max_num_batched_tokens", r"GPU KV cache size", r"Maximum concurrency", r"OrbitKV|orbitkv",
+                 r"NIXL|Nixl", r"torch.compile takes|Compil(ing|ation) .* took|init engine .* took",
+                 r"Model loading took", r"Memory profiling takes|Available KV cache memory")
+
+
+def log_facts(log: Path | None, limit: int = 40) -> list[str]:
+    """The start-up lines of a server log that say how vLLM runs it (attention
+    backend, CUDA graphs, async scheduling, KV layout, connector, sizes)."""
+    if log is None:
+        return []
+    out: list[str] = []
+    with contextlib.suppress(OSError):
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("# "):
+                continue  # the command line, recorded as argv
+            if any(re.search(p, line) for p in FACT_PATTERNS) and "Traceback" not in line:
+                line = line.strip()
+                if line not in out:
+                    out.append(line[:400])
+            if len(out) >= limit:
+                break
+    return out
+
+
+def parse_mnbt(log: Path | None) -> int | None:
+    if log is None:
+        return None
+    with contextlib.suppress(OSError):
+        for pat in (r"max_num_batched_tokens=(\d+)", r"max_num_batched_tokens['\"]?:\s*(\d+)"):
+            m = re.findall(pat, log.read_text(errors="replace"))
+            if m:
+                return int(m[-1])
+    return None
+
+
+# ---- stage a: correctness ---------------------------------------------------------------------
+
+
+@dataclass
+class Answer:
+    status: int
+    ids: list[int]
+    tokens: list[str]
+    top: list[dict[str, float]]
+    error: Any = None
+    total_s: float = 0.0
+
+
+def ask(url: str, ids: list[int], n: int, model: str, stream: bool = False, timeout_s: float = 180) -> Answer:
+    extra: dict[str, Any] = {"model": model}
+    if not stream:
+        extra["logprobs"] = 5
+    r = complete(url, ids, n, stream=stream, timeout_s=timeout_s, **extra)
+    if r.status != 200:
+        return Answer(r.status, [], [], [], r.error, r.total_s)
+    tokens, top = [], []
+    if not stream and isinstance(r.body, dict):
+        lp = r.body["choices"][0].get("logprobs") or {}
+        tokens = list(lp.get("tokens") or [])
+        top = [dict(x or {}) for x in (lp.get("top_logprobs") or [])]
+    return Answer(200, list(r.token_ids), tokens, top, None, r.total_s)
+
+
+def compare(ref: Answer, got: Answer, tol: float) -> dict[str, Any]:
+    """equal; near-tie (at the first difference both tokens are among the
+    reference's top-5 and their log-probabilities there differ by at most
+    ``tol`` nats: a greedy tie that two kernels can break either way); or
+    mismatch."""
+    if got.status != 200:
+        return {"verdict": "error", "error": str(got.error)[:800]}
+    if ref.ids == got.ids:
+        return {"verdict": "equal"}
+    k = next((i for i, (a, b) in enumerate(zip(ref.ids, got.ids)) if a != b), min(len(ref.ids), len(got.ids)))
+    out: dict[str, Any] = {"verdict": "mismatch", "first_diff": k, "ref": ref.ids[: k + 3], "got": got.ids[: k + 3]}
+    if k < len(ref.top) and len(ref.top[k]) >= 2:
+        top = ref.top[k]
+        vals = sorted(top.values(), reverse=True)
+        out["ref_top2_gap"] = round(vals[0] - vals[1], 5)
+        out["ref_top"] = {t: round(v, 5) for t, v in top.items()}
+        if k < len(got.top):
+            out["got_top"] = {t: round(v, 5) for t, v in got.top[k].items()}
+        tok = lambda a, i: a.tokens[i] if i < len(a.tokens) else (f"t{a.ids[i]}" if i < len(a.ids) else None)  # noqa: E731
+        ref_tok, got_tok = tok(ref, k), tok(got, k)
+        if ref_tok in top and got_tok in top:
+            out["chosen_gap"] = round(top[ref_tok] - top[got_tok], 5)
+            if out["chosen_gap"] <= tol:
+                out["verdict"] = "near-tie"
+    return out
+
+
+def small_trio(ctx: Ctx, spec: ModelSpec, model: str, eager: bool, tag: str) -> list[Server]:
+    kv = ctx.args.small_kv_gib * GIB
+    mml = spec.max_pos
+    extra = ["--max-num-batched-tokens", str(ctx.args.small_mnbt)] if ctx.args.small_mnbt else []
+    mk = lambda name, gpu, conn: Server(  # noqa: E731
+        f"{tag}-{name}", model, spec, gpu, conn, eager, kv, mml, ctx.port(), ctx.port(), {}, list(extra))
+    return [mk("single", 0, "none"), mk("prefill", 0, "orbit"), mk("decode", 1, "orbit")]
+
+
+def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, tol: float) -> dict[str, Any]:
+    single, pre, dec = trio
+    rng = random.Random(ctx.args.seed + (1 if spec.dtype == "bfloat16" else 0) + (2 if single.eager else 0))
+    V = spec.vocab
+    fresh = lambda n: [rng.randrange(len(SPECIALS), V) for _ in range(n)]  # noqa: E731
+    G = ctx.args.gen
+    mnbt = parse_mnbt(pre.log) or ctx.args.fallback_mnbt
+    chunk_len = min(mnbt + 1000, spec.max_pos - G - 8)
+    res: dict[str, Any] = {"model": spec.__dict__, "eager": single.eager, "tolerance_nats": tol,
+                           "max_num_batched_tokens": mnbt, "cases": []}
+    before = {s.name: snapshot(s.url) for s in (pre, dec)}
+
+    def case(label: str, ids: list[int], stream: bool = False, ref: Answer | None = None) -> dict[str, Any]:
+        ref = ref or ask(single.url, ids, G, spec.name)
+        got = ask(proxy_url, ids, G, spec.name, stream=stream)
+        c = {"case": label, "prompt_tokens": len(ids), "stream": stream, **compare(ref, got, tol),
+             "pd_s": round(got.total_s, 3)}
+        if ref.status != 200:
+            c["verdict"] = "reference error"
+            c["error"] = str(ref.error)[:800]
+        res["cases"].append(c)
+        ctx.log(f"  {label} ({len(ids)} tokens): {c['verdict']}")
+        return c
+
+    n_pd = 0
+    for n in ctx.args.boundary_lengths:
+        case(f"block boundary {n}", fresh(n))
+        n_pd += 1
+    for n in ctx.args.long_lengths:
+        case(f"long {n}", fresh(n))
+        n_pd += 1
+    case(f"chunked prefill {chunk_len} (> max_num_batched_tokens {mnbt})", fresh(chunk_len))
+    n_pd += 1
+    # a prefix-cache hit on decode: A through P/D, then A + B
+    a_ids = fresh(ctx.args.prefix_len)
+    case("prefix A", a_ids)
+    hits0 = snapshot(dec.url)
+    ab = a_ids + fresh(96)
+    c = case("prefix A + B (A cached on decode)", ab)
+    hits1 = snapshot(dec.url)
+    c["decode_prefix_cache_hit_tokens"] = hits1.get("vllm:prefix_cache_hits_total", 0) - hits0.get(
+        "vllm:prefix_cache_hits_total", 0)
+    c["decode_prefix_cache_query_tokens"] = hits1.get("vllm:prefix_cache_queries_total", 0) - hits0.get(
+        "vllm:prefix_cache_queries_total", 0)
+    n_pd += 2
+    case("streamed", fresh(333), stream=True)
+    n_pd += 1
+    # 16 at once: references one by one first
+    conc = [fresh(rng.randrange(40, ctx.args.concurrent_max)) for _ in range(16)]
+    refs = [ask(single.url, ids, G, spec.name) for ids in conc]
+    with cf.ThreadPoolExecutor(16) as ex:
+        gots = list(ex.map(lambda ids: ask(proxy_url, ids, G, spec.name), conc))
+    verdicts = [compare(r, g, tol) for r, g in zip(refs, gots)]
+    # control: the single engine itself, the same 16 at once, against its own one-by-one answers
+    with cf.ThreadPoolExecutor(16) as ex:
+        ctrl = list(ex.map(lambda ids: ask(single.url, ids, G, spec.name), conc))
+    res["control_single_concurrent_vs_sequential"] = [compare(r, g, tol)["verdict"] for r, g in zip(refs, ctrl)]
+    ctx.log(f"  control, single engine 16 at once vs one by one: {res['control_single_concurrent_vs_sequential']}")
+    cc = {"case": "16 concurrent", "prompt_tokens": [len(x) for x in conc],
+          "verdicts": [v["verdict"] for v in verdicts], "details": [v for v in verdicts if v["verdict"] != "equal"]}
+    cc["verdict"] = "equal" if all(v == "equal" for v in cc["verdicts"]) else (
+        "near-tie" if all(v in ("equal", "near-tie") for v in cc["verdicts"]) else "mismatch")
+    res["cases"].append(cc)
+    ctx.log(f"  16 concurrent: {cc['verdicts']}")
+    n_pd += 16
+    res["pd_requests"] = n_pd
+    res["idle_after"] = wait_idle([pre, dec], 60)
+    after = {s.name: snapshot(s.url) for s in (pre, dec)}
+    res["metrics_delta"] = {s.name: delta(before[s.name], after[s.name]) for s in (pre, dec)}
+    flat = [c["verdict"] for c in res["cases"] if c["case"] != "16 concurrent"] + cc["verdicts"]
+    res["counts"] = {v: flat.count(v) for v in sorted(set(flat))}
+    d = res["metrics_delta"][dec.name]
+    p = res["metrics_delta"][pre.name]
+    res["transfers_completed"] = d.get("vllm:orbitkv_transfers_completed_total")
+    res["transfers_failed"] = d.get("vllm:orbitkv_transfers_failed_total")
+    res["bytes_written"] = p.get("vllm:orbitkv_bytes_written_total")
+    ok_tokens = all(v in ("equal", "near-tie") for v in flat)
+    # every P/D request must have had its KV over the connector (a request the
+    # connector refuses is served as a plain request on decode: equal output,
+    # nothing transferred)
+    res["pass"] = bool(ok_tokens and all(x["idle"] for x in res["idle_after"].values())
+                       and (res["transfers_completed"] or 0) >= n_pd and not res["transfers_failed"]
+                       and (res["bytes_written"] or 0) > 0)
+    return res
+
+
+def stage_a(ctx: Ctx, models: dict[str, tuple[ModelSpec, str]], eager: bool, on_ready: Callable[[dict], None] | None
+            ) -> dict[str, Any]:
+    name = "a-eager" if eager else "a-default"
+    ctx.log(f"stage {name}: start")
+    out: dict[str, Any] = {"stage": name, "started": time.time(), "models": {}}
+    trios = {}
+    for key, (spec, path) in models.items():
+        trios[key] = small_trio(ctx, spec, path, eager, f"{key}{'-eager' if eager else ''}")
+    allsrv = [s for t in trios.values() for s in t]
+    for s in allsrv:
+        start_server(ctx, s)
+    failed = wait_ready(ctx, allsrv, ctx.args.start_timeout_s if not eager else ctx.args.start_timeout_s / 2)
+    startup = {s.name: {"ready_after_s": None if s.ready_s is None else round(s.ready_s - s.started_s, 1),
+                        "error": s.error, "argv": server_argv(ctx, s), "log_facts": log_facts(s.log)}
+               for s in allsrv}
+    out["startup"] = startup
+    if on_ready:
+        on_ready(failed)
+    proxies = []
+    try:
+        for key, trio in trios.items():
+            spec = models[key][0]
+            r: dict[str, Any] = {"servers": [s.name for s in trio]}
+            out["models"][key] = r
+            if any(s.name in failed for s in trio):
+                r["pass"] = False
+                r["error"] = "did not start: " + "; ".join(f"{s.name}: {s.error}" for s in trio if s.error)
+                ctx.log(f"  {key}: servers failed to start")
+                continue
+            if ctx.left() < 60:
+                r["error"] = "skipped: out of time"
+                continue
+            try:
+                proxy, purl = start_proxy(ctx, "orbit", f"{trio[0].name}-proxy", trio[1], trio[2])
+                proxies.append(proxy)
+                tol = ctx.args.tol_fp32 if spec.dtype == "float32" else ctx.args.tol_bf16
+                ctx.log(f"  {key} ({spec.dtype}, {'eager' if eager else 'default mode'}):")
+                r.update(correctness(ctx, spec, trio, purl, tol))
+            except Exception as e:  # noqa: BLE001
+                r["pass"] = False
+                r["error"] = f"{type(e).__name__}: {e}"
+                r["traceback"] = traceback.format_exc()
+                r["server_errors"] = {s.name: error_excerpt(s.log, 40) for s in trio}
+                ctx.log(f"  {key}: ERROR {type(e).__name__}: {str(e)[:300]}")
+            ctx.save(name, out)
+    finally:
+        stop(ctx, proxies + allsrv)
+    out["ended"] = time.time()
+    ctx.save(name, out)
+    ctx.log(f"stage {name}: done")
+    return out
+
+
+# ---- the Llama-3-8B-shaped instances (stages b and c) -------------------------------------------
+
+
+class Fleet:
+    """single (GPU 0), OrbitKV prefill (GPU 0) + decode (GPU 1) + proxy,
+    NIXL prefill (GPU 0) + decode (GPU 1) + proxy."""
+
+    def __init__(self, ctx: Ctx, spec: ModelSpec, model: str, eager: bool, orbit_env: dict[str, str]):
+        self.ctx, self.spec, self.eager = ctx, spec, eager
+        tag = "big-eager" if eager else "big"
+        kv_single = ctx.args.big_kv_gib * GIB
+        mml = ctx.args.big_max_model_len
+        mk = lambda name, gpu, conn, env=None: Server(  # noqa: E731
+            f"{tag}-{name}", model, spec, gpu, conn, eager, kv_single, mml, ctx.port(), ctx.port(), dict(env or {}))
+        self.single = mk("single", 0, "none")
+        self.opre = mk("orbit-prefill", 0, "orbit", orbit_env)
+        self.odec = mk("orbit-decode", 1, "orbit", orbit_env)
+        self.npre = mk("nixl-prefill", 0, "nixl")
+        self.ndec = mk("nixl-decode", 1, "nixl")
+        self.orbit_env = orbit_env
+        self.servers = [self.single, self.opre, self.odec, self.npre, self.ndec]
+        self.proxies: list[Proc] = []
+        self.urls: dict[str, str] = {}
+        self.failed: dict[str, str] = {}
+
+    def start(self) -> None:
+        for s in self.servers:
+            start_server(self.ctx, s)
+
+    def wait(self, timeout_s: float) -> dict[str, str]:
+        self.failed = wait_ready(self.ctx, self.servers, timeout_s)
+        if self.single.ready_s:
+            self.urls["single"] = self.single.url
+        for kind, pre, dec in (("orbit", self.opre, self.odec), ("nixl", self.npre, self.ndec)):
+            if pre.ready_s and dec.ready_s:
+                try:
+                    p, url = start_proxy(self.ctx, kind, f"{pre.name.rsplit('-', 1)[0]}-proxy", pre, dec)
+                    self.proxies.append(p)
+                    self.urls[kind] = url
+                except Exception as e:  # noqa: BLE001
+                    self.failed[f"{kind}-proxy"] = f"{type(e).__name__}: {e}"
+        return self.failed
+
+    def startup(self) -> dict[str, Any]:
+        return {s.name: {"ready_after_s": None if s.ready_s is None else round(s.ready_s - s.started_s, 1),
+                         "error": s.error, "argv": server_argv(self.ctx, s), "log_facts": log_facts(s.log)}
+                for s in self.servers} | {
+            "orbit_env": self.orbit_env, "urls": self.urls, "proxy_errors": {
+                k: v for k, v in self.failed.items() if k.endswith("proxy")}}
+
+    def pair(self, system: str) -> list[Server]:
+        return {"single": [self.single], "orbit": [self.opre, self.odec], "nixl": [self.npre, self.ndec]}[system]
+
+    def stop(self) -> None:
+        stop(self.ctx, self.proxies + self.servers)
+        self.proxies = []
+
+
+class Sampler(threading.Thread):
+    """Polls the given servers' /metrics every ``every_s``: KV usage, running, waiting."""
+
+    def __init__(self, servers: list[Server], every_s: float = 0.25):
+        super().__init__(daemon=True)
+        self.servers, self.every_s = servers, every_s
+        self.samples: list[tuple[float, str, float, float, float]] = []
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            for s in self.servers:
+                with contextlib.suppress(Exception):
+                    m = metrics(s.url, timeout_s=2)
+                    self.samples.append((time.time(), s.name, m.get("vllm:kv_cache_usage_perc", -1),
+                                         m.get("vllm:num_requests_running", -1),
+                                         m.get("vllm:num_requests_waiting", -1)))
+            self._halt.wait(self.every_s)
+
+    def finish(self) -> None:
+        self._halt.set()
+        self.join(5)
+
+    def peaks(self, t0: float, t1: float) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for t, name, kv, run, wait in self.samples:
+            if t0 <= t <= t1:
+                d = out.setdefault(name, {"kv_usage_peak": 0.0, "running_peak": 0.0, "waiting_peak": 0.0, "n": 0})
+                d["kv_usage_peak"] = max(d["kv_usage_peak"], kv)
+                d["running_peak"] = max(d["running_peak"], run)
+                d["waiting_peak"] = max(d["waiting_peak"], wait)
+                d["n"] += 1
+        return out
+
+
+BENCH_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_output_tokens", "request_throughput",
+              "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p50_ttft_ms",
+              "p90_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms", "mean_itl_ms",
+              "median_itl_ms", "p50_itl_ms", "p90_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms",
+              "p99_e2el_ms")
+
+
+def stage_b(ctx: Ctx, fleet: Fleet, name: str) -> dict[str, Any]:
+    ctx.log(f"stage {name}: start")
+    out: dict[str, Any] = {"stage": name, "started": time.time(), "eager": fleet.eager, "startup": fleet.startup(),
+                           "config": {"input_len": ctx.args.bench_input_len, "input_range": ctx.args.bench_input_range,
+                                      "output_len": ctx.args.bench_output_len, "runs": ctx.args.bench_runs,
+                                      "warmup": ctx.args.bench_warmup}, "systems": {}}
+    bdir = ctx.work / "bench" / name
+    bdir.mkdir(parents=True, exist_ok=True)
+    order = [s for s in ("single", "orbit", "nixl") if s in fleet.urls]
+    for system in ("single", "orbit", "nixl"):
+        if system not in fleet.urls:
+            out["systems"][system] = {"error": "not running: " + "; ".join(
+                f"{s.name}: {(s.error or '')[:3000]}" for s in fleet.pair(system) if s.error) or "proxy failed"}
+    for system in order:
+        per_run_s = ctx.args.bench_system_timeout_s
+        if ctx.left() < 90:
+            out["systems"][system] = {"error": "skipped: out of time"}
+            continue
+        servers = fleet.pair(system)
+        before = {s.name: snapshot(s.url) for s in servers}
+        sampler = Sampler(servers)
+        sampler.start()
+        runs = ctx.args.bench_warmup + "," + ctx.args.bench_runs
+        argv = [ctx.args.python, str(HERE / "bench_client.py"), "--base-url", fleet.urls[system],
+                "--model", fleet.spec.name, "--tokenizer", fleet.single.model, "--out", str(bdir),
+                "--label", system, "--runs", runs, "--input-len", str(ctx.args.bench_input_len),
+                "--input-range", str(ctx.args.bench_input_range), "--output-len", str(ctx.args.bench_output_len)]
+        log = ctx.work / "logs" / f"{name}-{system}-client.log"
+        ctx.log(f"  {system}: vllm bench serve runs {runs}")
+        t0 = time.time()
+        rc = None
+        try:
+            with open(log, "w") as lf:
+                rc = subprocess.run(argv, stdout=lf, stderr=subprocess.STDOUT,
+                                    timeout=min(per_run_s, max(30, ctx.left() - 30))).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        sampler.finish()
+        after = {s.name: snapshot(s.url) for s in servers}
+        sysres: dict[str, Any] = {"rc": rc, "client_s": round(time.time() - t0, 1), "runs": {}}
+        with contextlib.suppress(OSError, ValueError):
+            for entry in json.loads((bdir / f"{system}-runs.json").read_text()):
+                r = {"status": entry["status"], "concurrency": entry["concurrency"],
+                     "num_prompts": entry["num_prompts"], "seed": entry["seed"]}
+                with contextlib.suppress(OSError, ValueError):
+                    full = json.loads((bdir / f"{system}-{entry['tag']}.json").read_text())
+                    r.update({k: full[k] for k in BENCH_KEYS if k in full})
+                    if "input_lens" in full:
+                        r["input_tokens_min_max"] = [min(full["input_lens"]), max(full["input_lens"])]
+                if "traceback" in entry:
+                    r["traceback"] = entry["traceback"][-3000:]
+                r["servers"] = sampler.peaks(entry["start"], entry["end"])
+                sysres["runs"][entry["tag"]] = r
+        if not sysres["runs"]:
+            sysres["client_log_tail"] = error_excerpt(log, 40)
+        sysres["metrics_delta"] = {s.name: delta(before[s.name], after[s.name]) for s in servers}
+        sysres["server_alive"] = {s.name: bool(s.proc and s.proc.alive()) for s in servers}
+        for s in servers:
+            if s.proc and not s.proc.alive():
+                sysres.setdefault("server_errors", {})[s.name] = error_excerpt(s.log, 60)
+        out["systems"][system] = sysres
+        ctx.log(f"  {system}: done in {sysres['client_s']}s, runs "
+                + ", ".join(f"{t}: {r['status'][:40]}" for t, r in sysres["runs"].items()))
+        ctx.save(name, out)
+    out["ended"] = time.time()
+    ctx.save(name, out)
+    ctx.log(f"stage {name}: done")
+    return out
+
+
+def stage_c(ctx: Ctx, fleet: Fleet, name: str) -> dict[str, Any]:
+    ctx.log(f"stage {name}: start")
+    lengths = ctx.args.ttft_lengths
+    systems = [s for s in ("single", "orbit", "nixl") if s in fleet.urls]
+    out: dict[str, Any] = {"stage": name, "started": time.time(), "eager": fleet.eager, "startup": fleet.startup(),
+                           "lengths": lengths, "systems": systems, "reps": ctx.args.ttft_reps,
+                           "warmup_rounds": ctx.args.ttft_warmup, "gen_tokens": ctx.args.ttft_gen,
+                           "ttft_s": {s: {str(n): [] for n in lengths} for s in systems}, "errors": [],
+                           "metrics_delta": {}}
+    rng = random.Random(ctx.args.seed + (100 if fleet.eager else 0))
+    V = fleet.spec.vocab
+
+    def one(system: str, n: int) -> float | None:
+        ids = [rng.randrange(len(SPECIALS), V) for _ in range(n)]
+        r = complete(fleet.urls[system], ids, ctx.args.ttft_gen, stream=True, timeout_s=120, model=fleet.spec.name)
+        if r.status != 200 or r.ttft_s is None:
+            out["errors"].append({"system": system, "tokens": n, "status": r.status, "error": str(r.error)[:800]})
+            return None
+        return r.ttft_s
+
+    watched = [s for sys_ in systems for s in fleet.pair(sys_) if sys_ != "single"]
+    before = {s.name: snapshot(s.url) for s in watched}
+    for w in range(ctx.args.ttft_warmup):
+        for n in lengths:
+            for system in systems:
+                one(system, n)
+    ctx.log(f"  warm-up done ({ctx.args.ttft_warmup} rounds)")
+    for rep in range(ctx.args.ttft_reps):
+        if ctx.left() < 20:
+            out["errors"].append({"error": f"out of time after {rep} repetitions"})
+            break
+        for n in lengths:
+            k = rep % len(systems)
+            for system in systems[k:] + systems[:k]:
+                t = one(system, n)
+                if t is not None:
+                    out["ttft_s"][system][str(n)].append(round(t, 5))
+        ctx.save(name, out)
+    after = {s.name: snapshot(s.url) for s in watched}
+    out["metrics_delta"] = {s.name: delta(before[s.name], after[s.name]) for s in watched}
+    med: dict[str, dict[str, Any]] = {}
+    for system in systems:
+        for n in lengths:
+            xs = out["ttft_s"][system][str(n)]
+            if xs:
+                med.setdefault(system, {})[str(n)] = {"median_ms": round(statistics.median(xs) * 1e3, 2),
+                                                      "p10_ms": round(q(xs, 0.1) * 1e3, 2),
+                                                      "p90_ms": round(q(xs, 0.9) * 1e3, 2), "n": len(xs)}
+    out["summary"] = med
+    out["ended"] = time.time()
+    ctx.save(name, out)
+    ctx.log(f"stage {name}: done: " + "; ".join(
+        f"{s} " + "/".join(f"{v['median_ms']:.0f}" for v in med.get(s, {}).values()) for s in systems))
+    return out
+
+
+# ---- the run ----------------------------------------------------------------------------------------
+
+
+def environment(ctx: Ctx) -> dict[str, Any]:
+    env: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(),
+                           "python": sys.version.split()[0], "device": ctx.args.device, "args": vars(ctx.args)}
+    for mod in ("torch", "vllm", "orbitkv", "transformers", "nixl"):
+        try:
+            m = __import__(mod)
+            env[mod] = getattr(m, "__version__", "?") + " " + os.path.dirname(m.__file__ or "")
+        except Exception as e:  # noqa: BLE001
+            env[mod] = f"not importable: {type(e).__name__}: {e}"
+    with contextlib.suppress(Exception):
+        import torch
+
+        env["torch_cuda"] = torch.version.cuda
+        env["gpus"] = torch.cuda.device_count()  # (no CUDA context in the driver)
+    env["env"] = {k: v for k, v in os.environ.items()
+                  if k.startswith(("ORBITKV_", "MC_", "VLLM_", "NCCL_", "CUDA_", "LD_LIBRARY", "PYTHONPATH", "UCX_"))}
+    return env
+
+
+def run(ctx: Ctx) -> int:
+    a = ctx.args
+    stages = a.stages.split(",")
+    ctx.log(f"driver: device={a.device} stages={stages} deadline={a.deadline_s}s out={ctx.out}")
+    ctx.save("environment", environment(ctx))
+    t = time.monotonic()
+    models: dict[str, tuple[ModelSpec, str]] = {}
+    for dt in (["float32", "bfloat16"] if ctx.cuda else ["float32"]):
+        spec = small_spec(ctx, dt)
+        models["fp32" if dt == "float32" else "bf16"] = (spec, make_model(spec, ctx.work / "models"))
+    bspec = big_spec(ctx)
+    bpath = make_model(bspec, ctx.work / "models")
+    ctx.log(f"models made in {time.monotonic() - t:.1f}s: {[m[1] for m in models.values()]} {bpath}")
+
+    fleet: Fleet | None = None
+    fleet_state: dict[str, Any] = {}
+
+    def start_big(failed_small: dict[str, str]) -> None:
+        """Called once the small default-mode instances are up (or failed):
+        start the Llama-3-8B-shaped instances meanwhile. If OrbitKV could not
+        start under vLLM's defaults, its big pair gets VLLM_KV_CACHE_LAYOUT=HND
+        (labelled so), so load and TTFT are still measured."""
+        nonlocal fleet
+        if not any(s in stages for s in ("b-default", "c-default")) or fleet is not None:
+            return
+        orbit_failed = [k for k in failed_small if "prefill" in k or "decode" in k]
+        orbit_env = {}
+        if orbit_failed and a.hnd_fallback:
+            orbit_env = {"VLLM_KV_CACHE_LAYOUT": "HND"}
+            ctx.log(f"OrbitKV instances failed under defaults ({orbit_failed}): big OrbitKV pair gets HND by hand")
+        fleet_state["orbit_env"] = orbit_env
+        fleet = Fleet(ctx, bspec, bpath, eager=False, orbit_env=orbit_env)
+        fleet.start()
+
+    try:
+        if "a-default" in stages:
+            stage_a(ctx, models, eager=False, on_ready=start_big)
+        else:
+            start_big({})
+        if "a-eager" in stages and ctx.left() > 120:
+            stage_a(ctx, models, eager=True, on_ready=None)
+        if fleet is not None:
+            failed = fleet.wait(max(60, min(a.start_timeout_s, ctx.left() - 60)))
+            if failed:
+                ctx.log(f"big instances failed: {list(failed)}")
+            if "b-default" in stages and ctx.left() > 120:
+                stage_b(ctx, fleet, "b-default")
+            if "c-default" in stages and ctx.left() > 90:
+                stage_c(ctx, fleet, "c-default")
+            fleet.stop()
+            fleet = None
+        if any(s in stages for s in ("c-eager", "b-eager")) and ctx.left() > 150:
+            fe = Fleet(ctx, bspec, bpath, eager=True, orbit_env=fleet_state.get("orbit_env", {}))
+            fe.start()
+            try:
+                fe.wait(max(60, min(a.start_timeout_s, ctx.left() - 60)))
+                if "c-eager" in stages and ctx.left() > 60:
+                    stage_c(ctx, fe, "c-eager")
+                if "b-eager" in stages and ctx.left() > 120:
+                    stage_b(ctx, fe, "b-eager")
+            finally:
+                fe.stop()
+    except BaseException as e:
+        ctx.log(f"driver: ERROR {type(e).__name__}: {e}")
+        ctx.save("driver-error", {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        raise
+    finally:
+        if fleet is not None:
+            fleet.stop()
+        with contextlib.suppress(Exception):
+            report(ctx.out)
+        ctx.log(f"driver: done in {time.monotonic() - T0:.0f}s")
+    return 0
+
+
+# ---- the report --------------------------------------------------------------------------------------
+
+
+def _load(d: Path, name: str) -> dict[str, Any] | None:
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads((d / f"{name}.json").read_text())
+    return None
+
+
+def report(d: Path) -> str:
+    """summary.md from the stage files in ``d``."""
+    d = Path(d)
+    lines: list[str] = ["# OrbitKV GPU end-to-end run: summary", ""]
+    env = _load(d, "environment")
+    if env:
+        lines += [f"- date: {env.get('date')}; host: {env.get('host')}; GPUs: {env.get('gpus')}",
+                  f"- torch {env.get('torch')}; vllm {env.get('vllm')}; orbitkv {env.get('orbitkv')}; "
+                  f"nixl {env.get('nixl')}", ""]
+    for st in ("a-default", "a-eager"):
+        r = _load(d, st)
+        if not r:
+            continue
+        lines += [f"## {st}: correctness, OrbitKV P/D vs one engine", ""]
+        lines += ["| model | started | cases (equal / near-tie / mismatch / error) | decode prefix hit | "
+                  "transfers completed / failed | bytes written | idle after | pass |", "|---|---|---|---|---|---|---|---|"]
+        for key, m in r.get("models", {}).items():
+            if "counts" not in m:
+                lines.append(f"| {key} | {'no' if 'did not start' in str(m.get('error')) else 'yes'} | "
+                             f"{str(m.get('error', ''))[:300].replace(chr(10), ' ')} | | | | | **no** |")
+                continue
+            c = m["counts"]
+            hit = next((x.get("decode_prefix_cache_hit_tokens") for x in m["cases"]
+                        if "decode_prefix_cache_hit_tokens" in x), None)
+            idle_ok = all(v.get("idle") for v in m.get("idle_after", {}).values())
+            lines.append(
+                f"| {key} ({m['model']['dtype']}) | yes | {c.get('equal', 0)} / {c.get('near-tie', 0)} / "
+                f"{c.get('mismatch', 0)} / {c.get('error', 0) + c.get('reference error', 0)} | {hit} tokens | "
+                f"{m.get('transfers_completed')} of {m.get('pd_requests')} / {m.get('transfers_failed')} | "
+                f"{m.get('bytes_written')} | "
+                f"{'yes' if idle_ok else 'NO'} | {'yes' if m.get('pass') else '**no**'} |")
+        ctrl = {k: m["control_single_concurrent_vs_sequential"] for k, m in r.get("models", {}).items()
+                if m.get("control_single_concurrent_vs_sequential")}
+        if ctrl:
+            lines.append("")
+            lines.append("Control, the single engine's own 16 concurrent answers against its one-by-one answers: " + "; ".join(
+                f"{k}: " + ", ".join(f"{v.count(x)} {x}" for x in sorted(set(v))) for k, v in ctrl.items()))
+        lines.append("")
+    for st in ("b-default", "b-eager"):
+        r = _load(d, st)
+        if not r:
+            continue
+        lines += [f"## {st}: vllm bench serve ({r['config']['input_len']} ± {r['config']['input_range']:.0%} "
+                  f"input tokens, {r['config']['output_len']} output)", "",
+                  "| system | in flight | done/failed | TTFT p50 / p99 ms | ITL mean / p99 ms | TPOT mean ms | "
+                  "output tok/s | prefill KV peak | decode waiting peak |", "|---|---|---|---|---|---|---|---|---|"]
+        for system, sr in r.get("systems", {}).items():
+            if "runs" not in sr:
+                lines.append(f"| {system} | | {str(sr.get('error'))[:200].replace(chr(10), ' ')} | | | | | | |")
+                continue
+            for tag, x in sr["runs"].items():
+                if tag.startswith("warm"):
+                    continue
+                srv = x.get("servers", {})
+                pre = next((v for k, v in srv.items() if "prefill" in k or k.endswith("single")), {})
+                dec = next((v for k, v in srv.items() if "decode" in k or k.endswith("single")), {})
+                f = lambda k: ("%.1f" % x[k]) if isinstance(x.get(k), (int, float)) else "-"  # noqa: E731
+                lines.append(
+                    f"| {system} | {x.get('concurrency')} | {x.get('completed', '-')}/{x.get('failed', '-')} | "
+                    f"{f('p50_ttft_ms')} / {f('p99_ttft_ms')} | {f('mean_itl_ms')} / {f('p99_itl_ms')} | "
+                    f"{f('mean_tpot_ms')} | {f('output_throughput')} | "
+                    f"{pre.get('kv_usage_peak', float('nan')):.1%} | {dec.get('waiting_peak', '-')} |")
+        lines.append("")
+    for st in ("c-default", "c-eager"):
+        r = _load(d, st)
+        if not r or "summary" not in r:
+            continue
+        s = r["summary"]
+        lines += [f"## {st}: TTFT, medians of {r['reps']} (fresh prompt per request), ms", "",
+                  "| prompt tokens | one engine | OrbitKV P/D | NIXL P/D | OrbitKV ÷ one | NIXL ÷ one |",
+                  "|---|---|---|---|---|---|"]
+        for n in r["lengths"]:
+            g = lambda sysn: s.get(sysn, {}).get(str(n), {}).get("median_ms")  # noqa: E731
+            one, ob, nx = g("single"), g("orbit"), g("nixl")
+            rat = lambda v: f"{v / one:.2f}" if (v and one) else "-"  # noqa: E731
+            lines.append(f"| {n} | {one} | {ob} | {nx} | {rat(ob)} | {rat(nx)} |")
+        if r.get("errors"):
+            lines.append(f"\nerrors: {len(r['errors'])}, first: {json.dumps(r['errors'][0])[:400]}")
+        lines.append("")
+    err = _load(d, "driver-error")
+    if err:
+        lines += ["## driver error", "", "```", err.get("traceback", err.get("error", ""))[-3000:], "```", ""]
+    text = "\n".join(lines)
+    (d / "summary.md").write_text(text)
+    return text
+
+
+def _sigterm(signum: int, frame: Any) -> None:
+    raise SystemExit(f"signal {signum}")  # so that every server is stopped on the way out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    signal.signal(signal.SIGTERM, _sigterm)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--out", default="e2e-results")
+    p.add_argument("--work", default="/tmp/orbitkv-e2e-work")
+    p.add_argument("--deadline-s", type=float, default=1200)
+    p.add_argument("--stages", default="a-default,a-eager,b-default,c-default,c-eager,b-eager")
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--seed", type=int, default=9)
+    p.add_argument("--report", metavar="DIR", help="only (re)write DIR/summary.md and print it")
+    p.add_argument("--nixl-mock", action="store_true", help="NIXL instances without a connector (CPU dry run)")
+    p.add_argument("--no-hnd-fallback", dest="hnd_fallback", action="store_false")
+    p.add_argument("--start-timeout-s", type=float, default=480)
+    p.add_argument("--gpu-mem-util", type=float, default=0.04)
+    p.add_argument("--small-kv-gib", type=float, default=2)
+    p.add_argument("--big-kv-gib", type=float, default=14)
+    p.add_argument("--big-max-model-len", type=int, default=36864)
+    p.add_argument("--gen", type=int, default=12, help="tokens generated per correctness request")
+    p.add_argument("--tol-fp32", type=float, default=0.01)
+    p.add_argument("--tol-bf16", type=float, default=0.25)
+    p.add_argument("--boundary-lengths", default="5,15,16,17,31,32,33,64,65")
+    p.add_argument("--long-lengths", default="1000,2500")
+    p.add_argument("--prefix-len", type=int, default=640)
+    p.add_argument("--concurrent-max", type=int, default=3000)
+    p.add_argument("--fallback-mnbt", type=int, default=8192)
+    p.add_argument("--small-mnbt", type=int, default=0,
+                   help="--max-num-batched-tokens of the correctness instances (0: vLLM's default)")
+    p.add_argument("--bench-input-len", type=int, default=4609)
+    p.add_argument("--bench-input-range", type=float, default=0.7777)
+    p.add_argument("--bench-output-len", type=int, default=64)
+    p.add_argument("--bench-warmup", default="warmup:4:8:1000")
+    p.add_argument("--bench-runs", default="c1:1:12:11,c4:4:32:12,c16:16:64:13")
+    p.add_argument("--bench-system-timeout-s", type=float, default=240)
+    p.add_argument("--ttft-lengths", default="1024,8192,32768")
+    p.add_argument("--ttft-reps", type=int, default=7)
+    p.add_argument("--ttft-warmup", type=int, default=2)
+    p.add_argument("--ttft-gen", type=int, default=2)
+    a = p.parse_args(argv)
+    if a.report:
+        print(report(Path(a.report)))
+        return 0
+    a.boundary_lengths = [int(x) for x in a.boundary_lengths.split(",") if x]
+    a.long_lengths = [int(x) for x in a.long_lengths.split(",") if x]
+    a.ttft_lengths = [int(x) for x in a.ttft_lengths.split(",") if x]
+    return run(Ctx(a))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
