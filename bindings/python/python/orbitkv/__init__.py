@@ -38,6 +38,7 @@ from orbitkv.errors import (
     RegistrationError,
     RuntimeStoppedError,
     RuntimeTimeoutError,
+    SideChannelError,
     StaleGenerationError,
     TransferError,
     TransferTimeoutError,
@@ -78,4 +79,5 @@ __all__ = [
     "ForbiddenError",
     "OverloadedError",
     "RuntimeStoppedError",
+    "SideChannelError",
 ]

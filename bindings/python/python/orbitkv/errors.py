@@ -43,6 +43,7 @@ __all__ = [
     "ForbiddenError",
     "OverloadedError",
     "RuntimeStoppedError",
+    "SideChannelError",
 ]
 
 
@@ -209,3 +210,17 @@ class OverloadedError(OrbitKVError):
 
 class RuntimeStoppedError(OrbitKVError, RuntimeError):
     """The runtime was shut down."""
+
+
+# --- Side channel -------------------------------------------------------------
+
+
+class SideChannelError(OrbitKVError, OSError):
+    """The side channel (``orbitkv.SideChannel``) could not start.
+
+    ``kind`` is ``"AddressInUse"`` (something already listens on that port:
+    another side channel, or another program; pick another port), ``"Bind"``
+    (not an address of this host, or no permission) or ``"Start"`` (its
+    threads did not start). ``details``: ``address``, ``reason``. Also an
+    ``OSError``, as a failed ``bind`` is in Python.
+    """
