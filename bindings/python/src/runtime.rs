@@ -100,7 +100,7 @@ pub fn cancel_message(
     .to_json())
 }
 
-fn seconds(py: Python<'_>, name: &str, s: f64) -> PyResult<Duration> {
+pub(crate) fn seconds(py: Python<'_>, name: &str, s: f64) -> PyResult<Duration> {
     if !s.is_finite() || s <= 0.0 {
         return Err(invalid_argument(
             py,
@@ -216,7 +216,7 @@ pub struct PyRuntime {
 }
 
 impl PyRuntime {
-    fn rt(&self, py: Python<'_>) -> PyResult<Arc<Runtime>> {
+    pub(crate) fn rt(&self, py: Python<'_>) -> PyResult<Arc<Runtime>> {
         self.inner
             .read()
             .clone()

@@ -199,7 +199,8 @@ def test_hierarchy():
     assert issubclass(errors.RuntimeTimeoutError, TimeoutError)
     assert issubclass(errors.ForbiddenError, PermissionError)
     assert issubclass(errors.SideChannelError, OSError)
-    assert len(set(classes)) == len(classes) == 25
+    assert issubclass(errors.HandshakeRejected, RuntimeError)
+    assert len(set(classes)) == len(classes) == 26
 
 
 # --- loading Mooncake (fresh interpreters) ------------------------------------

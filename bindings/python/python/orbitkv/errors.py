@@ -44,6 +44,7 @@ __all__ = [
     "OverloadedError",
     "RuntimeStoppedError",
     "SideChannelError",
+    "HandshakeRejected",
 ]
 
 
@@ -224,3 +225,18 @@ class SideChannelError(OrbitKVError, OSError):
     threads did not start). ``details``: ``address``, ``reason``. Also an
     ``OSError``, as a failed ``bind`` is in Python.
     """
+
+
+class HandshakeRejected(OrbitKVError, RuntimeError):
+    """A producer rank's side channel refused a handshake or cancel
+    (``orbitkv.vllm.side_channel.post_handshake`` / ``post_cancel``); nothing
+    was admitted. ``status`` is the HTTP status (``400`` malformed, ``401``
+    bad signature, ``403`` wrong capability, ``404``, ``408``, ``413``,
+    ``503`` overloaded or busy); ``details["error"]`` the error the side
+    channel named (``"ForbiddenError"``, ...), also in the message."""
+
+    status: int
+
+    def __init__(self, message: str, status: int, *, kind: str | None = None, **details: Any) -> None:
+        super().__init__(message, kind=kind, status=status, **details)
+        self.status = status
