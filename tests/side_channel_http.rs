@@ -482,6 +482,19 @@ fn a_second_side_channel_on_the_same_port_is_a_typed_error() {
         matches!(bad, Err(SideChannelError::InvalidArgument(_))),
         "{bad:?}"
     );
+    for read_timeout in [Duration::ZERO, Duration::MAX] {
+        let bad = SideChannel::start(
+            SideChannelConfig {
+                read_timeout,
+                ..SideChannelConfig::default()
+            },
+            p.runtime.clone(),
+        );
+        assert!(
+            matches!(bad, Err(SideChannelError::InvalidArgument(_))),
+            "{bad:?}"
+        );
+    }
 }
 
 #[test]

@@ -76,6 +76,10 @@ pub const HEALTH_PATH: &str = "/orbitkv/v1/health";
 pub const HANDSHAKE_PATH: &str = "/orbitkv/v1/handshake";
 pub const CANCEL_PATH: &str = "/orbitkv/v1/cancel";
 
+/// The longest timeout accepted (deadlines are instants: far larger ones
+/// would overflow).
+const MAX_TIMEOUT: Duration = Duration::from_secs(86_400);
+
 /// The side channel's settings.
 #[derive(Clone, PartialEq, Eq)]
 pub struct SideChannelConfig {
@@ -205,8 +209,11 @@ impl SideChannel {
         if cfg.max_body == 0 {
             return Err(invalid("max_body must be at least 1 byte"));
         }
-        if cfg.read_timeout.is_zero() {
-            return Err(invalid("read_timeout must be more than 0"));
+        if cfg.read_timeout.is_zero() || cfg.read_timeout > MAX_TIMEOUT {
+            return Err(invalid("read_timeout must be more than 0 and at most a day"));
+        }
+        if cfg.stop_timeout > MAX_TIMEOUT {
+            return Err(invalid("stop_timeout must be at most a day"));
         }
         if cfg.key.as_ref().is_some_and(|k| k.is_empty()) {
             return Err(invalid("the deployment key is empty"));
