@@ -195,3 +195,238 @@ pub enum RuntimeError {
     #[error("the runtime has stopped")]
     Stopped,
 }
+
+/// The side channel (`src/side_channel`) could not start.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+pub enum SideChannelError {
+    /// Something else listens on that address.
+    #[error("cannot listen on {address}: the address is in use (another side channel, or another program, listens there); pick another port")]
+    AddressInUse { address: String },
+    /// The address cannot be listened on (not a local address, no permission, ...).
+    #[error("cannot listen on {address}: {reason}")]
+    Bind { address: String, reason: String },
+    /// A setting is out of range.
+    #[error("invalid side channel setting: {0}")]
+    InvalidArgument(String),
+    /// The server's threads did not start.
+    #[error("the side channel did not start: {0}")]
+    Start(String),
+}
+
+// ---- The Python class of each error -------------------------------------------
+//
+// One table, used by the Python binding (the exception it raises) and by the
+// side channel (the `error` field of a refusal), so both name an error the
+// same way. The classes are defined in `bindings/python/python/orbitkv/errors.py`.
+
+impl TransportError {
+    /// The `orbitkv.errors` class this error is raised as in Python.
+    pub fn class_name(&self) -> &'static str {
+        match self {
+            Self::LibraryNotFound { .. } | Self::LoadFailed { .. } | Self::LibPythonNotFound { .. } => {
+                "MooncakeLibraryError"
+            }
+            Self::VersionMismatch { .. } => "MooncakeVersionError",
+            Self::EngineInit { .. } => "EngineInitError",
+            Self::BadEndpoint { .. } => "BadEndpointError",
+            Self::UnregisteredLocal { .. } | Self::UnregisteredRemote { .. } => "UnregisteredMemoryError",
+            Self::Registration { .. } => "RegistrationError",
+            Self::TransferFailed { .. } => "TransferError",
+            Self::Timeout { .. } => "TransferTimeoutError",
+            Self::NotifyFailed { .. } => "NotificationError",
+            Self::InvalidArgument(_) => "InvalidArgumentError",
+            Self::Mooncake(_) => "MooncakeError",
+        }
+    }
+
+    /// The variant's name (`kind` of the Python exception).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::LibraryNotFound { .. } => "LibraryNotFound",
+            Self::VersionMismatch { .. } => "VersionMismatch",
+            Self::LoadFailed { .. } => "LoadFailed",
+            Self::LibPythonNotFound { .. } => "LibPythonNotFound",
+            Self::EngineInit { .. } => "EngineInit",
+            Self::BadEndpoint { .. } => "BadEndpoint",
+            Self::UnregisteredLocal { .. } => "UnregisteredLocal",
+            Self::UnregisteredRemote { .. } => "UnregisteredRemote",
+            Self::Registration { .. } => "Registration",
+            Self::TransferFailed { .. } => "TransferFailed",
+            Self::Timeout { .. } => "Timeout",
+            Self::NotifyFailed { .. } => "NotifyFailed",
+            Self::InvalidArgument(_) => "InvalidArgument",
+            Self::Mooncake(_) => "Mooncake",
+        }
+    }
+}
+
+impl RuntimeError {
+    /// The `orbitkv.errors` class this error is raised as in Python, and the
+    /// `error` the side channel answers with.
+    pub fn class_name(&self) -> &'static str {
+        match self {
+            Self::Transport(e) => e.class_name(),
+            Self::Protocol(_) => "HandshakeError",
+            Self::Geometry(_) => "GeometryError",
+            Self::UnknownRequest(_) => "UnknownRequestError",
+            Self::StaleGeneration { .. } => "StaleGenerationError",
+            Self::DuplicateRequest(_) => "DuplicateRequestError",
+            Self::PeerDead { .. } => "PeerDeadError",
+            Self::Timeout { .. } => "RuntimeTimeoutError",
+            Self::InvalidState { .. } => "InvalidStateError",
+            Self::Forbidden { .. } => "ForbiddenError",
+            Self::Overloaded(_) => "OverloadedError",
+            Self::Stopped => "RuntimeStoppedError",
+        }
+    }
+
+    /// The variant's name (`kind` of the Python exception).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::Transport(e) => e.kind(),
+            Self::Protocol(_) => "Protocol",
+            Self::Geometry(_) => "Geometry",
+            Self::UnknownRequest(_) => "UnknownRequest",
+            Self::StaleGeneration { .. } => "StaleGeneration",
+            Self::DuplicateRequest(_) => "DuplicateRequest",
+            Self::PeerDead { .. } => "PeerDead",
+            Self::Timeout { .. } => "Timeout",
+            Self::InvalidState { .. } => "InvalidState",
+            Self::Forbidden { .. } => "Forbidden",
+            Self::Overloaded(_) => "Overloaded",
+            Self::Stopped => "Stopped",
+        }
+    }
+}
+
+impl SideChannelError {
+    /// The `orbitkv.errors` class this error is raised as in Python.
+    pub fn class_name(&self) -> &'static str {
+        match self {
+            Self::InvalidArgument(_) => "InvalidArgumentError",
+            Self::AddressInUse { .. } | Self::Bind { .. } | Self::Start(_) => "SideChannelError",
+        }
+    }
+
+    /// The variant's name (`kind` of the Python exception).
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Self::AddressInUse { .. } => "AddressInUse",
+            Self::Bind { .. } => "Bind",
+            Self::InvalidArgument(_) => "InvalidArgument",
+            Self::Start(_) => "Start",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every class the table names exists in the Python package.
+    #[test]
+    fn every_class_name_is_a_class_of_orbitkv_errors() {
+        let py = include_str!("../bindings/python/python/orbitkv/errors.py");
+        let t = |s: &str| TransportError::Mooncake(s.into());
+        let all: Vec<RuntimeError> = vec![
+            TransportError::LibraryNotFound {
+                searched: String::new(),
+                pinned: "",
+            }
+            .into(),
+            TransportError::VersionMismatch {
+                found: String::new(),
+                pinned: "",
+                dist: String::new(),
+                path: PathBuf::new(),
+            }
+            .into(),
+            TransportError::EngineInit {
+                bind_host: String::new(),
+                reason: String::new(),
+            }
+            .into(),
+            TransportError::BadEndpoint {
+                endpoint: String::new(),
+                reason: String::new(),
+            }
+            .into(),
+            TransportError::UnregisteredLocal { addr: 0, len: 0 }.into(),
+            TransportError::Registration {
+                addr: 0,
+                len: 0,
+                reason: String::new(),
+            }
+            .into(),
+            TransportError::TransferFailed {
+                peer: String::new(),
+                reason: String::new(),
+            }
+            .into(),
+            TransportError::Timeout {
+                peer: String::new(),
+                millis: 0,
+            }
+            .into(),
+            TransportError::NotifyFailed {
+                peer: String::new(),
+                reason: String::new(),
+            }
+            .into(),
+            TransportError::InvalidArgument(String::new()).into(),
+            t("x").into(),
+            ProtocolError::Endpoint(String::new()).into(),
+            GeometryError::NoLayers.into(),
+            RuntimeError::UnknownRequest(String::new()),
+            RuntimeError::StaleGeneration {
+                request: String::new(),
+                got: 0,
+                current: 0,
+            },
+            RuntimeError::DuplicateRequest(String::new()),
+            RuntimeError::PeerDead {
+                request: String::new(),
+                peer: String::new(),
+                reason: String::new(),
+            },
+            RuntimeError::Timeout {
+                request: String::new(),
+                what: "",
+                millis: 0,
+            },
+            RuntimeError::InvalidState {
+                request: String::new(),
+                state: "",
+                what: String::new(),
+            },
+            RuntimeError::Forbidden {
+                request: String::new(),
+                reason: String::new(),
+            },
+            RuntimeError::Overloaded(String::new()),
+            RuntimeError::Stopped,
+        ];
+        let side: Vec<SideChannelError> = vec![
+            SideChannelError::AddressInUse {
+                address: String::new(),
+            },
+            SideChannelError::Bind {
+                address: String::new(),
+                reason: String::new(),
+            },
+            SideChannelError::InvalidArgument(String::new()),
+            SideChannelError::Start(String::new()),
+        ];
+        let names = all
+            .iter()
+            .map(|e| (e.class_name(), e.kind()))
+            .chain(side.iter().map(|e| (e.class_name(), e.kind())));
+        for (class, kind) in names {
+            assert!(
+                py.contains(&format!("\nclass {class}(")),
+                "{class} is not in orbitkv/errors.py"
+            );
+            assert!(!kind.is_empty());
+        }
+    }
+}

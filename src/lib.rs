@@ -8,6 +8,7 @@
 //! * [`layout`]: KV geometry and the producer → consumer block mapping.
 //! * [`wire`]: the versioned handshake and notification.
 //! * [`actors`]: the request runtime and its pure state machines.
+//! * [`side_channel`]: the HTTP server decode ranks POST handshakes and cancels to (actix-web).
 //! * [`error`]: typed errors.
 //! * [`trace`]: Chrome trace (Perfetto) export of the actors' spans (`ORBITKV_TRACE=path`).
 
@@ -15,14 +16,18 @@ pub mod actors;
 pub mod error;
 pub mod ids;
 pub mod layout;
+pub mod side_channel;
 pub mod trace;
 pub mod transport;
 pub mod wire;
 
 pub use actors::{Runtime, RuntimeConfig, RuntimeEvent, StatsSnapshot};
-pub use error::{GeometryError, ProtocolError, RuntimeError, TransportError, TransportResult};
+pub use error::{
+    GeometryError, ProtocolError, RuntimeError, SideChannelError, TransportError, TransportResult,
+};
 pub use ids::{Capability, Generation, LayerIdx, ProducerRank, RequestId};
 pub use layout::{KvLayout, LayerGeometry, Plane};
+pub use side_channel::{Refused, SideChannel, SideChannelConfig};
 pub use transport::{
     BatchHandle, BatchState, EngineConfig, MooncakeTransferEngine, Notification, Transport, WriteRange,
 };

@@ -120,105 +120,64 @@ pub(crate) fn invalid_argument(py: Python<'_>, message: impl Into<String>) -> Py
     transport_error(py, TransportError::InvalidArgument(message.into()))
 }
 
-/// Maps each core error variant to its Python class.
+/// Raises a core error as its Python class (the core's
+/// [`TransportError::class_name`] table), with the variant's fields as details.
 pub(crate) fn transport_error(py: Python<'_>, err: TransportError) -> PyErr {
-    let message = err.to_string();
-    let (class, kind, details): (&str, &str, Vec<(&'static str, Detail)>) = match err {
-        TransportError::LibraryNotFound { searched, pinned } => (
-            "MooncakeLibraryError",
-            "LibraryNotFound",
-            vec![("searched", searched.into()), ("pinned", pinned.into())],
-        ),
-        TransportError::LoadFailed { path, reason } => (
-            "MooncakeLibraryError",
-            "LoadFailed",
-            vec![
-                ("path", path.display().to_string().into()),
-                ("reason", reason.into()),
-            ],
-        ),
-        TransportError::LibPythonNotFound { reason } => (
-            "MooncakeLibraryError",
-            "LibPythonNotFound",
-            vec![("reason", reason.into())],
-        ),
+    let (class, kind, message) = (err.class_name(), err.kind(), err.to_string());
+    let details: Vec<(&'static str, Detail)> = match err {
+        TransportError::LibraryNotFound { searched, pinned } => {
+            vec![("searched", searched.into()), ("pinned", pinned.into())]
+        }
+        TransportError::LoadFailed { path, reason } => vec![
+            ("path", path.display().to_string().into()),
+            ("reason", reason.into()),
+        ],
+        TransportError::LibPythonNotFound { reason } => vec![("reason", reason.into())],
         TransportError::VersionMismatch {
             found,
             pinned,
             dist,
             path,
-        } => (
-            "MooncakeVersionError",
-            "VersionMismatch",
-            vec![
-                ("found", found.into()),
-                ("pinned", pinned.into()),
-                ("distribution", dist.into()),
-                ("path", path.display().to_string().into()),
-            ],
-        ),
-        TransportError::EngineInit { bind_host, reason } => (
-            "EngineInitError",
-            "EngineInit",
-            vec![("bind_host", bind_host.into()), ("reason", reason.into())],
-        ),
-        TransportError::BadEndpoint { endpoint, reason } => (
-            "BadEndpointError",
-            "BadEndpoint",
-            vec![("endpoint", endpoint.into()), ("reason", reason.into())],
-        ),
-        TransportError::UnregisteredLocal { addr, len } => (
-            "UnregisteredMemoryError",
-            "UnregisteredLocal",
-            vec![
-                ("side", "local".into()),
-                ("addr", addr.into()),
-                ("length", len.into()),
-            ],
-        ),
-        TransportError::UnregisteredRemote { peer, addr, len } => (
-            "UnregisteredMemoryError",
-            "UnregisteredRemote",
-            vec![
-                ("side", "remote".into()),
-                ("peer", peer.into()),
-                ("addr", addr.into()),
-                ("length", len.into()),
-            ],
-        ),
-        TransportError::Registration { addr, len, reason } => (
-            "RegistrationError",
-            "Registration",
-            vec![
-                ("addr", addr.into()),
-                ("length", len.into()),
-                ("reason", reason.into()),
-            ],
-        ),
-        TransportError::TransferFailed { peer, reason } => (
-            "TransferError",
-            "TransferFailed",
-            vec![("peer", peer.into()), ("reason", reason.into())],
-        ),
-        TransportError::Timeout { peer, millis } => (
-            "TransferTimeoutError",
-            "Timeout",
-            vec![
-                ("peer", peer.into()),
-                ("timeout_s", (millis as f64 / 1000.0).into()),
-            ],
-        ),
-        TransportError::NotifyFailed { peer, reason } => (
-            "NotificationError",
-            "NotifyFailed",
-            vec![("peer", peer.into()), ("reason", reason.into())],
-        ),
-        TransportError::InvalidArgument(reason) => (
-            "InvalidArgumentError",
-            "InvalidArgument",
-            vec![("reason", reason.into())],
-        ),
-        TransportError::Mooncake(reason) => ("MooncakeError", "Mooncake", vec![("reason", reason.into())]),
+        } => vec![
+            ("found", found.into()),
+            ("pinned", pinned.into()),
+            ("distribution", dist.into()),
+            ("path", path.display().to_string().into()),
+        ],
+        TransportError::EngineInit { bind_host, reason } => {
+            vec![("bind_host", bind_host.into()), ("reason", reason.into())]
+        }
+        TransportError::BadEndpoint { endpoint, reason } => {
+            vec![("endpoint", endpoint.into()), ("reason", reason.into())]
+        }
+        TransportError::UnregisteredLocal { addr, len } => vec![
+            ("side", "local".into()),
+            ("addr", addr.into()),
+            ("length", len.into()),
+        ],
+        TransportError::UnregisteredRemote { peer, addr, len } => vec![
+            ("side", "remote".into()),
+            ("peer", peer.into()),
+            ("addr", addr.into()),
+            ("length", len.into()),
+        ],
+        TransportError::Registration { addr, len, reason } => vec![
+            ("addr", addr.into()),
+            ("length", len.into()),
+            ("reason", reason.into()),
+        ],
+        TransportError::TransferFailed { peer, reason } => {
+            vec![("peer", peer.into()), ("reason", reason.into())]
+        }
+        TransportError::Timeout { peer, millis } => vec![
+            ("peer", peer.into()),
+            ("timeout_s", (millis as f64 / 1000.0).into()),
+        ],
+        TransportError::NotifyFailed { peer, reason } => {
+            vec![("peer", peer.into()), ("reason", reason.into())]
+        }
+        TransportError::InvalidArgument(reason) => vec![("reason", reason.into())],
+        TransportError::Mooncake(reason) => vec![("reason", reason.into())],
     };
     new_error(py, class, kind, message, details)
 }

@@ -6,6 +6,8 @@
 //!   buffers).
 //! * [`runtime`]: `Runtime` and `RuntimeEvent`, the request runtime of a
 //!   rank (producer and consumer sides of each P/D request).
+//! * [`side_channel`]: `SideChannel`, the prefill rank's HTTP side channel
+//!   (the core's actix-web server, serving a `Runtime` without Python).
 //! * [`errors`]: core errors → the classes of `orbitkv.errors`.
 //!
 //! The Python sources (`python/orbitkv`) re-export these; the stubs are in
@@ -18,6 +20,7 @@ mod engine;
 mod errors;
 mod region;
 mod runtime;
+mod side_channel;
 
 /// Native core of OrbitKV (Rust). Import from `orbitkv` rather than from here.
 #[pymodule]
@@ -31,6 +34,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<engine::PyBatch>()?;
     m.add_class::<runtime::PyRuntime>()?;
     m.add_class::<runtime::PyRuntimeEvent>()?;
+    m.add_class::<side_channel::PySideChannel>()?;
     m.add_function(wrap_pyfunction!(runtime::new_capability, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::cancel_message, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::producer_ranks, m)?)?;

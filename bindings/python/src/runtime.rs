@@ -17,88 +17,54 @@ use pyo3::types::PyDict;
 use crate::engine::PyEngine;
 use crate::errors::{invalid_argument, new_error, transport_error, Detail};
 
-/// Maps each runtime error variant to its Python class.
+/// Raises a runtime error as its Python class (the core's
+/// [`RuntimeError::class_name`] table), with the variant's fields as details.
 pub(crate) fn runtime_error(py: Python<'_>, err: RuntimeError) -> PyErr {
-    let message = err.to_string();
-    let (class, kind, details): (&str, &str, Vec<(&'static str, Detail)>) = match err {
+    let (class, kind, message) = (err.class_name(), err.kind(), err.to_string());
+    let details: Vec<(&'static str, Detail)> = match err {
         RuntimeError::Transport(e) => return transport_error(py, e),
-        RuntimeError::Protocol(e) => (
-            "HandshakeError",
-            "Protocol",
-            vec![("reason", e.to_string().into())],
-        ),
-        RuntimeError::Geometry(e) => (
-            "GeometryError",
-            "Geometry",
-            vec![("reason", e.to_string().into())],
-        ),
-        RuntimeError::UnknownRequest(r) => (
-            "UnknownRequestError",
-            "UnknownRequest",
-            vec![("request_id", r.into())],
-        ),
+        RuntimeError::Protocol(e) => vec![("reason", e.to_string().into())],
+        RuntimeError::Geometry(e) => vec![("reason", e.to_string().into())],
+        RuntimeError::UnknownRequest(r) | RuntimeError::DuplicateRequest(r) => {
+            vec![("request_id", r.into())]
+        }
         RuntimeError::StaleGeneration {
             request,
             got,
             current,
-        } => (
-            "StaleGenerationError",
-            "StaleGeneration",
-            vec![
-                ("request_id", request.into()),
-                ("got", got.into()),
-                ("current", current.into()),
-            ],
-        ),
-        RuntimeError::DuplicateRequest(r) => (
-            "DuplicateRequestError",
-            "DuplicateRequest",
-            vec![("request_id", r.into())],
-        ),
+        } => vec![
+            ("request_id", request.into()),
+            ("got", got.into()),
+            ("current", current.into()),
+        ],
         RuntimeError::PeerDead {
             request,
             peer,
             reason,
-        } => (
-            "PeerDeadError",
-            "PeerDead",
-            vec![
-                ("request_id", request.into()),
-                ("peer", peer.into()),
-                ("reason", reason.into()),
-            ],
-        ),
+        } => vec![
+            ("request_id", request.into()),
+            ("peer", peer.into()),
+            ("reason", reason.into()),
+        ],
         RuntimeError::Timeout {
             request,
             what,
             millis,
-        } => (
-            "RuntimeTimeoutError",
-            "Timeout",
-            vec![
-                ("request_id", request.into()),
-                ("what", what.into()),
-                ("timeout_s", (millis as f64 / 1000.0).into()),
-            ],
-        ),
-        RuntimeError::InvalidState { request, state, what } => (
-            "InvalidStateError",
-            "InvalidState",
-            vec![
-                ("request_id", request.into()),
-                ("state", state.into()),
-                ("reason", what.into()),
-            ],
-        ),
-        RuntimeError::Forbidden { request, reason } => (
-            "ForbiddenError",
-            "Forbidden",
-            vec![("request_id", request.into()), ("reason", reason.into())],
-        ),
-        RuntimeError::Overloaded(reason) => {
-            ("OverloadedError", "Overloaded", vec![("reason", reason.into())])
+        } => vec![
+            ("request_id", request.into()),
+            ("what", what.into()),
+            ("timeout_s", (millis as f64 / 1000.0).into()),
+        ],
+        RuntimeError::InvalidState { request, state, what } => vec![
+            ("request_id", request.into()),
+            ("state", state.into()),
+            ("reason", what.into()),
+        ],
+        RuntimeError::Forbidden { request, reason } => {
+            vec![("request_id", request.into()), ("reason", reason.into())]
         }
-        RuntimeError::Stopped => ("RuntimeStoppedError", "Stopped", Vec::new()),
+        RuntimeError::Overloaded(reason) => vec![("reason", reason.into())],
+        RuntimeError::Stopped => Vec::new(),
     };
     new_error(py, class, kind, message, details)
 }
@@ -164,7 +130,7 @@ pub fn cancel_message(
     .to_json())
 }
 
-fn seconds(py: Python<'_>, name: &str, s: f64) -> PyResult<Duration> {
+pub(crate) fn seconds(py: Python<'_>, name: &str, s: f64) -> PyResult<Duration> {
     if !s.is_finite() || s <= 0.0 {
         return Err(invalid_argument(
             py,
@@ -280,7 +246,7 @@ pub struct PyRuntime {
 }
 
 impl PyRuntime {
-    fn rt(&self, py: Python<'_>) -> PyResult<Arc<Runtime>> {
+    pub(crate) fn rt(&self, py: Python<'_>) -> PyResult<Arc<Runtime>> {
         self.inner
             .read()
             .clone()

@@ -198,7 +198,9 @@ def test_hierarchy():
     assert issubclass(errors.UnknownRequestError, KeyError)
     assert issubclass(errors.RuntimeTimeoutError, TimeoutError)
     assert issubclass(errors.ForbiddenError, PermissionError)
-    assert len(set(classes)) == len(classes) == 24
+    assert issubclass(errors.SideChannelError, OSError)
+    assert issubclass(errors.HandshakeRejected, RuntimeError)
+    assert len(set(classes)) == len(classes) == 26
 
 
 # --- loading Mooncake (fresh interpreters) ------------------------------------

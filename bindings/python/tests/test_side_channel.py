@@ -18,7 +18,6 @@ import orbitkv
 from orbitkv.vllm.side_channel import (
     SIGNATURE_HEADER,
     HandshakeRejected,
-    SideChannelServer,
     post_cancel,
     post_handshake,
 )
@@ -29,8 +28,8 @@ STRANGER = "f" * 64
 KEY = b"deployment-key-0123456789"
 
 
-def serve(p: Rank, **kw) -> SideChannelServer:
-    return SideChannelServer("127.0.0.1", 0, p.runtime.producer_handshake, p.runtime.producer_cancel, **kw)
+def serve(p: Rank, **kw) -> orbitkv.SideChannel:
+    return orbitkv.SideChannel(p.runtime, "127.0.0.1", 0, **kw)
 
 
 @pytest.fixture
@@ -227,3 +226,48 @@ def test_oversized_and_unsigned_bodies_are_refused_before_parsing(served) -> Non
         s.settimeout(2)
         assert s.recv(64).startswith(b"HTTP/1.1 413")
     assert SIGNATURE_HEADER.startswith("X-OrbitKV")
+
+
+# ---- the Rust server itself -------------------------------------------------------------
+
+
+def test_a_taken_port_is_a_typed_error_and_close_is_idempotent() -> None:
+    p = Rank(None)
+    try:
+        with serve(p) as server:
+            host, port = server.address.rsplit(":", 1)
+            with pytest.raises(orbitkv.SideChannelError) as e:
+                orbitkv.SideChannel(p.runtime, host, int(port))
+            assert e.value.kind == "AddressInUse" and isinstance(e.value, OSError)
+            assert server.address in str(e.value)
+            with pytest.raises(orbitkv.InvalidArgumentError):
+                orbitkv.SideChannel(p.runtime, "127.0.0.1", 0, max_connections=0)
+            assert not server.closed and server.connections == 0
+            assert server.refused == {
+                "signature": 0,
+                "forbidden": 0,
+                "malformed": 0,
+                "busy": 0,
+                "too_large": 0,
+                "timed_out": 0,
+            }
+        assert server.closed
+        server.close()  # again: nothing happens
+        with pytest.raises(ConnectionRefusedError):
+            post_handshake(server.address, "{}")
+    finally:
+        p.close()
+
+
+def test_the_server_does_not_keep_a_shut_down_runtime() -> None:
+    p = Rank(None)
+    server = serve(p)
+    try:
+        p.runtime.shutdown()
+        with pytest.raises(HandshakeRejected) as e:
+            post_handshake(server.address, '{"version": 9}')
+        assert e.value.status == 503 and "RuntimeStoppedError" in str(e.value)
+        assert server.refused["busy"] == 1
+    finally:
+        server.close()
+        p.close()

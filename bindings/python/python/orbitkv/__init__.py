@@ -2,7 +2,8 @@
 
 The native boundary is :class:`MooncakeTransferEngine` (Mooncake Transfer
 Engine, reached from Rust through a C++ shim; no Python on the data path);
-:class:`Runtime` is a rank's request runtime (the P/D request actors).
+:class:`Runtime` is a rank's request runtime (the P/D request actors), and
+:class:`SideChannel` the HTTP server a prefill rank takes handshakes on.
 Errors are the classes of :mod:`orbitkv.errors`, all derived from
 :class:`OrbitKVError`. The vLLM connector lives in :mod:`orbitkv.vllm` and is
 not imported here.
@@ -14,6 +15,7 @@ from orbitkv._native import (
     MooncakeTransferEngine,
     Runtime,
     RuntimeEvent,
+    SideChannel,
     cancel_message,
     new_capability,
     producer_ranks,
@@ -27,6 +29,7 @@ from orbitkv.errors import (
     ForbiddenError,
     GeometryError,
     HandshakeError,
+    HandshakeRejected,
     InvalidArgumentError,
     InvalidStateError,
     MooncakeError,
@@ -39,6 +42,7 @@ from orbitkv.errors import (
     RegistrationError,
     RuntimeStoppedError,
     RuntimeTimeoutError,
+    SideChannelError,
     StaleGenerationError,
     TransferError,
     TransferTimeoutError,
@@ -56,6 +60,7 @@ __all__ = [
     "cancel_message",
     "producer_ranks",
     "RuntimeEvent",
+    "SideChannel",
     "OrbitKVError",
     "MooncakeLibraryError",
     "MooncakeVersionError",
@@ -80,4 +85,6 @@ __all__ = [
     "ForbiddenError",
     "OverloadedError",
     "RuntimeStoppedError",
+    "SideChannelError",
+    "HandshakeRejected",
 ]

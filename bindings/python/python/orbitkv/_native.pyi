@@ -14,6 +14,7 @@ __all__ = [
     "Batch",
     "Runtime",
     "RuntimeEvent",
+    "SideChannel",
     "new_capability",
     "cancel_message",
     "producer_ranks",
@@ -315,6 +316,74 @@ class Runtime:
 
     def shutdown(self) -> None:
         """Stops the actors (writes in flight are abandoned). Idempotent."""
+
+@final
+class SideChannel:
+    """The HTTP side channel of a prefill rank (Rust, actix-web): decode ranks
+    POST their handshakes to `/orbitkv/v1/handshake` and cancels to
+    `/orbitkv/v1/cancel`; `GET /orbitkv/v1/health` answers `{"ok": true}`.
+
+    `SideChannel(runtime, host, port, *, key=None, read_timeout_s=10.0,
+    max_connections=64, max_body=16 MiB)` listens at once (port 0 picks a
+    free one; `address` tells) and serves `runtime`'s producer side on its
+    own threads until `close()`; nothing touches Python while it serves.
+    Replies: `200 {"ok": true}`, or `{"error": NAME, "message": TEXT}` with
+    `400` (malformed, geometry), `401` (with `key`: a missing or wrong
+    `X-OrbitKV-Signature`, checked before parsing), `403` (not the request's
+    capability), `404`, `408` (not received within `read_timeout_s`), `413`
+    (over `max_body`), `503` (a budget full, the runtime stopped, or more than
+    `max_connections` connections: answered at once and closed). It holds
+    the runtime weakly: after `runtime.shutdown()` POSTs get `503`.
+
+    Raises `SideChannelError` (`kind` `"AddressInUse"` when the port is
+    taken) or `InvalidArgumentError`.
+    """
+
+    def __new__(
+        cls,
+        runtime: Runtime,
+        host: str,
+        port: int,
+        *,
+        key: bytes | None = None,
+        read_timeout_s: float = 10.0,
+        max_connections: int = 64,
+        max_body: int = 16777216,
+    ) -> Self: ...
+    @property
+    def address(self) -> str:
+        """The bound address, `host:port`."""
+
+    @property
+    def refused(self) -> dict[str, int]:
+        """What was refused since the start, by cause: `signature` (401),
+        `forbidden` (403), `malformed` (400), `busy` (503: a runtime budget
+        full, the runtime stopped, or too many connections), `too_large`
+        (413), `timed_out` (408)."""
+
+    @property
+    def connections(self) -> int:
+        """Connections being served now."""
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close()` was called."""
+
+    def close(self) -> None:
+        """Stops listening, lets requests in progress finish (up to 1 s), then
+        closes every connection; returns within about 3 s (GIL released).
+        Idempotent."""
+
+    def __enter__(self) -> Self:
+        """Returns the side channel itself."""
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc_value: BaseException | None = None,
+        traceback: TracebackType | None = None,
+    ) -> bool:
+        """Closes the side channel; exceptions propagate."""
 
 def new_capability() -> str:
     """A fresh random capability (256 bits from the OS's cryptographic

@@ -43,6 +43,8 @@ __all__ = [
     "ForbiddenError",
     "OverloadedError",
     "RuntimeStoppedError",
+    "SideChannelError",
+    "HandshakeRejected",
 ]
 
 
@@ -209,3 +211,32 @@ class OverloadedError(OrbitKVError):
 
 class RuntimeStoppedError(OrbitKVError, RuntimeError):
     """The runtime was shut down."""
+
+
+# --- Side channel -------------------------------------------------------------
+
+
+class SideChannelError(OrbitKVError, OSError):
+    """The side channel (``orbitkv.SideChannel``) could not start.
+
+    ``kind`` is ``"AddressInUse"`` (something already listens on that port:
+    another side channel, or another program; pick another port), ``"Bind"``
+    (not an address of this host, or no permission) or ``"Start"`` (its
+    threads did not start). ``details``: ``address``, ``reason``. Also an
+    ``OSError``, as a failed ``bind`` is in Python.
+    """
+
+
+class HandshakeRejected(OrbitKVError, RuntimeError):
+    """A producer rank's side channel refused a handshake or cancel
+    (``orbitkv.vllm.side_channel.post_handshake`` / ``post_cancel``); nothing
+    was admitted. ``status`` is the HTTP status (``400`` malformed, ``401``
+    bad signature, ``403`` wrong capability, ``404``, ``408``, ``413``,
+    ``503`` overloaded or busy); ``details["error"]`` the error the side
+    channel named (``"ForbiddenError"``, ...), also in the message."""
+
+    status: int
+
+    def __init__(self, message: str, status: int, *, kind: str | None = None, **details: Any) -> None:
+        super().__init__(message, kind=kind, status=status, **details)
+        self.status = status

@@ -24,6 +24,7 @@ from orbitkv import (
     MooncakeTransferEngine,
     OrbitKVError,
     Runtime,
+    SideChannel,
     UnknownRequestError,
     cancel_message,
     producer_ranks,
@@ -32,7 +33,7 @@ from orbitkv.vllm._testing import TestingHooks, corrupt_block
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.layout import kv_layout_of
 from orbitkv.vllm.metadata import PdConnectorMetadata, ProducerChunk
-from orbitkv.vllm.side_channel import HandshakeRejected, SideChannelServer, post_cancel, post_handshake
+from orbitkv.vllm.side_channel import HandshakeRejected, post_cancel, post_handshake
 from orbitkv.vllm.stats import COUNTERS, PdConnectorStats
 
 if TYPE_CHECKING:
@@ -100,7 +101,7 @@ class PdWorker:
         self.is_cuda = bool(current_platform.is_cuda_alike())
         self.engine: MooncakeTransferEngine | None = None
         self.runtime: Runtime | None = None
-        self.side_channel: SideChannelServer | None = None
+        self.side_channel: SideChannel | None = None
         self._layer_index: dict[str, int] = {}
         self._posts = ThreadPoolExecutor(max_workers=4, thread_name_prefix="orbitkv-handshake")
         # Test-only fault hooks, off unless their environment variables are set.
@@ -167,12 +168,13 @@ class PdWorker:
             max_bytes_in_flight_per_peer=self.config.max_inflight_mb << 20,
             max_ranges_in_flight_per_peer=self.config.max_inflight_ranges,
         )
+        # The side channel (Rust, actix-web) serves this rank's producer side
+        # on its own threads: handshakes never take the GIL.
         port = self.config.side_channel_port_for(self.tp_rank)
-        self.side_channel = SideChannelServer(
+        self.side_channel = SideChannel(
+            self.runtime,
             self.config.side_channel_host,
             port,
-            self.runtime.producer_handshake,
-            self.runtime.producer_cancel,
             key=self.config.side_channel_key,
         )
         logger.info(

@@ -1,0 +1,158 @@
+//! `SideChannel` for Python: the core's side channel (actix-web on its own
+//! threads) serving a `Runtime`'s producer side. While it serves, nothing
+//! touches Python: bodies are read, checked and parsed in Rust.
+
+use orbitkv::{SideChannel, SideChannelConfig, SideChannelError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::errors::{new_error, Detail};
+use crate::runtime::{seconds, PyRuntime};
+
+/// Raises a side channel error as its Python class (the core's
+/// [`SideChannelError::class_name`] table).
+fn side_channel_error(py: Python<'_>, err: SideChannelError) -> PyErr {
+    let (class, kind, message) = (err.class_name(), err.kind(), err.to_string());
+    let details: Vec<(&'static str, Detail)> = match err {
+        SideChannelError::AddressInUse { address } => vec![("address", address.into())],
+        SideChannelError::Bind { address, reason } => {
+            vec![("address", address.into()), ("reason", reason.into())]
+        }
+        SideChannelError::InvalidArgument(reason) | SideChannelError::Start(reason) => {
+            vec![("reason", reason.into())]
+        }
+    };
+    new_error(py, class, kind, message, details)
+}
+
+/// The HTTP side channel of a prefill rank (Rust, actix-web): decode ranks
+/// POST their handshakes to `/orbitkv/v1/handshake` and cancels to
+/// `/orbitkv/v1/cancel`; `GET /orbitkv/v1/health` answers `{"ok": true}`.
+///
+/// `SideChannel(runtime, host, port, *, key=None, read_timeout_s=10.0,
+/// max_connections=64, max_body=16 MiB)` listens at once (port 0 picks a
+/// free one; `address` tells) and serves until `close()`.
+#[pyclass(module = "orbitkv._native", name = "SideChannel", frozen)]
+pub struct PySideChannel {
+    inner: SideChannel,
+    address: String,
+}
+
+#[pymethods]
+impl PySideChannel {
+    #[new]
+    #[allow(clippy::too_many_arguments)] // mirrors the keyword-only Python signature
+    #[pyo3(signature = (runtime, host, port, *, key=None, read_timeout_s=10.0, max_connections=64,
+        max_body=16_777_216))]
+    fn new(
+        py: Python<'_>,
+        runtime: &PyRuntime,
+        host: &str,
+        port: u16,
+        key: Option<&[u8]>,
+        read_timeout_s: f64,
+        max_connections: usize,
+        max_body: usize,
+    ) -> PyResult<Self> {
+        let cfg = SideChannelConfig {
+            host: host.to_string(),
+            port,
+            key: key.map(<[u8]>::to_vec),
+            read_timeout: seconds(py, "read_timeout_s", read_timeout_s)?,
+            max_connections,
+            max_body,
+            ..SideChannelConfig::default()
+        };
+        let rt = runtime.rt(py)?;
+        let inner = py
+            .detach(move || SideChannel::start(cfg, rt))
+            .map_err(|e| side_channel_error(py, e))?;
+        Ok(Self {
+            address: inner.address().to_string(),
+            inner,
+        })
+    }
+
+    /// The bound address, `host:port`.
+    #[getter]
+    fn address(&self) -> &str {
+        &self.address
+    }
+
+    /// What was refused since the start, by cause: `signature` (401),
+    /// `forbidden` (403), `malformed` (400), `busy` (503: a runtime budget
+    /// full, the runtime stopped, or too many connections), `too_large`
+    /// (413), `timed_out` (408).
+    #[getter]
+    fn refused<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let r = self.inner.refused();
+        let d = PyDict::new(py);
+        for (k, v) in [
+            ("signature", r.signature),
+            ("forbidden", r.forbidden),
+            ("malformed", r.malformed),
+            ("busy", r.busy),
+            ("too_large", r.too_large),
+            ("timed_out", r.timed_out),
+        ] {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
+    /// Connections being served now.
+    #[getter]
+    fn connections(&self) -> usize {
+        self.inner.connections()
+    }
+
+    /// Whether `close()` was called.
+    #[getter]
+    fn closed(&self) -> bool {
+        !self.inner.is_running()
+    }
+
+    /// Stops listening, lets requests in progress finish (up to 1 s), then
+    /// closes every connection; returns within about 3 s (GIL released).
+    /// Idempotent.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.inner.stop());
+    }
+
+    /// Returns the side channel itself.
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    /// Closes the side channel; exceptions propagate.
+    #[pyo3(signature = (exc_type = None, exc_value = None, traceback = None))]
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        exc_type: Option<&Bound<'_, PyAny>>,
+        exc_value: Option<&Bound<'_, PyAny>>,
+        traceback: Option<&Bound<'_, PyAny>>,
+    ) -> bool {
+        let _ = (exc_type, exc_value, traceback);
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SideChannel(address={:?}, closed={})",
+            self.address,
+            !self.inner.is_running()
+        )
+    }
+}
+
+impl Drop for PySideChannel {
+    fn drop(&mut self) {
+        // Not closed: stop it here without holding the GIL while it stops.
+        if self.inner.is_running() {
+            let inner = &self.inner;
+            Python::attach(|py| py.detach(|| inner.stop()));
+        }
+    }
+}

@@ -1,0 +1,228 @@
+//! The routes (an actix-web `App`) and what each answers.
+//!
+//! A POST's body is read with the size and time bounds on the worker's event
+//! loop; the signature check and the runtime call (parsing and validating
+//! with `src/wire.rs`, up to 16 MiB of JSON) run on the worker's small
+//! blocking pool, so one large handshake never stalls the other connections.
+
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use actix_web::http::header::CONTENT_LENGTH;
+use actix_web::http::StatusCode;
+use actix_web::web::{self, Bytes};
+use actix_web::{App, HttpRequest, HttpResponse};
+
+use super::signature::{verify, SIGNATURE_HEADER};
+use super::{Counters, CANCEL_PATH, HANDSHAKE_PATH, HEALTH_PATH};
+use crate::actors::Runtime;
+use crate::error::{ProtocolError, RuntimeError};
+
+/// What every worker's handlers share.
+pub(crate) struct Shared {
+    /// Weak: the side channel never keeps a runtime alive; once it is gone
+    /// every POST is answered `503 RuntimeStoppedError`.
+    pub(crate) runtime: Weak<Runtime>,
+    pub(crate) key: Option<Arc<[u8]>>,
+    pub(crate) max_body: usize,
+    pub(crate) read_timeout: Duration,
+    pub(crate) refused: Arc<Counters>,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Route {
+    Handshake,
+    Cancel,
+}
+
+impl Route {
+    fn what(self) -> &'static str {
+        match self {
+            Route::Handshake => "handshake",
+            Route::Cancel => "cancel",
+        }
+    }
+}
+
+/// A refusal: its status, the `error` name and the message.
+#[derive(Debug)]
+struct Refusal {
+    status: StatusCode,
+    error: &'static str,
+    message: String,
+}
+
+impl Refusal {
+    fn new(status: StatusCode, error: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            error,
+            message: message.into(),
+        }
+    }
+
+    /// `{"error": …, "message": …}`, and the connection is closed after it.
+    fn response(&self) -> HttpResponse {
+        let body = serde_json::json!({"error": self.error, "message": self.message}).to_string();
+        HttpResponse::build(self.status)
+            .content_type("application/json")
+            .force_close()
+            .body(body)
+    }
+}
+
+/// The status a runtime refusal gets: `403` without the capability, `503`
+/// when a budget is full (or the runtime has stopped), `400` for everything
+/// else (malformed, unknown version, geometry, …).
+pub(crate) fn status_of(err: &RuntimeError) -> StatusCode {
+    match err {
+        RuntimeError::Forbidden { .. } => StatusCode::FORBIDDEN,
+        RuntimeError::Overloaded(_) | RuntimeError::Stopped => StatusCode::SERVICE_UNAVAILABLE,
+        _ => StatusCode::BAD_REQUEST,
+    }
+}
+
+impl Shared {
+    /// Checks the signature, then hands the body to the runtime. Runs on a
+    /// blocking thread.
+    fn admit(&self, route: Route, signature: Option<&[u8]>, body: &[u8]) -> Result<(), Refusal> {
+        if let Some(key) = &self.key {
+            if !verify(key, signature, body) {
+                self.refused.signature.inc();
+                return Err(Refusal::new(
+                    StatusCode::UNAUTHORIZED,
+                    "BadSignature",
+                    format!("missing or wrong {SIGNATURE_HEADER}"),
+                ));
+            }
+        }
+        let result = match self.runtime.upgrade() {
+            None => Err(RuntimeError::Stopped),
+            Some(rt) => match std::str::from_utf8(body) {
+                Err(_) => Err(ProtocolError::Malformed {
+                    what: route.what(),
+                    reason: "not UTF-8".into(),
+                }
+                .into()),
+                Ok(text) => match route {
+                    Route::Handshake => rt.producer_handshake_json(text),
+                    Route::Cancel => rt.producer_cancel_json(text),
+                },
+            },
+        };
+        result.map_err(|e| {
+            let status = status_of(&e);
+            match status {
+                StatusCode::FORBIDDEN => self.refused.forbidden.inc(),
+                StatusCode::SERVICE_UNAVAILABLE => self.refused.busy.inc(),
+                _ => self.refused.malformed.inc(),
+            }
+            tracing::warn!(
+                what = route.what(),
+                error = e.class_name(),
+                "side channel refused: {e}"
+            );
+            Refusal::new(status, e.class_name(), e.to_string())
+        })
+    }
+}
+
+fn ok() -> HttpResponse {
+    HttpResponse::Ok()
+        .content_type("application/json")
+        .body(r#"{"ok":true}"#)
+}
+
+async fn health() -> HttpResponse {
+    ok()
+}
+
+async fn not_found(req: HttpRequest) -> HttpResponse {
+    Refusal::new(StatusCode::NOT_FOUND, "NotFound", req.path()).response()
+}
+
+async fn handshake(req: HttpRequest, body: web::Payload, st: web::Data<Shared>) -> HttpResponse {
+    serve(Route::Handshake, req, body, st).await
+}
+
+async fn cancel(req: HttpRequest, body: web::Payload, st: web::Data<Shared>) -> HttpResponse {
+    serve(Route::Cancel, req, body, st).await
+}
+
+/// Reads the body within the bounds, then admits it off the event loop.
+async fn serve(route: Route, req: HttpRequest, payload: web::Payload, st: web::Data<Shared>) -> HttpResponse {
+    let max = st.max_body;
+    let declared = req
+        .headers()
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    if let Some(n) = declared.filter(|&n| n > max as u64) {
+        st.refused.too_large.inc();
+        let msg = format!("Content-Length {n} (at most {max})");
+        return Refusal::new(StatusCode::PAYLOAD_TOO_LARGE, "BadLength", msg).response();
+    }
+    let body: Bytes = match tokio::time::timeout(st.read_timeout, payload.to_bytes_limited(max)).await {
+        Err(_) => {
+            st.refused.timed_out.inc();
+            let msg = format!("body not received in {:.3}s", st.read_timeout.as_secs_f64());
+            return Refusal::new(StatusCode::REQUEST_TIMEOUT, "Timeout", msg).response();
+        }
+        Ok(Err(_)) => {
+            st.refused.too_large.inc();
+            let msg = format!("body over {max} bytes");
+            return Refusal::new(StatusCode::PAYLOAD_TOO_LARGE, "BadLength", msg).response();
+        }
+        Ok(Ok(Err(e))) => {
+            // The client broke off or sent a broken chunked body.
+            st.refused.malformed.inc();
+            return Refusal::new(StatusCode::BAD_REQUEST, "BadBody", e.to_string()).response();
+        }
+        Ok(Ok(Ok(body))) => body,
+    };
+    let signature = req.headers().get(SIGNATURE_HEADER).map(|v| v.as_bytes().to_vec());
+    let shared = st.into_inner();
+    match web::block(move || shared.admit(route, signature.as_deref(), &body)).await {
+        Ok(Ok(())) => ok(),
+        Ok(Err(refusal)) => refusal.response(),
+        // The worker's blocking pool is gone: the server is stopping.
+        Err(_) => Refusal::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            RuntimeError::Stopped.class_name(),
+            "the side channel is stopping",
+        )
+        .response(),
+    }
+}
+
+/// The side channel's routes; any other path or method is `404`.
+pub(crate) fn app(
+    shared: Arc<Shared>,
+) -> App<
+    impl actix_web::dev::ServiceFactory<
+        actix_web::dev::ServiceRequest,
+        Config = (),
+        Response = actix_web::dev::ServiceResponse,
+        Error = actix_web::Error,
+        InitError = (),
+    >,
+> {
+    App::new()
+        .app_data(web::Data::from(shared))
+        .service(
+            web::resource(HEALTH_PATH)
+                .route(web::get().to(health))
+                .default_service(web::to(not_found)),
+        )
+        .service(
+            web::resource(HANDSHAKE_PATH)
+                .route(web::post().to(handshake))
+                .default_service(web::to(not_found)),
+        )
+        .service(
+            web::resource(CANCEL_PATH)
+                .route(web::post().to(cancel))
+                .default_service(web::to(not_found)),
+        )
+        .default_service(web::to(not_found))
+}

@@ -1,0 +1,528 @@
+//! The side channel over real HTTP (a plain `TcpStream` as the client) into a
+//! real `Runtime` on the real Mooncake engine (127.0.0.1): each answer the
+//! vLLM connector's decode side can get, and the bounds.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use orbitkv::side_channel::{sign, CANCEL_PATH, HANDSHAKE_PATH, HEALTH_PATH, SIGNATURE_HEADER};
+use orbitkv::{
+    Cancel, Capability, EngineConfig, KvLayout, MooncakeTransferEngine, RequestId, Runtime, RuntimeConfig,
+    RuntimeEvent, SideChannel, SideChannelConfig, SideChannelError,
+};
+
+const GUARD: u8 = 0xA5;
+const LAYERS: u32 = 2;
+const BLOCKS: u32 = 8;
+const BLOCK_BYTES: u64 = 1024;
+const KEY: &[u8] = b"deployment-key-0123456789";
+
+/// A rank's KV cache in host memory, registered with its own engine.
+struct Rank {
+    mem: Vec<u8>,
+    layout: KvLayout,
+    runtime: Arc<Runtime>,
+}
+
+fn rank(fill: impl Fn(usize) -> u8) -> Rank {
+    let size = (LAYERS as u64 * BLOCKS as u64 * BLOCK_BYTES) as usize;
+    let mut mem: Vec<u8> = (0..size).map(fill).collect();
+    let base = mem.as_mut_ptr() as u64;
+    let layout = KvLayout::packed(base, LAYERS, BLOCKS, BLOCK_BYTES, (0, 1), 2);
+    let engine = Arc::new(MooncakeTransferEngine::new(&EngineConfig::default()).expect("engine"));
+    engine
+        .register_memory(base, size as u64, "cpu:0")
+        .expect("register");
+    let cfg = RuntimeConfig {
+        consumer_timeout: Duration::from_secs(20),
+        ..RuntimeConfig::default()
+    };
+    let runtime = Arc::new(Runtime::start(engine, layout.clone(), cfg).expect("runtime"));
+    Rank { mem, layout, runtime }
+}
+
+fn block(r: &Rank, layer: u32, b: u32) -> &[u8] {
+    let p = r.layout.layers[layer as usize].planes[0];
+    let off = (p.block_addr(b) - r.mem.as_ptr() as u64) as usize;
+    &r.mem[off..off + p.block_bytes as usize]
+}
+
+fn cap() -> Capability {
+    Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
+}
+
+fn stranger() -> Capability {
+    Capability::parse(&"f".repeat(64)).expect("a valid capability")
+}
+
+fn serve(r: &Rank, cfg: SideChannelConfig) -> SideChannel {
+    SideChannel::start(cfg, r.runtime.clone()).expect("side channel")
+}
+
+/// A reply: status and body.
+#[derive(Debug)]
+struct Reply {
+    status: u16,
+    body: String,
+}
+
+impl Reply {
+    fn error(&self) -> String {
+        let v: serde_json::Value = serde_json::from_str(&self.body).unwrap_or_default();
+        v["error"].as_str().unwrap_or_default().to_string()
+    }
+}
+
+fn connect(addr: SocketAddr) -> TcpStream {
+    let s = TcpStream::connect(addr).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s
+}
+
+/// Reads a reply until the server closes the connection (it answers one
+/// request per connection).
+fn read_reply(mut s: TcpStream) -> Reply {
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw); // a reset after the reply still leaves the reply
+    let text = String::from_utf8_lossy(&raw).to_string();
+    let status = text
+        .strip_prefix("HTTP/1.1 ")
+        .and_then(|t| t.get(..3))
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP reply: {text:?}"));
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
+    Reply { status, body }
+}
+
+/// Sends `raw` and reads the reply.
+fn exchange(addr: SocketAddr, raw: &[u8]) -> Reply {
+    let mut s = connect(addr);
+    let _ = s.write_all(raw); // the server may answer (and close) before it read everything
+    read_reply(s)
+}
+
+fn post(addr: SocketAddr, path: &str, body: &[u8], headers: &[(&str, String)]) -> Reply {
+    let mut raw = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        raw.push_str(&format!("{k}: {v}\r\n"));
+    }
+    raw.push_str("\r\n");
+    let mut raw = raw.into_bytes();
+    raw.extend_from_slice(body);
+    exchange(addr, &raw)
+}
+
+fn get(addr: SocketAddr, path: &str) -> Reply {
+    exchange(addr, format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+}
+
+/// Whether `cond` holds within 2 s (a connection ends just after its reply).
+fn soon(cond: impl Fn() -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(2);
+    while !cond() {
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    true
+}
+
+fn wait_for(rt: &Runtime, what: &str, pred: impl Fn(&RuntimeEvent) -> bool) -> RuntimeEvent {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if let Some(ev) = rt.next_event(Duration::from_millis(100)) {
+            if pred(&ev) {
+                return ev;
+            }
+        }
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[test]
+fn a_good_handshake_is_admitted_and_the_kv_lands() {
+    let p = rank(|i| (i % 251) as u8);
+    let c = rank(|_| GUARD);
+    let sc = serve(&p, SideChannelConfig::default());
+    let addr = sc.address();
+    let health = get(addr, HEALTH_PATH);
+    assert_eq!((health.status, health.body.as_str()), (200, r#"{"ok":true}"#));
+
+    let req = RequestId::new("req-http");
+    let hs = c
+        .runtime
+        .consumer_open(req.clone(), cap(), 0, vec![3, 4], 1)
+        .unwrap();
+    p.runtime.producer_open(req.clone(), vec![0, 1], cap()).unwrap();
+    let r = post(addr, HANDSHAKE_PATH, hs.to_json().as_bytes(), &[]);
+    assert_eq!((r.status, r.body.as_str()), (200, r#"{"ok":true}"#), "{r:?}");
+    for layer in 0..LAYERS {
+        p.runtime.layer_ready(&req, layer, 0..2).unwrap();
+    }
+    p.runtime.producer_finish(&req).unwrap();
+    let ev = wait_for(&c.runtime, "the consumer's outcome", |e| {
+        matches!(
+            e,
+            RuntimeEvent::ConsumerCompleted { .. } | RuntimeEvent::ConsumerFailed { .. }
+        )
+    });
+    assert!(matches!(ev, RuntimeEvent::ConsumerCompleted { .. }), "{ev:?}");
+    assert_eq!(block(&c, 1, 4), block(&p, 1, 1));
+    assert!(block(&c, 0, 5).iter().all(|&b| b == GUARD));
+    assert_eq!(sc.refused(), orbitkv::Refused::default());
+}
+
+#[test]
+fn a_forged_capability_is_forbidden_and_a_cancel_with_the_right_one_is_taken() {
+    let p = rank(|_| 1);
+    let c = rank(|_| GUARD);
+    let sc = serve(&p, SideChannelConfig::default());
+    let req = RequestId::new("req-forged");
+    p.runtime.producer_open(req.clone(), vec![0], cap()).unwrap();
+    let forged = c
+        .runtime
+        .consumer_open(req.clone(), stranger(), 0, vec![2], 1)
+        .unwrap();
+    let r = post(sc.address(), HANDSHAKE_PATH, forged.to_json().as_bytes(), &[]);
+    assert_eq!((r.status, r.error().as_str()), (403, "ForbiddenError"), "{r:?}");
+    let theirs = Cancel::new(req.clone(), stranger(), "stranger");
+    let r = post(sc.address(), CANCEL_PATH, theirs.to_json().as_bytes(), &[]);
+    assert_eq!((r.status, r.error().as_str()), (403, "ForbiddenError"), "{r:?}");
+    assert_eq!(sc.refused().forbidden, 2);
+    assert_eq!(p.runtime.stats().side_channel_forbidden, 2);
+
+    let ours = Cancel::new(req.clone(), cap(), "client went away");
+    let r = post(sc.address(), CANCEL_PATH, ours.to_json().as_bytes(), &[]);
+    assert_eq!(r.status, 200, "{r:?}");
+    let ev = wait_for(&p.runtime, "the producer's release", |e| {
+        matches!(e, RuntimeEvent::ProducerReleased { .. })
+    });
+    assert!(
+        matches!(&ev, RuntimeEvent::ProducerReleased { outcome: orbitkv::Outcome::Aborted, reason: Some(r), .. } if r.contains("cancelled by the consumer")),
+        "{ev:?}"
+    );
+}
+
+#[test]
+fn malformed_input_is_400_with_its_error_and_changes_nothing() {
+    let p = rank(|_| 1);
+    let c = rank(|_| GUARD);
+    let sc = serve(&p, SideChannelConfig::default());
+    let addr = sc.address();
+    let hs = c
+        .runtime
+        .consumer_open(RequestId::new("req-bad"), cap(), 0, vec![3], 1)
+        .unwrap();
+    let mut bad_geometry: serde_json::Value = serde_json::from_str(&hs.to_json()).unwrap();
+    bad_geometry["layout"]["layers"].as_array_mut().unwrap().pop();
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        (HANDSHAKE_PATH, br#"{"version": 9}"#.to_vec(), "HandshakeError"),
+        (HANDSHAKE_PATH, b"not json".to_vec(), "HandshakeError"),
+        (HANDSHAKE_PATH, b"".to_vec(), "HandshakeError"),
+        (
+            HANDSHAKE_PATH,
+            b"{\"version\":2,\"request_id\":\"\xff\xfe\"}".to_vec(),
+            "HandshakeError",
+        ),
+        (
+            HANDSHAKE_PATH,
+            bad_geometry.to_string().into_bytes(),
+            "GeometryError",
+        ),
+        (
+            CANCEL_PATH,
+            br#"{"version": 2, "request_id": ""}"#.to_vec(),
+            "HandshakeError",
+        ),
+    ];
+    for (path, body, error) in &cases {
+        let r = post(addr, path, body, &[]);
+        assert_eq!((r.status, r.error().as_str()), (400, *error), "{r:?}");
+        let v: serde_json::Value = serde_json::from_str(&r.body).unwrap();
+        assert!(!v["message"].as_str().unwrap().is_empty());
+    }
+    assert_eq!(sc.refused().malformed, cases.len() as u64);
+    assert_eq!(p.runtime.live_requests(), (0, 0));
+}
+
+#[test]
+fn a_body_over_max_body_is_413_before_it_is_read() {
+    let p = rank(|_| 1);
+    let cfg = SideChannelConfig {
+        max_body: 4096,
+        ..SideChannelConfig::default()
+    };
+    let sc = serve(&p, cfg);
+    let addr = sc.address();
+    // Declared too large, nothing sent: answered at once.
+    let start = Instant::now();
+    let r = exchange(
+        addr,
+        b"POST /orbitkv/v1/handshake HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999\r\n\r\n",
+    );
+    assert_eq!((r.status, r.error().as_str()), (413, "BadLength"), "{r:?}");
+    assert!(start.elapsed() < Duration::from_secs(2));
+    // Chunked, no length declared: cut when it passes the limit.
+    let chunk = "x".repeat(3000);
+    let raw = format!(
+        "POST /orbitkv/v1/cancel HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n\
+         bb8\r\n{chunk}\r\nbb8\r\n{chunk}\r\n0\r\n\r\n"
+    );
+    let r = exchange(addr, raw.as_bytes());
+    assert_eq!((r.status, r.error().as_str()), (413, "BadLength"), "{r:?}");
+    // Exactly at the limit is read (and then refused as malformed JSON).
+    let r = post(addr, HANDSHAKE_PATH, &[b' '; 4096], &[]);
+    assert_eq!((r.status, r.error().as_str()), (400, "HandshakeError"), "{r:?}");
+    assert_eq!(sc.refused().too_large, 2);
+}
+
+#[test]
+fn with_a_deployment_key_an_unsigned_or_wrongly_signed_post_is_401() {
+    let p = rank(|_| 1);
+    let cfg = SideChannelConfig {
+        key: Some(KEY.to_vec()),
+        ..SideChannelConfig::default()
+    };
+    let sc = serve(&p, cfg);
+    let addr = sc.address();
+    let req = RequestId::new("req-key");
+    p.runtime.producer_open(req.clone(), vec![0], cap()).unwrap();
+    let body = Cancel::new(req, cap(), "x").to_json();
+    let unsigned = post(addr, CANCEL_PATH, body.as_bytes(), &[]);
+    let wrong = post(
+        addr,
+        CANCEL_PATH,
+        body.as_bytes(),
+        &[(SIGNATURE_HEADER, sign(b"another-key-0123456789", body.as_bytes()))],
+    );
+    let other_body = post(
+        addr,
+        CANCEL_PATH,
+        body.as_bytes(),
+        &[(SIGNATURE_HEADER, sign(KEY, b"{}"))],
+    );
+    for r in [&unsigned, &wrong, &other_body] {
+        assert_eq!((r.status, r.error().as_str()), (401, "BadSignature"), "{r:?}");
+    }
+    // Refused before parsing: the request is still open.
+    assert_eq!(p.runtime.live_requests(), (0, 1));
+    assert_eq!(sc.refused().signature, 3);
+    let signed = post(
+        addr,
+        CANCEL_PATH,
+        body.as_bytes(),
+        &[(SIGNATURE_HEADER, sign(KEY, body.as_bytes()))],
+    );
+    assert_eq!(signed.status, 200, "{signed:?}");
+}
+
+#[test]
+fn a_body_that_does_not_arrive_in_time_is_408_and_so_is_a_head() {
+    let p = rank(|_| 1);
+    let cfg = SideChannelConfig {
+        read_timeout: Duration::from_millis(300),
+        ..SideChannelConfig::default()
+    };
+    let sc = serve(&p, cfg);
+    let addr = sc.address();
+    let start = Instant::now();
+    let mut s = connect(addr);
+    s.write_all(b"POST /orbitkv/v1/handshake HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"ver")
+        .unwrap();
+    let r = read_reply(s);
+    let took = start.elapsed();
+    assert_eq!((r.status, r.error().as_str()), (408, "Timeout"), "{r:?}");
+    assert!(
+        took >= Duration::from_millis(250) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
+    assert_eq!(sc.refused().timed_out, 1);
+    // A head that never ends: actix-http answers 408 at the same timeout.
+    let start = Instant::now();
+    let mut s = connect(addr);
+    s.write_all(b"POST /orbitkv/v1/handshake HTTP/1.1\r\nHost: x\r\n")
+        .unwrap();
+    let r = read_reply(s);
+    assert_eq!(r.status, 408, "{r:?}");
+    assert!(start.elapsed() < Duration::from_secs(3));
+    assert!(
+        soon(|| sc.connections() == 0),
+        "{} connections left",
+        sc.connections()
+    );
+}
+
+#[test]
+fn an_unknown_path_or_method_is_404() {
+    let p = rank(|_| 1);
+    let sc = serve(&p, SideChannelConfig::default());
+    let addr = sc.address();
+    for r in [
+        get(addr, "/"),
+        get(addr, "/orbitkv/v1/nope"),
+        get(addr, HANDSHAKE_PATH),
+        post(addr, HEALTH_PATH, b"{}", &[]),
+        post(addr, "/orbitkv/v2/handshake", b"{}", &[]),
+    ] {
+        assert_eq!((r.status, r.error().as_str()), (404, "NotFound"), "{r:?}");
+    }
+}
+
+#[test]
+fn excess_connections_are_answered_503_at_once_and_service_resumes() {
+    let p = rank(|_| 1);
+    let cfg = SideChannelConfig {
+        read_timeout: Duration::from_millis(500),
+        max_connections: 2,
+        ..SideChannelConfig::default()
+    };
+    let sc = serve(&p, cfg);
+    let addr = sc.address();
+    let slow: Vec<TcpStream> = (0..2)
+        .map(|_| {
+            let mut s = connect(addr);
+            s.write_all(b"POST /orbitkv/v1/handshake HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+                .unwrap();
+            s
+        })
+        .collect();
+    assert!(soon(|| sc.connections() == 2));
+    let start = Instant::now();
+    let extra = connect(addr); // sends nothing: the answer comes anyway
+    let r = read_reply(extra);
+    assert_eq!((r.status, r.error().as_str()), (503, "Busy"), "{r:?}");
+    assert!(
+        start.elapsed() < Duration::from_millis(400),
+        "{:?}",
+        start.elapsed()
+    );
+    assert_eq!(sc.refused().busy, 1);
+    for s in slow {
+        assert_eq!(read_reply(s).status, 408);
+    }
+    let r = post(addr, HANDSHAKE_PATH, br#"{"version": 9}"#, &[]);
+    assert_eq!(r.status, 400, "service is back: {r:?}");
+}
+
+#[test]
+fn garbage_never_stops_the_server() {
+    let p = rank(|_| 1);
+    let cfg = SideChannelConfig {
+        read_timeout: Duration::from_secs(1),
+        ..SideChannelConfig::default()
+    };
+    let sc = serve(&p, cfg);
+    let addr = sc.address();
+    let long_header = format!("GET / HTTP/1.1\r\nX: {}\r\n\r\n", "a".repeat(100_000));
+    let inputs: Vec<Vec<u8>> = vec![
+        (0u8..=255).cycle().take(10_000).collect(),
+        b"\r\n\r\n\r\n".to_vec(),
+        b"POST /orbitkv/v1/handshake HTTP/1.1\r\nContent-Length: abc\r\n\r\n".to_vec(),
+        b"POST /orbitkv/v1/handshake HTTP/1.1\r\nContent-Length: -5\r\n\r\n".to_vec(),
+        b"POST /orbitkv/v1/handshake HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nabcdef"
+            .to_vec(),
+        b"POST /orbitkv/v1/handshake HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n".to_vec(),
+        b"GET /\xff\xfe HTTP/1.1\r\n\r\n".to_vec(),
+        b"GET / HTTP/9.9\r\n\r\n".to_vec(),
+        long_header.into_bytes(),
+    ];
+    for raw in inputs {
+        let mut s = connect(addr);
+        let _ = s.write_all(&raw);
+        let mut sink = Vec::new();
+        let _ = s.read_to_end(&mut sink); // answered (4xx) or closed, within the read timeout
+        if !sink.is_empty() {
+            assert!(
+                sink.starts_with(b"HTTP/1.1 4"),
+                "{:?}",
+                String::from_utf8_lossy(&sink)
+            );
+        }
+    }
+    assert_eq!(get(addr, HEALTH_PATH).status, 200);
+    assert!(
+        soon(|| sc.connections() == 0),
+        "{} connections left",
+        sc.connections()
+    );
+}
+
+#[test]
+fn a_second_side_channel_on_the_same_port_is_a_typed_error() {
+    let p = rank(|_| 1);
+    let sc = serve(&p, SideChannelConfig::default());
+    let again = SideChannel::start(
+        SideChannelConfig {
+            port: sc.address().port(),
+            ..SideChannelConfig::default()
+        },
+        p.runtime.clone(),
+    );
+    assert!(
+        matches!(again, Err(SideChannelError::AddressInUse { .. })),
+        "{again:?}"
+    );
+    let bad = SideChannel::start(
+        SideChannelConfig {
+            max_connections: 0,
+            ..SideChannelConfig::default()
+        },
+        p.runtime.clone(),
+    );
+    assert!(
+        matches!(bad, Err(SideChannelError::InvalidArgument(_))),
+        "{bad:?}"
+    );
+    for read_timeout in [Duration::ZERO, Duration::MAX] {
+        let bad = SideChannel::start(
+            SideChannelConfig {
+                read_timeout,
+                ..SideChannelConfig::default()
+            },
+            p.runtime.clone(),
+        );
+        assert!(
+            matches!(bad, Err(SideChannelError::InvalidArgument(_))),
+            "{bad:?}"
+        );
+    }
+}
+
+#[test]
+fn stop_is_bounded_and_a_gone_runtime_is_503() {
+    let p = rank(|_| 1);
+    let sc = serve(&p, SideChannelConfig::default());
+    let addr = sc.address();
+    // The side channel never keeps the runtime alive: the last `Arc` gone,
+    // the runtime shuts down and the side channel answers 503.
+    let Rank {
+        mem: _mem, runtime, ..
+    } = p;
+    drop(runtime);
+    let r = post(addr, HANDSHAKE_PATH, b"{}", &[]);
+    assert_eq!(
+        (r.status, r.error().as_str()),
+        (503, "RuntimeStoppedError"),
+        "{r:?}"
+    );
+    // A connection in the middle of a body does not hold the stop past its bound.
+    let mut s = connect(addr);
+    s.write_all(b"POST /orbitkv/v1/cancel HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(50));
+    let start = Instant::now();
+    sc.stop();
+    assert!(start.elapsed() < Duration::from_secs(4), "{:?}", start.elapsed());
+    assert!(!sc.is_running());
+    assert!(TcpStream::connect(addr).is_err(), "still listening after stop");
+    sc.stop(); // idempotent
+}
