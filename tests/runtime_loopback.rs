@@ -703,6 +703,27 @@ fn a_refused_handshake_fails_its_rank_now_and_a_stale_refusal_changes_nothing() 
 }
 
 #[test]
+fn a_handshake_published_where_nothing_listens_fails_its_rank_at_once() {
+    let consumer = rank(1, 8, 256, (0, 1), 2, |_| GUARD);
+    let req = RequestId::new("req-nobody");
+    let hs = consumer
+        .runtime
+        .consumer_open(req.clone(), cap(), 0, vec![1], 1)
+        .unwrap();
+    let start = Instant::now();
+    consumer
+        .runtime
+        .consumer_publish(&hs, vec![("127.0.0.1:1".into(), 0)])
+        .unwrap();
+    let ev = outcome(&consumer.runtime);
+    assert!(
+        matches!(&ev, RuntimeEvent::ConsumerFailed { reason, .. } if reason.contains("nothing listens")),
+        "{ev:?}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(5));
+}
+
+#[test]
 fn a_cancel_racing_the_open_is_never_lost() {
     // The cancel and the open come from two threads at once, many times: the
     // producer is always aborted (before the fix, a cancel that checked for

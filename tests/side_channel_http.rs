@@ -162,7 +162,9 @@ fn a_good_handshake_is_admitted_and_the_kv_lands() {
         .runtime
         .consumer_open(req.clone(), cap(), 0, vec![3, 4], 1)
         .unwrap();
-    p.runtime.producer_open(req.clone(), vec![0, 1], cap()).unwrap();
+    p.runtime
+        .producer_open(req.clone(), vec![0, 1], cap(), 1)
+        .unwrap();
     let r = post(addr, HANDSHAKE_PATH, hs.to_json().as_bytes(), &[]);
     assert_eq!((r.status, r.body.as_str()), (200, r#"{"ok":true}"#), "{r:?}");
     for layer in 0..LAYERS {
@@ -187,7 +189,7 @@ fn a_forged_capability_is_forbidden_and_a_cancel_with_the_right_one_is_taken() {
     let c = rank(|_| GUARD);
     let sc = serve(&p, SideChannelConfig::default());
     let req = RequestId::new("req-forged");
-    p.runtime.producer_open(req.clone(), vec![0], cap()).unwrap();
+    p.runtime.producer_open(req.clone(), vec![0], cap(), 1).unwrap();
     let forged = c
         .runtime
         .consumer_open(req.clone(), stranger(), 0, vec![2], 1)
@@ -295,7 +297,7 @@ fn with_a_deployment_key_an_unsigned_or_wrongly_signed_post_is_401() {
     let sc = serve(&p, cfg);
     let addr = sc.address();
     let req = RequestId::new("req-key");
-    p.runtime.producer_open(req.clone(), vec![0], cap()).unwrap();
+    p.runtime.producer_open(req.clone(), vec![0], cap(), 1).unwrap();
     let body = Cancel::new(req, cap(), "x").to_json();
     let unsigned = post(addr, CANCEL_PATH, body.as_bytes(), &[]);
     let wrong = post(

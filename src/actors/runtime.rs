@@ -22,6 +22,7 @@ use super::writer::{spawn_poller, PollJob, WriterPool};
 use crate::error::{GeometryError, RuntimeError};
 use crate::ids::{Capability, Generation, RequestId};
 use crate::layout::KvLayout;
+use crate::side_channel::client::{HandshakeJob, Publisher};
 use crate::transport::Transport;
 use crate::wire::{Cancel, Handshake, WIRE_VERSION};
 
@@ -47,6 +48,11 @@ pub struct RuntimeConfig {
     pub max_parked: usize,
     /// Approximate bytes of parked handshakes; more are refused.
     pub max_parked_bytes: usize,
+    /// The deployment key that signs the handshakes and cancels this
+    /// (decode) rank sends (`None`: unsigned).
+    pub side_channel_key: Option<Arc<Vec<u8>>>,
+    /// How long one handshake or cancel POST may take.
+    pub publish_timeout: Duration,
 }
 
 impl Default for RuntimeConfig {
@@ -60,6 +66,8 @@ impl Default for RuntimeConfig {
             notify_poll: Duration::from_millis(1),
             max_parked: 4096,
             max_parked_bytes: 64 << 20,
+            side_channel_key: None,
+            publish_timeout: Duration::from_secs(10),
         }
     }
 }
@@ -128,6 +136,8 @@ pub struct Runtime {
     /// Handshakes and cancels that arrived before their request opened here
     /// (bounded, keyed by capability, expired on a timer).
     pre_open: Arc<Mutex<PreOpen>>,
+    /// Sends this (decode) rank's handshakes and cancels, off any GIL.
+    publisher: Mutex<Publisher>,
     next_generation: AtomicU64,
     stats: Arc<Stats>,
 }
@@ -183,6 +193,7 @@ impl Runtime {
             stats.clone(),
         ));
         let (events_tx, events_rx) = crossbeam_channel::unbounded();
+        let publisher = Publisher::new(4, cfg.side_channel_key.clone(), cfg.publish_timeout);
         let pre_open = Arc::new(Mutex::new(PreOpen::new(PreOpenLimits {
             ttl: cfg.handshake_timeout,
             max_entries: cfg.max_parked,
@@ -220,6 +231,7 @@ impl Runtime {
             producers: Mutex::new(HashMap::new()),
             producer_blocks: Mutex::new(HashMap::new()),
             pre_open,
+            publisher: Mutex::new(publisher),
             next_generation: AtomicU64::new(generation_seed().0),
             stats,
         })
@@ -305,6 +317,50 @@ impl Runtime {
         });
         consumers.insert(request, (generation, addr));
         Ok(handshake)
+    }
+
+    /// Sends `handshake` (from [`Self::consumer_open`]) to the prefill side
+    /// channels `targets` (`(host:port, producer rank)`), from the
+    /// runtime's own threads. A rank that refuses it, or where nothing
+    /// listens, is failed for the consumer at once.
+    pub fn consumer_publish(
+        &self,
+        handshake: &Handshake,
+        targets: Vec<(String, u32)>,
+    ) -> Result<(), RuntimeError> {
+        let consumer = match self.consumers.lock().get(&handshake.request_id) {
+            Some((g, addr)) if *g == handshake.generation => addr.clone(),
+            Some((g, _)) => {
+                return Err(RuntimeError::StaleGeneration {
+                    request: handshake.request_id.0.clone(),
+                    got: handshake.generation.0,
+                    current: g.0,
+                })
+            }
+            None => return Err(RuntimeError::UnknownRequest(handshake.request_id.0.clone())),
+        };
+        let body: Arc<str> = handshake.to_json().into();
+        let publisher = self.publisher.lock();
+        for (addr, producer_rank) in targets {
+            publisher.handshake(HandshakeJob {
+                addr,
+                body: body.clone(),
+                request: handshake.request_id.clone(),
+                generation: handshake.generation,
+                producer_rank,
+                consumer: consumer.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Sends `cancel` to the prefill side channels `addrs` (fire and forget).
+    pub fn consumer_send_cancel(&self, cancel: &Cancel, addrs: Vec<String>) {
+        let body: Arc<str> = cancel.to_json().into();
+        let publisher = self.publisher.lock();
+        for addr in addrs {
+            publisher.cancel(addr, body.clone());
+        }
     }
 
     /// A producer rank refused `request`'s handshake of `generation` (or
@@ -734,6 +790,7 @@ impl Runtime {
     /// Stops the actors and threads. Writes in flight are abandoned.
     pub fn shutdown(&mut self) {
         let was_running = self.system_thread.is_some();
+        self.publisher.lock().stop();
         self.writers.stop();
         self.system.stop();
         if let Some(t) = self.system_thread.take() {

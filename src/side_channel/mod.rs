@@ -42,6 +42,7 @@
 //!
 //! [`RuntimeError::class_name`]: crate::RuntimeError::class_name
 
+pub mod client;
 mod conn;
 mod routes;
 mod signature;

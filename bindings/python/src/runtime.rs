@@ -261,7 +261,7 @@ impl PyRuntime {
     #[pyo3(signature = (engine, layout_json, *, consumer_timeout_s=120.0, handshake_timeout_s=120.0,
         write_timeout_s=30.0, max_bytes_in_flight_per_peer=1_073_741_824,
         max_ranges_in_flight_per_peer=768, notify_poll_ms=1.0, max_parked=4096,
-        max_parked_bytes=67_108_864))]
+        max_parked_bytes=67_108_864, side_channel_key=None, publish_timeout_s=10.0))]
     fn new(
         py: Python<'_>,
         engine: &PyEngine,
@@ -274,6 +274,8 @@ impl PyRuntime {
         notify_poll_ms: f64,
         max_parked: usize,
         max_parked_bytes: usize,
+        side_channel_key: Option<Vec<u8>>,
+        publish_timeout_s: f64,
     ) -> PyResult<Self> {
         let layout: KvLayout = serde_json::from_str(layout_json).map_err(|e| {
             runtime_error(
@@ -294,6 +296,8 @@ impl PyRuntime {
             notify_poll: seconds(py, "notify_poll_ms", notify_poll_ms / 1000.0)?,
             max_parked: max_parked.max(1),
             max_parked_bytes: max_parked_bytes.max(1),
+            side_channel_key: side_channel_key.map(Arc::new),
+            publish_timeout: seconds(py, "publish_timeout_s", publish_timeout_s)?,
         };
         let transport = engine.transport(py)?;
         let endpoint = transport.endpoint().to_string();
@@ -314,8 +318,13 @@ impl PyRuntime {
 
     /// Decode side: authorizes `block_ids` for request blocks `first_block..`
     /// of `request_id`, expecting the producers of a prefill instance of TP
-    /// size `producer_tp`. Returns the handshake (JSON) to send to them; it
-    /// carries `capability` (hex), the request's secret.
+    /// size `producer_tp`. Returns the handshake (JSON); it carries
+    /// `capability` (hex), the request's secret. With `publish_to`
+    /// (`[(host:port, producer rank)]`) the runtime also sends it there
+    /// from its own threads (signed with the runtime's `side_channel_key`),
+    /// and fails a rank that refuses it at once.
+    #[pyo3(signature = (request_id, capability_hex, first_block, block_ids, producer_tp, publish_to=None))]
+    #[allow(clippy::too_many_arguments)] // mirrors the Python signature
     fn consumer_open(
         &self,
         py: Python<'_>,
@@ -324,18 +333,44 @@ impl PyRuntime {
         first_block: u32,
         block_ids: Vec<u32>,
         producer_tp: u32,
+        publish_to: Option<Vec<(String, u32)>>,
     ) -> PyResult<String> {
         let cap = capability(py, capability_hex)?;
         let rt = self.rt(py)?;
-        rt.consumer_open(
+        let h = rt
+            .consumer_open(
+                RequestId::new(request_id),
+                cap,
+                first_block,
+                block_ids,
+                producer_tp,
+            )
+            .map_err(|e| runtime_error(py, e))?;
+        if let Some(targets) = publish_to {
+            rt.consumer_publish(&h, targets)
+                .map_err(|e| runtime_error(py, e))?;
+        }
+        Ok(h.to_json())
+    }
+
+    /// Decode side: sends the cancel of `request_id` (it gave the request up
+    /// before authorizing anything) to the prefill side channels `addrs`,
+    /// from the runtime's own threads.
+    fn consumer_send_cancel(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        capability_hex: &str,
+        reason: &str,
+        addrs: Vec<String>,
+    ) -> PyResult<()> {
+        let cancel = Cancel::new(
             RequestId::new(request_id),
-            cap,
-            first_block,
-            block_ids,
-            producer_tp,
-        )
-        .map(|h| h.to_json())
-        .map_err(|e| runtime_error(py, e))
+            capability(py, capability_hex)?,
+            reason,
+        );
+        self.rt(py)?.consumer_send_cancel(&cancel, addrs);
+        Ok(())
     }
 
     /// Decode side: producer rank `producer_rank` refused the handshake of

@@ -384,14 +384,3 @@ def test_a_refused_authorization_fails_that_request_alone(worker: PdWorker) -> N
     assert worker.get_finished() == (None, {"d1"})
     assert worker.get_block_ids_with_load_errors() == {3, 4}
     assert worker.get_finished() == (None, None)
-
-
-def test_a_handshake_nobody_takes_fails_that_rank_at_once(worker: PdWorker) -> None:
-    """Decode's POST finds no side channel there (connection refused): the
-    handshake was never delivered, so the consumer fails that producer rank
-    now instead of waiting for its deadline."""
-    rt = worker.runtime
-    worker._post("127.0.0.1:1", '{"version":2,"request_id":"pd-1","capability":"x","generation":42}', "pd-1", 42, 0)
-    (call,) = [c for c in rt.calls if c[0] == "consumer_handshake_refused"]  # type: ignore[attr-defined]
-    assert call[1:4] == ("pd-1", 42, 0)
-    assert "not listening" in call[4]

@@ -271,3 +271,35 @@ def test_the_server_does_not_keep_a_shut_down_runtime() -> None:
     finally:
         server.close()
         p.close()
+
+
+def test_decode_publishes_its_handshake_from_rust_signed_with_the_key() -> None:
+    """The decode rank's runtime sends the handshake itself (no Python
+    thread), signed with the deployment key; the KV lands."""
+    p, c = Rank(None), Rank(GUARD)
+    c.runtime.shutdown()
+    c.runtime = orbitkv.Runtime(c.engine, c.layout_json, side_channel_key=KEY)
+    server = serve(p, key=KEY)
+    try:
+        p.runtime.producer_open("req-pub", [0, 1], CAP)
+        c.runtime.consumer_open("req-pub", CAP, 0, [5, 6], 1, [(server.address, 0)])
+        stream_all(p, "req-pub", 2)
+        ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
+        assert ev.kind == "consumer_completed", ev
+        assert torch.equal(c.caches[2][6], p.caches[2][1])
+        assert server.refused["signature"] == 0
+    finally:
+        server.close()
+        p.close()
+        c.close()
+
+
+def test_a_handshake_refused_by_the_producer_fails_the_consumer_at_once(served) -> None:
+    p, c, addr = served
+    start = time.monotonic()
+    # The producer knows the request under another capability: 403.
+    p.runtime.producer_open("req-403", [0], STRANGER)
+    c.runtime.consumer_open("req-403", CAP, 0, [3], 1, [(addr, 0)])
+    ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
+    assert ev.kind == "consumer_failed" and "403" in (ev.reason or ""), ev
+    assert time.monotonic() - start < 5.0

@@ -241,18 +241,34 @@ class Runtime:
         notify_poll_ms: float = 1.0,
         max_parked: int = 4096,
         max_parked_bytes: int = 67108864,
+        side_channel_key: bytes | None = None,
+        publish_timeout_s: float = 10.0,
     ) -> Self: ...
     @property
     def endpoint(self) -> str:
         """This rank's Mooncake endpoint (`ip:port`)."""
 
     def consumer_open(
-        self, request_id: str, capability_hex: str, first_block: int, block_ids: list[int], producer_tp: int
+        self,
+        request_id: str,
+        capability_hex: str,
+        first_block: int,
+        block_ids: list[int],
+        producer_tp: int,
+        publish_to: list[tuple[str, int]] | None = None,
     ) -> str:
         """Decode side: authorizes `block_ids` for request blocks `first_block..`
         of `request_id`, expecting the producers of a prefill instance of TP
-        size `producer_tp`. Returns the handshake (JSON) to send to them; it
-        carries `capability` (hex), the request's secret."""
+        size `producer_tp`. Returns the handshake (JSON); it carries
+        `capability` (hex), the request's secret. With `publish_to`
+        (`[(host:port, producer rank)]`) the runtime also sends it there
+        from its own threads (signed with the runtime's `side_channel_key`),
+        and fails a rank that refuses it at once."""
+
+    def consumer_send_cancel(self, request_id: str, capability_hex: str, reason: str, addrs: list[str]) -> None:
+        """Decode side: sends the cancel of `request_id` (it gave the request up
+        before authorizing anything) to the prefill side channels `addrs`,
+        from the runtime's own threads."""
 
     def consumer_handshake_refused(self, request_id: str, generation: int, producer_rank: int, reason: str) -> None:
         """Decode side: producer rank `producer_rank` refused the handshake of

@@ -12,10 +12,8 @@ from __future__ import annotations
 import json
 import logging
 import queue
-import re
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,14 +24,12 @@ from orbitkv import (
     Runtime,
     SideChannel,
     UnknownRequestError,
-    cancel_message,
     producer_ranks,
 )
 from orbitkv.vllm._testing import TestingHooks, corrupt_block
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.layout import kv_layout_of
 from orbitkv.vllm.metadata import PdConnectorMetadata, ProducerChunk
-from orbitkv.vllm.side_channel import HandshakeRejected, post_cancel, post_handshake
 from orbitkv.vllm.stats import COUNTERS, PdConnectorStats
 
 if TYPE_CHECKING:
@@ -41,9 +37,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("orbitkv.vllm.worker")
 
-# The generation in a handshake's JSON (serde writes `version`, `request_id`,
-# `capability`, then `generation`).
-_GENERATION = re.compile(r'"generation":(\d+)')
 
 
 def _delayed(delay_s: float, fn: Any, *args: Any) -> None:
@@ -103,7 +96,6 @@ class PdWorker:
         self.runtime: Runtime | None = None
         self.side_channel: SideChannel | None = None
         self._layer_index: dict[str, int] = {}
-        self._posts = ThreadPoolExecutor(max_workers=4, thread_name_prefix="orbitkv-handshake")
         # Test-only fault hooks, off unless their environment variables are set.
         self._hooks = TestingHooks.from_env()
         delay_hook = self._hooks is not None and self._hooks.write_delay_file is not None
@@ -167,6 +159,8 @@ class PdWorker:
             write_timeout_s=self.config.write_timeout_s,
             max_bytes_in_flight_per_peer=self.config.max_inflight_mb << 20,
             max_ranges_in_flight_per_peer=self.config.max_inflight_ranges,
+            side_channel_key=self.config.side_channel_key,
+            publish_timeout_s=min(10.0, self.config.timeout_s),
         )
         # The side channel (Rust, actix-web) serves this rank's producer side
         # on its own threads: handshakes never take the GIL.
@@ -213,19 +207,14 @@ class PdWorker:
         for c in meta.consumers_open:
             self._open_consumer(c)
         for x in meta.consumers_cancel:
+            # Sent by the runtime's own threads (a failure is logged there;
+            # the producers then free their blocks at their deadline).
             host, port = x.prefill_kv.rsplit(":", 1)
             try:
-                body = cancel_message(x.pd_id, x.capability, x.reason)
+                addrs = [f"{host}:{int(port) + r}" for r in self._senders(x.prefill_tp)]
+                rt.consumer_send_cancel(x.pd_id, x.capability, x.reason, addrs)
             except OrbitKVError as e:
                 logger.warning("cancellation of %s not sent: %s", x.pd_id, e)
-                continue
-            try:
-                ranks = self._senders(x.prefill_tp)
-            except OrbitKVError as e:
-                logger.warning("cancellation of %s not sent: %s", x.pd_id, e)
-                continue
-            for r in ranks:
-                self._posts.submit(self._post_cancel, f"{host}:{int(port) + r}", x.pd_id, body)
         for d in meta.producers_discard:
             self._producer_call(rt.producer_discard, d.pd_id, d.capability, d.reason or "finished before scheduled")
         self._step_chunks = []
@@ -270,8 +259,12 @@ class PdWorker:
             # The prefill ranks first: a prefill TP size the model's heads
             # cannot split over refuses the request before anything is
             # authorized.
-            ranks = self._senders(c.prefill_tp)
-            handshake = rt.consumer_open(c.pd_id, c.capability, c.first_block, c.block_ids, c.prefill_tp)
+            host, port = c.prefill_kv.rsplit(":", 1)
+            targets = [(f"{host}:{int(port) + r}", r) for r in self._senders(c.prefill_tp)]
+            # The runtime sends the handshake from its own threads (never
+            # waiting for this process's GIL) and fails at once a rank that
+            # refuses it or where nothing listens.
+            rt.consumer_open(c.pd_id, c.capability, c.first_block, c.block_ids, c.prefill_tp, targets)
         except OrbitKVError as e:
             # Nothing was authorized: vLLM recomputes the prompt here.
             logger.warning("request %s: KV cannot be received (%s); decode recomputes it", c.req_id, e)
@@ -280,42 +273,6 @@ class PdWorker:
             return
         self._consumer_req[c.pd_id] = c.req_id
         self._consumer_blocks[c.pd_id] = c.block_ids
-        host, port = c.prefill_kv.rsplit(":", 1)
-        m = _GENERATION.search(handshake, 0, 1024)  # request_id and capability come first
-        generation = int(m.group(1)) if m else -1
-        for r in ranks:
-            addr = f"{host}:{int(port) + r}"
-            self._posts.submit(self._post, addr, handshake, c.pd_id, generation, r)
-
-    def _post(self, addr: str, handshake: str, pd_id: str, generation: int, rank: int) -> None:
-        try:
-            post_handshake(
-                addr, handshake, timeout_s=min(10.0, self.config.timeout_s), key=self.config.side_channel_key
-            )
-            return
-        except HandshakeRejected as e:
-            # Refused (malformed, forbidden, bad signature): nothing admitted.
-            # A 503 (overloaded) may be transient but admitted nothing either.
-            refused = True
-            why = str(e)
-        except ConnectionRefusedError as e:
-            refused, why = True, f"{addr} is not listening: {e}"  # not delivered
-        except Exception as e:  # a timeout: it may have been admitted
-            refused, why = False, f"{type(e).__name__}: {e}"
-        logger.warning("handshake for %s to %s failed: %s", pd_id, addr, why)
-        if refused and self.runtime is not None and generation >= 0:
-            # Nothing from that rank can land: fail it now, not at the deadline.
-            try:
-                self.runtime.consumer_handshake_refused(pd_id, generation, rank, why)
-            except OrbitKVError as e:  # released or reopened meanwhile
-                logger.debug("handshake refusal for %s: %s", pd_id, e)
-
-    def _post_cancel(self, addr: str, pd_id: str, body: str) -> None:
-        try:
-            post_cancel(addr, body, timeout_s=min(10.0, self.config.timeout_s), key=self.config.side_channel_key)
-        except Exception as e:
-            # The producer then frees its blocks at its handshake deadline.
-            logger.warning("cancellation of %s to %s failed: %s", pd_id, addr, e)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         if not self._step_chunks:
@@ -431,7 +388,6 @@ class PdWorker:
     def shutdown(self) -> None:
         if self._ordered is not None:
             self._ordered.close()
-        self._posts.shutdown(wait=False, cancel_futures=True)
         if self.side_channel is not None:
             self.side_channel.close()
             self.side_channel = None
