@@ -9,12 +9,14 @@ device is taken from vLLM's platform and from the KV tensors themselves.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -37,6 +39,25 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("orbitkv.vllm.worker")
 
+
+
+@contextlib.contextmanager
+def _any_core(enabled: bool) -> Iterator[None]:
+    """Lets the calling thread (and so every thread it starts meanwhile) run
+    on any CPU of this machine, then restores its affinity."""
+    if not enabled or not hasattr(os, "sched_setaffinity"):
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    except OSError:  # a cpuset that forbids it: keep what we have
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def _delayed(delay_s: float, fn: Any, *args: Any) -> None:
@@ -137,6 +158,26 @@ class PdWorker:
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._kv_caches = dict(kv_caches)
         self._num_blocks = num_blocks
+        # Every thread started from here on (Mooncake's, the runtime's, the
+        # side channel's) inherits this thread's CPU affinity. On the CPU
+        # backend vLLM pins it to its rank's one OMP core, where vLLM's
+        # threads spin while a TP step waits on the other ranks: ours then
+        # got no CPU for tens of seconds (a handshake unanswered past its
+        # deadline). Start them free to run on any core.
+        with _any_core(not self.is_cuda):
+            self._start_transport(kv_caches, layout)
+        logger.info(
+            "OrbitKV rank %d/%d: mooncake %s, side channel %s, %d layers, %d blocks, head_major=%s",
+            self.tp_rank,
+            self.tp_size,
+            self.engine.endpoint if self.engine else "?",
+            self.side_channel.address if self.side_channel else "?",
+            len(names),
+            num_blocks,
+            layout["head_major"],
+        )
+
+    def _start_transport(self, kv_caches: dict[str, torch.Tensor], layout: dict[str, Any]) -> None:
         self.engine = MooncakeTransferEngine(
             bind_host=self.config.bind_host,
             nics=self.config.nics_for(self.tp_rank) or None,
@@ -170,16 +211,6 @@ class PdWorker:
             self.config.side_channel_host,
             port,
             key=self.config.side_channel_key,
-        )
-        logger.info(
-            "OrbitKV rank %d/%d: mooncake %s, side channel %s, %d layers, %d blocks, head_major=%s",
-            self.tp_rank,
-            self.tp_size,
-            self.engine.endpoint,
-            self.side_channel.address,
-            len(names),
-            num_blocks,
-            layout["head_major"],
         )
 
     # ---- per step ----------------------------------------------------------
