@@ -283,6 +283,10 @@ BAD_PARAMS = {
         "orbitkv_role": "consumer", "orbitkv_request": "x", "orbitkv_capability": CAP,
         "orbitkv_prefill_kv": "127.0.0.1:17500", "orbitkv_prefill_tp": 0,
     },
+    "decode tp zero": {"orbitkv_role": "producer", "orbitkv_request": "x", "orbitkv_capability": CAP, "orbitkv_decode_tp": 0},
+    "decode tp a bool": {
+        "orbitkv_role": "producer", "orbitkv_request": "x", "orbitkv_capability": CAP, "orbitkv_decode_tp": True,
+    },
     "request id with spaces": {"orbitkv_role": "producer", "orbitkv_request": "a b", "orbitkv_capability": CAP},
     "request id a list": {"orbitkv_role": "producer", "orbitkv_request": ["x"], "orbitkv_capability": CAP},
     "unknown key": {"orbitkv_role": "producer", "orbitkv_request": "x", "orbitkv_capability": CAP, "orbitkv_rkey": 1},
