@@ -29,6 +29,7 @@ import contextlib
 import http.client
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -61,11 +62,36 @@ class ClusterError(RuntimeError):
     """A process of the cluster failed to start, died, or a wait ran out."""
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+# Ports handed out: below the kernel's ephemeral range (32768+ by default),
+# so no outgoing connection takes one between our check and the server's
+# bind, and away from Mooncake's (12001, 15000-17000).
+_PORTS = (20000, 32000)
+_taken: set[int] = set()
+_ports_lock = threading.Lock()
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((HOST, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(span: int = 1) -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now, with the
+    ``span - 1`` ports after it free too (a TP instance's side channels),
+    outside the ephemeral range and never handed out twice by this process."""
+    rng = random.Random()
+    with _ports_lock:
+        for _ in range(500):
+            p = rng.randrange(_PORTS[0], _PORTS[1] - span)
+            ports = range(p, p + span)
+            if not _taken.intersection(ports) and all(_bindable(q) for q in ports):
+                _taken.update(ports)
+                return p
+    raise ClusterError(f"no {span} free port(s) in {_PORTS[0]}..{_PORTS[1]}")
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -475,7 +501,7 @@ class Cluster:
         self.prefill = InstanceSpec(
             "prefill",
             pp,
-            sc_p or free_port(),
+            sc_p or free_port(prefill_tp),
             "|".join(str(r % 2) for r in range(prefill_tp)),
             {**common, **(prefill_config or {})},
             dict(prefill_env or {}),
@@ -484,7 +510,7 @@ class Cluster:
         self.decode = InstanceSpec(
             "decode",
             dp,
-            sc_d or free_port(),
+            sc_d or free_port(decode_tp),
             "|".join(str((r + 1) % 2) for r in range(decode_tp)),
             {**common, **(decode_config or {})},
             dict(decode_env or {}),
