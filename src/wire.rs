@@ -165,6 +165,28 @@ pub struct Notice {
 }
 
 impl Notice {
+    /// What a consumer counts when producer rank `producer_rank` refused its
+    /// handshake of `generation` (or nobody received it): that rank failed,
+    /// nothing from it can land.
+    pub fn handshake_refused(
+        request_id: RequestId,
+        generation: Generation,
+        producer_rank: u32,
+        reason: &str,
+    ) -> Self {
+        Self {
+            version: WIRE_VERSION,
+            request_id,
+            generation,
+            producer_rank: ProducerRank(producer_rank),
+            outcome: Outcome::Failed,
+            reason: Some(format!(
+                "producer rank {producer_rank} refused the handshake: {reason}"
+            )),
+            bytes: 0,
+        }
+    }
+
     pub fn from_json(text: &[u8]) -> Result<Self, ProtocolError> {
         let text = std::str::from_utf8(text).map_err(|_| ProtocolError::Malformed {
             what: "notice",

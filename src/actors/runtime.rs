@@ -385,17 +385,12 @@ impl Runtime {
                 current: g.0,
             });
         }
-        addr.do_send(NoticeArrived(crate::wire::Notice {
-            version: WIRE_VERSION,
-            request_id: request.clone(),
+        addr.do_send(NoticeArrived(crate::wire::Notice::handshake_refused(
+            request.clone(),
             generation,
-            producer_rank: crate::ids::ProducerRank(producer_rank),
-            outcome: crate::wire::Outcome::Failed,
-            reason: Some(format!(
-                "producer rank {producer_rank} refused the handshake: {reason}"
-            )),
-            bytes: 0,
-        }));
+            producer_rank,
+            reason,
+        )));
         Ok(())
     }
 

@@ -21,8 +21,8 @@ use crossbeam_channel::{Receiver, Sender};
 use super::signature::{sign, SIGNATURE_HEADER};
 use crate::actors::messages::NoticeArrived;
 use crate::actors::request::ConsumerActor;
-use crate::ids::{Generation, ProducerRank, RequestId};
-use crate::wire::{Notice, Outcome, WIRE_VERSION};
+use crate::ids::{Generation, RequestId};
+use crate::wire::Notice;
 
 /// Paths of the prefill side channel.
 pub const HANDSHAKE_PATH: &str = "/orbitkv/v1/handshake";
@@ -124,18 +124,12 @@ fn run(job: Job, key: Option<&[u8]>, timeout: Duration) {
             };
             if let Some(reason) = refused {
                 tracing::warn!(request = %j.request, rank = j.producer_rank, "handshake refused: {reason}");
-                j.consumer.do_send(NoticeArrived(Notice {
-                    version: WIRE_VERSION,
-                    request_id: j.request,
-                    generation: j.generation,
-                    producer_rank: ProducerRank(j.producer_rank),
-                    outcome: Outcome::Failed,
-                    reason: Some(format!(
-                        "producer rank {} refused the handshake: {reason}",
-                        j.producer_rank
-                    )),
-                    bytes: 0,
-                }));
+                j.consumer.do_send(NoticeArrived(Notice::handshake_refused(
+                    j.request,
+                    j.generation,
+                    j.producer_rank,
+                    &reason,
+                )));
             }
         }
     }
