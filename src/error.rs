@@ -83,6 +83,11 @@ pub enum TransportError {
     /// Any other error reported by Mooncake through the shim.
     #[error("Mooncake: {0}")]
     Mooncake(String),
+
+    /// The CUDA driver (used to order writes after the GPU wrote a layer)
+    /// could not be loaded or reported an error.
+    #[error("CUDA: {0}")]
+    Cuda(String),
 }
 
 pub type TransportResult<T> = Result<T, TransportError>;
@@ -236,6 +241,7 @@ impl TransportError {
             Self::NotifyFailed { .. } => "NotificationError",
             Self::InvalidArgument(_) => "InvalidArgumentError",
             Self::Mooncake(_) => "MooncakeError",
+            Self::Cuda(_) => "CudaError",
         }
     }
 
@@ -256,6 +262,7 @@ impl TransportError {
             Self::NotifyFailed { .. } => "NotifyFailed",
             Self::InvalidArgument(_) => "InvalidArgument",
             Self::Mooncake(_) => "Mooncake",
+            Self::Cuda(_) => "Cuda",
         }
     }
 }
@@ -374,6 +381,7 @@ mod tests {
             }
             .into(),
             TransportError::InvalidArgument(String::new()).into(),
+            TransportError::Cuda(String::new()).into(),
             t("x").into(),
             ProtocolError::Endpoint(String::new()).into(),
             GeometryError::NoLayers.into(),

@@ -8,7 +8,10 @@
 //! * [`writer`]: `LayerWriter` per peer, the completion poller.
 //! * [`router`]: the `NotificationRouter`.
 //! * [`messages`]: every message, one struct each.
+//! * [`gate`]: the layer gate, a thread that admits a GPU layer once its
+//!   kernels ran (a CUDA event), off any Python lock.
 
+pub mod gate;
 pub mod messages;
 pub mod preopen;
 pub mod request;

@@ -255,6 +255,15 @@ impl Runtime {
         self.stats.snapshot()
     }
 
+    /// Counts one step's layer admitted through a layer gate after `lag`
+    /// (handed over → admitted); `layers` request-layers were in it.
+    pub fn note_layer_gate(&self, lag: Duration, layers: usize) {
+        if layers > 0 {
+            self.stats.ready_items.inc();
+            self.stats.ready_lag_micros.add(lag.as_micros() as u64);
+        }
+    }
+
     // ---- decode side ----------------------------------------------------
 
     /// Authorizes `block_ids` of this rank for request blocks

@@ -43,6 +43,20 @@ pub struct Stats {
     pub parked_expired: Counter,
     /// Sum over completed consumer requests of open → complete, in µs.
     pub transfer_micros: Counter,
+    /// Steps' layers handed to the layer gate and admitted.
+    pub ready_items: Counter,
+    /// Sum over them of handed over → admitted (the GPU's lag behind the
+    /// worker's launches, plus queueing), in µs.
+    pub ready_lag_micros: Counter,
+    /// Write batches submitted to Mooncake.
+    pub write_batches: Counter,
+    /// Sum of the time spent inside Mooncake's submit call, in µs.
+    pub write_submit_micros: Counter,
+    /// Sum over batches of submitted → seen ended, in µs.
+    pub write_batch_micros: Counter,
+    /// Sum over layer writes of admitted by the writer → written, in µs
+    /// (waiting for the per-peer budget included).
+    pub layer_write_micros: Counter,
 }
 
 /// A point-in-time copy of [`Stats`].
@@ -65,6 +79,12 @@ pub struct StatsSnapshot {
     pub side_channel_overloaded: u64,
     pub parked_expired: u64,
     pub transfer_micros: u64,
+    pub ready_items: u64,
+    pub ready_lag_micros: u64,
+    pub write_batches: u64,
+    pub write_submit_micros: u64,
+    pub write_batch_micros: u64,
+    pub layer_write_micros: u64,
 }
 
 impl Stats {
@@ -87,6 +107,12 @@ impl Stats {
             side_channel_overloaded: self.side_channel_overloaded.get(),
             parked_expired: self.parked_expired.get(),
             transfer_micros: self.transfer_micros.get(),
+            ready_items: self.ready_items.get(),
+            ready_lag_micros: self.ready_lag_micros.get(),
+            write_batches: self.write_batches.get(),
+            write_submit_micros: self.write_submit_micros.get(),
+            write_batch_micros: self.write_batch_micros.get(),
+            layer_write_micros: self.layer_write_micros.get(),
         }
     }
 }

@@ -107,6 +107,8 @@ struct Job {
     failed_to: Recipient<LayerWriteFailed>,
     /// The write in flight, for the trace (closed when the job ends).
     span: tracing::Span,
+    /// When the writer took the write.
+    admitted: Instant,
 }
 
 /// Writes to one peer. Bounds the bytes and the ranges it has in flight
@@ -124,8 +126,8 @@ pub struct LayerWriter {
     in_flight_ranges: usize,
     jobs: HashMap<u64, Job>,
     queue: VecDeque<u64>,
-    /// Batch token -> (job, bytes, ranges).
-    pending: HashMap<u64, (u64, u64, usize)>,
+    /// Batch token -> (job, bytes, ranges, submitted at).
+    pending: HashMap<u64, (u64, u64, usize, Instant)>,
     next_token: u64,
     next_job: u64,
     stats: Arc<Stats>,
@@ -155,8 +157,14 @@ impl LayerWriter {
                 generation = job.generation.0, peer = %self.peer, ranges = chunk.len(), bytes)
             .entered();
             let n = chunk.len();
-            match self.transport.submit_write(&self.peer, chunk) {
+            let submitting = Instant::now();
+            let submitted = self.transport.submit_write(&self.peer, chunk);
+            self.stats
+                .write_submit_micros
+                .add(submitting.elapsed().as_micros() as u64);
+            match submitted {
                 Ok(handle) => {
+                    self.stats.write_batches.inc();
                     let token = self.next_token;
                     self.next_token += 1;
                     let job_deadline = Instant::now() + self.write_timeout;
@@ -174,7 +182,7 @@ impl LayerWriter {
                     job.outstanding += 1;
                     self.in_flight += bytes;
                     self.in_flight_ranges += n;
-                    self.pending.insert(token, (id, bytes, n));
+                    self.pending.insert(token, (id, bytes, n, submitting));
                 }
                 Err(e) => {
                     tracing::warn!(peer = %self.peer, error = %e, "submit failed");
@@ -192,6 +200,9 @@ impl LayerWriter {
             return;
         }
         let job = self.jobs.remove(&id).expect("checked above");
+        self.stats
+            .layer_write_micros
+            .add(job.admitted.elapsed().as_micros() as u64);
         match job.failed {
             None => {
                 job.span.record("result", "ok");
@@ -246,6 +257,7 @@ impl Handler<WriteLayer> for LayerWriter {
                 done_to: msg.done_to,
                 failed_to: msg.failed_to,
                 span,
+                admitted: Instant::now(),
             },
         );
         self.queue.push_back(id);
@@ -256,9 +268,12 @@ impl Handler<WriteLayer> for LayerWriter {
 impl Handler<BatchFinished> for LayerWriter {
     type Result = ();
     fn handle(&mut self, msg: BatchFinished, ctx: &mut Context<Self>) {
-        let Some((id, bytes, n)) = self.pending.remove(&msg.token) else {
+        let Some((id, bytes, n, submitted)) = self.pending.remove(&msg.token) else {
             return;
         };
+        self.stats
+            .write_batch_micros
+            .add(submitted.elapsed().as_micros() as u64);
         self.in_flight -= bytes;
         self.in_flight_ranges -= n;
         if let Some(job) = self.jobs.get_mut(&id) {

@@ -66,6 +66,15 @@ extern "C" {
         msg_len: usize,
     ) -> c_int;
     pub fn okv_take_notifies(e: *mut OkvEngine, cb: OkvNotifyCb, ctx: *mut c_void) -> c_int;
+
+    // CUDA driver (libcuda.so.1, loaded on first use): see `cuda.rs`.
+    pub fn okv_cuda_load() -> c_int;
+    pub fn okv_cuda_current_context(ctx: *mut *mut c_void) -> c_int;
+    pub fn okv_cuda_set_context(ctx: *mut c_void) -> c_int;
+    pub fn okv_cuda_event_new(ev: *mut *mut c_void) -> c_int;
+    pub fn okv_cuda_event_record(ev: *mut c_void, stream: u64) -> c_int;
+    pub fn okv_cuda_event_wait(ev: *mut c_void) -> c_int;
+    pub fn okv_cuda_event_free(ev: *mut c_void) -> c_int;
 }
 
 /// The message the shim stored for the last failed call on this thread.

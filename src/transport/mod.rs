@@ -4,9 +4,12 @@
 //!   exception-safe, loaded with dlopen at run time.
 //! * [`library`]: where `engine.so` (and libpython) is found; the version pin.
 //! * [`mooncake`]: [`MooncakeTransferEngine`], the safe wrapper.
+//! * [`cuda`]: GPU events from the CUDA driver (through the same shim), so a
+//!   layer is written only after the kernel that wrote it ran.
 
 use std::time::Instant;
 
+pub mod cuda;
 pub mod ffi;
 pub mod library;
 pub mod mooncake;

@@ -714,7 +714,20 @@ class Fleet:
         self.ndec = mk("nixl-decode", 1, "nixl")
         self.orbit_env = orbit_env
         self.servers = [self.single, self.opre, self.odec, self.npre, self.ndec]
+        # A/B: a second OrbitKV pair that orders its GPU writes with the older
+        # Python thread (ORBITKV_LAYER_GATE=python) instead of the Rust layer gate
+        self.ab = bool(ctx.args.ab_python_gate)
+        self.pairs: dict[str, list[Server]] = {"single": [self.single], "orbit": [self.opre, self.odec],
+                                                "nixl": [self.npre, self.ndec]}
+        if self.ab:
+            py_env = dict(orbit_env, ORBITKV_LAYER_GATE="python")
+            self.opre_py = mk("orbitpy-prefill", 0, "orbit", py_env)
+            self.odec_py = mk("orbitpy-decode", 1, "orbit", py_env)
+            self.servers += [self.opre_py, self.odec_py]
+            self.pairs["orbit-py"] = [self.opre_py, self.odec_py]
+        self.systems = [k for k in ("single", "orbit", "orbit-py", "nixl") if k in self.pairs]
         self.proxies: list[Proc] = []
+        self.proxy_logs: dict[str, Path] = {}
         self.urls: dict[str, str] = {}
         self.failed: dict[str, str] = {}
 
@@ -726,12 +739,15 @@ class Fleet:
         self.failed = wait_ready(self.ctx, self.servers, timeout_s)
         if self.single.ready_s:
             self.urls["single"] = self.single.url
-        for kind, pre, dec in (("orbit", self.opre, self.odec), ("nixl", self.npre, self.ndec)):
+        for system, (pre, dec) in ((k, v) for k, v in self.pairs.items() if k != "single"):
+            kind = "nixl" if system == "nixl" else "orbit"
             if pre.ready_s and dec.ready_s:
                 try:
-                    p, url = start_proxy(self.ctx, kind, f"{pre.name.rsplit('-', 1)[0]}-proxy", pre, dec)
+                    pname = f"{pre.name.rsplit('-', 1)[0]}-proxy"
+                    p, url = start_proxy(self.ctx, kind, pname, pre, dec)
                     self.proxies.append(p)
-                    self.urls[kind] = url
+                    self.urls[system] = url
+                    self.proxy_logs[system] = self.ctx.work / "logs" / f"{pname}.log"
                 except Exception as e:  # noqa: BLE001
                     self.failed[f"{kind}-proxy"] = f"{type(e).__name__}: {e}"
         return self.failed
@@ -744,7 +760,7 @@ class Fleet:
                 k: v for k, v in self.failed.items() if k.endswith("proxy")}}
 
     def pair(self, system: str) -> list[Server]:
-        return {"single": [self.single], "orbit": [self.opre, self.odec], "nixl": [self.npre, self.ndec]}[system]
+        return self.pairs[system]
 
     def stop(self) -> None:
         stop(self.ctx, self.proxies + self.servers)
@@ -793,6 +809,44 @@ BENCH_KEYS = ("completed", "failed", "duration", "total_input_tokens", "total_ou
               "p99_e2el_ms")
 
 
+PROXY_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*: decode=(\S+) prefill_s=(\S+) "
+                        r"first_byte_s=(\S+) done_s=(\S+)")
+
+
+def proxy_breakdown(log: Path, t0: float, t1: float) -> dict[str, Any]:
+    """From the proxies' per-request lines (orbitkv.proxy, nixl_proxy.py) of
+    requests that ended in [t0, t1]: medians and p90 of when the prefill
+    answered, decode's first byte came, and of the gap between the two (the
+    hand-off as the client sees it), in ms after the proxy took the request."""
+    pre: list[float] = []
+    first: list[float] = []
+    gap: list[float] = []
+    n = 0
+    with contextlib.suppress(OSError):
+        for line in log.read_text(errors="replace").splitlines():
+            m = PROXY_LINE.match(line)
+            if not m:
+                continue
+            t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1e3
+            if not t0 <= t <= t1 + 1:
+                continue
+            n += 1
+            p = None if m.group(4) == "-" else float(m.group(4)) * 1e3
+            f = None if m.group(5) == "-" else float(m.group(5)) * 1e3
+            if p is not None:
+                pre.append(p)
+            if f is not None:
+                first.append(f)
+            if p is not None and f is not None:
+                gap.append(f - p)
+
+    def stat(xs: list[float]) -> dict[str, float] | None:
+        return {"p50": round(statistics.median(xs), 1), "p90": round(q(xs, 0.9), 1), "n": len(xs)} if xs else None
+
+    return {"requests": n, "prefill_answer_ms": stat(pre), "first_byte_ms": stat(first),
+            "first_byte_minus_prefill_ms": stat(gap)}
+
+
 def stage_b(ctx: Ctx, fleet: Fleet, name: str) -> dict[str, Any]:
     ctx.log(f"stage {name}: start")
     out: dict[str, Any] = {"stage": name, "started": time.time(), "eager": fleet.eager, "startup": fleet.startup(),
@@ -801,8 +855,8 @@ def stage_b(ctx: Ctx, fleet: Fleet, name: str) -> dict[str, Any]:
                                       "warmup": ctx.args.bench_warmup}, "systems": {}}
     bdir = ctx.work / "bench" / name
     bdir.mkdir(parents=True, exist_ok=True)
-    order = [s for s in ("single", "orbit", "nixl") if s in fleet.urls]
-    for system in ("single", "orbit", "nixl"):
+    order = [s for s in fleet.systems if s in fleet.urls]
+    for system in fleet.systems:
         if system not in fleet.urls:
             out["systems"][system] = {"error": "not running: " + "; ".join(
                 f"{s.name}: {(s.error or '')[:3000]}" for s in fleet.pair(system) if s.error) or "proxy failed"}
@@ -845,6 +899,8 @@ def stage_b(ctx: Ctx, fleet: Fleet, name: str) -> dict[str, Any]:
                 if "traceback" in entry:
                     r["traceback"] = entry["traceback"][-3000:]
                 r["servers"] = sampler.peaks(entry["start"], entry["end"])
+                if system in fleet.proxy_logs:
+                    r["proxy_breakdown"] = proxy_breakdown(fleet.proxy_logs[system], entry["start"], entry["end"])
                 sysres["runs"][entry["tag"]] = r
         if not sysres["runs"]:
             sysres["client_log_tail"] = error_excerpt(log, 40)
@@ -866,7 +922,7 @@ def stage_b(ctx: Ctx, fleet: Fleet, name: str) -> dict[str, Any]:
 def stage_c(ctx: Ctx, fleet: Fleet, name: str) -> dict[str, Any]:
     ctx.log(f"stage {name}: start")
     lengths = ctx.args.ttft_lengths
-    systems = [s for s in ("single", "orbit", "nixl") if s in fleet.urls]
+    systems = [s for s in fleet.systems if s in fleet.urls]
     out: dict[str, Any] = {"stage": name, "started": time.time(), "eager": fleet.eager, "startup": fleet.startup(),
                            "lengths": lengths, "systems": systems, "reps": ctx.args.ttft_reps,
                            "warmup_rounds": ctx.args.ttft_warmup, "gen_tokens": ctx.args.ttft_gen,
@@ -883,6 +939,11 @@ def stage_c(ctx: Ctx, fleet: Fleet, name: str) -> dict[str, Any]:
             return None
         return r.ttft_s
 
+    if not systems:
+        out["errors"].append({"error": "no system is running"})
+        ctx.save(name, out)
+        ctx.log(f"stage {name}: no system is running")
+        return out
     watched = [s for sys_ in systems for s in fleet.pair(sys_) if sys_ != "single"]
     before = {s.name: snapshot(s.url) for s in watched}
     for w in range(ctx.args.ttft_warmup):
@@ -1088,19 +1149,60 @@ def report(d: Path) -> str:
                     f"{f('mean_tpot_ms')} | {f('output_throughput')} | "
                     f"{pre.get('kv_usage_peak', float('nan')):.1%} | {dec.get('waiting_peak', '-')} |")
         lines.append("")
+        # where the time goes: the proxies' per-request lines, OrbitKV's counters
+        rows = []
+        for system, sr in r.get("systems", {}).items():
+            for tag, x in sr.get("runs", {}).items():
+                pb = x.get("proxy_breakdown")
+                if tag.startswith("warm") or not pb:
+                    continue
+                g = lambda k: (f"{pb[k]['p50']:.0f} / {pb[k]['p90']:.0f}" if pb.get(k) else "-")  # noqa: E731
+                rows.append(f"| {system} | {x.get('concurrency')} | {pb['requests']} | {g('prefill_answer_ms')} | "
+                            f"{g('first_byte_ms')} | {g('first_byte_minus_prefill_ms')} |")
+        if rows:
+            lines += ["Proxy view per request (ms after the proxy took it, p50 / p90): when the prefill "
+                      "answered, when decode's first byte came, and the gap between them.", "",
+                      "| system | in flight | requests | prefill answered | first byte | first byte − prefill |",
+                      "|---|---|---|---|---|---|"] + rows + [""]
+        rows = []
+        for system, sr in r.get("systems", {}).items():
+            md = sr.get("metrics_delta", {})
+            pre = next((v for k, v in md.items() if "prefill" in k), None)
+            dec = next((v for k, v in md.items() if "decode" in k), None)
+            if not pre or not system.startswith("orbit"):
+                continue
+            c = lambda m, k: m.get(f"vllm:orbitkv_{k}_total", m.get(f"vllm:orbitkv_{k}", 0.0))  # noqa: E731
+            per = lambda a, b: (f"{1e3 * a / b:.2f}" if b else "-")  # noqa: E731
+            items, batches, lw = c(pre, "ready_layers"), c(pre, "write_batches"), c(pre, "layer_writes")
+            done = c(dec or {}, "transfers_completed")
+            rows.append(f"| {system} | {items:.0f} | {per(c(pre, 'ready_lag_seconds'), items)} | {batches:.0f} | "
+                        f"{per(c(pre, 'write_submit_seconds'), batches)} | {per(c(pre, 'write_batch_seconds'), batches)} | "
+                        f"{lw:.0f} | {per(c(pre, 'layer_write_seconds'), lw)} | {done:.0f} | "
+                        f"{per(c(dec or {}, 'transfer_seconds'), done)} |")
+        if rows:
+            lines += ["OrbitKV's counters over the whole system run (mean ms): a step's layer launched → admitted "
+                      "(GPU lag + gate), Mooncake submit call, batch submitted → ended, layer write admitted → "
+                      "written, decode's authorization → KV complete.", "",
+                      "| system | layers admitted | launched → admitted | batches | submit call | batch | "
+                      "layer writes | layer write | transfers | authorized → complete |",
+                      "|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
     for st in ("c-default", "c-eager"):
         r = _load(d, st)
         if not r or "summary" not in r:
             continue
         s = r["summary"]
+        others = [x for x in r.get("systems", ["single", "orbit", "nixl"]) if x != "single"]
+        names = {"orbit": "OrbitKV P/D", "orbit-py": "OrbitKV P/D, Python gate", "nixl": "NIXL P/D"}
         lines += [f"## {st}: TTFT, medians of {r['reps']} (fresh prompt per request), ms", "",
-                  "| prompt tokens | one engine | OrbitKV P/D | NIXL P/D | OrbitKV ÷ one | NIXL ÷ one |",
-                  "|---|---|---|---|---|---|"]
+                  "| prompt tokens | one engine | " + " | ".join(names.get(x, x) for x in others) + " | "
+                  + " | ".join(f"{names.get(x, x)} ÷ one" for x in others) + " |",
+                  "|---|---|" + "---|" * (2 * len(others))]
         for n in r["lengths"]:
             g = lambda sysn: s.get(sysn, {}).get(str(n), {}).get("median_ms")  # noqa: E731
-            one, ob, nx = g("single"), g("orbit"), g("nixl")
+            one = g("single")
             rat = lambda v: f"{v / one:.2f}" if (v and one) else "-"  # noqa: E731
-            lines.append(f"| {n} | {one} | {ob} | {nx} | {rat(ob)} | {rat(nx)} |")
+            lines.append(f"| {n} | {one} | " + " | ".join(str(g(x)) for x in others) + " | "
+                         + " | ".join(rat(g(x)) for x in others) + " |")
         if r.get("errors"):
             lines.append(f"\nerrors: {len(r['errors'])}, first: {json.dumps(r['errors'][0])[:400]}")
         lines.append("")
@@ -1134,7 +1236,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--start-timeout-s", type=float, default=480)
     p.add_argument("--gpu-mem-util", type=float, default=0.04)
     p.add_argument("--small-kv-gib", type=float, default=2)
-    p.add_argument("--big-kv-gib", type=float, default=14)
+    p.add_argument("--big-kv-gib", type=float, default=12)
+    p.add_argument("--no-ab", dest="ab_python_gate", action="store_false",
+                   help="no A/B OrbitKV pair with the Python layer-ordering thread (ORBITKV_LAYER_GATE=python)")
     p.add_argument("--big-max-model-len", type=int, default=36864)
     p.add_argument("--gen", type=int, default=12, help="tokens generated per correctness request")
     p.add_argument("--tol-fp32", type=float, default=0.01)

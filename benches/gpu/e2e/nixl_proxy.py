@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import logging
 import sys
+import time
 import uuid
 
 import aiohttp
@@ -59,9 +60,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     pbody["stream"] = False
     pbody.pop("stream_options", None)
     pbody["kv_transfer_params"] = dict(PREFILL_PARAMS)
+    t0 = time.monotonic()
+    t_first = None
     try:
         async with session.post(cfg["prefill"] + request.path, json=pbody, headers=headers) as r:
             raw = await r.read()
+            t_prefill = time.monotonic()
             if r.status != 200:
                 return web.Response(status=r.status, body=raw, content_type="application/json")
             pjson = await r.json(content_type=None)
@@ -82,8 +86,13 @@ async def generate(request: web.Request) -> web.StreamResponse:
             resp.content_type = r.headers.get("Content-Type", "text/event-stream").split(";")[0]
             await resp.prepare(request)
             async for chunk in r.content.iter_any():
+                if t_first is None:
+                    t_first = time.monotonic()
                 await resp.write(chunk)
             await resp.write_eof()
+            # the same line as orbitkv.proxy's, for the driver's breakdown
+            logger.info("%s %s: decode=%s prefill_s=%.4f first_byte_s=%s done_s=%.4f", rid, request.path, r.status,
+                        t_prefill - t0, "-" if t_first is None else f"{t_first - t0:.4f}", time.monotonic() - t0)
             return resp
     except aiohttp.ClientError as e:
         return _error(502, f"decode: {type(e).__name__}: {e}")

@@ -177,7 +177,7 @@ pub(crate) fn transport_error(py: Python<'_>, err: TransportError) -> PyErr {
             vec![("peer", peer.into()), ("reason", reason.into())]
         }
         TransportError::InvalidArgument(reason) => vec![("reason", reason.into())],
-        TransportError::Mooncake(reason) => vec![("reason", reason.into())],
+        TransportError::Mooncake(reason) | TransportError::Cuda(reason) => vec![("reason", reason.into())],
     };
     new_error(py, class, kind, message, details)
 }

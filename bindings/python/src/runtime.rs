@@ -7,10 +7,12 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use orbitkv::actors::gate::{GateCall, LayerGate, Mark};
+use orbitkv::transport::cuda::CudaEvents;
 use orbitkv::{
     Cancel, Capability, KvLayout, Outcome, RequestId, Runtime, RuntimeConfig, RuntimeError, RuntimeEvent,
 };
-use parking_lot::RwLock;
+use parking_lot::{Mutex, RwLock};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -243,6 +245,9 @@ impl From<RuntimeEvent> for PyRuntimeEvent {
 pub struct PyRuntime {
     inner: RwLock<Option<Arc<Runtime>>>,
     endpoint: String,
+    /// The layer gate and the CUDA events it waits for, started on the first
+    /// `layers_ready_after` (GPU workers only).
+    gate: Mutex<Option<(LayerGate, Arc<CudaEvents>)>>,
 }
 
 impl PyRuntime {
@@ -307,6 +312,7 @@ impl PyRuntime {
         Ok(Self {
             inner: RwLock::new(Some(Arc::new(rt))),
             endpoint,
+            gate: Mutex::new(None),
         })
     }
 
@@ -462,6 +468,78 @@ impl PyRuntime {
             .map_err(|e| runtime_error(py, e))
     }
 
+    /// Prefill side, on a GPU: `layer` of each request in `chunks`
+    /// (`(request_id, start, end)`, request blocks `[start, end)`) was
+    /// *launched* on CUDA stream `stream` (a `cudaStream_t` as an int) by
+    /// the calling thread. Records an event there and returns at once; the
+    /// runtime's layer gate waits for the event on its own thread (no GIL)
+    /// and then admits the layer for each request, in call order. A request
+    /// released meanwhile is skipped; a failed wait aborts the requests.
+    fn layers_ready_after(
+        &self,
+        py: Python<'_>,
+        stream: u64,
+        layer: u32,
+        chunks: Vec<(String, u32, u32)>,
+    ) -> PyResult<()> {
+        let rt = self.rt(py)?;
+        let layers = rt.layout().layers.len();
+        if layer as usize >= layers {
+            return Err(runtime_error(
+                py,
+                orbitkv::GeometryError::LayerOutOfRange {
+                    layer,
+                    num_layers: layers,
+                }
+                .into(),
+            ));
+        }
+        let mut calls = Vec::with_capacity(chunks.len());
+        for (request, start, end) in chunks {
+            if end < start {
+                return Err(invalid_argument(
+                    py,
+                    format!("block range [{start}, {end}) is reversed"),
+                ));
+            }
+            calls.push(GateCall::Ready {
+                request: RequestId::new(&request),
+                layer,
+                blocks: start..end,
+            });
+        }
+        let mut gate = self.gate.lock();
+        if gate.is_none() {
+            let events = CudaEvents::load().map_err(|e| transport_error(py, e))?;
+            *gate = Some((LayerGate::start(rt.clone()), Arc::new(events)));
+        }
+        let (gate, events) = gate.as_ref().expect("started above");
+        let mark = events.record(stream).map_err(|e| transport_error(py, e))?;
+        gate.push(Some(Box::new(mark) as Box<dyn Mark>), calls)
+            .map_err(|e| runtime_error(py, e))
+    }
+
+    /// Prefill side, on a GPU: `producer_finish` once every layer handed to
+    /// `layers_ready_after` before was admitted. Without a gate (nothing
+    /// was handed over) it is `producer_finish` now.
+    fn producer_finish_after(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
+        let rt = self.rt(py)?;
+        let gate = self.gate.lock();
+        match gate.as_ref() {
+            Some((gate, _)) => gate
+                .push(
+                    None,
+                    vec![GateCall::Finish {
+                        request: RequestId::new(request_id),
+                    }],
+                )
+                .map_err(|e| runtime_error(py, e)),
+            None => rt
+                .producer_finish(&RequestId::new(request_id))
+                .map_err(|e| runtime_error(py, e)),
+        }
+    }
+
     /// Prefill side: no more layers come; notify the consumer once drained.
     fn producer_finish(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
         self.rt(py)?
@@ -537,6 +615,12 @@ impl PyRuntime {
 
     /// Stops the actors (writes in flight are abandoned). Idempotent.
     fn shutdown(&self, py: Python<'_>) {
+        // The gate first: what it holds runs (or finds its request gone),
+        // and it lets go of the runtime.
+        let gate = self.gate.lock().take();
+        if let Some(gate) = gate {
+            py.detach(move || drop(gate));
+        }
         let rt = self.inner.write().take();
         if let Some(rt) = rt {
             py.detach(move || drop(rt));

@@ -200,7 +200,7 @@ def test_hierarchy():
     assert issubclass(errors.ForbiddenError, PermissionError)
     assert issubclass(errors.SideChannelError, OSError)
     assert issubclass(errors.HandshakeRejected, RuntimeError)
-    assert len(set(classes)) == len(classes) == 26
+    assert len(set(classes)) == len(classes) == 27
 
 
 # --- loading Mooncake (fresh interpreters) ------------------------------------

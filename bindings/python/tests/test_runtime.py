@@ -146,3 +146,31 @@ def test_shutdown_is_idempotent_and_later_calls_raise(ranks: tuple[Rank, Rank]) 
     p.runtime.shutdown()
     with pytest.raises(orbitkv.RuntimeStoppedError):
         p.runtime.producer_open("x", [0], CAP)
+
+
+def test_gpu_layer_gate_without_a_cuda_driver_is_a_typed_error(ranks: tuple[Rank, Rank]) -> None:
+    """`layers_ready_after` (the GPU path: a CUDA event, waited for in Rust)
+    on a machine without a CUDA driver: `CudaError`, nothing admitted, and
+    the request can still be served the CPU way; bad arguments are refused
+    before any CUDA call."""
+    p, c = ranks
+    dst = [3, 4]
+    hs = c.runtime.consumer_open("req-gate", CAP, 0, dst, 1)
+    p.runtime.producer_open("req-gate", [0, 1], CAP)
+    p.runtime.producer_handshake(hs)
+    with pytest.raises(orbitkv.GeometryError):
+        p.runtime.layers_ready_after(0, LAYERS, [("req-gate", 0, 2)])
+    with pytest.raises(orbitkv.InvalidArgumentError):
+        p.runtime.layers_ready_after(0, 0, [("req-gate", 2, 1)])
+    with pytest.raises(orbitkv.errors.CudaError) as ei:
+        p.runtime.layers_ready_after(0, 0, [("req-gate", 0, 2)])
+    assert "libcuda.so.1" in str(ei.value)
+    assert p.runtime.stats()["bytes_written"] == 0
+    assert bool(all((t == GUARD).all() for t in c.caches))
+    # No gate was started: producer_finish_after is producer_finish now.
+    for layer in range(LAYERS):
+        p.runtime.layer_ready("req-gate", layer, 0, 2)
+    p.runtime.producer_finish_after("req-gate")
+    assert wait_event(c.runtime, {"consumer_completed", "consumer_failed"}).kind == "consumer_completed"
+    assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
+    c.runtime.consumer_release("req-gate")

@@ -298,6 +298,17 @@ class Runtime:
         """Prefill side: `layer` is computed for request blocks `[start, end)`.
         Never waits for the transfer."""
 
+    def layers_ready_after(self, stream: int, layer: int, chunks: list[tuple[str, int, int]]) -> None:
+        """Prefill side, on a GPU: `layer` of each `(request_id, start, end)`
+        was launched on CUDA stream `stream` by the calling thread. Records an
+        event there and returns at once; the runtime's layer gate waits for it
+        on its own thread (no GIL) and then admits the layer for each request,
+        in call order. Raises `CudaError` when the CUDA driver cannot be used."""
+
+    def producer_finish_after(self, request_id: str) -> None:
+        """Prefill side, on a GPU: `producer_finish` once every layer handed to
+        `layers_ready_after` before was admitted."""
+
     def producer_finish(self, request_id: str) -> None:
         """Prefill side: no more layers come; notify the consumer once drained."""
 

@@ -32,6 +32,7 @@ __all__ = [
     "NotificationError",
     "InvalidArgumentError",
     "MooncakeError",
+    "CudaError",
     "HandshakeError",
     "GeometryError",
     "UnknownRequestError",
@@ -154,6 +155,11 @@ class InvalidArgumentError(OrbitKVError, ValueError):
 
 class MooncakeError(OrbitKVError):
     """Any other error Mooncake reported (batch status, notification queue)."""
+
+
+class CudaError(OrbitKVError):
+    """The CUDA driver (which orders a layer's write after the kernel that
+    wrote it) could not be loaded or reported an error."""
 
 
 # --- Request runtime -----------------------------------------------------------

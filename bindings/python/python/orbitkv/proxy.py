@@ -144,6 +144,13 @@ class _Exchange:
         self.capability = secrets.token_hex(32)
         self.response: web.StreamResponse | None = None
         self.stream = False
+        # Seconds after arrival (time.monotonic() based): the prefill's
+        # answer, decode's first byte, decode's end; logged once per request.
+        self.t0 = time.monotonic()
+        self.t_prefill: float | None = None
+        self.t_first: float | None = None
+        self.t_done: float | None = None
+        self.status: int | str = "-"
 
     async def run(self) -> web.StreamResponse:
         try:
@@ -154,7 +161,6 @@ class _Exchange:
             return _error_json(400, "request body must be a JSON object")
         self.stream = bool(body.get("stream"))
         path = self.request.path
-        t0 = time.monotonic()
         prefill = asyncio.create_task(
             self._prefill(path, prefill_body(body, self.cfg.params(PRODUCER, self.id, self.capability))),
             name=f"orbitkv-prefill-{self.id}",
@@ -178,7 +184,7 @@ class _Exchange:
                 if self.response is None:
                     return _error_json(502, f"decode failed: {type(exc).__name__}: {exc}")
                 return self.response  # the relay broke off mid-way; nothing more to send
-            status = decode.result()
+            status = self.status = decode.result()
             if status != 200:
                 await _cancel(prefill)  # decode refused it: the prefill is not needed
             else:
@@ -187,14 +193,28 @@ class _Exchange:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(asyncio.shield(prefill), timeout=5.0)
                 await _cancel(prefill)
-            logger.info("%s %s: decode %s in %.3fs", self.id, path, status, time.monotonic() - t0)
             assert self.response is not None
             return self.response
         finally:
             # Client gone (handler cancelled) or an error above: drop both calls,
             # which makes vLLM abort them.
+            self._log(path)
             await _cancel(decode)
             await _cancel(prefill)
+
+    def _log(self, path: str) -> None:
+        """One line per request, whatever happened (a client that hangs up
+        as soon as it has its answer cancels this handler): when the prefill
+        answered, when decode's first byte and its end came, in seconds after
+        arrival (``-``: never)."""
+
+        def at(t: float | None) -> str:
+            return "-" if t is None else f"{t - self.t0:.4f}"
+
+        logger.info(
+            "%s %s: decode=%s prefill_s=%s first_byte_s=%s done_s=%s",
+            self.id, path, self.status, at(self.t_prefill), at(self.t_first), at(self.t_done),
+        )
 
     def _headers(self) -> dict[str, str]:
         return {REQUEST_ID_HEADER: self.id}
@@ -202,6 +222,7 @@ class _Exchange:
     async def _prefill(self, path: str, body: dict[str, Any]) -> None:
         async with self.session.post(self.cfg.prefill + path, json=body, headers=self._headers()) as r:
             text = await r.text()
+            self.t_prefill = time.monotonic()
             if r.status != 200:
                 raise _BackendError(f"prefill answered {r.status}: {text[:500]}")
 
@@ -215,8 +236,11 @@ class _Exchange:
             await resp.prepare(self.request)
             self.response = resp
             async for chunk in r.content.iter_any():
+                if self.t_first is None:
+                    self.t_first = time.monotonic()
                 await resp.write(chunk)
             await resp.write_eof()
+            self.t_done = time.monotonic()
             return r.status
 
     async def _prefill_failed(self, decode: asyncio.Task, failure: str) -> web.StreamResponse:

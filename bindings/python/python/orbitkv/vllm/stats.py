@@ -27,6 +27,12 @@ COUNTERS = (
     "side_channel_overloaded",
     "parked_expired",
     "transfer_micros",
+    "ready_items",
+    "ready_lag_micros",
+    "write_batches",
+    "write_submit_micros",
+    "write_batch_micros",
+    "layer_write_micros",
 )
 
 
@@ -58,7 +64,10 @@ class PdConnectorStats(KVConnectorStats):
 
 _PROM = {
     "bytes_written": ("vllm:orbitkv_bytes_written", "KV bytes written to decode instances by OrbitKV."),
-    "layers_written": ("vllm:orbitkv_layer_writes", "Layer write batches OrbitKV completed."),
+    "layers_written": (
+        "vllm:orbitkv_layer_writes",
+        "Layer writes (one layer of one request to one decode rank) OrbitKV completed.",
+    ),
     "writes_failed": ("vllm:orbitkv_write_failures", "Layer write batches that failed."),
     "notices_failed": ("vllm:orbitkv_notice_failures", "Completion notices that could not be sent."),
     "notices_unknown_request": (
@@ -84,6 +93,35 @@ _PROM = {
         "vllm:orbitkv_parked_expired",
         "Handshakes and cancels that waited for their request past the handshake deadline.",
     ),
+    "ready_items": (
+        "vllm:orbitkv_ready_layers",
+        "GPU prefill steps' layers admitted for sending once their kernels ran (0 on CPU).",
+    ),
+    "write_batches": ("vllm:orbitkv_write_batches", "Write batches submitted to Mooncake."),
+}
+
+# Time sums the runtime keeps in microseconds, exported as seconds counters.
+_SECONDS = {
+    "transfer_micros": (
+        "vllm:orbitkv_transfer_seconds",
+        "Sum over completed P/D requests of authorization-to-complete time.",
+    ),
+    "ready_lag_micros": (
+        "vllm:orbitkv_ready_lag_seconds",
+        "Sum over admitted layers of launched-to-admitted time (GPU lag and queueing).",
+    ),
+    "write_submit_micros": (
+        "vllm:orbitkv_write_submit_seconds",
+        "Time spent inside Mooncake's submit call.",
+    ),
+    "write_batch_micros": (
+        "vllm:orbitkv_write_batch_seconds",
+        "Sum over write batches of submitted-to-ended time.",
+    ),
+    "layer_write_micros": (
+        "vllm:orbitkv_layer_write_seconds",
+        "Sum over layer writes of admitted-to-written time (per-peer budget waits included).",
+    ),
 }
 
 
@@ -96,18 +134,17 @@ class PdPromMetrics(KVConnectorPromMetrics):
         for key, (name, doc) in _PROM.items():
             c = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             self._counters[key] = create_metric_per_engine(c, per_engine_labelvalues)
-        t = self._counter_cls(
-            name="vllm:orbitkv_transfer_seconds",
-            documentation="Sum over completed P/D requests of authorization-to-complete time.",
-            labelnames=labelnames,
-        )
-        self._transfer_seconds = create_metric_per_engine(t, per_engine_labelvalues)
+        self._seconds: dict[str, dict[int, Any]] = {}
+        for key, (name, doc) in _SECONDS.items():
+            c = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
+            self._seconds[key] = create_metric_per_engine(c, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, per_engine in self._counters.items():
             v = transfer_stats_data.get(key, 0)
             if v:
                 per_engine[engine_idx].inc(v)
-        micros = transfer_stats_data.get("transfer_micros", 0)
-        if micros:
-            self._transfer_seconds[engine_idx].inc(micros / 1e6)
+        for key, per_engine in self._seconds.items():
+            micros = transfer_stats_data.get(key, 0)
+            if micros:
+                per_engine[engine_idx].inc(micros / 1e6)

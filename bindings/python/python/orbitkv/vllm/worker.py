@@ -60,6 +60,16 @@ def _any_core(enabled: bool) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
+def _stream_handle() -> int:
+    """The current CUDA stream of this thread, as a ``cudaStream_t`` int
+    (vLLM runs its forward on a stream of its own)."""
+    try:
+        from vllm.utils.torch_utils import current_stream
+    except ImportError:  # another vLLM layout
+        return int(torch.cuda.current_stream().cuda_stream)
+    return int(current_stream().cuda_stream)
+
+
 def _delayed(delay_s: float, fn: Any, *args: Any) -> None:
     if delay_s > 0:
         time.sleep(delay_s)
@@ -67,13 +77,20 @@ def _delayed(delay_s: float, fn: Any, *args: Any) -> None:
 
 
 class _Ordered:
-    """Runs calls in order on one background thread. On CUDA each call may
-    wait for an event first (the layer's KV written by the kernel)."""
+    """Runs calls in order on one background Python thread; each call may
+    wait for a torch CUDA event first. On GPU this is the fallback (and the
+    diagnostic ``ORBITKV_LAYER_GATE=python``) for the runtime's layer gate,
+    which waits in Rust without the GIL; on CPU it carries the test hook's
+    delayed writes."""
 
     def __init__(self) -> None:
         self._q: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
         self.pending = 0  # calls queued or running
+        # Steps' layers admitted after an event, and the sum of their lag
+        # (queued -> admitted), as the runtime counts its gate's.
+        self.ready_items = 0
+        self.ready_lag_us = 0
         self._t = threading.Thread(target=self._run, name="orbitkv-layer-ready", daemon=True)
         self._t.start()
 
@@ -82,10 +99,13 @@ class _Ordered:
             item = self._q.get()
             if item is None:
                 return
-            event, fn, args = item
+            event, queued, fn, args = item
             try:
                 if event is not None:
                     event.synchronize()
+                    with self._lock:
+                        self.ready_items += 1
+                        self.ready_lag_us += int((time.perf_counter() - queued) * 1e6)
                 fn(*args)
             except Exception:  # reported through the runtime's events
                 logger.exception("OrbitKV background call failed")
@@ -96,7 +116,7 @@ class _Ordered:
     def put(self, event: Any, fn: Any, *args: Any) -> None:
         with self._lock:
             self.pending += 1
-        self._q.put((event, fn, args))
+        self._q.put((event, time.perf_counter(), fn, args))
 
     def close(self) -> None:
         self._q.put(None)
@@ -120,7 +140,12 @@ class PdWorker:
         # Test-only fault hooks, off unless their environment variables are set.
         self._hooks = TestingHooks.from_env()
         delay_hook = self._hooks is not None and self._hooks.write_delay_file is not None
-        self._ordered = _Ordered() if self.is_cuda or delay_hook else None
+        # On GPU a layer goes to the runtime's layer gate (a CUDA event,
+        # waited for in Rust, no GIL); ORBITKV_LAYER_GATE=python selects the
+        # older Python thread instead (a diagnostic A/B; also the fallback
+        # when the CUDA driver cannot be used from Rust).
+        self._rust_gate = self.is_cuda and os.environ.get("ORBITKV_LAYER_GATE", "rust") != "python"
+        self._ordered = _Ordered() if (self.is_cuda and not self._rust_gate) or delay_hook else None
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._num_blocks = 0
         self._step_chunks: list[ProducerChunk] = []
@@ -313,7 +338,18 @@ class PdWorker:
         idx = self._layer_index.get(layer_name)
         if idx is None:
             return  # not a KV layer we registered (e.g. a cross-attention cache)
-        if self.is_cuda:
+        if self._rust_gate:
+            # CUDA: the attention kernel may still be writing this layer. The
+            # runtime records an event on this stream and admits the layer
+            # once the GPU passed it, on its own thread.
+            chunks = [(ch.pd_id, ch.start_block, ch.end_block) for ch in self._step_chunks]
+            try:
+                rt.layers_ready_after(_stream_handle(), idx, chunks)
+            except OrbitKVError as e:
+                self._gate_failed(e)
+                self.save_kv_layer(layer_name, kv_layer)
+                return
+        elif self.is_cuda:
             assert self._ordered is not None
             # CUDA: the attention kernel may still be writing this layer.
             ev = torch.cuda.Event()
@@ -343,6 +379,14 @@ class PdWorker:
             # logits), so decode learns that its KV is complete sooner.
             self._finish_last_chunks()
 
+    def _gate_failed(self, e: Exception) -> None:
+        """The runtime's layer gate cannot be used (no usable CUDA driver from
+        Rust): fall back to the Python thread for this worker's life."""
+        logger.warning("OrbitKV layer gate unavailable (%s): using a Python thread to order writes", e)
+        self._rust_gate = False
+        if self._ordered is None:
+            self._ordered = _Ordered()
+
     def wait_for_save(self) -> None:
         if self.runtime is None:
             return
@@ -355,7 +399,9 @@ class PdWorker:
         for ch in self._step_chunks:
             if ch.last and ch.pd_id not in self._finished_producers:
                 self._finished_producers.add(ch.pd_id)
-                if self._ordered is not None and (self.is_cuda or self._ordered.pending > 0):
+                if self._rust_gate:
+                    self._producer_call(rt.producer_finish_after, ch.pd_id)
+                elif self._ordered is not None and (self.is_cuda or self._ordered.pending > 0):
                     self._ordered.put(None, self._producer_call, rt.producer_finish, ch.pd_id)
                 else:
                     self._producer_call(rt.producer_finish, ch.pd_id)
@@ -408,6 +454,9 @@ class PdWorker:
         if self.runtime is None:
             return None
         now = self.runtime.stats()
+        if self._ordered is not None:  # the Python thread's share (fallback/diagnostic)
+            now["ready_items"] = now.get("ready_items", 0) + self._ordered.ready_items
+            now["ready_lag_micros"] = now.get("ready_lag_micros", 0) + self._ordered.ready_lag_us
         delta = {k: now.get(k, 0) - self._last_stats.get(k, 0) for k in COUNTERS}
         self._last_stats = {k: now.get(k, 0) for k in COUNTERS}
         stats = PdConnectorStats(data=delta)

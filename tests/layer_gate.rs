@@ -1,0 +1,229 @@
+//! The layer gate (`orbitkv::actors::gate`) against the real Mooncake engine
+//! on 127.0.0.1: a layer handed over with a mark is not written before the
+//! mark is reached, the request's finish waits for its layers, and a mark
+//! that fails aborts the request without writing the layer.
+//!
+//! The marks here are a test double (a channel the test opens); on a GPU
+//! they are CUDA events (`transport::cuda`), which CI cannot record.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{bounded, Receiver, Sender};
+use orbitkv::actors::gate::{GateCall, LayerGate, Mark};
+use orbitkv::{
+    EngineConfig, KvLayout, MooncakeTransferEngine, Outcome, RequestId, Runtime, RuntimeConfig, RuntimeEvent,
+};
+
+const GUARD: u8 = 0xA5;
+
+struct Rank {
+    mem: Vec<u8>,
+    layout: KvLayout,
+    runtime: Arc<Runtime>,
+}
+
+fn rank(layers: u32, blocks: u32, block_bytes: u64, fill: impl Fn(usize) -> u8) -> Rank {
+    let size = (layers as u64 * blocks as u64 * block_bytes) as usize;
+    let mut mem: Vec<u8> = (0..size).map(fill).collect();
+    let base = mem.as_mut_ptr() as u64;
+    let layout = KvLayout::packed(base, layers, blocks, block_bytes, (0, 1), 2);
+    let engine = Arc::new(MooncakeTransferEngine::new(&EngineConfig::default()).expect("engine"));
+    engine
+        .register_memory(base, size as u64, "cpu:0")
+        .expect("register");
+    let cfg = RuntimeConfig {
+        consumer_timeout: Duration::from_secs(20),
+        ..RuntimeConfig::default()
+    };
+    let runtime = Arc::new(Runtime::start(engine, layout.clone(), cfg).expect("runtime"));
+    Rank { mem, layout, runtime }
+}
+
+fn block(r: &Rank, layer: u32, b: u32) -> &[u8] {
+    let p = r.layout.layers[layer as usize].planes[0];
+    let off = (p.block_addr(b) - r.mem.as_ptr() as u64) as usize;
+    &r.mem[off..off + p.block_bytes as usize]
+}
+
+fn next(rt: &Runtime, within: Duration) -> Option<RuntimeEvent> {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if let Some(ev) = rt.next_event(Duration::from_millis(50)) {
+            return Some(ev);
+        }
+    }
+    None
+}
+
+fn cap() -> orbitkv::Capability {
+    orbitkv::Capability::parse("00112233445566778899aabbccddeeff").expect("a valid capability")
+}
+
+/// A mark the test reaches by hand (a stand-in for a CUDA event).
+struct Hand(Receiver<Result<(), String>>);
+
+impl Mark for Hand {
+    fn wait(&mut self) -> Result<(), String> {
+        self.0
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| Err("never reached".into()))
+    }
+}
+
+fn hand() -> (Sender<Result<(), String>>, Box<dyn Mark>) {
+    let (tx, rx) = bounded(1);
+    (tx, Box::new(Hand(rx)))
+}
+
+fn ready(req: &RequestId, layer: u32, n: u32) -> GateCall {
+    GateCall::Ready {
+        request: req.clone(),
+        layer,
+        blocks: 0..n,
+    }
+}
+
+#[test]
+fn layers_are_written_only_after_their_mark_and_the_finish_waits_for_them() {
+    let (layers, blocks, bb) = (2, 8, 4096);
+    let producer = rank(layers, blocks, bb, |i| (i % 127) as u8);
+    let consumer = rank(layers, blocks, bb, |_| GUARD);
+    let req = RequestId::new("gate-1");
+    let (src, dst) = (vec![1, 2, 3], vec![6, 4, 0]);
+    let hs = consumer
+        .runtime
+        .consumer_open(req.clone(), cap(), 0, dst.clone(), 1)
+        .unwrap();
+    producer
+        .runtime
+        .producer_open(req.clone(), src.clone(), cap(), 1)
+        .unwrap();
+    producer.runtime.producer_handshake_json(&hs.to_json()).unwrap();
+
+    let mut gate = LayerGate::start(producer.runtime.clone());
+    let (reach0, mark0) = hand();
+    let (reach1, mark1) = hand();
+    gate.push(Some(mark0), vec![ready(&req, 0, 3)]).unwrap();
+    gate.push(Some(mark1), vec![ready(&req, 1, 3)]).unwrap();
+    gate.push(None, vec![GateCall::Finish { request: req.clone() }])
+        .unwrap();
+
+    // Nothing is admitted, so nothing is written, before the marks.
+    assert_eq!(next(&consumer.runtime, Duration::from_millis(300)), None);
+    assert_eq!(producer.runtime.stats().bytes_written, 0);
+    for l in 0..layers {
+        for &b in &dst {
+            assert!(
+                block(&consumer, l, b).iter().all(|&x| x == GUARD),
+                "layer {l} block {b}"
+            );
+        }
+    }
+
+    // Layer 0 only: written, but the request is not complete (the finish
+    // waits behind layer 1's mark).
+    reach0.send(Ok(())).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while producer.runtime.stats().bytes_written < 3 * bb && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(producer.runtime.stats().bytes_written, 3 * bb);
+    assert_eq!(next(&consumer.runtime, Duration::from_millis(200)), None);
+
+    reach1.send(Ok(())).unwrap();
+    let ev = next(&consumer.runtime, Duration::from_secs(20)).expect("an outcome");
+    assert_eq!(
+        ev,
+        RuntimeEvent::ConsumerCompleted {
+            request: req.clone(),
+            generation: hs.generation,
+            bytes: layers as u64 * 3 * bb
+        }
+    );
+    for l in 0..layers {
+        for (i, &b) in dst.iter().enumerate() {
+            assert_eq!(
+                block(&consumer, l, b),
+                block(&producer, l, src[i]),
+                "layer {l} block {b}"
+            );
+        }
+        for b in (0..blocks).filter(|b| !dst.contains(b)) {
+            assert!(
+                block(&consumer, l, b).iter().all(|&x| x == GUARD),
+                "layer {l} block {b} touched"
+            );
+        }
+    }
+    gate.close();
+    let s = producer.runtime.stats();
+    assert_eq!(s.ready_items, 2, "two marked steps admitted");
+    assert!(s.ready_lag_micros >= 300_000, "the lag counts the wait: {s:?}");
+    assert!(s.write_batches >= 2 && s.layer_write_micros > 0, "{s:?}");
+}
+
+#[test]
+fn a_mark_that_fails_aborts_its_requests_and_writes_nothing_of_that_layer() {
+    let (layers, blocks, bb) = (2, 8, 4096);
+    let producer = rank(layers, blocks, bb, |i| (i % 127) as u8);
+    let consumer = rank(layers, blocks, bb, |_| GUARD);
+    let req = RequestId::new("gate-2");
+    let dst = vec![3, 5];
+    let hs = consumer
+        .runtime
+        .consumer_open(req.clone(), cap(), 0, dst.clone(), 1)
+        .unwrap();
+    producer
+        .runtime
+        .producer_open(req.clone(), vec![0, 1], cap(), 1)
+        .unwrap();
+    producer.runtime.producer_handshake_json(&hs.to_json()).unwrap();
+
+    let gate = LayerGate::start(producer.runtime.clone());
+    let (reach, mark) = hand();
+    gate.push(Some(mark), vec![ready(&req, 0, 2)]).unwrap();
+    gate.push(None, vec![GateCall::Finish { request: req.clone() }])
+        .unwrap();
+    reach
+        .send(Err("CUDA error 700 (an illegal memory access)".into()))
+        .unwrap();
+
+    match next(&consumer.runtime, Duration::from_secs(20)) {
+        Some(RuntimeEvent::ConsumerFailed { request, .. }) => assert_eq!(request, req),
+        other => panic!("expected the consumer to fail, got {other:?}"),
+    }
+    match next(&producer.runtime, Duration::from_secs(10)) {
+        Some(RuntimeEvent::ProducerReleased { outcome, .. }) => assert_ne!(outcome, Outcome::Done),
+        other => panic!("expected the producer released, got {other:?}"),
+    }
+    assert_eq!(producer.runtime.stats().bytes_written, 0);
+    for l in 0..layers {
+        for &b in &dst {
+            assert!(
+                block(&consumer, l, b).iter().all(|&x| x == GUARD),
+                "layer {l} block {b}"
+            );
+        }
+    }
+    drop(gate);
+    consumer.runtime.consumer_release(&req).unwrap();
+}
+
+#[test]
+fn a_request_released_before_its_mark_is_skipped_and_the_gate_goes_on() {
+    let producer = rank(1, 4, 4096, |i| (i % 127) as u8);
+    let gate = LayerGate::start(producer.runtime.clone());
+    let gone = RequestId::new("never-opened");
+    let (reach, mark) = hand();
+    gate.push(Some(mark), vec![ready(&gone, 0, 1)]).unwrap();
+    reach.send(Ok(())).unwrap();
+    // A later item still runs: the gate did not stop at the unknown request.
+    let (reach2, mark2) = hand();
+    gate.push(Some(mark2), vec![]).unwrap();
+    reach2.send(Ok(())).unwrap();
+    drop(gate); // runs what is queued, then joins
+    assert_eq!(producer.runtime.stats().bytes_written, 0);
+    assert_eq!(producer.runtime.live_requests(), (0, 0));
+    assert_eq!(producer.runtime.stats().ready_items, 1);
+}
