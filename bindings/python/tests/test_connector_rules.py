@@ -388,3 +388,72 @@ def test_a_refused_authorization_fails_that_request_alone(worker: PdWorker) -> N
     assert worker.get_finished() == (None, {"d1"})
     assert worker.get_block_ids_with_load_errors() == {3, 4}
     assert worker.get_finished() == (None, None)
+
+
+# ---- GPU worker path (the runtime's layer gate), with a runtime double ------------
+
+
+def gpu_worker(worker: PdWorker, monkeypatch: pytest.MonkeyPatch) -> PdWorker:
+    """The worker as on a GPU with the layer gate (no GPU needed: the runtime
+    is the recording double, the stream handle a constant)."""
+    import orbitkv.vllm.worker as wmod
+
+    monkeypatch.setattr(wmod, "_stream_handle", lambda: 0x5EED)
+    worker.is_cuda, worker._rust_gate, worker._ordered = True, True, None
+    worker._layer_index = {"layer.0": 0, "layer.1": 1}
+    return worker
+
+
+def test_gpu_layers_go_to_the_gate_with_the_stream_and_the_finish_is_queued_behind_them(
+    worker: PdWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    w = gpu_worker(worker, monkeypatch)
+    meta = PdConnectorMetadata()
+    meta.producer_chunks.append(ProducerChunk("p1", "pd-1", CAP, 1, True, [1, 2], 0, 2, True))
+    meta.producer_chunks.append(ProducerChunk("p2", "pd-2", CAP, 1, True, [5], 0, 1, False))
+    w.start_load_kv(meta)
+    w.save_kv_layer("layer.0", None)  # type: ignore[arg-type]
+    w.save_kv_layer("layer.1", None)  # type: ignore[arg-type]
+    w.wait_for_save()
+    calls = [c for c in w.runtime.calls if c[0] != "producer_open"]  # type: ignore[attr-defined]
+    assert calls == [
+        ("layers_ready_after", 0x5EED, 0, [("pd-1", 0, 2), ("pd-2", 0, 1)]),
+        ("layers_ready_after", 0x5EED, 1, [("pd-1", 0, 2), ("pd-2", 0, 1)]),
+        # only the request whose last chunk this was, through the gate's queue
+        ("producer_finish_after", "pd-1"),
+    ]
+
+
+class GateFailsRuntime(RecordingRuntime):
+    """The layer gate takes `ok` layers, then the CUDA driver fails."""
+
+    def __init__(self, ok: int) -> None:
+        super().__init__()
+        self.ok = ok
+
+    def layers_ready_after(self, *a: Any) -> None:
+        from orbitkv.errors import CudaError
+
+        if self.ok == 0:
+            raise CudaError("cuEventRecord returned CUDA error 700")
+        self.ok -= 1
+        self.calls.append(("layers_ready_after", *a))
+
+
+def test_a_gate_that_fails_after_taking_layers_aborts_that_steps_requests(
+    worker: PdWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Falling back to the Python thread mid-request could let a finish
+    overtake layers the gate still holds: the step's requests are aborted
+    instead (decode recomputes), and never finished."""
+    w = gpu_worker(worker, monkeypatch)
+    w.runtime = GateFailsRuntime(ok=1)  # type: ignore[assignment]
+    meta = PdConnectorMetadata()
+    meta.producer_chunks.append(ProducerChunk("p1", "pd-1", CAP, 1, True, [1], 0, 1, True))
+    w.start_load_kv(meta)
+    w.save_kv_layer("layer.0", None)  # type: ignore[arg-type]
+    w.save_kv_layer("layer.1", None)  # type: ignore[arg-type]  (the gate fails here)
+    w.wait_for_save()
+    names = [c[0] for c in w.runtime.calls]  # type: ignore[attr-defined]
+    assert names == ["producer_open", "layers_ready_after", "producer_abort"]
+    assert not w._rust_gate

@@ -146,6 +146,7 @@ class PdWorker:
         # when the CUDA driver cannot be used from Rust).
         self._rust_gate = self.is_cuda and os.environ.get("ORBITKV_LAYER_GATE", "rust") != "python"
         self._ordered = _Ordered() if (self.is_cuda and not self._rust_gate) or delay_hook else None
+        self._gate_used = False
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._num_blocks = 0
         self._step_chunks: list[ProducerChunk] = []
@@ -345,9 +346,10 @@ class PdWorker:
             chunks = [(ch.pd_id, ch.start_block, ch.end_block) for ch in self._step_chunks]
             try:
                 rt.layers_ready_after(_stream_handle(), idx, chunks)
+                self._gate_used = True
             except OrbitKVError as e:
-                self._gate_failed(e)
-                self.save_kv_layer(layer_name, kv_layer)
+                if self._gate_failed(e):
+                    self.save_kv_layer(layer_name, kv_layer)
                 return
         elif self.is_cuda:
             assert self._ordered is not None
@@ -379,13 +381,26 @@ class PdWorker:
             # logits), so decode learns that its KV is complete sooner.
             self._finish_last_chunks()
 
-    def _gate_failed(self, e: Exception) -> None:
+    def _gate_failed(self, e: Exception) -> bool:
         """The runtime's layer gate cannot be used (no usable CUDA driver from
-        Rust): fall back to the Python thread for this worker's life."""
+        Rust): fall back to the Python thread for this worker's life. Returns
+        whether this layer may go that way. Once the gate has taken layers,
+        the Python thread could overtake what it still holds (a request
+        finished before its last layers were admitted), so the requests of
+        this step are aborted instead (decode recomputes them)."""
         logger.warning("OrbitKV layer gate unavailable (%s): using a Python thread to order writes", e)
         self._rust_gate = False
         if self._ordered is None:
             self._ordered = _Ordered()
+        if not self._gate_used:
+            return True
+        rt = self.runtime
+        assert rt is not None
+        for ch in self._step_chunks:
+            self._finished_producers.add(ch.pd_id)
+            self._producer_call(rt.producer_abort, ch.pd_id, f"layer gate failed: {e}")
+        self._step_chunks = []
+        return False
 
     def wait_for_save(self) -> None:
         if self.runtime is None:
