@@ -255,7 +255,7 @@ impl ProducerActor {
                     "layer admitted"
                 );
                 let cap = self.planned.len();
-                self.writers.get(&auth.endpoint).do_send(WriteLayer {
+                self.writers.next(&auth.endpoint).do_send(WriteLayer {
                     request,
                     write,
                     generation,

@@ -41,6 +41,9 @@ pub struct RuntimeConfig {
     /// batches. Mooncake's TCP transport queues at most 1024 transfers per
     /// peer by default (`MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`).
     pub max_ranges_in_flight_per_peer: usize,
+    /// Writers per peer (threads that submit to Mooncake in turn, sharing
+    /// the per-peer budgets).
+    pub writer_lanes_per_peer: usize,
     /// How often the router drains Mooncake's notifications.
     pub notify_poll: Duration,
     /// Handshakes parked and cancels remembered before their request opened
@@ -63,6 +66,7 @@ impl Default for RuntimeConfig {
             write_timeout: Duration::from_secs(30),
             max_bytes_in_flight_per_peer: 1 << 30,
             max_ranges_in_flight_per_peer: 768,
+            writer_lanes_per_peer: 4,
             notify_poll: Duration::from_millis(1),
             max_parked: 4096,
             max_parked_bytes: 64 << 20,
@@ -190,6 +194,7 @@ impl Runtime {
             cfg.write_timeout,
             cfg.max_bytes_in_flight_per_peer,
             cfg.max_ranges_in_flight_per_peer,
+            cfg.writer_lanes_per_peer,
             stats.clone(),
         ));
         let (events_tx, events_rx) = crossbeam_channel::unbounded();

@@ -50,6 +50,8 @@ pub struct Stats {
     pub ready_lag_micros: Counter,
     /// Write batches submitted to Mooncake.
     pub write_batches: Counter,
+    /// Ranges (Mooncake transfer requests) in them.
+    pub write_ranges: Counter,
     /// Sum of the time spent inside Mooncake's submit call, in µs.
     pub write_submit_micros: Counter,
     /// Sum over batches of submitted → seen ended, in µs.
@@ -82,6 +84,7 @@ pub struct StatsSnapshot {
     pub ready_items: u64,
     pub ready_lag_micros: u64,
     pub write_batches: u64,
+    pub write_ranges: u64,
     pub write_submit_micros: u64,
     pub write_batch_micros: u64,
     pub layer_write_micros: u64,
@@ -110,6 +113,7 @@ impl Stats {
             ready_items: self.ready_items.get(),
             ready_lag_micros: self.ready_lag_micros.get(),
             write_batches: self.write_batches.get(),
+            write_ranges: self.write_ranges.get(),
             write_submit_micros: self.write_submit_micros.get(),
             write_batch_micros: self.write_batch_micros.get(),
             layer_write_micros: self.layer_write_micros.get(),

@@ -165,6 +165,7 @@ impl LayerWriter {
             match submitted {
                 Ok(handle) => {
                     self.stats.write_batches.inc();
+                    self.stats.write_ranges.add(n as u64);
                     let token = self.next_token;
                     self.next_token += 1;
                     let job_deadline = Instant::now() + self.write_timeout;
@@ -311,68 +312,102 @@ impl Handler<SendNotice> for LayerWriter {
     }
 }
 
-/// One writer per peer endpoint, created on first use, each on its own arbiter.
+/// The writers of each peer endpoint, created on first use: `lanes` writers
+/// per peer, each on its own arbiter (thread), sharing the peer's budgets
+/// equally. Writes go to the lanes in turn, so that Mooncake's submit calls
+/// to one peer (CPU work per range inside Mooncake and the CUDA driver) run
+/// on several threads, and, with the NVLink transport, on as many CUDA
+/// streams (Mooncake keeps one per submitting thread and reports a batch
+/// done only when its stream is idle). Notices go to lane 0; a producer
+/// sends its notice only after every write it admitted ended, whatever lane
+/// carried them.
 pub struct WriterPool {
     transport: Arc<dyn Transport>,
     poller: Sender<PollJob>,
     write_timeout: Duration,
     max_in_flight: u64,
     max_ranges: usize,
+    lanes: usize,
+    next_lane: std::sync::atomic::AtomicUsize,
     stats: Arc<Stats>,
-    writers: Mutex<HashMap<String, (Arbiter, Addr<LayerWriter>)>>,
+    writers: Mutex<HashMap<String, Vec<Lane>>>,
 }
 
+/// One writer of a peer and the arbiter (thread) it runs on.
+type Lane = (Arbiter, Addr<LayerWriter>);
+
 impl WriterPool {
+    /// `max_in_flight` and `max_ranges` bound each peer, all its lanes together.
     pub fn new(
         transport: Arc<dyn Transport>,
         poller: Sender<PollJob>,
         write_timeout: Duration,
         max_in_flight: u64,
         max_ranges: usize,
+        lanes: usize,
         stats: Arc<Stats>,
     ) -> Self {
+        let lanes = lanes.clamp(1, max_ranges.max(1));
         Self {
             transport,
             poller,
             write_timeout,
-            max_in_flight,
-            max_ranges: max_ranges.max(1),
+            max_in_flight: (max_in_flight / lanes as u64).max(1),
+            max_ranges: (max_ranges / lanes).max(1),
+            lanes,
+            next_lane: std::sync::atomic::AtomicUsize::new(0),
             stats,
             writers: Mutex::new(HashMap::new()),
         }
     }
 
-    pub fn get(&self, peer: &str) -> Addr<LayerWriter> {
+    fn lane_of(&self, peer: &str, lane: usize) -> Addr<LayerWriter> {
         let mut writers = self.writers.lock();
-        if let Some((_, addr)) = writers.get(peer) {
-            return addr.clone();
-        }
-        let arbiter = Arbiter::new();
-        let writer = LayerWriter {
-            peer: peer.to_string(),
-            transport: self.transport.clone(),
-            poller: self.poller.clone(),
-            write_timeout: self.write_timeout,
-            max_in_flight: self.max_in_flight,
-            max_ranges: self.max_ranges,
-            in_flight: 0,
-            in_flight_ranges: 0,
-            jobs: HashMap::new(),
-            queue: VecDeque::new(),
-            pending: HashMap::new(),
-            next_token: 1,
-            next_job: 1,
-            stats: self.stats.clone(),
-        };
-        let addr = LayerWriter::start_in_arbiter(&arbiter.handle(), move |_| writer);
-        writers.insert(peer.to_string(), (arbiter, addr.clone()));
-        addr
+        let lanes = writers.entry(peer.to_string()).or_insert_with(|| {
+            (0..self.lanes)
+                .map(|_| {
+                    let arbiter = Arbiter::new();
+                    let writer = LayerWriter {
+                        peer: peer.to_string(),
+                        transport: self.transport.clone(),
+                        poller: self.poller.clone(),
+                        write_timeout: self.write_timeout,
+                        max_in_flight: self.max_in_flight,
+                        max_ranges: self.max_ranges,
+                        in_flight: 0,
+                        in_flight_ranges: 0,
+                        jobs: HashMap::new(),
+                        queue: VecDeque::new(),
+                        pending: HashMap::new(),
+                        next_token: 1,
+                        next_job: 1,
+                        stats: self.stats.clone(),
+                    };
+                    let addr = LayerWriter::start_in_arbiter(&arbiter.handle(), move |_| writer);
+                    (arbiter, addr)
+                })
+                .collect()
+        });
+        lanes[lane % lanes.len()].1.clone()
+    }
+
+    /// The writer that sends `peer` its notices (lane 0).
+    pub fn get(&self, peer: &str) -> Addr<LayerWriter> {
+        self.lane_of(peer, 0)
+    }
+
+    /// The writer for the next write to `peer` (the lanes in turn).
+    pub fn next(&self, peer: &str) -> Addr<LayerWriter> {
+        let lane = self.next_lane.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        self.lane_of(peer, lane)
     }
 
     /// Stops every writer's arbiter.
     pub fn stop(&self) {
-        for (_, (arbiter, _)) in self.writers.lock().drain() {
-            arbiter.stop();
+        for (_, lanes) in self.writers.lock().drain() {
+            for (arbiter, _) in lanes {
+                arbiter.stop();
+            }
         }
     }
 }

@@ -260,6 +260,7 @@ class Server:
     side_port: int
     extra_env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
+    orbit_cfg: dict[str, Any] = field(default_factory=dict)  # more kv_connector_extra_config
     proc: Proc | None = None
     log: Path | None = None
     started_s: float | None = None
@@ -298,6 +299,7 @@ def server_argv(ctx: Ctx, s: Server) -> list[str]:
             "kv_connector_extra_config": {
                 "orbitkv.pd.mooncake.bind_host": HOST,
                 "orbitkv.pd.side_channel_port": s.side_port,
+                **s.orbit_cfg,
             },
         }
         argv += ["--kv-transfer-config", json.dumps(cfg)]
@@ -714,18 +716,21 @@ class Fleet:
         self.ndec = mk("nixl-decode", 1, "nixl")
         self.orbit_env = orbit_env
         self.servers = [self.single, self.opre, self.odec, self.npre, self.ndec]
-        # A/B: a second OrbitKV pair that orders its GPU writes with the older
-        # Python thread (ORBITKV_LAYER_GATE=python) instead of the Rust layer gate
-        self.ab = bool(ctx.args.ab_python_gate)
+        # A/B: a second OrbitKV pair with one setting changed (--ab):
+        #   python-gate  GPU writes ordered by the older Python thread (ORBITKV_LAYER_GATE=python)
+        #   one-lane     one writer per peer (orbitkv.pd.writer_lanes = 1), as before lanes
         self.pairs: dict[str, list[Server]] = {"single": [self.single], "orbit": [self.opre, self.odec],
                                                 "nixl": [self.npre, self.ndec]}
-        if self.ab:
-            py_env = dict(orbit_env, ORBITKV_LAYER_GATE="python")
-            self.opre_py = mk("orbitpy-prefill", 0, "orbit", py_env)
-            self.odec_py = mk("orbitpy-decode", 1, "orbit", py_env)
-            self.servers += [self.opre_py, self.odec_py]
-            self.pairs["orbit-py"] = [self.opre_py, self.odec_py]
-        self.systems = [k for k in ("single", "orbit", "orbit-py", "nixl") if k in self.pairs]
+        ab = ctx.args.ab
+        if ab != "none":
+            env = dict(orbit_env, ORBITKV_LAYER_GATE="python") if ab == "python-gate" else dict(orbit_env)
+            self.opre_ab = mk("orbitab-prefill", 0, "orbit", env)
+            self.odec_ab = mk("orbitab-decode", 1, "orbit", env)
+            if ab == "one-lane":
+                self.opre_ab.orbit_cfg["orbitkv.pd.writer_lanes"] = 1
+            self.servers += [self.opre_ab, self.odec_ab]
+            self.pairs[f"orbit-{ab}"] = [self.opre_ab, self.odec_ab]
+        self.systems = ["single", "orbit"] + [k for k in self.pairs if k.startswith("orbit-")] + ["nixl"]
         self.proxies: list[Proc] = []
         self.proxy_logs: dict[str, Path] = {}
         self.urls: dict[str, str] = {}
@@ -1174,8 +1179,10 @@ def report(d: Path) -> str:
             c = lambda m, k: m.get(f"vllm:orbitkv_{k}_total", m.get(f"vllm:orbitkv_{k}", 0.0))  # noqa: E731
             per = lambda a, b: (f"{1e3 * a / b:.2f}" if b else "-")  # noqa: E731
             items, batches, lw = c(pre, "ready_layers"), c(pre, "write_batches"), c(pre, "layer_writes")
+            ranges, nbytes = c(pre, "write_ranges"), c(pre, "bytes_written")
             done = c(dec or {}, "transfers_completed")
             rows.append(f"| {system} | {items:.0f} | {per(c(pre, 'ready_lag_seconds'), items)} | {batches:.0f} | "
+                        f"{(ranges / batches if batches else 0):.0f} | {(nbytes / ranges / 1024 if ranges else 0):.0f} | "
                         f"{per(c(pre, 'write_submit_seconds'), batches)} | {per(c(pre, 'write_batch_seconds'), batches)} | "
                         f"{lw:.0f} | {per(c(pre, 'layer_write_seconds'), lw)} | {done:.0f} | "
                         f"{per(c(dec or {}, 'transfer_seconds'), done)} |")
@@ -1183,16 +1190,17 @@ def report(d: Path) -> str:
             lines += ["OrbitKV's counters over the whole system run (mean ms): a step's layer launched → admitted "
                       "(GPU lag + gate), Mooncake submit call, batch submitted → ended, layer write admitted → "
                       "written, decode's authorization → KV complete.", "",
-                      "| system | layers admitted | launched → admitted | batches | submit call | batch | "
-                      "layer writes | layer write | transfers | authorized → complete |",
-                      "|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
+                      "| system | layers admitted | launched → admitted | batches | ranges per batch | KiB per range | "
+                      "submit call | batch | layer writes | layer write | transfers | authorized → complete |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
     for st in ("c-default", "c-eager"):
         r = _load(d, st)
         if not r or "summary" not in r:
             continue
         s = r["summary"]
         others = [x for x in r.get("systems", ["single", "orbit", "nixl"]) if x != "single"]
-        names = {"orbit": "OrbitKV P/D", "orbit-py": "OrbitKV P/D, Python gate", "nixl": "NIXL P/D"}
+        names = {"orbit": "OrbitKV P/D", "orbit-python-gate": "OrbitKV P/D, Python gate", "orbit-py": "OrbitKV P/D, Python gate",
+                 "orbit-one-lane": "OrbitKV P/D, one writer per peer", "nixl": "NIXL P/D"}
         lines += [f"## {st}: TTFT, medians of {r['reps']} (fresh prompt per request), ms", "",
                   "| prompt tokens | one engine | " + " | ".join(names.get(x, x) for x in others) + " | "
                   + " | ".join(f"{names.get(x, x)} ÷ one" for x in others) + " |",
@@ -1237,8 +1245,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-mem-util", type=float, default=0.04)
     p.add_argument("--small-kv-gib", type=float, default=2)
     p.add_argument("--big-kv-gib", type=float, default=12)
-    p.add_argument("--no-ab", dest="ab_python_gate", action="store_false",
-                   help="no A/B OrbitKV pair with the Python layer-ordering thread (ORBITKV_LAYER_GATE=python)")
+    p.add_argument("--ab", choices=("none", "one-lane", "python-gate"), default="one-lane",
+                   help="a second OrbitKV pair with one setting changed: one writer per peer, or the Python "
+                        "layer-ordering thread (ORBITKV_LAYER_GATE=python)")
     p.add_argument("--big-max-model-len", type=int, default=36864)
     p.add_argument("--gen", type=int, default=12, help="tokens generated per correctness request")
     p.add_argument("--tol-fp32", type=float, default=0.01)

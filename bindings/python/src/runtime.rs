@@ -265,7 +265,7 @@ impl PyRuntime {
     #[allow(clippy::too_many_arguments)] // mirrors the keyword-only Python signature
     #[pyo3(signature = (engine, layout_json, *, consumer_timeout_s=120.0, handshake_timeout_s=120.0,
         write_timeout_s=30.0, max_bytes_in_flight_per_peer=1_073_741_824,
-        max_ranges_in_flight_per_peer=768, notify_poll_ms=1.0, max_parked=4096,
+        max_ranges_in_flight_per_peer=768, writer_lanes_per_peer=4, notify_poll_ms=1.0, max_parked=4096,
         max_parked_bytes=67_108_864, side_channel_key=None, publish_timeout_s=10.0))]
     fn new(
         py: Python<'_>,
@@ -276,6 +276,7 @@ impl PyRuntime {
         write_timeout_s: f64,
         max_bytes_in_flight_per_peer: u64,
         max_ranges_in_flight_per_peer: usize,
+        writer_lanes_per_peer: usize,
         notify_poll_ms: f64,
         max_parked: usize,
         max_parked_bytes: usize,
@@ -298,6 +299,7 @@ impl PyRuntime {
             write_timeout: seconds(py, "write_timeout_s", write_timeout_s)?,
             max_bytes_in_flight_per_peer: max_bytes_in_flight_per_peer.max(1),
             max_ranges_in_flight_per_peer: max_ranges_in_flight_per_peer.max(1),
+            writer_lanes_per_peer: writer_lanes_per_peer.clamp(1, 64),
             notify_poll: seconds(py, "notify_poll_ms", notify_poll_ms / 1000.0)?,
             max_parked: max_parked.max(1),
             max_parked_bytes: max_parked_bytes.max(1),

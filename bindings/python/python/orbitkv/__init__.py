@@ -23,6 +23,7 @@ from orbitkv._native import (
 from orbitkv._native import __version__ as __version__
 from orbitkv.errors import (
     BadEndpointError,
+    CudaError,
     DuplicateRequestError,
     EngineClosedError,
     EngineInitError,
@@ -74,6 +75,7 @@ __all__ = [
     "NotificationError",
     "InvalidArgumentError",
     "MooncakeError",
+    "CudaError",
     "HandshakeError",
     "GeometryError",
     "UnknownRequestError",

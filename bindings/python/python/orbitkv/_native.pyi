@@ -238,6 +238,7 @@ class Runtime:
         write_timeout_s: float = 30.0,
         max_bytes_in_flight_per_peer: int = 1073741824,
         max_ranges_in_flight_per_peer: int = 768,
+        writer_lanes_per_peer: int = 4,
         notify_poll_ms: float = 1.0,
         max_parked: int = 4096,
         max_parked_bytes: int = 67108864,

@@ -21,6 +21,7 @@ KEYS = {
     "orbitkv.pd.write_timeout_s",
     "orbitkv.pd.max_inflight_mb",
     "orbitkv.pd.max_inflight_ranges",
+    "orbitkv.pd.writer_lanes",
     "orbitkv.pd.trace",
     "orbitkv.pd.allowed_prefill",
     "orbitkv.pd.side_channel_key_file",
@@ -63,6 +64,7 @@ class PdConfig:
     write_timeout_s: float = 30.0
     max_inflight_mb: int = 1024
     max_inflight_ranges: int = 768
+    writer_lanes: int = 4
     trace: str | None = None
     # (host, port or None) pairs; ("*", None) allows any (trusts the network).
     allowed_prefill: tuple[tuple[str, int | None], ...] = tuple((h, None) for h in LOOPBACK)
@@ -120,6 +122,9 @@ class PdConfig:
         ranges = cfg.get("orbitkv.pd.max_inflight_ranges", 768)
         if isinstance(ranges, bool) or not isinstance(ranges, int) or ranges < 1:
             raise ConfigError(f"orbitkv.pd.max_inflight_ranges must be a positive integer, got {ranges!r}")
+        lanes = cfg.get("orbitkv.pd.writer_lanes", 4)
+        if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= 64:
+            raise ConfigError(f"orbitkv.pd.writer_lanes must be an integer in 1..64, got {lanes!r}")
         trace = cfg.get("orbitkv.pd.trace")
         if trace is not None and not isinstance(trace, str):
             raise ConfigError(f"orbitkv.pd.trace must be a file path, got {trace!r}")
@@ -141,6 +146,7 @@ class PdConfig:
             write_timeout_s=_positive_float(cfg, "orbitkv.pd.write_timeout_s", 30.0),
             max_inflight_mb=inflight,
             max_inflight_ranges=ranges,
+            writer_lanes=lanes,
             trace=trace,
             allowed_prefill=allow,
             side_channel_key=key,

@@ -30,6 +30,7 @@ COUNTERS = (
     "ready_items",
     "ready_lag_micros",
     "write_batches",
+    "write_ranges",
     "write_submit_micros",
     "write_batch_micros",
     "layer_write_micros",
@@ -98,6 +99,7 @@ _PROM = {
         "GPU prefill steps' layers admitted for sending once their kernels ran (0 on CPU).",
     ),
     "write_batches": ("vllm:orbitkv_write_batches", "Write batches submitted to Mooncake."),
+    "write_ranges": ("vllm:orbitkv_write_ranges", "Ranges (Mooncake transfer requests) in the write batches."),
 }
 
 # Time sums the runtime keeps in microseconds, exported as seconds counters.

@@ -226,6 +226,7 @@ class PdWorker:
             write_timeout_s=self.config.write_timeout_s,
             max_bytes_in_flight_per_peer=self.config.max_inflight_mb << 20,
             max_ranges_in_flight_per_peer=self.config.max_inflight_ranges,
+            writer_lanes_per_peer=self.config.writer_lanes,
             side_channel_key=self.config.side_channel_key,
             publish_timeout_s=min(10.0, self.config.timeout_s),
         )
