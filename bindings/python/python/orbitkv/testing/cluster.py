@@ -408,6 +408,13 @@ def _stop_all() -> None:
             c.stop()
 
 
+# A TP > 1 instance's workers re-check vLLM's step ring at least this often
+# when parked (vLLM 0.26.0 bug, fixed upstream by vllm-project/vllm#45224;
+# 0 leaves vLLM as it is).
+SHM_RECHECK_MS = int(os.environ.get("ORBITKV_TESTING_SHM_RECHECK_MS", "100"))
+SHM_FIX_DIR = Path(__file__).parent / "vllm_shm_fix"
+
+
 def vllm_env(omp_bind: str, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment a vLLM CPU server runs in here (docs: vllm-cpu.md)."""
     env = dict(os.environ)
@@ -589,7 +596,13 @@ class Cluster:
         extra = dict(spec.env)
         if self.trace:
             extra.setdefault("ORBITKV_TRACE", str(self.trace_path(spec.name)))
-        return vllm_env(spec.omp_bind, extra)
+        env = vllm_env(spec.omp_bind, extra)
+        if spec.tp > 1 and SHM_RECHECK_MS:
+            # vLLM 0.26.0 can lose a TP worker's step wake-up (fixed upstream
+            # in vllm-project/vllm#45224): see vllm_shm_fix/sitecustomize.py.
+            env.setdefault("ORBITKV_TESTING_SHM_RECHECK_MS", str(SHM_RECHECK_MS))
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHM_FIX_DIR), env.get("PYTHONPATH", "")) if p)
+        return env
 
     def proxy_argv(self) -> list[str]:
         return [
