@@ -229,7 +229,9 @@ def small_spec(ctx: Ctx, dtype: str) -> ModelSpec:
 
 def big_spec(ctx: Ctx) -> ModelSpec:
     if ctx.cuda:
-        return ModelSpec("llama3-8b-shape", 32, 4096, 32, 8, 128, 14336, 128256, 40960, "bfloat16", False)
+        n = ctx.args.big_layers
+        name = "llama3-8b-shape" if n == 32 else f"llama3-8b-shape-{n}l"
+        return ModelSpec(name, n, 4096, 32, 8, 128, 14336, 128256, 40960, "bfloat16", False)
     return ModelSpec("llama3-8b-shape", 2, 256, 4, 2, 64, 512, 4096, 4096, "float32", False)
 
 
@@ -316,7 +318,7 @@ def server_env(ctx: Ctx, s: Server) -> dict[str, str]:
             "PYTHONUNBUFFERED": "1", "VLLM_HOST_IP": HOST, "GLOG_minloglevel": env.get("GLOG_minloglevel", "1"),
             # both GPUs visible, this instance's first: vLLM (TP 1) runs on the first, and
             # CUDA IPC (Mooncake NVLink, UCX cuda_ipc) can open the peer's memory
-            "CUDA_VISIBLE_DEVICES": "0,1" if s.gpu == 0 else "1,0",
+            "CUDA_VISIBLE_DEVICES": "0" if ctx.args.one_gpu else ("0,1" if s.gpu == 0 else "1,0"),
         })
         env.pop("PYTORCH_CUDA_ALLOC_CONF", None)  # CUDA IPC shares whole cudaMalloc allocations
         # up to a dozen instances compile at once on 32 cores: fewer Inductor workers each
@@ -1245,6 +1247,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-mem-util", type=float, default=0.04)
     p.add_argument("--small-kv-gib", type=float, default=2)
     p.add_argument("--big-kv-gib", type=float, default=12)
+    p.add_argument("--big-layers", type=int, default=32,
+                   help="layers of the Llama-3-8B-shaped model (fewer: more instances fit one GPU)")
+    p.add_argument("--one-gpu", action="store_true",
+                   help="every instance on GPU 0 (a one-GPU machine; the transfer stays on one device)")
     p.add_argument("--ab", choices=("none", "one-lane", "python-gate"), default="one-lane",
                    help="a second OrbitKV pair with one setting changed: one writer per peer, or the Python "
                         "layer-ordering thread (ORBITKV_LAYER_GATE=python)")
