@@ -79,6 +79,13 @@ pub const TRACE_ENV: &str = "ORBITKV_TRACE";
 pub const TRACE_FILTER_ENV: &str = "ORBITKV_TRACE_FILTER";
 /// Environment variable overriding [`DEFAULT_MAX_EVENTS`].
 pub const TRACE_MAX_EVENTS_ENV: &str = "ORBITKV_TRACE_MAX_EVENTS";
+/// Environment variable with an `EnvFilter` directive for what OrbitKV
+/// prints to stderr (default [`DEFAULT_LOG_FILTER`]; `off` prints nothing).
+pub const LOG_ENV: &str = "ORBITKV_LOG";
+/// What OrbitKV prints to stderr by default: its warnings and errors (a
+/// refused handshake, a failed write, a notice not sent), so that they reach
+/// the vLLM server's log without a trace.
+pub const DEFAULT_LOG_FILTER: &str = "off,orbitkv=warn";
 /// Events kept by default (the newest ones).
 pub const DEFAULT_MAX_EVENTS: usize = 100_000;
 /// What an installed trace records by default: OrbitKV down to `debug`
@@ -695,7 +702,9 @@ impl ChromeTraceBuilder {
         if guard.sink.path.is_some() {
             guard.sink.write()?;
         }
-        let subscriber = tracing_subscriber::registry().with(layer.with_filter(filter));
+        let subscriber = tracing_subscriber::registry()
+            .with(layer.with_filter(filter))
+            .with(stderr_log());
         tracing::subscriber::set_global_default(subscriber).map_err(|_| TraceError::AlreadySet)?;
         let _ = GLOBAL.set(guard.sink.clone());
         Ok(guard)
@@ -715,7 +724,16 @@ static FROM_ENV: OnceLock<Option<PathBuf>> = OnceLock::new();
 pub fn init_from_env() -> Option<&'static Path> {
     FROM_ENV
         .get_or_init(|| {
-            let path = std::env::var_os(TRACE_ENV).filter(|p| !p.is_empty())?;
+            let Some(path) = std::env::var_os(TRACE_ENV).filter(|p| !p.is_empty()) else {
+                // No trace: still print OrbitKV's warnings (unless the process
+                // set a subscriber of its own).
+                if !tracing::dispatcher::has_been_set() {
+                    let _ = tracing::subscriber::set_global_default(
+                        tracing_subscriber::registry().with(stderr_log()),
+                    );
+                }
+                return None;
+            };
             let mut b = ChromeTrace::builder().path(PathBuf::from(&path));
             if let Some(f) = std::env::var(TRACE_FILTER_ENV).ok().filter(|f| !f.is_empty()) {
                 b = b.filter(f);
@@ -751,6 +769,28 @@ pub fn init_from_env() -> Option<&'static Path> {
             }
         })
         .as_deref()
+}
+
+/// The stderr log layer: one line per event that [`LOG_ENV`] (default
+/// [`DEFAULT_LOG_FILTER`]) lets through, prefixed `orbitkv`, with the
+/// event's fields (`request=… peer=…`).
+fn stderr_log<S>() -> impl Layer<S>
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+{
+    let directive = std::env::var(LOG_ENV)
+        .ok()
+        .filter(|f| !f.is_empty())
+        .unwrap_or_else(|| DEFAULT_LOG_FILTER.to_string());
+    let filter = tracing_subscriber::EnvFilter::try_new(&directive).unwrap_or_else(|e| {
+        eprintln!("orbitkv: {LOG_ENV}={directive:?} ignored: {e}");
+        tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER)
+    });
+    tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .with_thread_names(true)
+        .with_filter(filter)
 }
 
 /// Writes the globally installed trace (by [`ChromeTrace::install`] or

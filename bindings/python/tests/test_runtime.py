@@ -174,3 +174,39 @@ def test_gpu_layer_gate_without_a_cuda_driver_is_a_typed_error(ranks: tuple[Rank
     assert wait_event(c.runtime, {"consumer_completed", "consumer_failed"}).kind == "consumer_completed"
     assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
     c.runtime.consumer_release("req-gate")
+
+
+WARN_PROBE = r"""
+import json, os, sys, time
+sys.path.insert(0, os.environ["TESTS_DIR"])
+import test_runtime as t
+r = t.Rank(t.GUARD)
+# Nothing listens on port 1: the runtime's publisher fails the rank and warns.
+r.runtime.consumer_open("req-warn", t.CAP, 0, [1], 1, [("127.0.0.1:1", 0)])
+ev = t.wait_event(r.runtime, {"consumer_failed", "consumer_completed"})
+print("EVENT", ev.kind, flush=True)
+r.close()
+"""
+
+
+@pytest.mark.parametrize("log", [None, "off"])
+def test_runtime_warnings_reach_stderr_without_a_trace(log: str | None, tmp_path) -> None:
+    """OrbitKV's own warnings (here: a handshake nobody takes) are printed to
+    stderr, so they land in the vLLM server's log without a trace;
+    ``ORBITKV_LOG=off`` silences them."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ORBITKV_TRACE", "ORBITKV_LOG")}
+    env["TESTS_DIR"] = str(Path(__file__).parent)
+    if log is not None:
+        env["ORBITKV_LOG"] = log
+    p = subprocess.run([sys.executable, "-c", WARN_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert "EVENT consumer_failed" in p.stdout, p.stdout + p.stderr
+    warned = [line for line in p.stderr.splitlines() if " WARN " in line and "orbitkv" in line]
+    if log is None:
+        assert any("nothing listens at 127.0.0.1:1" in line for line in warned), p.stderr[-3000:]
+    else:
+        assert warned == [], warned
