@@ -758,3 +758,74 @@ fn a_cancel_racing_the_open_is_never_lost() {
 fn cap() -> orbitkv::Capability {
     orbitkv::Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
 }
+
+/// Two prefill ranks (TP 2) serve several requests in a row to one decode
+/// rank (TP 1), both ranks writing at once: every request completes with the
+/// right bytes (the vLLM TP 2 → 1 runs stalled after their first request).
+#[test]
+fn two_producer_ranks_serve_requests_in_a_row_to_one_consumer() {
+    let (layers, blocks, hb) = (4, 64, 1024u64);
+    let consumer = rank(layers, blocks, 4 * hb, (0, 1), 4, |_| GUARD);
+    let p0 = rank(layers, blocks, 2 * hb, (0, 2), 4, src_pattern);
+    let p1 = rank(layers, blocks, 2 * hb, (1, 2), 4, |i| src_pattern(i + 7));
+    for n in 0..6u32 {
+        let req = RequestId::new(format!("req-row-{n}"));
+        let src_blocks: Vec<u32> = (0..4).map(|i| (n * 4 + i) % blocks).collect();
+        let dst_blocks: Vec<u32> = (0..4).map(|i| (n * 8 + 2 * i + 1) % blocks).collect();
+        let hs = consumer
+            .runtime
+            .consumer_open(req.clone(), cap(), 0, dst_blocks.clone(), 2)
+            .unwrap();
+        let started = Instant::now();
+        std::thread::scope(|s| {
+            for p in [&p0, &p1] {
+                let (req, hs, src) = (req.clone(), hs.clone(), src_blocks.clone());
+                s.spawn(move || {
+                    p.runtime.producer_open(req.clone(), src, cap(), 1).unwrap();
+                    for l in 0..layers {
+                        p.runtime.layer_ready(&req, l, 0..4).unwrap();
+                    }
+                    p.runtime.producer_handshake(hs).unwrap();
+                    p.runtime.producer_finish(&req).unwrap();
+                });
+            }
+        });
+        let ev = outcome(&consumer.runtime);
+        assert!(
+            matches!(ev, RuntimeEvent::ConsumerCompleted { .. }),
+            "request {n}: {ev:?} after {:?}",
+            started.elapsed()
+        );
+        for p in [&p0, &p1] {
+            wait_for(&p.runtime, "producer release", |e| {
+                matches!(
+                    e,
+                    RuntimeEvent::ProducerReleased {
+                        outcome: Outcome::Done,
+                        ..
+                    }
+                )
+            });
+        }
+        for l in 0..layers {
+            for (i, &b) in dst_blocks.iter().enumerate() {
+                let got = block(&consumer, l, b);
+                let s = src_blocks[i];
+                assert_eq!(
+                    &got[..2 * hb as usize],
+                    block(&p0, l, s),
+                    "req {n} layer {l} block {b}"
+                );
+                assert_eq!(
+                    &got[2 * hb as usize..],
+                    block(&p1, l, s),
+                    "req {n} layer {l} block {b}"
+                );
+            }
+        }
+        consumer.runtime.consumer_release(&req).unwrap();
+        wait_for(&consumer.runtime, "consumer release", |e| {
+            matches!(e, RuntimeEvent::ConsumerReleased { .. })
+        });
+    }
+}
