@@ -6,45 +6,17 @@
 //! The marks here are a test double (a channel the test opens); on a GPU
 //! they are CUDA events (`transport::cuda`), which CI cannot record.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, Sender};
 use orbitkv::actors::gate::{GateCall, LayerGate, Mark};
-use orbitkv::{
-    EngineConfig, KvLayout, MooncakeTransferEngine, Outcome, RequestId, Runtime, RuntimeConfig, RuntimeEvent,
-};
+use orbitkv::{Outcome, RequestId, Runtime, RuntimeEvent};
+
+#[path = "common/host_rank.rs"]
+mod host_rank;
+use host_rank::{block, rank, Rank};
 
 const GUARD: u8 = 0xA5;
-
-struct Rank {
-    mem: Vec<u8>,
-    layout: KvLayout,
-    runtime: Arc<Runtime>,
-}
-
-fn rank(layers: u32, blocks: u32, block_bytes: u64, fill: impl Fn(usize) -> u8) -> Rank {
-    let size = (layers as u64 * blocks as u64 * block_bytes) as usize;
-    let mut mem: Vec<u8> = (0..size).map(fill).collect();
-    let base = mem.as_mut_ptr() as u64;
-    let layout = KvLayout::packed(base, layers, blocks, block_bytes, (0, 1), 2);
-    let engine = Arc::new(MooncakeTransferEngine::new(&EngineConfig::default()).expect("engine"));
-    engine
-        .register_memory(base, size as u64, "cpu:0")
-        .expect("register");
-    let cfg = RuntimeConfig {
-        consumer_timeout: Duration::from_secs(20),
-        ..RuntimeConfig::default()
-    };
-    let runtime = Arc::new(Runtime::start(engine, layout.clone(), cfg).expect("runtime"));
-    Rank { mem, layout, runtime }
-}
-
-fn block(r: &Rank, layer: u32, b: u32) -> &[u8] {
-    let p = r.layout.layers[layer as usize].planes[0];
-    let off = (p.block_addr(b) - r.mem.as_ptr() as u64) as usize;
-    &r.mem[off..off + p.block_bytes as usize]
-}
 
 fn next(rt: &Runtime, within: Duration) -> Option<RuntimeEvent> {
     let deadline = Instant::now() + within;
@@ -84,22 +56,29 @@ fn ready(req: &RequestId, layer: u32, n: u32) -> GateCall {
     }
 }
 
-#[test]
-fn layers_are_written_only_after_their_mark_and_the_finish_waits_for_them() {
-    let (layers, blocks, bb) = (2, 8, 4096);
-    let producer = rank(layers, blocks, bb, |i| (i % 127) as u8);
-    let consumer = rank(layers, blocks, bb, |_| GUARD);
-    let req = RequestId::new("gate-1");
-    let (src, dst) = (vec![1, 2, 3], vec![6, 4, 0]);
+/// A producer and a consumer rank (2 layers of 8 blocks of 4 KiB), request
+/// `req` opened on both (`src` → `dst`) and the handshake admitted.
+fn pair(req: &RequestId, src: &[u32], dst: &[u32]) -> (Rank, Rank, orbitkv::Handshake) {
+    let producer = rank(2, 8, 4096, (0, 1), 2, |i| (i % 127) as u8);
+    let consumer = rank(2, 8, 4096, (0, 1), 2, |_| GUARD);
     let hs = consumer
         .runtime
-        .consumer_open(req.clone(), cap(), 0, dst.clone(), 1)
+        .consumer_open(req.clone(), cap(), 0, dst.to_vec(), 1)
         .unwrap();
     producer
         .runtime
-        .producer_open(req.clone(), src.clone(), cap(), 1)
+        .producer_open(req.clone(), src.to_vec(), cap(), 1)
         .unwrap();
     producer.runtime.producer_handshake_json(&hs.to_json()).unwrap();
+    (producer, consumer, hs)
+}
+
+#[test]
+fn layers_are_written_only_after_their_mark_and_the_finish_waits_for_them() {
+    let (layers, blocks, bb) = (2, 8, 4096);
+    let req = RequestId::new("gate-1");
+    let (src, dst) = (vec![1, 2, 3], vec![6, 4, 0]);
+    let (producer, consumer, hs) = pair(&req, &src, &dst);
 
     let mut gate = LayerGate::start(producer.runtime.clone());
     let (reach0, mark0) = hand();
@@ -165,20 +144,10 @@ fn layers_are_written_only_after_their_mark_and_the_finish_waits_for_them() {
 
 #[test]
 fn a_mark_that_fails_aborts_its_requests_and_writes_nothing_of_that_layer() {
-    let (layers, blocks, bb) = (2, 8, 4096);
-    let producer = rank(layers, blocks, bb, |i| (i % 127) as u8);
-    let consumer = rank(layers, blocks, bb, |_| GUARD);
+    let layers = 2;
     let req = RequestId::new("gate-2");
     let dst = vec![3, 5];
-    let hs = consumer
-        .runtime
-        .consumer_open(req.clone(), cap(), 0, dst.clone(), 1)
-        .unwrap();
-    producer
-        .runtime
-        .producer_open(req.clone(), vec![0, 1], cap(), 1)
-        .unwrap();
-    producer.runtime.producer_handshake_json(&hs.to_json()).unwrap();
+    let (producer, consumer, _hs) = pair(&req, &[0, 1], &dst);
 
     let gate = LayerGate::start(producer.runtime.clone());
     let (reach, mark) = hand();
@@ -212,7 +181,7 @@ fn a_mark_that_fails_aborts_its_requests_and_writes_nothing_of_that_layer() {
 
 #[test]
 fn a_request_released_before_its_mark_is_skipped_and_the_gate_goes_on() {
-    let producer = rank(1, 4, 4096, |i| (i % 127) as u8);
+    let producer = rank(1, 4, 4096, (0, 1), 2, |i| (i % 127) as u8);
     let gate = LayerGate::start(producer.runtime.clone());
     let gone = RequestId::new("never-opened");
     let (reach, mark) = hand();

@@ -2,52 +2,18 @@
 //! producers stream layers into a consumer's authorized blocks, bytes are
 //! checked, nothing outside the authorization is touched, notices are routed.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use orbitkv::{
-    EngineConfig, Generation, KvLayout, MooncakeTransferEngine, Notice, Outcome, ProducerRank, RequestId,
-    Runtime, RuntimeConfig, RuntimeError, RuntimeEvent,
+    EngineConfig, Generation, MooncakeTransferEngine, Notice, Outcome, ProducerRank, RequestId, Runtime,
+    RuntimeError, RuntimeEvent,
 };
 
 const GUARD: u8 = 0xA5;
 
-/// A rank's KV cache in host memory, registered with its own engine.
-struct Rank {
-    mem: Vec<u8>,
-    layout: KvLayout,
-    runtime: Runtime,
-}
-
-fn rank(
-    layers: u32,
-    blocks: u32,
-    block_bytes: u64,
-    tp: (u32, u32),
-    heads: u32,
-    fill: impl Fn(usize) -> u8,
-) -> Rank {
-    let size = (layers as u64 * blocks as u64 * block_bytes) as usize;
-    let mut mem: Vec<u8> = (0..size).map(fill).collect();
-    let base = mem.as_mut_ptr() as u64;
-    let layout = KvLayout::packed(base, layers, blocks, block_bytes, tp, heads);
-    let engine = Arc::new(MooncakeTransferEngine::new(&EngineConfig::default()).expect("engine"));
-    engine
-        .register_memory(base, size as u64, "cpu:0")
-        .expect("register");
-    let cfg = RuntimeConfig {
-        consumer_timeout: Duration::from_secs(20),
-        ..RuntimeConfig::default()
-    };
-    let runtime = Runtime::start(engine, layout.clone(), cfg).expect("runtime");
-    Rank { mem, layout, runtime }
-}
-
-fn block(r: &Rank, layer: u32, b: u32) -> &[u8] {
-    let p = r.layout.layers[layer as usize].planes[0];
-    let off = (p.block_addr(b) - r.mem.as_ptr() as u64) as usize;
-    &r.mem[off..off + p.block_bytes as usize]
-}
+#[path = "common/host_rank.rs"]
+mod host_rank;
+use host_rank::{block, rank, Rank};
 
 fn wait_for(rt: &Runtime, what: &str, pred: impl Fn(&RuntimeEvent) -> bool) -> RuntimeEvent {
     let deadline = Instant::now() + Duration::from_secs(30);

@@ -4,13 +4,11 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use orbitkv::side_channel::{sign, CANCEL_PATH, HANDSHAKE_PATH, HEALTH_PATH, SIGNATURE_HEADER};
 use orbitkv::{
-    Cancel, Capability, EngineConfig, KvLayout, MooncakeTransferEngine, RequestId, Runtime, RuntimeConfig,
-    RuntimeEvent, SideChannel, SideChannelConfig, SideChannelError,
+    Cancel, Capability, RequestId, Runtime, RuntimeEvent, SideChannel, SideChannelConfig, SideChannelError,
 };
 
 const GUARD: u8 = 0xA5;
@@ -19,34 +17,12 @@ const BLOCKS: u32 = 8;
 const BLOCK_BYTES: u64 = 1024;
 const KEY: &[u8] = b"deployment-key-0123456789";
 
-/// A rank's KV cache in host memory, registered with its own engine.
-struct Rank {
-    mem: Vec<u8>,
-    layout: KvLayout,
-    runtime: Arc<Runtime>,
-}
+#[path = "common/host_rank.rs"]
+mod host_rank;
+use host_rank::{block, Rank};
 
 fn rank(fill: impl Fn(usize) -> u8) -> Rank {
-    let size = (LAYERS as u64 * BLOCKS as u64 * BLOCK_BYTES) as usize;
-    let mut mem: Vec<u8> = (0..size).map(fill).collect();
-    let base = mem.as_mut_ptr() as u64;
-    let layout = KvLayout::packed(base, LAYERS, BLOCKS, BLOCK_BYTES, (0, 1), 2);
-    let engine = Arc::new(MooncakeTransferEngine::new(&EngineConfig::default()).expect("engine"));
-    engine
-        .register_memory(base, size as u64, "cpu:0")
-        .expect("register");
-    let cfg = RuntimeConfig {
-        consumer_timeout: Duration::from_secs(20),
-        ..RuntimeConfig::default()
-    };
-    let runtime = Arc::new(Runtime::start(engine, layout.clone(), cfg).expect("runtime"));
-    Rank { mem, layout, runtime }
-}
-
-fn block(r: &Rank, layer: u32, b: u32) -> &[u8] {
-    let p = r.layout.layers[layer as usize].planes[0];
-    let off = (p.block_addr(b) - r.mem.as_ptr() as u64) as usize;
-    &r.mem[off..off + p.block_bytes as usize]
+    host_rank::rank(LAYERS, BLOCKS, BLOCK_BYTES, (0, 1), 2, fill)
 }
 
 fn cap() -> Capability {
