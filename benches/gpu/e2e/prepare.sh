@@ -13,8 +13,8 @@
 #                benches/gpu/prepare.sh (which also makes the Mooncake, NIXL and
 #                .deb bundle of the transport qualification, `.gpu/`).
 # --site-only    only download and build the (cached) vLLM + wheels archive
-# --part-mib N   the size of each part (default 57 MiB: one device call carries
-#                at most 64 MiB, the repository's files included).
+# --part-mib N   the size of each part (default: 63 MiB less the repository's
+#                files, since one device call carries at most 64 MiB, those included).
 #
 # What it carries (one payload, split into parts that go in consecutive device
 # calls; docs/gpu-e2e.md says how):
@@ -40,7 +40,7 @@ set -euo pipefail
 cd "$(dirname "$0")/../../.."
 ROOT=$PWD
 COMMIT=HEAD
-PART_MIB=57
+PART_MIB=auto
 SITE_ONLY=0
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -159,6 +159,15 @@ cp "$WT/.gpu/BUILD_INFO" "$PAY/transport/BUILD_INFO.transport"
 tar -C "$PAY" --sort=name --owner=0 --group=0 -cf "$E2E_CACHE/payload.tar" .
 PAYLOAD_BYTES=$(stat -c %s "$E2E_CACHE/payload.tar")
 WHEEL_BYTES=$(stat -c %s "$WHEEL")
+if [ "$PART_MIB" = auto ]; then
+  # a device call carries at most 64 MiB: the part plus the repository's files
+  # (tracked, and untracked but not ignored), with 1 MiB to spare
+  T_B=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+  U_B=$( (git ls-files -z --others --exclude-standard | xargs -0 -r du -cb 2>/dev/null || true) | tail -1 | cut -f1)
+  REPO_B=$(( ${T_B:-0} + ${U_B:-0} ))
+  PART_MIB=$(( 63 - (REPO_B + 1048575) / 1048576 ))
+  say "part size: $PART_MIB MiB (the repository's files take $(( (REPO_B + 1048575) / 1048576 )) MiB of each call)"
+fi
 PART=$((PART_MIB * 1048576))
 # the last part also carries the wheel
 NPARTS=$(( (PAYLOAD_BYTES + WHEEL_BYTES + 65536 + PART - 1) / PART ))
