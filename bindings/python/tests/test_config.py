@@ -54,3 +54,11 @@ def test_deployment_key_from_file_or_environment(tmp_path: Path, monkeypatch: py
 def test_unknown_keys_are_errors() -> None:
     with pytest.raises(ConfigError, match="unknown OrbitKV setting"):
         PdConfig.from_extra_config({"orbitkv.pd.allowed_prefil": ["x"]})
+
+
+def test_writer_lanes() -> None:
+    assert PdConfig.from_extra_config({}).writer_lanes == 4
+    assert PdConfig.from_extra_config({"orbitkv.pd.writer_lanes": 1}).writer_lanes == 1
+    for bad in (0, 65, -1, True, "4", 2.0, None):
+        with pytest.raises(ConfigError, match="writer_lanes"):
+            PdConfig.from_extra_config({"orbitkv.pd.writer_lanes": bad})

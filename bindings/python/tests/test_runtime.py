@@ -189,11 +189,12 @@ r.close()
 """
 
 
-@pytest.mark.parametrize("log", [None, "off"])
+@pytest.mark.parametrize("log", [None, "off", "orbitkv=loud"])
 def test_runtime_warnings_reach_stderr_without_a_trace(log: str | None, tmp_path) -> None:
     """OrbitKV's own warnings (here: a handshake nobody takes) are printed to
     stderr, so they land in the vLLM server's log without a trace;
-    ``ORBITKV_LOG=off`` silences them."""
+    ``ORBITKV_LOG=off`` silences them; a malformed ``ORBITKV_LOG`` is named
+    and the default kept."""
     import os
     import subprocess
     import sys
@@ -206,7 +207,9 @@ def test_runtime_warnings_reach_stderr_without_a_trace(log: str | None, tmp_path
     p = subprocess.run([sys.executable, "-c", WARN_PROBE], env=env, capture_output=True, text=True, timeout=120)
     assert "EVENT consumer_failed" in p.stdout, p.stdout + p.stderr
     warned = [line for line in p.stderr.splitlines() if " WARN " in line and "orbitkv" in line]
-    if log is None:
-        assert any("nothing listens at 127.0.0.1:1" in line for line in warned), p.stderr[-3000:]
-    else:
+    if log == "off":
         assert warned == [], warned
+    else:
+        assert any("nothing listens at 127.0.0.1:1" in line for line in warned), p.stderr[-3000:]
+    if log == "orbitkv=loud":
+        assert "ORBITKV_LOG=\"orbitkv=loud\" ignored" in p.stderr, p.stderr[-3000:]
