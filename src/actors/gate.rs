@@ -130,7 +130,7 @@ fn run(rt: &Runtime, rx: Receiver<Item>) {
         match waited {
             Ok(()) => {
                 let lag = item.queued.elapsed();
-                rt.note_layer_gate(lag, item.mark_count());
+                rt.note_layer_gate(lag, item.ready_calls());
                 for call in item.calls {
                     let r = match &call {
                         GateCall::Ready {
@@ -169,7 +169,7 @@ fn run(rt: &Runtime, rx: Receiver<Item>) {
 }
 
 impl Item {
-    fn mark_count(&self) -> usize {
+    fn ready_calls(&self) -> usize {
         self.calls
             .iter()
             .filter(|c| matches!(c, GateCall::Ready { .. }))
