@@ -13,19 +13,7 @@ const GUARD: u8 = 0xA5;
 
 #[path = "common/host_rank.rs"]
 mod host_rank;
-use host_rank::{block, rank, Rank};
-
-fn wait_for(rt: &Runtime, what: &str, pred: impl Fn(&RuntimeEvent) -> bool) -> RuntimeEvent {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        if let Some(ev) = rt.next_event(Duration::from_millis(100)) {
-            if pred(&ev) {
-                return ev;
-            }
-        }
-    }
-    panic!("timed out waiting for {what}");
-}
+use host_rank::{block, rank, wait_for, Rank};
 
 /// The consumer's verdict on a request: completed or failed.
 fn outcome(rt: &Runtime) -> RuntimeEvent {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use orbitkv::side_channel::{sign, CANCEL_PATH, HANDSHAKE_PATH, HEALTH_PATH, SIGNATURE_HEADER};
 use orbitkv::{
-    Cancel, Capability, RequestId, Runtime, RuntimeEvent, SideChannel, SideChannelConfig, SideChannelError,
+    Cancel, Capability, RequestId, RuntimeEvent, SideChannel, SideChannelConfig, SideChannelError,
 };
 
 const GUARD: u8 = 0xA5;
@@ -19,7 +19,7 @@ const KEY: &[u8] = b"deployment-key-0123456789";
 
 #[path = "common/host_rank.rs"]
 mod host_rank;
-use host_rank::{block, Rank};
+use host_rank::{block, wait_for, Rank};
 
 fn rank(fill: impl Fn(usize) -> u8) -> Rank {
     host_rank::rank(LAYERS, BLOCKS, BLOCK_BYTES, (0, 1), 2, fill)
@@ -110,18 +110,6 @@ fn soon(cond: impl Fn() -> bool) -> bool {
         std::thread::sleep(Duration::from_millis(10));
     }
     true
-}
-
-fn wait_for(rt: &Runtime, what: &str, pred: impl Fn(&RuntimeEvent) -> bool) -> RuntimeEvent {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        if let Some(ev) = rt.next_event(Duration::from_millis(100)) {
-            if pred(&ev) {
-                return ev;
-            }
-        }
-    }
-    panic!("timed out waiting for {what}");
 }
 
 #[test]

@@ -38,17 +38,9 @@ fn rank(layers: u32, blocks: u32, block_bytes: u64, fill: u8) -> Rank {
     Rank { runtime, _mem: mem }
 }
 
-fn wait_for(rt: &Runtime, what: &str, pred: impl Fn(&RuntimeEvent) -> bool) -> RuntimeEvent {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        if let Some(ev) = rt.next_event(Duration::from_millis(100)) {
-            if pred(&ev) {
-                return ev;
-            }
-        }
-    }
-    panic!("timed out waiting for {what}");
-}
+#[path = "common/host_rank.rs"]
+mod host_rank;
+use host_rank::wait_for;
 
 /// Float µs from the JSON; ends are compared with this much slack.
 const EPS: f64 = 0.01;

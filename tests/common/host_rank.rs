@@ -6,9 +6,9 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use orbitkv::{EngineConfig, KvLayout, MooncakeTransferEngine, Runtime, RuntimeConfig};
+use orbitkv::{EngineConfig, KvLayout, MooncakeTransferEngine, Runtime, RuntimeConfig, RuntimeEvent};
 
 /// A rank's KV cache in host memory, registered with its own engine.
 pub struct Rank {
@@ -49,4 +49,18 @@ pub fn block(r: &Rank, layer: u32, b: u32) -> &[u8] {
     let p = r.layout.layers[layer as usize].planes[0];
     let off = (p.block_addr(b) - r.mem.as_ptr() as u64) as usize;
     &r.mem[off..off + p.block_bytes as usize]
+}
+
+/// The next event of `rt` that `pred` accepts (others are dropped); panics
+/// naming `what` after 30 s.
+pub fn wait_for(rt: &Runtime, what: &str, pred: impl Fn(&RuntimeEvent) -> bool) -> RuntimeEvent {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if let Some(ev) = rt.next_event(Duration::from_millis(100)) {
+            if pred(&ev) {
+                return ev;
+            }
+        }
+    }
+    panic!("timed out waiting for {what}");
 }

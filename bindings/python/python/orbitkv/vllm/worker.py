@@ -60,14 +60,26 @@ def _any_core(enabled: bool) -> Iterator[None]:
         os.sched_setaffinity(0, before)
 
 
+def _current_stream_fn() -> Any:
+    """vLLM's cheap ``current_stream()`` (torch's builds a new object per
+    call), or torch's on another vLLM layout. Resolved once, not per layer."""
+    try:
+        from vllm.utils.torch_utils import current_stream
+    except ImportError:
+        return torch.cuda.current_stream
+    return current_stream
+
+
+_current_stream: Any = None
+
+
 def _stream_handle() -> int:
     """The current CUDA stream of this thread, as a ``cudaStream_t`` int
     (vLLM runs its forward on a stream of its own)."""
-    try:
-        from vllm.utils.torch_utils import current_stream
-    except ImportError:  # another vLLM layout
-        return int(torch.cuda.current_stream().cuda_stream)
-    return int(current_stream().cuda_stream)
+    global _current_stream
+    if _current_stream is None:
+        _current_stream = _current_stream_fn()
+    return int(_current_stream().cuda_stream)
 
 
 def _delayed(delay_s: float, fn: Any, *args: Any) -> None:
