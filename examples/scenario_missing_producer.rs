@@ -4,9 +4,11 @@
 //! heads each). Rank 0 writes its heads and reports done; rank 1 never comes.
 //!
 //! Contract (rule 3): one done of two expected is not completion; the
-//! consumer fails at its (short) deadline, naming how many reported; vLLM's
-//! release then frees the blocks at once. Rank 0's head halves are in place,
-//! rank 1's halves and every other byte keep their guard value.
+//! consumer fails at its (short) deadline, naming how many reported. Rank 1
+//! never ended, so its writes could still land: the failure is *held*, and
+//! vLLM's release frees the blocks only when the quarantine after the
+//! deadline passed. Rank 0's head halves are in place, rank 1's halves and
+//! every other byte keep their guard value.
 //!
 //! Run: `source scripts/env.sh && cargo run --example scenario_missing_producer`
 
@@ -24,8 +26,8 @@ fn main() -> ExitCode {
     let mut report = Report::start(
         NAME,
         "The consumer expects 2 producer ranks; only rank 0 writes and reports done.\n\
-         The consumer must not complete, must fail at its deadline, and release must then\n\
-         free its blocks.",
+         The consumer must not complete, must fail at its deadline (held: rank 1 never ended),\n\
+         and release must free its blocks once the quarantine after the deadline passed.",
     );
     run(&mut report);
     report.finish()
@@ -109,9 +111,9 @@ fn run(r: &mut Report) {
         r.step(describe(ev));
     }
     r.check(
-        matches!(&verdict, Some(RuntimeEvent::ConsumerFailed { reason, .. })
+        matches!(&verdict, Some(RuntimeEvent::ConsumerFailed { reason, held: true, .. })
             if reason.contains("timed out") && reason.contains("1 of 2")),
-        "the consumer fails: timed out with 1 of 2 producers done",
+        "the consumer fails: timed out with 1 of 2 producers done, blocks held",
     );
     r.check(
         waited >= timeout && waited < timeout + Duration::from_secs(2),
@@ -147,9 +149,15 @@ fn run(r: &mut Report) {
             t.elapsed().as_millis()
         ));
     }
+    // config(): the quarantine is as long as the deadline.
+    let freed = opened.elapsed();
     r.check(
-        rel.is_some() && t.elapsed() < Duration::from_secs(1),
-        "release frees the blocks at once (the deadline already passed; no second wait)",
+        rel.is_some() && freed >= 2 * timeout && freed < 2 * timeout + Duration::from_secs(1),
+        format!(
+            "release frees the blocks once the quarantine passed: {} ms after opening (deadline + quarantine {} ms)",
+            freed.as_millis(),
+            (2 * timeout).as_millis()
+        ),
     );
     cev.extend(collect(&consumer, Duration::from_millis(200)));
     r.check(

@@ -18,7 +18,7 @@ echo "== Fuzzing the wire contract (coverage-guided, bounded: ORBITKV_FUZZ_SECON
 
 echo "== Python tests (the orbitkv package against real Mooncake)"
 rc=0
-python -m pytest bindings/python/tests -q || rc=$?
+python -m pytest bindings/python/tests -q -rs || rc=$?
 if [ "$rc" -ne 0 ]; then
   # 5: pytest collected no tests, which is a failure here.
   [ "$rc" -eq 5 ] && echo "test.sh: pytest collected no tests in bindings/python/tests" >&2

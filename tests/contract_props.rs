@@ -30,7 +30,12 @@
 //!   nothing after releasing;
 //! * (e) a consumer generation never both completes and fails;
 //! * (f) a consumer frees its blocks (`Released`) while a write of its
-//!   generation is in flight only after a deadline (the documented limit);
+//!   generation is in flight only after the quarantine that follows its
+//!   deadline (the documented limit): the deadline alone fails the request
+//!   but keeps the blocks;
+//! * (g) a consumer failure that leaves the blocks reusable (not `held`), or
+//!   the `Quiesced` that ends a held one, comes with no write of its
+//!   generation in flight, unless the quarantine passed;
 //! * stale, misrouted, foreign-rank and duplicate events change nothing.
 //!
 //! After the steps the model drains (writes complete, producers finish or
@@ -291,6 +296,10 @@ enum Mutation {
     ReleaseOnError,
     /// The consumer publishes completion on the first producer's done.
     CompleteOnFirstDone,
+    /// The consumer frees its blocks at the deadline, as it did before the
+    /// quarantine (a write queued behind a cut link then lands in pages
+    /// vLLM gave to another request).
+    FreeAtDeadline,
 }
 
 struct Gen {
@@ -299,6 +308,9 @@ struct Gen {
     consumer: Option<ConsumerMachine>,
     vllm_released: bool,
     timed_out: bool,
+    quarantine_over: bool,
+    /// Failed at the deadline and not yet quiesced.
+    held: bool,
     completed: u32,
     failed: u32,
     released: u32,
@@ -359,6 +371,7 @@ struct Coverage {
     failed: u64,
     consumer_timeouts: u64,
     released_by_deadline_with_writes_in_flight: u64,
+    quiesced: u64,
 }
 
 struct Model {
@@ -439,6 +452,8 @@ impl Model {
             consumer: Some(ConsumerMachine::new(rid(), generation, self.expected.clone())),
             vllm_released: false,
             timed_out: false,
+            quarantine_over: false,
+            held: false,
             completed: 0,
             failed: 0,
             released: 0,
@@ -574,8 +589,13 @@ impl Model {
                 if self.gens[gi].consumer.is_none() {
                     return Ok(());
                 }
-                self.gens[gi].timed_out = true;
                 self.cov.consumer_timeouts += 1;
+                if self.gens[gi].timed_out {
+                    // The actor's second timer: the quarantine after the deadline.
+                    self.gens[gi].quarantine_over = true;
+                    return self.feed_consumer(gi, ConsumerEvent::QuarantineOver);
+                }
+                self.gens[gi].timed_out = true;
                 self.feed_consumer(gi, ConsumerEvent::TimedOut)
             }
         }
@@ -912,7 +932,16 @@ impl Model {
         let Some(c) = self.gens[gi].consumer.as_mut() else {
             return Err(format!("model bug: consumer #{gi} is not registered"));
         };
+        let timeout = ev == ConsumerEvent::TimedOut;
         let mut fx = c.on_event(ev);
+        if self.mutation == Mutation::FreeAtDeadline
+            && timeout
+            && c.phase() == ConsumerPhase::Releasing
+            && !fx.contains(&ConsumerEffect::Released)
+        {
+            let _ = c.on_event(ConsumerEvent::QuarantineOver);
+            fx.push(ConsumerEffect::Released);
+        }
         if self.mutation == Mutation::CompleteOnFirstDone
             && done_notice
             && c.phase() == ConsumerPhase::Waiting
@@ -943,22 +972,40 @@ impl Model {
                     ensure!(g.completed == 1, "consumer of {gen} completed twice");
                     self.cov.completed += 1;
                 }
-                ConsumerEffect::Failed { .. } => {
+                ConsumerEffect::Failed { held, .. } => {
                     ensure!(g.completed == 0, "(e) consumer of {gen} failed after completing");
                     g.failed += 1;
                     ensure!(g.failed == 1, "consumer of {gen} failed twice");
                     self.cov.failed += 1;
+                    let in_flight = self.pool.iter().filter(|w| w.generation == gen).count();
+                    ensure!(
+                        held || in_flight == 0,
+                        "(g) consumer of {gen} failed unheld (blocks reusable) with {in_flight} writes in flight"
+                    );
+                    g.held = held;
+                }
+                ConsumerEffect::Quiesced => {
+                    ensure!(g.held, "consumer of {gen} quiesced without a held failure");
+                    g.held = false;
+                    let in_flight = self.pool.iter().filter(|w| w.generation == gen).count();
+                    ensure!(
+                        in_flight == 0 || g.quarantine_over,
+                        "(g) consumer of {gen} quiesced (blocks reusable) with {in_flight} writes in flight \
+                         before the quarantine passed"
+                    );
+                    self.cov.quiesced += 1;
                 }
                 ConsumerEffect::Released => {
                     g.released += 1;
                     ensure!(g.released == 1, "consumer of {gen} released its blocks twice");
-                    let timed_out = g.timed_out;
+                    let quarantine_over = g.quarantine_over;
                     g.consumer = None; // the router forgets it
                     let in_flight = self.pool.iter().filter(|w| w.generation == gen).count();
                     if in_flight > 0 {
                         ensure!(
-                            timed_out,
-                            "(f) consumer of {gen} freed its blocks with {in_flight} writes into them in flight"
+                            quarantine_over,
+                            "(f) consumer of {gen} freed its blocks with {in_flight} writes into them in flight \
+                             before the quarantine passed"
                         );
                         self.cov.released_by_deadline_with_writes_in_flight += 1;
                     }
@@ -1007,7 +1054,8 @@ impl Model {
                 self.feed_consumer(gi, ConsumerEvent::TimedOut)?;
             }
             if self.gens[gi].consumer.is_some() {
-                self.feed_consumer(gi, ConsumerEvent::TimedOut)?;
+                self.gens[gi].quarantine_over = true;
+                self.feed_consumer(gi, ConsumerEvent::QuarantineOver)?;
             }
             let g = &self.gens[gi];
             ensure!(
@@ -1072,6 +1120,7 @@ fn explore(cases: u32, mutation: Mutation) -> Result<(u64, Coverage), (String, C
         s.failed += cov.failed;
         s.consumer_timeouts += cov.consumer_timeouts;
         s.released_by_deadline_with_writes_in_flight += cov.released_by_deadline_with_writes_in_flight;
+        s.quiesced += cov.quiesced;
         Ok(())
     });
     match r {
@@ -1119,6 +1168,7 @@ fn contract_holds_over_10000_interleavings() {
         ("consumer completions", cov.completed),
         ("consumer failures", cov.failed),
         ("consumer timeouts", cov.consumer_timeouts),
+        ("held failures quiesced", cov.quiesced),
     ];
     for (what, n) in floors {
         assert!(
@@ -1156,6 +1206,11 @@ fn broken_producer_that_releases_on_error_is_caught() {
 #[test]
 fn broken_consumer_that_completes_on_first_done_is_caught() {
     expect_caught(Mutation::CompleteOnFirstDone, "(b)");
+}
+
+#[test]
+fn broken_consumer_that_frees_at_the_deadline_is_caught() {
+    expect_caught(Mutation::FreeAtDeadline, "(f)");
 }
 
 /// Fabricated effects, one per invariant, fed straight to the checker.

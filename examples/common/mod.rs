@@ -161,9 +161,12 @@ fn fail_setup(what: &str, e: impl Display) -> ! {
 }
 
 /// Runtime settings for a scenario: short deadlines, so it runs in seconds.
+/// The quarantine (how long past its deadline a consumer keeps the blocks of
+/// a producer that never ended) is as long as the deadline.
 pub fn config(consumer_timeout: Duration) -> RuntimeConfig {
     RuntimeConfig {
         consumer_timeout,
+        quarantine: consumer_timeout,
         handshake_timeout: Duration::from_secs(10),
         write_timeout: Duration::from_secs(10),
         ..RuntimeConfig::default()
@@ -233,7 +236,18 @@ pub fn describe(ev: &RuntimeEvent) -> String {
             request,
             generation,
             reason,
-        } => format!("consumer {request} {generation}: FAILED ({reason})"),
+            held,
+        } => format!(
+            "consumer {request} {generation}: FAILED ({reason}){}",
+            if *held {
+                "; blocks held until every producer ended or the quarantine passed"
+            } else {
+                ""
+            }
+        ),
+        RuntimeEvent::ConsumerQuiesced { request, generation } => {
+            format!("consumer {request} {generation}: quiesced (no producer waited for any more)")
+        }
         RuntimeEvent::ConsumerReleased { request, generation } => {
             format!("consumer {request} {generation}: released (blocks may be freed)")
         }

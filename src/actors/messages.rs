@@ -143,10 +143,20 @@ pub enum RuntimeEvent {
         bytes: u64,
     },
     /// Decode side: the KV will not be complete (failure, abort, timeout).
+    /// `held`: at the deadline, with a producer that never ended: its writes
+    /// may still land, so the blocks must not be reused (recomputed or
+    /// freed) before `ConsumerQuiesced` or `ConsumerReleased`.
     ConsumerFailed {
         request: RequestId,
         generation: Generation,
         reason: String,
+        held: bool,
+    },
+    /// Decode side, after a `held` failure: every producer ended, or the
+    /// quarantine passed; the blocks may be recomputed.
+    ConsumerQuiesced {
+        request: RequestId,
+        generation: Generation,
     },
     /// Decode side: no producer can write into the blocks any more.
     ConsumerReleased {

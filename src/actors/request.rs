@@ -30,6 +30,8 @@ use crate::wire::{Handshake, Notice, WIRE_VERSION};
 pub struct ConsumerActor {
     machine: ConsumerMachine,
     timeout: Duration,
+    /// How long after `timeout` blocks no producer accounted for stay held.
+    quarantine: Duration,
     opened: Instant,
     router: Addr<NotificationRouter>,
     events: Sender<RuntimeEvent>,
@@ -41,6 +43,7 @@ impl ConsumerActor {
     pub fn new(
         machine: ConsumerMachine,
         timeout: Duration,
+        quarantine: Duration,
         router: Addr<NotificationRouter>,
         events: Sender<RuntimeEvent>,
         stats: Arc<Stats>,
@@ -50,6 +53,7 @@ impl ConsumerActor {
         Self {
             machine,
             timeout,
+            quarantine,
             opened: Instant::now(),
             router,
             events,
@@ -74,13 +78,21 @@ impl ConsumerActor {
                         bytes,
                     });
                 }
-                ConsumerEffect::Failed { reason } => {
+                ConsumerEffect::Failed { reason, held } => {
                     self.stats.consumers_failed.inc();
-                    tracing::warn!(%reason, "KV will not be complete");
+                    tracing::warn!(%reason, held, "KV will not be complete");
                     let _ = self.events.send(RuntimeEvent::ConsumerFailed {
                         request: request.clone(),
                         generation,
                         reason,
+                        held,
+                    });
+                }
+                ConsumerEffect::Quiesced => {
+                    tracing::info!("quiesced: no producer is waited for any more");
+                    let _ = self.events.send(RuntimeEvent::ConsumerQuiesced {
+                        request: request.clone(),
+                        generation,
                     });
                 }
                 ConsumerEffect::Dropped(why) => {
@@ -114,8 +126,17 @@ impl Actor for ConsumerActor {
             let span = tracing::info_span!(parent: &a.span, "msg", kind = "TimedOut");
             let _g = span.enter();
             a.feed(ConsumerEvent::TimedOut, ctx);
-            // A second deadline ends a release that waits for producers.
-            ctx.run_later(a.timeout, |a, ctx| a.feed(ConsumerEvent::TimedOut, ctx));
+            // Then the quarantine: blocks a silent producer may still write
+            // into are held until it passes.
+            ctx.run_later(a.quarantine, |a, ctx| {
+                let span = tracing::info_span!(parent: &a.span, "msg", kind = "QuarantineOver");
+                let _g = span.enter();
+                if a.machine.phase() == crate::actors::state::ConsumerPhase::Releasing {
+                    a.stats.consumers_quarantine_expired.inc();
+                    tracing::warn!("quarantine over: freeing blocks a silent producer may still write into");
+                }
+                a.feed(ConsumerEvent::QuarantineOver, ctx)
+            });
         });
     }
 }

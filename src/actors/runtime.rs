@@ -31,6 +31,12 @@ use crate::wire::{Cancel, Handshake, WIRE_VERSION};
 pub struct RuntimeConfig {
     /// How long a consumer waits for all producers before failing the request.
     pub consumer_timeout: Duration,
+    /// How long, after `consumer_timeout`, a consumer keeps the blocks of
+    /// producers that never ended (their writes may still be queued in
+    /// Mooncake, e.g. behind a cut link, and land when it heals); and how
+    /// long, after `write_timeout`, a producer waits for Mooncake to end a
+    /// late batch before it gives the batch up.
+    pub quarantine: Duration,
     /// How long a producer waits for the consumer's handshake.
     pub handshake_timeout: Duration,
     /// How long one write batch may take before it counts as failed.
@@ -62,6 +68,7 @@ impl Default for RuntimeConfig {
     fn default() -> Self {
         Self {
             consumer_timeout: Duration::from_secs(120),
+            quarantine: Duration::from_secs(60),
             handshake_timeout: Duration::from_secs(120),
             write_timeout: Duration::from_secs(30),
             max_bytes_in_flight_per_peer: 1 << 30,
@@ -187,11 +194,11 @@ impl Runtime {
             .map_err(|_| RuntimeError::Stopped)?;
         let (poller_tx, poller_rx) = crossbeam_channel::unbounded();
         let poller_stop = Arc::new(AtomicBool::new(false));
-        let poller_thread = spawn_poller(transport.clone(), poller_rx, poller_stop.clone());
+        let poller_thread = spawn_poller(transport.clone(), poller_rx, poller_stop.clone(), stats.clone());
         let writers = Arc::new(WriterPool::new(
             transport.clone(),
             poller_tx.clone(),
-            cfg.write_timeout,
+            (cfg.write_timeout, cfg.quarantine),
             cfg.max_bytes_in_flight_per_peer,
             cfg.max_ranges_in_flight_per_peer,
             cfg.writer_lanes_per_peer,
@@ -317,6 +324,7 @@ impl Runtime {
         let actor = ConsumerActor::new(
             machine,
             self.cfg.consumer_timeout,
+            self.cfg.quarantine,
             self.router.clone(),
             self.events_tx.clone(),
             self.stats.clone(),

@@ -60,6 +60,10 @@ pub enum ConsumerEvent {
     },
     /// The wait for producers exceeded its deadline.
     TimedOut,
+    /// The quarantine after the deadline passed: blocks a producer never
+    /// accounted for may be given back even so (a producer that stays
+    /// silent this long is taken as gone; see the known limitations).
+    QuarantineOver,
     /// vLLM is done with the request (decoded, aborted, or failed): the
     /// authorization is to be revoked and the blocks given back.
     Release,
@@ -71,8 +75,14 @@ pub enum ConsumerEffect {
     /// Every expected producer reported done: the KV is in place.
     Completed { bytes: u64 },
     /// The KV will not be complete; vLLM must treat the blocks as failed
-    /// loads. Emitted once every producer ended (or at the deadline).
-    Failed { reason: String },
+    /// loads. Emitted once every producer ended, or at the deadline: then
+    /// `held`, some producer never ended and its writes may still land, so
+    /// the blocks may be reused (recomputed or freed) only after `Quiesced`
+    /// or `Released`.
+    Failed { reason: String, held: bool },
+    /// After a `held` failure: every producer ended, or the quarantine
+    /// passed; nothing more is waited for.
+    Quiesced,
     /// An event was ignored (counted, traced).
     Dropped(Dropped),
     /// No producer can write into the blocks any more: they may be freed.
@@ -85,7 +95,7 @@ pub enum ConsumerPhase {
     Complete,
     Failed,
     /// vLLM released the request before every producer ended; the blocks stay
-    /// held until they all did (or the deadline passed).
+    /// held until they all did (or the quarantine after the deadline passed).
     Releasing,
     Released,
 }
@@ -114,6 +124,10 @@ pub struct ConsumerMachine {
     phase: ConsumerPhase,
     bytes: u64,
     reason: Option<String>,
+    /// The quarantine after the deadline passed.
+    quarantine_over: bool,
+    /// Failed at the deadline with a producer not ended, and not yet quiesced.
+    held: bool,
 }
 
 impl ConsumerMachine {
@@ -129,6 +143,8 @@ impl ConsumerMachine {
             phase: ConsumerPhase::Waiting,
             bytes: 0,
             reason: None,
+            quarantine_over: false,
+            held: false,
         }
     }
 
@@ -200,7 +216,14 @@ impl ConsumerMachine {
                         }
                     }
                     P::Complete => vec![E::Dropped(Dropped::AfterTerminal)],
-                    P::Failed => vec![E::Dropped(Dropped::AfterTerminal)],
+                    // Failed at the deadline: the notice no longer changes
+                    // the outcome, but it accounts for that producer (its
+                    // writes ended); once all did, nothing is waited for.
+                    P::Failed if self.held && self.all_ended() => {
+                        self.held = false;
+                        vec![E::Quiesced]
+                    }
+                    P::Failed => vec![],
                     P::Waiting => {
                         match outcome {
                             Outcome::Done => {
@@ -233,7 +256,10 @@ impl ConsumerMachine {
                             }
                             Some(r) => {
                                 self.phase = P::Failed;
-                                vec![E::Failed { reason: r.clone() }]
+                                vec![E::Failed {
+                                    reason: r.clone(),
+                                    held: false,
+                                }]
                             }
                         }
                     }
@@ -251,23 +277,41 @@ impl ConsumerMachine {
                     }
                     self.phase = P::Failed;
                     self.reason = Some(reason.clone());
-                    vec![E::Failed { reason }]
+                    // In Waiting some producer has not ended (else the
+                    // last notice would have ended the wait).
+                    self.held = true;
+                    vec![E::Failed { reason, held: true }]
                 }
-                P::Releasing => {
-                    self.phase = P::Released;
-                    vec![E::Released]
-                }
-                P::Failed | P::Complete | P::Released => vec![],
+                // A producer that has not ended may still have writes in
+                // flight (a cut link holds them in Mooncake's queue, and
+                // they land when it heals): the blocks stay held until it
+                // ends or the quarantine passes.
+                P::Releasing | P::Failed | P::Complete | P::Released => vec![],
             },
+            ConsumerEvent::QuarantineOver => {
+                self.quarantine_over = true;
+                match self.phase {
+                    P::Releasing => {
+                        self.phase = P::Released;
+                        vec![E::Released]
+                    }
+                    P::Failed if self.held => {
+                        self.held = false;
+                        vec![E::Quiesced]
+                    }
+                    P::Waiting | P::Failed | P::Complete | P::Released => vec![],
+                }
+            }
             ConsumerEvent::Release => match self.phase {
                 P::Released | P::Releasing => vec![E::Dropped(Dropped::AfterTerminal)],
-                // Complete and Failed are only reached once every producer
-                // ended (or the deadline passed): nothing can land any more.
-                P::Complete | P::Failed => {
+                // Complete is only reached once every producer ended, and
+                // Failed too unless the deadline made it: then the blocks
+                // are freed once the rest ended, or the quarantine passed.
+                P::Complete | P::Failed if self.all_ended() || self.quarantine_over => {
                     self.phase = P::Released;
                     vec![E::Released]
                 }
-                P::Waiting => {
+                P::Complete | P::Failed | P::Waiting => {
                     self.phase = P::Releasing;
                     vec![]
                 }
@@ -671,11 +715,64 @@ mod tests {
 
     #[test]
     fn timeout_fails_and_release_frees() {
+        // Every producer ended (failed), then the deadline: freed at release.
         let mut c = consumer(1);
+        assert!(matches!(
+            c.on_event(notice(1, 0, Outcome::Failed))[..],
+            [ConsumerEffect::Failed { held: false, .. }]
+        ));
+        assert_eq!(c.on_event(ConsumerEvent::TimedOut), vec![]);
+        assert_eq!(c.on_event(ConsumerEvent::Release), vec![ConsumerEffect::Released]);
+    }
+
+    // A deadline fails the request at once, but a producer that never ended
+    // may still have writes in flight (a cut link: they land when it heals),
+    // so its blocks stay held until it ends or the quarantine passes.
+    #[test]
+    fn timeout_holds_the_blocks_until_every_producer_ended() {
+        let mut c = consumer(2);
+        assert!(c.on_event(notice(1, 0, Outcome::Done)).is_empty());
         assert!(matches!(
             c.on_event(ConsumerEvent::TimedOut)[..],
             [ConsumerEffect::Failed { .. }]
         ));
+        assert!(c.on_event(ConsumerEvent::Release).is_empty());
+        assert_eq!(c.phase(), ConsumerPhase::Releasing);
+        // rank 1's late notice: its writes ended, the blocks are free.
+        assert_eq!(
+            c.on_event(notice(1, 1, Outcome::Done)),
+            vec![ConsumerEffect::Released]
+        );
+
+        // A late notice before vLLM's release accounts for the producer too:
+        // the blocks may be recomputed (Quiesced), and freed at release.
+        let mut c = consumer(1);
+        assert!(matches!(
+            c.on_event(ConsumerEvent::TimedOut)[..],
+            [ConsumerEffect::Failed { held: true, .. }]
+        ));
+        assert_eq!(
+            c.on_event(notice(1, 0, Outcome::Failed)),
+            vec![ConsumerEffect::Quiesced]
+        );
+        assert_eq!(c.phase(), ConsumerPhase::Failed);
+        assert_eq!(c.on_event(ConsumerEvent::Release), vec![ConsumerEffect::Released]);
+
+        // A producer that never ends: the quarantine frees the blocks, before
+        // or after vLLM's release.
+        let mut c = consumer(1);
+        c.on_event(ConsumerEvent::TimedOut);
+        assert!(c.on_event(ConsumerEvent::Release).is_empty());
+        assert_eq!(
+            c.on_event(ConsumerEvent::QuarantineOver),
+            vec![ConsumerEffect::Released]
+        );
+        let mut c = consumer(1);
+        c.on_event(ConsumerEvent::TimedOut);
+        assert_eq!(
+            c.on_event(ConsumerEvent::QuarantineOver),
+            vec![ConsumerEffect::Quiesced]
+        );
         assert_eq!(c.on_event(ConsumerEvent::Release), vec![ConsumerEffect::Released]);
     }
 
@@ -690,11 +787,14 @@ mod tests {
             c.on_event(notice(1, 1, Outcome::Aborted)),
             vec![ConsumerEffect::Released]
         );
-        // and a deadline ends the wait too
+        // The deadline does not end the wait (a write may still land); the
+        // quarantine after it does.
         let mut c = consumer(1);
         c.on_event(ConsumerEvent::Release);
+        assert_eq!(c.on_event(ConsumerEvent::TimedOut), vec![]);
+        assert_eq!(c.phase(), ConsumerPhase::Releasing);
         assert_eq!(
-            c.on_event(ConsumerEvent::TimedOut),
+            c.on_event(ConsumerEvent::QuarantineOver),
             vec![ConsumerEffect::Released]
         );
     }

@@ -59,6 +59,15 @@ pub struct Stats {
     /// Sum over layer writes of admitted by the writer → written, in µs
     /// (waiting for the per-peer budget included).
     pub layer_write_micros: Counter,
+    /// Write batches still in Mooncake at `write_timeout` (held on, not
+    /// given up: their bytes may still move).
+    pub writes_late: Counter,
+    /// Write batches given up at `write_timeout + quarantine` while Mooncake
+    /// had not ended them.
+    pub writes_abandoned: Counter,
+    /// Consumers whose blocks were freed by the quarantine with a producer
+    /// that never ended.
+    pub consumers_quarantine_expired: Counter,
 }
 
 /// A point-in-time copy of [`Stats`].
@@ -88,6 +97,9 @@ pub struct StatsSnapshot {
     pub write_submit_micros: u64,
     pub write_batch_micros: u64,
     pub layer_write_micros: u64,
+    pub writes_late: u64,
+    pub writes_abandoned: u64,
+    pub consumers_quarantine_expired: u64,
 }
 
 impl Stats {
@@ -117,6 +129,9 @@ impl Stats {
             write_submit_micros: self.write_submit_micros.get(),
             write_batch_micros: self.write_batch_micros.get(),
             layer_write_micros: self.layer_write_micros.get(),
+            writes_late: self.writes_late.get(),
+            writes_abandoned: self.writes_abandoned.get(),
+            consumers_quarantine_expired: self.consumers_quarantine_expired.get(),
         }
     }
 }

@@ -19,18 +19,29 @@ use crate::wire::NOTIFY_NAME;
 /// A batch handed to the poller.
 pub struct PollJob {
     pub handle: BatchHandle,
+    /// `write_timeout` after submission: the batch is late (a warning; it is
+    /// still waited for, since Mooncake may still move its bytes).
+    pub late_at: Instant,
+    /// `write_timeout + quarantine` after submission: the batch is given up.
     pub deadline: Instant,
     pub token: u64,
     pub reply: Recipient<BatchFinished>,
+    pub peer: String,
+    pub warned: bool,
 }
 
-/// Polls every batch in flight; reports each once, when it ends or its
-/// deadline passes. A batch past its deadline is still polled until Mooncake
-/// ends it, so that its id is freed.
+/// Polls every batch in flight; reports each once, when Mooncake ends it or
+/// its deadline passes. A late batch is not reported failed at
+/// `write_timeout`: Mooncake cannot cancel a transfer, and one queued behind
+/// a cut link lands when the link heals, so the producer must not release
+/// its source blocks, nor tell decode it may free the destination, before
+/// Mooncake ended it. A batch given up at its deadline is still polled until
+/// Mooncake ends it, so that its id is freed.
 pub fn spawn_poller(
     transport: Arc<dyn Transport>,
     jobs: Receiver<PollJob>,
     stop: Arc<std::sync::atomic::AtomicBool>,
+    stats: Arc<Stats>,
 ) -> std::thread::JoinHandle<()> {
     std::thread::Builder::new()
         .name("orbitkv-poller".into())
@@ -55,11 +66,28 @@ pub fn spawn_poller(
                 let now = Instant::now();
                 live.retain_mut(|job| {
                     let result = match transport.poll(&mut job.handle) {
-                        Ok(BatchState::InFlight) if now < job.deadline => return true,
+                        Ok(BatchState::InFlight) if now < job.deadline => {
+                            if now >= job.late_at && !job.warned {
+                                job.warned = true;
+                                stats.writes_late.inc();
+                                tracing::warn!(peer = %job.peer,
+                                    waited_ms = (now - job.handle.submitted).as_millis() as u64,
+                                    "write batch past the write timeout: held until Mooncake ends it \
+                                     (it may still move bytes) or the quarantine passes");
+                            }
+                            return true;
+                        }
                         Ok(BatchState::InFlight) => {
                             let waited = (now - job.handle.submitted).as_millis();
+                            stats.writes_abandoned.inc();
+                            tracing::error!(peer = %job.peer, waited_ms = waited as u64,
+                                "write batch given up while Mooncake still holds it: \
+                                 its bytes may yet land after the request's blocks were freed");
                             abandoned.push(std::mem::replace(&mut job.handle, BatchHandle::new(0, "", 0, 0)));
-                            Err(format!("timed out after {waited} ms"))
+                            Err(format!(
+                                "timed out after {waited} ms (write timeout and quarantine passed; \
+                                 Mooncake had not ended the batch)"
+                            ))
                         }
                         Ok(BatchState::Completed { bytes }) => Ok(bytes),
                         Ok(BatchState::Failed { reason }) => Err(reason),
@@ -120,6 +148,7 @@ pub struct LayerWriter {
     transport: Arc<dyn Transport>,
     poller: Sender<PollJob>,
     write_timeout: Duration,
+    quarantine: Duration,
     max_in_flight: u64,
     max_ranges: usize,
     in_flight: u64,
@@ -168,12 +197,15 @@ impl LayerWriter {
                     self.stats.write_ranges.add(n as u64);
                     let token = self.next_token;
                     self.next_token += 1;
-                    let job_deadline = Instant::now() + self.write_timeout;
+                    let now = Instant::now();
                     let poll = PollJob {
                         handle,
-                        deadline: job_deadline,
+                        late_at: now + self.write_timeout,
+                        deadline: now + self.write_timeout + self.quarantine,
                         token,
                         reply: ctx.address().recipient(),
+                        peer: self.peer.clone(),
+                        warned: false,
                     };
                     if self.poller.send(poll).is_err() {
                         job.failed = Some("the runtime is shutting down".into());
@@ -325,6 +357,7 @@ pub struct WriterPool {
     transport: Arc<dyn Transport>,
     poller: Sender<PollJob>,
     write_timeout: Duration,
+    quarantine: Duration,
     max_in_flight: u64,
     max_ranges: usize,
     lanes: usize,
@@ -341,7 +374,7 @@ impl WriterPool {
     pub fn new(
         transport: Arc<dyn Transport>,
         poller: Sender<PollJob>,
-        write_timeout: Duration,
+        (write_timeout, quarantine): (Duration, Duration),
         max_in_flight: u64,
         max_ranges: usize,
         lanes: usize,
@@ -352,6 +385,7 @@ impl WriterPool {
             transport,
             poller,
             write_timeout,
+            quarantine,
             max_in_flight: (max_in_flight / lanes as u64).max(1),
             max_ranges: (max_ranges / lanes).max(1),
             lanes,
@@ -372,6 +406,7 @@ impl WriterPool {
                         transport: self.transport.clone(),
                         poller: self.poller.clone(),
                         write_timeout: self.write_timeout,
+                        quarantine: self.quarantine,
                         max_in_flight: self.max_in_flight,
                         max_ranges: self.max_ranges,
                         in_flight: 0,

@@ -143,14 +143,16 @@ pub(crate) fn seconds(py: Python<'_>, name: &str, s: f64) -> PyResult<Duration> 
 }
 
 /// Something the runtime reports: a decode request's KV arrived
-/// (`"consumer_completed"`) or will not (`"consumer_failed"`), its blocks are
+/// (`"consumer_completed"`) or will not (`"consumer_failed"`), no producer is
+/// waited for after a held failure (`"consumer_quiesced"`), its blocks are
 /// free of writers (`"consumer_released"`), or a prefill request's writes all
 /// drained (`"producer_released"`, with `outcome` `"done"`, `"failed"` or
 /// `"aborted"`).
 #[pyclass(module = "orbitkv._native", name = "RuntimeEvent", frozen, get_all)]
 #[derive(Debug, Clone)]
 pub struct PyRuntimeEvent {
-    /// `"consumer_completed"`, `"consumer_failed"`, `"consumer_released"` or `"producer_released"`.
+    /// `"consumer_completed"`, `"consumer_failed"`, `"consumer_quiesced"`,
+    /// `"consumer_released"` or `"producer_released"`.
     kind: &'static str,
     /// The P/D request ID.
     request_id: String,
@@ -162,14 +164,18 @@ pub struct PyRuntimeEvent {
     outcome: Option<&'static str>,
     /// Why (failures, aborts).
     reason: Option<String>,
+    /// `consumer_failed` only: at the deadline, with a producer that never
+    /// ended; the blocks must not be reused before `consumer_quiesced` or
+    /// `consumer_released`.
+    held: Option<bool>,
 }
 
 #[pymethods]
 impl PyRuntimeEvent {
     fn __repr__(&self) -> String {
         format!(
-            "RuntimeEvent(kind={:?}, request_id={:?}, generation={:?}, bytes={:?}, outcome={:?}, reason={:?})",
-            self.kind, self.request_id, self.generation, self.bytes, self.outcome, self.reason
+            "RuntimeEvent(kind={:?}, request_id={:?}, generation={:?}, bytes={:?}, outcome={:?}, reason={:?}, held={:?})",
+            self.kind, self.request_id, self.generation, self.bytes, self.outcome, self.reason, self.held
         )
     }
 }
@@ -191,6 +197,7 @@ impl From<RuntimeEvent> for PyRuntimeEvent {
             bytes: None,
             outcome: None,
             reason: None,
+            held: None,
         };
         match ev {
             RuntimeEvent::ConsumerCompleted {
@@ -206,10 +213,16 @@ impl From<RuntimeEvent> for PyRuntimeEvent {
                 request,
                 generation,
                 reason,
+                held,
             } => PyRuntimeEvent {
                 generation: Some(generation.0),
                 reason: Some(reason),
+                held: Some(held),
                 ..base("consumer_failed", request)
+            },
+            RuntimeEvent::ConsumerQuiesced { request, generation } => PyRuntimeEvent {
+                generation: Some(generation.0),
+                ..base("consumer_quiesced", request)
             },
             RuntimeEvent::ConsumerReleased { request, generation } => PyRuntimeEvent {
                 generation: Some(generation.0),
@@ -231,7 +244,7 @@ impl From<RuntimeEvent> for PyRuntimeEvent {
 /// The request runtime of one rank.
 ///
 /// `Runtime(engine, layout_json, *, consumer_timeout_s=120, handshake_timeout_s=120,
-/// write_timeout_s=30, max_bytes_in_flight_per_peer=1 GiB, max_ranges_in_flight_per_peer=768,
+/// write_timeout_s=30, quarantine_s=60, max_bytes_in_flight_per_peer=1 GiB, max_ranges_in_flight_per_peer=768,
 /// notify_poll_ms=1)`.
 /// `layout_json` is this rank's KV geometry (see `docs/architecture.md`);
 /// its memory must be registered with `engine`.
@@ -264,7 +277,7 @@ impl PyRuntime {
     #[new]
     #[allow(clippy::too_many_arguments)] // mirrors the keyword-only Python signature
     #[pyo3(signature = (engine, layout_json, *, consumer_timeout_s=120.0, handshake_timeout_s=120.0,
-        write_timeout_s=30.0, max_bytes_in_flight_per_peer=1_073_741_824,
+        write_timeout_s=30.0, quarantine_s=60.0, max_bytes_in_flight_per_peer=1_073_741_824,
         max_ranges_in_flight_per_peer=768, writer_lanes_per_peer=4, notify_poll_ms=1.0, max_parked=4096,
         max_parked_bytes=67_108_864, side_channel_key=None, publish_timeout_s=10.0))]
     fn new(
@@ -274,6 +287,7 @@ impl PyRuntime {
         consumer_timeout_s: f64,
         handshake_timeout_s: f64,
         write_timeout_s: f64,
+        quarantine_s: f64,
         max_bytes_in_flight_per_peer: u64,
         max_ranges_in_flight_per_peer: usize,
         writer_lanes_per_peer: usize,
@@ -297,6 +311,7 @@ impl PyRuntime {
             consumer_timeout: seconds(py, "consumer_timeout_s", consumer_timeout_s)?,
             handshake_timeout: seconds(py, "handshake_timeout_s", handshake_timeout_s)?,
             write_timeout: seconds(py, "write_timeout_s", write_timeout_s)?,
+            quarantine: seconds(py, "quarantine_s", quarantine_s)?,
             max_bytes_in_flight_per_peer: max_bytes_in_flight_per_peer.max(1),
             max_ranges_in_flight_per_peer: max_ranges_in_flight_per_peer.max(1),
             writer_lanes_per_peer: writer_lanes_per_peer.clamp(1, 64),

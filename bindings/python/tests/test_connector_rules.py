@@ -263,6 +263,52 @@ def test_consumer_reported_exactly_once(worker: PdWorker) -> None:
     assert worker.get_finished() == (None, {"d2"})
 
 
+def test_held_failure_is_reported_only_once_nothing_can_write(worker: PdWorker) -> None:
+    """A failure at the deadline with a producer that never ended: vLLM gets
+    the failed blocks at once, but the request's report (which lets vLLM free
+    or recompute the blocks) only once the runtime says no write can land."""
+    rt = worker.runtime
+    worker.start_load_kv(PdConnectorMetadata(consumers_open=[ConsumerOpen("d1", "pd-1", CAP, 0, [3, 4], "127.0.0.1:1", 1)]))
+    rt.events.append(
+        SimpleNamespace(kind="consumer_failed", request_id="pd-1", reason="timed out", outcome=None, held=True)
+    )
+    assert worker.get_finished() == (None, None)
+    assert worker.get_block_ids_with_load_errors() == {3, 4}
+    # Recompute policy: vLLM still waits; the producer's late notice quiesces it.
+    rt.events.append(ev("consumer_quiesced", "pd-1"))
+    assert worker.get_finished() == (None, {"d1"})
+    # vLLM then finishes it normally: bookkeeping only.
+    worker.start_load_kv(PdConnectorMetadata(consumers_end=[RequestEnd("d1", "pd-1", False, "", report=False)]))
+    rt.events.append(ev("consumer_released", "pd-1"))
+    assert worker.get_finished() == (None, None)
+
+    # Fail policy: vLLM fails the request on the failed blocks and waits for
+    # the report to free them; the runtime's release gives it.
+    worker.start_load_kv(PdConnectorMetadata(consumers_open=[ConsumerOpen("d2", "pd-2", CAP, 0, [5], "127.0.0.1:1", 1)]))
+    rt.events.append(
+        SimpleNamespace(kind="consumer_failed", request_id="pd-2", reason="timed out", outcome=None, held=True)
+    )
+    assert worker.get_finished() == (None, None)
+    worker.start_load_kv(PdConnectorMetadata(consumers_end=[RequestEnd("d2", "pd-2", True, "error", report=True)]))
+    assert ("consumer_release", "pd-2") in rt.calls
+    assert worker.get_finished() == (None, None)
+    rt.events.append(ev("consumer_released", "pd-2"))
+    assert worker.get_finished() == (None, {"d2"})
+    assert worker.get_finished() == (None, None)
+
+
+def test_release_the_runtime_refuses_is_reported_at_once(worker: PdWorker) -> None:
+    class Refusing(RecordingRuntime):
+        def consumer_release(self, pd: str) -> None:
+            raise KeyError(pd)
+
+    worker.runtime = Refusing()  # type: ignore[assignment]
+    worker.start_load_kv(PdConnectorMetadata(consumers_open=[ConsumerOpen("d1", "pd-1", CAP, 0, [3], "127.0.0.1:1", 1)]))
+    worker.start_load_kv(PdConnectorMetadata(consumers_end=[RequestEnd("d1", "pd-1", True, "aborted", report=True)]))
+    # Nothing could be waited for: vLLM gets its blocks back instead of holding them forever.
+    assert worker.get_finished() == (None, {"d1"})
+
+
 # ---- hostile kv_transfer_params: the request is served plainly, nothing else changes ----
 
 BAD_PARAMS = {

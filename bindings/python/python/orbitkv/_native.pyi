@@ -186,14 +186,18 @@ class Batch:
 @final
 class RuntimeEvent:
     """Something the runtime reports: a decode request's KV arrived
-    (`"consumer_completed"`) or will not (`"consumer_failed"`), its blocks are
+    (`"consumer_completed"`) or will not (`"consumer_failed"`), no producer is
+    waited for after a held failure (`"consumer_quiesced"`), its blocks are
     free of writers (`"consumer_released"`), or a prefill request's writes all
     drained (`"producer_released"`, with `outcome` `"done"`, `"failed"` or
     `"aborted"`)."""
 
     @property
-    def kind(self) -> Literal["consumer_completed", "consumer_failed", "consumer_released", "producer_released"]:
-        """`"consumer_completed"`, `"consumer_failed"`, `"consumer_released"` or `"producer_released"`."""
+    def kind(
+        self,
+    ) -> Literal["consumer_completed", "consumer_failed", "consumer_quiesced", "consumer_released", "producer_released"]:
+        """`"consumer_completed"`, `"consumer_failed"`, `"consumer_quiesced"`,
+        `"consumer_released"` or `"producer_released"`."""
 
     @property
     def request_id(self) -> str:
@@ -210,6 +214,12 @@ class RuntimeEvent:
     @property
     def outcome(self) -> Literal["done", "failed", "aborted"] | None:
         """`"done"`, `"failed"` or `"aborted"` (`producer_released` only)."""
+
+    @property
+    def held(self) -> bool | None:
+        """`consumer_failed` only: at the deadline, with a producer that never
+        ended; the blocks must not be reused before `consumer_quiesced` or
+        `consumer_released`."""
 
     @property
     def reason(self) -> str | None:
@@ -236,6 +246,7 @@ class Runtime:
         consumer_timeout_s: float = 120.0,
         handshake_timeout_s: float = 120.0,
         write_timeout_s: float = 30.0,
+        quarantine_s: float = 60.0,
         max_bytes_in_flight_per_peer: int = 1073741824,
         max_ranges_in_flight_per_peer: int = 768,
         writer_lanes_per_peer: int = 4,

@@ -282,6 +282,14 @@ class Completion:
     request_id: str | None = None  # the proxy's P/D request id (X-Request-Id)
     error: Any = None
     body: Any = None
+    finish_reason: str | None = None  # the choice's, as vLLM sent it ("length", "error", ...)
+
+    def failed(self, max_tokens: int) -> bool:
+        """Whether the request did not produce its ``max_tokens`` (with
+        ``ignore_eos``): an error status, ``finish_reason: error``, or a
+        stream that ended early. vLLM 0.26 ends the stream of a request
+        whose KV failed to load with a bare ``data: [DONE]`` (status 200)."""
+        return self.status != 200 or self.finish_reason == "error" or len(self.token_ids) < max_tokens
 
 
 def completion_body(
@@ -336,6 +344,7 @@ def complete(
                 total_s=time.monotonic() - t0,
                 request_id=rid,
                 body=data,
+                finish_reason=ch.get("finish_reason"),
             )
         out = Completion(200, request_id=rid)
         pieces: list[str] = []
@@ -353,6 +362,7 @@ def complete(
                     out.ttft_s = time.monotonic() - t0
                 pieces.append(ch.get("text") or "")
                 out.token_ids.extend(ids)
+                out.finish_reason = ch.get("finish_reason") or out.finish_reason
         out.text = "".join(pieces)
         out.total_s = time.monotonic() - t0
         return out
@@ -449,10 +459,16 @@ class InstanceSpec:
     env: dict[str, str] = field(default_factory=dict)
     kv_load_failure_policy: str = "fail"
     tp: int = 1
+    # Where its API listens, and where its Mooncake engine and side channel
+    # listen (both loopback unless the instance runs in a network namespace).
+    host: str = HOST
+    data_host: str = HOST
+    # ``NetnsLink`` it runs inside, or None.
+    netns: Any = None
 
     @property
     def url(self) -> str:
-        return f"http://{HOST}:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
 
 class Cluster:
@@ -468,6 +484,10 @@ class Cluster:
     ``prefill_env``/``decode_env``: extra environment (test hooks).
     ``vllm_args``: extra arguments for both servers. ``connector=False``
     starts both servers without a connector (and no proxy).
+    ``prefill_netns``: a created :class:`orbitkv.testing.netns.NetnsLink`;
+    the prefill then runs inside it, its API on the control link and its
+    Mooncake engine and side channel on the data link, and decode's Mooncake
+    engine listens on the data link's outer address (fault tests).
     """
 
     def __init__(
@@ -489,6 +509,7 @@ class Cluster:
         start_timeout_s: float = 300.0,
         prefill_tp: int = 1,
         decode_tp: int = 1,
+        prefill_netns: Any = None,
     ):
         self.model = str(model)
         self.run_dir = Path(run_dir).resolve()
@@ -524,6 +545,12 @@ class Cluster:
             kv_load_failure_policy,
             tp=decode_tp,
         )
+        if prefill_netns is not None:
+            ns = prefill_netns
+            self.prefill.netns = ns
+            self.prefill.host, self.prefill.data_host = ns.ctl_inside, ns.data_inside
+            self.decode.data_host = ns.data_outside
+            self.decode.extra_config.setdefault("orbitkv.pd.allowed_prefill", [ns.data_inside])
         self.proxy_port = xp
         self.procs: dict[str, Proc] = {}
 
@@ -543,7 +570,7 @@ class Cluster:
 
     @property
     def prefill_kv(self) -> str:
-        return f"{HOST}:{self.prefill.side_channel_port}"
+        return f"{self.prefill.data_host}:{self.prefill.side_channel_port}"
 
     def log(self, name: str) -> Path:
         return self.run_dir / f"{name}.log"
@@ -561,7 +588,7 @@ class Cluster:
             "engine_id": spec.name,
             "kv_load_failure_policy": spec.kv_load_failure_policy,
             "kv_connector_extra_config": {
-                "orbitkv.pd.mooncake.bind_host": HOST,
+                "orbitkv.pd.mooncake.bind_host": spec.data_host,
                 "orbitkv.pd.side_channel_port": spec.side_channel_port,
                 **spec.extra_config,
             },
@@ -582,7 +609,7 @@ class Cluster:
             "--kv-cache-memory-bytes",
             str(KV_CACHE_BYTES),
             "--host",
-            HOST,
+            spec.host,
             "--port",
             str(spec.port),
             *(["--tensor-parallel-size", str(spec.tp)] if spec.tp > 1 else []),
@@ -590,13 +617,14 @@ class Cluster:
         ]
         if self.connector:
             argv += ["--kv-transfer-config", json.dumps(self.kv_transfer_config(spec))]
-        return argv
+        return spec.netns.wrap(argv) if spec.netns is not None else argv
 
     def server_env(self, spec: InstanceSpec) -> dict[str, str]:
         extra = dict(spec.env)
         if self.trace:
             extra.setdefault("ORBITKV_TRACE", str(self.trace_path(spec.name)))
         env = vllm_env(spec.omp_bind, extra)
+        env["VLLM_HOST_IP"] = spec.data_host
         if spec.tp > 1 and SHM_RECHECK_MS:
             # vLLM 0.26.0 can lose a TP worker's step wake-up (fixed upstream
             # in vllm-project/vllm#45224): see vllm_shm_fix/sitecustomize.py.

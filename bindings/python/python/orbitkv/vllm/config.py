@@ -19,6 +19,7 @@ KEYS = {
     "orbitkv.pd.timeout_s",
     "orbitkv.pd.handshake_timeout_s",
     "orbitkv.pd.write_timeout_s",
+    "orbitkv.pd.quarantine_s",
     "orbitkv.pd.max_inflight_mb",
     "orbitkv.pd.max_inflight_ranges",
     "orbitkv.pd.writer_lanes",
@@ -62,6 +63,7 @@ class PdConfig:
     timeout_s: float = 120.0
     handshake_timeout_s: float = 120.0
     write_timeout_s: float = 30.0
+    quarantine_s: float = 60.0
     max_inflight_mb: int = 1024
     max_inflight_ranges: int = 768
     writer_lanes: int = 4
@@ -144,6 +146,7 @@ class PdConfig:
             timeout_s=_positive_float(cfg, "orbitkv.pd.timeout_s", 120.0),
             handshake_timeout_s=_positive_float(cfg, "orbitkv.pd.handshake_timeout_s", 120.0),
             write_timeout_s=_positive_float(cfg, "orbitkv.pd.write_timeout_s", 30.0),
+            quarantine_s=_positive_float(cfg, "orbitkv.pd.quarantine_s", 60.0),
             max_inflight_mb=inflight,
             max_inflight_ranges=ranges,
             writer_lanes=lanes,

@@ -34,6 +34,9 @@ COUNTERS = (
     "write_submit_micros",
     "write_batch_micros",
     "layer_write_micros",
+    "writes_late",
+    "writes_abandoned",
+    "consumers_quarantine_expired",
 )
 
 
@@ -100,6 +103,18 @@ _PROM = {
     ),
     "write_batches": ("vllm:orbitkv_write_batches", "Write batches submitted to Mooncake."),
     "write_ranges": ("vllm:orbitkv_write_ranges", "Ranges (Mooncake transfer requests) in the write batches."),
+    "writes_late": (
+        "vllm:orbitkv_writes_late",
+        "Write batches still in Mooncake at the write timeout (held on: their bytes may still move).",
+    ),
+    "writes_abandoned": (
+        "vllm:orbitkv_writes_abandoned",
+        "Write batches given up at write timeout + quarantine while Mooncake had not ended them.",
+    ),
+    "consumers_quarantine_expired": (
+        "vllm:orbitkv_consumers_quarantine_expired",
+        "Decode requests whose blocks the quarantine freed while a producer had never ended.",
+    ),
 }
 
 # Time sums the runtime keeps in microseconds, exported as seconds counters.

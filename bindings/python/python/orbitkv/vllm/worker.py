@@ -167,6 +167,11 @@ class PdWorker:
         self._consumer_blocks: dict[str, list[int]] = {}
         self._consumer_end: dict[str, bool] = {}  # pd_id -> report on release
         self._consumer_reported: set[str] = set()
+        # Consumers vLLM waits for that the runtime could not release.
+        self._release_now: set[str] = set()
+        # Consumers failed at the deadline whose blocks a producer may still
+        # write into: not reported to vLLM until quiesced or released.
+        self._held: set[str] = set()
         self._producer_req: dict[str, str] = {}
         self._producer_end: set[str] = set()  # vLLM finished it
         self._producer_released: set[str] = set()
@@ -236,6 +241,7 @@ class PdWorker:
             consumer_timeout_s=self.config.timeout_s,
             handshake_timeout_s=self.config.handshake_timeout_s,
             write_timeout_s=self.config.write_timeout_s,
+            quarantine_s=self.config.quarantine_s,
             max_bytes_in_flight_per_peer=self.config.max_inflight_mb << 20,
             max_ranges_in_flight_per_peer=self.config.max_inflight_ranges,
             writer_lanes_per_peer=self.config.writer_lanes,
@@ -273,7 +279,10 @@ class PdWorker:
             try:
                 rt.consumer_release(end.pd_id)
             except Exception as e:
+                # The runtime no longer knows it: nothing can be waited for.
                 logger.warning("consumer release %s: %s", end.pd_id, e)
+                if end.report and end.pd_id in self._consumer_req:
+                    self._release_now.add(end.pd_id)
         for c in meta.consumers_open:
             self._open_consumer(c)
         for x in meta.consumers_cancel:
@@ -441,12 +450,30 @@ class PdWorker:
         sending: set[str] = set()
         recving: set[str] = set(self._refused_consumers)
         self._refused_consumers.clear()
+        for pd in self._release_now:
+            recving.add(self._consumer_req.pop(pd))
+            self._consumer_blocks.pop(pd, None)
+            self._consumer_end.pop(pd, None)
+            self._consumer_reported.discard(pd)
+        self._release_now.clear()
         for ev in rt.poll_events():
             pd = ev.request_id
             if ev.kind in ("consumer_completed", "consumer_failed"):
                 if ev.kind == "consumer_failed":
                     logger.warning("KV for %s did not arrive complete: %s", pd, ev.reason)
                     self._load_errors.update(self._consumer_blocks.get(pd, ()))
+                    if getattr(ev, "held", False):
+                        # A producer never ended: its writes may still land
+                        # (queued behind a cut link). vLLM learns of the
+                        # failure now (the failed blocks) but gets the
+                        # blocks back, to free or recompute, only once
+                        # nothing can write into them (quiesced/released).
+                        logger.warning(
+                            "blocks of %s held until every producer ended or the quarantine (%.0fs) passed",
+                            pd, self.config.quarantine_s,
+                        )
+                        self._held.add(pd)
+                        continue
                 if pd not in self._consumer_end and pd not in self._consumer_reported:
                     if ev.kind == "consumer_completed" and self._hooks is not None and self._hooks.take_corruption():
                         blocks = self._consumer_blocks.get(pd) or []
@@ -454,7 +481,16 @@ class PdWorker:
                             corrupt_block(self._kv_caches, self._num_blocks, blocks[0])
                     self._consumer_reported.add(pd)
                     recving.add(self._consumer_req[pd])
+            elif ev.kind == "consumer_quiesced":
+                # vLLM still runs it (recompute policy: it waits for this
+                # report to recompute into the blocks); if vLLM already ended
+                # it, the release reports it.
+                self._held.discard(pd)
+                if pd in self._consumer_req and pd not in self._consumer_end and pd not in self._consumer_reported:
+                    self._consumer_reported.add(pd)
+                    recving.add(self._consumer_req[pd])
             elif ev.kind == "consumer_released":
+                self._held.discard(pd)
                 if self._consumer_end.get(pd) and pd not in self._consumer_reported:
                     recving.add(self._consumer_req[pd])
                 self._consumer_req.pop(pd, None)
