@@ -24,6 +24,10 @@ from orbitkv.testing.tiny_model import make_tiny_model  # noqa: E402
 # (orbitkv.pd.timeout_s / handshake_timeout_s): small, so a dead prefill fails
 # the decode request quickly.
 PD_TIMEOUT_S = 15.0
+# orbitkv.pd.quarantine_s: how long past that deadline decode keeps the
+# blocks of a producer that never ended (a killed prefill): small, so the
+# tests that kill one see decode idle soon after.
+QUARANTINE_S = 5.0
 # Chunked prefill in steps of 600 tokens (not a multiple of the 128-token
 # block): long prompts take several steps on the prefill, each ending inside
 # a block, and an abort can land between two of them.
@@ -48,7 +52,8 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         tiny_model,
         run,
         timeout_s=PD_TIMEOUT_S,
-        prefill_config={"orbitkv.pd.handshake_timeout_s": PD_TIMEOUT_S},
+        prefill_config={"orbitkv.pd.handshake_timeout_s": PD_TIMEOUT_S, "orbitkv.pd.quarantine_s": QUARANTINE_S},
+        decode_config={"orbitkv.pd.quarantine_s": QUARANTINE_S},
         prefill_env={"ORBITKV_TESTING_WRITE_DELAY": str(run / "write-delay")},
         decode_env={"ORBITKV_TESTING_CORRUPT_AFTER_LOAD": str(run / "corrupt-next-load")},
         vllm_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)],
