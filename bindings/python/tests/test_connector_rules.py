@@ -96,8 +96,8 @@ def producer(rid: str, n_tokens: int, pd: str = "pd-1") -> FakeRequest:
     return FakeRequest(rid, list(range(n_tokens)), params)
 
 
-def out(recving=(), sending=()) -> Any:
-    return SimpleNamespace(finished_recving=set(recving), finished_sending=set(sending))
+def out(recving=(), sending=(), invalid=()) -> Any:
+    return SimpleNamespace(finished_recving=set(recving), finished_sending=set(sending), invalid_block_ids=set(invalid))
 
 
 # ---- scheduler, decode side ---------------------------------------------------------
@@ -156,6 +156,33 @@ def test_consumer_finished_after_its_load_frees_at_once() -> None:
     assert s.request_finished(r, [1, 2, 3]) == (False, None)
     ends = s.build_connector_meta(sched_output()).consumers_end
     assert [(e.pd_id, e.report) for e in ends] == [("pd-1", False)]
+
+
+def test_consumer_whose_load_failed_and_was_recomputed_keeps_its_blocks_until_reported_again() -> None:
+    """Recompute policy: a failed load (maybe at the deadline, a producer that
+    never ended may still write) runs on; when vLLM finishes the request the
+    blocks wait for the worker's second report."""
+    s = scheduler()
+    r = consumer("d1", 40)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, FakeBlocks([1, 2, 3]), 40)
+    s.build_connector_meta(sched_output())
+    s.update_connector_output(out(recving={"d1"}, invalid={2, 3}))  # the failed load
+    r.status = "FINISHED_LENGTH_CAPPED"  # recomputed and decoded
+    assert s.request_finished(r, [1, 2, 3]) == (True, None)
+    ends = s.build_connector_meta(sched_output()).consumers_end
+    assert [(e.pd_id, e.report, e.after_load) for e in ends] == [("pd-1", True, True)]
+    assert s.has_pending_push_work()
+    s.update_connector_output(out(recving={"d1"}))  # the worker's second report
+    assert not s.has_pending_push_work()
+
+    # Another request's failed blocks do not make this load a failure.
+    r2 = consumer("d2", 40)
+    s.get_num_new_matched_tokens(r2, 0)
+    s.update_state_after_alloc(r2, FakeBlocks([7, 8, 9]), 40)
+    s.update_connector_output(out(recving={"d2"}, invalid={2, 3}))
+    r2.status = "FINISHED_STOPPED"
+    assert s.request_finished(r2, [7, 8, 9]) == (False, None)
 
 
 # ---- scheduler, prefill side --------------------------------------------------------
@@ -268,17 +295,17 @@ def test_held_failure_is_reported_only_once_nothing_can_write(worker: PdWorker) 
     the failed blocks at once, but the request's report (which lets vLLM free
     or recompute the blocks) only once the runtime says no write can land."""
     rt = worker.runtime
+    worker.recompute_failed_loads = False  # kv_load_failure_policy "fail"
     worker.start_load_kv(PdConnectorMetadata(consumers_open=[ConsumerOpen("d1", "pd-1", CAP, 0, [3, 4], "127.0.0.1:1", 1)]))
     rt.events.append(
         SimpleNamespace(kind="consumer_failed", request_id="pd-1", reason="timed out", outcome=None, held=True)
     )
     assert worker.get_finished() == (None, None)
     assert worker.get_block_ids_with_load_errors() == {3, 4}
-    # Recompute policy: vLLM still waits; the producer's late notice quiesces it.
+    # The producer's late notice quiesces it before vLLM ended it: reported.
     rt.events.append(ev("consumer_quiesced", "pd-1"))
     assert worker.get_finished() == (None, {"d1"})
-    # vLLM then finishes it normally: bookkeeping only.
-    worker.start_load_kv(PdConnectorMetadata(consumers_end=[RequestEnd("d1", "pd-1", False, "", report=False)]))
+    worker.start_load_kv(PdConnectorMetadata(consumers_end=[RequestEnd("d1", "pd-1", True, "", report=True)]))
     rt.events.append(ev("consumer_released", "pd-1"))
     assert worker.get_finished() == (None, None)
 
@@ -294,6 +321,28 @@ def test_held_failure_is_reported_only_once_nothing_can_write(worker: PdWorker) 
     assert worker.get_finished() == (None, None)
     rt.events.append(ev("consumer_released", "pd-2"))
     assert worker.get_finished() == (None, {"d2"})
+    assert worker.get_finished() == (None, None)
+
+
+def test_held_failure_under_recompute_is_reported_at_once_and_again_when_released(worker: PdWorker) -> None:
+    """vLLM's default policy recomputes a failed load into the same blocks at
+    once (no wait past the deadline); the blocks are held after the request
+    ends until the runtime releases them."""
+    rt = worker.runtime
+    assert worker.recompute_failed_loads  # vLLM's default
+    worker.start_load_kv(PdConnectorMetadata(consumers_open=[ConsumerOpen("d1", "pd-1", CAP, 0, [3, 4], "127.0.0.1:1", 1)]))
+    rt.events.append(
+        SimpleNamespace(kind="consumer_failed", request_id="pd-1", reason="timed out", outcome=None, held=True)
+    )
+    assert worker.get_finished() == (None, {"d1"})
+    assert worker.get_block_ids_with_load_errors() == {3, 4}
+    worker.start_load_kv(
+        PdConnectorMetadata(consumers_end=[RequestEnd("d1", "pd-1", False, "", report=True, after_load=True)])
+    )
+    assert ("consumer_release", "pd-1") in rt.calls
+    assert worker.get_finished() == (None, None)
+    rt.events.append(ev("consumer_released", "pd-1"))
+    assert worker.get_finished() == (None, {"d1"})
     assert worker.get_finished() == (None, None)
 
 

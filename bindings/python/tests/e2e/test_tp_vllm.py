@@ -27,16 +27,19 @@ from orbitkv.testing.cluster import Abandoned, Cluster, Completion, complete, wa
 from orbitkv.testing.tiny_model import TinyModelSpec, make_tiny_model
 
 # Opt-in, loudly: through real vLLM 0.26.0 CPU on the 2-core CI machine the
-# TP 2 requests still fail intermittently. Two causes were found
-# (2026-11-30): (1) vLLM 0.26.0 can lose a TP worker's step wake-up, leaving
-# one rank parked while the other waits for it in an all-reduce (py-spy);
-# fixed upstream by vllm-project/vllm#45224, and the test cluster now applies
-# that fix (orbitkv/testing/vllm_shm_fix); (2) after the first request,
-# Mooncake's TCP sessions from the TP 2 prefill's engines to the decode stop
-# progressing ("ClientSession: no status frame within 30s") while the decode
-# engine's Mooncake threads sit idle in epoll_wait/accept (gdb) — not yet
-# explained. The runtime-level heterogeneous-TP tests
-# (tests/runtime_loopback.rs) run in CI.
+# TP 2 requests still fail intermittently. Causes found (2026-11-30): (1)
+# vLLM 0.26.0 can lose a TP worker's step wake-up (fixed upstream by
+# vllm-project/vllm#45224; the test cluster applies that fix,
+# orbitkv/testing/vllm_shm_fix). (2) Still open: a TP 2 *prefill* running a
+# P/D (producer) request stalls for 15-100 s with both ranks idle, seen by
+# py-spy in the forward's gloo all_reduce (both ranks, or one rank a step
+# behind); the prefill's answer then comes after decode's deadline, and the
+# late Mooncake writes and handshakes fail ("no transfer progress within
+# 30s", "SocketHandShakePlugin: unexpected handshake message type"). Plain
+# requests to the same TP 2 instance, connector loaded, take 0.3 s (6 of 6);
+# MC_TCP_PROTO=1 and MC_TCP_ENABLE_CONNECTION_POOL=0 do not help; the machine
+# is idle during the stall (top), so it is a wait, not starvation. The
+# runtime-level heterogeneous-TP tests (tests/runtime_loopback.rs) run in CI.
 TP_E2E = os.environ.get("ORBITKV_E2E_TP") == "1"
 pytestmark = [
     pytest.mark.e2e,

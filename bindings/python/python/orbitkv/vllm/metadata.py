@@ -41,6 +41,10 @@ class RequestEnd:
 
     ``report``: the scheduler delayed freeing the blocks, so the worker
     must report the request once no transfer can touch them any more.
+    ``after_load``: decode only; the load failed and vLLM ran the request on
+    (recompute policy), so the worker had already reported it: it reports it
+    again once the runtime frees the blocks (a producer that never ended may
+    still write into them).
     """
 
     req_id: str
@@ -48,6 +52,7 @@ class RequestEnd:
     aborted: bool
     reason: str
     report: bool
+    after_load: bool = False
 
 
 @dataclass

@@ -65,7 +65,11 @@ class _Producer:
 @dataclass
 class _Consumer:
     pd_id: str
+    blocks: frozenset[int] = frozenset()
     loaded: bool = False
+    # The worker reported the load with some of these blocks failed (vLLM
+    # then recomputed them, or failed the request).
+    failed: bool = False
 
 
 class PdScheduler:
@@ -145,7 +149,7 @@ class PdScheduler:
         fresh = blocks.get_unhashed_block_ids()
         # Blocks with a hash come from the local prefix cache and lead the list.
         first_block = len(all_ids) - len(fresh)
-        self._consumers[rid] = _Consumer(p.request)
+        self._consumers[rid] = _Consumer(p.request, frozenset(fresh))
         assert p.prefill_kv is not None
         self._open.append(
             ConsumerOpen(rid, p.request, p.capability, first_block, list(fresh), p.prefill_kv, p.prefill_tp)
@@ -244,8 +248,16 @@ class PdScheduler:
                     ConsumerCancel(c.pd_id, pending.capability, pending.prefill_kv, pending.prefill_tp, status)
                 )
                 return False, None
+            if c.loaded and c.failed:
+                # The load failed and vLLM recomputed: a producer may never
+                # have ended (the deadline), so its writes may still land;
+                # the blocks wait for the runtime's word (every producer
+                # ended, or the quarantine passed).
+                self._consumers_end.append(RequestEnd(rid, c.pd_id, aborted, status, report=True, after_load=True))
+                self._delayed.add(rid)
+                return True, None
             if c.loaded:
-                # Complete or failed: every producer already ended.
+                # Complete: every producer reported done.
                 self._consumers_end.append(RequestEnd(rid, c.pd_id, aborted, status, report=False))
                 del self._consumers[rid]
                 return False, None
@@ -260,9 +272,12 @@ class PdScheduler:
         return False, None
 
     def update_connector_output(self, out: "KVConnectorOutput") -> None:
+        failed_blocks = getattr(out, "invalid_block_ids", None) or ()
         for rid in out.finished_recving or ():
             c = self._consumers.get(rid)
             if c is not None:
+                if not c.loaded:
+                    c.failed = not c.blocks.isdisjoint(failed_blocks)
                 c.loaded = True
             if rid in self._delayed:
                 self._delayed.discard(rid)

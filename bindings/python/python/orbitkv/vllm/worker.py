@@ -143,6 +143,10 @@ class PdWorker:
         self.vllm_config = vllm_config
         self.config = config
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        # vLLM's policy for a failed KV load: "recompute" (its default) runs
+        # the request on, recomputing into the same blocks; "fail" ends it.
+        ktc = getattr(vllm_config, "kv_transfer_config", None)
+        self.recompute_failed_loads = getattr(ktc, "kv_load_failure_policy", "recompute") != "fail"
         self.tp_rank = get_tensor_model_parallel_rank() if self.tp_size > 1 else 0
         self.is_cuda = bool(current_platform.is_cuda_alike())
         self.engine: MooncakeTransferEngine | None = None
@@ -276,6 +280,10 @@ class PdWorker:
                 self._producer_call(rt.producer_finish, end.pd_id)
         for end in meta.consumers_end:
             self._consumer_end[end.pd_id] = end.report
+            if end.after_load:
+                # vLLM holds the blocks of a failed load it recomputed after
+                # our report: report it again once the runtime frees them.
+                self._consumer_reported.discard(end.pd_id)
             try:
                 rt.consumer_release(end.pd_id)
             except Exception as e:
@@ -462,18 +470,23 @@ class PdWorker:
                 if ev.kind == "consumer_failed":
                     logger.warning("KV for %s did not arrive complete: %s", pd, ev.reason)
                     self._load_errors.update(self._consumer_blocks.get(pd, ()))
-                    if getattr(ev, "held", False):
+                    if getattr(ev, "held", False) and not self.recompute_failed_loads:
                         # A producer never ended: its writes may still land
-                        # (queued behind a cut link). vLLM learns of the
-                        # failure now (the failed blocks) but gets the
-                        # blocks back, to free or recompute, only once
-                        # nothing can write into them (quiesced/released).
+                        # (queued behind a cut link). vLLM fails the request
+                        # on the failed blocks now, and frees them only on
+                        # this request's report: that waits until nothing
+                        # can write into them (released).
                         logger.warning(
                             "blocks of %s held until every producer ended or the quarantine (%.0fs) passed",
                             pd, self.config.quarantine_s,
                         )
                         self._held.add(pd)
                         continue
+                    # Recompute policy (held or not): vLLM recomputes into the
+                    # same blocks at once; a late write of this request's own
+                    # producer carries the same prompt's KV. The scheduler
+                    # holds the blocks when the request ends, until the
+                    # runtime releases them (RequestEnd.after_load).
                 if pd not in self._consumer_end and pd not in self._consumer_reported:
                     if ev.kind == "consumer_completed" and self._hooks is not None and self._hooks.take_corruption():
                         blocks = self._consumer_blocks.get(pd) or []
