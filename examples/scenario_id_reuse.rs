@@ -147,7 +147,8 @@ fn run(r: &mut Report) {
     );
 
     // g1 was released by vLLM before its producer ended; the producer moved
-    // on to g2 and never reports g1, so g1 keeps its blocks until its deadline.
+    // on to g2 and never reports g1, so g1 keeps its blocks until the
+    // quarantine after its deadline (config(): as long as the deadline).
     let t = Instant::now();
     let g1_released = cev.iter().any(|e| is_released_consumer(e, hs1.generation))
         || wait_for(&consumer, Duration::from_secs(5), &mut cev, |e| {
@@ -155,13 +156,16 @@ fn run(r: &mut Report) {
         })
         .is_some();
     r.step(format!(
-        "consumer {} released its old blocks at its deadline (waited {:.0} ms more)",
+        "consumer {} released its old blocks once the quarantine after its deadline passed (waited {:.0} ms more)",
         hs1.generation,
         t.elapsed().as_secs_f64() * 1e3
     ));
     r.check(
         g1_released,
-        format!("{} releases its blocks (by its deadline)", hs1.generation),
+        format!(
+            "{} releases its blocks (by its deadline + quarantine)",
+            hs1.generation
+        ),
     );
     r.check(
         !cev.iter().any(|e| is_verdict(e, hs1.generation)),

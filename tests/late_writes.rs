@@ -1,0 +1,143 @@
+//! A write batch that outlives `write_timeout` (a cut link, a stopped peer)
+//! is held, not given up: Mooncake cannot cancel it and may still move its
+//! bytes, so the producer keeps its source blocks and sends no notice until
+//! the transport ends the batch, or the quarantine passes.
+//!
+//! The transport here is a test double (`HeldTransport`): every batch stays
+//! in flight until the test ends it, as Mooncake's queue behind a cut link
+//! does. The real-Mooncake version of this scenario is
+//! `bindings/python/tests/e2e/test_faults_netns.py` (link cut, then restored).
+
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use orbitkv::{
+    BatchHandle, BatchState, KvLayout, Notification, Outcome, RequestId, Runtime, RuntimeConfig,
+    RuntimeEvent, Transport, TransportResult, WriteRange,
+};
+
+const IN_FLIGHT: u8 = 0;
+const COMPLETED: u8 = 1;
+
+/// A transport test double: batches stay in flight until `end` is set.
+struct HeldTransport {
+    endpoint: String,
+    end: Arc<AtomicU8>,
+}
+
+impl Transport for HeldTransport {
+    fn endpoint(&self) -> &str {
+        &self.endpoint
+    }
+    fn submit_write(&self, peer: &str, ranges: &[WriteRange]) -> TransportResult<BatchHandle> {
+        Ok(BatchHandle::new(
+            1,
+            peer,
+            ranges.len(),
+            ranges.iter().map(|r| r.len).sum(),
+        ))
+    }
+    fn poll(&self, _handle: &mut BatchHandle) -> TransportResult<BatchState> {
+        Ok(match self.end.load(Ordering::SeqCst) {
+            IN_FLIGHT => BatchState::InFlight,
+            COMPLETED => BatchState::Completed { bytes: 0 },
+            _ => BatchState::Failed {
+                reason: "ended failed by the test".into(),
+            },
+        })
+    }
+    fn send_notification(&self, _peer: &str, _name: &str, _message: &[u8]) -> TransportResult<()> {
+        Ok(())
+    }
+    fn take_notifications(&self) -> TransportResult<Vec<Notification>> {
+        Ok(Vec::new())
+    }
+}
+
+fn cap() -> orbitkv::Capability {
+    orbitkv::Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
+}
+
+/// A producer with one layer admitted against a consumer's handshake, its
+/// batch held by the double; returns (producer runtime, the double's switch).
+fn streaming(name: &str, write_timeout: Duration, quarantine: Duration) -> (Runtime, Arc<AtomicU8>) {
+    let layout = KvLayout::packed(0x10_0000, 1, 4, 4096, (0, 1), 1);
+    let cfg = RuntimeConfig {
+        write_timeout,
+        quarantine,
+        ..RuntimeConfig::default()
+    };
+    let end = Arc::new(AtomicU8::new(IN_FLIGHT));
+    let consumer = Runtime::start(
+        Arc::new(HeldTransport {
+            endpoint: "127.0.0.1:2".into(),
+            end: end.clone(),
+        }),
+        layout.clone(),
+        cfg.clone(),
+    )
+    .unwrap();
+    let producer = Runtime::start(
+        Arc::new(HeldTransport {
+            endpoint: "127.0.0.1:1".into(),
+            end: end.clone(),
+        }),
+        layout,
+        cfg,
+    )
+    .unwrap();
+    let req = RequestId::new(name);
+    let hs = consumer
+        .consumer_open(req.clone(), cap(), 0, vec![2, 3], 1)
+        .unwrap();
+    producer.producer_open(req.clone(), vec![0, 1], cap(), 1).unwrap();
+    producer.producer_handshake(hs).unwrap();
+    producer.layer_ready(&req, 0, 0..2).unwrap();
+    producer.producer_finish(&req).unwrap();
+    (producer, end)
+}
+
+fn released(rt: &Runtime, within: Duration) -> Option<(Outcome, Instant)> {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        if let Some(RuntimeEvent::ProducerReleased { outcome, .. }) = rt.next_event(Duration::from_millis(20))
+        {
+            return Some((outcome, Instant::now()));
+        }
+    }
+    None
+}
+
+#[test]
+fn a_late_batch_holds_the_producer_until_the_transport_ends_it() {
+    let (rt, end) = streaming("late", Duration::from_millis(200), Duration::from_secs(30));
+    // Well past write_timeout: late, counted, and still held.
+    assert!(
+        released(&rt, Duration::from_millis(900)).is_none(),
+        "the producer released its source blocks while its write was still in the transport"
+    );
+    let s = rt.stats();
+    assert_eq!(s.writes_late, 1, "{s:?}");
+    assert_eq!(s.writes_abandoned, 0, "{s:?}");
+    // The link heals: the write lands; the producer reports done.
+    end.store(COMPLETED, Ordering::SeqCst);
+    let (outcome, _) = released(&rt, Duration::from_secs(5)).expect("released once the batch ended");
+    assert_eq!(outcome, Outcome::Done);
+    assert_eq!(rt.stats().writes_failed, 0);
+}
+
+#[test]
+fn a_batch_that_never_ends_is_given_up_after_the_quarantine() {
+    let (rt, _end) = streaming("never", Duration::from_millis(200), Duration::from_millis(600));
+    let t0 = Instant::now();
+    let (outcome, at) = released(&rt, Duration::from_secs(10)).expect("given up after the quarantine");
+    let waited = at - t0;
+    assert_eq!(outcome, Outcome::Failed);
+    assert!(
+        waited >= Duration::from_millis(700),
+        "given up {waited:?} after submission: before write_timeout + quarantine (800 ms)"
+    );
+    let s = rt.stats();
+    assert_eq!((s.writes_late, s.writes_abandoned), (1, 1), "{s:?}");
+}
