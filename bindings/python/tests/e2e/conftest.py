@@ -59,9 +59,6 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         vllm_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)],
         kv_load_failure_policy="fail",
     )
-    c.start()
-    try:
+    with c:  # started here, stopped after the module
         yield c
-    finally:
-        c.stop()
-        print(f"\ncluster logs: {run}")
+    print(f"\ncluster logs: {run}")

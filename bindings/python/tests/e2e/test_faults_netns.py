@@ -29,9 +29,22 @@ from collections.abc import Iterator
 import pytest
 
 from orbitkv.testing import netns
-from orbitkv.testing.cluster import Cluster, Completion, complete, wait_until
+from orbitkv.testing.cluster import (
+    COMPLETED,
+    FAILED,
+    RELEASED,
+    SUCCESS,
+    Cluster,
+    Completion,
+    complete,
+    prompt_source,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
+
+# Prompts no other module shares a prefix with.
+fresh_prompt = prompt_source(500000)
 
 GEN = 16
 BLOCK = 128
@@ -50,20 +63,6 @@ IDLE_TIMEOUT_S = 45.0
 # fault ends.
 RECOVER_S = 20.0
 REQ_TIMEOUT_S = 90.0
-
-SUCCESS = "vllm:request_success_total"
-FAILED = "vllm:orbitkv_transfers_failed_total"
-COMPLETED = "vllm:orbitkv_transfers_completed_total"
-RELEASED = "vllm:orbitkv_producers_released_total"
-
-_seed = iter(range(500000, 600000))
-
-
-def fresh_prompt(n: int) -> list[int]:
-    import random
-
-    rng = random.Random(next(_seed))
-    return [rng.randrange(3, 1024) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +95,9 @@ def cluster(link: netns.NetnsLink, tiny_model: str, tmp_path_factory: pytest.Tem
         kv_load_failure_policy="fail",
         prefill_netns=link,
     )
-    c.start()
-    try:
+    with c:  # started here, stopped after the module
         yield c
-    finally:
-        c.stop()
-        print(f"\ncluster logs: {run}")
+    print(f"\ncluster logs: {run}")
 
 
 def m(cluster: Cluster, name: str) -> dict[str, float]:
@@ -152,6 +148,19 @@ def streamed_pd(cluster: Cluster, prompt: list[int], out: dict[str, object]) -> 
     return t
 
 
+def failed_in_time(t: threading.Thread, out: dict[str, object], t_fault: float, fault: str) -> float:
+    """The request of ``streamed_pd`` caught by a fault at ``t_fault`` ended
+    (not hung) and failed for the client within ``FAULT_END_S``: returns
+    the seconds from the fault to its end."""
+    t.join(FAULT_END_S + 5)
+    assert not t.is_alive(), f"the request caught by {fault} did not end"
+    c = out["c"]
+    assert isinstance(c, Completion) and c.failed(GEN), f"the request did not fail: {c}"
+    end_s = float(out["at"]) - t_fault  # type: ignore[arg-type]
+    assert end_s <= FAULT_END_S, f"the request ended {end_s:.1f}s after {fault}"
+    return end_s
+
+
 def test_pd_crosses_the_data_link(cluster: Cluster, link: netns.NetnsLink) -> None:
     """The setup itself: prefill's KV reaches decode over the data link."""
     assert cluster.prefill_kv.startswith(link.data_inside)
@@ -195,12 +204,7 @@ def test_link_cut_mid_transfer_then_restored(cluster: Cluster, link: netns.Netns
     finally:
         delay.unlink(missing_ok=True)
     try:
-        t.join(FAULT_END_S + 5)
-        assert not t.is_alive(), "the request caught by the cut did not end"
-        c = out["c"]
-        assert isinstance(c, Completion) and c.failed(GEN), f"the request did not fail: {c}"
-        end_s = float(out["at"]) - t_cut  # type: ignore[arg-type]
-        assert end_s <= FAULT_END_S, f"the request ended {end_s:.1f}s after the cut"
+        end_s = failed_in_time(t, out, t_cut, "the cut")
         cluster.check_alive()
         d1 = m(cluster, "decode")
         assert d1[FAILED] > d0[FAILED], "decode did not count the failed transfer"
@@ -272,12 +276,7 @@ def test_prefill_stopped_past_the_timeout_then_resumed(cluster: Cluster) -> None
         os.killpg(proc.pgid, signal.SIGSTOP)
         t_stop = time.monotonic()
     try:
-        t.join(FAULT_END_S + 5)
-        assert not t.is_alive(), "the request caught by the stopped prefill did not end"
-        c = out["c"]
-        assert isinstance(c, Completion) and c.failed(GEN), f"the request did not fail: {c}"
-        end_s = float(out["at"]) - t_stop  # type: ignore[arg-type]
-        assert end_s <= FAULT_END_S, f"the request ended {end_s:.1f}s after the stop"
+        end_s = failed_in_time(t, out, t_stop, "SIGSTOP")
         d1 = m(cluster, "decode")
         assert d1[COMPLETED] == d0[COMPLETED]
         assert d1.get("vllm:num_requests_running", 0) == 0

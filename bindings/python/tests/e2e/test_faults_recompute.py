@@ -12,7 +12,6 @@ reports or the quarantine passes, not give them to the next request.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import threading
 import time
@@ -20,24 +19,26 @@ from collections.abc import Iterator
 
 import pytest
 
-from orbitkv.testing.cluster import Cluster, Completion, complete, wait_until
+from orbitkv.testing.cluster import (
+    COMPLETED,
+    FAILED,
+    Cluster,
+    Completion,
+    complete,
+    prompt_source,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
+
+# Prompts no other module shares a prefix with.
+fresh_prompt = prompt_source(700000)
 
 GEN = 16
 PD_TIMEOUT_S = 12.0
 QUARANTINE_S = 20.0
 IDLE_TIMEOUT_S = 45.0
 REQ_TIMEOUT_S = 120.0
-COMPLETED = "vllm:orbitkv_transfers_completed_total"
-FAILED = "vllm:orbitkv_transfers_failed_total"
-
-_seed = iter(range(700000, 800000))
-
-
-def fresh_prompt(n: int) -> list[int]:
-    rng = random.Random(next(_seed))
-    return [rng.randrange(3, 1024) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -52,12 +53,9 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         vllm_args=["--max-num-batched-tokens", "600"],
         kv_load_failure_policy="recompute",
     )
-    c.start()
-    try:
+    with c:  # started here, stopped after the module
         yield c
-    finally:
-        c.stop()
-        print(f"\ncluster logs: {run}")
+    print(f"\ncluster logs: {run}")
 
 
 def test_stopped_prefill_recomputed_on_decode_and_its_blocks_held(cluster: Cluster) -> None:

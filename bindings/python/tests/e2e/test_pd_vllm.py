@@ -10,7 +10,6 @@ the fp32 tiny model is deterministic, so token ids must match exactly.
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 import uuid
@@ -18,9 +17,24 @@ from pathlib import Path
 
 import pytest
 
-from orbitkv.testing.cluster import Abandoned, Cluster, Completion, complete, wait_until
+from orbitkv.testing.cluster import (
+    BYTES,
+    COMPLETED,
+    FAILED,
+    RELEASED,
+    SUCCESS,
+    Abandoned,
+    Cluster,
+    Completion,
+    complete,
+    prompt_source,
+    wait_until,
+)
 
 pytestmark = pytest.mark.e2e
+
+# Prompts no other module shares a prefix with.
+fresh_prompt = prompt_source(1000)
 
 BLOCK = 128  # vLLM's CPU default block size (the servers do not set --block-size)
 GEN = 16  # tokens generated per request
@@ -28,21 +42,6 @@ REQ_TIMEOUT_S = 120.0
 # How long a test waits for both instances to hold nothing: the cluster's
 # orbitkv.pd.timeout_s (conftest: 15 s) bounds every wait for a peer.
 IDLE_TIMEOUT_S = 45.0
-
-SUCCESS = "vllm:request_success_total"
-COMPLETED = "vllm:orbitkv_transfers_completed_total"
-FAILED = "vllm:orbitkv_transfers_failed_total"
-RELEASED = "vllm:orbitkv_producers_released_total"
-BYTES = "vllm:orbitkv_bytes_written_total"
-
-_seed = iter(range(1000, 100000))
-
-
-def fresh_prompt(n: int) -> list[int]:
-    """``n`` token ids no other prompt of this module starts with (so no
-    prefix-cache hit from another test)."""
-    rng = random.Random(next(_seed))
-    return [rng.randrange(3, 1024) for _ in range(n)]
 
 
 def ok(c: Completion, what: str) -> Completion:

@@ -17,13 +17,23 @@ On the 2-core CI machine a TP 2 instance binds its ranks to cores 0 and 1
 from __future__ import annotations
 
 import os
-import random
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from orbitkv.testing.cluster import Abandoned, Cluster, Completion, complete, wait_until
+from orbitkv.testing.cluster import (
+    COMPLETED,
+    FAILED,
+    RELEASED,
+    SUCCESS,
+    Abandoned,
+    Cluster,
+    Completion,
+    complete,
+    prompt_source,
+    wait_until,
+)
 from orbitkv.testing.tiny_model import TinyModelSpec, make_tiny_model
 
 # Opt-in, loudly: through real vLLM 0.26.0 CPU on the 2-core CI machine the
@@ -49,26 +59,18 @@ pytestmark = [
     ),
 ]
 
+# Prompts no other module shares a prefix with.
+fresh_prompt = prompt_source(50000)
+
 BLOCK = 128  # vLLM's CPU block size
 GEN = 8
 REQ_TIMEOUT_S = 120.0
 PD_TIMEOUT_S = 15.0
 IDLE_TIMEOUT_S = 45.0
 MAX_BATCHED_TOKENS = 600
-COMPLETED = "vllm:orbitkv_transfers_completed_total"
-FAILED = "vllm:orbitkv_transfers_failed_total"
-RELEASED = "vllm:orbitkv_producers_released_total"
-SUCCESS = "vllm:request_success_total"
 
 # (prefill TP, decode TP, KV heads)
 PAIRS = [(2, 1, 2), (1, 2, 2), (2, 1, 1)]
-
-_seed = iter(range(50_000, 10**6))
-
-
-def fresh_prompt(n: int) -> list[int]:
-    rng = random.Random(next(_seed))
-    return [rng.randrange(3, 1024) for _ in range(n)]
 
 
 @pytest.fixture(scope="module", params=PAIRS, ids=[f"prefill-tp{p}-decode-tp{d}-kvheads{h}" for p, d, h in PAIRS])
@@ -87,12 +89,9 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         vllm_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--no-enable-prefix-caching"],
         kv_load_failure_policy="fail",
     )
-    c.start()
-    try:
+    with c:  # started here, stopped after the module
         yield c
-    finally:
-        c.stop()
-        print(f"\ncluster logs: {run}")
+    print(f"\ncluster logs: {run}")
 
 
 def ok(c: Completion, what: str) -> list[int]:

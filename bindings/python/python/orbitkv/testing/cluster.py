@@ -38,9 +38,15 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 __all__ = [
+    "BYTES",
+    "COMPLETED",
+    "FAILED",
+    "RELEASED",
+    "SUCCESS",
+    "prompt_source",
     "Cluster",
     "ClusterError",
     "Completion",
@@ -56,6 +62,28 @@ HOST = "127.0.0.1"
 SERVED_MODEL = "tiny"
 # vLLM's KV cache per instance: 256 blocks of 128 tokens for the tiny model.
 KV_CACHE_BYTES = 128 << 20
+
+
+# Prometheus series the tests read (``metrics`` sums each over its labels).
+SUCCESS = "vllm:request_success_total"
+COMPLETED = "vllm:orbitkv_transfers_completed_total"
+FAILED = "vllm:orbitkv_transfers_failed_total"
+RELEASED = "vllm:orbitkv_producers_released_total"
+BYTES = "vllm:orbitkv_bytes_written_total"
+
+
+def prompt_source(seed: int) -> "Callable[[int], list[int]]":
+    """A source of fresh prompts: each call returns ``n`` token ids from a
+    new seed (``seed``, ``seed + 1``, ...), so no two prompts share a prefix
+    (no prefix-cache hit flatters a result). Give each test module its own
+    ``seed`` range."""
+    seeds = iter(range(seed, seed + 10**6))
+
+    def fresh_prompt(n: int) -> list[int]:
+        rng = random.Random(next(seeds))
+        return [rng.randrange(3, 1024) for _ in range(n)]
+
+    return fresh_prompt
 
 
 class ClusterError(RuntimeError):
