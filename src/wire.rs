@@ -44,9 +44,30 @@ pub struct Handshake {
     pub block_ids: Vec<u32>,
     /// The consumer rank's KV geometry (TP rank and size included).
     pub layout: KvLayout,
+    /// The consumer's deadline, in milliseconds since the Unix epoch on its
+    /// clock (0: none). A producer submits no write once its own clock is
+    /// past it: the consumer has failed the request by then, and a prefill
+    /// that stalled (stopped, swapped) past the consumer's quarantine must
+    /// not start writing into blocks that may have been reused. Hosts'
+    /// clocks must agree to well within `orbitkv.pd.timeout_s` (NTP).
+    #[serde(default)]
+    pub expires_unix_ms: u64,
+}
+
+/// Milliseconds since the Unix epoch, on this host's clock.
+pub fn unix_ms_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 impl Handshake {
+    /// Whether the consumer's deadline has passed on this host's clock.
+    pub fn expired(&self) -> bool {
+        self.expires_unix_ms != 0 && unix_ms_now() > self.expires_unix_ms
+    }
+
     /// Checks everything that can be checked without the producer's layout.
     pub fn validate(&self) -> Result<(), ProtocolError> {
         if self.version != WIRE_VERSION {
@@ -258,7 +279,25 @@ mod tests {
             first_block: 0,
             block_ids: vec![3, 1, 2],
             layout: layout(0x10_0000, 2, 8, 256, (0, 1), 2),
+            expires_unix_ms: 0,
         }
+    }
+
+    #[test]
+    fn the_consumer_deadline_travels_and_expires() {
+        let mut h = handshake();
+        assert!(!h.expired(), "0 is no deadline");
+        h.expires_unix_ms = unix_ms_now() + 60_000;
+        assert!(!h.expired());
+        let back: Handshake = serde_json::from_str(&serde_json::to_string(&h).unwrap()).unwrap();
+        assert_eq!(back.expires_unix_ms, h.expires_unix_ms);
+        h.expires_unix_ms = unix_ms_now() - 1;
+        assert!(h.expired());
+        // A handshake without the field (an older consumer) has no deadline.
+        let mut v = serde_json::to_value(handshake()).unwrap();
+        v.as_object_mut().unwrap().remove("expires_unix_ms");
+        let old: Handshake = serde_json::from_value(v).unwrap();
+        assert_eq!(old.expires_unix_ms, 0);
     }
 
     #[test]

@@ -445,6 +445,7 @@ impl Model {
             first_block,
             block_ids: blocks,
             layout: self.consumer_layout.clone(),
+            expires_unix_ms: 0,
         });
         handshake.validate().expect("the model's handshake is valid");
         self.gens.push(Gen {

@@ -8,7 +8,7 @@
 //! does. The real-Mooncake version of this scenario is
 //! `bindings/python/tests/e2e/test_faults_netns.py` (link cut, then restored).
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -24,6 +24,7 @@ const COMPLETED: u8 = 1;
 struct HeldTransport {
     endpoint: String,
     end: Arc<AtomicU8>,
+    submits: Arc<AtomicU64>,
 }
 
 impl Transport for HeldTransport {
@@ -31,6 +32,7 @@ impl Transport for HeldTransport {
         &self.endpoint
     }
     fn submit_write(&self, peer: &str, ranges: &[WriteRange]) -> TransportResult<BatchHandle> {
+        self.submits.fetch_add(1, Ordering::SeqCst);
         Ok(BatchHandle::new(
             1,
             peer,
@@ -59,40 +61,51 @@ fn cap() -> orbitkv::Capability {
     orbitkv::Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
 }
 
-/// A producer with one layer admitted against a consumer's handshake, its
-/// batch held by the double; returns (producer runtime, the double's switch).
-fn streaming(name: &str, write_timeout: Duration, quarantine: Duration) -> (Runtime, Arc<AtomicU8>) {
-    let layout = KvLayout::packed(0x10_0000, 1, 4, 4096, (0, 1), 1);
+/// A consumer and a producer runtime over one `HeldTransport` (2 layers,
+/// one writer lane, one range in flight per peer), the producer holding the
+/// consumer's handshake for a request of two blocks; `edit` may change the
+/// handshake first. Returns (producer, the double's switch, its submit
+/// count, the request).
+fn pair(
+    name: &str,
+    write_timeout: Duration,
+    quarantine: Duration,
+    edit: impl FnOnce(&mut orbitkv::Handshake),
+) -> (Runtime, Arc<AtomicU8>, Arc<AtomicU64>, RequestId) {
+    let layout = KvLayout::packed(0x10_0000, 2, 4, 4096, (0, 1), 1);
     let cfg = RuntimeConfig {
         write_timeout,
         quarantine,
+        writer_lanes_per_peer: 1,
+        max_ranges_in_flight_per_peer: 1,
         ..RuntimeConfig::default()
     };
     let end = Arc::new(AtomicU8::new(IN_FLIGHT));
-    let consumer = Runtime::start(
+    let submits = Arc::new(AtomicU64::new(0));
+    let side = |endpoint: &str| {
         Arc::new(HeldTransport {
-            endpoint: "127.0.0.1:2".into(),
+            endpoint: endpoint.into(),
             end: end.clone(),
-        }),
-        layout.clone(),
-        cfg.clone(),
-    )
-    .unwrap();
-    let producer = Runtime::start(
-        Arc::new(HeldTransport {
-            endpoint: "127.0.0.1:1".into(),
-            end: end.clone(),
-        }),
-        layout,
-        cfg,
-    )
-    .unwrap();
+            submits: submits.clone(),
+        })
+    };
+    let consumer = Runtime::start(side("127.0.0.1:2"), layout.clone(), cfg.clone()).unwrap();
+    let producer = Runtime::start(side("127.0.0.1:1"), layout, cfg).unwrap();
     let req = RequestId::new(name);
-    let hs = consumer
+    let mut hs = consumer
         .consumer_open(req.clone(), cap(), 0, vec![2, 3], 1)
         .unwrap();
+    assert!(hs.expires_unix_ms > 0, "the consumer gives its deadline");
+    edit(&mut hs);
     producer.producer_open(req.clone(), vec![0, 1], cap(), 1).unwrap();
     producer.producer_handshake(hs).unwrap();
+    (producer, end, submits, req)
+}
+
+/// A producer with one layer admitted against a consumer's handshake, its
+/// batch held by the double; returns (producer runtime, the double's switch).
+fn streaming(name: &str, write_timeout: Duration, quarantine: Duration) -> (Runtime, Arc<AtomicU8>) {
+    let (producer, end, _, req) = pair(name, write_timeout, quarantine, |_| {});
     producer.layer_ready(&req, 0, 0..2).unwrap();
     producer.producer_finish(&req).unwrap();
     (producer, end)
@@ -140,4 +153,47 @@ fn a_batch_that_never_ends_is_given_up_after_the_quarantine() {
     );
     let s = rt.stats();
     assert_eq!((s.writes_late, s.writes_abandoned), (1, 1), "{s:?}");
+}
+
+#[test]
+fn nothing_is_written_under_an_expired_authorization() {
+    // The consumer's deadline passed before the (stalled) producer got to it.
+    let (rt, _end, submits, req) = pair("expired", Duration::from_secs(5), Duration::from_secs(5), |hs| {
+        hs.expires_unix_ms = orbitkv::wire::unix_ms_now() - 1;
+    });
+    rt.layer_ready(&req, 0, 0..2).unwrap();
+    rt.producer_finish(&req).unwrap();
+    let (outcome, _) = released(&rt, Duration::from_secs(5)).expect("released");
+    assert_eq!(outcome, Outcome::Failed);
+    assert_eq!(
+        submits.load(Ordering::SeqCst),
+        0,
+        "a write was submitted after the consumer's deadline"
+    );
+}
+
+#[test]
+fn a_write_queued_past_the_deadline_is_not_submitted() {
+    // Layer 0 is in flight (held by the double); layer 1 waits for the
+    // per-peer range budget; the deadline passes; layer 0 ends.
+    let (rt, end, submits, req) = pair("queued", Duration::from_secs(5), Duration::from_secs(5), |hs| {
+        hs.expires_unix_ms = orbitkv::wire::unix_ms_now() + 400;
+    });
+    rt.layer_ready(&req, 0, 0..2).unwrap();
+    rt.layer_ready(&req, 1, 0..2).unwrap();
+    rt.producer_finish(&req).unwrap();
+    std::thread::sleep(Duration::from_millis(700));
+    assert_eq!(
+        submits.load(Ordering::SeqCst),
+        1,
+        "layer 1 should be queued behind layer 0"
+    );
+    end.store(COMPLETED, Ordering::SeqCst);
+    let (outcome, _) = released(&rt, Duration::from_secs(5)).expect("released");
+    assert_eq!(outcome, Outcome::Failed);
+    assert_eq!(
+        submits.load(Ordering::SeqCst),
+        1,
+        "the queued layer was submitted after the deadline"
+    );
 }

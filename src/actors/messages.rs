@@ -90,6 +90,9 @@ pub struct WriteLayer {
     pub layer: u32,
     pub ranges: Vec<WriteRange>,
     pub bytes: u64,
+    /// The consumer's deadline (`Handshake::expires_unix_ms`, 0: none): a
+    /// batch not yet submitted by then is not submitted.
+    pub expires_unix_ms: u64,
     pub done_to: Recipient<LayerWritten>,
     pub failed_to: Recipient<LayerWriteFailed>,
 }

@@ -314,6 +314,7 @@ mod tests {
             first_block: 0,
             block_ids: (0..blocks).collect(),
             layout: KvLayout::packed(0x1000, 1, 1024, 64, (0, 1), 1),
+            expires_unix_ms: 0,
         })
     }
 

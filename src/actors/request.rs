@@ -22,6 +22,10 @@ use crate::layout::KvLayout;
 use crate::transport::WriteRange;
 use crate::wire::{Handshake, Notice, WIRE_VERSION};
 
+/// Why a write was not submitted once the consumer's deadline passed.
+pub const EXPIRED: &str =
+    "the consumer's authorization expired (its deadline passed): nothing more is written";
+
 // ------------------------------------------------------------------------
 // Consumer
 // ------------------------------------------------------------------------
@@ -243,6 +247,14 @@ impl ProducerActor {
                 blocks,
                 auth,
             } => {
+                if auth.expired() {
+                    tracing::warn!(layer, "the consumer's deadline passed: not writing");
+                    return Some(ProducerEvent::WriteFailed {
+                        write,
+                        generation,
+                        reason: EXPIRED.into(),
+                    });
+                }
                 let planned = plan_write(
                     &self.local,
                     &self.src_blocks,
@@ -284,6 +296,7 @@ impl ProducerActor {
                     // The next layer plans into a buffer of this size (no regrowth).
                     ranges: std::mem::replace(&mut self.planned, Vec::with_capacity(cap)),
                     bytes,
+                    expires_unix_ms: auth.expires_unix_ms,
                     done_to: ctx.address().recipient(),
                     failed_to: ctx.address().recipient(),
                 });

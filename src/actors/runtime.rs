@@ -318,6 +318,10 @@ impl Runtime {
             first_block,
             block_ids,
             layout: (*self.local).clone(),
+            // The consumer fails the request at its deadline: no producer
+            // may start a write after it (see `Handshake::expires_unix_ms`).
+            expires_unix_ms: crate::wire::unix_ms_now()
+                .saturating_add(self.cfg.consumer_timeout.as_millis() as u64),
         };
         handshake.validate()?;
         let machine = ConsumerMachine::new(request.clone(), generation, expected);

@@ -630,6 +630,7 @@ mod tests {
             first_block: 0,
             block_ids: blocks,
             layout: layout(0x10_0000, 2, 8, 256, (0, 1), 2),
+            expires_unix_ms: 0,
         })
     }
 

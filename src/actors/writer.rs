@@ -131,6 +131,8 @@ struct Job {
     outstanding: usize,
     written: u64,
     failed: Option<String>,
+    /// The consumer's deadline (0: none): nothing is submitted after it.
+    expires_unix_ms: u64,
     done_to: Recipient<LayerWritten>,
     failed_to: Recipient<LayerWriteFailed>,
     /// The write in flight, for the trace (closed when the job ends).
@@ -167,6 +169,15 @@ impl LayerWriter {
     fn pump(&mut self, ctx: &mut Context<Self>) {
         while let Some(&id) = self.queue.front() {
             let job = self.jobs.get_mut(&id).expect("queued job exists");
+            if job.failed.is_none()
+                && job.next < job.ranges.len()
+                && job.expires_unix_ms != 0
+                && crate::wire::unix_ms_now() > job.expires_unix_ms
+            {
+                // Queued past the consumer's deadline: it failed the request
+                // and may reuse the blocks once its quarantine passes.
+                job.failed = Some(super::request::EXPIRED.into());
+            }
             if job.failed.is_some() || job.next == job.ranges.len() {
                 self.queue.pop_front();
                 self.maybe_finish(id);
@@ -287,6 +298,7 @@ impl Handler<WriteLayer> for LayerWriter {
                 outstanding: 0,
                 written: 0,
                 failed: None,
+                expires_unix_ms: msg.expires_unix_ms,
                 done_to: msg.done_to,
                 failed_to: msg.failed_to,
                 span,
