@@ -3,75 +3,32 @@
 //! bytes, so the producer keeps its source blocks and sends no notice until
 //! the transport ends the batch, or the quarantine passes.
 //!
-//! The transport here is a test double (`HeldTransport`): every batch stays
-//! in flight until the test ends it, as Mooncake's queue behind a cut link
-//! does. The real-Mooncake version of this scenario is
+//! The transport here is the crate's test double (`FakeTransport`, held):
+//! every batch stays in flight until the test lets it end, as Mooncake's
+//! queue behind a cut link does. The real-Mooncake version of this scenario is
 //! `bindings/python/tests/e2e/test_faults_netns.py` (link cut, then restored).
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use orbitkv::{
-    BatchHandle, BatchState, KvLayout, Notification, Outcome, RequestId, Runtime, RuntimeConfig,
-    RuntimeEvent, Transport, TransportResult, WriteRange,
-};
-
-const IN_FLIGHT: u8 = 0;
-const COMPLETED: u8 = 1;
-
-/// A transport test double: batches stay in flight until `end` is set.
-struct HeldTransport {
-    endpoint: String,
-    end: Arc<AtomicU8>,
-    submits: Arc<AtomicU64>,
-}
-
-impl Transport for HeldTransport {
-    fn endpoint(&self) -> &str {
-        &self.endpoint
-    }
-    fn submit_write(&self, peer: &str, ranges: &[WriteRange]) -> TransportResult<BatchHandle> {
-        self.submits.fetch_add(1, Ordering::SeqCst);
-        Ok(BatchHandle::new(
-            1,
-            peer,
-            ranges.len(),
-            ranges.iter().map(|r| r.len).sum(),
-        ))
-    }
-    fn poll(&self, _handle: &mut BatchHandle) -> TransportResult<BatchState> {
-        Ok(match self.end.load(Ordering::SeqCst) {
-            IN_FLIGHT => BatchState::InFlight,
-            COMPLETED => BatchState::Completed { bytes: 0 },
-            _ => BatchState::Failed {
-                reason: "ended failed by the test".into(),
-            },
-        })
-    }
-    fn send_notification(&self, _peer: &str, _name: &str, _message: &[u8]) -> TransportResult<()> {
-        Ok(())
-    }
-    fn take_notifications(&self) -> TransportResult<Vec<Notification>> {
-        Ok(Vec::new())
-    }
-}
+use orbitkv::transport::fake::FakeTransport;
+use orbitkv::{KvLayout, Outcome, RequestId, Runtime, RuntimeConfig, RuntimeEvent};
 
 fn cap() -> orbitkv::Capability {
     orbitkv::Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
 }
 
-/// A consumer and a producer runtime over one `HeldTransport` (2 layers,
-/// one writer lane, one range in flight per peer), the producer holding the
-/// consumer's handshake for a request of two blocks; `edit` may change the
-/// handshake first. Returns (producer, the double's switch, its submit
-/// count, the request).
+/// A consumer and a producer runtime over the crate's transport test double
+/// (`FakeTransport`: 2 layers, one writer lane, one range in flight per
+/// peer), the producer holding the consumer's handshake for a request of two
+/// blocks, its batches held in flight; `edit` may change the handshake
+/// first. Returns (producer, its transport, the request).
 fn pair(
     name: &str,
     write_timeout: Duration,
     quarantine: Duration,
     edit: impl FnOnce(&mut orbitkv::Handshake),
-) -> (Runtime, Arc<AtomicU8>, Arc<AtomicU64>, RequestId) {
+) -> (Runtime, Arc<FakeTransport>, RequestId) {
     let layout = KvLayout::packed(0x10_0000, 2, 4, 4096, (0, 1), 1);
     let cfg = RuntimeConfig {
         write_timeout,
@@ -80,17 +37,15 @@ fn pair(
         max_ranges_in_flight_per_peer: 1,
         ..RuntimeConfig::default()
     };
-    let end = Arc::new(AtomicU8::new(IN_FLIGHT));
-    let submits = Arc::new(AtomicU64::new(0));
-    let side = |endpoint: &str| {
-        Arc::new(HeldTransport {
-            endpoint: endpoint.into(),
-            end: end.clone(),
-            submits: submits.clone(),
-        })
-    };
-    let consumer = Runtime::start(side("127.0.0.1:2"), layout.clone(), cfg.clone()).unwrap();
-    let producer = Runtime::start(side("127.0.0.1:1"), layout, cfg).unwrap();
+    let wire = Arc::new(FakeTransport::new("127.0.0.1:1"));
+    wire.hold(true);
+    let consumer = Runtime::start(
+        Arc::new(FakeTransport::new("127.0.0.1:2")),
+        layout.clone(),
+        cfg.clone(),
+    )
+    .unwrap();
+    let producer = Runtime::start(wire.clone(), layout, cfg).unwrap();
     let req = RequestId::new(name);
     let mut hs = consumer
         .consumer_open(req.clone(), cap(), 0, vec![2, 3], 1)
@@ -99,16 +54,16 @@ fn pair(
     edit(&mut hs);
     producer.producer_open(req.clone(), vec![0, 1], cap(), 1).unwrap();
     producer.producer_handshake(hs).unwrap();
-    (producer, end, submits, req)
+    (producer, wire, req)
 }
 
 /// A producer with one layer admitted against a consumer's handshake, its
-/// batch held by the double; returns (producer runtime, the double's switch).
-fn streaming(name: &str, write_timeout: Duration, quarantine: Duration) -> (Runtime, Arc<AtomicU8>) {
-    let (producer, end, _, req) = pair(name, write_timeout, quarantine, |_| {});
+/// batch held by the double; returns (producer runtime, its transport).
+fn streaming(name: &str, write_timeout: Duration, quarantine: Duration) -> (Runtime, Arc<FakeTransport>) {
+    let (producer, wire, req) = pair(name, write_timeout, quarantine, |_| {});
     producer.layer_ready(&req, 0, 0..2).unwrap();
     producer.producer_finish(&req).unwrap();
-    (producer, end)
+    (producer, wire)
 }
 
 fn released(rt: &Runtime, within: Duration) -> Option<(Outcome, Instant)> {
@@ -124,7 +79,7 @@ fn released(rt: &Runtime, within: Duration) -> Option<(Outcome, Instant)> {
 
 #[test]
 fn a_late_batch_holds_the_producer_until_the_transport_ends_it() {
-    let (rt, end) = streaming("late", Duration::from_millis(200), Duration::from_secs(30));
+    let (rt, wire) = streaming("late", Duration::from_millis(200), Duration::from_secs(30));
     // Well past write_timeout: late, counted, and still held.
     assert!(
         released(&rt, Duration::from_millis(900)).is_none(),
@@ -134,7 +89,7 @@ fn a_late_batch_holds_the_producer_until_the_transport_ends_it() {
     assert_eq!(s.writes_late, 1, "{s:?}");
     assert_eq!(s.writes_abandoned, 0, "{s:?}");
     // The link heals: the write lands; the producer reports done.
-    end.store(COMPLETED, Ordering::SeqCst);
+    wire.hold(false);
     let (outcome, _) = released(&rt, Duration::from_secs(5)).expect("released once the batch ended");
     assert_eq!(outcome, Outcome::Done);
     assert_eq!(rt.stats().writes_failed, 0);
@@ -142,7 +97,7 @@ fn a_late_batch_holds_the_producer_until_the_transport_ends_it() {
 
 #[test]
 fn a_batch_that_never_ends_is_given_up_after_the_quarantine() {
-    let (rt, _end) = streaming("never", Duration::from_millis(200), Duration::from_millis(600));
+    let (rt, _wire) = streaming("never", Duration::from_millis(200), Duration::from_millis(600));
     let t0 = Instant::now();
     let (outcome, at) = released(&rt, Duration::from_secs(10)).expect("given up after the quarantine");
     let waited = at - t0;
@@ -158,7 +113,7 @@ fn a_batch_that_never_ends_is_given_up_after_the_quarantine() {
 #[test]
 fn nothing_is_written_under_an_expired_authorization() {
     // The consumer's deadline passed before the (stalled) producer got to it.
-    let (rt, _end, submits, req) = pair("expired", Duration::from_secs(5), Duration::from_secs(5), |hs| {
+    let (rt, wire, req) = pair("expired", Duration::from_secs(5), Duration::from_secs(5), |hs| {
         hs.expires_unix_ms = orbitkv::wire::unix_ms_now() - 1;
     });
     rt.layer_ready(&req, 0, 0..2).unwrap();
@@ -166,7 +121,7 @@ fn nothing_is_written_under_an_expired_authorization() {
     let (outcome, _) = released(&rt, Duration::from_secs(5)).expect("released");
     assert_eq!(outcome, Outcome::Failed);
     assert_eq!(
-        submits.load(Ordering::SeqCst),
+        wire.submits(),
         0,
         "a write was submitted after the consumer's deadline"
     );
@@ -176,23 +131,19 @@ fn nothing_is_written_under_an_expired_authorization() {
 fn a_write_queued_past_the_deadline_is_not_submitted() {
     // Layer 0 is in flight (held by the double); layer 1 waits for the
     // per-peer range budget; the deadline passes; layer 0 ends.
-    let (rt, end, submits, req) = pair("queued", Duration::from_secs(5), Duration::from_secs(5), |hs| {
+    let (rt, wire, req) = pair("queued", Duration::from_secs(5), Duration::from_secs(5), |hs| {
         hs.expires_unix_ms = orbitkv::wire::unix_ms_now() + 400;
     });
     rt.layer_ready(&req, 0, 0..2).unwrap();
     rt.layer_ready(&req, 1, 0..2).unwrap();
     rt.producer_finish(&req).unwrap();
     std::thread::sleep(Duration::from_millis(700));
-    assert_eq!(
-        submits.load(Ordering::SeqCst),
-        1,
-        "layer 1 should be queued behind layer 0"
-    );
-    end.store(COMPLETED, Ordering::SeqCst);
+    assert_eq!(wire.submits(), 1, "layer 1 should be queued behind layer 0");
+    wire.hold(false);
     let (outcome, _) = released(&rt, Duration::from_secs(5)).expect("released");
     assert_eq!(outcome, Outcome::Failed);
     assert_eq!(
-        submits.load(Ordering::SeqCst),
+        wire.submits(),
         1,
         "the queued layer was submitted after the deadline"
     );

@@ -7,32 +7,15 @@
 
 use std::sync::Arc;
 
-use orbitkv::{
-    BatchHandle, BatchState, KvLayout, Notification, RequestId, Runtime, RuntimeConfig, RuntimeEvent,
-    Transport, TransportError, TransportResult, WriteRange,
-};
+use orbitkv::transport::fake::{FakeEnd, FakeTransport};
+use orbitkv::{KvLayout, RequestId, Runtime, RuntimeConfig, RuntimeEvent};
 
-/// A transport test double with nothing behind it.
-struct NullTransport;
-
-impl Transport for NullTransport {
-    fn endpoint(&self) -> &str {
-        "127.0.0.1:1"
-    }
-    fn submit_write(&self, _peer: &str, _ranges: &[WriteRange]) -> TransportResult<BatchHandle> {
-        Err(TransportError::InvalidArgument("null transport".into()))
-    }
-    fn poll(&self, _handle: &mut BatchHandle) -> TransportResult<BatchState> {
-        Ok(BatchState::Failed {
-            reason: "null transport".into(),
-        })
-    }
-    fn send_notification(&self, _peer: &str, _name: &str, _message: &[u8]) -> TransportResult<()> {
-        Ok(())
-    }
-    fn take_notifications(&self) -> TransportResult<Vec<Notification>> {
-        Ok(Vec::new())
-    }
+/// The crate's transport test double, refusing every write.
+fn null_transport() -> Arc<FakeTransport> {
+    let t = FakeTransport::new("127.0.0.1:1");
+    t.refuse_submits(Some("null transport".into()));
+    t.end_with(FakeEnd::Fail("null transport".into()));
+    Arc::new(t)
 }
 
 #[test]
@@ -41,7 +24,7 @@ fn the_env_var_installs_the_trace_and_shutdown_writes_it() {
     let _ = std::fs::remove_file(&path);
     std::env::set_var(orbitkv::trace::TRACE_ENV, &path);
     let layout = KvLayout::packed(0x10_0000, 1, 4, 4096, (0, 1), 1);
-    let mut rt = Runtime::start(Arc::new(NullTransport), layout, RuntimeConfig::default()).unwrap();
+    let mut rt = Runtime::start(null_transport(), layout, RuntimeConfig::default()).unwrap();
     assert_eq!(orbitkv::trace::init_from_env(), Some(path.as_path()));
     let req = RequestId::new("env-req");
     rt.producer_open(req.clone(), vec![0, 1], cap(), 1).unwrap();

@@ -1,118 +1,22 @@
 //! Shared by the runtime benchmarks (`benches/runtime.rs`,
-//! `benches/runtime_memory.rs`): [`InstantTransport`], a transport **test
-//! double** that completes every write at once and moves no bytes, so the
+//! `benches/runtime_memory.rs`): [`InstantTransport`], the crate's transport
+//! **test double** (`orbitkv::transport::fake`), which completes every write
+//! at once and moves no bytes, so the
 //! benchmarks measure the runtime's own CPU and memory, not Mooncake; and a
 //! few helpers (KV geometry, process CPU clock, RSS).
 
 #![allow(dead_code)]
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use orbitkv::{
-    BatchHandle, BatchState, KvLayout, LayerGeometry, Notification, Plane, Runtime, RuntimeConfig, Transport,
-    TransportResult, WriteRange,
-};
-use parking_lot::Mutex;
+use orbitkv::{KvLayout, LayerGeometry, Plane, Runtime, RuntimeConfig};
 
-/// A transport test double: `submit_write` records when it was called and
-/// returns a batch that `poll` reports complete at once; notifications are
-/// served from a queue the benchmark fills.
-pub struct InstantTransport {
-    endpoint: String,
-    base: Instant,
-    next_id: AtomicU64,
-    submits: AtomicU64,
-    /// ns after `base` of the latest `submit_write`.
-    last_submit_ns: AtomicU64,
-    notices_sent: AtomicU64,
-    inbox: Mutex<VecDeque<Notification>>,
-    /// While set, `poll` says in flight (completions wait for the release).
-    hold: AtomicBool,
-}
-
-impl InstantTransport {
-    pub fn new(endpoint: &str) -> Arc<Self> {
-        Arc::new(Self {
-            endpoint: endpoint.into(),
-            base: Instant::now(),
-            next_id: AtomicU64::new(1),
-            submits: AtomicU64::new(0),
-            last_submit_ns: AtomicU64::new(0),
-            notices_sent: AtomicU64::new(0),
-            inbox: Mutex::new(VecDeque::new()),
-            hold: AtomicBool::new(false),
-        })
-    }
-
-    /// Holds every batch in flight (`true`) or lets them complete (`false`).
-    pub fn hold(&self, on: bool) {
-        self.hold.store(on, Ordering::Release);
-    }
-
-    /// `submit_write` calls so far.
-    pub fn submits(&self) -> u64 {
-        self.submits.load(Ordering::Acquire)
-    }
-
-    /// When the latest `submit_write` was called.
-    pub fn last_submit(&self) -> Instant {
-        self.base + Duration::from_nanos(self.last_submit_ns.load(Ordering::Acquire))
-    }
-
-    /// Spins until `submit_write` was called `n` times in all.
-    pub fn wait_submits(&self, n: u64) {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while self.submits() < n {
-            assert!(
-                Instant::now() < deadline,
-                "stuck at {} of {n} submits",
-                self.submits()
-            );
-            std::hint::spin_loop();
-        }
-    }
-
-    /// Queues notifications for the router's next `take_notifications`.
-    pub fn deliver(&self, list: impl IntoIterator<Item = Notification>) {
-        self.inbox.lock().extend(list);
-    }
-}
-
-impl Transport for InstantTransport {
-    fn endpoint(&self) -> &str {
-        &self.endpoint
-    }
-
-    fn submit_write(&self, peer: &str, ranges: &[WriteRange]) -> TransportResult<BatchHandle> {
-        let ns = self.base.elapsed().as_nanos() as u64;
-        self.last_submit_ns.store(ns, Ordering::Release);
-        let bytes = ranges.iter().map(|r| r.len).sum();
-        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let handle = BatchHandle::new(id, peer, ranges.len(), bytes);
-        self.submits.fetch_add(1, Ordering::Release);
-        Ok(handle)
-    }
-
-    fn poll(&self, handle: &mut BatchHandle) -> TransportResult<BatchState> {
-        if self.hold.load(Ordering::Acquire) {
-            return Ok(BatchState::InFlight);
-        }
-        Ok(BatchState::Completed { bytes: handle.bytes })
-    }
-
-    fn send_notification(&self, _peer: &str, _name: &str, _message: &[u8]) -> TransportResult<()> {
-        self.notices_sent.fetch_add(1, Ordering::Relaxed);
-        Ok(())
-    }
-
-    fn take_notifications(&self) -> TransportResult<Vec<Notification>> {
-        let mut inbox = self.inbox.lock();
-        Ok(inbox.drain(..).collect())
-    }
-}
+/// The crate's transport test double (`orbitkv::transport::fake`, cargo
+/// feature `testing`): `submit_write` records when it was called and returns
+/// a batch that `poll` reports complete at once (unless held); notifications
+/// are served from a queue the benchmark fills.
+pub use orbitkv::transport::fake::FakeTransport as InstantTransport;
 
 /// A Llama-3-8B-like KV cache at fake addresses (the double never touches
 /// them): 32 layers, K and V as two planes, 32 KiB per block per plane
@@ -168,8 +72,8 @@ pub struct Pair {
 }
 
 pub fn pair() -> Pair {
-    let p_transport = InstantTransport::new("127.0.0.1:10001");
-    let c_transport = InstantTransport::new("127.0.0.1:10002");
+    let p_transport = Arc::new(InstantTransport::new("127.0.0.1:10001"));
+    let c_transport = Arc::new(InstantTransport::new("127.0.0.1:10002"));
     let cfg = RuntimeConfig {
         consumer_timeout: Duration::from_secs(3600),
         handshake_timeout: Duration::from_secs(3600),

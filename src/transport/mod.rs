@@ -10,6 +10,8 @@
 use std::time::Instant;
 
 pub mod cuda;
+#[cfg(any(test, feature = "testing"))]
+pub mod fake;
 pub mod ffi;
 pub mod library;
 pub mod mooncake;
