@@ -30,6 +30,13 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "PINNED_MOONCAKE_VERSION",
         orbitkv::transport::PINNED_MOONCAKE_VERSION,
     )?;
+    // The runtime's counters, in `Runtime.stats()`'s keys: the one list the
+    // Python side reports (orbitkv.vllm.stats).
+    let fields: Vec<String> = serde_json::to_value(orbitkv::StatsSnapshot::default())
+        .ok()
+        .and_then(|v| v.as_object().map(|m| m.keys().cloned().collect()))
+        .unwrap_or_default();
+    m.add("STATS_FIELDS", pyo3::types::PyTuple::new(m.py(), fields)?)?;
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<engine::PyBatch>()?;
     m.add_class::<runtime::PyRuntime>()?;

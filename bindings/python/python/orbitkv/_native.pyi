@@ -10,6 +10,7 @@ from typing_extensions import Self
 __all__ = [
     "__version__",
     "PINNED_MOONCAKE_VERSION",
+    "STATS_FIELDS",
     "MooncakeTransferEngine",
     "Batch",
     "Runtime",
@@ -25,6 +26,9 @@ __version__: str
 
 PINNED_MOONCAKE_VERSION: str
 """The Mooncake version whose C++ data layouts OrbitKV declares (`0.3.13.post1`)."""
+
+STATS_FIELDS: tuple[str, ...]
+"""The runtime's counters: the keys of `Runtime.stats()` (Rust's `StatsSnapshot`)."""
 
 # An int address, a torch tensor (duck-typed: data_ptr, numel, element_size,
 # is_contiguous, device), or a writable C-contiguous buffer (numpy array,

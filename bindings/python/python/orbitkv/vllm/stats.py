@@ -11,33 +11,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-# Counters the runtime keeps (``Runtime.stats()``) that travel to the logger.
-COUNTERS = (
-    "bytes_written",
-    "layers_written",
-    "writes_failed",
-    "notices_sent",
-    "notices_failed",
-    "notices_unknown_request",
-    "notices_stale_generation",
-    "consumers_completed",
-    "consumers_failed",
-    "producers_released",
-    "side_channel_forbidden",
-    "side_channel_overloaded",
-    "parked_expired",
-    "transfer_micros",
-    "ready_items",
-    "ready_lag_micros",
-    "write_batches",
-    "write_ranges",
-    "write_submit_micros",
-    "write_batch_micros",
-    "layer_write_micros",
-    "writes_late",
-    "writes_abandoned",
-    "consumers_quarantine_expired",
-)
+from orbitkv._native import STATS_FIELDS
+
+# Counters the runtime keeps (``Runtime.stats()``) that travel to the
+# logger: every one, as Rust names them (the one list).
+COUNTERS: tuple[str, ...] = tuple(STATS_FIELDS)
 
 
 @dataclass
@@ -73,7 +51,20 @@ _PROM = {
         "Layer writes (one layer of one request to one decode rank) OrbitKV completed.",
     ),
     "writes_failed": ("vllm:orbitkv_write_failures", "Layer write batches that failed."),
+    "notices_sent": ("vllm:orbitkv_notices_sent", "Completion notices sent to decode instances."),
     "notices_failed": ("vllm:orbitkv_notice_failures", "Completion notices that could not be sent."),
+    "notices_routed": (
+        "vllm:orbitkv_notices_routed",
+        "Notices routed to the decode request they belong to.",
+    ),
+    "notices_malformed": (
+        "vllm:orbitkv_notices_malformed",
+        "Notices dropped because they could not be parsed.",
+    ),
+    "events_dropped": (
+        "vllm:orbitkv_events_dropped",
+        "Request events the state machines ignored (stale, duplicate or after the end; see the trace).",
+    ),
     "notices_unknown_request": (
         "vllm:orbitkv_notices_unknown_request",
         "Notices dropped because no request of that ID was waiting.",

@@ -1,0 +1,38 @@
+"""The runtime's counters reach vLLM's logger and Prometheus from one list:
+Rust's `StatsSnapshot` (exported as `orbitkv._native.STATS_FIELDS`), each
+under one documented Prometheus name."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from orbitkv import _native
+from orbitkv.vllm import stats
+
+DOCS = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
+
+
+def test_every_runtime_counter_is_reported_and_exported_once() -> None:
+    assert stats.COUNTERS == tuple(_native.STATS_FIELDS)
+    assert len(set(stats.COUNTERS)) == len(stats.COUNTERS) > 20
+    for name in stats.COUNTERS:
+        counters = name in stats._PROM
+        seconds = name in stats._SECONDS
+        assert counters != seconds, f"{name}: exported {'twice' if counters else 'nowhere'}"
+        assert seconds == name.endswith("_micros"), f"{name}: a time sum is exported in seconds"
+    assert set(stats._PROM) | set(stats._SECONDS) <= set(stats.COUNTERS), "an exported name the runtime lacks"
+
+
+def test_every_prometheus_name_is_documented() -> None:
+    text = DOCS.read_text()
+    documented = set(re.findall(r"`(vllm:orbitkv_[a-z_]+)`", text))
+    exported = {n for n, _ in stats._PROM.values()} | {n for n, _ in stats._SECONDS.values()}
+    assert exported - documented == set(), "metrics missing from docs/configuration.md#metrics"
+    assert documented - exported == set(), "documented metrics nothing exports"
+
+
+def test_the_stats_object_reports_every_counter() -> None:
+    snapshot = stats.PdConnectorStats(data={k: 1 for k in stats.COUNTERS})
+    assert not snapshot.is_empty()
+    assert set(snapshot.reduce()) >= set(stats.COUNTERS)
