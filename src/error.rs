@@ -172,24 +172,6 @@ pub enum RuntimeError {
     StaleGeneration { request: String, got: u64, current: u64 },
     #[error("request {0} already exists on this side")]
     DuplicateRequest(String),
-    #[error("request {request}: peer {peer} is dead or unreachable: {reason}")]
-    PeerDead {
-        request: String,
-        peer: String,
-        reason: String,
-    },
-    #[error("request {request}: {what} timed out after {millis} ms")]
-    Timeout {
-        request: String,
-        what: &'static str,
-        millis: u64,
-    },
-    #[error("request {request}: invalid in state {state}: {what}")]
-    InvalidState {
-        request: String,
-        state: &'static str,
-        what: String,
-    },
     /// A handshake or cancel without the request's capability: refused,
     /// and nothing about the request changes.
     #[error("request {request}: forbidden: {reason}")]
@@ -278,9 +260,6 @@ impl RuntimeError {
             Self::UnknownRequest(_) => "UnknownRequestError",
             Self::StaleGeneration { .. } => "StaleGenerationError",
             Self::DuplicateRequest(_) => "DuplicateRequestError",
-            Self::PeerDead { .. } => "PeerDeadError",
-            Self::Timeout { .. } => "RuntimeTimeoutError",
-            Self::InvalidState { .. } => "InvalidStateError",
             Self::Forbidden { .. } => "ForbiddenError",
             Self::Overloaded(_) => "OverloadedError",
             Self::Stopped => "RuntimeStoppedError",
@@ -296,9 +275,6 @@ impl RuntimeError {
             Self::UnknownRequest(_) => "UnknownRequest",
             Self::StaleGeneration { .. } => "StaleGeneration",
             Self::DuplicateRequest(_) => "DuplicateRequest",
-            Self::PeerDead { .. } => "PeerDead",
-            Self::Timeout { .. } => "Timeout",
-            Self::InvalidState { .. } => "InvalidState",
             Self::Forbidden { .. } => "Forbidden",
             Self::Overloaded(_) => "Overloaded",
             Self::Stopped => "Stopped",
@@ -392,21 +368,6 @@ mod tests {
                 current: 0,
             },
             RuntimeError::DuplicateRequest(String::new()),
-            RuntimeError::PeerDead {
-                request: String::new(),
-                peer: String::new(),
-                reason: String::new(),
-            },
-            RuntimeError::Timeout {
-                request: String::new(),
-                what: "",
-                millis: 0,
-            },
-            RuntimeError::InvalidState {
-                request: String::new(),
-                state: "",
-                what: String::new(),
-            },
             RuntimeError::Forbidden {
                 request: String::new(),
                 reason: String::new(),

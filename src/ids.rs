@@ -41,11 +41,6 @@ impl std::fmt::Display for Generation {
     }
 }
 
-/// Index of a transformer layer (attention layer) in the KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct LayerIdx(pub u32);
-
 /// A producer's tensor-parallel rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]

@@ -25,7 +25,7 @@ pub use actors::{Runtime, RuntimeConfig, RuntimeEvent, StatsSnapshot};
 pub use error::{
     GeometryError, ProtocolError, RuntimeError, SideChannelError, TransportError, TransportResult,
 };
-pub use ids::{Capability, Generation, LayerIdx, ProducerRank, RequestId};
+pub use ids::{Capability, Generation, ProducerRank, RequestId};
 pub use layout::{KvLayout, LayerGeometry, Plane};
 pub use side_channel::{Refused, SideChannel, SideChannelConfig};
 pub use transport::{

@@ -39,29 +39,6 @@ pub(crate) fn runtime_error(py: Python<'_>, err: RuntimeError) -> PyErr {
             ("got", got.into()),
             ("current", current.into()),
         ],
-        RuntimeError::PeerDead {
-            request,
-            peer,
-            reason,
-        } => vec![
-            ("request_id", request.into()),
-            ("peer", peer.into()),
-            ("reason", reason.into()),
-        ],
-        RuntimeError::Timeout {
-            request,
-            what,
-            millis,
-        } => vec![
-            ("request_id", request.into()),
-            ("what", what.into()),
-            ("timeout_s", (millis as f64 / 1000.0).into()),
-        ],
-        RuntimeError::InvalidState { request, state, what } => vec![
-            ("request_id", request.into()),
-            ("state", state.into()),
-            ("reason", what.into()),
-        ],
         RuntimeError::Forbidden { request, reason } => {
             vec![("request_id", request.into()), ("reason", reason.into())]
         }

@@ -196,11 +196,10 @@ def test_hierarchy():
     assert issubclass(errors.EngineClosedError, RuntimeError)
     assert issubclass(errors.GeometryError, ValueError)
     assert issubclass(errors.UnknownRequestError, KeyError)
-    assert issubclass(errors.RuntimeTimeoutError, TimeoutError)
     assert issubclass(errors.ForbiddenError, PermissionError)
     assert issubclass(errors.SideChannelError, OSError)
     assert issubclass(errors.HandshakeRejected, RuntimeError)
-    assert len(set(classes)) == len(classes) == 27
+    assert len(set(classes)) == len(classes) == 24
 
 
 # --- loading Mooncake (fresh interpreters) ------------------------------------

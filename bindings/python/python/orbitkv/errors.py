@@ -38,9 +38,6 @@ __all__ = [
     "UnknownRequestError",
     "StaleGenerationError",
     "DuplicateRequestError",
-    "PeerDeadError",
-    "RuntimeTimeoutError",
-    "InvalidStateError",
     "ForbiddenError",
     "OverloadedError",
     "RuntimeStoppedError",
@@ -191,18 +188,6 @@ class StaleGenerationError(OrbitKVError):
 
 class DuplicateRequestError(OrbitKVError):
     """A request ID is still open on this side: release it before reusing it."""
-
-
-class PeerDeadError(OrbitKVError):
-    """The peer stopped answering."""
-
-
-class RuntimeTimeoutError(OrbitKVError, TimeoutError):
-    """A runtime deadline passed (``details["what"]``)."""
-
-
-class InvalidStateError(OrbitKVError):
-    """The request is in a state where this call is not allowed."""
 
 
 class ForbiddenError(OrbitKVError, PermissionError):
