@@ -307,6 +307,28 @@ def test_client_disconnect_drops_both(pd: Setup) -> None:
     assert pd.decode.cancelled and pd.prefill.cancelled
 
 
+def test_a_prefill_reply_after_decode_answered_is_not_dropped(pd: Setup) -> None:
+    """Decode's whole answer can reach the client a few ms before prefill's
+    reply; a client that then closes at once must not abort the (finished)
+    prefill request, or prefill's own counters miss it."""
+    landed: list[float] = []
+
+    async def prefill_late(b: Backend, request: web.Request, body: dict) -> web.StreamResponse:
+        await b.other_arrived()
+        await asyncio.sleep(0.5)  # after decode's answer is out
+        landed.append(time.monotonic())
+        return web.json_response({"id": "cmpl-prefill", "choices": [{"index": 0, "text": " P"}]})
+
+    pd.prefill.reply, pd.decode.reply = prefill_late, decode_json
+    status, _, data = pd.post({"model": "tiny", "prompt": "x", "max_tokens": 4})  # reads, then closes
+    assert status == 200 and json.loads(data) == DECODE_JSON
+    deadline = time.monotonic() + WAIT_S
+    while not landed and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert landed, "the prefill request never completed"
+    assert pd.prefill.cancelled == [], "the prefill request was dropped after decode answered"
+
+
 def test_body_prefill_and_decode_helpers() -> None:
     body = {"messages": [], "max_completion_tokens": 50, "stream": True,
             "stream_options": {"include_usage": True}}

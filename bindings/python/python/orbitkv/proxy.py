@@ -15,7 +15,10 @@ Failures: if the prefill answers with an error (or cannot be reached) before
 the decode is done, the decode request is dropped (vLLM aborts it on
 disconnect) and the client gets ``502``, or an SSE error event when the
 stream has already started. If the decode fails, the prefill request is
-dropped. A client that disconnects drops both.
+dropped. A client that disconnects drops both, unless decode already
+answered in full: the prefill's reply (which comes right after its last
+layer, often a few ms after decode's answer) is then let land, so that the
+prefill request is not aborted after the fact.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -105,6 +108,8 @@ class ProxyConfig:
 
 _CONFIG = web.AppKey("orbitkv_proxy_config", ProxyConfig)
 _SESSION = web.AppKey("orbitkv_proxy_session", aiohttp.ClientSession)
+# Prefill calls left to finish after their client's answer was complete.
+_BACKGROUND = web.AppKey("orbitkv_proxy_background", set)
 
 
 def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
@@ -135,10 +140,13 @@ def _error_json(status: int, message: str) -> web.Response:
 class _Exchange:
     """One client request: the prefill call and the relayed decode response."""
 
-    def __init__(self, request: web.Request, session: aiohttp.ClientSession, cfg: ProxyConfig):
+    def __init__(
+        self, request: web.Request, session: aiohttp.ClientSession, cfg: ProxyConfig, background: set[asyncio.Task]
+    ):
         self.request = request
         self.session = session
         self.cfg = cfg
+        self.background = background
         self.id = uuid.uuid4().hex
         # 256 bits from the OS's cryptographic source, never logged.
         self.capability = secrets.token_hex(32)
@@ -187,20 +195,33 @@ class _Exchange:
             status = self.status = decode.result()
             if status != 200:
                 await _cancel(prefill)  # decode refused it: the prefill is not needed
-            else:
-                # Decode is done, so the KV has arrived; let the prefill's
-                # reply land (it comes right after its last layer).
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(prefill), timeout=5.0)
-                await _cancel(prefill)
+            elif not prefill.done():
+                # Decode is done, so the KV has arrived and the prefill's reply
+                # comes right after its last layer: let it land whatever the
+                # client does now (a client that closes as soon as it has its
+                # answer would otherwise abort a finished prefill request, and
+                # prefill's counters would miss it). Bounded by the session's
+                # timeout; logged when it ends.
+                self.background.add(prefill)
+                prefill.add_done_callback(self._prefill_landed(path))
             assert self.response is not None
             return self.response
         finally:
             # Client gone (handler cancelled) or an error above: drop both calls,
-            # which makes vLLM abort them.
-            self._log(path)
+            # which makes vLLM abort them; a prefill left to land is logged then.
             await _cancel(decode)
-            await _cancel(prefill)
+            if prefill not in self.background:
+                self._log(path)
+                await _cancel(prefill)
+
+    def _prefill_landed(self, path: str) -> "Callable[[asyncio.Task], None]":
+        def done(task: asyncio.Task) -> None:
+            self.background.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                logger.warning("%s: prefill failed after decode answered: %s", self.id, task.exception())
+            self._log(path)
+
+        return done
 
     def _log(self, path: str) -> None:
         """One line per request, whatever happened (a client that hangs up
@@ -281,7 +302,7 @@ async def _cancel(task: asyncio.Task) -> None:
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:
-    return await _Exchange(request, request.app[_SESSION], request.app[_CONFIG]).run()
+    return await _Exchange(request, request.app[_SESSION], request.app[_CONFIG], request.app[_BACKGROUND]).run()
 
 
 async def _models(request: web.Request) -> web.Response:
@@ -309,6 +330,7 @@ def make_app(cfg: ProxyConfig) -> web.Application:
     so a client that disconnects drops its backend requests)."""
     app = web.Application()
     app[_CONFIG] = cfg
+    app[_BACKGROUND] = set()
 
     async def session_ctx(app: web.Application):
         timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
