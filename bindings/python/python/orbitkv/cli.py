@@ -8,6 +8,14 @@
     and compares the bytes. Each problem is printed with its fix; the exit
     status is 1 when something blocks P/D, 0 otherwise.
 
+``orbitkv trace REQUEST_ID TRACE.json... -o OUT.json``
+    One Perfetto timeline of one P/D request from the Chrome traces that the
+    prefill and decode workers wrote (``ORBITKV_TRACE``): the request's lanes
+    and the writes that carried its layers, one process per input file,
+    aligned on the wall clock each trace recorded at its start
+    (``otherData.start_unix_us``; hosts' clocks must agree, as for the
+    handshake deadline). Exit status 1 when no input names the request.
+
 ``orbitkv proxy ...``
     The P/D proxy (``python -m orbitkv.proxy``; ``orbitkv proxy --help``).
 """
@@ -17,6 +25,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.metadata
+import json
 import os
 import socket
 import sys
@@ -169,6 +178,65 @@ def doctor(bind_host: str, side_channel_port: int | None, write_test: bool) -> R
     return r
 
 
+class TraceError(ValueError):
+    """An input that is not an OrbitKV trace."""
+
+
+def merge_traces(request_id: str, paths: list[Path]) -> dict:
+    """The events of ``request_id`` from each trace in ``paths``, one process
+    per file, on one clock (see the module documentation)."""
+    loaded = []
+    for path in paths:
+        try:
+            doc = json.loads(path.read_text())
+            start = int(doc["otherData"]["start_unix_us"])
+            events = list(doc["traceEvents"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise TraceError(f"{path}: not an OrbitKV trace ({type(e).__name__}: {e})") from None
+        loaded.append((path, start, events))
+    t0 = min(start for _, start, _ in loaded)
+    out: list[dict] = []
+    found = 0
+    for pid, (path, start, events) in enumerate(loaded, 1):
+        shift = float(start - t0)
+        names = {e["tid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "thread_name"}
+        lanes = {tid for tid, name in names.items() if request_id in str(name)}
+        mine = [
+            e
+            for e in events
+            if e.get("ph") != "M" and (e.get("tid") in lanes or str((e.get("args") or {}).get("request")) == request_id)
+        ]
+        ids = {e.get("id") for e in mine if e.get("ph") == "b"}
+        mine += [e for e in events if e.get("ph") == "e" and e.get("id") in ids and e not in mine]
+        if not mine:
+            continue
+        found += len(mine)
+        out.append(
+            {"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": f"{path.stem} ({path.name})"}}
+        )
+        for tid in sorted({e["tid"] for e in mine}):
+            out.append(
+                {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": names.get(tid, str(tid))}}
+            )
+        for e in mine:
+            e = dict(e, pid=pid)
+            if "ts" in e:
+                e["ts"] = float(e["ts"]) + shift
+            out.append(e)
+    if not found:
+        raise LookupError(f"no event of request {request_id} in {', '.join(str(p) for p in paths)}")
+    return {
+        "traceEvents": out,
+        "displayTimeUnit": "ns",
+        "otherData": {
+            "writer": "orbitkv trace",
+            "request": request_id,
+            "merged_from": [str(p) for p in paths],
+            "start_unix_us": t0,
+        },
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["proxy"]:
@@ -185,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     d.add_argument("--side-channel-port", type=int, default=None, help="check that this port is free")
     d.add_argument("--write-test", action="store_true", help="also write 4 MiB between two engines and compare")
+    t = sub.add_parser("trace", help="one timeline of a request from the prefill and decode traces")
+    t.add_argument("request_id", help="the P/D request ID (the proxy's X-Request-Id)")
+    t.add_argument("traces", nargs="+", type=Path, help="Chrome traces the workers wrote (ORBITKV_TRACE)")
+    t.add_argument("-o", "--output", type=Path, required=True, help="where to write the merged trace")
     sub.add_parser("proxy", help="the P/D proxy (orbitkv proxy --help)")
     args = p.parse_args(argv)
     if args.command == "doctor":
@@ -194,6 +266,19 @@ def main(argv: list[str] | None = None) -> int:
             f"{report.problems} problem(s) block P/D on this machine" if report.problems else "nothing blocks P/D here"
         )
         return 1 if report.problems else 0
+    if args.command == "trace":
+        try:
+            merged = merge_traces(args.request_id, args.traces)
+        except TraceError as e:
+            print(f"orbitkv trace: {e}", file=sys.stderr)
+            return 2
+        except LookupError as e:
+            print(f"orbitkv trace: {e}", file=sys.stderr)
+            return 1
+        args.output.write_text(json.dumps(merged))
+        procs = sum(1 for e in merged["traceEvents"] if e.get("name") == "process_name")
+        print(f"{len(merged['traceEvents'])} events of {args.request_id} from {procs} process(es) -> {args.output}")
+        return 0
     return 2
 
 

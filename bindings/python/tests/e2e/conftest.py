@@ -58,6 +58,7 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         decode_env={"ORBITKV_TESTING_CORRUPT_AFTER_LOAD": str(run / "corrupt-next-load")},
         vllm_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)],
         kv_load_failure_policy="fail",
+        trace=True,  # each worker's Chrome trace (orbitkv trace merges them)
     )
     with c:  # started here, stopped after the module
         yield c

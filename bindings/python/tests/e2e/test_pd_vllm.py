@@ -10,6 +10,9 @@ the fp32 tiny model is deterministic, so token ids must match exactly.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -154,6 +157,44 @@ def test_corrupted_block_changes_output(cluster: Cluster) -> None:
     assert got != want, "decode's output did not change with a corrupted KV block: is it using the transferred KV?"
     # The hook is one-shot: the next request is correct again.
     assert_serves_correctly(cluster)
+
+
+def test_one_timeline_per_request_from_both_traces(cluster: Cluster, tmp_path: Path) -> None:
+    """`orbitkv trace` merges the prefill's and the decode's worker traces
+    into one timeline of a request: both processes, the request's producer
+    and consumer lanes and the writes of its layers, on one clock."""
+    got = pd(cluster, fresh_prompt(3 * BLOCK + 5))
+    rid = got.request_id
+    assert rid, "the proxy names the request (X-Request-Id)"
+    assert cluster.wait_for_traces([rid], timeout_s=30), "the traces do not name the request"
+    out = tmp_path / "request.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "orbitkv.cli", "trace", rid,
+         str(cluster.trace_path("prefill")), str(cluster.trace_path("decode")), "-o", str(out)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 0, r.stderr
+    events = json.loads(out.read_text())["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    assert sorted(procs.values()) == ["trace.decode (trace.decode.json)", "trace.prefill (trace.prefill.json)"]
+    lanes = [e["args"]["name"] for e in events if e.get("name") == "thread_name"]
+    assert any(n.startswith("producer") and rid in n for n in lanes), lanes
+    assert any(n.startswith("consumer") and rid in n for n in lanes), lanes
+    writes = [e for e in events if e.get("name") == "write" and e.get("ph") in ("X", "b")]
+    assert len(writes) >= 4, "the writes of the request's 4 layers"
+    roots = {e["pid"]: e for e in events if e.get("name") == "request" and e.get("ph") == "X"}
+    assert len(roots) == 2
+    # One clock: the two halves of the request overlap in time.
+    (a, b) = roots.values()
+    assert a["ts"] < b["ts"] + b["dur"] and b["ts"] < a["ts"] + a["dur"], "the two halves do not overlap"
+    # A request nobody traced: exit status 1, a message.
+    r = subprocess.run(
+        [sys.executable, "-m", "orbitkv.cli", "trace", "no-such-request", str(cluster.trace_path("decode")),
+         "-o", str(tmp_path / "none.json")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 1 and "no event of request no-such-request" in r.stderr
+    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
 
 
 # ---- (c) aborts: both instances stay healthy and hold nothing -----------------
