@@ -89,7 +89,10 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         timeout_s=PD_TIMEOUT_S,
         prefill_tp=ptp,
         decode_tp=dtp,
-        prefill_config={"orbitkv.pd.handshake_timeout_s": PD_TIMEOUT_S},
+        # A short quarantine, so a failed request's blocks come back within
+        # the idle waits (docs/architecture.md, held failures).
+        prefill_config={"orbitkv.pd.handshake_timeout_s": PD_TIMEOUT_S, "orbitkv.pd.quarantine_s": 5.0},
+        decode_config={"orbitkv.pd.quarantine_s": 5.0},
         prefill_env={"ORBITKV_TESTING_WRITE_DELAY": str(run / "write-delay")},
         vllm_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--no-enable-prefix-caching"],
         kv_load_failure_policy="fail",
