@@ -94,7 +94,12 @@ class Backend:
         app = web.Application()
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_post("/v1/chat/completions", self.handle)
+        app.router.add_get("/health", _ok)
         return app
+
+
+async def _ok(_: web.Request) -> web.Response:
+    return web.Response(text="ok")
 
 
 async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
@@ -327,6 +332,107 @@ def test_a_prefill_reply_after_decode_answered_is_not_dropped(pd: Setup) -> None
         time.sleep(0.02)
     assert landed, "the prefill request never completed"
     assert pd.prefill.cancelled == [], "the prefill request was dropped after decode answered"
+
+
+class Many:
+    """Two fake prefill servers and one fake decode server behind one proxy."""
+
+    def __init__(self, lt: LoopThread) -> None:
+        self.lt = lt
+        self.prefills = [Backend("prefill-a"), Backend("prefill-b")]
+        self.decode = Backend("decode")
+        self.runners: list[web.AppRunner] = []
+        self.urls: list[str] = []
+        for b in (*self.prefills, self.decode):
+            runner, port = lt.run(_serve(b.app()))
+            self.runners.append(runner)
+            self.urls.append(f"http://127.0.0.1:{port}")
+        self.cfg = proxy.ProxyConfig.make(
+            self.urls[0], self.urls[2], prefill_kv="127.0.0.1:17001",
+            more_prefills=[(self.urls[1], "127.0.0.1:17002")],
+        )
+        runner, self.port = lt.run(_serve(proxy.make_app(self.cfg)))
+        self.runners.append(runner)
+
+    def close(self) -> None:
+        for r in reversed(self.runners):
+            self.lt.run(r.cleanup())
+
+
+async def prefill_any(b: Backend, request: web.Request, body: dict) -> web.StreamResponse:
+    return web.json_response({"id": "cmpl-prefill", "choices": [{"index": 0, "text": " P"}]})
+
+
+async def decode_any(b: Backend, request: web.Request, body: dict) -> web.StreamResponse:
+    return web.json_response(DECODE_JSON)
+
+
+def _post(port: int, body: dict) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def test_several_prefills_share_the_load_and_decode_is_told_which(loop_thread: LoopThread) -> None:
+    async def prefill_slow(b: Backend, request: web.Request, body: dict) -> web.StreamResponse:
+        await asyncio.sleep(0.3)  # the requests overlap
+        return await prefill_any(b, request, body)
+
+    m = Many(loop_thread)
+    try:
+        for b in m.prefills:
+            b.reply = prefill_slow
+        m.decode.reply = decode_any
+        # Concurrent requests: least outstanding spreads them over both prefills.
+        results: list[int] = []
+        threads = [threading.Thread(target=lambda: results.append(_post(m.port, {"prompt": "x", "max_tokens": 2})[0]))
+                   for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert results == [200] * 8
+        # Decode answers at once; the prefill calls land a little later.
+        deadline = time.monotonic() + WAIT_S
+        while sum(len(b.seen) for b in m.prefills) < 8 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert all(b.seen for b in m.prefills), [len(b.seen) for b in m.prefills]
+        # Each decode request names the side channel of the prefill that ran its prefill.
+        kv_of = {m.prefills[0].name: "127.0.0.1:17001", m.prefills[1].name: "127.0.0.1:17002"}
+        by_id = {b_seen["body"][proxy.KV_PARAMS_FIELD][kvp.REQUEST]: b.name for b in m.prefills for b_seen in b.seen}
+        for d in m.decode.seen:
+            params = d["body"][proxy.KV_PARAMS_FIELD]
+            assert params[kvp.PREFILL_KV] == kv_of[by_id[params[kvp.REQUEST]]]
+    finally:
+        m.close()
+
+
+def test_a_dead_prefill_is_failed_over_and_left_out(loop_thread: LoopThread) -> None:
+    m = Many(loop_thread)
+    try:
+        m.prefills[1].reply = prefill_any
+        m.decode.reply = decode_any
+        loop_thread.run(m.runners[0].cleanup())  # prefill-a is gone: connection refused
+        for _ in range(4):
+            status, data = _post(m.port, {"prompt": "x", "max_tokens": 2})
+            assert status == 200 and json.loads(data) == DECODE_JSON
+        assert len(m.prefills[1].seen) == 4
+        # Every decode request names the live prefill's side channel.
+        assert {d["body"][proxy.KV_PARAMS_FIELD][kvp.PREFILL_KV] for d in m.decode.seen} >= {"127.0.0.1:17002"}
+        conn = http.client.HTTPConnection("127.0.0.1", m.port, timeout=30)
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        health = json.loads(r.read())
+        assert r.status == 200, health  # one prefill and the decode are enough
+        assert health[m.urls[0]]["health"] != 200 and health[m.urls[1]]["health"] == 200
+        conn.close()
+    finally:
+        m.runners.pop(0)
+        m.close()
 
 
 def test_body_prefill_and_decode_helpers() -> None:

@@ -218,11 +218,11 @@ def merge_traces(request_id: str, paths: list[Path]) -> dict:
             out.append(
                 {"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": names.get(tid, str(tid))}}
             )
-        for e in mine:
-            e = dict(e, pid=pid)
-            if "ts" in e:
-                e["ts"] = float(e["ts"]) + shift
-            out.append(e)
+        for ev in mine:
+            moved = dict(ev, pid=pid)
+            if "ts" in moved:
+                moved["ts"] = float(moved["ts"]) + shift
+            out.append(moved)
     if not found:
         raise LookupError(f"no event of request {request_id} in {', '.join(str(p) for p in paths)}")
     return {

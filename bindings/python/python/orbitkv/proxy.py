@@ -1,4 +1,6 @@
-"""OpenAI-compatible P/D proxy in front of one prefill and one decode vLLM.
+"""OpenAI-compatible P/D proxy in front of prefill and decode vLLM instances
+(one or several of each: docs/configuration.md, "The proxy in front of
+several instances").
 
     python -m orbitkv.proxy --prefill http://127.0.0.1:8100 \\
         --decode http://127.0.0.1:8200 --port 8000
@@ -33,7 +35,7 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -57,9 +59,21 @@ DEFAULT_SIDE_CHANNEL_PORT = 17500
 logger = logging.getLogger("orbitkv.proxy")
 
 @dataclass(frozen=True)
+class Prefill:
+    """One prefill instance: its URL, its OrbitKV side channel (``host:port``
+    of its TP rank 0, which decode contacts) and its TP size."""
+
+    url: str
+    kv: str
+    tp: int = 1
+
+
+@dataclass(frozen=True)
 class ProxyConfig:
-    """Where the two instances are. ``prefill_kv`` is the prefill's OrbitKV
-    side channel (``host:port`` of its TP rank 0), which decode contacts."""
+    """Where the instances are. ``prefill``/``prefill_kv``/``prefill_tp`` and
+    ``decode`` are the first of each side; ``more_prefills`` and
+    ``more_decodes`` the others (every instance of a side is used in turn:
+    least outstanding requests first, unhealthy ones left out)."""
 
     prefill: str
     decode: str
@@ -67,6 +81,16 @@ class ProxyConfig:
     prefill_tp: int = 1
     timeout_s: float | None = None
     decode_tp: int = 1
+    more_prefills: tuple[Prefill, ...] = ()
+    more_decodes: tuple[str, ...] = ()
+
+    @property
+    def prefills(self) -> tuple[Prefill, ...]:
+        return (Prefill(self.prefill, self.prefill_kv, self.prefill_tp), *self.more_prefills)
+
+    @property
+    def decodes(self) -> tuple[str, ...]:
+        return (self.decode, *self.more_decodes)
 
     @staticmethod
     def make(
@@ -76,40 +100,90 @@ class ProxyConfig:
         prefill_tp: int = 1,
         timeout_s: float | None = None,
         decode_tp: int = 1,
+        more_prefills: Sequence[tuple[str, str | None]] = (),
+        more_decodes: Sequence[str] = (),
     ) -> "ProxyConfig":
-        prefill, decode = prefill.rstrip("/"), decode.rstrip("/")
-        for name, url in (("prefill", prefill), ("decode", decode)):
+        """``more_prefills``: (URL, side channel or None) of further prefill
+        instances (same TP size); ``more_decodes``: further decode URLs."""
+
+        def url_of(name: str, url: str) -> str:
+            url = url.rstrip("/")
             parts = urlsplit(url)
             if parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"--{name} must be an http(s) URL, got {url!r}")
-        if prefill_kv is None:
-            prefill_kv = f"{urlsplit(prefill).hostname}:{DEFAULT_SIDE_CHANNEL_PORT}"
+            return url
+
+        def kv_of(url: str, kv: str | None) -> str:
+            return kv or f"{urlsplit(url).hostname}:{DEFAULT_SIDE_CHANNEL_PORT}"
+
+        prefill, decode = url_of("prefill", prefill), url_of("decode", decode)
         for name, tp in (("prefill-tp", prefill_tp), ("decode-tp", decode_tp)):
             if tp < 1:
                 raise ValueError(f"--{name} must be at least 1, got {tp}")
-        return ProxyConfig(prefill, decode, prefill_kv, prefill_tp, timeout_s, decode_tp)
+        extra_p = tuple(Prefill(url_of("prefill", u), kv_of(u.rstrip("/"), k), prefill_tp) for u, k in more_prefills)
+        extra_d = tuple(url_of("decode", u) for u in more_decodes)
+        urls = [prefill, decode, *(p.url for p in extra_p), *extra_d]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"an instance is named twice: {urls}")
+        return ProxyConfig(
+            prefill, decode, kv_of(prefill, prefill_kv), prefill_tp, timeout_s, decode_tp, extra_p, extra_d
+        )
 
-    def params(self, role: str, request_id: str, capability: str) -> dict[str, Any]:
+    def params(
+        self, role: str, request_id: str, capability: str, prefill: Prefill | None = None
+    ) -> dict[str, Any]:
         """The ``kv_transfer_params`` for one side of one request. Both sides
         get the request's ``capability``, a fresh secret per request: prefill
-        accepts the decode's handshake and cancel only with it."""
+        accepts the decode's handshake and cancel only with it. ``prefill``:
+        the instance that runs the request's prefill (default: the first)."""
         if role == PRODUCER:
             return PdParams(
                 role=PRODUCER, request=request_id, capability=capability, decode_tp=self.decode_tp
             ).to_dict()
+        p = prefill or self.prefills[0]
         return PdParams(
             role=CONSUMER,
             request=request_id,
             capability=capability,
-            prefill_kv=self.prefill_kv,
-            prefill_tp=self.prefill_tp,
+            prefill_kv=p.kv,
+            prefill_tp=p.tp,
         ).to_dict()
+
+
+class Pool:
+    """Every instance's outstanding requests and health: ``pick`` returns the
+    healthy instance of a side with the fewest requests in flight (all of
+    them, if none is healthy: a request then fails on its own rather than
+    never being tried)."""
+
+    def __init__(self, cfg: ProxyConfig):
+        self.cfg = cfg
+        self.outstanding: dict[str, int] = {u: 0 for u in (*(p.url for p in cfg.prefills), *cfg.decodes)}
+        self.healthy: dict[str, bool] = {u: True for u in self.outstanding}
+
+    def pick_prefill(self, exclude: frozenset[str] = frozenset()) -> Prefill:
+        return min(self._eligible(list(self.cfg.prefills), lambda p: p.url, exclude), key=lambda p: self.outstanding[p.url])
+
+    def pick_decode(self, exclude: frozenset[str] = frozenset()) -> str:
+        return min(self._eligible(list(self.cfg.decodes), lambda u: u, exclude), key=lambda u: self.outstanding[u])
+
+    def _eligible(self, items: list, url: Callable[[Any], str], exclude: frozenset[str]) -> list:
+        live = [i for i in items if url(i) not in exclude and self.healthy[url(i)]]
+        return live or [i for i in items if url(i) not in exclude] or items
+
+    def mark(self, url: str, healthy: bool) -> None:
+        if self.healthy.get(url) != healthy:
+            logger.warning("%s is now %s", url, "healthy" if healthy else "UNHEALTHY (left out)")
+        self.healthy[url] = healthy
 
 
 _CONFIG = web.AppKey("orbitkv_proxy_config", ProxyConfig)
 _SESSION = web.AppKey("orbitkv_proxy_session", aiohttp.ClientSession)
 # Prefill calls left to finish after their client's answer was complete.
 _BACKGROUND = web.AppKey("orbitkv_proxy_background", set)
+_POOL = web.AppKey("orbitkv_proxy_pool", Pool)
+# How often every instance's /health is checked (unhealthy ones are left out).
+HEALTH_EVERY_S = 2.0
 
 
 def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
@@ -137,21 +211,38 @@ def _error_json(status: int, message: str) -> web.Response:
     )
 
 
+class _Retry(Exception):
+    """An instance could not be reached before anything was sent to the
+    client: the request is tried once more on other instances."""
+
+    def __init__(self, url: str, why: str):
+        super().__init__(why)
+        self.url = url
+
+
 class _Exchange:
     """One client request: the prefill call and the relayed decode response."""
 
     def __init__(
-        self, request: web.Request, session: aiohttp.ClientSession, cfg: ProxyConfig, background: set[asyncio.Task]
+        self,
+        request: web.Request,
+        session: aiohttp.ClientSession,
+        cfg: ProxyConfig,
+        background: set[asyncio.Task],
+        pool: Pool | None = None,
     ):
         self.request = request
         self.session = session
         self.cfg = cfg
         self.background = background
+        self.pool = pool or Pool(cfg)
         self.id = uuid.uuid4().hex
         # 256 bits from the OS's cryptographic source, never logged.
         self.capability = secrets.token_hex(32)
         self.response: web.StreamResponse | None = None
         self.stream = False
+        self.prefill_at: Prefill = cfg.prefills[0]
+        self.decode_at: str = cfg.decode
         # Seconds after arrival (time.monotonic() based): the prefill's
         # answer, decode's first byte, decode's end; logged once per request.
         self.t0 = time.monotonic()
@@ -168,17 +259,38 @@ class _Exchange:
         if not isinstance(body, dict):
             return _error_json(400, "request body must be a JSON object")
         self.stream = bool(body.get("stream"))
-        path = self.request.path
+        tried: set[str] = set()
+        for attempt in range(2):
+            self.prefill_at = self.pool.pick_prefill(frozenset(tried))
+            self.decode_at = self.pool.pick_decode(frozenset(tried))
+            try:
+                return await self._attempt(self.request.path, body)
+            except _Retry as r:
+                self.pool.mark(r.url, False)
+                tried.add(r.url)
+                logger.warning("%s: %s unreachable (%s); %s", self.id, r.url, r,
+                               "trying other instances" if attempt == 0 else "giving up")
+                # A fresh identity: nothing of the first try may match it.
+                self.id, self.capability = uuid.uuid4().hex, secrets.token_hex(32)
+        return _error_json(502, f"no instance reachable (tried {sorted(tried)})")
+
+    async def _attempt(self, path: str, body: dict[str, Any]) -> web.StreamResponse:
         prefill = asyncio.create_task(
             self._prefill(path, prefill_body(body, self.cfg.params(PRODUCER, self.id, self.capability))),
             name=f"orbitkv-prefill-{self.id}",
         )
         decode = asyncio.create_task(
-            self._relay_decode(path, decode_body(body, self.cfg.params(CONSUMER, self.id, self.capability))),
+            self._relay_decode(
+                path, decode_body(body, self.cfg.params(CONSUMER, self.id, self.capability, self.prefill_at))
+            ),
             name=f"orbitkv-decode-{self.id}",
         )
         try:
             await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
+            for task, url in ((prefill, self.prefill_at.url), (decode, self.decode_at)):
+                if task.done() and not task.cancelled() and self.response is None:
+                    if isinstance(task.exception(), aiohttp.ClientConnectorError):
+                        raise _Retry(url, str(task.exception()))
             if not decode.done():
                 failure = _failure(prefill)
                 if failure is not None:
@@ -187,6 +299,8 @@ class _Exchange:
                 await asyncio.wait({decode})
             if decode.exception() is not None:
                 exc = decode.exception()
+                if isinstance(exc, aiohttp.ClientConnectorError) and self.response is None:
+                    raise _Retry(self.decode_at, str(exc))
                 logger.warning("%s: decode failed: %s: %s", self.id, type(exc).__name__, exc)
                 await _cancel(prefill)
                 if self.response is None:
@@ -206,6 +320,10 @@ class _Exchange:
                 prefill.add_done_callback(self._prefill_landed(path))
             assert self.response is not None
             return self.response
+        except _Retry:
+            await _cancel(decode)
+            await _cancel(prefill)
+            raise
         finally:
             # Client gone (handler cancelled) or an error above: drop both calls,
             # which makes vLLM abort them; a prefill left to land is logged then.
@@ -233,22 +351,36 @@ class _Exchange:
             return "-" if t is None else f"{t - self.t0:.4f}"
 
         logger.info(
-            "%s %s: decode=%s prefill_s=%s first_byte_s=%s done_s=%s",
+            "%s %s: decode=%s prefill_s=%s first_byte_s=%s done_s=%s prefill_at=%s decode_at=%s",
             self.id, path, self.status, at(self.t_prefill), at(self.t_first), at(self.t_done),
+            self.prefill_at.url, self.decode_at,
         )
 
     def _headers(self) -> dict[str, str]:
         return {REQUEST_ID_HEADER: self.id}
 
     async def _prefill(self, path: str, body: dict[str, Any]) -> None:
-        async with self.session.post(self.cfg.prefill + path, json=body, headers=self._headers()) as r:
-            text = await r.text()
-            self.t_prefill = time.monotonic()
-            if r.status != 200:
-                raise _BackendError(f"prefill answered {r.status}: {text[:500]}")
+        url = self.prefill_at.url
+        self.pool.outstanding[url] += 1
+        try:
+            async with self.session.post(url + path, json=body, headers=self._headers()) as r:
+                text = await r.text()
+                self.t_prefill = time.monotonic()
+                if r.status != 200:
+                    raise _BackendError(f"prefill {url} answered {r.status}: {text[:500]}")
+        finally:
+            self.pool.outstanding[url] -= 1
 
     async def _relay_decode(self, path: str, body: dict[str, Any]) -> int:
-        async with self.session.post(self.cfg.decode + path, json=body, headers=self._headers()) as r:
+        url = self.decode_at
+        self.pool.outstanding[url] += 1
+        try:
+            return await self._relay(url + path, body)
+        finally:
+            self.pool.outstanding[url] -= 1
+
+    async def _relay(self, target: str, body: dict[str, Any]) -> int:
+        async with self.session.post(target, json=body, headers=self._headers()) as r:
             resp = web.StreamResponse(status=r.status)
             resp.content_type = r.content_type
             if r.charset:
@@ -302,27 +434,53 @@ async def _cancel(task: asyncio.Task) -> None:
 
 
 async def _generate(request: web.Request) -> web.StreamResponse:
-    return await _Exchange(request, request.app[_SESSION], request.app[_CONFIG], request.app[_BACKGROUND]).run()
+    app = request.app
+    return await _Exchange(request, app[_SESSION], app[_CONFIG], app[_BACKGROUND], app[_POOL]).run()
 
 
 async def _models(request: web.Request) -> web.Response:
-    cfg = request.app[_CONFIG]
-    async with request.app[_SESSION].get(cfg.decode + "/v1/models") as r:
+    pool = request.app[_POOL]
+    async with request.app[_SESSION].get(pool.pick_decode() + "/v1/models") as r:
         return web.Response(status=r.status, body=await r.read(), content_type=r.content_type)
 
 
+async def _probe(session: aiohttp.ClientSession, url: str) -> int | str:
+    try:
+        async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=HEALTH_EVERY_S)) as r:
+            return r.status
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        return type(e).__name__
+
+
 async def _health(request: web.Request) -> web.Response:
+    """200 when at least one prefill and one decode instance is healthy;
+    every instance's state, outstanding requests and role in the body."""
     cfg = request.app[_CONFIG]
+    pool = request.app[_POOL]
     session = request.app[_SESSION]
-    states = {}
-    for name, url in (("prefill", cfg.prefill), ("decode", cfg.decode)):
-        try:
-            async with session.get(url + "/health", timeout=aiohttp.ClientTimeout(total=5)) as r:
-                states[name] = r.status
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            states[name] = f"{type(e).__name__}"
-    ok = all(v == 200 for v in states.values())
+    states: dict[str, Any] = {}
+    for role, urls in (("prefill", [p.url for p in cfg.prefills]), ("decode", list(cfg.decodes))):
+        for url in urls:
+            status = await _probe(session, url)
+            pool.mark(url, status == 200)
+            states[url] = {"role": role, "health": status, "outstanding": pool.outstanding[url]}
+    ok = all(any(v["health"] == 200 for v in states.values() if v["role"] == role) for role in ("prefill", "decode"))
+    if len(cfg.prefills) == 1 and len(cfg.decodes) == 1:  # the one-pair shape, as before
+        states = {v["role"]: v["health"] for v in states.values()}
     return web.json_response(states, status=200 if ok else 503)
+
+
+async def _watch_health(app: web.Application) -> None:
+    """Checks every instance every HEALTH_EVERY_S: unhealthy ones are left out
+    of new requests until they answer /health again."""
+    cfg = app[_CONFIG]
+    pool = app[_POOL]
+    urls = [*(p.url for p in cfg.prefills), *cfg.decodes]
+    while True:
+        await asyncio.sleep(HEALTH_EVERY_S)
+        results = await asyncio.gather(*(_probe(app[_SESSION], u) for u in urls))
+        for url, status in zip(urls, results):
+            pool.mark(url, status == 200)
 
 
 def make_app(cfg: ProxyConfig) -> web.Application:
@@ -331,6 +489,7 @@ def make_app(cfg: ProxyConfig) -> web.Application:
     app = web.Application()
     app[_CONFIG] = cfg
     app[_BACKGROUND] = set()
+    app[_POOL] = Pool(cfg)
 
     async def session_ctx(app: web.Application):
         timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
@@ -338,7 +497,11 @@ def make_app(cfg: ProxyConfig) -> web.Application:
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             app[_SESSION] = session
+            watcher = asyncio.create_task(_watch_health(app))
             yield
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
 
     app.cleanup_ctx.append(session_ctx)
     for path in GENERATE_PATHS:
@@ -355,7 +518,8 @@ async def _serve(cfg: ProxyConfig, host: str, port: int) -> None:
     await site.start()
     bound = runner.addresses[0][1] if runner.addresses else port
     print(f"orbitkv.proxy: listening on http://{host}:{bound} "
-          f"(prefill {cfg.prefill}, decode {cfg.decode}, prefill side channel {cfg.prefill_kv})", flush=True)
+          f"(prefill {', '.join(f'{p.url} [side channel {p.kv}]' for p in cfg.prefills)}; "
+          f"decode {', '.join(cfg.decodes)})", flush=True)
     try:
         await asyncio.Event().wait()
     finally:
@@ -364,11 +528,14 @@ async def _serve(cfg: ProxyConfig, host: str, port: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m orbitkv.proxy", description=__doc__.split("\n\n")[0])
-    p.add_argument("--prefill", required=True, help="base URL of the prefill vLLM server")
-    p.add_argument("--decode", required=True, help="base URL of the decode vLLM server")
+    p.add_argument("--prefill", required=True, action="append",
+                   help="base URL of a prefill vLLM server (repeat for several)")
+    p.add_argument("--decode", required=True, action="append",
+                   help="base URL of a decode vLLM server (repeat for several)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed)")
-    p.add_argument("--prefill-kv", help="prefill's OrbitKV side channel host:port "
+    p.add_argument("--prefill-kv", action="append", default=[],
+                   help="a prefill's OrbitKV side channel host:port, in the order of --prefill "
                    f"(default: the prefill URL's host, port {DEFAULT_SIDE_CHANNEL_PORT})")
     p.add_argument("--prefill-tp", type=int, default=1, help="prefill tensor-parallel size")
     p.add_argument("--decode-tp", type=int, default=1, help="decode tensor-parallel size")
@@ -377,8 +544,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
+        if len(args.prefill_kv) > len(args.prefill):
+            raise ValueError("more --prefill-kv than --prefill")
+        kvs = [*args.prefill_kv, *[None] * (len(args.prefill) - len(args.prefill_kv))]
         cfg = ProxyConfig.make(
-            args.prefill, args.decode, args.prefill_kv, args.prefill_tp, args.timeout_s, args.decode_tp
+            args.prefill[0], args.decode[0], kvs[0], args.prefill_tp, args.timeout_s, args.decode_tp,
+            more_prefills=list(zip(args.prefill[1:], kvs[1:])), more_decodes=args.decode[1:],
         )
     except ValueError as e:
         p.error(str(e))
