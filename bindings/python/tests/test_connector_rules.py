@@ -255,6 +255,23 @@ def worker() -> PdWorker:
     return w
 
 
+def test_the_step_work_runs_when_the_metadata_is_bound_before_the_forward() -> None:
+    """vLLM 0.32 calls start_load_kv after the forward when no load is
+    synchronous; the forward's save_kv_layer calls must already know the
+    step's producer chunks, so the work runs at bind time (before the forward
+    in 0.26 and 0.32) and start_load_kv adds nothing."""
+    from orbitkv.vllm.pd import PdConnector
+
+    c = object.__new__(PdConnector)
+    calls: list[PdConnectorMetadata] = []
+    c.worker = SimpleNamespace(start_load_kv=calls.append)  # type: ignore[assignment]
+    meta = PdConnectorMetadata()
+    c.bind_connector_metadata(meta)
+    assert calls == [meta]
+    c.start_load_kv(None)  # type: ignore[arg-type]
+    assert calls == [meta]
+
+
 def test_producer_reported_only_after_vllm_finished_it(worker: PdWorker) -> None:
     rt = worker.runtime
     meta = PdConnectorMetadata()

@@ -141,11 +141,21 @@ class PdConnector(KVConnectorBase_V1):
         assert self.worker is not None
         self.worker.register_kv_caches(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self.worker is not None and isinstance(connector_metadata, PdConnectorMetadata):
+            # The step's connector work (consumers to open, producer chunks,
+            # ends) runs here, before the forward, in every vLLM: 0.26 calls
+            # start_load_kv before the forward, but 0.32 calls it after the
+            # forward unless a load is synchronous (ours never are), and the
+            # forward's save_kv_layer calls must already know the step's
+            # producer chunks. vLLM binds the metadata before the forward in
+            # both.
+            self.worker.start_load_kv(connector_metadata)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
-        assert self.worker is not None
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, PdConnectorMetadata)
-        self.worker.start_load_kv(meta)
+        # Done when the metadata was bound (bind_connector_metadata).
+        return
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         # Decode starts only after every producer reported (get_finished);
