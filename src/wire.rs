@@ -298,6 +298,23 @@ mod tests {
         v.as_object_mut().unwrap().remove("expires_unix_ms");
         let old: Handshake = serde_json::from_value(v).unwrap();
         assert_eq!(old.expires_unix_ms, 0);
+        // A malformed deadline is a malformed handshake.
+        for bad in [
+            serde_json::json!("soon"),
+            serde_json::json!(-1),
+            serde_json::json!(1.5),
+            serde_json::json!(null),
+        ] {
+            let mut v = serde_json::to_value(handshake()).unwrap();
+            v["expires_unix_ms"] = bad.clone();
+            assert!(
+                matches!(
+                    Handshake::from_json(&v.to_string()),
+                    Err(ProtocolError::Malformed { .. })
+                ),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

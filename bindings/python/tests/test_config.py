@@ -62,3 +62,15 @@ def test_writer_lanes() -> None:
     for bad in (0, 65, -1, True, "4", 2.0, None):
         with pytest.raises(ConfigError, match="writer_lanes"):
             PdConfig.from_extra_config({"orbitkv.pd.writer_lanes": bad})
+
+
+@pytest.mark.parametrize(
+    "key", ["orbitkv.pd.timeout_s", "orbitkv.pd.handshake_timeout_s", "orbitkv.pd.write_timeout_s", "orbitkv.pd.quarantine_s"]
+)
+def test_durations(key: str) -> None:
+    field = key.removeprefix("orbitkv.pd.")
+    assert getattr(PdConfig.from_extra_config({key: 2.5}), field) == 2.5
+    assert PdConfig.from_extra_config({}).quarantine_s == 60.0
+    for bad in (0, -1, "5", None, True, float("nan"), float("inf")):
+        with pytest.raises(ConfigError, match=field):
+            PdConfig.from_extra_config({key: bad})

@@ -4,6 +4,7 @@ Imports nothing from vLLM. ``docs/configuration.md`` documents each key."""
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -41,8 +42,8 @@ class ConfigError(ValueError):
 
 def _positive_float(cfg: Mapping[str, Any], key: str, default: float) -> float:
     v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-        raise ConfigError(f"{key} must be a positive number of seconds, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
+        raise ConfigError(f"{key} must be a positive, finite number of seconds, got {v!r}")
     return float(v)
 
 
