@@ -181,6 +181,38 @@ class Side:
         self.alloc_s = time.monotonic() - t0
         w = (torch.arange(1, 32769, dtype=torch.int64) * 2654435761) % 2147483647 + 1
         self.w = w.to(self.dev)
+        self.busy_iters = 0
+        if self.cuda and role == "producer" and opts.get("busy", "none") != "none":
+            self.start_busy(opts["busy"])
+
+    def start_busy(self, where: str) -> None:
+        """Keeps the producer's GPU computing, as a prefill's forward does:
+        bf16 4096x4096 matmuls, ~16 queued at a time, on the legacy default
+        stream (vLLM's compute stream) or on a non-blocking side stream.
+        Mooncake's NVLink transport copies with a synchronous cudaMemcpy on the
+        legacy default stream, which waits for the default stream's queued
+        work; this shows what that costs a layer write."""
+        import threading
+
+        torch = self.torch
+        a = torch.randn(4096, 4096, dtype=torch.bfloat16, device=self.dev)
+        b = torch.randn(4096, 4096, dtype=torch.bfloat16, device=self.dev)
+        stream = torch.cuda.default_stream(self.dev) if where == "default" else torch.cuda.Stream(self.dev)
+
+        def loop() -> None:
+            torch.cuda.set_device(self.gpu)
+            with torch.cuda.stream(stream):
+                while True:
+                    for _ in range(16):
+                        torch.matmul(a, b)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    for _ in range(16):
+                        torch.matmul(a, b)
+                    ev.synchronize()  # at most ~32 queued, never fewer than 16
+                    self.busy_iters += 32
+
+        threading.Thread(target=loop, name="busy-gpu", daemon=True).start()
 
     def cmd_hello(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -377,6 +409,8 @@ class MooncakeSide(Side):
             consumer_timeout_s=opts["step_timeout"], handshake_timeout_s=opts["step_timeout"],
             write_timeout_s=opts["step_timeout"],
             max_bytes_in_flight_per_peer=opts["max_in_flight"],
+            max_ranges_in_flight_per_peer=opts["max_ranges_in_flight"],
+            writer_lanes_per_peer=opts["writer_lanes"],
         )
 
     def cmd_hello(self) -> dict[str, Any]:
@@ -819,6 +853,10 @@ class Run:
                          "num_blocks": num_blocks_for(max(args.tokens)), "layout": "[2, num_blocks, 16, 8, 128]"},
             "tokens": args.tokens,
             "raw_mib": args.raw_mib,
+            "runtime": {"max_bytes_in_flight_per_peer": args.max_in_flight,
+                        "max_ranges_in_flight_per_peer": args.max_ranges_in_flight,
+                        "writer_lanes_per_peer": args.writer_lanes},
+            "busy": args.busy,
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "host": platform.node(),
             "python": sys.version.split()[0],
@@ -1128,6 +1166,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         "raw_mib": args.raw_mib,
         "step_timeout": args.step_timeout,
         "max_in_flight": args.max_in_flight,
+        "max_ranges_in_flight": args.max_ranges_in_flight,
+        "writer_lanes": args.writer_lanes,
+        "busy": args.busy,
     }
     run = Run(args)
 
@@ -1380,6 +1421,12 @@ def main() -> int:
     r.add_argument("--raw-reps", type=int, default=5)
     r.add_argument("--kv-reps", type=int, default=3)
     r.add_argument("--max-in-flight", type=int, default=1 << 30, help="Runtime max_bytes_in_flight_per_peer")
+    r.add_argument("--max-ranges-in-flight", type=int, default=768,
+                   help="Runtime max_ranges_in_flight_per_peer (orbitkv.pd.max_inflight_ranges; default as there)")
+    r.add_argument("--writer-lanes", type=int, default=4,
+                   help="Runtime writer_lanes_per_peer (orbitkv.pd.writer_lanes; default as there)")
+    r.add_argument("--busy", choices=("none", "default", "side"), default="none",
+                   help="keep the producer GPU computing (matmuls) on the legacy default stream or a side stream")
     r.add_argument("--step-timeout", type=float, default=60.0)
     r.add_argument("--start-timeout", type=float, default=120.0)
     r.add_argument("--budget-s", type=float, default=120.0, help="skip remaining steps after this")

@@ -164,9 +164,17 @@ else
   CONFIGS=()
 fi
 
+# ORBITKV_QUALIFY_CONFIGS: ";"-separated configurations instead of the list
+# above, each "suite transport src dst budget [qualify.py run options...]"
+# (an A/B of a runtime knob: "mooncake nvlink 0 1 90 --max-ranges-in-flight 768;
+# mooncake nvlink 0 1 90 --max-ranges-in-flight 65536").
+if [ -n "${ORBITKV_QUALIFY_CONFIGS:-}" ]; then
+  IFS=';' read -r -a CONFIGS <<<"$ORBITKV_QUALIFY_CONFIGS"
+fi
+
 n=0
 for cfg in "${CONFIGS[@]}"; do
-  read -r suite transport src dst budget <<<"$cfg"
+  read -r suite transport src dst budget extra <<<"$cfg"
   n=$((n + 1))
   rem=$(left)
   if [ "$rem" -lt 40 ]; then
@@ -178,6 +186,8 @@ for cfg in "${CONFIGS[@]}"; do
   args=(run --suite "$suite" --budget-s "$budget" --out "$W/results/$tag.json" "${COMMON[@]}")
   [ "$transport" != - ] && args+=(--transport "$transport")
   [ "$src" != x ] && args+=(--src-gpu "$src" --dst-gpu "$dst")
+  # shellcheck disable=SC2206 # the extra options are words on purpose
+  [ -n "${extra:-}" ] && args+=($extra)
   say "config $tag (budget ${budget}s, hard limit $((budget + 25))s)"
   timeout -k 10 $((budget + 25)) "$PY" benches/gpu/qualify.py "${args[@]}"
   rc=$?
