@@ -119,7 +119,11 @@ fn a_good_handshake_is_admitted_and_the_kv_lands() {
     let sc = serve(&p, SideChannelConfig::default());
     let addr = sc.address();
     let health = get(addr, HEALTH_PATH);
-    assert_eq!((health.status, health.body.as_str()), (200, r#"{"ok":true}"#));
+    // The health check names the rank and TP size (routers learn them).
+    assert_eq!(
+        (health.status, health.body.as_str()),
+        (200, r#"{"ok":true,"tp_rank":0,"tp_size":1}"#)
+    );
 
     let req = RequestId::new("req-http");
     let hs = c

@@ -133,8 +133,25 @@ fn ok() -> HttpResponse {
         .body(r#"{"ok":true}"#)
 }
 
-async fn health() -> HttpResponse {
-    ok()
+/// `{"ok":true,"tp_rank":R,"tp_size":N}`: a router learns the instance's
+/// TP size (and checks its own configuration) from the instance itself.
+/// Unauthenticated, like any health check: rank and size are not secrets.
+async fn health(st: web::Data<Shared>) -> HttpResponse {
+    match st.runtime.upgrade() {
+        Some(rt) => {
+            let l = rt.layout();
+            HttpResponse::Ok().content_type("application/json").body(format!(
+                r#"{{"ok":true,"tp_rank":{},"tp_size":{}}}"#,
+                l.tp_rank, l.tp_size
+            ))
+        }
+        None => Refusal::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "RuntimeStoppedError",
+            "the runtime stopped",
+        )
+        .response(),
+    }
 }
 
 async fn not_found(req: HttpRequest) -> HttpResponse {

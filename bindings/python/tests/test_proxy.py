@@ -11,11 +11,12 @@ import http.client
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,14 @@ class Backend:
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_post("/v1/chat/completions", self.handle)
         app.router.add_get("/health", _ok)
+        # A prefill's OrbitKV side channel health check (rank 0 of TP 1): the
+        # fakes serve it themselves, so a fake's address is also its
+        # ``--prefill-kv``.
+        app.router.add_get(proxy.SIDE_CHANNEL_HEALTH, self.side_channel_health)
         return app
+
+    async def side_channel_health(self, _: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "tp_rank": 0, "tp_size": 1})
 
 
 async def _ok(_: web.Request) -> web.Response:
@@ -122,7 +130,8 @@ class Setup:
             ports.append(port)
         self.prefill_url = f"http://127.0.0.1:{ports[0]}"
         self.decode_url = f"http://127.0.0.1:{ports[1]}"
-        self.cfg = proxy.ProxyConfig.make(self.prefill_url, self.decode_url, prefill_kv="127.0.0.1:17999")
+        self.prefill_kv = f"127.0.0.1:{ports[0]}"
+        self.cfg = proxy.ProxyConfig.make(self.prefill_url, self.decode_url, prefill_kv=self.prefill_kv)
         runner, self.port = lt.run(_serve(proxy.make_app(self.cfg)))
         self.runners.append(runner)
 
@@ -146,7 +155,7 @@ class Setup:
         pk, dk = p["body"][proxy.KV_PARAMS_FIELD], d["body"][proxy.KV_PARAMS_FIELD]
         assert pk[kvp.ROLE] == kvp.PRODUCER and dk[kvp.ROLE] == kvp.CONSUMER
         assert pk[kvp.REQUEST] == dk[kvp.REQUEST] and len(pk[kvp.REQUEST]) >= 16
-        assert dk[kvp.PREFILL_KV] == "127.0.0.1:17999"
+        assert dk[kvp.PREFILL_KV] == self.prefill_kv and dk[kvp.PREFILL_TP] == 1
         assert kvp.PdParams.parse(pk) is not None and kvp.PdParams.parse(dk) is not None
         rid_header = proxy.REQUEST_ID_HEADER.lower()
         assert p["headers"][rid_header] == d["headers"][rid_header] == pk[kvp.REQUEST]
@@ -347,9 +356,10 @@ class Many:
             runner, port = lt.run(_serve(b.app()))
             self.runners.append(runner)
             self.urls.append(f"http://127.0.0.1:{port}")
+        self.kvs = [u.removeprefix("http://") for u in self.urls[:2]]
         self.cfg = proxy.ProxyConfig.make(
-            self.urls[0], self.urls[2], prefill_kv="127.0.0.1:17001",
-            more_prefills=[(self.urls[1], "127.0.0.1:17002")],
+            self.urls[0], self.urls[2], prefill_kv=self.kvs[0],
+            more_prefills=[(self.urls[1], self.kvs[1])],
         )
         runner, self.port = lt.run(_serve(proxy.make_app(self.cfg)))
         self.runners.append(runner)
@@ -402,7 +412,7 @@ def test_several_prefills_share_the_load_and_decode_is_told_which(loop_thread: L
             time.sleep(0.02)
         assert all(b.seen for b in m.prefills), [len(b.seen) for b in m.prefills]
         # Each decode request names the side channel of the prefill that ran its prefill.
-        kv_of = {m.prefills[0].name: "127.0.0.1:17001", m.prefills[1].name: "127.0.0.1:17002"}
+        kv_of = {m.prefills[0].name: m.kvs[0], m.prefills[1].name: m.kvs[1]}
         by_id = {b_seen["body"][proxy.KV_PARAMS_FIELD][kvp.REQUEST]: b.name for b in m.prefills for b_seen in b.seen}
         for d in m.decode.seen:
             params = d["body"][proxy.KV_PARAMS_FIELD]
@@ -422,7 +432,7 @@ def test_a_dead_prefill_is_failed_over_and_left_out(loop_thread: LoopThread) -> 
             assert status == 200 and json.loads(data) == DECODE_JSON
         assert len(m.prefills[1].seen) == 4
         # Every decode request names the live prefill's side channel.
-        assert {d["body"][proxy.KV_PARAMS_FIELD][kvp.PREFILL_KV] for d in m.decode.seen} >= {"127.0.0.1:17002"}
+        assert {d["body"][proxy.KV_PARAMS_FIELD][kvp.PREFILL_KV] for d in m.decode.seen} >= {m.kvs[1]}
         conn = http.client.HTTPConnection("127.0.0.1", m.port, timeout=30)
         conn.request("GET", "/health")
         r = conn.getresponse()
@@ -453,7 +463,7 @@ def test_cli_serves(pd: Setup) -> None:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen(
         [sys.executable, "-m", "orbitkv.proxy", "--prefill", pd.prefill_url, "--decode", pd.decode_url,
-         "--port", "0", "--prefill-kv", "127.0.0.1:17999", "--log-level", "WARNING"],
+         "--port", "0", "--prefill-kv", pd.prefill_kv, "--log-level", "WARNING"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     try:
@@ -474,3 +484,110 @@ def test_cli_serves(pd: Setup) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+# ---- the prefill's TP size, learned from its side channels ---------------------
+
+
+def _side_channel(rank: int, size: int) -> web.Application:
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "tp_rank": rank, "tp_size": size})
+
+    app = web.Application()
+    app.router.add_get(proxy.SIDE_CHANNEL_HEALTH, health)
+    return app
+
+
+def _serve_ranks(lt: LoopThread, ranks: Sequence[tuple[int, int]]) -> tuple[list[web.AppRunner], int]:
+    """Fake side channels for ``(rank, size)`` pairs on consecutive ports
+    (rank i at base + i, as the PdConnector binds them); returns the base."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + len(ranks) > 65535:
+            continue
+        runners: list[web.AppRunner] = []
+        try:
+            for i, (rank, size) in enumerate(ranks):
+                runner = web.AppRunner(_side_channel(rank, size), access_log=None)
+                lt.run(runner.setup())
+                runners.append(runner)
+                lt.run(web.TCPSite(runner, "127.0.0.1", base + i).start())
+            return runners, base
+        except OSError:
+            for r in runners:
+                lt.run(r.cleanup())
+    raise RuntimeError("no consecutive free ports")
+
+
+def _proxy_health(port: int) -> tuple[int, dict]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/health")
+        r = conn.getresponse()
+        return r.status, json.loads(r.read())
+    finally:
+        conn.close()
+
+
+class Ranked:
+    """A fake prefill and decode whose prefill side channels are separate fake
+    ranks (``ranks``: (tp_rank, tp_size) each), behind a proxy configured
+    with ``prefill_tp``."""
+
+    def __init__(self, lt: LoopThread, ranks: Sequence[tuple[int, int]], prefill_tp: int | None) -> None:
+        self.lt = lt
+        self.prefill, self.decode = Backend("prefill"), Backend("decode")
+        self.runners, base = _serve_ranks(lt, ranks)
+        urls = []
+        for b in (self.prefill, self.decode):
+            runner, port = lt.run(_serve(b.app()))
+            self.runners.append(runner)
+            urls.append(f"http://127.0.0.1:{port}")
+        self.prefill_url = urls[0]
+        self.kv = f"127.0.0.1:{base}"
+        self.cfg = proxy.ProxyConfig.make(urls[0], urls[1], prefill_kv=self.kv, prefill_tp=prefill_tp)
+        runner, self.port = lt.run(_serve(proxy.make_app(self.cfg)))
+        self.runners.append(runner)
+
+    def close(self) -> None:
+        for r in reversed(self.runners):
+            self.lt.run(r.cleanup())
+
+
+def test_the_prefill_tp_is_learned_from_its_side_channels(loop_thread: LoopThread) -> None:
+    r = Ranked(loop_thread, [(0, 2), (1, 2)], prefill_tp=None)
+    try:
+        r.prefill.reply, r.decode.reply = prefill_any, decode_any
+        status, health = _proxy_health(r.port)
+        assert status == 200 and health == {"prefill": 200, "decode": 200}, health
+        status, data = _post(r.port, {"prompt": "x", "max_tokens": 2})
+        assert status == 200 and json.loads(data) == DECODE_JSON
+        # Decode is told the TP size the prefill's ranks reported, and rank 0's side channel.
+        dk = r.decode.seen[0]["body"][proxy.KV_PARAMS_FIELD]
+        assert dk[kvp.PREFILL_TP] == 2 and dk[kvp.PREFILL_KV] == r.kv
+    finally:
+        r.close()
+
+
+@pytest.mark.parametrize(
+    ("ranks", "prefill_tp", "reason"),
+    [
+        ([(0, 1)], 2, "--prefill-tp is 2 but the prefill at"),  # the flag disagrees with the prefill
+        ([(0, 2)], None, "unreachable"),  # rank 1's side channel is missing
+        ([(0, 2), (0, 2)], None, "expected rank 1 of 2"),  # two instances' ranks mixed up
+        ([(1, 2)], None, "not rank 0"),  # --prefill-kv names rank 1
+    ],
+    ids=["flag-disagrees", "rank-missing", "wrong-rank", "not-rank-0"],
+)
+def test_a_prefill_whose_side_channels_disagree_is_left_out_with_the_reason(
+    loop_thread: LoopThread, ranks: list[tuple[int, int]], prefill_tp: int | None, reason: str
+) -> None:
+    r = Ranked(loop_thread, ranks, prefill_tp=prefill_tp)
+    try:
+        status, health = _proxy_health(r.port)
+        assert status == 503, health
+        assert reason in str(health["prefill"]), health
+    finally:
+        r.close()

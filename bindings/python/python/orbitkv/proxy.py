@@ -61,11 +61,13 @@ logger = logging.getLogger("orbitkv.proxy")
 @dataclass(frozen=True)
 class Prefill:
     """One prefill instance: its URL, its OrbitKV side channel (``host:port``
-    of its TP rank 0, which decode contacts) and its TP size."""
+    of its TP rank 0, which decode contacts; rank ``r`` listens on ``port +
+    r``) and its TP size as configured (``None``: learned from the side
+    channels, see :func:`probe_prefill`)."""
 
     url: str
     kv: str
-    tp: int = 1
+    tp: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class ProxyConfig:
     prefill: str
     decode: str
     prefill_kv: str
-    prefill_tp: int = 1
+    prefill_tp: int | None = None
     timeout_s: float | None = None
     decode_tp: int = 1
     more_prefills: tuple[Prefill, ...] = ()
@@ -97,7 +99,7 @@ class ProxyConfig:
         prefill: str,
         decode: str,
         prefill_kv: str | None = None,
-        prefill_tp: int = 1,
+        prefill_tp: int | None = None,
         timeout_s: float | None = None,
         decode_tp: int = 1,
         more_prefills: Sequence[tuple[str, str | None]] = (),
@@ -118,7 +120,7 @@ class ProxyConfig:
 
         prefill, decode = url_of("prefill", prefill), url_of("decode", decode)
         for name, tp in (("prefill-tp", prefill_tp), ("decode-tp", decode_tp)):
-            if tp < 1:
+            if tp is not None and tp < 1:
                 raise ValueError(f"--{name} must be at least 1, got {tp}")
         extra_p = tuple(Prefill(url_of("prefill", u), kv_of(u.rstrip("/"), k), prefill_tp) for u, k in more_prefills)
         extra_d = tuple(url_of("decode", u) for u in more_decodes)
@@ -130,12 +132,19 @@ class ProxyConfig:
         )
 
     def params(
-        self, role: str, request_id: str, capability: str, prefill: Prefill | None = None
+        self,
+        role: str,
+        request_id: str,
+        capability: str,
+        prefill: Prefill | None = None,
+        prefill_tp: int | None = None,
     ) -> dict[str, Any]:
         """The ``kv_transfer_params`` for one side of one request. Both sides
         get the request's ``capability``, a fresh secret per request: prefill
         accepts the decode's handshake and cancel only with it. ``prefill``:
-        the instance that runs the request's prefill (default: the first)."""
+        the instance that runs the request's prefill (default: the first);
+        ``prefill_tp``: its TP size as learned (default: as configured, else
+        1; a wrong one makes the prefill refuse decode's handshake at once)."""
         if role == PRODUCER:
             return PdParams(
                 role=PRODUCER, request=request_id, capability=capability, decode_tp=self.decode_tp
@@ -146,7 +155,7 @@ class ProxyConfig:
             request=request_id,
             capability=capability,
             prefill_kv=p.kv,
-            prefill_tp=p.tp,
+            prefill_tp=prefill_tp or p.tp or 1,
         ).to_dict()
 
 
@@ -160,6 +169,13 @@ class Pool:
         self.cfg = cfg
         self.outstanding: dict[str, int] = {u: 0 for u in (*(p.url for p in cfg.prefills), *cfg.decodes)}
         self.healthy: dict[str, bool] = {u: True for u in self.outstanding}
+        # Each prefill's TP size as its side channels report it, and why an
+        # instance was last found unhealthy (shown by /health).
+        self.tp: dict[str, int] = {}
+        self.why: dict[str, str] = {}
+
+    def tp_of(self, p: Prefill) -> int | None:
+        return self.tp.get(p.url, p.tp)
 
     def pick_prefill(self, exclude: frozenset[str] = frozenset()) -> Prefill:
         return min(self._eligible(list(self.cfg.prefills), lambda p: p.url, exclude), key=lambda p: self.outstanding[p.url])
@@ -171,10 +187,35 @@ class Pool:
         live = [i for i in items if url(i) not in exclude and self.healthy[url(i)]]
         return live or [i for i in items if url(i) not in exclude] or items
 
-    def mark(self, url: str, healthy: bool) -> None:
-        if self.healthy.get(url) != healthy:
-            logger.warning("%s is now %s", url, "healthy" if healthy else "UNHEALTHY (left out)")
+    def mark(self, url: str, healthy: bool, why: str = "") -> None:
+        if self.healthy.get(url) != healthy or (not healthy and why and why != self.why.get(url)):
+            if healthy:
+                logger.warning("%s is now healthy", url)
+            else:
+                logger.warning("%s is now UNHEALTHY (left out)%s", url, f": {why}" if why else "")
         self.healthy[url] = healthy
+        if healthy:
+            self.why.pop(url, None)
+        elif why:
+            self.why[url] = why
+
+    async def check(self, session: aiohttp.ClientSession, url: str) -> int | str:
+        """Probes one instance (a prefill: its vLLM server and every rank's
+        side channel) and records the outcome; returns the vLLM server's
+        status (or the error's name)."""
+        prefill = next((p for p in self.cfg.prefills if p.url == url), None)
+        status = await _probe(session, url)
+        if status != 200:
+            self.mark(url, False, f"/health answered {status}")
+            return status
+        if prefill is not None:
+            try:
+                self.tp[url] = await probe_prefill(session, prefill)
+            except PrefillMismatch as e:
+                self.mark(url, False, str(e))
+                return status
+        self.mark(url, True)
+        return status
 
 
 _CONFIG = web.AppKey("orbitkv_proxy_config", ProxyConfig)
@@ -281,7 +322,13 @@ class _Exchange:
         )
         decode = asyncio.create_task(
             self._relay_decode(
-                path, decode_body(body, self.cfg.params(CONSUMER, self.id, self.capability, self.prefill_at))
+                path,
+                decode_body(
+                    body,
+                    self.cfg.params(
+                        CONSUMER, self.id, self.capability, self.prefill_at, self.pool.tp_of(self.prefill_at)
+                    ),
+                ),
             ),
             name=f"orbitkv-decode-{self.id}",
         )
@@ -452,6 +499,55 @@ async def _probe(session: aiohttp.ClientSession, url: str) -> int | str:
         return type(e).__name__
 
 
+class PrefillMismatch(RuntimeError):
+    """A prefill's side channels disagree with the configuration (or with
+    each other), or cannot be reached: decode could not hand it its pages."""
+
+
+# The side channel's health route (src/side_channel/mod.rs, HEALTH_PATH).
+SIDE_CHANNEL_HEALTH = "/orbitkv/v1/health"
+
+
+async def _side_channel_health(session: aiohttp.ClientSession, host: str, port: int) -> dict[str, Any]:
+    url = f"http://{host}:{port}{SIDE_CHANNEL_HEALTH}"
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=HEALTH_EVERY_S)) as r:
+            if r.status != 200:
+                raise PrefillMismatch(f"side channel {host}:{port} answered {r.status}")
+            got = await r.json(content_type=None)
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+        raise PrefillMismatch(f"side channel {host}:{port} unreachable ({type(e).__name__})") from None
+    if not (isinstance(got, dict) and isinstance(got.get("tp_rank"), int) and isinstance(got.get("tp_size"), int)):
+        raise PrefillMismatch(f"side channel {host}:{port} is not an OrbitKV side channel (answered {got!r:.80})")
+    return got
+
+
+async def probe_prefill(session: aiohttp.ClientSession, p: Prefill) -> int:
+    """The prefill's TP size, learned from its side channels: rank 0 at
+    ``p.kv`` names the size ``N``, and ranks ``1..N-1`` must answer at the
+    following ports with their own rank and the same size. Raises
+    :class:`PrefillMismatch` with the reason when a rank is missing or
+    answers otherwise, or when ``N`` differs from the configured size."""
+    host, port_s = p.kv.rsplit(":", 1)
+    port = int(port_s)
+    first = await _side_channel_health(session, host, port)
+    tp = first["tp_size"]
+    if first["tp_rank"] != 0 or tp < 1:
+        raise PrefillMismatch(
+            f"side channel {p.kv} is rank {first['tp_rank']} of {tp}, not rank 0: --prefill-kv must name rank 0"
+        )
+    if p.tp is not None and p.tp != tp:
+        raise PrefillMismatch(f"--prefill-tp is {p.tp} but the prefill at {p.kv} runs TP {tp}")
+    ranks = await asyncio.gather(*(_side_channel_health(session, host, port + r) for r in range(1, tp)))
+    for r, got in enumerate(ranks, start=1):
+        if (got["tp_rank"], got["tp_size"]) != (r, tp):
+            raise PrefillMismatch(
+                f"side channel {host}:{port + r} is rank {got['tp_rank']} of {got['tp_size']}, "
+                f"expected rank {r} of {tp}"
+            )
+    return tp
+
+
 async def _health(request: web.Request) -> web.Response:
     """200 when at least one prefill and one decode instance is healthy;
     every instance's state, outstanding requests and role in the body."""
@@ -461,12 +557,16 @@ async def _health(request: web.Request) -> web.Response:
     states: dict[str, Any] = {}
     for role, urls in (("prefill", [p.url for p in cfg.prefills]), ("decode", list(cfg.decodes))):
         for url in urls:
-            status = await _probe(session, url)
-            pool.mark(url, status == 200)
-            states[url] = {"role": role, "health": status, "outstanding": pool.outstanding[url]}
-    ok = all(any(v["health"] == 200 for v in states.values() if v["role"] == role) for role in ("prefill", "decode"))
+            status = await pool.check(session, url)
+            states[url] = {"role": role, "health": status, "healthy": pool.healthy[url],
+                           "outstanding": pool.outstanding[url]}
+            if role == "prefill":
+                states[url]["tp"] = pool.tp.get(url)
+            if not pool.healthy[url]:
+                states[url]["error"] = pool.why.get(url, "")
+    ok = all(any(v["healthy"] for v in states.values() if v["role"] == role) for role in ("prefill", "decode"))
     if len(cfg.prefills) == 1 and len(cfg.decodes) == 1:  # the one-pair shape, as before
-        states = {v["role"]: v["health"] for v in states.values()}
+        states = {v["role"]: v["health"] if v["healthy"] else v.get("error", v["health"]) for v in states.values()}
     return web.json_response(states, status=200 if ok else 503)
 
 
@@ -477,10 +577,10 @@ async def _watch_health(app: web.Application) -> None:
     pool = app[_POOL]
     urls = [*(p.url for p in cfg.prefills), *cfg.decodes]
     while True:
+        # At once, then every HEALTH_EVERY_S: a prefill's TP size is known
+        # before the first request when its side channels answer.
+        await asyncio.gather(*(pool.check(app[_SESSION], u) for u in urls))
         await asyncio.sleep(HEALTH_EVERY_S)
-        results = await asyncio.gather(*(_probe(app[_SESSION], u) for u in urls))
-        for url, status in zip(urls, results):
-            pool.mark(url, status == 200)
 
 
 def make_app(cfg: ProxyConfig) -> web.Application:
@@ -537,7 +637,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-kv", action="append", default=[],
                    help="a prefill's OrbitKV side channel host:port, in the order of --prefill "
                    f"(default: the prefill URL's host, port {DEFAULT_SIDE_CHANNEL_PORT})")
-    p.add_argument("--prefill-tp", type=int, default=1, help="prefill tensor-parallel size")
+    p.add_argument("--prefill-tp", type=int, default=None,
+                   help="prefill tensor-parallel size (default: learned from the prefill's side channels; "
+                   "given, a prefill that runs another size is left out with the reason in /health)")
     p.add_argument("--decode-tp", type=int, default=1, help="decode tensor-parallel size")
     p.add_argument("--timeout-s", type=float, default=None, help="limit for one backend call")
     p.add_argument("--log-level", default="INFO")

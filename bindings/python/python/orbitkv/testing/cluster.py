@@ -450,6 +450,7 @@ def _stop_all() -> None:
 # when parked (vLLM 0.26.0 bug, fixed upstream by vllm-project/vllm#45224;
 # 0 leaves vLLM as it is).
 SHM_RECHECK_MS = int(os.environ.get("ORBITKV_TESTING_SHM_RECHECK_MS", "100"))
+SHM_SPIN_S = os.environ.get("ORBITKV_TESTING_SHM_SPIN_S", "0")
 SHM_FIX_DIR = Path(__file__).parent / "vllm_shm_fix"
 
 
@@ -653,10 +654,14 @@ class Cluster:
             extra.setdefault("ORBITKV_TRACE", str(self.trace_path(spec.name)))
         env = vllm_env(spec.omp_bind, extra)
         env["VLLM_HOST_IP"] = spec.data_host
-        if spec.tp > 1 and SHM_RECHECK_MS:
-            # vLLM 0.26.0 can lose a TP worker's step wake-up (fixed upstream
-            # in vllm-project/vllm#45224): see vllm_shm_fix/sitecustomize.py.
+        if SHM_RECHECK_MS:
+            # vLLM 0.26.0 can lose a worker's step wake-up (fixed upstream in
+            # vllm-project/vllm#45224): see vllm_shm_fix/sitecustomize.py.
+            # A TP 1 instance runs its one worker behind the same ring.
             env.setdefault("ORBITKV_TESTING_SHM_RECHECK_MS", str(SHM_RECHECK_MS))
+            # ... and its readers busy-wait for a second after each read,
+            # which on two cores starves everything else: see the same file.
+            env.setdefault("ORBITKV_TESTING_SHM_SPIN_S", SHM_SPIN_S)
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHM_FIX_DIR), env.get("PYTHONPATH", "")) if p)
         return env
 
@@ -671,8 +676,6 @@ class Cluster:
             self.decode_url,
             "--prefill-kv",
             self.prefill_kv,
-            "--prefill-tp",
-            str(self.prefill.tp),
             "--decode-tp",
             str(self.decode.tp),
             "--host",

@@ -17,8 +17,19 @@ the ring at least every 5 s).
 vLLM servers it starts when an instance has TP > 1 and
 ``ORBITKV_TESTING_SHM_RECHECK_MS`` is set (the cluster sets it): the
 reader's idle wait is then capped at that many milliseconds, the upstream
-fix's behaviour with a shorter period. Nothing else changes; other
-processes never load this file.
+fix's behaviour with a shorter period.
+
+``ORBITKV_TESTING_SHM_SPIN_S`` (the cluster sets 0) replaces the readers'
+busy-wait period (vLLM: 1 s after each read, spinning on ``sched_yield``).
+While decode waits for remote KV its engine steps every millisecond, so its
+worker and engine core never leave that busy loop; with a TP 2 prefill's two
+ranks pinned to the same two cores as decode's worker, those spinners took
+the CPU that the prefill's step and both API servers needed, and a P/D
+request through a TP 2 prefill stalled for 15-60 s (top: decode's worker
+and the prefill ranks at ~100 % while py-spy showed them waiting for a
+step). Without the spin a reader waits in ``poll`` for the writer's
+notification (capped as above). Nothing else changes; other processes never
+load this file.
 """
 
 from __future__ import annotations
@@ -43,6 +54,17 @@ def _patch(module) -> None:  # noqa: ANN001 - a vLLM module
 
     cls.wait = capped_wait
     cls._orbitkv_capped = True
+
+    spin_s = os.environ.get("ORBITKV_TESTING_SHM_SPIN_S")
+    if spin_s is not None:
+        init = cls.__init__
+
+        def init_spin(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            init(self, *args, **kwargs)
+            if getattr(self, "is_reader", False):
+                self.busy_loop_s = float(spin_s)
+
+        cls.__init__ = init_spin
 
 
 class _Loader(importlib.abc.Loader):
