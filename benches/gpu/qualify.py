@@ -397,8 +397,6 @@ class MooncakeSide(Side):
         t0 = time.monotonic()
         self.engine = orbitkv.MooncakeTransferEngine("127.0.0.1")
         self.engine_s = time.monotonic() - t0
-        # As the PdConnector does on CUDA (orbitkv.pd.cuda_copy_stream).
-        self.copy_slots = self.engine.redirect_cuda_copies() if opts.get("cuda_copy_stream") == "side" else None
         self.reg_s = []
         for t in self.buffers():
             t1 = time.monotonic()
@@ -415,11 +413,6 @@ class MooncakeSide(Side):
             writer_lanes_per_peer=opts["writer_lanes"],
         )
 
-    def cmd_copy_counts(self) -> dict[str, Any]:
-        redirected, fallback = self.engine.cuda_copy_counts()
-        return {"requested": self.opts.get("cuda_copy_stream"), "import_slots": self.copy_slots,
-                "redirected": redirected, "fallback": fallback}
-
     def cmd_hello(self) -> dict[str, Any]:
         torch = self.torch
         return {
@@ -429,8 +422,6 @@ class MooncakeSide(Side):
             "orbitkv": self.orbitkv.__version__,
             "mooncake_version": self.engine.mooncake_version,
             "mooncake_library": self.engine.mooncake_library,
-            "cuda_copy_stream": {"requested": self.opts.get("cuda_copy_stream"), "import_slots": self.copy_slots,
-                                 "copies": list(self.engine.cuda_copy_counts())},
             "torch": torch.__version__,
             "torch_cuda": torch.version.cuda,
             "device": torch.cuda.get_device_name(self.dev) if self.cuda else platform.processor() or "cpu",
@@ -866,7 +857,6 @@ class Run:
                         "max_ranges_in_flight_per_peer": args.max_ranges_in_flight,
                         "writer_lanes_per_peer": args.writer_lanes},
             "busy": args.busy,
-            "cuda_copy_stream": args.cuda_copy_stream,
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "host": platform.node(),
             "python": sys.version.split()[0],
@@ -1065,8 +1055,6 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                     return out
 
                 run.step(f"rawkv_{tokens}_{pattern}", rawkv, need_s=min(est, 60))
-        # How many of Mooncake's CUDA copies went through the side stream.
-        run.step("cuda_copies", lambda: {"producer": prod.call("copy_counts", st)})
     finally:
         prod.stop()
         cons.stop()
@@ -1181,7 +1169,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         "max_ranges_in_flight": args.max_ranges_in_flight,
         "writer_lanes": args.writer_lanes,
         "busy": args.busy,
-        "cuda_copy_stream": args.cuda_copy_stream,
     }
     run = Run(args)
 
@@ -1440,9 +1427,6 @@ def main() -> int:
                    help="Runtime writer_lanes_per_peer (orbitkv.pd.writer_lanes; default as there)")
     r.add_argument("--busy", choices=("none", "default", "side"), default="none",
                    help="keep the producer GPU computing (matmuls) on the legacy default stream or a side stream")
-    r.add_argument("--cuda-copy-stream", choices=("side", "default"), default="side",
-                   help="Mooncake's CUDA copies on a non-blocking stream (the PdConnector's default) or as Mooncake "
-                   "issues them; applies to the raw Mooncake steps too (one process-wide switch)")
     r.add_argument("--step-timeout", type=float, default=60.0)
     r.add_argument("--start-timeout", type=float, default=120.0)
     r.add_argument("--budget-s", type=float, default=120.0, help="skip remaining steps after this")

@@ -75,11 +75,6 @@ extern "C" {
     pub fn okv_cuda_event_record(ev: *mut c_void, stream: u64) -> c_int;
     pub fn okv_cuda_event_wait(ev: *mut c_void) -> c_int;
     pub fn okv_cuda_event_free(ev: *mut c_void) -> c_int;
-
-    // Mooncake's CUDA copies on a non-blocking stream: see `mooncake.rs`,
-    // `redirect_cuda_copies`.
-    pub fn okv_redirect_cuda_copies(patched: *mut c_int) -> c_int;
-    pub fn okv_redirected_copies(redirected: *mut u64, fallback: *mut u64);
 }
 
 /// The message the shim stored for the last failed call on this thread.

@@ -99,43 +99,6 @@ pub fn load_mooncake(
         .clone()
 }
 
-/// Sends Mooncake's CUDA copies through a non-blocking stream per thread.
-///
-/// Mooncake 0.3.13.post1's intra-node NVLink transport copies each range with
-/// a synchronous `cudaMemcpy`, ordered on the legacy default stream where
-/// PyTorch queues the model's kernels: each range then waits for all the
-/// compute queued before it. This points `engine.so`'s imported `cudaMemcpy`
-/// at a shim function that issues the same copy with `cudaMemcpyAsync` on a
-/// non-blocking stream of the calling thread and waits for it (`shim.cc`).
-/// Mooncake still issues every copy and returns once the bytes landed.
-///
-/// Safe only where nothing relies on the default stream ordering those copies
-/// after earlier work: OrbitKV admits a GPU layer after an event recorded
-/// behind its attention kernel completed. Loads Mooncake first (as
-/// [`load_mooncake`]); idempotent. Returns the number of `engine.so`
-/// import slots redirected: 0 for a Mooncake without CUDA (nothing to do).
-pub fn redirect_cuda_copies(explicit: Option<&Path>) -> TransportResult<u32> {
-    load_mooncake(explicit, None)?;
-    let mut patched: std::os::raw::c_int = 0;
-    // SAFETY: `patched` is a valid out-pointer for the call; the shim only
-    // rewrites engine.so's own import slots (under its load lock) and
-    // catches every C++ exception.
-    if unsafe { ffi::okv_redirect_cuda_copies(&mut patched) } != 0 {
-        return Err(TransportError::Cuda(ffi::last_error()));
-    }
-    Ok(u32::try_from(patched).unwrap_or(0))
-}
-
-/// Copies that went through the redirect of [`redirect_cuda_copies`], and
-/// those that fell back to Mooncake's synchronous call (no stream could be
-/// made on that thread).
-pub fn redirected_cuda_copies() -> (u64, u64) {
-    let (mut redirected, mut fallback) = (0u64, 0u64);
-    // SAFETY: two valid out-pointers; the shim reads two atomics.
-    unsafe { ffi::okv_redirected_copies(&mut redirected, &mut fallback) };
-    (redirected, fallback)
-}
-
 /// Splits and checks `host:port`.
 pub fn parse_endpoint(endpoint: &str) -> TransportResult<(String, u16)> {
     let bad = |reason: &str| TransportError::BadEndpoint {

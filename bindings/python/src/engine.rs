@@ -314,26 +314,6 @@ impl PyEngine {
         self.library.display().to_string()
     }
 
-    /// Sends Mooncake's CUDA copies (its NVLink transport's synchronous
-    /// `cudaMemcpy` per range) through a non-blocking stream of the calling
-    /// thread instead of the legacy default stream, where they waited for
-    /// every kernel PyTorch had queued (`orbitkv.pd.cuda_copy_stream`).
-    /// Process-wide and idempotent. Returns the number of `engine.so` import
-    /// slots redirected (0: this Mooncake has no CUDA, nothing to do).
-    fn redirect_cuda_copies(&self, py: Python<'_>) -> PyResult<u32> {
-        let lib = self.library.clone();
-        py.detach(|| orbitkv::transport::mooncake::redirect_cuda_copies(Some(&lib)))
-            .map_err(|e| Failure::Transport(e).into_pyerr(py))
-    }
-
-    /// `(redirected, fallback)`: copies sent on a side stream since
-    /// `redirect_cuda_copies`, and copies that fell back to Mooncake's own
-    /// call (no stream could be made on that thread).
-    #[staticmethod]
-    fn cuda_copy_counts() -> (u64, u64) {
-        orbitkv::transport::mooncake::redirected_cuda_copies()
-    }
-
     /// True once `close()` ran.
     #[getter]
     fn closed(&self) -> bool {

@@ -64,14 +64,6 @@ def test_writer_lanes() -> None:
             PdConfig.from_extra_config({"orbitkv.pd.writer_lanes": bad})
 
 
-def test_cuda_copy_stream() -> None:
-    assert PdConfig.from_extra_config({}).cuda_copy_stream == "side"
-    assert PdConfig.from_extra_config({"orbitkv.pd.cuda_copy_stream": "default"}).cuda_copy_stream == "default"
-    for bad in ("SIDE", "", None, 1, ["side"]):
-        with pytest.raises(ConfigError, match="cuda_copy_stream"):
-            PdConfig.from_extra_config({"orbitkv.pd.cuda_copy_stream": bad})
-
-
 @pytest.mark.parametrize(
     "key", ["orbitkv.pd.timeout_s", "orbitkv.pd.handshake_timeout_s", "orbitkv.pd.write_timeout_s", "orbitkv.pd.quarantine_s"]
 )

@@ -160,16 +160,3 @@ def test_zero_address_is_a_registration_error(pair):
     a, _ = pair
     with pytest.raises(orbitkv.RegistrationError):
         a.register_memory(0, length=4096)
-
-
-def test_cuda_copy_redirect_is_a_no_op_without_cuda() -> None:
-    """The non-CUDA Mooncake imports no ``cudaMemcpy``: nothing to redirect,
-    nothing counted, and the engine still moves bytes (GPU: qualify.py's
-    cuda_copies step and docs/qualification.md)."""
-    e = orbitkv.MooncakeTransferEngine("127.0.0.1")
-    try:
-        assert e.redirect_cuda_copies() == 0
-        assert e.redirect_cuda_copies() == 0  # idempotent
-        assert orbitkv.MooncakeTransferEngine.cuda_copy_counts() == (0, 0)
-    finally:
-        e.close()

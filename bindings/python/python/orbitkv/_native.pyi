@@ -75,20 +75,6 @@ class MooncakeTransferEngine:
     def mooncake_library(self) -> str:
         """The path of the loaded Mooncake `engine.so`."""
 
-    def redirect_cuda_copies(self) -> int:
-        """Sends Mooncake's CUDA copies (its NVLink transport's synchronous
-        `cudaMemcpy` per range) through a non-blocking stream of the calling
-        thread instead of the legacy default stream, where they waited for
-        every kernel PyTorch had queued (`orbitkv.pd.cuda_copy_stream`).
-        Process-wide and idempotent. Returns the number of `engine.so` import
-        slots redirected (0: this Mooncake has no CUDA, nothing to do)."""
-
-    @staticmethod
-    def cuda_copy_counts() -> tuple[int, int]:
-        """`(redirected, fallback)`: copies sent on a side stream since
-        `redirect_cuda_copies`, and copies that fell back to Mooncake's own
-        call (no stream could be made on that thread)."""
-
     @property
     def closed(self) -> bool:
         """True once `close()` ran."""

@@ -24,7 +24,6 @@ KEYS = {
     "orbitkv.pd.max_inflight_mb",
     "orbitkv.pd.max_inflight_ranges",
     "orbitkv.pd.writer_lanes",
-    "orbitkv.pd.cuda_copy_stream",
     "orbitkv.pd.trace",
     "orbitkv.pd.allowed_prefill",
     "orbitkv.pd.side_channel_key_file",
@@ -69,9 +68,6 @@ class PdConfig:
     max_inflight_mb: int = 1024
     max_inflight_ranges: int = 768
     writer_lanes: int = 4
-    # "side": Mooncake's CUDA copies on a non-blocking stream per thread;
-    # "default": as Mooncake issues them (legacy default stream).
-    cuda_copy_stream: str = "side"
     trace: str | None = None
     # (host, port or None) pairs; ("*", None) allows any (trusts the network).
     allowed_prefill: tuple[tuple[str, int | None], ...] = tuple((h, None) for h in LOOPBACK)
@@ -132,9 +128,6 @@ class PdConfig:
         lanes = cfg.get("orbitkv.pd.writer_lanes", 4)
         if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= 64:
             raise ConfigError(f"orbitkv.pd.writer_lanes must be an integer in 1..64, got {lanes!r}")
-        copy_stream = cfg.get("orbitkv.pd.cuda_copy_stream", "side")
-        if copy_stream not in ("side", "default"):
-            raise ConfigError(f"orbitkv.pd.cuda_copy_stream must be 'side' or 'default', got {copy_stream!r}")
         trace = cfg.get("orbitkv.pd.trace")
         if trace is not None and not isinstance(trace, str):
             raise ConfigError(f"orbitkv.pd.trace must be a file path, got {trace!r}")
@@ -158,7 +151,6 @@ class PdConfig:
             max_inflight_mb=inflight,
             max_inflight_ranges=ranges,
             writer_lanes=lanes,
-            cuda_copy_stream=copy_stream,
             trace=trace,
             allowed_prefill=allow,
             side_channel_key=key,

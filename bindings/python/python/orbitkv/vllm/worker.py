@@ -230,14 +230,6 @@ class PdWorker:
             nics=self.config.nics_for(self.tp_rank) or None,
             library=self.config.library,
         )
-        if self.is_cuda and self.config.cuda_copy_stream == "side":
-            # Mooncake's NVLink transport copies each range with a synchronous
-            # cudaMemcpy on the legacy default stream, behind every kernel of
-            # the forward queued there; a layer is admitted only after an
-            # event behind its attention kernel completed, so its copies can
-            # run beside the compute (docs/configuration.md).
-            n = self.engine.redirect_cuda_copies()
-            logger.info("OrbitKV rank %d: Mooncake's CUDA copies on a side stream (%d import slots)", self.tp_rank, n)
         # Register each distinct storage once (layers may share one).
         seen: set[int] = set()
         for t in kv_caches.values():
