@@ -317,19 +317,24 @@ impl KvLayout {
                 self.tp_rank, self.tp_size, consumer.tp_rank, consumer.tp_size
             )));
         }
-        if self.tp_size != consumer.tp_size {
-            if self.tp_size > consumer.tp_size && !consumer.head_major {
-                return Err(GeometryError::TensorParallel(
-                    "consumer blocks are not head-major, so a producer of larger TP cannot write a head slice"
-                        .into(),
-                ));
-            }
-            if self.tp_size < consumer.tp_size && !self.head_major {
-                return Err(GeometryError::TensorParallel(
-                    "producer blocks are not head-major, so a consumer of larger TP cannot take a head slice"
-                        .into(),
-                ));
-            }
+        // A side whose whole block is written (every head it holds is in the
+        // slice) needs no head-major layout: one replicated head (MLA's
+        // latent, or fewer KV heads than ranks) is sent as whole blocks.
+        let (p, c) = (self.heads(), consumer.heads());
+        let (start, end) = (p.start.max(c.start), p.end.min(c.end));
+        let whole_consumer_block = start == c.start && end == c.end;
+        let whole_producer_block = start == p.start && end == p.end;
+        if !whole_consumer_block && !consumer.head_major {
+            return Err(GeometryError::TensorParallel(
+                "consumer blocks are not head-major, so a producer of larger TP cannot write a head slice"
+                    .into(),
+            ));
+        }
+        if !whole_producer_block && !self.head_major {
+            return Err(GeometryError::TensorParallel(
+                "producer blocks are not head-major, so a consumer of larger TP cannot take a head slice"
+                    .into(),
+            ));
         }
         // u128: block sizes come from the network and may be near 2^64.
         let (ph, ch) = (self.local_heads() as u128, consumer.local_heads() as u128);
@@ -515,6 +520,36 @@ pub(crate) mod tests {
         }
         // 3 heads neither split over nor replicate on 2 ranks.
         assert!(layout(0x10_0000, 1, 4, 96, (0, 2), 3).validate().is_err());
+    }
+
+    #[test]
+    fn whole_block_writes_need_no_head_major_layout() {
+        // One replicated head (MLA's latent): the slice is the whole block on
+        // both sides, so neither side's head order matters.
+        let mut p0 = layout(0x10_0000, 1, 4, 128, (0, 2), 1);
+        let mut c = layout(0x90_0000, 1, 4, 128, (0, 1), 1);
+        p0.head_major = false;
+        c.head_major = false;
+        p0.check_compatible(&c).unwrap();
+        let mut p = layout(0x10_0000, 1, 4, 128, (0, 1), 1);
+        let mut c1 = layout(0x90_0000, 1, 4, 128, (1, 2), 1);
+        p.head_major = false;
+        c1.head_major = false;
+        p.check_compatible(&c1).unwrap();
+        // Head slices still need it: 2 heads, TP 2 -> 1 (consumer sliced) and
+        // TP 1 -> 2 (producer sliced).
+        let p0 = layout(0x10_0000, 1, 4, 128, (0, 2), 2);
+        let mut c = layout(0x90_0000, 1, 4, 256, (0, 1), 2);
+        c.head_major = false;
+        assert!(
+            matches!(p0.check_compatible(&c), Err(GeometryError::TensorParallel(m)) if m.contains("consumer"))
+        );
+        let mut p = layout(0x10_0000, 1, 4, 256, (0, 1), 2);
+        p.head_major = false;
+        let c1 = layout(0x90_0000, 1, 4, 128, (1, 2), 2);
+        assert!(
+            matches!(p.check_compatible(&c1), Err(GeometryError::TensorParallel(m)) if m.contains("producer"))
+        );
     }
 
     #[test]

@@ -332,6 +332,8 @@ class _Exchange:
             ),
             name=f"orbitkv-decode-{self.id}",
         )
+        self._count(prefill, self.prefill_at.url)
+        self._count(decode, self.decode_at)
         try:
             await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
             for task, url in ((prefill, self.prefill_at.url), (decode, self.decode_at)):
@@ -406,25 +408,27 @@ class _Exchange:
     def _headers(self) -> dict[str, str]:
         return {REQUEST_ID_HEADER: self.id}
 
-    async def _prefill(self, path: str, body: dict[str, Any]) -> None:
-        url = self.prefill_at.url
+    def _count(self, task: asyncio.Task, url: str) -> None:
+        """Counts ``task`` as in flight at ``url`` from now until it ends
+        (cancelled before it ran included). Called right after the pick,
+        before the handler yields: concurrent arrivals see it and spread."""
         self.pool.outstanding[url] += 1
-        try:
-            async with self.session.post(url + path, json=body, headers=self._headers()) as r:
-                text = await r.text()
-                self.t_prefill = time.monotonic()
-                if r.status != 200:
-                    raise _BackendError(f"prefill {url} answered {r.status}: {text[:500]}")
-        finally:
+
+        def done(_: asyncio.Task) -> None:
             self.pool.outstanding[url] -= 1
 
+        task.add_done_callback(done)
+
+    async def _prefill(self, path: str, body: dict[str, Any]) -> None:
+        url = self.prefill_at.url
+        async with self.session.post(url + path, json=body, headers=self._headers()) as r:
+            text = await r.text()
+            self.t_prefill = time.monotonic()
+            if r.status != 200:
+                raise _BackendError(f"prefill {url} answered {r.status}: {text[:500]}")
+
     async def _relay_decode(self, path: str, body: dict[str, Any]) -> int:
-        url = self.decode_at
-        self.pool.outstanding[url] += 1
-        try:
-            return await self._relay(url + path, body)
-        finally:
-            self.pool.outstanding[url] -= 1
+        return await self._relay(self.decode_at + path, body)
 
     async def _relay(self, target: str, body: dict[str, Any]) -> int:
         async with self.session.post(target, json=body, headers=self._headers()) as r:

@@ -173,9 +173,6 @@ class PdWorker:
         self._consumer_reported: set[str] = set()
         # Consumers vLLM waits for that the runtime could not release.
         self._release_now: set[str] = set()
-        # Consumers failed at the deadline whose blocks a producer may still
-        # write into: not reported to vLLM until quiesced or released.
-        self._held: set[str] = set()
         self._producer_req: dict[str, str] = {}
         self._producer_end: set[str] = set()  # vLLM finished it
         self._producer_released: set[str] = set()
@@ -480,7 +477,6 @@ class PdWorker:
                             "blocks of %s held until every producer ended or the quarantine (%.0fs) passed",
                             pd, self.config.quarantine_s,
                         )
-                        self._held.add(pd)
                         continue
                     # Recompute policy (held or not): vLLM recomputes into the
                     # same blocks at once; a late write of this request's own
@@ -498,12 +494,10 @@ class PdWorker:
                 # vLLM still runs it (recompute policy: it waits for this
                 # report to recompute into the blocks); if vLLM already ended
                 # it, the release reports it.
-                self._held.discard(pd)
                 if pd in self._consumer_req and pd not in self._consumer_end and pd not in self._consumer_reported:
                     self._consumer_reported.add(pd)
                     recving.add(self._consumer_req[pd])
             elif ev.kind == "consumer_released":
-                self._held.discard(pd)
                 if self._consumer_end.get(pd) and pd not in self._consumer_reported:
                     recving.add(self._consumer_req[pd])
                 self._consumer_req.pop(pd, None)
