@@ -902,6 +902,12 @@ class Run:
         return res
 
 
+def bytes_ok(step: dict[str, Any] | None) -> bool:
+    """Whether a timed step's bytes were checked and matched (a goal counts
+    only then)."""
+    return bool(step) and bool((step.get("bytes_check") or {}).get("ok"))
+
+
 def compare_sums(a: Any, b: Any) -> dict[str, Any]:
     import numpy as np
 
@@ -1008,9 +1014,13 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
 
                 def kv(src: list[int] = src, dst: list[int] = dst, reps: int = reps,
                        nbytes: int = nbytes) -> dict[str, Any]:
-                    secs, prods = [], []
-                    # every check starts from guard bytes, also after a failed step
+                    secs, prods, checks = [], [], []
+                    ps = prod.call("kv_sums", st, ids=src)
+                    # Every repetition writes into guard bytes and is checked
+                    # on its own (a later one cannot hide an earlier one's
+                    # wrong or stray bytes); the checks are outside the timing.
                     cons.call("kv_reset", st)
+                    release: Any = None
                     for i in range(reps):
                         r = stream(src, dst)
                         if r["c"]["kind"] != "consumer_completed":
@@ -1023,21 +1033,25 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                             raise RuntimeError(f"consumer got {r['c']['bytes']} bytes, expected {nbytes}")
                         secs.append((r["c"]["t_ns"] - r["p"]["t0_ns"]) / 1e9)
                         prods.append({k: r["p"][k] for k in ("calls_s", "released_s", "outcome")})
-                        if i < reps - 1:
-                            cons.call("consumer_release", st, req=r["req"])
+                        if a.corrupt:
+                            cons.call("corrupt", st, what="kv", ids=dst)
+                        bc = compare_sums(ps, cons.call("kv_sums", st, ids=dst))
+                        ut = cons.call("kv_untouched", st * 2, ids=dst)
+                        ut["ok"] = ut["blocks_touched"] == 0
+                        checks.append({"bytes_check": bc, "untouched": ut})
+                        release = cons.call("consumer_release", st, req=r["req"])
+                        cons.call("kv_reset", st)
                     out = summarize(nbytes, secs)
                     out["producer"] = prods
                     out["stats"] = r["p"]["stats"]
-                    if a.corrupt:
-                        cons.call("corrupt", st, what="kv", ids=dst)
-                    ps = prod.call("kv_sums", st, ids=src)
-                    cs = cons.call("kv_sums", st, ids=dst)
-                    out["bytes_check"] = compare_sums(ps, cs)
-                    out["untouched"] = cons.call("kv_untouched", st * 2, ids=dst)
-                    out["untouched"]["ok"] = out["untouched"]["blocks_touched"] == 0
-                    out["ok"] = out["bytes_check"]["ok"] and out["untouched"]["ok"]
-                    out["release"] = cons.call("consumer_release", st, req=r["req"])
-                    cons.call("kv_reset", st)
+                    # The worst repetition stands for the step.
+                    out["bytes_check"] = max((c["bytes_check"] for c in checks),
+                                             key=lambda b: (not b["ok"], b["mismatched"]))
+                    out["untouched"] = max((c["untouched"] for c in checks),
+                                           key=lambda u: (not u["ok"], u["blocks_touched"]))
+                    out["checked_repetitions"] = len(checks)
+                    out["ok"] = all(c["bytes_check"]["ok"] and c["untouched"]["ok"] for c in checks)
+                    out["release"] = release
                     out["blocks"] = len(src)
                     out["ranges_per_layer"] = 2 * len(runs(src, dst))
                     return out
@@ -1079,6 +1093,20 @@ def suite_nixl(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
         if hp is None or hc is None or "connect" not in run.data["steps"]["start_and_register"]:
             raise ChildDied("a process did not start or connect")
         pgpu = hc["gpu"]
+
+        def warm() -> dict[str, Any]:
+            # As the Mooncake suite warms up before its first timed step: one
+            # untimed KV transfer and one raw write (NIXL prepares its
+            # descriptor lists and UCX its cuda_ipc mappings on first use).
+            s_, d_ = block_ids(a.tokens[0], "contiguous", opts["num_blocks"])
+            cons.call("kv_reset", st)
+            prod.call("kv", st * 3, peer_bases=hc["plane_bases"], peer_gpu=pgpu, src=s_, dst=d_, reps=1)
+            prod.call("raw", st * 2, dst_base=hc["raw_base"], peer_gpu=pgpu, kind="one:1", reps=1)
+            cons.call("kv_reset", st)
+            cons.call("raw_reset", st)
+            return {"kv_blocks": len(s_), "raw": "one:1"}
+
+        run.step("warmup", warm)
 
         def raw(kind: str, reps: int) -> Any:
             def go() -> dict[str, Any]:
@@ -1363,13 +1391,15 @@ def cmd_report(args: argparse.Namespace) -> int:
                             gl["reference_gbps"] = big["gbps_median"]
                             gl["ratio"] = k["gbps_median"] / big["gbps_median"]
                             gl["goal"] = ">= 0.9"
-                            gl["met"] = gl["ratio"] >= 0.9
+                            gl["bytes_ok"] = bool(k.get("ok")) and bytes_ok(big)
+                            gl["met"] = gl["ratio"] >= 0.9 and gl["bytes_ok"]
                         if pattern == "scattered" and per_block and per_block.get("status") == "ok":
                             gl["reference"] = "raw 1024 × 64 KiB, one range per block"
                             gl["reference_gbps"] = per_block["gbps_median"]
                             gl["ratio"] = k["gbps_median"] / per_block["gbps_median"]
                             gl["goal"] = ">= 2"
-                            gl["met"] = gl["ratio"] >= 2.0
+                            gl["bytes_ok"] = bool(k.get("ok")) and bytes_ok(per_block)
+                            gl["met"] = gl["ratio"] >= 2.0 and gl["bytes_ok"]
                         goals.append(gl)
     for c in configs:
         if c.get("suite") in ("nixl", "torch"):
@@ -1398,7 +1428,8 @@ def cmd_report(args: argparse.Namespace) -> int:
                 md.append(f"| {g['where']} | {g['transport']} | {g['tokens']} | {g['pattern']} | "
                           f"{fmt(g['runtime_gbps'], 2)} | {fmt(g['us_per_range'], 2)} | {g['reference']} | "
                           f"{fmt(g['reference_gbps'], 2)} | "
-                          f"{fmt(g['ratio'], 2)} | {g['goal']} | {'yes' if g['met'] else 'no'} |")
+                          f"{fmt(g['ratio'], 2)} | {g['goal']} | "
+                          f"{'yes' if g['met'] else ('no (bytes not verified)' if not g.get('bytes_ok', True) else 'no')} |")
     merged["goals"] = goals
     Path(args.out_json).write_text(json.dumps(merged, indent=1, default=str))
     Path(args.out_md).write_text("\n".join(md) + "\n")
