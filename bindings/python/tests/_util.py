@@ -14,6 +14,16 @@ import numpy as np
 import orbitkv
 
 
+def wait_event(rt: orbitkv.Runtime, kinds: set[str], timeout_s: float = 20.0) -> orbitkv.RuntimeEvent:
+    """The runtime's next event of one of ``kinds`` (others are skipped)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ev = rt.next_event(0.2)
+        if ev is not None and ev.kind in kinds:
+            return ev
+    raise AssertionError(f"no {kinds} event within {timeout_s}s")
+
+
 def addr(array: np.ndarray) -> int:
     """Address of a numpy array's first byte."""
     return int(array.ctypes.data)

@@ -12,13 +12,13 @@ transfer through real Mooncake on CPU tensors, not vLLM end to end
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 import orbitkv
+from _util import wait_event
 from orbitkv.vllm.layout import kv_layout_of
 
 DT = torch.bfloat16
@@ -99,15 +99,6 @@ def tp2_to_tp1() -> Iterator[tuple[Rank, Rank, Rank]]:
     yield p0, p1, c
     for r in (p0, p1, c):
         r.close()
-
-
-def wait_event(rt: orbitkv.Runtime, kinds: set[str], timeout_s: float = 20.0) -> orbitkv.RuntimeEvent:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ev = rt.next_event(0.2)
-        if ev is not None and ev.kind in kinds:
-            return ev
-    raise AssertionError(f"no {kinds} event within {timeout_s}s")
 
 
 def test_mla_prefill_tp2_to_decode_tp1_moves_whole_blocks_from_rank_0(tp2_to_tp1: tuple[Rank, Rank, Rank]) -> None:

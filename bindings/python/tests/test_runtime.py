@@ -6,13 +6,13 @@ runtime error surfaces as its own exception class."""
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
 import orbitkv
+from _util import wait_event
 
 LAYERS, BLOCKS, HEADS, BLOCK, HEAD_DIM = 3, 16, 2, 16, 8
 GUARD = -7.0
@@ -72,15 +72,6 @@ def ranks() -> Iterator[tuple[Rank, Rank]]:
     yield p, c
     p.close()
     c.close()
-
-
-def wait_event(rt: orbitkv.Runtime, kinds: set[str], timeout_s: float = 20.0) -> orbitkv.RuntimeEvent:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ev = rt.next_event(0.2)
-        if ev is not None and ev.kind in kinds:
-            return ev
-    raise AssertionError(f"no {kinds} event within {timeout_s}s")
 
 
 def test_layers_stream_into_authorized_blocks(ranks: tuple[Rank, Rank]) -> None:
