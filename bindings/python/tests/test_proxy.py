@@ -489,8 +489,13 @@ def test_cli_serves(pd: Setup) -> None:
 # ---- the prefill's TP size, learned from its side channels ---------------------
 
 
-def _side_channel(rank: int, size: int) -> web.Application:
+def _side_channel(rank: int | str, size: int = 0) -> web.Application:
+    """A fake rank's side channel: ``{"ok":true,"tp_rank":rank,"tp_size":size}``,
+    or, when ``rank`` is a string, that raw body (a hostile or foreign peer)."""
+
     async def health(_: web.Request) -> web.Response:
+        if isinstance(rank, str):
+            return web.Response(text=rank, content_type="application/json")
         return web.json_response({"ok": True, "tp_rank": rank, "tp_size": size})
 
     app = web.Application()
@@ -498,7 +503,7 @@ def _side_channel(rank: int, size: int) -> web.Application:
     return app
 
 
-def _serve_ranks(lt: LoopThread, ranks: Sequence[tuple[int, int]]) -> tuple[list[web.AppRunner], int]:
+def _serve_ranks(lt: LoopThread, ranks: Sequence[tuple[int, int] | str]) -> tuple[list[web.AppRunner], int]:
     """Fake side channels for ``(rank, size)`` pairs on consecutive ports
     (rank i at base + i, as the PdConnector binds them); returns the base."""
     for _ in range(50):
@@ -509,8 +514,8 @@ def _serve_ranks(lt: LoopThread, ranks: Sequence[tuple[int, int]]) -> tuple[list
             continue
         runners: list[web.AppRunner] = []
         try:
-            for i, (rank, size) in enumerate(ranks):
-                runner = web.AppRunner(_side_channel(rank, size), access_log=None)
+            for i, r in enumerate(ranks):
+                runner = web.AppRunner(_side_channel(r) if isinstance(r, str) else _side_channel(*r), access_log=None)
                 lt.run(runner.setup())
                 runners.append(runner)
                 lt.run(web.TCPSite(runner, "127.0.0.1", base + i).start())
@@ -536,7 +541,7 @@ class Ranked:
     ranks (``ranks``: (tp_rank, tp_size) each), behind a proxy configured
     with ``prefill_tp``."""
 
-    def __init__(self, lt: LoopThread, ranks: Sequence[tuple[int, int]], prefill_tp: int | None) -> None:
+    def __init__(self, lt: LoopThread, ranks: Sequence[tuple[int, int] | str], prefill_tp: int | None) -> None:
         self.lt = lt
         self.prefill, self.decode = Backend("prefill"), Backend("decode")
         self.runners, base = _serve_ranks(lt, ranks)
@@ -578,11 +583,21 @@ def test_the_prefill_tp_is_learned_from_its_side_channels(loop_thread: LoopThrea
         ([(0, 2)], None, "unreachable"),  # rank 1's side channel is missing
         ([(0, 2), (0, 2)], None, "expected rank 1 of 2"),  # two instances' ranks mixed up
         ([(1, 2)], None, "not rank 0"),  # --prefill-kv names rank 1
+        # Malformed answers (a foreign service on the port, a hostile peer):
+        # the prefill is left out, the proxy keeps serving its /health.
+        (['{"ok": true}'], None, "not an OrbitKV side channel"),
+        (['{"ok": true, "tp_rank": "0", "tp_size": 2}'], None, "not an OrbitKV side channel"),
+        (["[1, 2]"], None, "not an OrbitKV side channel"),
+        (['{"ok": true, "tp_rank": false, "tp_size": true}'], None, "not an OrbitKV side channel"),
+        (["not json"], None, "not an OrbitKV side channel"),
+        (['{"ok": true, "tp_rank": 0, "tp_size": 0}'], None, "not rank 0"),
+        (['{"ok": true, "tp_rank": 0, "tp_size": -3}'], None, "not rank 0"),
     ],
-    ids=["flag-disagrees", "rank-missing", "wrong-rank", "not-rank-0"],
+    ids=["flag-disagrees", "rank-missing", "wrong-rank", "not-rank-0", "no-rank", "rank-as-string", "not-an-object",
+         "bools", "not-json", "size-zero", "size-negative"],
 )
 def test_a_prefill_whose_side_channels_disagree_is_left_out_with_the_reason(
-    loop_thread: LoopThread, ranks: list[tuple[int, int]], prefill_tp: int | None, reason: str
+    loop_thread: LoopThread, ranks: list[tuple[int, int] | str], prefill_tp: int | None, reason: str
 ) -> None:
     r = Ranked(loop_thread, ranks, prefill_tp=prefill_tp)
     try:

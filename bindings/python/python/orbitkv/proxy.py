@@ -518,10 +518,15 @@ async def _side_channel_health(session: aiohttp.ClientSession, host: str, port: 
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=HEALTH_EVERY_S)) as r:
             if r.status != 200:
                 raise PrefillMismatch(f"side channel {host}:{port} answered {r.status}")
-            got = await r.json(content_type=None)
+            text = await r.text()
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
         raise PrefillMismatch(f"side channel {host}:{port} unreachable ({type(e).__name__})") from None
-    if not (isinstance(got, dict) and isinstance(got.get("tp_rank"), int) and isinstance(got.get("tp_size"), int)):
+    try:
+        got = json.loads(text)
+    except ValueError:
+        got = text
+    # type() is int: JSON true/false would pass isinstance(..., int).
+    if not (isinstance(got, dict) and type(got.get("tp_rank")) is int and type(got.get("tp_size")) is int):
         raise PrefillMismatch(f"side channel {host}:{port} is not an OrbitKV side channel (answered {got!r:.80})")
     return got
 
