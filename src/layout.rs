@@ -73,6 +73,14 @@ impl Heads {
     fn len(self) -> u32 {
         self.end - self.start
     }
+
+    /// The heads both hold (empty when `start >= end`).
+    fn overlap(self, other: Heads) -> Heads {
+        Heads {
+            start: self.start.max(other.start),
+            end: self.end.min(other.end),
+        }
+    }
 }
 
 /// The KV heads rank `rank` of TP size `tp` holds, of `total`: an equal
@@ -321,16 +329,14 @@ impl KvLayout {
         // slice) needs no head-major layout: one replicated head (MLA's
         // latent, or fewer KV heads than ranks) is sent as whole blocks.
         let (p, c) = (self.heads(), consumer.heads());
-        let (start, end) = (p.start.max(c.start), p.end.min(c.end));
-        let whole_consumer_block = start == c.start && end == c.end;
-        let whole_producer_block = start == p.start && end == p.end;
-        if !whole_consumer_block && !consumer.head_major {
+        let sent = p.overlap(c);
+        if sent != c && !consumer.head_major {
             return Err(GeometryError::TensorParallel(
                 "consumer blocks are not head-major, so a producer of larger TP cannot write a head slice"
                     .into(),
             ));
         }
-        if !whole_producer_block && !self.head_major {
+        if sent != p && !self.head_major {
             return Err(GeometryError::TensorParallel(
                 "producer blocks are not head-major, so a consumer of larger TP cannot take a head slice"
                     .into(),
@@ -395,7 +401,7 @@ impl KvLayout {
             });
         }
         let (p, c) = (self.heads(), consumer.heads());
-        let (start, end) = (p.start.max(c.start), p.end.min(c.end));
+        let Heads { start, end } = p.overlap(c);
         if start >= end {
             return Ok(());
         }

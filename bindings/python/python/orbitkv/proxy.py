@@ -217,6 +217,12 @@ class Pool:
         self.mark(url, True)
         return status
 
+    async def check_all(self, session: aiohttp.ClientSession) -> dict[str, int | str]:
+        """:meth:`check` of every instance at once (a dead one costs its
+        timeout once, not once per instance after it)."""
+        urls = [*(p.url for p in self.cfg.prefills), *self.cfg.decodes]
+        return dict(zip(urls, await asyncio.gather(*(self.check(session, u) for u in urls))))
+
 
 _CONFIG = web.AppKey("orbitkv_proxy_config", ProxyConfig)
 _SESSION = web.AppKey("orbitkv_proxy_session", aiohttp.ClientSession)
@@ -563,10 +569,11 @@ async def _health(request: web.Request) -> web.Response:
     cfg = request.app[_CONFIG]
     pool = request.app[_POOL]
     session = request.app[_SESSION]
+    statuses = await pool.check_all(session)
     states: dict[str, Any] = {}
     for role, urls in (("prefill", [p.url for p in cfg.prefills]), ("decode", list(cfg.decodes))):
         for url in urls:
-            status = await pool.check(session, url)
+            status = statuses[url]
             states[url] = {"role": role, "health": status, "healthy": pool.healthy[url],
                            "outstanding": pool.outstanding[url]}
             if role == "prefill":
@@ -582,13 +589,11 @@ async def _health(request: web.Request) -> web.Response:
 async def _watch_health(app: web.Application) -> None:
     """Checks every instance every HEALTH_EVERY_S: unhealthy ones are left out
     of new requests until they answer /health again."""
-    cfg = app[_CONFIG]
     pool = app[_POOL]
-    urls = [*(p.url for p in cfg.prefills), *cfg.decodes]
     while True:
         # At once, then every HEALTH_EVERY_S: a prefill's TP size is known
         # before the first request when its side channels answer.
-        await asyncio.gather(*(pool.check(app[_SESSION], u) for u in urls))
+        await pool.check_all(app[_SESSION])
         await asyncio.sleep(HEALTH_EVERY_S)
 
 
