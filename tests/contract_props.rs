@@ -36,6 +36,9 @@
 //! * (g) a consumer failure that leaves the blocks reusable (not `held`), or
 //!   the `Quiesced` that ends a held one, comes with no write of its
 //!   generation in flight, unless the quarantine passed;
+//! * (h) a producer notifies `Done` only when, for every layer, the layers
+//!   prefill reported while it streamed cover every request block of the
+//!   authorization (a skipped per-layer save never publishes stale pages);
 //! * stale, misrouted, foreign-rank and duplicate events change nothing.
 //!
 //! After the steps the model drains (writes complete, producers finish or
@@ -60,7 +63,7 @@ use std::sync::Arc;
 use orbitkv::actors::request::plan_write;
 use orbitkv::actors::state::{
     ConsumerEffect, ConsumerEvent, ConsumerMachine, ConsumerPhase, Dropped, ProducerEffect, ProducerEvent,
-    ProducerMachine, WriteId,
+    ProducerMachine, ProducerPhase, WriteId,
 };
 use orbitkv::wire::WIRE_VERSION;
 use orbitkv::{Generation, Handshake, KvLayout, Outcome, ProducerRank, RequestId, WriteRange};
@@ -121,8 +124,12 @@ enum Op {
         pick: usize,
         ok: bool,
     },
+    /// vLLM finishes the request on prefill; with `all_layers` prefill first
+    /// reports every layer over every request block (as a forward with
+    /// every per-layer save does), else only what earlier ops reported.
     Finish {
         p: usize,
+        all_layers: bool,
     },
     Abort {
         p: usize,
@@ -251,7 +258,10 @@ fn decode(x: u64) -> Op {
             pick: b.index(),
             ok: b.chance(50),
         },
-        4 => Op::Finish { p: b.index() },
+        4 => Op::Finish {
+            p: b.index(),
+            all_layers: b.chance(75),
+        },
         5 => Op::Abort { p: b.index() },
         6 => Op::ProducerTimeout { p: b.index() },
         7 => Op::Reauthorize {
@@ -300,6 +310,9 @@ enum Mutation {
     /// quarantine (a write queued behind a cut link then lands in pages
     /// vLLM gave to another request).
     FreeAtDeadline,
+    /// The producer reports done although a layer of the authorization was
+    /// never reported (no rule 7).
+    DoneWithGaps,
 }
 
 struct Gen {
@@ -330,6 +343,8 @@ struct Prod {
     in_flight: BTreeSet<WriteId>,
     notified: u32,
     released: u32,
+    /// (layer, request blocks) prefill reported while the machine streamed.
+    reported: Vec<(u32, Range<u32>)>,
 }
 
 struct Write {
@@ -404,6 +419,7 @@ impl Model {
                     in_flight: BTreeSet::new(),
                     notified: 0,
                     released: 0,
+                    reported: Vec::new(),
                 }
             })
             .collect();
@@ -475,13 +491,7 @@ impl Model {
             Op::Handshake { p, which } => self.deliver_handshake(p % np, which % self.gens.len()),
             Op::LayerReady { p, layer, start, len } => {
                 let end = (start + len).min(REQ_BLOCKS);
-                self.feed_producer(
-                    p % np,
-                    ProducerEvent::LayerReady {
-                        layer,
-                        blocks: start..end,
-                    },
-                )
+                self.layer_ready(p % np, layer, start..end)
             }
             Op::Complete { pick, ok } => self.complete(pick, ok),
             Op::Replay { pick, ok } => {
@@ -510,7 +520,14 @@ impl Model {
                 );
                 Ok(())
             }
-            Op::Finish { p } => self.feed_producer(p % np, ProducerEvent::Finish),
+            Op::Finish { p, all_layers } => {
+                if all_layers {
+                    for layer in 0..LAYERS {
+                        self.layer_ready(p % np, layer, 0..REQ_BLOCKS)?;
+                    }
+                }
+                self.feed_producer(p % np, ProducerEvent::Finish)
+            }
             Op::Abort { p } => self.feed_producer(
                 p % np,
                 ProducerEvent::Abort {
@@ -699,6 +716,16 @@ impl Model {
 
     // ---- producer ------------------------------------------------------
 
+    /// Prefill reports `layer` for `blocks`; the model remembers it when the
+    /// machine can still take layers.
+    fn layer_ready(&mut self, p: usize, layer: u32, blocks: Range<u32>) -> Check {
+        let m = &self.prods[p].machine;
+        if m.phase() == ProducerPhase::Streaming && !m.finished() {
+            self.prods[p].reported.push((layer, blocks.clone()));
+        }
+        self.feed_producer(p, ProducerEvent::LayerReady { layer, blocks })
+    }
+
     fn feed_producer(&mut self, p: usize, ev: ProducerEvent) -> Check {
         let mut queue = VecDeque::from([ev]);
         while let Some(ev) = queue.pop_front() {
@@ -716,6 +743,18 @@ impl Model {
                     outcome: Outcome::Failed,
                     reason: Some("broken: released on error".into()),
                 });
+            }
+            if self.mutation == Mutation::DoneWithGaps {
+                for e in &mut fx {
+                    if let ProducerEffect::Notify { outcome, reason, .. }
+                    | ProducerEffect::Release { outcome, reason } = e
+                    {
+                        if reason.as_deref().is_some_and(|r| r.contains("save hook")) {
+                            *outcome = Outcome::Done;
+                            *reason = None;
+                        }
+                    }
+                }
             }
             for e in fx {
                 if let Some(follow) = self.apply_producer(p, e)? {
@@ -837,6 +876,20 @@ impl Model {
                     .gen_index(auth.generation)
                     .expect("delivered generations exist");
                 if outcome == Outcome::Done {
+                    let first = auth.first_block;
+                    let end = first + auth.block_ids.len() as u32;
+                    for layer in 0..LAYERS {
+                        for block in first..end {
+                            ensure!(
+                                self.prods[p]
+                                    .reported
+                                    .iter()
+                                    .any(|(l, b)| *l == layer && b.contains(&block)),
+                                "(h) producer {p} notified done for {} without layer {layer} of request block {block}",
+                                auth.generation
+                            );
+                        }
+                    }
                     self.gens[gi].done_from.insert(rank);
                 }
                 self.notices.push(Note {
@@ -1202,6 +1255,11 @@ fn broken_writer_that_plans_with_the_current_authorization_is_caught() {
 #[test]
 fn broken_producer_that_releases_on_error_is_caught() {
     expect_caught(Mutation::ReleaseOnError, "(c)");
+}
+
+#[test]
+fn broken_producer_that_reports_done_with_a_layer_missing_is_caught() {
+    expect_caught(Mutation::DoneWithGaps, "(h)");
 }
 
 #[test]

@@ -19,17 +19,18 @@ fn cap() -> orbitkv::Capability {
 }
 
 /// A consumer and a producer runtime over the crate's transport test double
-/// (`FakeTransport`: 2 layers, one writer lane, one range in flight per
+/// (`FakeTransport`; a model of `layers` layers, one writer lane, one range in flight per
 /// peer), the producer holding the consumer's handshake for a request of two
 /// blocks, its batches held in flight; `edit` may change the handshake
 /// first. Returns (producer, its transport, the request).
 fn pair(
     name: &str,
+    layers: u32,
     write_timeout: Duration,
     quarantine: Duration,
     edit: impl FnOnce(&mut orbitkv::Handshake),
 ) -> (Runtime, Arc<FakeTransport>, RequestId) {
-    let layout = KvLayout::packed(0x10_0000, 2, 4, 4096, (0, 1), 1);
+    let layout = KvLayout::packed(0x10_0000, layers, 4, 4096, (0, 1), 1);
     let cfg = RuntimeConfig {
         write_timeout,
         quarantine,
@@ -60,7 +61,8 @@ fn pair(
 /// A producer with one layer admitted against a consumer's handshake, its
 /// batch held by the double; returns (producer runtime, its transport).
 fn streaming(name: &str, write_timeout: Duration, quarantine: Duration) -> (Runtime, Arc<FakeTransport>) {
-    let (producer, wire, req) = pair(name, write_timeout, quarantine, |_| {});
+    // One layer: the whole request is that one admitted layer.
+    let (producer, wire, req) = pair(name, 1, write_timeout, quarantine, |_| {});
     producer.layer_ready(&req, 0, 0..2).unwrap();
     producer.producer_finish(&req).unwrap();
     (producer, wire)
@@ -113,9 +115,15 @@ fn a_batch_that_never_ends_is_given_up_after_the_quarantine() {
 #[test]
 fn nothing_is_written_under_an_expired_authorization() {
     // The consumer's deadline passed before the (stalled) producer got to it.
-    let (rt, wire, req) = pair("expired", Duration::from_secs(5), Duration::from_secs(5), |hs| {
-        hs.expires_unix_ms = orbitkv::wire::unix_ms_now() - 1;
-    });
+    let (rt, wire, req) = pair(
+        "expired",
+        2,
+        Duration::from_secs(5),
+        Duration::from_secs(5),
+        |hs| {
+            hs.expires_unix_ms = orbitkv::wire::unix_ms_now() - 1;
+        },
+    );
     rt.layer_ready(&req, 0, 0..2).unwrap();
     rt.producer_finish(&req).unwrap();
     let (outcome, _) = released(&rt, Duration::from_secs(5)).expect("released");
@@ -131,9 +139,15 @@ fn nothing_is_written_under_an_expired_authorization() {
 fn a_write_queued_past_the_deadline_is_not_submitted() {
     // Layer 0 is in flight (held by the double); layer 1 waits for the
     // per-peer range budget; the deadline passes; layer 0 ends.
-    let (rt, wire, req) = pair("queued", Duration::from_secs(5), Duration::from_secs(5), |hs| {
-        hs.expires_unix_ms = orbitkv::wire::unix_ms_now() + 400;
-    });
+    let (rt, wire, req) = pair(
+        "queued",
+        2,
+        Duration::from_secs(5),
+        Duration::from_secs(5),
+        |hs| {
+            hs.expires_unix_ms = orbitkv::wire::unix_ms_now() + 400;
+        },
+    );
     rt.layer_ready(&req, 0, 0..2).unwrap();
     rt.layer_ready(&req, 1, 0..2).unwrap();
     rt.producer_finish(&req).unwrap();

@@ -267,6 +267,13 @@ impl Runtime {
         self.stats.snapshot()
     }
 
+    /// Counts `layers` request-layers the embedding worker admitted at the
+    /// end of a step because its host never reported them one by one
+    /// (`layers_saved_at_wait`).
+    pub fn note_layers_saved_at_wait(&self, layers: u64) {
+        self.stats.layers_saved_at_wait.add(layers);
+    }
+
     /// Counts one step's layer admitted through a layer gate after `lag`
     /// (handed over → admitted); `layers` request-layers were in it.
     pub fn note_layer_gate(&self, lag: Duration, layers: usize) {

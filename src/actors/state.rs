@@ -449,6 +449,11 @@ impl ProducerMachine {
         self.auth.is_some()
     }
 
+    /// vLLM finished the request here: no more layers are taken.
+    pub fn finished(&self) -> bool {
+        self.finished
+    }
+
     fn submit(&mut self, layer: u32, blocks: Range<u32>, out: &mut Vec<ProducerEffect>) {
         let Some(auth) = &self.auth else { return };
         let write = self.next_write;
@@ -470,7 +475,13 @@ impl ProducerMachine {
         }
         let (outcome, reason) = match &self.stop {
             Some((o, r)) => (*o, Some(r.clone())),
-            None if self.finished && self.auth.is_some() => (Outcome::Done, None),
+            // Rule 7: done only when every layer of every authorized block
+            // was reported; a gap (a model path that skipped the per-layer
+            // save) fails the request instead of publishing stale pages.
+            None if self.finished && self.auth.is_some() => match self.uncovered() {
+                None => (Outcome::Done, None),
+                Some(gap) => (Outcome::Failed, Some(gap)),
+            },
             None => return,
         };
         self.phase = ProducerPhase::Released;
@@ -483,6 +494,48 @@ impl ProducerMachine {
             });
         }
         out.push(ProducerEffect::Release { outcome, reason });
+    }
+
+    /// The first (layer, block) of the authorization that no `LayerReady`
+    /// covered, said in words; `None` when every layer of request blocks
+    /// `first_block..first_block + block_ids.len()` was reported.
+    fn uncovered(&self) -> Option<String> {
+        let auth = self.auth.as_ref()?;
+        let start = auth.first_block;
+        let Some(end) = u32::try_from(auth.block_ids.len())
+            .ok()
+            .and_then(|n| start.checked_add(n))
+        else {
+            return Some("authorization larger than a request can be".into());
+        };
+        if start >= end {
+            return None;
+        }
+        let mut spans: Vec<Range<u32>> = Vec::new();
+        for layer in 0..auth.layout.layers.len() as u32 {
+            spans.clear();
+            spans.extend(
+                self.ready
+                    .iter()
+                    .filter(|(l, _)| *l == layer)
+                    .map(|(_, b)| b.clone()),
+            );
+            spans.sort_by_key(|r| r.start);
+            let mut reach = start;
+            for s in &spans {
+                if s.start > reach {
+                    break;
+                }
+                reach = reach.max(s.end);
+            }
+            if reach < end {
+                return Some(format!(
+                    "prefill finished without saving layer {layer} of request block {reach} \
+                     (blocks {start}..{end} were authorized): the per-layer save hook was skipped"
+                ));
+            }
+        }
+        None
     }
 
     fn stop_with(&mut self, outcome: Outcome, reason: String) {
@@ -620,6 +673,11 @@ mod tests {
     }
 
     fn hs(generation: u64, blocks: Vec<u32>) -> Arc<Handshake> {
+        hs_layers(generation, blocks, 2)
+    }
+
+    /// A handshake of a model with `layers` layers.
+    fn hs_layers(generation: u64, blocks: Vec<u32>, layers: u32) -> Arc<Handshake> {
         Arc::new(Handshake {
             version: WIRE_VERSION,
             request_id: rid(),
@@ -629,7 +687,7 @@ mod tests {
             expected_producers: 1,
             first_block: 0,
             block_ids: blocks,
-            layout: layout(0x10_0000, 2, 8, 256, (0, 1), 2),
+            layout: layout(0x10_0000, layers, 8, 256, (0, 1), 2),
             expires_unix_ms: 0,
         })
     }
@@ -864,20 +922,20 @@ mod tests {
     #[test]
     fn rule5_generation_fences_writes() {
         let mut p = ProducerMachine::new(rid());
-        p.on_event(ProducerEvent::Handshake(hs(1, vec![4, 5])));
+        p.on_event(ProducerEvent::Handshake(hs_layers(1, vec![4, 5], 1)));
         let old = submits(&p.on_event(ProducerEvent::LayerReady {
             layer: 0,
             blocks: 0..2,
         }));
         assert_eq!(old[0].1, Generation(1));
-        let fx = p.on_event(ProducerEvent::Handshake(hs(1, vec![6, 7])));
+        let fx = p.on_event(ProducerEvent::Handshake(hs_layers(1, vec![6, 7], 1)));
         assert_eq!(fx, vec![ProducerEffect::Dropped(Dropped::AuthorizationChanged)]);
-        let fx = p.on_event(ProducerEvent::Handshake(hs(2, vec![6, 7])));
+        let fx = p.on_event(ProducerEvent::Handshake(hs_layers(2, vec![6, 7], 1)));
         let new = submits(&fx);
         assert_eq!(new.len(), 1);
         assert_eq!(new[0].1, Generation(2));
         assert!(matches!(
-            p.on_event(ProducerEvent::Handshake(hs(1, vec![4, 5])))[..],
+            p.on_event(ProducerEvent::Handshake(hs_layers(1, vec![4, 5], 1)))[..],
             [ProducerEffect::Dropped(Dropped::OlderHandshake { .. })]
         ));
         // the old write completing counts for nothing under generation 2
@@ -946,6 +1004,83 @@ mod tests {
         ));
     }
 
+    /// Feeds `ready` (layer, blocks) to a producer authorized for request
+    /// blocks `first..first + n`, finishes it, completes every write, and
+    /// returns the outcome and reason it notified.
+    fn finish_with(first: u32, n: u32, ready: &[(u32, Range<u32>)]) -> (Outcome, Option<String>) {
+        let mut p = ProducerMachine::new(rid());
+        let mut auth = (*hs(1, (10..10 + n).collect())).clone();
+        auth.first_block = first;
+        p.on_event(ProducerEvent::Handshake(Arc::new(auth)));
+        let mut writes = Vec::new();
+        for (layer, blocks) in ready {
+            writes.extend(submits(&p.on_event(ProducerEvent::LayerReady {
+                layer: *layer,
+                blocks: blocks.clone(),
+            })));
+        }
+        let mut fx = p.on_event(ProducerEvent::Finish);
+        for (write, generation, _) in writes {
+            fx.extend(p.on_event(ProducerEvent::WriteDone {
+                write,
+                generation,
+                bytes: 1,
+            }));
+        }
+        assert_eq!(p.phase(), ProducerPhase::Released, "{fx:?}");
+        fx.into_iter()
+            .find_map(|e| match e {
+                ProducerEffect::Notify { outcome, reason, .. } => Some((outcome, reason)),
+                _ => None,
+            })
+            .expect("a notice")
+    }
+
+    // Rule 7: done only when every layer of every authorized block was
+    // reported; a skipped save hook fails the request, never publishes it.
+    #[test]
+    fn rule7_done_only_when_every_layer_of_every_block_was_reported() {
+        // both layers, in two chunks that overlap on a partial block
+        let all = [(0, 0..2), (1, 0..2), (0, 1..3), (1, 1..3)];
+        assert_eq!(finish_with(0, 3, &all), (Outcome::Done, None));
+        // layer 1 never reported (the hook skipped for it)
+        let (o, why) = finish_with(0, 3, &[(0, 0..3)]);
+        assert_eq!(o, Outcome::Failed);
+        assert!(why.unwrap().contains("layer 1 of request block 0"));
+        // a gap in the middle of layer 0
+        let (o, why) = finish_with(0, 3, &[(0, 0..1), (0, 2..3), (1, 0..3)]);
+        assert_eq!(o, Outcome::Failed);
+        assert!(why.unwrap().contains("layer 0 of request block 1"));
+        // no layer at all
+        assert_eq!(finish_with(0, 2, &[]).0, Outcome::Failed);
+        // blocks before first_block are the consumer's own: not needed
+        assert_eq!(finish_with(2, 1, &[(0, 2..3), (1, 2..3)]), (Outcome::Done, None));
+        // the handshake arrives after Finish: the same rule
+        let mut p = ProducerMachine::new(rid());
+        p.on_event(ProducerEvent::LayerReady {
+            layer: 0,
+            blocks: 0..1,
+        });
+        p.on_event(ProducerEvent::Finish);
+        let fx = p.on_event(ProducerEvent::Handshake(hs(1, vec![4])));
+        let w = submits(&fx);
+        let fx = p.on_event(ProducerEvent::WriteDone {
+            write: w[0].0,
+            generation: w[0].1,
+            bytes: 1,
+        });
+        assert!(matches!(
+            fx[..],
+            [
+                ProducerEffect::Notify {
+                    outcome: Outcome::Failed,
+                    ..
+                },
+                ..
+            ]
+        ));
+    }
+
     #[test]
     fn abort_drains_then_notifies_aborted() {
         let mut p = ProducerMachine::new(rid());
@@ -989,7 +1124,7 @@ mod tests {
             blocks: 0..1,
         });
         assert!(p.on_event(ProducerEvent::Finish).is_empty());
-        let w = submits(&p.on_event(ProducerEvent::Handshake(hs(1, vec![4]))));
+        let w = submits(&p.on_event(ProducerEvent::Handshake(hs_layers(1, vec![4], 1))));
         assert_eq!(w.len(), 1);
         let fx = p.on_event(ProducerEvent::WriteDone {
             write: w[0].0,

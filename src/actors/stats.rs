@@ -68,6 +68,10 @@ pub struct Stats {
     /// Consumers whose blocks were freed by the quarantine with a producer
     /// that never ended.
     pub consumers_quarantine_expired: Counter,
+    /// Layers the vLLM worker sent at `wait_for_save` because vLLM never
+    /// called `save_kv_layer` for them (a model path without the per-layer
+    /// hook): correct, but not overlapped with the forward.
+    pub layers_saved_at_wait: Counter,
 }
 
 /// A point-in-time copy of [`Stats`].
@@ -100,6 +104,7 @@ pub struct StatsSnapshot {
     pub writes_late: u64,
     pub writes_abandoned: u64,
     pub consumers_quarantine_expired: u64,
+    pub layers_saved_at_wait: u64,
 }
 
 impl Stats {
@@ -132,6 +137,7 @@ impl Stats {
             writes_late: self.writes_late.get(),
             writes_abandoned: self.writes_abandoned.get(),
             consumers_quarantine_expired: self.consumers_quarantine_expired.get(),
+            layers_saved_at_wait: self.layers_saved_at_wait.get(),
         }
     }
 }

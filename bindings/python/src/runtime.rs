@@ -594,6 +594,13 @@ impl PyRuntime {
         Ok(self.rt(py)?.live_requests())
     }
 
+    /// Counts `layers` request-layers admitted at `wait_for_save` because
+    /// vLLM skipped `save_kv_layer` for them (`layers_saved_at_wait`).
+    fn note_layers_saved_at_wait(&self, py: Python<'_>, layers: u64) -> PyResult<()> {
+        self.rt(py)?.note_layers_saved_at_wait(layers);
+        Ok(())
+    }
+
     /// The runtime's counters.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.rt(py)?.stats();

@@ -354,6 +354,10 @@ class Runtime:
     def live_requests(self) -> tuple[int, int]:
         """`(consumers, producers)` with a live request actor (leak checks)."""
 
+    def note_layers_saved_at_wait(self, layers: int) -> None:
+        """Counts request-layers admitted at `wait_for_save` because vLLM
+        skipped `save_kv_layer` for them (`layers_saved_at_wait`)."""
+
     def stats(self) -> dict[str, int]:
         """The runtime's counters."""
 

@@ -54,7 +54,12 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         timeout_s=PD_TIMEOUT_S,
         prefill_config={"orbitkv.pd.handshake_timeout_s": PD_TIMEOUT_S, "orbitkv.pd.quarantine_s": QUARANTINE_S},
         decode_config={"orbitkv.pd.quarantine_s": QUARANTINE_S},
-        prefill_env={"ORBITKV_TESTING_WRITE_DELAY": str(run / "write-delay")},
+        prefill_env={
+            "ORBITKV_TESTING_WRITE_DELAY": str(run / "write-delay"),
+            # vLLM shim (orbitkv/testing/vllm_shims): while this file exists
+            # the attention layers skip vLLM's per-layer connector hooks.
+            "ORBITKV_TESTING_SKIP_LAYER_HOOK": str(run / "skip-layer-hook"),
+        },
         decode_env={"ORBITKV_TESTING_CORRUPT_AFTER_LOAD": str(run / "corrupt-next-load")},
         vllm_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)],
         kv_load_failure_policy="fail",

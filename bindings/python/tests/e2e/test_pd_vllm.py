@@ -159,6 +159,44 @@ def test_corrupted_block_changes_output(cluster: Cluster) -> None:
     assert_serves_correctly(cluster)
 
 
+SAVED_AT_WAIT = "vllm:orbitkv_layers_saved_at_wait_total"
+TINY_LAYERS = 4  # orbitkv.testing.tiny_model's default
+
+
+def test_layers_whose_save_hook_vllm_skips_are_sent_at_wait_for_save(cluster: Cluster) -> None:
+    """Some vLLM model paths never call ``save_kv_layer`` (vllm-project/vllm#56762).
+    Here the prefill's attention layers run without vLLM's per-layer connector
+    hooks while a file exists (the cluster's vLLM shim). The connector must send
+    those layers at ``wait_for_save``: output equal to one engine, the layers
+    counted, and one warning in the log; never a request published with
+    missing layers (the runtime's rule 7 would fail it instead)."""
+    skip = cluster.run_dir / "skip-layer-hook"
+    log = cluster.log("prefill")
+    warning = "vLLM did not call save_kv_layer"
+    # (prompt tokens, prefill steps of MAX_BATCHED_TOKENS=600)
+    prompts = [(BLOCK + 1, 1), (1500, 3)]
+    before_p, before_d = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
+    skip.touch()
+    try:
+        for n, steps in prompts:
+            prompt = fresh_prompt(n)
+            got = pd(cluster, prompt).token_ids
+            assert got == baseline(cluster, prompt), f"{n} tokens: P/D without the per-layer hook differs"
+    finally:
+        skip.unlink(missing_ok=True)
+    after_p, after_d = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
+    sent_late = after_p.get(SAVED_AT_WAIT, 0) - before_p.get(SAVED_AT_WAIT, 0)
+    assert sent_late == TINY_LAYERS * sum(steps for _, steps in prompts), (
+        f"{sent_late} layers sent at wait_for_save: expected every layer of every prefill step"
+    )
+    assert after_d[COMPLETED] - before_d[COMPLETED] == len(prompts), "decode did not load KV for each request"
+    assert after_d[FAILED] == before_d[FAILED]
+    assert log.read_text(errors="replace").count(warning) == 1, "the fallback must be said once in the log"
+    # With the hook back, layers go one by one again (nothing more counted).
+    assert_serves_correctly(cluster)
+    assert snapshot(cluster, "prefill").get(SAVED_AT_WAIT, 0) == after_p.get(SAVED_AT_WAIT, 0)
+
+
 def test_one_timeline_per_request_from_both_traces(cluster: Cluster, tmp_path: Path) -> None:
     """`orbitkv trace` merges the prefill's and the decode's worker traces
     into one timeline of a request: both processes, the request's producer

@@ -38,7 +38,7 @@ from orbitkv.testing.tiny_model import TinyModelSpec, make_tiny_model
 
 # On the 2-core CI machine these stalled for 15-60 s per request until
 # 2026-11-30, for two causes in vLLM 0.26.0, both handled by the test
-# cluster's vLLM shim (orbitkv/testing/vllm_shm_fix, applied to every
+# cluster's vLLM shim (orbitkv/testing/vllm_shims, applied to every
 # instance): (1) a worker can miss its step wake-up (fixed upstream by
 # vllm-project/vllm#45224: the idle wait is capped); (2) vLLM's readers
 # busy-wait for a second after each read, and while decode waits for remote

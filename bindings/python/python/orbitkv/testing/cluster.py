@@ -451,7 +451,7 @@ def _stop_all() -> None:
 # 0 leaves vLLM as it is).
 SHM_RECHECK_MS = int(os.environ.get("ORBITKV_TESTING_SHM_RECHECK_MS", "100"))
 SHM_SPIN_S = os.environ.get("ORBITKV_TESTING_SHM_SPIN_S", "0")
-SHM_FIX_DIR = Path(__file__).parent / "vllm_shm_fix"
+SHIMS_DIR = Path(__file__).parent / "vllm_shims"
 
 
 def vllm_env(omp_bind: str, extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -656,13 +656,14 @@ class Cluster:
         env["VLLM_HOST_IP"] = spec.data_host
         if SHM_RECHECK_MS:
             # vLLM 0.26.0 can lose a worker's step wake-up (fixed upstream in
-            # vllm-project/vllm#45224): see vllm_shm_fix/sitecustomize.py.
+            # vllm-project/vllm#45224): see vllm_shims/sitecustomize.py.
             # A TP 1 instance runs its one worker behind the same ring.
             env.setdefault("ORBITKV_TESTING_SHM_RECHECK_MS", str(SHM_RECHECK_MS))
             # ... and its readers busy-wait for a second after each read,
             # which on two cores starves everything else: see the same file.
             env.setdefault("ORBITKV_TESTING_SHM_SPIN_S", SHM_SPIN_S)
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHM_FIX_DIR), env.get("PYTHONPATH", "")) if p)
+        # The shims are inert unless their ORBITKV_TESTING_* variables are set.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SHIMS_DIR), env.get("PYTHONPATH", "")) if p)
         return env
 
     def proxy_argv(self) -> list[str]:

@@ -106,6 +106,10 @@ _PROM = {
         "vllm:orbitkv_consumers_quarantine_expired",
         "Decode requests whose blocks the quarantine freed while a producer had never ended.",
     ),
+    "layers_saved_at_wait": (
+        "vllm:orbitkv_layers_saved_at_wait",
+        "Layers sent at the end of a step because vLLM skipped the per-layer save hook for them (not overlapped).",
+    ),
 }
 
 # Time sums the runtime keeps in microseconds, exported as seconds counters.

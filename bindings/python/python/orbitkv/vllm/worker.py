@@ -153,6 +153,7 @@ class PdWorker:
         self.runtime: Runtime | None = None
         self.side_channel: SideChannel | None = None
         self._layer_index: dict[str, int] = {}
+        self._layer_names: list[str] = []
         # Test-only fault hooks, off unless their environment variables are set.
         self._hooks = TestingHooks.from_env()
         delay_hook = self._hooks is not None and self._hooks.write_delay_file is not None
@@ -166,6 +167,10 @@ class PdWorker:
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._num_blocks = 0
         self._step_chunks: list[ProducerChunk] = []
+        # Layers vLLM called save_kv_layer for in this step (the others are
+        # sent at wait_for_save).
+        self._step_layers: set[int] = set()
+        self._warned_saved_at_wait = False
         # pd_id -> vLLM request id, per side
         self._consumer_req: dict[str, str] = {}
         self._consumer_blocks: dict[str, list[int]] = {}
@@ -200,6 +205,7 @@ class PdWorker:
             tp_size=self.tp_size,
         )
         self._layer_index = {n: i for i, n in enumerate(names)}
+        self._layer_names = list(names)
         self._kv_caches = dict(kv_caches)
         self._num_blocks = num_blocks
         # Every thread started from here on (Mooncake's, the runtime's, the
@@ -302,6 +308,7 @@ class PdWorker:
         for d in meta.producers_discard:
             self._producer_call(rt.producer_discard, d.pd_id, d.capability, d.reason or "finished before scheduled")
         self._step_chunks = []
+        self._step_layers = set()
         for ch in meta.producer_chunks:
             if ch.opens:
                 self._producer_req[ch.pd_id] = ch.req_id
@@ -361,11 +368,22 @@ class PdWorker:
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         if not self._step_chunks:
             return
-        rt = self.runtime
-        assert rt is not None
         idx = self._layer_index.get(layer_name)
         if idx is None:
             return  # not a KV layer we registered (e.g. a cross-attention cache)
+        self._step_layers.add(idx)
+        self._save_layer(idx)
+        if len(self._step_layers) == len(self._layer_index):
+            # Every layer of a request's last chunk is admitted: finish it now
+            # rather than after the rest of the forward (the last MLP, the
+            # logits), so decode learns that its KV is complete sooner.
+            self._finish_last_chunks()
+
+    def _save_layer(self, idx: int) -> None:
+        """Admits layer ``idx`` of this step's chunks (their writes start once
+        the layer's kernels are done on GPU)."""
+        rt = self.runtime
+        assert rt is not None
         if self._rust_gate:
             # CUDA: the attention kernel may still be writing this layer. The
             # runtime records an event on this stream and admits the layer
@@ -376,7 +394,7 @@ class PdWorker:
                 self._gate_used = True
             except OrbitKVError as e:
                 if self._gate_failed(e):
-                    self.save_kv_layer(layer_name, kv_layer)
+                    self._save_layer(idx)
                 return
         elif self.is_cuda:
             assert self._ordered is not None
@@ -402,11 +420,6 @@ class PdWorker:
             ]
             for ch in gone:  # released under us: nothing more to send for it
                 self._step_chunks.remove(ch)
-        if idx == len(self._layer_index) - 1:
-            # Every layer of a request's last chunk is admitted: finish it now
-            # rather than after the rest of the forward (the last MLP, the
-            # logits), so decode learns that its KV is complete sooner.
-            self._finish_last_chunks()
 
     def _gate_failed(self, e: Exception) -> bool:
         """The runtime's layer gate cannot be used (no usable CUDA driver from
@@ -430,10 +443,31 @@ class PdWorker:
         return False
 
     def wait_for_save(self) -> None:
-        if self.runtime is None:
+        rt = self.runtime
+        if rt is None:
             return
+        missing = [i for i in range(len(self._layer_index)) if i not in self._step_layers]
+        if self._step_chunks and missing:
+            # vLLM skipped save_kv_layer for these layers (some model paths
+            # do: vllm-project/vllm#56762). The forward is over, so they are
+            # sent now, not overlapped; never silently not at all (the
+            # producer would fail the request: rule 7).
+            if not self._warned_saved_at_wait:
+                self._warned_saved_at_wait = True
+                logger.warning(
+                    "vLLM did not call save_kv_layer for %d of %d KV layers (e.g. %s): OrbitKV sends them "
+                    "at wait_for_save instead, after the forward, so their transfer does not overlap "
+                    "compute (counted in vllm:orbitkv_layers_saved_at_wait; said once)",
+                    len(missing),
+                    len(self._layer_index),
+                    self._layer_names[missing[0]],
+                )
+            for idx in missing:
+                self._save_layer(idx)
+            rt.note_layers_saved_at_wait(len(missing) * len(self._step_chunks))
         self._finish_last_chunks()  # if the last layer's save was not seen
         self._step_chunks = []
+        self._step_layers = set()
 
     def _finish_last_chunks(self) -> None:
         rt = self.runtime

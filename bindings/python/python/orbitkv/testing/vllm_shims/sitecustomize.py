@@ -1,4 +1,15 @@
-"""Test-cluster only: the upstream fix for a vLLM 0.26.0 hang with TP > 1.
+"""Test-cluster only: patches to vLLM in the servers `orbitkv.testing.cluster`
+starts (this folder is first on their ``PYTHONPATH``); each is inert unless
+its ``ORBITKV_TESTING_*`` variable is set. Other processes never load it.
+
+1. The upstream fix for a vLLM 0.26.0 hang with TP > 1 (below).
+2. ``ORBITKV_TESTING_SKIP_LAYER_HOOK=<file>``: while that file exists, the
+   attention layers skip vLLM's per-layer connector hooks
+   (``maybe_transfer_kv_layer``: ``wait_for_layer_load`` and
+   ``save_kv_layer``), as some model paths do (vllm-project/vllm#56762), so a
+   test can show the connector sending those layers at ``wait_for_save``.
+
+The TP hang:
 
 vLLM 0.26.0's multiprocess executor broadcasts each step to the TP workers
 through a shared-memory ring (``vllm/distributed/device_communicators/
@@ -13,11 +24,9 @@ requests through a TP 2 instance for 15-30 s (py-spy: rank 0 in
 vLLM fixed it upstream (vllm-project/vllm#45224: an idle reader re-checks
 the ring at least every 5 s).
 
-`orbitkv.testing.cluster` puts this folder first on ``PYTHONPATH`` of the
-vLLM servers it starts when an instance has TP > 1 and
-``ORBITKV_TESTING_SHM_RECHECK_MS`` is set (the cluster sets it): the
-reader's idle wait is then capped at that many milliseconds, the upstream
-fix's behaviour with a shorter period.
+With ``ORBITKV_TESTING_SHM_RECHECK_MS`` set (the cluster sets it for every
+instance) the reader's idle wait is capped at that many milliseconds, the
+upstream fix's behaviour with a shorter period.
 
 ``ORBITKV_TESTING_SHM_SPIN_S`` (the cluster sets 0) replaces the readers'
 busy-wait period (vLLM: 1 s after each read, spinning on ``sched_yield``).
@@ -28,12 +37,12 @@ the CPU that the prefill's step and both API servers needed, and a P/D
 request through a TP 2 prefill stalled for 15-60 s (top: decode's worker
 and the prefill ranks at ~100 % while py-spy showed them waiting for a
 step). Without the spin a reader waits in ``poll`` for the writer's
-notification (capped as above). Nothing else changes; other processes never
-load this file.
+notification (capped as above).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.machinery
 import os
@@ -67,27 +76,58 @@ def _patch(module) -> None:  # noqa: ANN001 - a vLLM module
         cls.__init__ = init_spin
 
 
+_HOOK_TARGET = "vllm.model_executor.layers.attention.kv_transfer_utils"
+
+
+def _patch_layer_hook(module) -> None:  # noqa: ANN001 - a vLLM module
+    flag = os.environ["ORBITKV_TESTING_SKIP_LAYER_HOOK"]
+    hooked = module.maybe_transfer_kv_layer
+
+    def maybe_transfer_kv_layer(func):  # noqa: ANN001, ANN202
+        with_hooks = hooked(func)
+
+        @functools.wraps(func)
+        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if os.path.exists(flag):
+                return func(*args, **kwargs)  # no connector hook for this layer
+            return with_hooks(*args, **kwargs)
+
+        return wrapper
+
+    module.maybe_transfer_kv_layer = maybe_transfer_kv_layer
+
+
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader) -> None:
+    def __init__(self, inner: importlib.abc.Loader, patch) -> None:  # noqa: ANN001
         self.inner = inner
+        self.patch = patch
 
     def create_module(self, spec):  # noqa: ANN001, ANN201
         return self.inner.create_module(spec)
 
     def exec_module(self, module) -> None:  # noqa: ANN001
         self.inner.exec_module(module)
-        _patch(module)
+        self.patch(module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
+    def __init__(self, patches: dict) -> None:  # noqa: ANN001
+        self.patches = patches
+
     def find_spec(self, name, path, target=None):  # noqa: ANN001, ANN201
-        if name != _TARGET:
+        patch = self.patches.get(name)
+        if patch is None:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is not None and spec.loader is not None:
-            spec.loader = _Loader(spec.loader)
+            spec.loader = _Loader(spec.loader, patch)
         return spec
 
 
+_patches = {}
 if os.environ.get("ORBITKV_TESTING_SHM_RECHECK_MS"):
-    sys.meta_path.insert(0, _Finder())
+    _patches[_TARGET] = _patch
+if os.environ.get("ORBITKV_TESTING_SKIP_LAYER_HOOK"):
+    _patches[_HOOK_TARGET] = _patch_layer_hook
+if _patches:
+    sys.meta_path.insert(0, _Finder(_patches))
