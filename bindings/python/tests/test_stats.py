@@ -11,6 +11,7 @@ from orbitkv import _native
 from orbitkv.vllm import stats
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "configuration.md"
+DASHBOARD = DOCS.parent / "grafana" / "orbitkv-pd.json"
 
 
 def test_every_runtime_counter_is_reported_and_exported_once() -> None:
@@ -36,3 +37,20 @@ def test_the_stats_object_reports_every_counter() -> None:
     snapshot = stats.PdConnectorStats(data={k: 1 for k in stats.COUNTERS})
     assert not snapshot.is_empty()
     assert set(snapshot.reduce()) >= set(stats.COUNTERS)
+
+
+def test_the_grafana_dashboard_shows_every_orbitkv_metric_by_its_exported_name() -> None:
+    """docs/grafana/orbitkv-pd.json: every vllm:orbitkv_* series it queries is
+    one the connector exports (Prometheus adds _total to counters), and every
+    exported one has a panel. (That vLLM's own series it queries exist is
+    checked against real servers: e2e/test_pd_vllm.py.)"""
+    import json
+
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    queried = {n for e in exprs for n in re.findall(r"vllm:orbitkv_[a-z_]+", e)}
+    exported = {f"{n}_total" for n, _ in stats._PROM.values()} | {f"{n}_total" for n, _ in stats._SECONDS.values()}
+    assert queried - exported == set(), "the dashboard queries series the connector does not export"
+    assert exported - queried == set(), "exported series without a panel"
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids)), "panel ids must be unique"

@@ -11,6 +11,7 @@ the fp32 tiny model is deterministic, so token ids must match exactly.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -195,6 +196,27 @@ def test_layers_whose_save_hook_vllm_skips_are_sent_at_wait_for_save(cluster: Cl
     # With the hook back, layers go one by one again (nothing more counted).
     assert_serves_correctly(cluster)
     assert snapshot(cluster, "prefill").get(SAVED_AT_WAIT, 0) == after_p.get(SAVED_AT_WAIT, 0)
+
+
+def _dashboard() -> Path:
+    """docs/grafana/orbitkv-pd.json, found upward from this file (the wheel
+    test in scripts/test.sh runs a copy of the tests with a copy of it)."""
+    for d in Path(__file__).resolve().parents:
+        f = d / "docs" / "grafana" / "orbitkv-pd.json"
+        if f.is_file():
+            return f
+    raise AssertionError("docs/grafana/orbitkv-pd.json not found above the tests")
+
+
+def test_every_series_the_grafana_dashboard_queries_exists_on_the_servers(cluster: Cluster) -> None:
+    """The dashboard (docs/grafana) queries OrbitKV's and vLLM's series by
+    name; after P/D traffic each must be on the prefill or the decode server's
+    /metrics (a renamed vLLM metric breaks a panel silently otherwise)."""
+    assert_serves_correctly(cluster)
+    dash = json.loads(_dashboard().read_text())
+    queried = {n for p in dash["panels"] for t in p.get("targets", []) for n in re.findall(r"vllm:[a-z_]+", t["expr"])}
+    served = set(snapshot(cluster, "prefill")) | set(snapshot(cluster, "decode"))
+    assert queried - served == set(), f"series the dashboard queries that no server exports: {sorted(queried - served)}"
 
 
 def test_one_timeline_per_request_from_both_traces(cluster: Cluster, tmp_path: Path) -> None:
