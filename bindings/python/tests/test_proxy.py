@@ -445,6 +445,43 @@ def test_a_dead_prefill_is_failed_over_and_left_out(loop_thread: LoopThread) -> 
         m.close()
 
 
+def test_a_prefill_that_dies_under_a_request_is_failed_over_before_any_byte(loop_thread: LoopThread) -> None:
+    """A prefill killed while it runs a request (its connection drops) before
+    decode sent anything: the client does not see it; the request runs
+    again on the other prefill with a fresh identity, and the dead one is
+    left out of new requests."""
+
+    async def prefill_dies(b: Backend, request: web.Request, body: dict) -> web.StreamResponse:
+        await asyncio.sleep(0.05)  # both halves are under way
+        assert request.transport is not None
+        request.transport.close()  # the process is gone: connection reset
+        await asyncio.sleep(60)
+        raise AssertionError("not dropped")
+
+    async def decode_waits_for_kv(b: Backend, request: web.Request, body: dict) -> web.StreamResponse:
+        await asyncio.sleep(0.3)  # decode waits for its KV: nothing sent yet
+        return await decode_any(b, request, body)
+
+    m = Many(loop_thread)
+    try:
+        m.prefills[0].reply = prefill_dies
+        m.prefills[1].reply = prefill_any
+        m.decode.reply = decode_waits_for_kv
+        # Idle pool: the first pick is prefill-a (least outstanding, first listed).
+        status, data = _post(m.port, {"prompt": "x", "max_tokens": 2})
+        assert status == 200 and json.loads(data) == DECODE_JSON
+        assert len(m.prefills[0].seen) == 1 and len(m.prefills[1].seen) == 1
+        first, second = (d["body"][proxy.KV_PARAMS_FIELD] for d in m.decode.seen)
+        assert first[kvp.REQUEST] != second[kvp.REQUEST] and first[kvp.CAPABILITY] != second[kvp.CAPABILITY]
+        assert (first[kvp.PREFILL_KV], second[kvp.PREFILL_KV]) == (m.kvs[0], m.kvs[1])
+        assert len(m.decode.cancelled) == 1, "the first decode request was not dropped"
+        # Left out until its health check passes again.
+        status, _ = _post(m.port, {"prompt": "y", "max_tokens": 2})
+        assert status == 200 and len(m.prefills[0].seen) == 1
+    finally:
+        m.close()
+
+
 def test_body_prefill_and_decode_helpers() -> None:
     body = {"messages": [], "max_completion_tokens": 50, "stream": True,
             "stream_options": {"include_usage": True}}

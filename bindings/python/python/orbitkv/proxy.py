@@ -344,8 +344,12 @@ class _Exchange:
             await asyncio.wait({prefill, decode}, return_when=asyncio.FIRST_COMPLETED)
             for task, url in ((prefill, self.prefill_at.url), (decode, self.decode_at)):
                 if task.done() and not task.cancelled() and self.response is None:
-                    if isinstance(task.exception(), aiohttp.ClientConnectorError):
-                        raise _Retry(url, str(task.exception()))
+                    # Refused, reset or dropped (the instance died under the
+                    # request) before any byte reached the client: the
+                    # request runs again elsewhere, under a fresh identity.
+                    exc = task.exception()
+                    if isinstance(exc, aiohttp.ClientConnectionError):
+                        raise _Retry(url, str(exc) or type(exc).__name__)
             if not decode.done():
                 failure = _failure(prefill)
                 if failure is not None:
@@ -354,8 +358,8 @@ class _Exchange:
                 await asyncio.wait({decode})
             if decode.exception() is not None:
                 exc = decode.exception()
-                if isinstance(exc, aiohttp.ClientConnectorError) and self.response is None:
-                    raise _Retry(self.decode_at, str(exc))
+                if isinstance(exc, aiohttp.ClientConnectionError) and self.response is None:
+                    raise _Retry(self.decode_at, str(exc) or type(exc).__name__)
                 logger.warning("%s: decode failed: %s: %s", self.id, type(exc).__name__, exc)
                 await _cancel(prefill)
                 if self.response is None:

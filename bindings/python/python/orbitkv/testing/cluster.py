@@ -517,6 +517,8 @@ class Cluster:
     the prefill then runs inside it, its API on the control link and its
     Mooncake engine and side channel on the data link, and decode's Mooncake
     engine listens on the data link's outer address (fault tests).
+    ``more_prefills``: further prefill instances (``prefill2``, ...; TP 1, the
+    prefill's configuration and environment) behind the same proxy.
     """
 
     def __init__(
@@ -539,6 +541,7 @@ class Cluster:
         prefill_tp: int = 1,
         decode_tp: int = 1,
         prefill_netns: Any = None,
+        more_prefills: int = 0,
     ):
         self.model = str(model)
         self.run_dir = Path(run_dir).resolve()
@@ -574,6 +577,17 @@ class Cluster:
             kv_load_failure_policy,
             tp=decode_tp,
         )
+        self.more_prefills = [
+            InstanceSpec(
+                f"prefill{i + 2}",
+                free_port(),
+                free_port(),
+                str(i % 2),
+                dict(self.prefill.extra_config),
+                dict(self.prefill.env),
+            )
+            for i in range(more_prefills)
+        ]
         if prefill_netns is not None:
             ns = prefill_netns
             self.prefill.netns = ns
@@ -600,6 +614,21 @@ class Cluster:
     @property
     def prefill_kv(self) -> str:
         return f"{self.prefill.data_host}:{self.prefill.side_channel_port}"
+
+    @property
+    def prefills(self) -> list[InstanceSpec]:
+        return [self.prefill, *self.more_prefills]
+
+    @property
+    def servers(self) -> list[str]:
+        """Names of the vLLM servers (prefills first, then decode)."""
+        return [p.name for p in self.prefills] + ["decode"]
+
+    def spec(self, name: str) -> InstanceSpec:
+        for sp in (*self.prefills, self.decode):
+            if sp.name == name:
+                return sp
+        raise KeyError(name)
 
     def log(self, name: str) -> Path:
         return self.run_dir / f"{name}.log"
@@ -667,16 +696,16 @@ class Cluster:
         return env
 
     def proxy_argv(self) -> list[str]:
+        prefills: list[str] = []
+        for sp in self.prefills:
+            prefills += ["--prefill", sp.url, "--prefill-kv", f"{sp.data_host}:{sp.side_channel_port}"]
         return [
             sys.executable,
             "-m",
             "orbitkv.proxy",
-            "--prefill",
-            self.prefill_url,
+            *prefills,
             "--decode",
             self.decode_url,
-            "--prefill-kv",
-            self.prefill_kv,
             "--decode-tp",
             str(self.decode.tp),
             "--host",
@@ -691,9 +720,9 @@ class Cluster:
         with _RUNNING_LOCK:
             _RUNNING.add(self)
         try:
-            for spec in (self.prefill, self.decode):
-                self.start_server(spec.name, wait=False)
-            self.wait_healthy(("prefill", "decode"))
+            for name in self.servers:
+                self.start_server(name, wait=False)
+            self.wait_healthy(self.servers)
             if self.connector:
                 env = dict(os.environ, PYTHONUNBUFFERED="1")
                 self.procs["proxy"] = Proc("proxy", self.proxy_argv(), env, self.log("proxy"))
@@ -705,7 +734,7 @@ class Cluster:
 
     def start_server(self, name: str, wait: bool = True) -> Proc:
         """(Re)starts the prefill or decode server."""
-        spec = self.prefill if name == "prefill" else self.decode
+        spec = self.spec(name)
         old = self.procs.get(name)
         if old is not None:
             old.stop()
@@ -716,7 +745,7 @@ class Cluster:
         return p
 
     def url_of(self, name: str) -> str:
-        return {"prefill": self.prefill_url, "decode": self.decode_url, "proxy": self.proxy_url}[name]
+        return self.proxy_url if name == "proxy" else self.spec(name).url
 
     def wait_healthy(self, names: Sequence[str], timeout_s: float | None = None) -> None:
         procs = [self.procs[n] for n in names]
@@ -739,7 +768,7 @@ class Cluster:
         self.procs[name].kill()
 
     def stop(self) -> None:
-        for name in ("proxy", "decode", "prefill"):
+        for name in ("proxy", *reversed(self.servers)):
             p = self.procs.get(name)
             if p is not None:
                 p.stop()
