@@ -27,7 +27,7 @@ echo "== Fuzzing the wire contract (coverage-guided, bounded: ORBITKV_FUZZ_SECON
 run_pytest() {  # PYTHON PATHS...: a failure (5: no test collected, too) ends the run
   local py=$1 rc=0
   shift
-  "$py" -m pytest "$@" -q -rs || rc=$?
+  "$py" -m pytest "$@" -q -rs --durations=15 || rc=$?
   if [ "$rc" -ne 0 ]; then
     [ "$rc" -eq 5 ] && echo "test.sh: pytest collected no tests in $*" >&2
     exit "$rc"
