@@ -336,6 +336,21 @@ def server_env(ctx: Ctx, s: Server) -> dict[str, str]:
     return env
 
 
+def skip_layer_hook_env(ctx: Ctx) -> dict[str, str]:
+    """The environment that makes a vLLM server's attention layers skip the
+    connector's per-layer hooks: orbitkv.testing's vLLM shim, armed by a file
+    that exists for the whole run."""
+    import importlib.util
+
+    found = importlib.util.find_spec("orbitkv.testing")
+    assert found is not None and found.submodule_search_locations, "orbitkv.testing is not installed"
+    shims = Path(list(found.submodule_search_locations)[0]) / "vllm_shims"
+    flag = ctx.work / "skip-layer-hook"
+    flag.touch()
+    return {"ORBITKV_TESTING_SKIP_LAYER_HOOK": str(flag),
+            "PYTHONPATH": os.pathsep.join(p for p in (str(shims), os.environ.get("PYTHONPATH", "")) if p)}
+
+
 def start_server(ctx: Ctx, s: Server) -> None:
     s.log = ctx.work / "logs" / f"{s.name}.log"
     argv = server_argv(ctx, s)
@@ -652,6 +667,16 @@ def stage_a(ctx: Ctx, models: dict[str, tuple[ModelSpec, str]], eager: bool, on_
     trios = {}
     for key, (spec, path) in models.items():
         trios[key] = small_trio(ctx, spec, path, eager, f"{key}{'-eager' if eager else ''}")
+    if ctx.args.skip_layer_hook:
+        # The fp32 model once more, its prefill's attention layers without
+        # vLLM's per-layer connector hooks (as some model paths are): the
+        # connector must send every layer at wait_for_save.
+        key = next(iter(models))
+        spec, path = models[key]
+        nohook = f"{key}-nohook"
+        trios[nohook] = small_trio(ctx, spec, path, eager, f"{nohook}{'-eager' if eager else ''}")
+        trios[nohook][1].extra_env.update(skip_layer_hook_env(ctx))
+        models = {**models, nohook: models[key]}
     allsrv = [s for t in trios.values() for s in t]
     for s in allsrv:
         start_server(ctx, s)
@@ -682,6 +707,11 @@ def stage_a(ctx: Ctx, models: dict[str, tuple[ModelSpec, str]], eager: bool, on_
                 tol = ctx.args.tol_fp32 if spec.dtype == "float32" else ctx.args.tol_bf16
                 ctx.log(f"  {key} ({spec.dtype}, {'eager' if eager else 'default mode'}):")
                 r.update(correctness(ctx, spec, trio, purl, tol))
+                if key.endswith("-nohook"):
+                    # every layer of every P/D prefill step went at wait_for_save
+                    late = r["metrics_delta"][trio[1].name].get("vllm:orbitkv_layers_saved_at_wait_total", 0)
+                    r["layers_saved_at_wait"] = late
+                    r["pass"] = bool(r["pass"] and late >= r["pd_requests"] * spec.layers)
             except Exception as e:  # noqa: BLE001
                 r["pass"] = False
                 r["error"] = f"{type(e).__name__}: {e}"
@@ -1118,8 +1148,9 @@ def report(d: Path) -> str:
             hit = next((x.get("decode_prefix_cache_hit_tokens") for x in m["cases"]
                         if "decode_prefix_cache_hit_tokens" in x), None)
             idle_ok = all(v.get("idle") for v in m.get("idle_after", {}).values())
+            late = f", {m['layers_saved_at_wait']:.0f} layers sent at wait_for_save" if "layers_saved_at_wait" in m else ""
             lines.append(
-                f"| {key} ({m['model']['dtype']}) | yes | {c.get('equal', 0)} / {c.get('near-tie', 0)} / "
+                f"| {key} ({m['model']['dtype']}{late}) | yes | {c.get('equal', 0)} / {c.get('near-tie', 0)} / "
                 f"{c.get('mismatch', 0)} / {c.get('error', 0) + c.get('reference error', 0)} | {hit} tokens | "
                 f"{m.get('transfers_completed')} of {m.get('pd_requests')} / {m.get('transfers_failed')} | "
                 f"{m.get('bytes_written')} | "
@@ -1249,6 +1280,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--big-kv-gib", type=float, default=12)
     p.add_argument("--big-layers", type=int, default=32,
                    help="layers of the Llama-3-8B-shaped model (fewer: more instances fit one GPU)")
+    p.add_argument("--skip-layer-hook", action="store_true",
+                   help="stage a: the fp32 model once more with its prefill's attention layers skipping vLLM's "
+                        "per-layer connector hooks (every layer then goes at wait_for_save; counted)")
     p.add_argument("--one-gpu", action="store_true",
                    help="every instance on GPU 0 (a one-GPU machine; the transfer stays on one device)")
     p.add_argument("--ab", choices=("none", "one-lane", "python-gate"), default="one-lane",
