@@ -24,15 +24,17 @@ Suites:
             odd-sized ranges checked byte for byte with guard bytes around
             every destination range, (c) vLLM-shaped KV streamed layer by
             layer through `orbitkv.Runtime` for each prompt size, contiguous
-            and scattered block IDs, bytes checked per block (position-
-            weighted checksums, request order) and unauthorized blocks checked
-            untouched, (d) raw `engine.write` anchors (1, 16, 256 MiB; 1024 x
+            and scattered block IDs, every written byte compared with the
+            producer's source block (the consumer regenerates the producer's
+            seeded random KV) after every repetition, and unauthorized blocks
+            checked untouched, (d) raw `engine.write` anchors (1, 16, 256 MiB; 1024 x
             64 KiB in one batch and in 8 batches) and the runtime's own ranges
             written directly (one batch per layer, all submitted at once).
   nixl      two processes, one NIXL agent each (UCX backend): the same anchors
             and the same KV ranges, one transfer per layer, all posted at once.
   torch     one process: `dst.copy_(src)` from the source device to the
-            destination device for the same patterns.
+            destination device for the same patterns, each checked byte for
+            byte after its timing.
 
 Times: CLOCK_MONOTONIC (`time.monotonic_ns`), which is one clock for all
 processes of a machine, so the producer's first `layer_ready` and the
@@ -177,6 +179,18 @@ class Side:
                 t.view(torch.uint8).fill_(GUARD)
             self.raw.fill_(GUARD)
             self.guard.fill_(GUARD)
+        # The consumer regenerates the producer's KV (the same generator,
+        # seed and calls, on the same kind of device): what every written
+        # block must equal, byte for byte (kv_equal), with no data moved
+        # between the processes for the check.
+        self.ref: list[Any] = []
+        if role == "consumer":
+            ref_gen = torch.Generator(device=self.dev)
+            ref_gen.manual_seed(SEED + 1)
+            for t in self.kv:
+                r = torch.empty_like(t)
+                r.view(torch.uint8).random_(0, 256, generator=ref_gen)
+                self.ref.append(r)
         self.sync()
         self.alloc_s = time.monotonic() - t0
         w = (torch.arange(1, 32769, dtype=torch.int64) * 2654435761) % 2147483647 + 1
@@ -294,15 +308,24 @@ class Side:
         self.sync()
         return {}
 
-    def cmd_kv_sums(self, ids: list[int]) -> Any:
-        """Per layer, plane and block (request order): position-weighted sums."""
+    def cmd_kv_equal(self, src: list[int], dst: list[int]) -> dict[str, Any]:
+        """Consumer: every byte of destination blocks `dst` (every layer and
+        plane) against the producer's source blocks `src`, regenerated here.
+        Counts the (layer, plane, block) triples that differ in any byte."""
         torch = self.torch
-        idx = torch.tensor(ids, dtype=torch.int64, device=self.dev)
-        out = []
-        for t in self.kv:
-            v = t.view(torch.int16).reshape(2, self.nb, BLOCK_BYTES // 2)
-            out.append(self.row_sums(v.index_select(1, idx).reshape(-1, BLOCK_BYTES // 2)))
-        return torch.stack(out).cpu().numpy()
+        assert self.ref, "kv_equal runs on the consumer"
+        si = torch.tensor(src, dtype=torch.int64, device=self.dev)
+        di = torch.tensor(dst, dtype=torch.int64, device=self.dev)
+        bad = compared = 0
+        for got_t, want_t in zip(self.kv, self.ref, strict=True):
+            got = got_t.view(torch.uint8).reshape(2, self.nb, BLOCK_BYTES)
+            want = want_t.view(torch.uint8).reshape(2, self.nb, BLOCK_BYTES)
+            for i in range(0, len(dst), 512):
+                a = got.index_select(1, di[i:i + 512])
+                b = want.index_select(1, si[i:i + 512])
+                bad += int((a != b).any(dim=2).sum())
+                compared += a.numel()
+        return {"method": "bytes", "compared": compared, "mismatched": bad, "ok": bad == 0}
 
     def cmd_kv_untouched(self, ids: list[int]) -> dict[str, Any]:
         """Blocks outside `ids` that are no longer all guard bytes."""
@@ -388,6 +411,36 @@ class Side:
         pass
 
 
+def mooncake_says(start: Any) -> tuple[list[str], Any]:
+    """Runs ``start`` (which loads Mooncake and starts an engine) with
+    Mooncake's INFO log on and this process's stderr going to a file for the
+    while, and returns the lines where Mooncake says which transport it
+    installed ("Using Intra-Node NVLink transport ...", "Using TCP transport
+    ...", "IntraNodeNvlinkTransport: using cudaMemcpyBatchAsync ...") and
+    what ``start`` returned. Mooncake reads GLOG_minloglevel when it is
+    loaded, so this must be the process's first engine."""
+    import re
+    import tempfile
+
+    os.environ["GLOG_minloglevel"] = "0"
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            value = start()
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        f.seek(0)
+        text = f.read().decode(errors="replace")
+    sys.stderr.write(text)  # still in the run's log
+    said = [re.sub(r"^[IWE]\d{4} [\d:.]+ +\d+ \S+\] ", "", line) for line in text.splitlines()
+            if re.search(r"[Uu]sing .*transport|transport only|IntraNodeNvlinkTransport: using", line)]
+    return said, value
+
+
 class MooncakeSide(Side):
     def __init__(self, role: str, opts: dict[str, Any]) -> None:
         super().__init__(role, opts)
@@ -395,7 +448,7 @@ class MooncakeSide(Side):
 
         self.orbitkv = orbitkv
         t0 = time.monotonic()
-        self.engine = orbitkv.MooncakeTransferEngine("127.0.0.1")
+        self.transport_log, self.engine = mooncake_says(lambda: orbitkv.MooncakeTransferEngine("127.0.0.1"))
         self.engine_s = time.monotonic() - t0
         self.reg_s = []
         for t in self.buffers():
@@ -422,6 +475,8 @@ class MooncakeSide(Side):
             "orbitkv": self.orbitkv.__version__,
             "mooncake_version": self.engine.mooncake_version,
             "mooncake_library": self.engine.mooncake_library,
+            # Which transport Mooncake installed, in its own words.
+            "mooncake_transport": self.transport_log,
             "torch": torch.__version__,
             "torch_cuda": torch.version.cuda,
             "device": torch.cuda.get_device_name(self.dev) if self.cuda else platform.processor() or "cpu",
@@ -724,7 +779,8 @@ class TorchSide(Side):
             secs = self.timed(lambda: dst[:n].copy_(src[:n], non_blocking=True), reps)
             out = summarize(n, secs)
             self.sync_both()
-            out["equal"] = bool(self.torch.equal(dst[:n].cpu(), src[:n].cpu())) if n <= 16 * MiB else None
+            ok = bool(self.torch.equal(dst[:n], src[:n].to(dst.device)))
+            out["bytes_check"] = {"method": "bytes", "compared": n, "mismatched": 0 if ok else 1, "ok": ok}
             return out
         count, size = 1024, 64 << 10
         slots = random.Random(SEED).sample(range(src.numel() // size), count)
@@ -733,7 +789,11 @@ class TorchSide(Side):
             for i, s in enumerate(slots):
                 dst[s * size:(s + 1) * size].copy_(src[i * size:(i + 1) * size], non_blocking=True)
 
-        return summarize(count * size, self.timed(go, reps))
+        out = summarize(count * size, self.timed(go, reps))
+        bad = sum(not self.torch.equal(dst[s * size:(s + 1) * size], src[i * size:(i + 1) * size].to(dst.device))
+                  for i, s in enumerate(slots))
+        out["bytes_check"] = {"method": "bytes", "compared": count * size, "mismatched": bad, "ok": bad == 0}
+        return out
 
     def cmd_kv(self, src_ids: list[int], dst_ids: list[int], reps: int) -> dict[str, Any]:
         """Contiguous: one copy_ per layer and plane of the request's blocks.
@@ -753,7 +813,16 @@ class TorchSide(Side):
                 else:
                     d.index_copy_(1, di, s.index_select(1, si).to(self.dst_dev, non_blocking=True))
 
-        return summarize(self.layers * 2 * n * BLOCK_BYTES, self.timed(go, reps))
+        out = summarize(self.layers * 2 * n * BLOCK_BYTES, self.timed(go, reps))
+        self.sync_both()
+        bad = 0
+        for s, d in zip(self.kv, self.dst_kv, strict=True):
+            a = d.view(torch.uint8).reshape(2, self.nb, BLOCK_BYTES).index_select(1, di)
+            b = s.view(torch.uint8).reshape(2, self.nb, BLOCK_BYTES).index_select(1, si).to(self.dst_dev)
+            bad += int((a != b).any(dim=2).sum())
+        out["bytes_check"] = {"method": "bytes", "compared": self.layers * 2 * n * BLOCK_BYTES,
+                              "mismatched": bad, "ok": bad == 0}
+        return out
 
 
 ROLES = {"mooncake": MooncakeSide, "nixl": NixlSide, "torch": TorchSide}
@@ -1015,7 +1084,6 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                 def kv(src: list[int] = src, dst: list[int] = dst, reps: int = reps,
                        nbytes: int = nbytes) -> dict[str, Any]:
                     secs, prods, checks = [], [], []
-                    ps = prod.call("kv_sums", st, ids=src)
                     # Every repetition writes into guard bytes and is checked
                     # on its own (a later one cannot hide an earlier one's
                     # wrong or stray bytes); the checks are outside the timing.
@@ -1035,7 +1103,7 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                         prods.append({k: r["p"][k] for k in ("calls_s", "released_s", "outcome")})
                         if a.corrupt:
                             cons.call("corrupt", st, what="kv", ids=dst)
-                        bc = compare_sums(ps, cons.call("kv_sums", st, ids=dst))
+                        bc = cons.call("kv_equal", st * 2, src=src, dst=dst)
                         ut = cons.call("kv_untouched", st * 2, ids=dst)
                         ut["ok"] = ut["blocks_touched"] == 0
                         checks.append({"bytes_check": bc, "untouched": ut})
@@ -1061,9 +1129,7 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                 def rawkv(src: list[int] = src, dst: list[int] = dst, reps: int = reps) -> dict[str, Any]:
                     cons.call("kv_reset", st)
                     out = prod.call("raw_kv", st * 2, peer=peer, peer_bases=cbases, src=src, dst=dst, reps=reps)
-                    ps = prod.call("kv_sums", st, ids=src)
-                    cs = cons.call("kv_sums", st, ids=dst)
-                    out["bytes_check"] = compare_sums(ps, cs)
+                    out["bytes_check"] = cons.call("kv_equal", st * 2, src=src, dst=dst)
                     cons.call("kv_reset", st)
                     out["ranges_per_layer"] = 2 * len(runs(src, dst))
                     return out
@@ -1136,8 +1202,7 @@ def suite_nixl(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                     cons.call("kv_reset", st)
                     out = prod.call("kv", st * 3, peer_bases=hc["plane_bases"], peer_gpu=pgpu, src=src, dst=dst,
                                     reps=a.kv_reps)
-                    out["bytes_check"] = compare_sums(prod.call("kv_sums", st, ids=src),
-                                                      cons.call("kv_sums", st, ids=dst))
+                    out["bytes_check"] = cons.call("kv_equal", st * 2, src=src, dst=dst)
                     out["untouched"] = cons.call("kv_untouched", st * 2, ids=dst)
                     out["ok"] = out["bytes_check"]["ok"] and out["untouched"]["blocks_touched"] == 0
                     cons.call("kv_reset", st)
@@ -1319,7 +1384,8 @@ def cmd_report(args: argparse.Namespace) -> int:
                               f"registered {r['regions']} regions, {r['bytes'] / 2**30:.2f} GiB, "
                               f"location {r['location']}, in {r['total_s']} s (median {r['median_ms']} ms, max "
                               f"{r['max_ms']} ms), all registered: {r['is_registered_all']}, allocation bases: "
-                              f"{r.get('all_allocation_bases', 'n/a')}")
+                              f"{r.get('all_allocation_bases', 'n/a')}; Mooncake says: "
+                              + ("; ".join(f"“{x}”" for x in h.get("mooncake_transport") or []) or "nothing logged"))
             if reg.get("status") not in (None, "ok"):
                 md.append(f"- start/registration: {reg.get('status')}: {first_line(reg.get('error'))}")
             g = steps.get("guard_bytes")
