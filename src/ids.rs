@@ -116,6 +116,19 @@ impl std::fmt::Debug for Capability {
     }
 }
 
+/// A fresh generation seed: clock-based high bits, so a restarted consumer
+/// starts above its predecessor, and random low bits.
+pub fn generation_seed() -> Generation {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1);
+    // High bits from the clock (later runtimes start higher, to within ~4 s),
+    // low 32 bits random: a notice's generation cannot be guessed blindly.
+    let random = uuid::Uuid::new_v4().as_u64_pair().0 & 0xFFFF_FFFF;
+    Generation((nanos & !0xFFFF_FFFF) | random)
+}
+
 #[cfg(test)]
 mod tests {
     use super::Capability;

@@ -11,7 +11,16 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::GeometryError;
-use crate::transport::WriteRange;
+use crate::wire::Handshake;
+
+/// One WRITE: `len` bytes from local `src` to the peer's virtual address
+/// `dst` (what a layer's plan is made of; the transport moves it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct WriteRange {
+    pub src: u64,
+    pub dst: u64,
+    pub len: u64,
+}
 
 /// One array of blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -432,6 +441,38 @@ impl KvLayout {
         }
         Ok(())
     }
+}
+
+/// Turns an admitted write (a `Submit`) into byte ranges inside `auth`, as
+/// the producer actor does before handing them to a layer writer. Pure, so
+/// the property test (`tests/contract_props.rs`) plans exactly as the actor
+/// does. Request blocks before `auth.first_block` the consumer already holds
+/// and are skipped; the rest are shifted into the authorization's indices.
+/// `Ok` with `out` empty: nothing to write. An index outside the
+/// authorization (or the source blocks) is an error, never a range.
+pub fn plan_write(
+    local: &KvLayout,
+    src_blocks: &[u32],
+    auth: &Handshake,
+    layer: u32,
+    blocks: Range<u32>,
+    out: &mut Vec<WriteRange>,
+) -> Result<(), GeometryError> {
+    out.clear();
+    let first = auth.first_block;
+    let (lo, hi) = (blocks.start.max(first), blocks.end);
+    if lo >= hi {
+        return Ok(());
+    }
+    let src = src_blocks.get(first as usize..).unwrap_or(&[]);
+    local.plan_layer(
+        &auth.layout,
+        layer,
+        src,
+        &auth.block_ids,
+        (lo - first)..(hi - first),
+        out,
+    )
 }
 
 #[cfg(test)]

@@ -7,13 +7,15 @@
 //! * [`transport`]: the native boundary over Mooncake (`MooncakeTransferEngine`).
 //! * [`layout`]: KV geometry and the producer → consumer block mapping.
 //! * [`wire`]: the versioned handshake and notification.
-//! * [`actors`]: the request runtime and its pure state machines.
+//! * [`fsm`]: the pure state machines of a request, one rule of the safety contract per transition.
+//! * [`actors`]: the request runtime (actix) that carries out their effects.
 //! * [`side_channel`]: the HTTP server decode ranks POST handshakes and cancels to (actix-web).
 //! * [`error`]: typed errors.
 //! * [`trace`]: Chrome trace (Perfetto) export of the actors' spans (`ORBITKV_TRACE=path`).
 
 pub mod actors;
 pub mod error;
+pub mod fsm;
 pub mod ids;
 pub mod layout;
 pub mod side_channel;

@@ -29,14 +29,18 @@
 //! ones are dropped and counted in `otherData.dropped_events`. Each event
 //! costs a few hundred bytes, so the default bound is some tens of MB.
 //!
-//! Three ways to turn it on:
+//! The library installs nothing by itself (`Runtime::start` sets no
+//! subscriber): the embedding process owns its global subscriber. Ways to
+//! turn the trace on:
 //!
-//! * `ORBITKV_TRACE=/tmp/orbitkv.json`: [`crate::Runtime::start`] installs a
-//!   global subscriber with this layer ([`init_from_env`]); the file is
-//!   rewritten every 5 s while something new was recorded, when a `Runtime`
-//!   shuts down, and on [`flush`]. `ORBITKV_TRACE_FILTER` (an `EnvFilter`
-//!   directive, default [`DEFAULT_FILTER`]) and `ORBITKV_TRACE_MAX_EVENTS`
-//!   tune it.
+//! * [`install_global`] with [`GlobalTrace`] settings (the Python binding
+//!   calls it with the connector's configuration), or [`init_from_env`]
+//!   for a binary configured by `ORBITKV_TRACE=/tmp/orbitkv.json`
+//!   (`ORBITKV_TRACE_FILTER`: an `EnvFilter` directive, default
+//!   [`DEFAULT_FILTER`]; `ORBITKV_TRACE_MAX_EVENTS`): once per process, a
+//!   global subscriber with this layer and OrbitKV's stderr warnings; the
+//!   file is rewritten every 5 s while something new was recorded, when a
+//!   `Runtime` shuts down, and on [`flush`].
 //! * [`ChromeTrace::install`]: the same from code; the returned guard writes
 //!   the file on [`ChromeTraceGuard::flush`] and on drop.
 //! * [`ChromeTrace::layer`]: a layer to compose into a subscriber of your
@@ -91,7 +95,7 @@ pub const DEFAULT_MAX_EVENTS: usize = 100_000;
 /// What an installed trace records by default: OrbitKV down to `debug`
 /// (the layer writers' spans are `debug`), everything else from `warn`.
 pub const DEFAULT_FILTER: &str = "warn,orbitkv=debug";
-/// How often the trace installed by [`init_from_env`] is rewritten (when
+/// How often the trace installed by [`install_global`] is rewritten (when
 /// something new was recorded).
 pub const ENV_FLUSH_EVERY: Duration = Duration::from_secs(5);
 
@@ -713,18 +717,57 @@ impl ChromeTraceBuilder {
 
 /// The sink of the trace installed globally by this module, if any.
 static GLOBAL: OnceLock<Arc<Sink>> = OnceLock::new();
-/// The outcome of [`init_from_env`] (tried once per process).
-static FROM_ENV: OnceLock<Option<PathBuf>> = OnceLock::new();
+/// The outcome of [`install_global`] (tried once per process).
+static INSTALLED: OnceLock<Option<PathBuf>> = OnceLock::new();
 
-/// Installs the trace named by `ORBITKV_TRACE` once per process (later calls
-/// return the first answer); [`crate::Runtime::start`] calls it. Returns the
-/// path being traced to. Problems (a subscriber already set, a bad path) are
-/// printed to stderr once and tracing stays off: a debugging aid never stops
-/// the runtime.
+/// What [`install_global`] sets up.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GlobalTrace {
+    /// The Chrome trace file; `None`: OrbitKV's stderr warnings only.
+    pub path: Option<PathBuf>,
+    /// An `EnvFilter` directive for the trace (default [`DEFAULT_FILTER`]).
+    pub filter: Option<String>,
+    /// Events kept (default [`DEFAULT_MAX_EVENTS`]).
+    pub max_events: Option<usize>,
+}
+
+impl GlobalTrace {
+    /// The settings `ORBITKV_TRACE`, `ORBITKV_TRACE_FILTER` and
+    /// `ORBITKV_TRACE_MAX_EVENTS` give.
+    pub fn from_env() -> Self {
+        Self {
+            path: std::env::var_os(TRACE_ENV)
+                .filter(|p| !p.is_empty())
+                .map(PathBuf::from),
+            filter: std::env::var(TRACE_FILTER_ENV)
+                .ok()
+                .filter(|f| !f.is_empty()),
+            max_events: std::env::var(TRACE_MAX_EVENTS_ENV)
+                .ok()
+                .and_then(|n| n.parse().ok()),
+        }
+    }
+}
+
+/// [`install_global`] with [`GlobalTrace::from_env`]: for a binary
+/// configured through its environment.
 pub fn init_from_env() -> Option<&'static Path> {
-    FROM_ENV
+    if let Some(done) = INSTALLED.get() {
+        return done.as_deref();
+    }
+    install_global(GlobalTrace::from_env())
+}
+
+/// For the embedding process: installs, once per process, the global
+/// subscriber with OrbitKV's stderr warnings (filtered by `ORBITKV_LOG`) and,
+/// with a path, the Chrome trace. Later calls return the first answer.
+/// Returns the path being traced to. Problems (a subscriber already set, a
+/// bad path) are printed to stderr once and tracing stays off: a debugging
+/// aid never stops the runtime. The library itself never calls it.
+pub fn install_global(settings: GlobalTrace) -> Option<&'static Path> {
+    INSTALLED
         .get_or_init(|| {
-            let Some(path) = std::env::var_os(TRACE_ENV).filter(|p| !p.is_empty()) else {
+            let Some(path) = settings.path else {
                 // No trace: still print OrbitKV's warnings (unless the process
                 // set a subscriber of its own).
                 if !tracing::dispatcher::has_been_set() {
@@ -734,14 +777,11 @@ pub fn init_from_env() -> Option<&'static Path> {
                 }
                 return None;
             };
-            let mut b = ChromeTrace::builder().path(PathBuf::from(&path));
-            if let Some(f) = std::env::var(TRACE_FILTER_ENV).ok().filter(|f| !f.is_empty()) {
+            let mut b = ChromeTrace::builder().path(path.clone());
+            if let Some(f) = settings.filter {
                 b = b.filter(f);
             }
-            if let Some(n) = std::env::var(TRACE_MAX_EVENTS_ENV)
-                .ok()
-                .and_then(|n| n.parse().ok())
-            {
+            if let Some(n) = settings.max_events {
                 b = b.max_events(n);
             }
             match b.install() {
@@ -760,10 +800,10 @@ pub fn init_from_env() -> Option<&'static Path> {
                                 }
                             }
                         });
-                    Some(PathBuf::from(path))
+                    Some(path)
                 }
                 Err(e) => {
-                    eprintln!("orbitkv: {TRACE_ENV}={path:?} ignored: {e}");
+                    eprintln!("orbitkv: trace {path:?} not installed: {e}");
                     None
                 }
             }
@@ -794,7 +834,7 @@ where
 }
 
 /// Writes the globally installed trace (by [`ChromeTrace::install`] or
-/// [`init_from_env`]) now. `Ok(None)` when there is none.
+/// [`install_global`]) now. `Ok(None)` when there is none.
 pub fn flush() -> Result<Option<PathBuf>, TraceError> {
     match GLOBAL.get() {
         Some(sink) if sink.path.is_some() => sink.write().map(Some),

@@ -1,5 +1,5 @@
 //! Property test of the safety contract over the pure state machines
-//! (`orbitkv::actors::state`): one [`ConsumerMachine`] per generation of a
+//! (`orbitkv::fsm`): one [`ConsumerMachine`] per generation of a
 //! request ID and one or two [`ProducerMachine`]s, driven through random
 //! interleavings of handshake delivery (before or after layers, duplicated,
 //! stale), layer ready, write done or failed (any in-flight write, in any
@@ -10,7 +10,7 @@
 //! consumer does not expect.
 //!
 //! The model does what the actors do with each effect: a `Submit` is planned
-//! into byte ranges with the actor's own `orbitkv::actors::request::plan_write`
+//! into byte ranges with the actor's own `orbitkv::layout::plan_write`
 //! (a refused plan becomes a failed write, an empty one a done write, as in
 //! `ProducerActor::apply`) and becomes an in-flight write in a pool the
 //! strategy picks from; a `Notify` becomes a pending notice that the
@@ -60,8 +60,8 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 
-use orbitkv::actors::request::plan_write;
-use orbitkv::actors::state::{
+use orbitkv::layout::plan_write;
+use orbitkv::fsm::{
     ConsumerEffect, ConsumerEvent, ConsumerMachine, ConsumerPhase, Dropped, ProducerEffect, ProducerEvent,
     ProducerMachine, ProducerPhase, WriteId,
 };

@@ -1,6 +1,7 @@
-//! `ORBITKV_TRACE=path` alone turns the actor trace on: the first
-//! `Runtime::start` of the process installs it and the runtime's shutdown
-//! writes the file. (Its own file: a process has one global subscriber.)
+//! `ORBITKV_TRACE=path` turns the actor trace on for a binary that calls
+//! `trace::init_from_env` (the library itself installs nothing), and the
+//! runtime's shutdown writes the file. (Its own file: a process has one
+//! global subscriber.)
 //!
 //! The transport here is a test double that refuses every write: the
 //! request below is aborted before any write, so none is attempted.
@@ -19,13 +20,20 @@ fn null_transport() -> Arc<FakeTransport> {
 }
 
 #[test]
-fn the_env_var_installs_the_trace_and_shutdown_writes_it() {
+fn the_runtime_installs_nothing_and_init_from_env_installs_the_trace() {
     let path = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("trace_env.json");
     let _ = std::fs::remove_file(&path);
     std::env::set_var(orbitkv::trace::TRACE_ENV, &path);
     let layout = KvLayout::packed(0x10_0000, 1, 4, 4096, (0, 1), 1);
-    let mut rt = Runtime::start(null_transport(), layout, RuntimeConfig::default()).unwrap();
+    let mut rt = Runtime::start(null_transport(), layout.clone(), RuntimeConfig::default()).unwrap();
+    assert!(
+        !tracing::dispatcher::has_been_set(),
+        "Runtime::start set a global subscriber: that is the embedding process's choice"
+    );
+    rt.shutdown();
     assert_eq!(orbitkv::trace::init_from_env(), Some(path.as_path()));
+    assert_eq!(orbitkv::trace::init_from_env(), Some(path.as_path()), "once per process");
+    let mut rt = Runtime::start(null_transport(), layout, RuntimeConfig::default()).unwrap();
     let req = RequestId::new("env-req");
     rt.producer_open(req.clone(), vec![0, 1], cap(), 1).unwrap();
     rt.producer_abort(&req, "test").unwrap();

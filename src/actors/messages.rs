@@ -12,7 +12,7 @@ use crate::ids::{Generation, RequestId};
 use crate::transport::WriteRange;
 use crate::wire::{Handshake, Notice, Outcome};
 
-use super::state::WriteId;
+use crate::fsm::WriteId;
 
 // ---- to a producer request actor ----------------------------------------
 

@@ -1,23 +1,23 @@
 //! The P/D request runtime (actix): one request actor per request and side,
 //! a layer writer per peer, a notification router, and a completion poller.
-//! The rules of the safety contract live in [`state`], a pure state machine
-//! under each request actor; the actors carry out its effects.
+//! The rules of the safety contract live in [`crate::fsm`], a pure state
+//! machine under each request actor; the actors carry out its effects.
 //!
 //! * [`runtime::Runtime`]: the thread-safe façade the binding calls.
-//! * [`request`]: `ConsumerActor` (decode side) and `ProducerActor` (prefill side).
+//! * [`consumer`]: `ConsumerActor` (decode side); [`producer`]: `ProducerActor` (prefill side).
 //! * [`writer`]: `LayerWriter` per peer, the completion poller.
 //! * [`router`]: the `NotificationRouter`.
 //! * [`messages`]: every message, one struct each.
 //! * [`gate`]: the layer gate, a thread that admits a GPU layer once its
 //!   kernels ran (a CUDA event), off any Python lock.
 
+pub mod consumer;
 pub mod gate;
 pub mod messages;
 pub mod preopen;
-pub mod request;
+pub mod producer;
 pub mod router;
 pub mod runtime;
-pub mod state;
 pub mod stats;
 pub mod writer;
 

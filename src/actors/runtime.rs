@@ -14,9 +14,11 @@ use parking_lot::Mutex;
 
 use super::messages::*;
 use super::preopen::{Parked, PreOpen, PreOpenLimits};
-use super::request::{generation_seed, ConsumerActor, ProducerActor};
+use super::consumer::ConsumerActor;
+use super::producer::ProducerActor;
+use crate::ids::generation_seed;
 use super::router::NotificationRouter;
-use super::state::ConsumerMachine;
+use crate::fsm::ConsumerMachine;
 use super::stats::{Stats, StatsSnapshot};
 use super::writer::{spawn_poller, PollJob, WriterPool};
 use crate::error::{GeometryError, RuntimeError};
@@ -91,6 +93,9 @@ impl Default for RuntimeConfig {
 struct ProducerGroup {
     capability: Capability,
     consumer_tp: u32,
+    /// The request's source block list, as validated (each member keeps
+    /// its own copy; this one validates what `producer_add_blocks` appends).
+    src_blocks: Vec<u32>,
     /// (consumer rank, its actor)
     members: Vec<(u32, Addr<ProducerActor>)>,
     /// Members not yet released, and how the released ones ended (the worst
@@ -142,8 +147,6 @@ pub struct Runtime {
     /// Live producer requests: per request, one actor per consumer rank it
     /// sends to, and the capability it was opened with.
     producers: Mutex<HashMap<RequestId, ProducerGroup>>,
-    /// Each live producer's source block list, as validated.
-    producer_blocks: Mutex<HashMap<RequestId, Vec<u32>>>,
     /// Handshakes and cancels that arrived before their request opened here
     /// (bounded, keyed by capability, expired on a timer).
     pre_open: Arc<Mutex<PreOpen>>,
@@ -163,17 +166,16 @@ impl std::fmt::Debug for Runtime {
 
 impl Runtime {
     /// Starts the actor system for a rank whose KV cache is `local`
-    /// (registered with `transport` by the caller). With `ORBITKV_TRACE=path`
-    /// set, the first runtime of a process installs a Chrome trace of the
-    /// actors ([`crate::trace`]); every runtime's shutdown rewrites the file.
+    /// (registered with `transport` by the caller). It sets no global
+    /// subscriber: the embedding process may install OrbitKV's
+    /// ([`crate::trace::install_global`]: stderr warnings, a Chrome trace of
+    /// the actors); every runtime's shutdown then rewrites the trace file.
     pub fn start(
         transport: Arc<dyn Transport>,
         local: KvLayout,
         cfg: RuntimeConfig,
     ) -> Result<Self, RuntimeError> {
         local.validate()?;
-        // `ORBITKV_TRACE=path`: record a Chrome trace (once per process).
-        crate::trace::init_from_env();
         let stats = Arc::new(Stats::default());
         let (boot_tx, boot_rx) = crossbeam_channel::bounded(1);
         let router_transport = transport.clone();
@@ -241,7 +243,6 @@ impl Runtime {
             events_rx,
             consumers: Mutex::new(HashMap::new()),
             producers: Mutex::new(HashMap::new()),
-            producer_blocks: Mutex::new(HashMap::new()),
             pre_open,
             publisher: Mutex::new(publisher),
             next_generation: AtomicU64::new(generation_seed().0),
@@ -499,10 +500,10 @@ impl Runtime {
             );
             members.push((c, ProducerActor::start_in_arbiter(&self.arbiter, move |_| actor)));
         }
-        self.producer_blocks.lock().insert(request.clone(), src_blocks);
         let group = ProducerGroup {
             capability,
             consumer_tp,
+            src_blocks,
             pending: members.len(),
             members,
             outcome: None,
@@ -572,16 +573,14 @@ impl Runtime {
     /// allocates blocks chunk by chunk). The whole list stays validated:
     /// in range and without duplicates.
     pub fn producer_add_blocks(&self, request: &RequestId, blocks: Vec<u32>) -> Result<(), RuntimeError> {
-        let producers = self.producers.lock();
-        let Some(group) = producers.get(request).filter(|g| g.live()) else {
+        let mut producers = self.producers.lock();
+        let Some(group) = producers.get_mut(request).filter(|g| g.live()) else {
             return Err(RuntimeError::UnknownRequest(request.0.clone()));
         };
-        let mut known = self.producer_blocks.lock();
-        let list = known.entry(request.clone()).or_default();
-        let mut all = list.clone();
+        let mut all = group.src_blocks.clone();
         all.extend_from_slice(&blocks);
         self.local.validate_blocks(&all)?;
-        *list = all;
+        group.src_blocks = all;
         group.send(SourceBlocksAdded(blocks));
         Ok(())
     }
@@ -777,7 +776,6 @@ impl Runtime {
         }
         let (outcome, reason) = group.outcome.take().expect("set above");
         producers.remove(&request);
-        self.producer_blocks.lock().remove(&request);
         Some(RuntimeEvent::ProducerReleased {
             request,
             outcome,

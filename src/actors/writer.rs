@@ -176,7 +176,7 @@ impl LayerWriter {
             {
                 // Queued past the consumer's deadline: it failed the request
                 // and may reuse the blocks once its quarantine passes.
-                job.failed = Some(super::request::EXPIRED.into());
+                job.failed = Some(super::producer::EXPIRED.into());
             }
             if job.failed.is_some() || job.next == job.ranges.len() {
                 self.queue.pop_front();

@@ -20,7 +20,7 @@ use crossbeam_channel::{Receiver, Sender};
 
 use super::signature::{sign, SIGNATURE_HEADER};
 use crate::actors::messages::NoticeArrived;
-use crate::actors::request::ConsumerActor;
+use crate::actors::consumer::ConsumerActor;
 use crate::ids::{Generation, RequestId};
 use crate::wire::Notice;
 

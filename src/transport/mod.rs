@@ -19,13 +19,8 @@ pub mod mooncake;
 pub use library::{MooncakeLibrary, PINNED_MOONCAKE_VERSION};
 pub use mooncake::{parse_endpoint, EngineConfig, MooncakeTransferEngine};
 
-/// One WRITE: `len` bytes from local `src` to the peer's virtual address `dst`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct WriteRange {
-    pub src: u64,
-    pub dst: u64,
-    pub len: u64,
-}
+/// One WRITE (defined with the layout that plans it).
+pub use crate::layout::WriteRange;
 
 /// A submitted batch. Poll it until it is terminal.
 #[derive(Debug)]

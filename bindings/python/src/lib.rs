@@ -42,6 +42,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<runtime::PyRuntime>()?;
     m.add_class::<runtime::PyRuntimeEvent>()?;
     m.add_class::<side_channel::PySideChannel>()?;
+    m.add_function(wrap_pyfunction!(runtime::install_trace, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::new_capability, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::cancel_message, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::producer_ranks, m)?)?;

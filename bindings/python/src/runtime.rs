@@ -82,6 +82,22 @@ pub fn producer_ranks(
     )
 }
 
+/// Installs, once per process, OrbitKV's global subscriber: its warnings on
+/// stderr (`ORBITKV_LOG` filters them) and, with `path`, a Chrome trace of
+/// the actors written there (`filter`: an `EnvFilter` directive,
+/// `max_events`: events kept). Later calls, and runtimes started later,
+/// keep the first setting. Returns the trace path in effect, or None.
+#[pyfunction]
+#[pyo3(signature = (path=None, *, filter=None, max_events=None))]
+pub fn install_trace(path: Option<String>, filter: Option<String>, max_events: Option<usize>) -> Option<String> {
+    orbitkv::trace::install_global(orbitkv::trace::GlobalTrace {
+        path: path.filter(|p| !p.is_empty()).map(std::path::PathBuf::from),
+        filter,
+        max_events,
+    })
+    .map(|p| p.display().to_string())
+}
+
 /// A fresh random capability (256 bits from the OS's cryptographic source)
 /// for one request, as a router hands it to both halves.
 #[pyfunction]
@@ -300,6 +316,10 @@ impl PyRuntime {
         };
         let transport = engine.transport(py)?;
         let endpoint = transport.endpoint().to_string();
+        // This binding embeds the library in Python: unless the process
+        // installed OrbitKV's subscriber already (`install_trace`), OrbitKV's
+        // warnings go to stderr and `ORBITKV_TRACE` names a trace file.
+        orbitkv::trace::init_from_env();
         let rt = py
             .detach(|| Runtime::start(transport, layout, cfg))
             .map_err(|e| runtime_error(py, e))?;

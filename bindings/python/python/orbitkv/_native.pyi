@@ -8,16 +8,16 @@ from typing import Any, Literal, TypeAlias, final
 from typing_extensions import Self
 
 __all__ = [
-    "__version__",
     "PINNED_MOONCAKE_VERSION",
     "STATS_FIELDS",
-    "MooncakeTransferEngine",
     "Batch",
+    "MooncakeTransferEngine",
     "Runtime",
     "RuntimeEvent",
     "SideChannel",
-    "new_capability",
+    "__version__",
     "cancel_message",
+    "new_capability",
     "producer_ranks",
 ]
 
@@ -431,6 +431,12 @@ class SideChannel:
         traceback: TracebackType | None = None,
     ) -> bool:
         """Closes the side channel; exceptions propagate."""
+
+def install_trace(path: str | None = None, *, filter: str | None = None, max_events: int | None = None) -> str | None:
+    """Installs, once per process, OrbitKV's global subscriber: its warnings on
+    stderr (`ORBITKV_LOG` filters them) and, with `path`, a Chrome trace of
+    the actors written there. Later calls, and runtimes started later, keep
+    the first setting. Returns the trace path in effect, or None."""
 
 def new_capability() -> str:
     """A fresh random capability (256 bits from the OS's cryptographic

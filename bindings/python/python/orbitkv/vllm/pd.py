@@ -17,7 +17,6 @@ connectors do.
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -66,9 +65,9 @@ def _log_through_vllm() -> None:
 class PdConnector(KVConnectorBase_V1):
     def __init__(
         self,
-        vllm_config: "VllmConfig",
+        vllm_config: VllmConfig,
         role: KVConnectorRole,
-        kv_cache_config: "KVCacheConfig | None" = None,
+        kv_cache_config: KVCacheConfig | None = None,
     ):
         super().__init__(vllm_config, role, kv_cache_config)
         _log_through_vllm()
@@ -77,10 +76,6 @@ class PdConnector(KVConnectorBase_V1):
         if untested:
             logger.warning("%s", untested)
         self.config = PdConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
-        if self.config.trace and role == KVConnectorRole.WORKER and not os.environ.get("ORBITKV_TRACE"):
-            # The runtime (started by the worker) installs the Chrome trace
-            # that ORBITKV_TRACE names; one file per worker process.
-            os.environ["ORBITKV_TRACE"] = f"{self.config.trace}.worker.{os.getpid()}.json"
         self.scheduler: PdScheduler | None = None
         self.worker = None
         if role == KVConnectorRole.SCHEDULER:
@@ -92,23 +87,23 @@ class PdConnector(KVConnectorBase_V1):
 
     # ---- scheduler side ----------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler is not None
         self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler is not None
         return self.scheduler.build_connector_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self.scheduler is not None
         self.scheduler.update_connector_output(connector_output)
 
-    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
 
@@ -124,7 +119,7 @@ class PdConnector(KVConnectorBase_V1):
         return PdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """The KV cache layout this connector asks vLLM for, as NixlConnector
         does: ``"HND"`` (heads outermost in each block), so that each KV head
         is one contiguous slice of a block and a prefill and a decode of
@@ -160,7 +155,7 @@ class PdConnector(KVConnectorBase_V1):
             # both.
             self.worker.start_load_kv(connector_metadata)
 
-    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         # Done when the metadata was bound (bind_connector_metadata).
         return
 
@@ -173,7 +168,7 @@ class PdConnector(KVConnectorBase_V1):
         self,
         layer_name: str,
         kv_layer: torch.Tensor,
-        attn_metadata: "AttentionMetadata",
+        attn_metadata: AttentionMetadata,
         **kwargs: Any,
     ) -> None:
         assert self.worker is not None

@@ -1,7 +1,9 @@
-//! The request actors: one per P/D request and side. Each owns its request's
-//! authorization, generation and expected producer count, feeds events to
-//! its pure state machine ([`super::state`]) and carries out the effects.
-//! Handlers stay thin; failures travel as messages.
+//! The prefill side's request actor: one per (request, decode rank it sends
+//! to). It owns the captured authorization through its
+//! [`crate::fsm::ProducerMachine`], plans each admitted write with
+//! [`crate::layout::plan_write`] under that authorization, hands it to a
+//! layer writer, and carries out the other effects. Handlers stay thin;
+//! failures travel as messages.
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -13,174 +15,16 @@ use tracing::Span;
 
 use super::messages::*;
 use super::router::NotificationRouter;
-use super::state::*;
 use super::stats::Stats;
 use super::writer::WriterPool;
-use crate::error::GeometryError;
+use crate::fsm::*;
 use crate::ids::{Generation, ProducerRank, RequestId};
-use crate::layout::KvLayout;
-use crate::transport::WriteRange;
+use crate::layout::{plan_write, KvLayout, WriteRange};
 use crate::wire::{Handshake, Notice, WIRE_VERSION};
 
 /// Why a write was not submitted once the consumer's deadline passed.
 pub const EXPIRED: &str =
     "the consumer's authorization expired (its deadline passed): nothing more is written";
-
-// ------------------------------------------------------------------------
-// Consumer
-// ------------------------------------------------------------------------
-
-/// The decode side of one request.
-pub struct ConsumerActor {
-    machine: ConsumerMachine,
-    timeout: Duration,
-    /// How long after `timeout` blocks no producer accounted for stay held.
-    quarantine: Duration,
-    opened: Instant,
-    router: Addr<NotificationRouter>,
-    events: Sender<RuntimeEvent>,
-    stats: Arc<Stats>,
-    span: Span,
-}
-
-impl ConsumerActor {
-    pub fn new(
-        machine: ConsumerMachine,
-        timeout: Duration,
-        quarantine: Duration,
-        router: Addr<NotificationRouter>,
-        events: Sender<RuntimeEvent>,
-        stats: Arc<Stats>,
-    ) -> Self {
-        let span = tracing::info_span!("request", side = "consumer", request = %machine.request,
-            generation = machine.generation.0, expected = machine.expected_count());
-        Self {
-            machine,
-            timeout,
-            quarantine,
-            opened: Instant::now(),
-            router,
-            events,
-            stats,
-            span,
-        }
-    }
-
-    fn feed(&mut self, ev: ConsumerEvent, ctx: &mut Context<Self>) {
-        let (request, generation) = (self.machine.request.clone(), self.machine.generation);
-        for fx in self.machine.on_event(ev) {
-            match fx {
-                ConsumerEffect::Completed { bytes } => {
-                    self.stats.consumers_completed.inc();
-                    self.stats
-                        .transfer_micros
-                        .add(self.opened.elapsed().as_micros() as u64);
-                    tracing::info!(bytes, "all producers done: KV complete");
-                    let _ = self.events.send(RuntimeEvent::ConsumerCompleted {
-                        request: request.clone(),
-                        generation,
-                        bytes,
-                    });
-                }
-                ConsumerEffect::Failed { reason, held } => {
-                    self.stats.consumers_failed.inc();
-                    tracing::warn!(%reason, held, "KV will not be complete");
-                    let _ = self.events.send(RuntimeEvent::ConsumerFailed {
-                        request: request.clone(),
-                        generation,
-                        reason,
-                        held,
-                    });
-                }
-                ConsumerEffect::Quiesced => {
-                    tracing::info!("quiesced: no producer is waited for any more");
-                    let _ = self.events.send(RuntimeEvent::ConsumerQuiesced {
-                        request: request.clone(),
-                        generation,
-                    });
-                }
-                ConsumerEffect::Dropped(why) => {
-                    self.stats.events_dropped.inc();
-                    tracing::info!(?why, "event dropped");
-                }
-                ConsumerEffect::Released => {
-                    tracing::info!("released: no producer can write into the blocks any more");
-                    self.router.do_send(UnregisterConsumer {
-                        request: request.clone(),
-                        generation,
-                    });
-                    let _ = self.events.send(RuntimeEvent::ConsumerReleased {
-                        request: request.clone(),
-                        generation,
-                    });
-                    ctx.stop();
-                }
-            }
-        }
-    }
-}
-
-impl Actor for ConsumerActor {
-    type Context = Context<Self>;
-
-    fn started(&mut self, ctx: &mut Context<Self>) {
-        let _g = self.span.enter();
-        tracing::info!("authorized; waiting for producers");
-        ctx.run_later(self.timeout, |a, ctx| {
-            let span = tracing::info_span!(parent: &a.span, "msg", kind = "TimedOut");
-            let _g = span.enter();
-            a.feed(ConsumerEvent::TimedOut, ctx);
-            // Then the quarantine: blocks a silent producer may still write
-            // into are held until it passes.
-            ctx.run_later(a.quarantine, |a, ctx| {
-                let span = tracing::info_span!(parent: &a.span, "msg", kind = "QuarantineOver");
-                let _g = span.enter();
-                if a.machine.phase() == crate::actors::state::ConsumerPhase::Releasing {
-                    a.stats.consumers_quarantine_expired.inc();
-                    tracing::warn!("quarantine over: freeing blocks a silent producer may still write into");
-                }
-                a.feed(ConsumerEvent::QuarantineOver, ctx)
-            });
-        });
-    }
-}
-
-impl Handler<NoticeArrived> for ConsumerActor {
-    type Result = ();
-    fn handle(&mut self, msg: NoticeArrived, ctx: &mut Context<Self>) {
-        let n = msg.0;
-        let span = tracing::info_span!(parent: &self.span, "msg", kind = "NoticeArrived",
-            rank = n.producer_rank.0, outcome = ?n.outcome, generation = n.generation.0);
-        let _g = span.enter();
-        if n.request_id != self.machine.request {
-            self.stats.events_dropped.inc();
-            return;
-        }
-        self.feed(
-            ConsumerEvent::Notice {
-                generation: n.generation,
-                rank: n.producer_rank,
-                outcome: n.outcome,
-                reason: n.reason,
-                bytes: n.bytes,
-            },
-            ctx,
-        );
-    }
-}
-
-impl Handler<ReleaseRequest> for ConsumerActor {
-    type Result = ();
-    fn handle(&mut self, _msg: ReleaseRequest, ctx: &mut Context<Self>) {
-        let span = tracing::info_span!(parent: &self.span, "msg", kind = "ReleaseRequest");
-        let _g = span.enter();
-        self.feed(ConsumerEvent::Release, ctx);
-    }
-}
-
-// ------------------------------------------------------------------------
-// Producer
-// ------------------------------------------------------------------------
 
 /// The prefill side of one request.
 pub struct ProducerActor {
@@ -430,48 +274,3 @@ producer_handler!(
     |m| ProducerEvent::Abort { reason: m.reason },
     reason = %m.reason
 );
-
-/// Turns an admitted write (a `Submit`) into byte ranges inside `auth`, as
-/// the producer actor does before handing them to a layer writer. Pure, so
-/// the property test (`tests/contract_props.rs`) plans exactly as the actor
-/// does. Request blocks before `auth.first_block` the consumer already holds
-/// and are skipped; the rest are shifted into the authorization's indices.
-/// `Ok` with `out` empty: nothing to write. An index outside the
-/// authorization (or the source blocks) is an error, never a range.
-pub fn plan_write(
-    local: &KvLayout,
-    src_blocks: &[u32],
-    auth: &Handshake,
-    layer: u32,
-    blocks: Range<u32>,
-    out: &mut Vec<WriteRange>,
-) -> Result<(), GeometryError> {
-    out.clear();
-    let first = auth.first_block;
-    let (lo, hi) = (blocks.start.max(first), blocks.end);
-    if lo >= hi {
-        return Ok(());
-    }
-    let src = src_blocks.get(first as usize..).unwrap_or(&[]);
-    local.plan_layer(
-        &auth.layout,
-        layer,
-        src,
-        &auth.block_ids,
-        (lo - first)..(hi - first),
-        out,
-    )
-}
-
-/// A fresh generation seed: clock-based high bits, so a restarted consumer
-/// starts above its predecessor, and random low bits.
-pub fn generation_seed() -> Generation {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1);
-    // High bits from the clock (later runtimes start higher, to within ~4 s),
-    // low 32 bits random: a notice's generation cannot be guessed blindly.
-    let random = uuid::Uuid::new_v4().as_u64_pair().0 & 0xFFFF_FFFF;
-    Generation((nanos & !0xFFFF_FFFF) | random)
-}
