@@ -185,6 +185,41 @@ def test_consumer_whose_load_failed_and_was_recomputed_keeps_its_blocks_until_re
     assert s.request_finished(r2, [7, 8, 9]) == (False, None)
 
 
+def test_a_failed_load_seen_only_after_vllm_ended_the_request_is_withheld_until_released() -> None:
+    """With async scheduling (vLLM's GPU default) a client abort can end the
+    request between the worker's report of a failed load and the scheduler
+    seeing it. vLLM frees a finished request's blocks on that report, while
+    a producer that never ended may still write into them: the report is
+    withheld and the worker asked to report again once the runtime released
+    them. A load that completed is not held back."""
+    s = scheduler()
+    r = consumer("d1", 40)
+    s.get_num_new_matched_tokens(r, 0)
+    s.update_state_after_alloc(r, FakeBlocks([1, 2, 3]), 40)
+    s.build_connector_meta(sched_output())
+    r.status = "FINISHED_ABORTED"
+    assert s.request_finished(r, [1, 2, 3]) == (True, None)  # before the report was seen
+    report = out(recving={"d1"}, invalid={2, 3})
+    s.update_connector_output(report)
+    assert "d1" not in report.finished_recving, "vLLM would free blocks a late write may still reach"
+    ends = s.build_connector_meta(sched_output()).consumers_end
+    assert [(e.pd_id, e.report, e.after_load) for e in ends] == [("pd-1", True, False), ("pd-1", True, True)]
+    assert s.has_pending_push_work()
+    again = out(recving={"d1"})  # the worker, once the runtime released them
+    s.update_connector_output(again)
+    assert again.finished_recving == {"d1"} and not s.has_pending_push_work()
+
+    r2 = consumer("d2", 40, pd="pd-2")
+    s.get_num_new_matched_tokens(r2, 0)
+    s.update_state_after_alloc(r2, FakeBlocks([7, 8, 9]), 40)
+    s.build_connector_meta(sched_output())
+    r2.status = "FINISHED_ABORTED"
+    assert s.request_finished(r2, [7, 8, 9]) == (True, None)
+    done = out(recving={"d2"})  # complete: every producer ended
+    s.update_connector_output(done)
+    assert done.finished_recving == {"d2"} and not s.has_pending_push_work()
+
+
 # ---- scheduler, prefill side --------------------------------------------------------
 
 
@@ -361,6 +396,35 @@ def test_held_failure_under_recompute_is_reported_at_once_and_again_when_release
     rt.events.append(ev("consumer_released", "pd-1"))
     assert worker.get_finished() == (None, {"d1"})
     assert worker.get_finished() == (None, None)
+
+
+@pytest.mark.parametrize("released_first", [True, False], ids=["released-first", "rearmed-first"])
+def test_a_withheld_report_is_made_again_once_released_and_only_then(worker: PdWorker, released_first: bool) -> None:
+    """The worker's half of the withheld report: vLLM ended the request
+    (RequestEnd, report) after the worker reported a held failure; the
+    scheduler withheld that report and re-arms it (RequestEnd, after_load).
+    The worker reports once the runtime released the blocks, whichever of
+    the release and the re-arm comes first, never sooner, and releases once."""
+    rt = worker.runtime
+    worker.start_load_kv(PdConnectorMetadata(consumers_open=[ConsumerOpen("d1", "pd-1", CAP, 0, [3, 4], "127.0.0.1:1", 1)]))
+    rt.events.append(
+        SimpleNamespace(kind="consumer_failed", request_id="pd-1", reason="timed out", outcome=None, held=True)
+    )
+    assert worker.get_finished() == (None, {"d1"})  # recompute: at once
+    worker.start_load_kv(PdConnectorMetadata(consumers_end=[RequestEnd("d1", "pd-1", True, "aborted", report=True)]))
+    rearm = PdConnectorMetadata(consumers_end=[RequestEnd("d1", "pd-1", True, "", report=True, after_load=True)])
+    if released_first:
+        rt.events.append(ev("consumer_released", "pd-1"))
+        assert worker.get_finished() == (None, None)
+        worker.start_load_kv(rearm)
+        assert worker.get_finished() == (None, {"d1"})
+    else:
+        worker.start_load_kv(rearm)
+        assert worker.get_finished() == (None, None), "reported while a producer may still write"
+        rt.events.append(ev("consumer_released", "pd-1"))
+        assert worker.get_finished() == (None, {"d1"})
+    assert worker.get_finished() == (None, None)
+    assert [c for c in rt.calls if c[0] == "consumer_release"] == [("consumer_release", "pd-1")]
 
 
 def test_release_the_runtime_refuses_is_reported_at_once(worker: PdWorker) -> None:

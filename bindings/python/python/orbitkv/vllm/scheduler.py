@@ -73,7 +73,7 @@ class _Consumer:
 
 
 class PdScheduler:
-    def __init__(self, vllm_config: "VllmConfig", config: PdConfig):
+    def __init__(self, vllm_config: VllmConfig, config: PdConfig):
         self.config = config
         self.block_size = vllm_config.cache_config.block_size
         self._producers: dict[str, _Producer] = {}
@@ -92,7 +92,7 @@ class PdScheduler:
         self._live: dict[str, str] = {}
         self.refused = 0  # requests served plainly because their params were refused
 
-    def params_of(self, request: "Request") -> PdParams | None:
+    def params_of(self, request: Request) -> PdParams | None:
         """The request's OrbitKV params, or ``None`` to serve it plainly.
         Decided at the first hook that sees the request and kept until it
         finishes; a refusal is logged once with its reason."""
@@ -128,14 +128,14 @@ class PdScheduler:
 
     # ---- hooks -------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         p = self.params_of(request)
         if p is None or p.role != CONSUMER or request.request_id in self._consumers:
             return 0, False
         n = len(request.prompt_token_ids or ()) - num_computed_tokens
         return (n, True) if n > 0 else (0, False)
 
-    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         p = self.params_of(request)
         if p is None:
             return
@@ -155,7 +155,7 @@ class PdScheduler:
             ConsumerOpen(rid, p.request, p.capability, first_block, list(fresh), p.prefill_kv, p.prefill_tp)
         )
 
-    def build_connector_meta(self, so: "SchedulerOutput") -> PdConnectorMetadata:
+    def build_connector_meta(self, so: SchedulerOutput) -> PdConnectorMetadata:
         meta = PdConnectorMetadata(
             consumers_open=self._open,
             consumers_end=self._consumers_end,
@@ -212,7 +212,7 @@ class PdScheduler:
             p.last_sent = True
             self._producers_end.append(RequestEnd(rid, p.pd_id, True, reason, report=False))
 
-    def request_finished(self, request: "Request", block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
         try:
             return self._finished(request, rid)
@@ -220,7 +220,7 @@ class PdScheduler:
             if rid not in self._delayed:
                 self._forget(rid)
 
-    def _finished(self, request: "Request", rid: str) -> tuple[bool, dict[str, Any] | None]:
+    def _finished(self, request: Request, rid: str) -> tuple[bool, dict[str, Any] | None]:
         status = str(getattr(request, "status", ""))
         aborted = "ABORTED" in status or "ERROR" in status
         if rid in self._producers:
@@ -271,14 +271,29 @@ class PdScheduler:
             self._cancel.append(ConsumerCancel(p.request, p.capability, p.prefill_kv, p.prefill_tp, status))
         return False, None
 
-    def update_connector_output(self, out: "KVConnectorOutput") -> None:
+    def update_connector_output(self, out: KVConnectorOutput) -> None:
         failed_blocks = getattr(out, "invalid_block_ids", None) or ()
-        for rid in out.finished_recving or ():
+        for rid in list(out.finished_recving or ()):
             c = self._consumers.get(rid)
             if c is not None:
-                if not c.loaded:
+                first_report = not c.loaded
+                if first_report:
                     c.failed = not c.blocks.isdisjoint(failed_blocks)
                 c.loaded = True
+                if first_report and c.failed and rid in self._delayed:
+                    # vLLM ended the request (a client abort) before it saw
+                    # this report of a failed load. vLLM frees a finished
+                    # request's blocks on its report (right after this hook),
+                    # but a producer that never ended may still write into
+                    # them: withhold the report, and have the worker report
+                    # again once the runtime released them.
+                    assert out.finished_recving is not None
+                    out.finished_recving.discard(rid)
+                    self._consumers_end.append(
+                        RequestEnd(rid, c.pd_id, True, "ended before its failed load was seen", report=True,
+                                   after_load=True)
+                    )
+                    continue
             if rid in self._delayed:
                 self._delayed.discard(rid)
                 self._consumers.pop(rid, None)

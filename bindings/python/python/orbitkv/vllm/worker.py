@@ -16,7 +16,8 @@ import os
 import queue
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Iterator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +27,7 @@ from orbitkv import (
     Runtime,
     SideChannel,
     UnknownRequestError,
+    install_trace,
     producer_ranks,
 )
 from orbitkv.vllm._testing import TestingHooks, corrupt_block
@@ -136,7 +138,7 @@ class _Ordered:
 
 
 class PdWorker:
-    def __init__(self, vllm_config: "VllmConfig", config: PdConfig):
+    def __init__(self, vllm_config: VllmConfig, config: PdConfig):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         from vllm.platforms import current_platform
 
@@ -178,6 +180,9 @@ class PdWorker:
         self._consumer_reported: set[str] = set()
         # Consumers vLLM waits for that the runtime could not release.
         self._release_now: set[str] = set()
+        # pd_id -> vLLM request id: released by the runtime after a report
+        # vLLM may have withheld (see PdScheduler.update_connector_output).
+        self._released_after_report: dict[str, str] = {}
         self._producer_req: dict[str, str] = {}
         self._producer_end: set[str] = set()  # vLLM finished it
         self._producer_released: set[str] = set()
@@ -228,6 +233,11 @@ class PdWorker:
         )
 
     def _start_transport(self, kv_caches: dict[str, torch.Tensor], layout: dict[str, Any]) -> None:
+        if self.config.trace and not os.environ.get("ORBITKV_TRACE"):
+            # orbitkv.pd.trace: a Chrome trace of this worker's actors, one
+            # file per worker process (the process's ORBITKV_TRACE, which the
+            # runtime reads when it starts, takes precedence).
+            install_trace(f"{self.config.trace}.worker.{os.getpid()}.json")
         self.engine = MooncakeTransferEngine(
             bind_host=self.config.bind_host,
             nics=self.config.nics_for(self.tp_rank) or None,
@@ -282,14 +292,23 @@ class PdWorker:
                 self._finished_producers.add(end.pd_id)
                 self._producer_call(rt.producer_finish, end.pd_id)
         for end in meta.consumers_end:
-            self._consumer_end[end.pd_id] = end.report
             if end.after_load:
-                # vLLM holds the blocks of a failed load it recomputed after
-                # our report: report it again once the runtime frees them.
+                # vLLM holds the blocks of a failed load after our report
+                # (it recomputed them, or ended the request before it saw
+                # the report): report it again once the runtime frees them.
                 self._consumer_reported.discard(end.pd_id)
+                rid = self._released_after_report.pop(end.pd_id, None)
+                if rid is not None:
+                    # Released already: nothing can write into them now.
+                    self._consumer_req[end.pd_id] = rid
+                    self._release_now.add(end.pd_id)
+                    continue
+                if self._consumer_end.get(end.pd_id):
+                    continue  # its release is under way: reported when done
+            self._consumer_end[end.pd_id] = end.report
             try:
                 rt.consumer_release(end.pd_id)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - nothing may escape vLLM's hook
                 # The runtime no longer knows it: nothing can be waited for.
                 logger.warning("consumer release %s: %s", end.pd_id, e)
                 if end.report and end.pd_id in self._consumer_req:
@@ -534,6 +553,13 @@ class PdWorker:
             elif ev.kind == "consumer_released":
                 if self._consumer_end.get(pd) and pd not in self._consumer_reported:
                     recving.add(self._consumer_req[pd])
+                elif self._consumer_end.get(pd) and pd in self._consumer_req:
+                    # Reported before vLLM's end reached us; if vLLM withheld
+                    # that report (the scheduler's RequestEnd.after_load
+                    # follows), report it then.
+                    self._released_after_report[pd] = self._consumer_req[pd]
+                    while len(self._released_after_report) > 4096:  # bounded: the oldest go
+                        self._released_after_report.pop(next(iter(self._released_after_report)))
                 self._consumer_req.pop(pd, None)
                 self._consumer_blocks.pop(pd, None)
                 self._consumer_end.pop(pd, None)
