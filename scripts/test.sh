@@ -14,6 +14,9 @@ newest_log=$(mktemp -t orbitkv-setup-vllm-newest.XXXXXX)
 newest_pid=$!
 trap 'kill "$newest_pid" 2>/dev/null || true' EXIT
 
+echo "== ruff (the Python package, its tests, the benchmarks' Python)"
+ruff check --config bindings/python/pyproject.toml bindings/python benches
+
 echo "== rustfmt, clippy"
 cargo fmt --all -- --check
 cargo clippy --quiet --workspace --all-targets -- -D warnings

@@ -733,7 +733,7 @@ class NixlSide(Side):
     def close(self) -> None:
         try:
             self.agent.deregister_memory(self.reg)
-        except Exception:
+        except Exception:  # noqa: BLE001 - best-effort cleanup of a benchmark side
             pass
 
 
@@ -850,7 +850,7 @@ def child_main(kind: str, role: str, conn: Any, opts: dict[str, Any]) -> None:
     finally:
         try:
             side.close()
-        except Exception:
+        except Exception:  # noqa: BLE001 - best-effort cleanup of a benchmark side
             pass
 
 
@@ -897,7 +897,7 @@ class Child:
             if self.proc.is_alive():
                 self.conn.send(("exit", {}))
                 self.proc.join(10)
-        except Exception:
+        except Exception:  # noqa: BLE001 - the process may be gone already: killed below
             pass
         if self.proc.is_alive():
             self.proc.kill()
@@ -1051,7 +1051,7 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
         def raw(kind: str, reps: int) -> Any:
             def go() -> dict[str, Any]:
                 res = prod.call("raw", st * 2, peer=peer, dst_base=hc["raw_base"], kind=kind, reps=reps)
-                if kind in ("one:%d" % a.raw_mib, "blocks:1"):
+                if kind in (f"one:{a.raw_mib}", "blocks:1"):
                     if kind.startswith("one:"):
                         rows = list(range(a.raw_mib * 16))
                         ps = prod.call("raw_sums", st, rows=rows, row_bytes=64 << 10)
@@ -1089,7 +1089,7 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                     # wrong or stray bytes); the checks are outside the timing.
                     cons.call("kv_reset", st)
                     release: Any = None
-                    for i in range(reps):
+                    for _ in range(reps):
                         r = stream(src, dst)
                         if r["c"]["kind"] != "consumer_completed":
                             try:

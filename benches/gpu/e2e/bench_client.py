@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             res = bench_main(args)
             entry["status"] = "ok"
             entry["summary"] = {k: v for k, v in (res or {}).items() if isinstance(v, (int, float, str))}
-        except BaseException as e:  # noqa: BLE001 - recorded, next run goes on
+        except BaseException as e:
             entry["status"] = f"error: {type(e).__name__}: {e}"
             entry["traceback"] = traceback.format_exc()
             print(entry["traceback"], flush=True)

@@ -62,9 +62,10 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 HOST = "127.0.0.1"
@@ -121,7 +122,7 @@ def error_excerpt(log: Path | None, lines: int = 60) -> str:
         text = log.read_text(errors="replace").splitlines()
     except OSError as e:
         return f"(no log: {e})"
-    starts = [i for i, l in enumerate(text) if "Traceback (most recent call last)" in l]
+    starts = [i for i, ln in enumerate(text) if "Traceback (most recent call last)" in ln]
     if starts:
         i = starts[-1]
         # the first traceback of the last burst is usually the cause
@@ -490,9 +491,9 @@ def log_facts(log: Path | None, limit: int = 40) -> list[str]:
             if line.startswith("# "):
                 continue  # the command line, recorded as argv
             if any(re.search(p, line) for p in FACT_PATTERNS) and "Traceback" not in line:
-                line = line.strip()
-                if line not in out:
-                    out.append(line[:400])
+                fact = line.strip()
+                if fact not in out:
+                    out.append(fact[:400])
             if len(out) >= limit:
                 break
     return out
@@ -983,7 +984,7 @@ def stage_c(ctx: Ctx, fleet: Fleet, name: str) -> dict[str, Any]:
         return out
     watched = [s for sys_ in systems for s in fleet.pair(sys_) if sys_ != "single"]
     before = {s.name: snapshot(s.url) for s in watched}
-    for w in range(ctx.args.ttft_warmup):
+    for _ in range(ctx.args.ttft_warmup):
         for n in lengths:
             for system in systems:
                 one(system, n)
@@ -1180,7 +1181,7 @@ def report(d: Path) -> str:
                 srv = x.get("servers", {})
                 pre = next((v for k, v in srv.items() if "prefill" in k or k.endswith("single")), {})
                 dec = next((v for k, v in srv.items() if "decode" in k or k.endswith("single")), {})
-                f = lambda k: ("%.1f" % x[k]) if isinstance(x.get(k), (int, float)) else "-"  # noqa: E731
+                f = lambda k, x=x: f"{x[k]:.1f}" if isinstance(x.get(k), (int, float)) else "-"  # noqa: E731
                 lines.append(
                     f"| {system} | {x.get('concurrency')} | {x.get('completed', '-')}/{x.get('failed', '-')} | "
                     f"{f('p50_ttft_ms')} / {f('p99_ttft_ms')} | {f('mean_itl_ms')} / {f('p99_itl_ms')} | "
@@ -1194,7 +1195,7 @@ def report(d: Path) -> str:
                 pb = x.get("proxy_breakdown")
                 if tag.startswith("warm") or not pb:
                     continue
-                g = lambda k: (f"{pb[k]['p50']:.0f} / {pb[k]['p90']:.0f}" if pb.get(k) else "-")  # noqa: E731
+                g = lambda k, pb=pb: (f"{pb[k]['p50']:.0f} / {pb[k]['p90']:.0f}" if pb.get(k) else "-")  # noqa: E731
                 rows.append(f"| {system} | {x.get('concurrency')} | {pb['requests']} | {g('prefill_answer_ms')} | "
                             f"{g('first_byte_ms')} | {g('first_byte_minus_prefill_ms')} |")
         if rows:
@@ -1239,9 +1240,9 @@ def report(d: Path) -> str:
                   + " | ".join(f"{names.get(x, x)} ÷ one" for x in others) + " |",
                   "|---|---|" + "---|" * (2 * len(others))]
         for n in r["lengths"]:
-            g = lambda sysn: s.get(sysn, {}).get(str(n), {}).get("median_ms")  # noqa: E731
+            g = lambda sysn, n=n, s=s: s.get(sysn, {}).get(str(n), {}).get("median_ms")  # noqa: E731
             one = g("single")
-            rat = lambda v: f"{v / one:.2f}" if (v and one) else "-"  # noqa: E731
+            rat = lambda v, one=one: f"{v / one:.2f}" if (v and one) else "-"  # noqa: E731
             lines.append(f"| {n} | {one} | " + " | ".join(str(g(x)) for x in others) + " | "
                          + " | ".join(rat(g(x)) for x in others) + " |")
         if r.get("errors"):

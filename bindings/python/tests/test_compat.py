@@ -45,7 +45,7 @@ def test_the_connector_refuses_an_unsupported_vllm_at_start(monkeypatch: pytest.
     monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.25.0")
     monkeypatch.delenv(compat.ALLOW_ENV, raising=False)
     monkeypatch.setattr(pd.KVConnectorBase_V1, "__init__", lambda self, *a, **k: None)
-    with pytest.raises(compat.UnsupportedVllmError, match="0.25.0"):
+    with pytest.raises(compat.UnsupportedVllmError, match=r"0\.25\.0"):
         pd.PdConnector(object(), pd.KVConnectorRole.SCHEDULER)  # type: ignore[arg-type]
 
 

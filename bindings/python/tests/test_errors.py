@@ -37,7 +37,7 @@ def test_unreachable_endpoint(pair, register):
     a, _ = pair
     src = np.zeros(4096, dtype=np.uint8)
     register(a, src)
-    with pytest.raises(orbitkv.BadEndpointError, match="127.0.0.1:1"):
+    with pytest.raises(orbitkv.BadEndpointError, match=r"127\.0\.0\.1:1"):
         a.write("127.0.0.1:1", [(addr(src), 0x1000, 16)])
 
 

@@ -27,7 +27,7 @@ def test_write_moves_exact_bytes_and_leaves_guards_untouched(pair, register):
     # Three ranges of different sizes into scattered places: 4 KiB guards
     # before, between and after them.
     plan = [(0, 4096, 300_000), (300_000, 308_192, 500_000), (800_000, 812_288, 248_576)]
-    assert 812_288 + 248_576 + 4096 == dst.nbytes
+    assert dst.nbytes == 812_288 + 248_576 + 4096
     ranges = [(addr(src) + s, addr(dst) + d, n) for s, d, n in plan]
     written = a.write(b.endpoint, ranges, timeout_s=30.0)
 

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from _util import wait_event
 
 import orbitkv
-from _util import wait_event
 from orbitkv.vllm.layout import kv_layout_of
 
 DT = torch.bfloat16

@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from _util import wait_event
 
 import orbitkv
-from _util import wait_event
 
 LAYERS, BLOCKS, HEADS, BLOCK, HEAD_DIM = 3, 16, 2, 16, 8
 GUARD = -7.0

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from test_runtime import CAP, GUARD, LAYERS, Rank, wait_event
 
 import orbitkv
 from orbitkv.vllm.side_channel import (
@@ -21,8 +22,6 @@ from orbitkv.vllm.side_channel import (
     post_cancel,
     post_handshake,
 )
-
-from test_runtime import CAP, GUARD, LAYERS, Rank, wait_event
 
 STRANGER = "f" * 64
 KEY = b"deployment-key-0123456789"
@@ -60,7 +59,7 @@ def test_handshake_over_http_then_layers_land(served) -> None:
 
 
 def test_a_bad_handshake_is_refused_with_its_error(served) -> None:
-    p, c, addr = served
+    _, c, addr = served
     hs = json.loads(c.runtime.consumer_open("req-bad", CAP, 0, [3], 1))
     hs["layout"]["layers"].pop()
     with pytest.raises(HandshakeRejected, match="GeometryError"):

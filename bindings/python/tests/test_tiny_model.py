@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from orbitkv.testing.tiny_model import MARKER, TinyModelSpec, make_tiny_model  # noqa: E402
+from orbitkv.testing.tiny_model import MARKER, TinyModelSpec, make_tiny_model
 
 
 def _digest(d: Path) -> str:

@@ -33,7 +33,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-
 @dataclass
 class Report:
     """What ``doctor`` found: one line per check, and the blocking problems."""

@@ -34,18 +34,17 @@ import secrets
 import sys
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 
 from orbitkv.vllm.params import CONSUMER, PRODUCER, PdParams
-from orbitkv.vllm.params import REQUEST as REQUEST_KEY
-from orbitkv.vllm.params import ROLE as ROLE_KEY
 
-__all__ = ["ProxyConfig", "make_app", "prefill_body", "decode_body", "main"]
+__all__ = ["ProxyConfig", "decode_body", "main", "make_app", "prefill_body"]
 
 # The request field vLLM copies into the connector's view of a request.
 KV_PARAMS_FIELD = "kv_transfer_params"
@@ -104,7 +103,7 @@ class ProxyConfig:
         decode_tp: int = 1,
         more_prefills: Sequence[tuple[str, str | None]] = (),
         more_decodes: Sequence[str] = (),
-    ) -> "ProxyConfig":
+    ) -> ProxyConfig:
         """``more_prefills``: (URL, side channel or None) of further prefill
         instances (same TP size); ``more_decodes``: further decode URLs."""
 
@@ -391,7 +390,7 @@ class _Exchange:
                 self._log(path)
                 await _cancel(prefill)
 
-    def _prefill_landed(self, path: str) -> "Callable[[asyncio.Task], None]":
+    def _prefill_landed(self, path: str) -> Callable[[asyncio.Task], None]:
         def done(task: asyncio.Task) -> None:
             self.background.discard(task)
             if not task.cancelled() and task.exception() is not None:

@@ -17,8 +17,8 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-from orbitkv.testing.cluster import Cluster  # noqa: E402
-from orbitkv.testing.tiny_model import make_tiny_model  # noqa: E402
+from orbitkv.testing.cluster import Cluster
+from orbitkv.testing.tiny_model import make_tiny_model
 
 # The connector's consumer and handshake timeouts in these tests
 # (orbitkv.pd.timeout_s / handshake_timeout_s): small, so a dead prefill fails

@@ -179,7 +179,7 @@ def test_layers_whose_save_hook_vllm_skips_are_sent_at_wait_for_save(cluster: Cl
     before_p, before_d = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
     skip.touch()
     try:
-        for n, steps in prompts:
+        for n, _ in prompts:
             prompt = fresh_prompt(n)
             got = pd(cluster, prompt).token_ids
             assert got == baseline(cluster, prompt), f"{n} tokens: P/D without the per-layer hook differs"
@@ -506,7 +506,7 @@ def test_prefill_killed_mid_request(cluster: Cluster) -> None:
         try:
             extra = {"kv_transfer_params": params} if params else {}
             out[key] = complete(url, prompt, max_tokens, stream=stream, timeout_s=REQ_TIMEOUT_S, **extra)
-        except Exception as e:  # the prefill dies under this one
+        except Exception as e:  # noqa: BLE001 - the prefill dies under this one: any error is the outcome
             out[key] = e
         out[key + "_at"] = time.monotonic()
 

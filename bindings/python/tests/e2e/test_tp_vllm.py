@@ -21,6 +21,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from orbitkv import producer_ranks
 from orbitkv.testing.cluster import (
     COMPLETED,
     FAILED,
@@ -33,7 +34,6 @@ from orbitkv.testing.cluster import (
     prompt_source,
     wait_until,
 )
-from orbitkv import producer_ranks
 from orbitkv.testing.tiny_model import TinyModelSpec, make_tiny_model
 
 # On the 2-core CI machine these stalled for 15-60 s per request until

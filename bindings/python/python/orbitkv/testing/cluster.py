@@ -36,17 +36,18 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 __all__ = [
     "BYTES",
     "COMPLETED",
     "FAILED",
     "RELEASED",
+    "SERVED_MODEL",
     "SUCCESS",
-    "prompt_source",
     "Cluster",
     "ClusterError",
     "Completion",
@@ -54,8 +55,8 @@ __all__ = [
     "complete",
     "free_port",
     "metrics",
+    "prompt_source",
     "wait_until",
-    "SERVED_MODEL",
 ]
 
 HOST = "127.0.0.1"
@@ -72,7 +73,7 @@ RELEASED = "vllm:orbitkv_producers_released_total"
 BYTES = "vllm:orbitkv_bytes_written_total"
 
 
-def prompt_source(seed: int) -> "Callable[[int], list[int]]":
+def prompt_source(seed: int) -> Callable[[int], list[int]]:
     """A source of fresh prompts: each call returns ``n`` token ids from a
     new seed (``seed``, ``seed + 1``, ...), so no two prompts share a prefix
     (no prefix-cache hit flatters a result). Give each test module its own
@@ -433,7 +434,7 @@ class Abandoned:
 
 # ---- the cluster -------------------------------------------------------------
 
-_RUNNING: set["Cluster"] = set()
+_RUNNING: set[Cluster] = set()
 _RUNNING_LOCK = threading.Lock()
 
 
@@ -716,7 +717,7 @@ class Cluster:
 
     # ---- life --------------------------------------------------------------
 
-    def start(self) -> "Cluster":
+    def start(self) -> Cluster:
         with _RUNNING_LOCK:
             _RUNNING.add(self)
         try:
@@ -775,7 +776,7 @@ class Cluster:
         with _RUNNING_LOCK:
             _RUNNING.discard(self)
 
-    def __enter__(self) -> "Cluster":
+    def __enter__(self) -> Cluster:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

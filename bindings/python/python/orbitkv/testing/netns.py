@@ -27,7 +27,7 @@ import os
 import random
 import shutil
 import subprocess
-from typing import Sequence
+from collections.abc import Sequence
 
 __all__ = ["NetnsLink", "available"]
 
@@ -72,7 +72,7 @@ class NetnsLink:
 
     # ---- life --------------------------------------------------------------
 
-    def create(self) -> "NetnsLink":
+    def create(self) -> NetnsLink:
         _ip("netns", "add", self.name)
         self._made = True
         try:
@@ -100,7 +100,7 @@ class NetnsLink:
             _ip("link", "del", out, check=False)
         self._made = False
 
-    def __enter__(self) -> "NetnsLink":
+    def __enter__(self) -> NetnsLink:
         return self.create()
 
     def __exit__(self, *exc: object) -> None:

@@ -63,19 +63,7 @@ class TinyModelSpec:
     seed: int = 20261129
 
 
-_WORDS = (
-    "the of and to in is was for on that with as by at from it an be this are "
-    "which or have had not but were one all their has more its been also when "
-    "there who first new other after time two into some only over most many "
-    "would may these used such where between then than both during under while "
-    "cache block layer page prefill decode token request write read transfer "
-    "engine worker scheduler memory device stream queue actor proxy server "
-    "model weight tensor vector matrix kernel thread process network buffer "
-    "river mountain forest city market garden window winter summer morning "
-    "evening history science music number letter question answer simple "
-    "quick brown fox jumps lazy dog red green blue yellow black white small "
-    "large long short high low fast slow early late open close start stop"
-).split()
+_WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "it", "an", "be", "this", "are", "which", "or", "have", "had", "not", "but", "were", "one", "all", "their", "has", "more", "its", "been", "also", "when", "there", "who", "first", "new", "other", "after", "time", "two", "into", "some", "only", "over", "most", "many", "would", "may", "these", "used", "such", "where", "between", "then", "than", "both", "during", "under", "while", "cache", "block", "layer", "page", "prefill", "decode", "token", "request", "write", "read", "transfer", "engine", "worker", "scheduler", "memory", "device", "stream", "queue", "actor", "proxy", "server", "model", "weight", "tensor", "vector", "matrix", "kernel", "thread", "process", "network", "buffer", "river", "mountain", "forest", "city", "market", "garden", "window", "winter", "summer", "morning", "evening", "history", "science", "music", "number", "letter", "question", "answer", "simple", "quick", "brown", "fox", "jumps", "lazy", "dog", "red", "green", "blue", "yellow", "black", "white", "small", "large", "long", "short", "high", "low", "fast", "slow", "early", "late", "open", "close", "start", "stop"]
 
 
 def _corpus(seed: int, lines: int = 4000) -> list[str]:

@@ -44,7 +44,7 @@ class TestingHooks:
     write_delay_file: str | None = None
 
     @staticmethod
-    def from_env() -> "TestingHooks | None":
+    def from_env() -> TestingHooks | None:
         corrupt = os.environ.get(CORRUPT_ENV) or None
         delay = os.environ.get(WRITE_DELAY_ENV) or None
         if corrupt is None and delay is None:

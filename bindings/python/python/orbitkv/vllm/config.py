@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 PREFIX = "orbitkv.pd."
 
@@ -86,7 +87,7 @@ class PdConfig:
         return self.side_channel_port + rank
 
     @staticmethod
-    def from_extra_config(extra: Mapping[str, Any] | None) -> "PdConfig":
+    def from_extra_config(extra: Mapping[str, Any] | None) -> PdConfig:
         cfg = dict(extra or {})
         unknown = sorted(k for k in cfg if k.startswith(PREFIX) and k not in KEYS)
         if unknown:

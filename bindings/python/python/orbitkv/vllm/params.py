@@ -10,8 +10,9 @@ never an error inside vLLM's scheduler. Imports nothing from vLLM.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 ROLE = "orbitkv_role"
 REQUEST = "orbitkv_request"
@@ -63,7 +64,7 @@ class PdParams:
         return split_host_port(self.prefill_kv, PREFILL_KV)
 
     @staticmethod
-    def parse(params: Mapping[str, Any] | None) -> "PdParams | None":
+    def parse(params: Mapping[str, Any] | None) -> PdParams | None:
         """``None`` when the request is not an OrbitKV P/D request; raises
         :class:`RequestParamsError` when its OrbitKV keys are malformed."""
         if not params or not isinstance(params, Mapping) or ROLE not in params:

@@ -30,17 +30,17 @@ import urllib.request
 from orbitkv.errors import HandshakeRejected
 
 __all__ = [
-    "HANDSHAKE_PATH",
     "CANCEL_PATH",
+    "HANDSHAKE_PATH",
     "HEALTH_PATH",
-    "SIGNATURE_HEADER",
     "MAX_BODY",
-    "READ_TIMEOUT_S",
     "MAX_CONNECTIONS",
+    "READ_TIMEOUT_S",
+    "SIGNATURE_HEADER",
     "HandshakeRejected",
-    "sign",
-    "post_handshake",
     "post_cancel",
+    "post_handshake",
+    "sign",
 ]
 
 HANDSHAKE_PATH = "/orbitkv/v1/handshake"

@@ -51,7 +51,7 @@ import sys
 _TARGET = "vllm.distributed.device_communicators.shm_broadcast"
 
 
-def _patch(module) -> None:  # noqa: ANN001 - a vLLM module
+def _patch(module) -> None:
     cap = int(os.environ["ORBITKV_TESTING_SHM_RECHECK_MS"])
     cls = getattr(module, "SpinCondition", None)
     if cls is None or getattr(cls, "_orbitkv_capped", False):
@@ -68,7 +68,7 @@ def _patch(module) -> None:  # noqa: ANN001 - a vLLM module
     if spin_s is not None:
         init = cls.__init__
 
-        def init_spin(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        def init_spin(self, *args, **kwargs) -> None:
             init(self, *args, **kwargs)
             if getattr(self, "is_reader", False):
                 self.busy_loop_s = float(spin_s)
@@ -79,15 +79,15 @@ def _patch(module) -> None:  # noqa: ANN001 - a vLLM module
 _HOOK_TARGET = "vllm.model_executor.layers.attention.kv_transfer_utils"
 
 
-def _patch_layer_hook(module) -> None:  # noqa: ANN001 - a vLLM module
+def _patch_layer_hook(module) -> None:
     flag = os.environ["ORBITKV_TESTING_SKIP_LAYER_HOOK"]
     hooked = module.maybe_transfer_kv_layer
 
-    def maybe_transfer_kv_layer(func):  # noqa: ANN001, ANN202
+    def maybe_transfer_kv_layer(func):
         with_hooks = hooked(func)
 
         @functools.wraps(func)
-        def wrapper(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        def wrapper(*args, **kwargs):
             if os.path.exists(flag):
                 return func(*args, **kwargs)  # no connector hook for this layer
             return with_hooks(*args, **kwargs)
@@ -98,23 +98,23 @@ def _patch_layer_hook(module) -> None:  # noqa: ANN001 - a vLLM module
 
 
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, patch) -> None:  # noqa: ANN001
+    def __init__(self, inner: importlib.abc.Loader, patch) -> None:
         self.inner = inner
         self.patch = patch
 
-    def create_module(self, spec):  # noqa: ANN001, ANN201
+    def create_module(self, spec):
         return self.inner.create_module(spec)
 
-    def exec_module(self, module) -> None:  # noqa: ANN001
+    def exec_module(self, module) -> None:
         self.inner.exec_module(module)
         self.patch(module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, patches: dict) -> None:  # noqa: ANN001
+    def __init__(self, patches: dict) -> None:
         self.patches = patches
 
-    def find_spec(self, name, path, target=None):  # noqa: ANN001, ANN201
+    def find_spec(self, name, path, target=None):
         patch = self.patches.get(name)
         if patch is None:
             return None
