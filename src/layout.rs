@@ -8,6 +8,8 @@
 //! contiguous equal slices — which is what lets a producer of one TP size
 //! write into a consumer of another.
 
+use std::ops::Range;
+
 use serde::{Deserialize, Serialize};
 
 use crate::error::GeometryError;

@@ -739,9 +739,7 @@ impl GlobalTrace {
             path: std::env::var_os(TRACE_ENV)
                 .filter(|p| !p.is_empty())
                 .map(PathBuf::from),
-            filter: std::env::var(TRACE_FILTER_ENV)
-                .ok()
-                .filter(|f| !f.is_empty()),
+            filter: std::env::var(TRACE_FILTER_ENV).ok().filter(|f| !f.is_empty()),
             max_events: std::env::var(TRACE_MAX_EVENTS_ENV)
                 .ok()
                 .and_then(|n| n.parse().ok()),

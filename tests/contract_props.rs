@@ -60,11 +60,11 @@ use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 
-use orbitkv::layout::plan_write;
 use orbitkv::fsm::{
     ConsumerEffect, ConsumerEvent, ConsumerMachine, ConsumerPhase, Dropped, ProducerEffect, ProducerEvent,
     ProducerMachine, ProducerPhase, WriteId,
 };
+use orbitkv::layout::plan_write;
 use orbitkv::wire::WIRE_VERSION;
 use orbitkv::{Generation, Handshake, KvLayout, Outcome, ProducerRank, RequestId, WriteRange};
 use proptest::prelude::*;

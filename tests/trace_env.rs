@@ -32,7 +32,11 @@ fn the_runtime_installs_nothing_and_init_from_env_installs_the_trace() {
     );
     rt.shutdown();
     assert_eq!(orbitkv::trace::init_from_env(), Some(path.as_path()));
-    assert_eq!(orbitkv::trace::init_from_env(), Some(path.as_path()), "once per process");
+    assert_eq!(
+        orbitkv::trace::init_from_env(),
+        Some(path.as_path()),
+        "once per process"
+    );
     let mut rt = Runtime::start(null_transport(), layout, RuntimeConfig::default()).unwrap();
     let req = RequestId::new("env-req");
     rt.producer_open(req.clone(), vec![0, 1], cap(), 1).unwrap();

@@ -4,7 +4,6 @@
 //! takes the notices the router routes to it, and carries out the effects.
 //! Handlers stay thin; failures travel as messages.
 
-use std::ops::Range;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,11 +14,7 @@ use tracing::Span;
 use super::messages::*;
 use super::router::NotificationRouter;
 use super::stats::Stats;
-use super::writer::WriterPool;
 use crate::fsm::*;
-use crate::ids::{Generation, ProducerRank, RequestId};
-use crate::layout::{plan_write, KvLayout, WriteRange};
-use crate::wire::{Handshake, Notice, WIRE_VERSION};
 
 /// The decode side of one request.
 pub struct ConsumerActor {

@@ -5,22 +5,20 @@
 //! layer writer, and carries out the other effects. Handlers stay thin;
 //! failures travel as messages.
 
-use std::ops::Range;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use actix::prelude::*;
 use crossbeam_channel::Sender;
 use tracing::Span;
 
 use super::messages::*;
-use super::router::NotificationRouter;
 use super::stats::Stats;
 use super::writer::WriterPool;
 use crate::fsm::*;
-use crate::ids::{Generation, ProducerRank, RequestId};
-use crate::layout::{plan_write, KvLayout, WriteRange};
-use crate::wire::{Handshake, Notice, WIRE_VERSION};
+use crate::ids::{ProducerRank, RequestId};
+use crate::layout::{plan_write, KvLayout};
+use crate::wire::{Notice, WIRE_VERSION};
 
 /// Why a write was not submitted once the consumer's deadline passed.
 pub const EXPIRED: &str =

@@ -8,10 +8,6 @@ use super::Dropped;
 use crate::ids::{Generation, ProducerRank, RequestId};
 use crate::wire::Outcome;
 
-// ------------------------------------------------------------------------
-// Consumer (decode side)
-// ------------------------------------------------------------------------
-
 /// Events of a consumer request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ConsumerEvent {
@@ -284,10 +280,6 @@ impl ConsumerMachine {
         }
     }
 }
-
-// ------------------------------------------------------------------------
-// Producer (prefill side)
-// ------------------------------------------------------------------------
 
 #[cfg(test)]
 mod tests {

@@ -19,8 +19,8 @@ use actix::Addr;
 use crossbeam_channel::{Receiver, Sender};
 
 use super::signature::{sign, SIGNATURE_HEADER};
-use crate::actors::messages::NoticeArrived;
 use crate::actors::consumer::ConsumerActor;
+use crate::actors::messages::NoticeArrived;
 use crate::ids::{Generation, RequestId};
 use crate::wire::Notice;
 

@@ -345,7 +345,7 @@ def skip_layer_hook_env(ctx: Ctx) -> dict[str, str]:
 
     found = importlib.util.find_spec("orbitkv.testing")
     assert found is not None and found.submodule_search_locations, "orbitkv.testing is not installed"
-    shims = Path(list(found.submodule_search_locations)[0]) / "vllm_shims"
+    shims = Path(next(iter(found.submodule_search_locations))) / "vllm_shims"
     flag = ctx.work / "skip-layer-hook"
     flag.touch()
     return {"ORBITKV_TESTING_SKIP_LAYER_HOOK": str(flag),

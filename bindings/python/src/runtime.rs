@@ -89,7 +89,11 @@ pub fn producer_ranks(
 /// keep the first setting. Returns the trace path in effect, or None.
 #[pyfunction]
 #[pyo3(signature = (path=None, *, filter=None, max_events=None))]
-pub fn install_trace(path: Option<String>, filter: Option<String>, max_events: Option<usize>) -> Option<String> {
+pub fn install_trace(
+    path: Option<String>,
+    filter: Option<String>,
+    max_events: Option<usize>,
+) -> Option<String> {
     orbitkv::trace::install_global(orbitkv::trace::GlobalTrace {
         path: path.filter(|p| !p.is_empty()).map(std::path::PathBuf::from),
         filter,

@@ -217,7 +217,10 @@ def test_a_failed_load_seen_only_after_vllm_ended_the_request_is_withheld_until_
     assert s.request_finished(r2, [7, 8, 9]) == (True, None)
     done = out(recving={"d2"})  # complete: every producer ended
     s.update_connector_output(done)
-    assert done.finished_recving == {"d2"} and not s.has_pending_push_work()
+    assert done.finished_recving == {"d2"}
+    ends = s.build_connector_meta(sched_output()).consumers_end
+    assert [(e.pd_id, e.report, e.after_load) for e in ends] == [("pd-2", True, False)]
+    assert not s.has_pending_push_work()
 
 
 # ---- scheduler, prefill side --------------------------------------------------------

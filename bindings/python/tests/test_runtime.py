@@ -204,3 +204,41 @@ def test_runtime_warnings_reach_stderr_without_a_trace(log: str | None, tmp_path
         assert any("nothing listens at 127.0.0.1:1" in line for line in warned), p.stderr[-3000:]
     if log == "orbitkv=loud":
         assert "ORBITKV_LOG=\"orbitkv=loud\" ignored" in p.stderr, p.stderr[-3000:]
+
+
+TRACE_PROBE = r"""
+import json, os, sys
+sys.path.insert(0, os.environ["TESTS_DIR"])
+import orbitkv
+import test_runtime as t
+path = os.environ["TRACE_PATH"]
+print("FIRST", orbitkv.install_trace(path), flush=True)
+print("AGAIN", orbitkv.install_trace(path + ".other"), flush=True)
+r = t.Rank(t.GUARD)  # its runtime keeps what the process installed
+r.runtime.producer_open("req-traced", [0, 1], t.CAP)
+r.runtime.producer_abort("req-traced", "test")
+print("EVENT", t.wait_event(r.runtime, {"producer_released"}).kind, flush=True)
+r.close()
+"""
+
+
+def test_install_trace_is_explicit_once_per_process_and_the_runtime_writes_it(tmp_path) -> None:
+    """The library sets no subscriber of its own: `orbitkv.install_trace(path)`
+    (what the connector's `orbitkv.pd.trace` calls) installs the Chrome trace,
+    once per process (a second call keeps the first), even with
+    `ORBITKV_TRACE` naming another file; the runtime's shutdown writes it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path = tmp_path / "explicit.json"
+    env = {k: v for k, v in os.environ.items() if k != "ORBITKV_LOG"}
+    env.update(TESTS_DIR=str(Path(__file__).parent), TRACE_PATH=str(path), ORBITKV_TRACE=str(tmp_path / "env.json"))
+    p = subprocess.run([sys.executable, "-c", TRACE_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    assert f"FIRST {path}" in p.stdout and f"AGAIN {path}" in p.stdout, p.stdout
+    assert "EVENT producer_released" in p.stdout, p.stdout
+    assert not (tmp_path / "env.json").exists(), "ORBITKV_TRACE won over the explicit call"
+    events = json.loads(path.read_text())["traceEvents"]
+    assert any(e.get("ph") == "M" and "req-traced" in str(e.get("args", {}).get("name")) for e in events)

@@ -17,6 +17,7 @@ __all__ = [
     "SideChannel",
     "__version__",
     "cancel_message",
+    "install_trace",
     "new_capability",
     "producer_ranks",
 ]
