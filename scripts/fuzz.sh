@@ -2,13 +2,13 @@
 # Coverage-guided fuzzing of the wire contract (fuzz/fuzz_targets/wire.rs):
 # libFuzzer through libfuzzer-sys, built on stable Rust with LLVM's
 # SanitizerCoverage (the flags cargo-fuzz passes, minus the nightly-only
-# sanitizer). Runs for ORBITKV_FUZZ_SECONDS (default 60) from the committed
+# sanitizer). Runs for ORBITKV_FUZZ_SECONDS (default 30) from the committed
 # seed corpus; new inputs go to a scratch folder, a crash to fuzz/artifacts/.
 #   ./scripts/fuzz.sh            # what CI runs
 #   ORBITKV_FUZZ_SECONDS=600 ./scripts/fuzz.sh
 set -euo pipefail
 cd "$(dirname "$0")/../fuzz"
-SECONDS_TO_RUN=${ORBITKV_FUZZ_SECONDS:-60}
+SECONDS_TO_RUN=${ORBITKV_FUZZ_SECONDS:-30}
 TARGET=x86_64-unknown-linux-gnu  # explicit, so RUSTFLAGS skip build scripts
 export RUSTFLAGS="-Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \

@@ -24,7 +24,7 @@ cargo clippy --quiet --workspace --all-targets -- -D warnings
 echo "== Rust tests (unit, property, integration against real Mooncake)"
 cargo test --all-targets 2>&1 | tee /tmp/orbitkv-cargo-test.log
 
-echo "== Fuzzing the wire contract (coverage-guided, bounded: ORBITKV_FUZZ_SECONDS, default 60)"
+echo "== Fuzzing the wire contract (coverage-guided, bounded: ORBITKV_FUZZ_SECONDS, default 30)"
 ./scripts/fuzz.sh
 
 run_pytest() {  # PYTHON PATHS...: a failure (5: no test collected, too) ends the run
