@@ -14,8 +14,9 @@ newest_log=$(mktemp -t orbitkv-setup-vllm-newest.XXXXXX)
 newest_pid=$!
 trap 'kill "$newest_pid" 2>/dev/null || true' EXIT
 
-echo "== ruff (the Python package, its tests, the benchmarks' Python)"
+echo "== ruff (the Python package, its tests, the benchmarks' Python), mypy --strict (the package)"
 ruff check --config bindings/python/pyproject.toml bindings/python benches
+(cd bindings/python && python -m mypy --cache-dir "$(mktemp -d -t orbitkv-mypy.XXXXXX)")
 
 echo "== rustfmt, clippy"
 cargo fmt --all -- --check

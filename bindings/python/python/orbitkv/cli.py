@@ -31,6 +31,7 @@ import socket
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 
 @dataclass
@@ -185,7 +186,7 @@ class TraceError(ValueError):
     """An input that is not an OrbitKV trace."""
 
 
-def merge_traces(request_id: str, paths: list[Path]) -> dict:
+def merge_traces(request_id: str, paths: list[Path]) -> dict[str, Any]:
     """The events of ``request_id`` from each trace in ``paths``, one process
     per file, on one clock (see the module documentation)."""
     loaded = []
@@ -198,7 +199,7 @@ def merge_traces(request_id: str, paths: list[Path]) -> dict:
             raise TraceError(f"{path}: not an OrbitKV trace ({type(e).__name__}: {e})") from None
         loaded.append((path, start, events))
     t0 = min(start for _, start, _ in loaded)
-    out: list[dict] = []
+    out: list[dict[str, Any]] = []
     found = 0
     for pid, (path, start, events) in enumerate(loaded, 1):
         shift = float(start - t0)

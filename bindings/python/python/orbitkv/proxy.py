@@ -34,9 +34,9 @@ import secrets
 import sys
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -45,6 +45,8 @@ from aiohttp import web
 from orbitkv.vllm.params import CONSUMER, PRODUCER, PdParams
 
 __all__ = ["ProxyConfig", "decode_body", "main", "make_app", "prefill_body"]
+
+_T = TypeVar("_T")
 
 # The request field vLLM copies into the connector's view of a request.
 KV_PARAMS_FIELD = "kv_transfer_params"
@@ -182,7 +184,7 @@ class Pool:
     def pick_decode(self, exclude: frozenset[str] = frozenset()) -> str:
         return min(self._eligible(list(self.cfg.decodes), lambda u: u, exclude), key=lambda u: self.outstanding[u])
 
-    def _eligible(self, items: list, url: Callable[[Any], str], exclude: frozenset[str]) -> list:
+    def _eligible(self, items: list[_T], url: Callable[[_T], str], exclude: frozenset[str]) -> list[_T]:
         live = [i for i in items if url(i) not in exclude and self.healthy[url(i)]]
         return live or [i for i in items if url(i) not in exclude] or items
 
@@ -274,7 +276,7 @@ class _Exchange:
         request: web.Request,
         session: aiohttp.ClientSession,
         cfg: ProxyConfig,
-        background: set[asyncio.Task],
+        background: set[asyncio.Task[Any]],
         pool: Pool | None = None,
     ):
         self.request = request
@@ -390,8 +392,8 @@ class _Exchange:
                 self._log(path)
                 await _cancel(prefill)
 
-    def _prefill_landed(self, path: str) -> Callable[[asyncio.Task], None]:
-        def done(task: asyncio.Task) -> None:
+    def _prefill_landed(self, path: str) -> Callable[[asyncio.Task[Any]], None]:
+        def done(task: asyncio.Task[Any]) -> None:
             self.background.discard(task)
             if not task.cancelled() and task.exception() is not None:
                 logger.warning("%s: prefill failed after decode answered: %s", self.id, task.exception())
@@ -417,13 +419,13 @@ class _Exchange:
     def _headers(self) -> dict[str, str]:
         return {REQUEST_ID_HEADER: self.id}
 
-    def _count(self, task: asyncio.Task, url: str) -> None:
+    def _count(self, task: asyncio.Task[Any], url: str) -> None:
         """Counts ``task`` as in flight at ``url`` from now until it ends
         (cancelled before it ran included). Called right after the pick,
         before the handler yields: concurrent arrivals see it and spread."""
         self.pool.outstanding[url] += 1
 
-        def done(_: asyncio.Task) -> None:
+        def done(_: asyncio.Task[Any]) -> None:
             self.pool.outstanding[url] -= 1
 
         task.add_done_callback(done)
@@ -456,7 +458,7 @@ class _Exchange:
             self.t_done = time.monotonic()
             return r.status
 
-    async def _prefill_failed(self, decode: asyncio.Task, failure: str) -> web.StreamResponse:
+    async def _prefill_failed(self, decode: asyncio.Task[Any], failure: str) -> web.StreamResponse:
         logger.warning("%s: %s; dropping the decode request", self.id, failure)
         await _cancel(decode)
         if self.response is None:
@@ -474,7 +476,7 @@ class _BackendError(RuntimeError):
     pass
 
 
-def _failure(task: asyncio.Task) -> str | None:
+def _failure(task: asyncio.Task[Any]) -> str | None:
     """Why a finished prefill task failed, or None if it succeeded."""
     if task.cancelled():
         return "prefill request cancelled"
@@ -486,7 +488,7 @@ def _failure(task: asyncio.Task) -> str | None:
     return f"prefill unreachable: {type(exc).__name__}: {exc}"
 
 
-async def _cancel(task: asyncio.Task) -> None:
+async def _cancel(task: asyncio.Task[Any]) -> None:
     if not task.done():
         task.cancel()
     with contextlib.suppress(BaseException):
@@ -549,7 +551,7 @@ async def probe_prefill(session: aiohttp.ClientSession, p: Prefill) -> int:
     host, port_s = p.kv.rsplit(":", 1)
     port = int(port_s)
     first = await _side_channel_health(session, host, port)
-    tp = first["tp_size"]
+    tp: int = first["tp_size"]
     if first["tp_rank"] != 0 or tp < 1:
         raise PrefillMismatch(
             f"side channel {p.kv} is rank {first['tp_rank']} of {tp}, not rank 0: --prefill-kv must name rank 0"
@@ -608,7 +610,7 @@ def make_app(cfg: ProxyConfig) -> web.Application:
     app[_BACKGROUND] = set()
     app[_POOL] = Pool(cfg)
 
-    async def session_ctx(app: web.Application):
+    async def session_ctx(app: web.Application) -> AsyncIterator[None]:
         timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
         # No connection limit: every client request holds two backend calls.
         connector = aiohttp.TCPConnector(limit=0)

@@ -256,7 +256,9 @@ def http_get(url: str, path: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
         conn.close()
 
 
-def http_post_json(url: str, path: str, body: dict[str, Any], timeout_s: float = 120.0) -> tuple[int, Any, dict]:
+def http_post_json(
+    url: str, path: str, body: dict[str, Any], timeout_s: float = 120.0
+) -> tuple[int, Any, dict[str, str]]:
     """POST JSON, read the whole answer: (status, parsed JSON or text, headers)."""
     host, port = _split(url)
     conn = http.client.HTTPConnection(host, port, timeout=timeout_s)

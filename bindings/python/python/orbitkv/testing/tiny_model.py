@@ -23,6 +23,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = ["TinyModelSpec", "make_tiny_model"]
 
@@ -80,7 +81,7 @@ def _corpus(seed: int, lines: int = 4000) -> list[str]:
     return out
 
 
-def _train_tokenizer(spec: TinyModelSpec):
+def _train_tokenizer(spec: TinyModelSpec) -> Any:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -146,7 +147,7 @@ def make_tiny_model(path: str | os.PathLike[str], spec: TinyModelSpec | None = N
 
     def ready() -> bool:
         try:
-            return json.loads(marker.read_text()) == want
+            return bool(json.loads(marker.read_text()) == want)
         except (OSError, ValueError):
             return False
 

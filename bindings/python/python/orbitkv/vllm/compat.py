@@ -47,7 +47,7 @@ def check_vllm_version(version: str, env: dict[str, str] | None = None) -> str |
     not run here, or for any other release when ``ORBITKV_ALLOW_UNTESTED_VLLM=1``;
     raises :class:`UnsupportedVllmError` otherwise (the message names the
     range and the override)."""
-    env = os.environ if env is None else env
+    allow = (os.environ if env is None else env).get(ALLOW_ENV)
     release = version.split("+")[0].strip()
     if release in TESTED:
         return None
@@ -57,7 +57,7 @@ def check_vllm_version(version: str, env: dict[str, str] | None = None) -> str |
             f"vLLM {version} is inside OrbitKV's supported range {supported_range()} but was not run "
             "here; run the e2e tests against it (docs/vllm-connector-notes.md)"
         )
-    if env.get(ALLOW_ENV) == "1":
+    if allow == "1":
         return f"vLLM {version} is outside OrbitKV's supported range {supported_range()}; {ALLOW_ENV}=1 allows it"
     raise UnsupportedVllmError(
         f"vLLM {version} is not supported by OrbitKV's PdConnector: supported {supported_range()}. "

@@ -69,7 +69,9 @@ class PdConnector(KVConnectorBase_V1):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ):
-        super().__init__(vllm_config, role, kv_cache_config)
+        # vLLM's own connectors take the KV cache config as optional too
+        # (older releases construct connectors without it).
+        super().__init__(vllm_config, role, kv_cache_config)  # type: ignore[arg-type]
         _log_through_vllm()
         # Refuses a vLLM outside the supported range before anything starts.
         untested = compat.check_vllm_version(compat.installed_vllm_version())
@@ -115,7 +117,13 @@ class PdConnector(KVConnectorBase_V1):
         return PdConnectorStats(data=dict(data)) if data is not None else PdConnectorStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> PdPromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> PdPromMetrics:
         return PdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     @classmethod

@@ -264,11 +264,13 @@ class PdScheduler:
             self._consumers_end.append(RequestEnd(rid, c.pd_id, True, status, report=True))
             self._delayed.add(rid)
             return True, None
-        p = self.params_of(request)
-        if p is not None and p.role == CONSUMER and p.prefill_kv is not None:
+        params = self.params_of(request)
+        if params is not None and params.role == CONSUMER and params.prefill_kv is not None:
             # Finished before any block was allocated for it (e.g. aborted
             # while queued): the producers must not wait for a handshake.
-            self._cancel.append(ConsumerCancel(p.request, p.capability, p.prefill_kv, p.prefill_tp, status))
+            self._cancel.append(
+                ConsumerCancel(params.request, params.capability, params.prefill_kv, params.prefill_tp, status)
+            )
         return False, None
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:

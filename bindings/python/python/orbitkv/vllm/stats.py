@@ -140,7 +140,13 @@ _SECONDS = {
 class PdPromMetrics(KVConnectorPromMetrics):
     """Prometheus counters named ``vllm:orbitkv_*`` (and the transfer time)."""
 
-    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: Any,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters: dict[str, dict[int, Any]] = {}
         for key, (name, doc) in _PROM.items():

@@ -98,7 +98,7 @@ class _Ordered:
     delayed writes."""
 
     def __init__(self) -> None:
-        self._q: queue.Queue = queue.Queue()
+        self._q: queue.Queue[Any] = queue.Queue()
         self._lock = threading.Lock()
         self.pending = 0  # calls queued or running
         # Steps' layers admitted after an event, and the sum of their lag

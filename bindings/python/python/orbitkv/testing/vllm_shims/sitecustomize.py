@@ -47,19 +47,25 @@ import importlib.abc
 import importlib.machinery
 import os
 import sys
+from collections.abc import Callable, Sequence
+from importlib.machinery import ModuleSpec
+from types import ModuleType
+from typing import Any
+
+Patch = Callable[[ModuleType], None]
 
 _TARGET = "vllm.distributed.device_communicators.shm_broadcast"
 
 
-def _patch(module) -> None:
+def _patch(module: ModuleType) -> None:
     cap = int(os.environ["ORBITKV_TESTING_SHM_RECHECK_MS"])
     cls = getattr(module, "SpinCondition", None)
     if cls is None or getattr(cls, "_orbitkv_capped", False):
         return
     wait = cls.wait
 
-    def capped_wait(self, timeout_ms: int | None = None) -> None:
-        return wait(self, cap if timeout_ms is None else min(timeout_ms, cap))
+    def capped_wait(self: Any, timeout_ms: int | None = None) -> None:
+        wait(self, cap if timeout_ms is None else min(timeout_ms, cap))
 
     cls.wait = capped_wait
     cls._orbitkv_capped = True
@@ -68,7 +74,7 @@ def _patch(module) -> None:
     if spin_s is not None:
         init = cls.__init__
 
-        def init_spin(self, *args, **kwargs) -> None:
+        def init_spin(self: Any, *args: Any, **kwargs: Any) -> None:
             init(self, *args, **kwargs)
             if getattr(self, "is_reader", False):
                 self.busy_loop_s = float(spin_s)
@@ -79,42 +85,44 @@ def _patch(module) -> None:
 _HOOK_TARGET = "vllm.model_executor.layers.attention.kv_transfer_utils"
 
 
-def _patch_layer_hook(module) -> None:
+def _patch_layer_hook(module: ModuleType) -> None:
     flag = os.environ["ORBITKV_TESTING_SKIP_LAYER_HOOK"]
     hooked = module.maybe_transfer_kv_layer
 
-    def maybe_transfer_kv_layer(func):
+    def maybe_transfer_kv_layer(func: Callable[..., Any]) -> Callable[..., Any]:
         with_hooks = hooked(func)
 
         @functools.wraps(func)
-        def wrapper(*args, **kwargs):
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
             if os.path.exists(flag):
                 return func(*args, **kwargs)  # no connector hook for this layer
             return with_hooks(*args, **kwargs)
 
         return wrapper
 
-    module.maybe_transfer_kv_layer = maybe_transfer_kv_layer
+    setattr(module, "maybe_transfer_kv_layer", maybe_transfer_kv_layer)  # noqa: B010 - a vLLM module
 
 
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: importlib.abc.Loader, patch) -> None:
+    def __init__(self, inner: importlib.abc.Loader, patch: Patch) -> None:
         self.inner = inner
         self.patch = patch
 
-    def create_module(self, spec):
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         return self.inner.create_module(spec)
 
-    def exec_module(self, module) -> None:
+    def exec_module(self, module: ModuleType) -> None:
         self.inner.exec_module(module)
         self.patch(module)
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    def __init__(self, patches: dict) -> None:
+    def __init__(self, patches: dict[str, Patch]) -> None:
         self.patches = patches
 
-    def find_spec(self, name, path, target=None):
+    def find_spec(
+        self, name: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
         patch = self.patches.get(name)
         if patch is None:
             return None
@@ -124,7 +132,7 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
-_patches = {}
+_patches: dict[str, Patch] = {}
 if os.environ.get("ORBITKV_TESTING_SHM_RECHECK_MS"):
     _patches[_TARGET] = _patch
 if os.environ.get("ORBITKV_TESTING_SKIP_LAYER_HOOK"):
