@@ -290,7 +290,21 @@ impl MooncakeTransferEngine {
                 reason: ffi::last_error(),
             });
         }
-        self.segments.lock().insert(peer.to_string(), seg);
+        // Opened without the lock (openSegment may wait for the peer): if
+        // another thread opened this peer meanwhile, keep its segment and
+        // close ours, so that none is left open and unreferenced.
+        let mut segments = self.segments.lock();
+        if let Some(&theirs) = segments.get(peer) {
+            drop(segments);
+            // Mooncake may hand out one ID per name: close only another one.
+            if seg != theirs {
+                // SAFETY: live engine; `seg` came from openSegment just above
+                // and is referenced nowhere else.
+                unsafe { ffi::okv_close_segment(self.raw.as_ptr(), seg) };
+            }
+            return Ok(theirs);
+        }
+        segments.insert(peer.to_string(), seg);
         Ok(seg)
     }
 
@@ -363,26 +377,31 @@ impl MooncakeTransferEngine {
         if rc != 0 {
             return Err(TransportError::Mooncake(ffi::last_error()));
         }
-        let out = match state {
-            0 | 1 => return Ok(BatchState::InFlight),
-            4 => BatchState::Completed { bytes: handle.bytes },
-            s => BatchState::Failed {
-                reason: self.failure_reason(handle, s),
+        let out = match TransferStatus::from_raw(state) {
+            Some(TransferStatus::Waiting | TransferStatus::Pending) => return Ok(BatchState::InFlight),
+            Some(TransferStatus::Completed) => BatchState::Completed { bytes: handle.bytes },
+            other => BatchState::Failed {
+                reason: self.failure_reason(handle, other),
             },
         };
         self.release(handle);
         Ok(out)
     }
 
-    fn failure_reason(&self, handle: &BatchHandle, state: i32) -> String {
-        let name = status_name(state);
+    fn failure_reason(&self, handle: &BatchHandle, state: Option<TransferStatus>) -> String {
+        let name = TransferStatus::name_of(state);
         // Find the first failed task, for a useful message.
         for task in 0..handle.tasks as u64 {
             let (mut s, mut b) = (0i32, 0u64);
             // SAFETY: live engine, batch not yet freed, task < task count.
             let rc = unsafe { ffi::okv_task_status(self.raw.as_ptr(), handle.id, task, &mut s, &mut b) };
-            if rc == 0 && s != 4 && s != 0 && s != 1 {
-                return format!("{name}: task {task} of {} ended {}", handle.tasks, status_name(s));
+            let s = TransferStatus::from_raw(s);
+            if rc == 0 && s.map_or(true, TransferStatus::is_failure) {
+                return format!(
+                    "{name}: task {task} of {} ended {}",
+                    handle.tasks,
+                    TransferStatus::name_of(s)
+                );
             }
         }
         name.to_string()
@@ -530,16 +549,52 @@ impl Drop for MooncakeTransferEngine {
     }
 }
 
-fn status_name(s: i32) -> &'static str {
-    match s {
-        0 => "WAITING",
-        1 => "PENDING",
-        2 => "INVALID",
-        3 => "CANCELED",
-        4 => "COMPLETED",
-        5 => "TIMEOUT",
-        6 => "FAILED",
-        _ => "UNKNOWN",
+/// Mooncake's `TransferStatusEnum` (0.3.13.post1, `transfer_engine.h`), as
+/// the shim reports a batch's or a task's state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(i32)]
+pub enum TransferStatus {
+    Waiting = 0,
+    Pending = 1,
+    Invalid = 2,
+    Canceled = 3,
+    Completed = 4,
+    Timeout = 5,
+    Failed = 6,
+}
+
+impl TransferStatus {
+    /// The status Mooncake reported, or `None` for a value it does not define.
+    pub fn from_raw(raw: i32) -> Option<Self> {
+        Some(match raw {
+            0 => Self::Waiting,
+            1 => Self::Pending,
+            2 => Self::Invalid,
+            3 => Self::Canceled,
+            4 => Self::Completed,
+            5 => Self::Timeout,
+            6 => Self::Failed,
+            _ => return None,
+        })
+    }
+
+    /// Ended without its bytes (an unknown value counts as such).
+    pub fn is_failure(self) -> bool {
+        !matches!(self, Self::Waiting | Self::Pending | Self::Completed)
+    }
+
+    /// Mooncake's name of it (`UNKNOWN` for a value it does not define).
+    pub fn name_of(s: Option<Self>) -> &'static str {
+        match s {
+            Some(Self::Waiting) => "WAITING",
+            Some(Self::Pending) => "PENDING",
+            Some(Self::Invalid) => "INVALID",
+            Some(Self::Canceled) => "CANCELED",
+            Some(Self::Completed) => "COMPLETED",
+            Some(Self::Timeout) => "TIMEOUT",
+            Some(Self::Failed) => "FAILED",
+            None => "UNKNOWN",
+        }
     }
 }
 
@@ -565,6 +620,25 @@ fn classify_failure(peer: &str, ranges: &[WriteRange], reason: String) -> Transp
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn transfer_status_follows_mooncakes_enum() {
+        for (raw, want) in [
+            (0, TransferStatus::Waiting),
+            (1, TransferStatus::Pending),
+            (2, TransferStatus::Invalid),
+            (3, TransferStatus::Canceled),
+            (4, TransferStatus::Completed),
+            (5, TransferStatus::Timeout),
+            (6, TransferStatus::Failed),
+        ] {
+            assert_eq!(TransferStatus::from_raw(raw), Some(want));
+            assert_eq!(want as i32, raw);
+        }
+        assert_eq!(TransferStatus::from_raw(7), None);
+        assert_eq!(TransferStatus::name_of(None), "UNKNOWN");
+        assert!(TransferStatus::Timeout.is_failure() && !TransferStatus::Pending.is_failure());
+    }
 
     #[test]
     fn endpoints_parse() {

@@ -240,9 +240,9 @@ impl From<RuntimeEvent> for PyRuntimeEvent {
 
 /// The request runtime of one rank.
 ///
-/// `Runtime(engine, layout_json, *, consumer_timeout_s=120, handshake_timeout_s=120,
-/// write_timeout_s=30, quarantine_s=60, max_bytes_in_flight_per_peer=1 GiB, max_ranges_in_flight_per_peer=768,
-/// notify_poll_ms=1)`.
+/// `Runtime(engine, layout_json, *, consumer_timeout_s=None, ..., publish_timeout_s=None)`:
+/// each setting left out is the Rust `RuntimeConfig::default()`'s
+/// (`orbitkv._native.RUNTIME_DEFAULTS`).
 /// `layout_json` is this rank's KV geometry (see `docs/architecture.md`);
 /// its memory must be registered with `engine`.
 ///
@@ -273,26 +273,29 @@ impl PyRuntime {
 impl PyRuntime {
     #[new]
     #[allow(clippy::too_many_arguments)] // mirrors the keyword-only Python signature
-    #[pyo3(signature = (engine, layout_json, *, consumer_timeout_s=120.0, handshake_timeout_s=120.0,
-        write_timeout_s=30.0, quarantine_s=60.0, max_bytes_in_flight_per_peer=1_073_741_824,
-        max_ranges_in_flight_per_peer=768, writer_lanes_per_peer=4, notify_poll_ms=1.0, max_parked=4096,
-        max_parked_bytes=67_108_864, side_channel_key=None, publish_timeout_s=10.0))]
+    // Every setting left out (None) is `RuntimeConfig::default()`'s: the
+    // one place the defaults are written (Python reads them as
+    // `orbitkv._native.RUNTIME_DEFAULTS`).
+    #[pyo3(signature = (engine, layout_json, *, consumer_timeout_s=None, handshake_timeout_s=None,
+        write_timeout_s=None, quarantine_s=None, max_bytes_in_flight_per_peer=None,
+        max_ranges_in_flight_per_peer=None, writer_lanes_per_peer=None, notify_poll_ms=None, max_parked=None,
+        max_parked_bytes=None, side_channel_key=None, publish_timeout_s=None))]
     fn new(
         py: Python<'_>,
         engine: &PyEngine,
         layout_json: &str,
-        consumer_timeout_s: f64,
-        handshake_timeout_s: f64,
-        write_timeout_s: f64,
-        quarantine_s: f64,
-        max_bytes_in_flight_per_peer: u64,
-        max_ranges_in_flight_per_peer: usize,
-        writer_lanes_per_peer: usize,
-        notify_poll_ms: f64,
-        max_parked: usize,
-        max_parked_bytes: usize,
+        consumer_timeout_s: Option<f64>,
+        handshake_timeout_s: Option<f64>,
+        write_timeout_s: Option<f64>,
+        quarantine_s: Option<f64>,
+        max_bytes_in_flight_per_peer: Option<u64>,
+        max_ranges_in_flight_per_peer: Option<usize>,
+        writer_lanes_per_peer: Option<usize>,
+        notify_poll_ms: Option<f64>,
+        max_parked: Option<usize>,
+        max_parked_bytes: Option<usize>,
         side_channel_key: Option<Vec<u8>>,
-        publish_timeout_s: f64,
+        publish_timeout_s: Option<f64>,
     ) -> PyResult<Self> {
         let layout: KvLayout = serde_json::from_str(layout_json).map_err(|e| {
             runtime_error(
@@ -304,19 +307,29 @@ impl PyRuntime {
                 .into(),
             )
         })?;
+        let d = RuntimeConfig::default();
+        let secs = |name: &str, v: Option<f64>, default: Duration| -> PyResult<Duration> {
+            v.map_or(Ok(default), |v| seconds(py, name, v))
+        };
         let cfg = RuntimeConfig {
-            consumer_timeout: seconds(py, "consumer_timeout_s", consumer_timeout_s)?,
-            handshake_timeout: seconds(py, "handshake_timeout_s", handshake_timeout_s)?,
-            write_timeout: seconds(py, "write_timeout_s", write_timeout_s)?,
-            quarantine: seconds(py, "quarantine_s", quarantine_s)?,
-            max_bytes_in_flight_per_peer: max_bytes_in_flight_per_peer.max(1),
-            max_ranges_in_flight_per_peer: max_ranges_in_flight_per_peer.max(1),
-            writer_lanes_per_peer: writer_lanes_per_peer.clamp(1, 64),
-            notify_poll: seconds(py, "notify_poll_ms", notify_poll_ms / 1000.0)?,
-            max_parked: max_parked.max(1),
-            max_parked_bytes: max_parked_bytes.max(1),
+            consumer_timeout: secs("consumer_timeout_s", consumer_timeout_s, d.consumer_timeout)?,
+            handshake_timeout: secs("handshake_timeout_s", handshake_timeout_s, d.handshake_timeout)?,
+            write_timeout: secs("write_timeout_s", write_timeout_s, d.write_timeout)?,
+            quarantine: secs("quarantine_s", quarantine_s, d.quarantine)?,
+            max_bytes_in_flight_per_peer: max_bytes_in_flight_per_peer
+                .unwrap_or(d.max_bytes_in_flight_per_peer)
+                .max(1),
+            max_ranges_in_flight_per_peer: max_ranges_in_flight_per_peer
+                .unwrap_or(d.max_ranges_in_flight_per_peer)
+                .max(1),
+            writer_lanes_per_peer: writer_lanes_per_peer
+                .unwrap_or(d.writer_lanes_per_peer)
+                .clamp(1, 64),
+            notify_poll: secs("notify_poll_ms", notify_poll_ms.map(|ms| ms / 1000.0), d.notify_poll)?,
+            max_parked: max_parked.unwrap_or(d.max_parked).max(1),
+            max_parked_bytes: max_parked_bytes.unwrap_or(d.max_parked_bytes).max(1),
             side_channel_key: side_channel_key.map(Arc::new),
-            publish_timeout: seconds(py, "publish_timeout_s", publish_timeout_s)?,
+            publish_timeout: secs("publish_timeout_s", publish_timeout_s, d.publish_timeout)?,
         };
         let transport = engine.transport(py)?;
         let endpoint = transport.endpoint().to_string();

@@ -74,3 +74,25 @@ def test_durations(key: str) -> None:
     for bad in (0, -1, "5", None, True, float("nan"), float("inf")):
         with pytest.raises(ConfigError, match=field):
             PdConfig.from_extra_config({key: bad})
+
+
+def test_the_connector_defaults_are_the_runtimes() -> None:
+    """Each runtime default is written once, in Rust (`RuntimeConfig::default()`):
+    the connector's configuration and `Runtime(...)` left without a setting
+    both read it from `orbitkv._native.RUNTIME_DEFAULTS`."""
+    from orbitkv._native import RUNTIME_DEFAULTS as rt
+
+    c = PdConfig.from_extra_config({})
+    assert (c.timeout_s, c.handshake_timeout_s, c.write_timeout_s, c.quarantine_s) == (
+        rt["consumer_timeout_s"],
+        rt["handshake_timeout_s"],
+        rt["write_timeout_s"],
+        rt["quarantine_s"],
+    )
+    assert c.max_inflight_mb << 20 == rt["max_bytes_in_flight_per_peer"]
+    assert (c.max_inflight_ranges, c.writer_lanes) == (
+        rt["max_ranges_in_flight_per_peer"],
+        rt["writer_lanes_per_peer"],
+    )
+    assert set(rt) >= {"notify_poll_ms", "max_parked", "max_parked_bytes", "publish_timeout_s"}
+    assert all(isinstance(v, (int, float)) and v > 0 for v in rt.values())

@@ -9,6 +9,7 @@ from typing_extensions import Self
 
 __all__ = [
     "PINNED_MOONCAKE_VERSION",
+    "RUNTIME_DEFAULTS",
     "STATS_FIELDS",
     "Batch",
     "MooncakeTransferEngine",
@@ -30,6 +31,10 @@ PINNED_MOONCAKE_VERSION: str
 
 STATS_FIELDS: tuple[str, ...]
 """The runtime's counters: the keys of `Runtime.stats()` (Rust's `StatsSnapshot`)."""
+
+RUNTIME_DEFAULTS: dict[str, float | int]
+"""The runtime's defaults (Rust's `RuntimeConfig::default()`), keyed by
+`Runtime(...)`'s keyword names: the one place they are written."""
 
 # An int address, a torch tensor (duck-typed: data_ptr, numel, element_size,
 # is_contiguous, device), or a writable C-contiguous buffer (numpy array,
@@ -248,19 +253,21 @@ class Runtime:
         engine: MooncakeTransferEngine,
         layout_json: str,
         *,
-        consumer_timeout_s: float = 120.0,
-        handshake_timeout_s: float = 120.0,
-        write_timeout_s: float = 30.0,
-        quarantine_s: float = 60.0,
-        max_bytes_in_flight_per_peer: int = 1073741824,
-        max_ranges_in_flight_per_peer: int = 768,
-        writer_lanes_per_peer: int = 4,
-        notify_poll_ms: float = 1.0,
-        max_parked: int = 4096,
-        max_parked_bytes: int = 67108864,
+        consumer_timeout_s: float | None = None,
+        handshake_timeout_s: float | None = None,
+        write_timeout_s: float | None = None,
+        quarantine_s: float | None = None,
+        max_bytes_in_flight_per_peer: int | None = None,
+        max_ranges_in_flight_per_peer: int | None = None,
+        writer_lanes_per_peer: int | None = None,
+        notify_poll_ms: float | None = None,
+        max_parked: int | None = None,
+        max_parked_bytes: int | None = None,
         side_channel_key: bytes | None = None,
-        publish_timeout_s: float = 10.0,
-    ) -> Self: ...
+        publish_timeout_s: float | None = None,
+    ) -> Self:
+        """Each setting left out (None) is the Rust `RuntimeConfig::default()`'s
+        (`RUNTIME_DEFAULTS`)."""
     @property
     def endpoint(self) -> str:
         """This rank's Mooncake endpoint (`ip:port`)."""

@@ -42,6 +42,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
+from orbitkv.vllm.config import DEFAULT_SIDE_CHANNEL_PORT
 from orbitkv.vllm.params import CONSUMER, PRODUCER, PdParams
 
 __all__ = ["ProxyConfig", "decode_body", "main", "make_app", "prefill_body"]
@@ -54,8 +55,6 @@ KV_PARAMS_FIELD = "kv_transfer_params"
 REQUEST_ID_HEADER = "X-Request-Id"
 # OpenAI routes the proxy splits into prefill + decode.
 GENERATE_PATHS = ("/v1/completions", "/v1/chat/completions")
-# PdConnector's default side channel port (orbitkv.pd.side_channel_port).
-DEFAULT_SIDE_CHANNEL_PORT = 17500
 
 logger = logging.getLogger("orbitkv.proxy")
 

@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from orbitkv._native import RUNTIME_DEFAULTS as _RT
+
 PREFIX = "orbitkv.pd."
 
 KEYS = {
@@ -37,6 +39,11 @@ KEY_ENV = "ORBITKV_SIDE_CHANNEL_KEY"
 MIN_KEY_BYTES = 16
 
 
+# Where a prefill rank 0's side channel listens unless configured (rank r:
+# this + r); the proxy assumes it for a prefill given without --prefill-kv.
+DEFAULT_SIDE_CHANNEL_PORT = 17500
+
+
 class ConfigError(ValueError):
     """A ``kv_connector_extra_config`` value OrbitKV cannot use."""
 
@@ -61,14 +68,16 @@ class PdConfig:
     rank_nics: dict[int, list[str]] = field(default_factory=dict)
     library: str | None = None
     side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = 17500
-    timeout_s: float = 120.0
-    handshake_timeout_s: float = 120.0
-    write_timeout_s: float = 30.0
-    quarantine_s: float = 60.0
-    max_inflight_mb: int = 1024
-    max_inflight_ranges: int = 768
-    writer_lanes: int = 4
+    side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
+    # The runtime's settings default to the runtime's own defaults (Rust's
+    # RuntimeConfig::default(), the one place they are written).
+    timeout_s: float = float(_RT["consumer_timeout_s"])
+    handshake_timeout_s: float = float(_RT["handshake_timeout_s"])
+    write_timeout_s: float = float(_RT["write_timeout_s"])
+    quarantine_s: float = float(_RT["quarantine_s"])
+    max_inflight_mb: int = int(_RT["max_bytes_in_flight_per_peer"]) >> 20
+    max_inflight_ranges: int = int(_RT["max_ranges_in_flight_per_peer"])
+    writer_lanes: int = int(_RT["writer_lanes_per_peer"])
     trace: str | None = None
     # (host, port or None) pairs; ("*", None) allows any (trusts the network).
     allowed_prefill: tuple[tuple[str, int | None], ...] = tuple((h, None) for h in LOOPBACK)
@@ -120,13 +129,13 @@ class PdConfig:
         sc_host = cfg.get("orbitkv.pd.side_channel_host", bind_host)
         if not isinstance(sc_host, str) or not sc_host:
             raise ConfigError(f"orbitkv.pd.side_channel_host must be a host, got {sc_host!r}")
-        inflight = cfg.get("orbitkv.pd.max_inflight_mb", 1024)
+        inflight = cfg.get("orbitkv.pd.max_inflight_mb", PdConfig.max_inflight_mb)
         if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 1:
             raise ConfigError(f"orbitkv.pd.max_inflight_mb must be a positive integer, got {inflight!r}")
-        ranges = cfg.get("orbitkv.pd.max_inflight_ranges", 768)
+        ranges = cfg.get("orbitkv.pd.max_inflight_ranges", PdConfig.max_inflight_ranges)
         if isinstance(ranges, bool) or not isinstance(ranges, int) or ranges < 1:
             raise ConfigError(f"orbitkv.pd.max_inflight_ranges must be a positive integer, got {ranges!r}")
-        lanes = cfg.get("orbitkv.pd.writer_lanes", 4)
+        lanes = cfg.get("orbitkv.pd.writer_lanes", PdConfig.writer_lanes)
         if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= 64:
             raise ConfigError(f"orbitkv.pd.writer_lanes must be an integer in 1..64, got {lanes!r}")
         trace = cfg.get("orbitkv.pd.trace")
@@ -144,11 +153,11 @@ class PdConfig:
             rank_nics=rank_nics,
             library=library,
             side_channel_host=sc_host,
-            side_channel_port=_port(cfg, "orbitkv.pd.side_channel_port", 17500),
-            timeout_s=_positive_float(cfg, "orbitkv.pd.timeout_s", 120.0),
-            handshake_timeout_s=_positive_float(cfg, "orbitkv.pd.handshake_timeout_s", 120.0),
-            write_timeout_s=_positive_float(cfg, "orbitkv.pd.write_timeout_s", 30.0),
-            quarantine_s=_positive_float(cfg, "orbitkv.pd.quarantine_s", 60.0),
+            side_channel_port=_port(cfg, "orbitkv.pd.side_channel_port", PdConfig.side_channel_port),
+            timeout_s=_positive_float(cfg, "orbitkv.pd.timeout_s", PdConfig.timeout_s),
+            handshake_timeout_s=_positive_float(cfg, "orbitkv.pd.handshake_timeout_s", PdConfig.handshake_timeout_s),
+            write_timeout_s=_positive_float(cfg, "orbitkv.pd.write_timeout_s", PdConfig.write_timeout_s),
+            quarantine_s=_positive_float(cfg, "orbitkv.pd.quarantine_s", PdConfig.quarantine_s),
             max_inflight_mb=inflight,
             max_inflight_ranges=ranges,
             writer_lanes=lanes,
