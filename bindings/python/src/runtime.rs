@@ -272,7 +272,8 @@ impl PyRuntime {
 #[pymethods]
 impl PyRuntime {
     #[new]
-    #[allow(clippy::too_many_arguments)] // mirrors the keyword-only Python signature
+    #[allow(clippy::too_many_arguments)]
+    // mirrors the keyword-only Python signature
     // Every setting left out (None) is `RuntimeConfig::default()`'s: the
     // one place the defaults are written (Python reads them as
     // `orbitkv._native.RUNTIME_DEFAULTS`).
@@ -325,7 +326,11 @@ impl PyRuntime {
             writer_lanes_per_peer: writer_lanes_per_peer
                 .unwrap_or(d.writer_lanes_per_peer)
                 .clamp(1, 64),
-            notify_poll: secs("notify_poll_ms", notify_poll_ms.map(|ms| ms / 1000.0), d.notify_poll)?,
+            notify_poll: secs(
+                "notify_poll_ms",
+                notify_poll_ms.map(|ms| ms / 1000.0),
+                d.notify_poll,
+            )?,
             max_parked: max_parked.unwrap_or(d.max_parked).max(1),
             max_parked_bytes: max_parked_bytes.unwrap_or(d.max_parked_bytes).max(1),
             side_channel_key: side_channel_key.map(Arc::new),
