@@ -1441,9 +1441,13 @@ def cmd_report(args: argparse.Namespace) -> int:
                         line += f" {cell(tch['steps'].get(key), check=False)} |"
                     if k.get("status") == "ok":
                         bc, ut = k["bytes_check"], k["untouched"]
-                        line += (f" {'PASS' if k.get('ok') else 'FAIL'}: {bc['compared'] - max(bc['mismatched'], 0)}/"
-                                 f"{bc['compared']} blocks equal, {ut['blocks_touched']}/{ut['blocks_checked']} "
-                                 f"other blocks touched |")
+                        if bc.get("method") == "bytes":  # every byte compared; mismatched counts blocks
+                            what = (f"{bc['compared']} bytes compared, {max(bc['mismatched'], 0)} (layer, plane, "
+                                    "block) differing")
+                        else:  # older results: per-block checksums
+                            what = f"{bc['compared'] - max(bc['mismatched'], 0)}/{bc['compared']} blocks equal"
+                        line += (f" {'PASS' if k.get('ok') else 'FAIL'}: {what}, {ut['blocks_touched']}/"
+                                 f"{ut['blocks_checked']} other blocks touched |")
                     else:
                         line += " — |"
                     md.append(line)
