@@ -125,6 +125,30 @@ fn two_processes_mixed_batches_are_byte_exact_and_guards_untouched() {
 }
 
 #[test]
+fn the_submit_wait_redirect_patches_nothing_without_cuda_and_writes_still_land() {
+    // The wheel CI runs has no CUDA: engine.so imports no cudaEventRecord, so
+    // the redirect the connector makes on GPU patches no slot, records no
+    // event, and every write still lands (the GPU run proves the CUDA side:
+    // docs/qualification.md).
+    let local = engine("127.0.0.1");
+    let patched = orbitkv::transport::mooncake::redirect_submit_wait(None).expect("redirect");
+    assert_eq!(patched, 0, "the CPU wheel has no cudaEventRecord import");
+    assert_eq!(
+        orbitkv::transport::mooncake::redirect_submit_wait(None).expect("idempotent"),
+        0
+    );
+    let plan = Plan::build(PlanKind::Full, 0x51DE);
+    let guard_seed = 13;
+    let mut peer = Peer::spawn(PeerSpec::loopback(plan.region_lens.clone(), guard_seed));
+    let src = plan.source();
+    let moved = run_plan(&local, &peer.endpoint, &plan, &src, &peer.bases, WAIT).expect("plan ran");
+    assert_eq!(moved, plan.total_bytes());
+    let expected = plan.expected_dump(src.bytes(), guard_seed);
+    check_dump(&plan, &peer.dump(), &expected).expect("destination equals source, guards untouched");
+    assert_eq!(orbitkv::transport::mooncake::submit_wait_counts(), (0, 0));
+}
+
+#[test]
 fn the_plan_covers_the_sizes_the_gate_promises() {
     // The shapes the issue lists must really be in the plan the gate runs.
     let plan = Plan::build(PlanKind::Full, 0x0B17);

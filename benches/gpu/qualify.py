@@ -202,10 +202,11 @@ class Side:
     def start_busy(self, where: str) -> None:
         """Keeps the producer's GPU computing, as a prefill's forward does:
         bf16 4096x4096 matmuls, ~16 queued at a time, on the legacy default
-        stream (vLLM's compute stream) or on a non-blocking side stream.
-        Mooncake's NVLink transport copies with a synchronous cudaMemcpy on the
-        legacy default stream, which waits for the default stream's queued
-        work; this shows what that costs a layer write."""
+        stream or on a non-blocking side stream. Mooncake's NVLink transport
+        waits, before each submit, for an event on the writer's
+        cudaStreamPerThread, which is ordered after the legacy default stream's
+        queued work; this shows what that costs a layer write, and what
+        ``--submit-wait layer`` saves."""
         import threading
 
         torch = self.torch
@@ -450,6 +451,9 @@ class MooncakeSide(Side):
         t0 = time.monotonic()
         self.transport_log, self.engine = mooncake_says(lambda: orbitkv.MooncakeTransferEngine("127.0.0.1"))
         self.engine_s = time.monotonic() - t0
+        # As the PdConnector does on CUDA (orbitkv.pd.mooncake_submit_wait).
+        self.submit_wait_slots = (self.engine.redirect_submit_wait()
+                                  if self.cuda and opts.get("submit_wait", "layer") == "layer" else None)
         self.reg_s = []
         for t in self.buffers():
             t1 = time.monotonic()
@@ -466,6 +470,11 @@ class MooncakeSide(Side):
             writer_lanes_per_peer=opts["writer_lanes"],
         )
 
+    def cmd_submit_wait(self) -> dict[str, Any]:
+        redirected, passed = self.engine.submit_wait_counts()
+        return {"requested": self.opts.get("submit_wait", "layer"), "import_slots": self.submit_wait_slots,
+                "redirected": redirected, "passed": passed}
+
     def cmd_hello(self) -> dict[str, Any]:
         torch = self.torch
         return {
@@ -475,6 +484,8 @@ class MooncakeSide(Side):
             "orbitkv": self.orbitkv.__version__,
             "mooncake_version": self.engine.mooncake_version,
             "mooncake_library": self.engine.mooncake_library,
+            "submit_wait": {"requested": self.opts.get("submit_wait", "layer"), "import_slots": self.submit_wait_slots,
+                            "events": list(self.engine.submit_wait_counts())},
             # Which transport Mooncake installed, in its own words.
             "mooncake_transport": self.transport_log,
             "torch": torch.__version__,
@@ -926,6 +937,7 @@ class Run:
                         "max_ranges_in_flight_per_peer": args.max_ranges_in_flight,
                         "writer_lanes_per_peer": args.writer_lanes},
             "busy": args.busy,
+            "submit_wait": args.submit_wait,
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "host": platform.node(),
             "python": sys.version.split()[0],
@@ -1135,6 +1147,8 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                     return out
 
                 run.step(f"rawkv_{tokens}_{pattern}", rawkv, need_s=min(est, 60))
+        # How many of Mooncake's submit-time events went to the idle stream.
+        run.step("submit_wait", lambda: {"producer": prod.call("submit_wait", st)})
     finally:
         prod.stop()
         cons.stop()
@@ -1262,6 +1276,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "max_ranges_in_flight": args.max_ranges_in_flight,
         "writer_lanes": args.writer_lanes,
         "busy": args.busy,
+        "submit_wait": args.submit_wait,
     }
     run = Run(args)
 
@@ -1528,6 +1543,10 @@ def main() -> int:
                    help="Runtime writer_lanes_per_peer (orbitkv.pd.writer_lanes; default as there)")
     r.add_argument("--busy", choices=("none", "default", "side"), default="none",
                    help="keep the producer GPU computing (matmuls) on the legacy default stream or a side stream")
+    r.add_argument("--submit-wait", choices=("layer", "device"), default="layer",
+                   help="CUDA: Mooncake's submit-time wait on the writer's default stream redirected (the "
+                   "PdConnector's default, orbitkv.pd.mooncake_submit_wait) or kept; process-wide, so it applies "
+                   "to the raw Mooncake steps too")
     r.add_argument("--step-timeout", type=float, default=60.0)
     r.add_argument("--start-timeout", type=float, default=120.0)
     r.add_argument("--budget-s", type=float, default=120.0, help="skip remaining steps after this")

@@ -75,6 +75,11 @@ extern "C" {
     pub fn okv_cuda_event_record(ev: *mut c_void, stream: u64) -> c_int;
     pub fn okv_cuda_event_wait(ev: *mut c_void) -> c_int;
     pub fn okv_cuda_event_free(ev: *mut c_void) -> c_int;
+
+    // Mooncake's submit-time wait on the caller's default stream: see
+    // `mooncake.rs`, `redirect_submit_wait`.
+    pub fn okv_redirect_submit_wait(patched: *mut c_int) -> c_int;
+    pub fn okv_submit_wait_counts(redirected: *mut u64, passed: *mut u64);
 }
 
 /// The message the shim stored for the last failed call on this thread.

@@ -99,6 +99,45 @@ pub fn load_mooncake(
         .clone()
 }
 
+/// Takes Mooncake's submit-time wait on the caller's default stream off the
+/// writer threads.
+///
+/// Mooncake 0.3.13.post1's intra-node NVLink transport records an event on
+/// `cudaStreamPerThread` and waits for it at the start of every submit. That
+/// stream is ordered after the legacy default stream, so a submit blocks its
+/// writer until whatever the process queued there (and every blocking stream
+/// ahead of it: vLLM's forward) has run; under load each batch waited
+/// milliseconds. This points `engine.so`'s imported `cudaEventRecord` at a
+/// shim function that records those events on an idle non-blocking stream of
+/// the calling thread instead (`shim.cc`); every other record passes through.
+///
+/// Safe where the caller orders its writes after the GPU itself: OrbitKV
+/// admits a GPU layer only after an event recorded behind its attention
+/// kernel completed, and Mooncake's copies keep source access order on their
+/// own stream. Loads Mooncake first (as [`load_mooncake`]); idempotent.
+/// Returns the number of `engine.so` import slots redirected: 0 for a
+/// Mooncake without CUDA (nothing to do).
+pub fn redirect_submit_wait(explicit: Option<&Path>) -> TransportResult<u32> {
+    load_mooncake(explicit, None)?;
+    let mut patched: std::os::raw::c_int = 0;
+    // SAFETY: `patched` is a valid out-pointer for the call; the shim only
+    // rewrites engine.so's own import slots (under its lock) and catches
+    // every C++ exception.
+    if unsafe { ffi::okv_redirect_submit_wait(&mut patched) } != 0 {
+        return Err(TransportError::Cuda(ffi::last_error()));
+    }
+    Ok(u32::try_from(patched).unwrap_or(0))
+}
+
+/// Events Mooncake recorded since [`redirect_submit_wait`]: `(redirected,
+/// passed)`, on the writer's idle stream and unchanged.
+pub fn submit_wait_counts() -> (u64, u64) {
+    let (mut redirected, mut passed) = (0u64, 0u64);
+    // SAFETY: two valid out-pointers; the shim reads two atomics.
+    unsafe { ffi::okv_submit_wait_counts(&mut redirected, &mut passed) };
+    (redirected, passed)
+}
+
 /// Splits and checks `host:port`.
 pub fn parse_endpoint(endpoint: &str) -> TransportResult<(String, u16)> {
     let bad = |reason: &str| TransportError::BadEndpoint {

@@ -314,6 +314,27 @@ impl PyEngine {
         self.library.display().to_string()
     }
 
+    /// Takes Mooncake's submit-time wait on the caller's default stream off
+    /// the writer threads (`orbitkv.pd.mooncake_submit_wait = "layer"`): its
+    /// NVLink transport records an event on `cudaStreamPerThread` and waits
+    /// for it before each batch, which under load waits for the forward
+    /// queued ahead of it. Only safe when every write is ordered after its
+    /// source by the caller, as the connector's per-layer events do.
+    /// Process-wide and idempotent. Returns the number of `engine.so` import
+    /// slots redirected (0: this Mooncake has no CUDA, nothing to do).
+    fn redirect_submit_wait(&self, py: Python<'_>) -> PyResult<u32> {
+        let lib = self.library.clone();
+        py.detach(|| orbitkv::transport::mooncake::redirect_submit_wait(Some(&lib)))
+            .map_err(|e| Failure::Transport(e).into_pyerr(py))
+    }
+
+    /// `(redirected, passed)`: events Mooncake recorded since
+    /// `redirect_submit_wait`, on the writer's idle stream and unchanged.
+    #[staticmethod]
+    fn submit_wait_counts() -> (u64, u64) {
+        orbitkv::transport::mooncake::submit_wait_counts()
+    }
+
     /// True once `close()` ran.
     #[getter]
     fn closed(&self) -> bool {

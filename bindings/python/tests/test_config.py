@@ -64,6 +64,15 @@ def test_writer_lanes() -> None:
             PdConfig.from_extra_config({"orbitkv.pd.writer_lanes": bad})
 
 
+
+def test_mooncake_submit_wait() -> None:
+    assert PdConfig.from_extra_config({}).mooncake_submit_wait == "layer"
+    for v in ("layer", "device"):
+        assert PdConfig.from_extra_config({"orbitkv.pd.mooncake_submit_wait": v}).mooncake_submit_wait == v
+    for bad in ("", "side", None, 1, True):
+        with pytest.raises(ConfigError, match="mooncake_submit_wait"):
+            PdConfig.from_extra_config({"orbitkv.pd.mooncake_submit_wait": bad})
+
 @pytest.mark.parametrize(
     "key", ["orbitkv.pd.timeout_s", "orbitkv.pd.handshake_timeout_s", "orbitkv.pd.write_timeout_s", "orbitkv.pd.quarantine_s"]
 )

@@ -81,6 +81,21 @@ class MooncakeTransferEngine:
     def mooncake_library(self) -> str:
         """The path of the loaded Mooncake `engine.so`."""
 
+    def redirect_submit_wait(self) -> int:
+        """Takes Mooncake's submit-time wait on the caller's default stream off
+        the writer threads (`orbitkv.pd.mooncake_submit_wait = "layer"`): its
+        NVLink transport records an event on `cudaStreamPerThread` and waits
+        for it before each batch, which under load waits for the forward
+        queued ahead of it. Only safe when every write is ordered after its
+        source by the caller, as the connector's per-layer events do.
+        Process-wide and idempotent. Returns the number of `engine.so` import
+        slots redirected (0: this Mooncake has no CUDA, nothing to do)."""
+
+    @staticmethod
+    def submit_wait_counts() -> tuple[int, int]:
+        """`(redirected, passed)`: events Mooncake recorded since
+        `redirect_submit_wait`, on the writer's idle stream and unchanged."""
+
     @property
     def closed(self) -> bool:
         """True once `close()` ran."""

@@ -27,6 +27,7 @@ KEYS = {
     "orbitkv.pd.max_inflight_mb",
     "orbitkv.pd.max_inflight_ranges",
     "orbitkv.pd.writer_lanes",
+    "orbitkv.pd.mooncake_submit_wait",
     "orbitkv.pd.trace",
     "orbitkv.pd.allowed_prefill",
     "orbitkv.pd.side_channel_key_file",
@@ -78,6 +79,11 @@ class PdConfig:
     max_inflight_mb: int = int(_RT["max_bytes_in_flight_per_peer"]) >> 20
     max_inflight_ranges: int = int(_RT["max_ranges_in_flight_per_peer"])
     writer_lanes: int = int(_RT["writer_lanes_per_peer"])
+    # On CUDA, what a Mooncake submit waits for before its copies: "layer",
+    # only the layer's own event, which OrbitKV waited for already (Mooncake's
+    # wait on the caller's default stream redirected); "device", as Mooncake
+    # does it: also everything queued on the legacy default stream.
+    mooncake_submit_wait: str = "layer"
     trace: str | None = None
     # (host, port or None) pairs; ("*", None) allows any (trusts the network).
     allowed_prefill: tuple[tuple[str, int | None], ...] = tuple((h, None) for h in LOOPBACK)
@@ -138,6 +144,9 @@ class PdConfig:
         lanes = cfg.get("orbitkv.pd.writer_lanes", PdConfig.writer_lanes)
         if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= 64:
             raise ConfigError(f"orbitkv.pd.writer_lanes must be an integer in 1..64, got {lanes!r}")
+        submit_wait = cfg.get("orbitkv.pd.mooncake_submit_wait", PdConfig.mooncake_submit_wait)
+        if submit_wait not in ("layer", "device"):
+            raise ConfigError(f"orbitkv.pd.mooncake_submit_wait must be 'layer' or 'device', got {submit_wait!r}")
         trace = cfg.get("orbitkv.pd.trace")
         if trace is not None and not isinstance(trace, str):
             raise ConfigError(f"orbitkv.pd.trace must be a file path, got {trace!r}")
@@ -161,6 +170,7 @@ class PdConfig:
             max_inflight_mb=inflight,
             max_inflight_ranges=ranges,
             writer_lanes=lanes,
+            mooncake_submit_wait=submit_wait,
             trace=trace,
             allowed_prefill=allow,
             side_channel_key=key,

@@ -243,6 +243,15 @@ class PdWorker:
             nics=self.config.nics_for(self.tp_rank) or None,
             library=self.config.library,
         )
+        if self.is_cuda and self.config.mooncake_submit_wait == "layer":
+            # Mooncake's NVLink transport waits, before each batch, for an
+            # event on the writer's cudaStreamPerThread, i.e. for everything
+            # on the legacy default stream and the forward ahead of it. A layer
+            # is admitted only after its own event completed, so that wait is
+            # redundant here (docs/configuration.md, mooncake_submit_wait).
+            n = self.engine.redirect_submit_wait()
+            logger.info("OrbitKV rank %d: Mooncake's submit-time stream wait redirected (%d import slots)",
+                        self.tp_rank, n)
         # Register each distinct storage once (layers may share one).
         seen: set[int] = set()
         for t in kv_caches.values():
