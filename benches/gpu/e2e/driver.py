@@ -754,6 +754,8 @@ class Fleet:
         #   one-lane     one writer per peer (orbitkv.pd.writer_lanes = 1), as before lanes
         #   device-wait  Mooncake's own submit-time wait on the writer's default stream
         #                (orbitkv.pd.mooncake_submit_wait = "device"), as before it was redirected
+        #   wide-ranges  the per-peer cap of ranges in flight lifted from 768 to 8192
+        #                (orbitkv.pd.max_inflight_ranges; 192 -> 2048 per writer lane)
         self.pairs: dict[str, list[Server]] = {"single": [self.single], "orbit": [self.opre, self.odec],
                                                 "nixl": [self.npre, self.ndec]}
         ab = ctx.args.ab
@@ -765,6 +767,8 @@ class Fleet:
                 self.opre_ab.orbit_cfg["orbitkv.pd.writer_lanes"] = 1
             if ab == "device-wait":
                 self.opre_ab.orbit_cfg["orbitkv.pd.mooncake_submit_wait"] = "device"
+            if ab == "wide-ranges":
+                self.opre_ab.orbit_cfg["orbitkv.pd.max_inflight_ranges"] = 8192
             self.servers += [self.opre_ab, self.odec_ab]
             self.pairs[f"orbit-{ab}"] = [self.opre_ab, self.odec_ab]
         self.systems = ["single", "orbit"] + [k for k in self.pairs if k.startswith("orbit-")] + ["nixl"]
@@ -1239,7 +1243,8 @@ def report(d: Path) -> str:
         others = [x for x in r.get("systems", ["single", "orbit", "nixl"]) if x != "single"]
         names = {"orbit": "OrbitKV P/D", "orbit-python-gate": "OrbitKV P/D, Python gate", "orbit-py": "OrbitKV P/D, Python gate",
                  "orbit-one-lane": "OrbitKV P/D, one writer per peer",
-                 "orbit-device-wait": "OrbitKV P/D, Mooncake's submit wait", "nixl": "NIXL P/D"}
+                 "orbit-device-wait": "OrbitKV P/D, Mooncake's submit wait",
+                 "orbit-wide-ranges": "OrbitKV P/D, 8192 ranges in flight", "nixl": "NIXL P/D"}
         lines += [f"## {st}: TTFT, medians of {r['reps']} (fresh prompt per request), ms", "",
                   "| prompt tokens | one engine | " + " | ".join(names.get(x, x) for x in others) + " | "
                   + " | ".join(f"{names.get(x, x)} ÷ one" for x in others) + " |",
@@ -1291,10 +1296,12 @@ def main(argv: list[str] | None = None) -> int:
                         "per-layer connector hooks (every layer then goes at wait_for_save; counted)")
     p.add_argument("--one-gpu", action="store_true",
                    help="every instance on GPU 0 (a one-GPU machine; the transfer stays on one device)")
-    p.add_argument("--ab", choices=("none", "one-lane", "python-gate", "device-wait"), default="device-wait",
+    p.add_argument("--ab", choices=("none", "one-lane", "python-gate", "device-wait", "wide-ranges"),
+                   default="device-wait",
                    help="a second OrbitKV pair with one setting changed: one writer per peer, the Python "
                         "layer-ordering thread (ORBITKV_LAYER_GATE=python), or Mooncake's own submit-time "
-                        "stream wait (orbitkv.pd.mooncake_submit_wait = device)")
+                        "stream wait (orbitkv.pd.mooncake_submit_wait = device), or 8192 ranges in flight per "
+                        "peer instead of 768 (orbitkv.pd.max_inflight_ranges)")
     p.add_argument("--big-max-model-len", type=int, default=36864)
     p.add_argument("--gen", type=int, default=12, help="tokens generated per correctness request")
     p.add_argument("--tol-fp32", type=float, default=0.01)
