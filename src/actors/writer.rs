@@ -48,7 +48,8 @@ pub fn spawn_poller(
         .spawn(move || {
             let mut live: Vec<PollJob> = Vec::new();
             let mut abandoned: Vec<BatchHandle> = Vec::new();
-            let mut idle_since = Instant::now();
+            // Naps at most 200 µs: a finished batch is reported within that.
+            let mut backoff = crate::transport::PollBackoff::new(Duration::from_micros(200));
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
                 // Take new jobs; block only when nothing is in flight.
                 if live.is_empty() && abandoned.is_empty() {
@@ -57,7 +58,7 @@ pub fn spawn_poller(
                         Err(RecvTimeoutError::Timeout) => continue,
                         Err(RecvTimeoutError::Disconnected) => return,
                     }
-                    idle_since = Instant::now();
+                    backoff.reset();
                 }
                 while let Ok(j) = jobs.try_recv() {
                     live.push(j);
@@ -102,16 +103,10 @@ pub fn spawn_poller(
                 abandoned
                     .retain_mut(|h| h.id() != 0 && matches!(transport.poll(h), Ok(BatchState::InFlight)));
                 if live.len() < before {
-                    idle_since = Instant::now();
+                    backoff.reset();
                 }
                 // Back off while nothing finishes: yield first, then nap.
-                let quiet = idle_since.elapsed();
-                if quiet < Duration::from_micros(200) {
-                    std::thread::yield_now();
-                } else {
-                    let nap = if quiet < Duration::from_millis(5) { 20 } else { 200 };
-                    std::thread::sleep(Duration::from_micros(nap));
-                }
+                backoff.pause(None);
             }
         })
         .expect("spawn the completion poller thread")

@@ -7,7 +7,7 @@
 //! * [`cuda`]: GPU events from the CUDA driver (through the same shim), so a
 //!   layer is written only after the kernel that wrote it ran.
 
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 pub mod cuda;
 #[cfg(any(test, feature = "testing"))]
@@ -66,6 +66,57 @@ impl BatchHandle {
     }
 }
 
+/// How a thread that waits on Mooncake spends the time between two polls
+/// (Mooncake has no completion callback): it yields for the first
+/// [`PollBackoff::SPIN`] after the last progress, so a short batch is seen
+/// at once, then naps, doubling from 5 µs up to its `max_nap`, so a long
+/// one costs no core. One schedule for every waiter: the runtime's
+/// completion poller, [`MooncakeTransferEngine::wait`] and the Python
+/// binding's blocking `write`.
+#[derive(Debug, Clone)]
+pub struct PollBackoff {
+    since: Instant,
+    nap: Duration,
+    max_nap: Duration,
+}
+
+impl PollBackoff {
+    /// How long a waiter yields before it starts to nap.
+    pub const SPIN: Duration = Duration::from_micros(200);
+    const FIRST_NAP: Duration = Duration::from_micros(5);
+
+    /// A backoff whose naps grow to at most `max_nap`, starting now.
+    pub fn new(max_nap: Duration) -> Self {
+        Self {
+            since: Instant::now(),
+            nap: Self::FIRST_NAP,
+            max_nap: max_nap.max(Self::FIRST_NAP),
+        }
+    }
+
+    /// Something progressed: yield again before napping.
+    pub fn reset(&mut self) {
+        self.since = Instant::now();
+        self.nap = Self::FIRST_NAP;
+    }
+
+    /// Waits before the next poll: a yield, or a nap that never passes
+    /// `deadline`.
+    pub fn pause(&mut self, deadline: Option<Instant>) {
+        let now = Instant::now();
+        if now - self.since < Self::SPIN {
+            std::thread::yield_now();
+            return;
+        }
+        let nap = match deadline {
+            Some(d) => self.nap.min(d.saturating_duration_since(now)),
+            None => self.nap,
+        };
+        std::thread::sleep(nap);
+        self.nap = (self.nap * 2).min(self.max_nap);
+    }
+}
+
 /// What the runtime needs from a transport. [`MooncakeTransferEngine`] is the
 /// real one; unit tests of the state machine may use a test double.
 pub trait Transport: Send + Sync + 'static {
@@ -96,5 +147,35 @@ impl Transport for MooncakeTransferEngine {
     }
     fn take_notifications(&self) -> crate::TransportResult<Vec<Notification>> {
         MooncakeTransferEngine::take_notifications(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_backoff_yields_first_then_naps_up_to_its_cap_and_never_past_the_deadline() {
+        let mut b = PollBackoff::new(Duration::from_millis(40));
+        // Within SPIN of the start: yields only, no nap grows.
+        b.pause(None);
+        assert_eq!(b.nap, PollBackoff::FIRST_NAP);
+        std::thread::sleep(PollBackoff::SPIN);
+        for _ in 0..20 {
+            b.pause(Some(Instant::now()));
+        }
+        assert_eq!(b.nap, Duration::from_millis(40), "naps double up to the cap");
+        // A nap at the cap is cut at the deadline.
+        let t = Instant::now();
+        b.pause(Some(t + Duration::from_millis(2)));
+        assert!(t.elapsed() < Duration::from_millis(30), "slept {:?}", t.elapsed());
+        b.reset();
+        assert_eq!(b.nap, PollBackoff::FIRST_NAP);
+        let t = Instant::now();
+        b.pause(None);
+        assert!(
+            t.elapsed() < Duration::from_millis(30),
+            "after progress it yields"
+        );
     }
 }

@@ -460,7 +460,7 @@ impl MooncakeTransferEngine {
     /// Mooncake (its memory must stay registered) and `Timeout` is returned.
     pub fn wait(&self, mut handle: BatchHandle, timeout: Duration) -> TransportResult<u64> {
         let deadline = handle.submitted + timeout;
-        let mut nap = Duration::from_micros(5);
+        let mut backoff = super::PollBackoff::new(Duration::from_micros(500));
         loop {
             match self.poll(&mut handle)? {
                 BatchState::Completed { bytes } => return Ok(bytes),
@@ -479,12 +479,7 @@ impl MooncakeTransferEngine {
                     millis: timeout.as_millis() as u64,
                 });
             }
-            if now - handle.submitted < Duration::from_micros(200) {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(nap.min(deadline - now));
-                nap = (nap * 2).min(Duration::from_micros(500));
-            }
+            backoff.pause(Some(deadline));
         }
     }
 

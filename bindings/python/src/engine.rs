@@ -63,7 +63,7 @@ fn wait_terminal(shared: &Shared, handle: &mut BatchHandle, timeout: Duration) -
     let deadline = start
         .checked_add(timeout)
         .unwrap_or(start + Duration::from_secs(86_400 * 365));
-    let mut nap = Duration::from_micros(5);
+    let mut backoff = orbitkv::transport::PollBackoff::new(Duration::from_micros(500));
     let mut next_signal_check = start + SIGNAL_CHECK_EVERY;
     loop {
         match shared.with(|e| e.poll(handle))? {
@@ -82,12 +82,7 @@ fn wait_terminal(shared: &Shared, handle: &mut BatchHandle, timeout: Duration) -
             Python::attach(|py| py.check_signals()).map_err(Failure::Python)?;
             next_signal_check = now + SIGNAL_CHECK_EVERY;
         }
-        if now - start < Duration::from_micros(200) {
-            std::thread::yield_now();
-        } else {
-            std::thread::sleep(nap.min(deadline - now));
-            nap = (nap * 2).min(Duration::from_micros(500));
-        }
+        backoff.pause(Some(deadline));
     }
 }
 
