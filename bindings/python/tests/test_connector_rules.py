@@ -323,6 +323,8 @@ def test_producer_reported_only_after_vllm_finished_it(worker: PdWorker) -> None
     worker.start_load_kv(PdConnectorMetadata(producers_end=[RequestEnd("p1", "pd-1", False, "done", report=True)]))
     assert worker.get_finished() == ({"p1"}, None)
     assert worker.get_finished() == (None, None)
+    # Nothing is left of it in the worker's ledger.
+    assert worker.ledger.sizes() == {"consumers": 0, "producers": 0, "released_after_report": 0}
 
 
 def test_consumer_reported_exactly_once(worker: PdWorker) -> None:
@@ -343,6 +345,7 @@ def test_consumer_reported_exactly_once(worker: PdWorker) -> None:
     assert worker.get_finished() == (None, None)
     rt.events.append(ev("consumer_released", "pd-2"))
     assert worker.get_finished() == (None, {"d2"})
+    assert worker.ledger.sizes() == {"consumers": 0, "producers": 0, "released_after_report": 0}
 
 
 def test_held_failure_is_reported_only_once_nothing_can_write(worker: PdWorker) -> None:

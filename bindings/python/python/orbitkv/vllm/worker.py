@@ -33,6 +33,7 @@ from orbitkv import (
 from orbitkv.vllm._testing import TestingHooks, corrupt_block
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.layout import kv_layout_of
+from orbitkv.vllm.ledger import Ledger
 from orbitkv.vllm.metadata import PdConnectorMetadata, ProducerChunk
 from orbitkv.vllm.stats import COUNTERS, PdConnectorStats
 
@@ -173,23 +174,12 @@ class PdWorker:
         # sent at wait_for_save).
         self._step_layers: set[int] = set()
         self._warned_saved_at_wait = False
-        # pd_id -> vLLM request id, per side
-        self._consumer_req: dict[str, str] = {}
-        self._consumer_blocks: dict[str, list[int]] = {}
-        self._consumer_end: dict[str, bool] = {}  # pd_id -> report on release
-        self._consumer_reported: set[str] = set()
-        # Consumers vLLM waits for that the runtime could not release.
-        self._release_now: set[str] = set()
-        # pd_id -> vLLM request id: released by the runtime after a report
-        # vLLM may have withheld (see PdScheduler.update_connector_output).
-        self._released_after_report: dict[str, str] = {}
-        self._producer_req: dict[str, str] = {}
-        self._producer_end: set[str] = set()  # vLLM finished it
-        self._producer_released: set[str] = set()
-        self._finished_producers: set[str] = set()  # producer_finish called
+        # One record per request and side (ledger.py).
+        self.ledger = Ledger()
         self._load_errors: set[int] = set()
-        # Consumers whose authorization the runtime refused: reported once,
-        # their blocks as load errors (vLLM recomputes them).
+        # vLLM request ids of consumers whose authorization the runtime
+        # refused: reported once, their blocks as load errors (vLLM
+        # recomputes them).
         self._refused_consumers: set[str] = set()
         self._last_stats = {k: 0 for k in COUNTERS}
 
@@ -289,39 +279,44 @@ class PdWorker:
     def start_load_kv(self, meta: PdConnectorMetadata) -> None:
         rt = self.runtime
         assert rt is not None, "register_kv_caches was not called"
+        led = self.ledger
         for end in meta.producers_end:
+            prod = led.producer(end.pd_id)
             if end.report:
                 # vLLM finished the request and waits for our word to free
                 # its blocks; an abort of a request vLLM still runs (it was
                 # preempted) must not free anything.
-                self._producer_end.add(end.pd_id)
+                prod.ended = True
             if end.aborted:
                 self._producer_call(rt.producer_abort, end.pd_id, end.reason or "aborted")
-            elif end.pd_id not in self._finished_producers:
-                self._finished_producers.add(end.pd_id)
+                led.tidy_producer(end.pd_id)
+            elif not prod.finished:
+                prod.finished = True
                 self._producer_call(rt.producer_finish, end.pd_id)
         for end in meta.consumers_end:
             if end.after_load:
                 # vLLM holds the blocks of a failed load after our report
                 # (it recomputed them, or ended the request before it saw
                 # the report): report it again once the runtime frees them.
-                self._consumer_reported.discard(end.pd_id)
-                rid = self._released_after_report.pop(end.pd_id, None)
+                if end.pd_id in led.consumers:
+                    led.consumers[end.pd_id].reported = False
+                rid = led.released_after_report.pop(end.pd_id, None)
                 if rid is not None:
                     # Released already: nothing can write into them now.
-                    self._consumer_req[end.pd_id] = rid
-                    self._release_now.add(end.pd_id)
+                    cons = led.consumer(end.pd_id)
+                    cons.req_id, cons.release_now = rid, True
                     continue
-                if self._consumer_end.get(end.pd_id):
+                if led.peek_consumer(end.pd_id).end:
                     continue  # its release is under way: reported when done
-            self._consumer_end[end.pd_id] = end.report
+            cons = led.consumer(end.pd_id)
+            cons.end = end.report
             try:
                 rt.consumer_release(end.pd_id)
             except Exception as e:  # noqa: BLE001 - nothing may escape vLLM's hook
                 # The runtime no longer knows it: nothing can be waited for.
                 logger.warning("consumer release %s: %s", end.pd_id, e)
-                if end.report and end.pd_id in self._consumer_req:
-                    self._release_now.add(end.pd_id)
+                if end.report and cons.req_id is not None:
+                    cons.release_now = True
         for c in meta.consumers_open:
             self._open_consumer(c)
         for x in meta.consumers_cancel:
@@ -339,12 +334,12 @@ class PdWorker:
         self._step_layers = set()
         for ch in meta.producer_chunks:
             if ch.opens:
-                self._producer_req[ch.pd_id] = ch.req_id
+                led.producer(ch.pd_id).req_id = ch.req_id
                 ok = self._producer_call(rt.producer_open, ch.pd_id, ch.new_block_ids, ch.capability, ch.consumer_tp)
                 if not ok:
                     # Never opened, so no release event will come: vLLM gets
                     # its blocks back as soon as it finishes the request.
-                    self._producer_released.add(ch.pd_id)
+                    led.producer(ch.pd_id).released = True
             elif ch.new_block_ids:
                 ok = self._producer_call(rt.producer_add_blocks, ch.pd_id, ch.new_block_ids)
             else:
@@ -390,8 +385,8 @@ class PdWorker:
             self._load_errors.update(c.block_ids)
             self._refused_consumers.add(c.req_id)
             return
-        self._consumer_req[c.pd_id] = c.req_id
-        self._consumer_blocks[c.pd_id] = c.block_ids
+        cons = self.ledger.consumer(c.pd_id)
+        cons.req_id, cons.blocks = c.req_id, list(c.block_ids)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         if not self._step_chunks:
@@ -465,7 +460,7 @@ class PdWorker:
         rt = self.runtime
         assert rt is not None
         for ch in self._step_chunks:
-            self._finished_producers.add(ch.pd_id)
+            self.ledger.producer(ch.pd_id).finished = True
             self._producer_call(rt.producer_abort, ch.pd_id, f"layer gate failed: {e}")
         self._step_chunks = []
         return False
@@ -501,8 +496,9 @@ class PdWorker:
         rt = self.runtime
         assert rt is not None
         for ch in self._step_chunks:
-            if ch.last and ch.pd_id not in self._finished_producers:
-                self._finished_producers.add(ch.pd_id)
+            prod = self.ledger.producer(ch.pd_id) if ch.last else None
+            if prod is not None and not prod.finished:
+                prod.finished = True
                 if self._rust_gate:
                     self._producer_call(rt.producer_finish_after, ch.pd_id)
                 elif self._ordered is not None and (self.is_cuda or self._ordered.pending > 0):
@@ -514,21 +510,21 @@ class PdWorker:
         rt = self.runtime
         if rt is None:
             return None, None
+        led = self.ledger
         sending: set[str] = set()
         recving: set[str] = set(self._refused_consumers)
         self._refused_consumers.clear()
-        for pd in self._release_now:
-            recving.add(self._consumer_req.pop(pd))
-            self._consumer_blocks.pop(pd, None)
-            self._consumer_end.pop(pd, None)
-            self._consumer_reported.discard(pd)
-        self._release_now.clear()
+        for pd in led.release_now():
+            rid = led.forget_consumer(pd)
+            if rid is not None:
+                recving.add(rid)
         for ev in rt.poll_events():
             pd = ev.request_id
             if ev.kind in ("consumer_completed", "consumer_failed"):
+                cons = led.peek_consumer(pd)
                 if ev.kind == "consumer_failed":
                     logger.warning("KV for %s did not arrive complete: %s", pd, ev.reason)
-                    self._load_errors.update(self._consumer_blocks.get(pd, ()))
+                    self._load_errors.update(cons.blocks or ())
                     if getattr(ev, "held", False) and not self.recompute_failed_loads:
                         # A producer never ended: its writes may still land
                         # (queued behind a cut link). vLLM fails the request
@@ -545,45 +541,44 @@ class PdWorker:
                     # producer carries the same prompt's KV. The scheduler
                     # holds the blocks when the request ends, until the
                     # runtime releases them (RequestEnd.after_load).
-                if pd not in self._consumer_end and pd not in self._consumer_reported:
+                if cons.end is None and not cons.reported and cons.req_id is not None:
                     if ev.kind == "consumer_completed" and self._hooks is not None and self._hooks.take_corruption():
-                        blocks = self._consumer_blocks.get(pd) or []
-                        if blocks:  # test hook: decode must compute on changed KV
-                            corrupt_block(self._kv_caches, self._num_blocks, blocks[0])
-                    self._consumer_reported.add(pd)
-                    recving.add(self._consumer_req[pd])
+                        if cons.blocks:  # test hook: decode must compute on changed KV
+                            corrupt_block(self._kv_caches, self._num_blocks, cons.blocks[0])
+                    led.consumer(pd).reported = True
+                    recving.add(cons.req_id)
             elif ev.kind == "consumer_quiesced":
                 # vLLM still runs it (recompute policy: it waits for this
                 # report to recompute into the blocks); if vLLM already ended
                 # it, the release reports it.
-                if pd in self._consumer_req and pd not in self._consumer_end and pd not in self._consumer_reported:
-                    self._consumer_reported.add(pd)
-                    recving.add(self._consumer_req[pd])
+                cons = led.peek_consumer(pd)
+                if cons.req_id is not None and cons.end is None and not cons.reported:
+                    led.consumer(pd).reported = True
+                    recving.add(cons.req_id)
             elif ev.kind == "consumer_released":
-                if self._consumer_end.get(pd) and pd not in self._consumer_reported:
-                    recving.add(self._consumer_req[pd])
-                elif self._consumer_end.get(pd) and pd in self._consumer_req:
+                cons = led.peek_consumer(pd)
+                if cons.end and not cons.reported and cons.req_id is not None:
+                    recving.add(cons.req_id)
+                elif cons.end and cons.req_id is not None:
                     # Reported before vLLM's end reached us; if vLLM withheld
                     # that report (the scheduler's RequestEnd.after_load
                     # follows), report it then.
-                    self._released_after_report[pd] = self._consumer_req[pd]
-                    while len(self._released_after_report) > 4096:  # bounded: the oldest go
-                        self._released_after_report.pop(next(iter(self._released_after_report)))
-                self._consumer_req.pop(pd, None)
-                self._consumer_blocks.pop(pd, None)
-                self._consumer_end.pop(pd, None)
-                self._consumer_reported.discard(pd)
+                    led.remember_released_after_report(pd, cons.req_id)
+                if pd in led.consumers:
+                    # The runtime is done with it; only a pending
+                    # report-now survives (handled at the next call).
+                    cons.req_id = cons.blocks = cons.end = None
+                    cons.reported = False
+                    led.tidy_consumer(pd)
             elif ev.kind == "producer_released":
                 if ev.outcome != "done":
                     logger.warning("prefill %s ended %s: %s", pd, ev.outcome, ev.reason)
-                if pd in self._producer_req:  # not a discarded request's answer
-                    self._producer_released.add(pd)
-        for pd in list(self._producer_released):
-            if pd in self._producer_end:
-                sending.add(self._producer_req.pop(pd))
-                self._producer_released.discard(pd)
-                self._producer_end.discard(pd)
-                self._finished_producers.discard(pd)
+                if led.peek_producer(pd).req_id is not None:  # not a discarded request's answer
+                    led.producer(pd).released = True
+        for pd, prod in led.ended_and_released():
+            if prod.req_id is not None:
+                sending.add(prod.req_id)
+            del led.producers[pd]
         return (sending or None), (recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

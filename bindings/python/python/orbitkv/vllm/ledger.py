@@ -1,0 +1,130 @@
+"""The worker's per-request ledger: one record per P/D request and side,
+holding what the worker must remember between vLLM's hooks (which vLLM
+request it is, which blocks it loads into, whether vLLM ended it, what was
+reported). One place to look when debugging a request, instead of a dozen
+parallel dicts and sets; a record disappears when nothing is left in it.
+
+The rules that use these fields are in ``worker.py`` (``get_finished``,
+``start_load_kv``); the scheduler side keeps its own state
+(``scheduler.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ConsumerRecord:
+    """A decode (consumer) request on this rank."""
+
+    # The vLLM request id, while the runtime may still report on it.
+    req_id: str | None = None
+    # The blocks it loads into (reported as load errors if the KV fails).
+    blocks: list[int] | None = None
+    # vLLM ended it: None not yet; True report it when the runtime releases
+    # it; False release without a report.
+    end: bool | None = None
+    # Reported to vLLM as finished receiving (once).
+    reported: bool = False
+    # Report at the next get_finished without waiting for the runtime (it no
+    # longer knows the request, or released it already).
+    release_now: bool = False
+
+    def empty(self) -> bool:
+        return self.req_id is None and self.blocks is None and self.end is None and not (
+            self.reported or self.release_now
+        )
+
+
+@dataclass
+class ProducerRecord:
+    """A prefill (producer) request on this rank."""
+
+    # The vLLM request id, while vLLM may wait for our word.
+    req_id: str | None = None
+    # vLLM finished it and waits for our word to free its blocks.
+    ended: bool = False
+    # The runtime released it (or it never opened): nothing reads its blocks.
+    released: bool = False
+    # producer_finish (or an abort) was called.
+    finished: bool = False
+
+    def empty(self) -> bool:
+        return self.req_id is None and not (self.ended or self.released or self.finished)
+
+
+@dataclass
+class Ledger:
+    """Every request this worker tracks, by P/D id, per side."""
+
+    consumers: dict[str, ConsumerRecord] = field(default_factory=dict)
+    producers: dict[str, ProducerRecord] = field(default_factory=dict)
+    # pd_id -> vLLM request id of consumers the runtime released after a
+    # report vLLM may have withheld (PdScheduler.update_connector_output):
+    # reported again if vLLM says so. Bounded: the oldest go first.
+    released_after_report: dict[str, str] = field(default_factory=dict)
+    released_after_report_cap: int = 4096
+
+    # -- consumers -------------------------------------------------------------
+
+    def consumer(self, pd: str) -> ConsumerRecord:
+        """The record of ``pd``, created empty if there is none."""
+        rec = self.consumers.get(pd)
+        if rec is None:
+            rec = self.consumers[pd] = ConsumerRecord()
+        return rec
+
+    def peek_consumer(self, pd: str) -> ConsumerRecord:
+        """The record of ``pd``, or an empty one (not stored)."""
+        return self.consumers.get(pd) or ConsumerRecord()
+
+    def tidy_consumer(self, pd: str) -> None:
+        """Drops ``pd``'s record once nothing is left in it."""
+        rec = self.consumers.get(pd)
+        if rec is not None and rec.empty():
+            del self.consumers[pd]
+
+    def forget_consumer(self, pd: str) -> str | None:
+        """Drops ``pd``'s record; returns its vLLM request id."""
+        rec = self.consumers.pop(pd, None)
+        return None if rec is None else rec.req_id
+
+    def release_now(self) -> Iterator[str]:
+        """The consumers to report without waiting for the runtime."""
+        return iter([pd for pd, rec in self.consumers.items() if rec.release_now])
+
+    def remember_released_after_report(self, pd: str, req_id: str) -> None:
+        self.released_after_report[pd] = req_id
+        while len(self.released_after_report) > self.released_after_report_cap:
+            self.released_after_report.pop(next(iter(self.released_after_report)))
+
+    # -- producers -------------------------------------------------------------
+
+    def producer(self, pd: str) -> ProducerRecord:
+        rec = self.producers.get(pd)
+        if rec is None:
+            rec = self.producers[pd] = ProducerRecord()
+        return rec
+
+    def peek_producer(self, pd: str) -> ProducerRecord:
+        return self.producers.get(pd) or ProducerRecord()
+
+    def tidy_producer(self, pd: str) -> None:
+        """Drops ``pd``'s record once nothing is left in it."""
+        rec = self.producers.get(pd)
+        if rec is not None and rec.empty():
+            del self.producers[pd]
+
+    def ended_and_released(self) -> Iterator[tuple[str, ProducerRecord]]:
+        """Producers vLLM waits for whose blocks nothing reads any more."""
+        return iter([(pd, rec) for pd, rec in self.producers.items() if rec.released and rec.ended])
+
+    def sizes(self) -> dict[str, int]:
+        """Records held, for debugging and leak tests."""
+        return {
+            "consumers": len(self.consumers),
+            "producers": len(self.producers),
+            "released_after_report": len(self.released_after_report),
+        }
