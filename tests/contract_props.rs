@@ -1224,9 +1224,13 @@ fn contract_holds_over_10000_interleavings() {
         ("consumer timeouts", cov.consumer_timeouts),
         ("held failures quiesced", cov.quiesced),
     ];
+    // Each run draws a fresh seed, so the counts vary: consumer completions,
+    // the rarest, average about 110 per 10,000 interleavings and were seen
+    // at 93. The floor asks for coverage, not for a count: 50 is more than
+    // five standard deviations below that mean.
     for (what, n) in floors {
         assert!(
-            n >= 100,
+            n >= 50,
             "only {n} cases of {what}: the generator no longer covers it"
         );
     }
