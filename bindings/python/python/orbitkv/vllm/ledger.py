@@ -11,8 +11,29 @@ The rules that use these fields are in ``worker.py`` (``get_finished``,
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
+
+
+class _Record(Protocol):
+    def empty(self) -> bool: ...
+
+
+R = TypeVar("R", bound=_Record)
+
+
+def _get(records: dict[str, R], pd: str, make: Callable[[], R]) -> R:
+    rec = records.get(pd)
+    if rec is None:
+        rec = records[pd] = make()
+    return rec
+
+
+def _tidy(records: dict[str, R], pd: str) -> None:
+    rec = records.get(pd)
+    if rec is not None and rec.empty():
+        del records[pd]
 
 
 @dataclass
@@ -33,8 +54,8 @@ class ConsumerRecord:
     release_now: bool = False
 
     def empty(self) -> bool:
-        return self.req_id is None and self.blocks is None and self.end is None and not (
-            self.reported or self.release_now
+        return (
+            self.req_id is None and self.blocks is None and self.end is None and not (self.reported or self.release_now)
         )
 
 
@@ -71,10 +92,7 @@ class Ledger:
 
     def consumer(self, pd: str) -> ConsumerRecord:
         """The record of ``pd``, created empty if there is none."""
-        rec = self.consumers.get(pd)
-        if rec is None:
-            rec = self.consumers[pd] = ConsumerRecord()
-        return rec
+        return _get(self.consumers, pd, ConsumerRecord)
 
     def peek_consumer(self, pd: str) -> ConsumerRecord:
         """The record of ``pd``, or an empty one (not stored)."""
@@ -82,9 +100,7 @@ class Ledger:
 
     def tidy_consumer(self, pd: str) -> None:
         """Drops ``pd``'s record once nothing is left in it."""
-        rec = self.consumers.get(pd)
-        if rec is not None and rec.empty():
-            del self.consumers[pd]
+        _tidy(self.consumers, pd)
 
     def forget_consumer(self, pd: str) -> str | None:
         """Drops ``pd``'s record; returns its vLLM request id."""
@@ -103,19 +119,14 @@ class Ledger:
     # -- producers -------------------------------------------------------------
 
     def producer(self, pd: str) -> ProducerRecord:
-        rec = self.producers.get(pd)
-        if rec is None:
-            rec = self.producers[pd] = ProducerRecord()
-        return rec
+        return _get(self.producers, pd, ProducerRecord)
 
     def peek_producer(self, pd: str) -> ProducerRecord:
         return self.producers.get(pd) or ProducerRecord()
 
     def tidy_producer(self, pd: str) -> None:
         """Drops ``pd``'s record once nothing is left in it."""
-        rec = self.producers.get(pd)
-        if rec is not None and rec.empty():
-            del self.producers[pd]
+        _tidy(self.producers, pd)
 
     def ended_and_released(self) -> Iterator[tuple[str, ProducerRecord]]:
         """Producers vLLM waits for whose blocks nothing reads any more."""
