@@ -18,28 +18,38 @@ dies fails the wait at once, naming its log. :meth:`Cluster.stop` (also on
 ``with`` exit, and at interpreter exit for clusters still running) sends the
 groups SIGTERM, then SIGKILL after a grace period.
 
-Only the standard library is used on the client side (``http.client``), so a
-client can drop a connection at a moment of its choosing (aborts).
+The processes live in ``orbitkv.testing.processes``, the client side
+(standard library only, so a client can drop a connection at a moment of its
+choosing) in ``orbitkv.testing.client``; this module re-exports what the
+tests use.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
-import http.client
 import json
 import os
-import random
-import signal
-import socket
-import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from orbitkv.testing.client import (
+    SERVED_MODEL,
+    Abandoned,
+    Completion,
+    complete,
+    completion_body,
+    healthy,
+    http_get,
+    http_post_json,
+    metrics,
+    prompt_source,
+)
+from orbitkv.testing.processes import HOST, ClusterError, Proc, free_port, wait_until
 
 __all__ = [
     "BYTES",
@@ -48,19 +58,22 @@ __all__ = [
     "RELEASED",
     "SERVED_MODEL",
     "SUCCESS",
+    "Abandoned",
     "Cluster",
     "ClusterError",
     "Completion",
     "Proc",
     "complete",
+    "completion_body",
     "free_port",
+    "healthy",
+    "http_get",
+    "http_post_json",
     "metrics",
     "prompt_source",
     "wait_until",
 ]
 
-HOST = "127.0.0.1"
-SERVED_MODEL = "tiny"
 # vLLM's KV cache per instance: 256 blocks of 128 tokens for the tiny model.
 KV_CACHE_BYTES = 128 << 20
 
@@ -71,367 +84,6 @@ COMPLETED = "vllm:orbitkv_transfers_completed_total"
 FAILED = "vllm:orbitkv_transfers_failed_total"
 RELEASED = "vllm:orbitkv_producers_released_total"
 BYTES = "vllm:orbitkv_bytes_written_total"
-
-
-def prompt_source(seed: int) -> Callable[[int], list[int]]:
-    """A source of fresh prompts: each call returns ``n`` token ids from a
-    new seed (``seed``, ``seed + 1``, ...), so no two prompts share a prefix
-    (no prefix-cache hit flatters a result). Give each test module its own
-    ``seed`` range."""
-    seeds = iter(range(seed, seed + 10**6))
-
-    def fresh_prompt(n: int) -> list[int]:
-        rng = random.Random(next(seeds))
-        return [rng.randrange(3, 1024) for _ in range(n)]
-
-    return fresh_prompt
-
-
-class ClusterError(RuntimeError):
-    """A process of the cluster failed to start, died, or a wait ran out."""
-
-
-# Ports handed out: below the kernel's ephemeral range (32768+ by default),
-# so no outgoing connection takes one between our check and the server's
-# bind, and away from Mooncake's (12001, 15000-17000).
-_PORTS = (20000, 32000)
-_taken: set[int] = set()
-_ports_lock = threading.Lock()
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        try:
-            s.bind((HOST, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(span: int = 1) -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now, with the
-    ``span - 1`` ports after it free too (a TP instance's side channels),
-    outside the ephemeral range and never handed out twice by this process."""
-    rng = random.Random()
-    with _ports_lock:
-        for _ in range(500):
-            p = rng.randrange(_PORTS[0], _PORTS[1] - span)
-            ports = range(p, p + span)
-            if not _taken.intersection(ports) and all(_bindable(q) for q in ports):
-                _taken.update(ports)
-                return p
-    raise ClusterError(f"no {span} free port(s) in {_PORTS[0]}..{_PORTS[1]}")
-
-
-def _tail(path: Path, lines: int = 40) -> str:
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except OSError as e:
-        return f"(no log: {e})"
-    return "\n".join(text[-lines:])
-
-
-class Proc:
-    """One process of the cluster, in its own process group, logging to a file."""
-
-    def __init__(self, name: str, argv: Sequence[str], env: dict[str, str], log_path: Path):
-        self.name = name
-        self.argv = list(argv)
-        self.log_path = log_path
-        self._log = open(log_path, "ab", buffering=0)
-        self._log.write(f"# {time.strftime('%H:%M:%S')} {' '.join(self.argv)}\n".encode())
-        self.popen = subprocess.Popen(
-            self.argv,
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # its own process group: killpg reaches vLLM's children
-        )
-        self.pgid = self.popen.pid
-        self.started = time.monotonic()
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def check(self) -> None:
-        """Raises :class:`ClusterError` (with the log's tail) if the process ended."""
-        rc = self.popen.poll()
-        if rc is not None:
-            raise ClusterError(
-                f"{self.name} (pid {self.pid}) exited with {rc}; log {self.log_path}:\n{_tail(self.log_path)}"
-            )
-
-    def _signal_group(self, sig: int) -> bool:
-        try:
-            os.killpg(self.pgid, sig)
-            return True
-        except ProcessLookupError:
-            return False
-
-    def group_alive(self) -> bool:
-        """Whether any process of its group is left (vLLM's children included)."""
-        try:
-            os.killpg(self.pgid, 0)
-            return True
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-
-    def kill(self) -> None:
-        """SIGKILL to the whole group, now (a crash, as far as peers can tell)."""
-        self._signal_group(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=10)
-
-    def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM to the process (vLLM's API server then shuts its engine
-        down), after half of ``grace_s`` SIGTERM to the whole group, and
-        SIGKILL to what is left after ``grace_s``."""
-        if self.group_alive():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            group_term = time.monotonic() + grace_s / 2
-            while time.monotonic() < deadline and self.group_alive():
-                if self.popen.poll() is not None or time.monotonic() >= group_term:
-                    if group_term < float("inf"):
-                        self._signal_group(signal.SIGTERM)
-                        group_term = float("inf")
-                time.sleep(0.1)
-            self._signal_group(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.popen.wait(timeout=10)
-        with contextlib.suppress(OSError):
-            self._log.close()
-
-
-def wait_until(
-    pred: Any, timeout_s: float, what: str | Any, procs: Sequence[Proc] = (), every_s: float = 0.1
-) -> Any:
-    """Polls ``pred()`` until it returns something truthy (returned), checking
-    that ``procs`` are alive between polls. Raises :class:`ClusterError` when
-    a process died or ``timeout_s`` passed (``what``, a string or a callable
-    giving one, says what was awaited)."""
-    deadline = time.monotonic() + timeout_s
-    last_exc: BaseException | None = None
-    while True:
-        for p in procs:
-            p.check()
-        try:
-            got = pred()
-            if got:
-                return got
-        except (OSError, http.client.HTTPException, ValueError) as e:
-            last_exc = e
-        if time.monotonic() >= deadline:
-            extra = f" (last error: {type(last_exc).__name__}: {last_exc})" if last_exc else ""
-            desc = what() if callable(what) else what
-            raise ClusterError(f"timed out after {timeout_s:.0f}s waiting for {desc}{extra}")
-        time.sleep(every_s)
-
-
-# ---- HTTP client helpers ---------------------------------------------------
-
-
-def _split(url: str) -> tuple[str, int]:
-    assert url.startswith("http://"), url
-    host, port = url[len("http://") :].rstrip("/").rsplit(":", 1)
-    return host, int(port)
-
-
-def http_get(url: str, path: str, timeout_s: float = 5.0) -> tuple[int, bytes]:
-    host, port = _split(url)
-    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
-    try:
-        conn.request("GET", path)
-        r = conn.getresponse()
-        return r.status, r.read()
-    finally:
-        conn.close()
-
-
-def http_post_json(
-    url: str, path: str, body: dict[str, Any], timeout_s: float = 120.0
-) -> tuple[int, Any, dict[str, str]]:
-    """POST JSON, read the whole answer: (status, parsed JSON or text, headers)."""
-    host, port = _split(url)
-    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
-    try:
-        conn.request("POST", path, body=json.dumps(body), headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        data = r.read()
-        headers = {k.lower(): v for k, v in r.getheaders()}
-        try:
-            return r.status, json.loads(data), headers
-        except ValueError:
-            return r.status, data.decode(errors="replace"), headers
-    finally:
-        conn.close()
-
-
-def healthy(url: str) -> bool:
-    status, _ = http_get(url, "/health", timeout_s=2.0)
-    return status == 200
-
-
-def metrics(url: str, timeout_s: float = 5.0) -> dict[str, float]:
-    """A server's Prometheus metrics, each name summed over its label sets
-    (``_created`` series left out)."""
-    status, body = http_get(url, "/metrics", timeout_s)
-    if status != 200:
-        raise ClusterError(f"{url}/metrics answered {status}")
-    out: dict[str, float] = {}
-    for line in body.decode().splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name_labels, _, value = line.rpartition(" ")
-        name = name_labels.split("{", 1)[0]
-        if name.endswith("_created"):
-            continue
-        try:
-            out[name] = out.get(name, 0.0) + float(value)
-        except ValueError:
-            continue
-    return out
-
-
-@dataclass
-class Completion:
-    """One completion: what came back and when."""
-
-    status: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    ttft_s: float | None = None  # request sent -> first token (streaming only)
-    total_s: float = 0.0
-    request_id: str | None = None  # the proxy's P/D request id (X-Request-Id)
-    error: Any = None
-    body: Any = None
-    finish_reason: str | None = None  # the choice's, as vLLM sent it ("length", "error", ...)
-
-    def failed(self, max_tokens: int) -> bool:
-        """Whether the request did not produce its ``max_tokens`` (with
-        ``ignore_eos``): an error status, ``finish_reason: error``, or a
-        stream that ended early. vLLM 0.26 ends the stream of a request
-        whose KV failed to load with a bare ``data: [DONE]`` (status 200)."""
-        return self.status != 200 or self.finish_reason == "error" or len(self.token_ids) < max_tokens
-
-
-def completion_body(
-    prompt: str | list[int], max_tokens: int, stream: bool = False, **extra: Any
-) -> dict[str, Any]:
-    """A greedy ``/v1/completions`` request that returns the token ids."""
-    body: dict[str, Any] = {
-        "model": SERVED_MODEL,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-        "stream": stream,
-    }
-    body.update(extra)
-    return body
-
-
-def complete(
-    url: str,
-    prompt: str | list[int],
-    max_tokens: int = 16,
-    stream: bool = False,
-    timeout_s: float = 120.0,
-    **extra: Any,
-) -> Completion:
-    """Sends one greedy completion to ``url`` (a vLLM server or the proxy).
-    Streaming requests measure the time to the first token."""
-    body = completion_body(prompt, max_tokens, stream, **extra)
-    host, port = _split(url)
-    conn = http.client.HTTPConnection(host, port, timeout=timeout_s)
-    t0 = time.monotonic()
-    try:
-        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
-        r = conn.getresponse()
-        rid = r.getheader("X-Request-Id")
-        if r.status != 200:
-            raw = r.read()
-            try:
-                err: Any = json.loads(raw)
-            except ValueError:
-                err = raw.decode(errors="replace")
-            return Completion(r.status, total_s=time.monotonic() - t0, request_id=rid, error=err)
-        if not stream:
-            data = json.loads(r.read())
-            ch = data["choices"][0]
-            return Completion(
-                200,
-                text=ch.get("text", ""),
-                token_ids=list(ch.get("token_ids") or []),
-                total_s=time.monotonic() - t0,
-                request_id=rid,
-                body=data,
-                finish_reason=ch.get("finish_reason"),
-            )
-        out = Completion(200, request_id=rid)
-        pieces: list[str] = []
-        for event in _sse_events(r):
-            if event == "[DONE]":
-                break
-            data = json.loads(event)
-            if "error" in data:
-                out.status = int(data["error"].get("code") or 500)
-                out.error = data["error"]
-                break
-            for ch in data.get("choices", ()):
-                ids = ch.get("token_ids") or []
-                if (ids or ch.get("text")) and out.ttft_s is None:
-                    out.ttft_s = time.monotonic() - t0
-                pieces.append(ch.get("text") or "")
-                out.token_ids.extend(ids)
-                out.finish_reason = ch.get("finish_reason") or out.finish_reason
-        out.text = "".join(pieces)
-        out.total_s = time.monotonic() - t0
-        return out
-    finally:
-        conn.close()
-
-
-def _sse_events(r: http.client.HTTPResponse) -> Iterator[str]:
-    while True:
-        line = r.readline()
-        if not line:
-            return
-        line = line.strip()
-        if line.startswith(b"data:"):
-            yield line[5:].strip().decode()
-
-
-class Abandoned:
-    """A completion request whose client walks away: :meth:`drop` closes the
-    connection (vLLM, or the proxy, then aborts the request)."""
-
-    def __init__(self, url: str, prompt: str | list[int], max_tokens: int = 16, stream: bool = True, **extra: Any):
-        host, port = _split(url)
-        self.sock = socket.create_connection((host, port), timeout=30)
-        body = json.dumps(completion_body(prompt, max_tokens, stream, **extra)).encode()
-        head = (
-            f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        ).encode()
-        self.sock.sendall(head + body)
-        self.sent = time.monotonic()
-
-    def drop(self) -> None:
-        # RST rather than FIN: the server sees the disconnect at once.
-        with contextlib.suppress(OSError):
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-        with contextlib.suppress(OSError):
-            self.sock.close()
 
 
 # ---- the cluster -------------------------------------------------------------
