@@ -1,0 +1,228 @@
+"""`results.json` and `results.md` from the runs' files (the `report` command)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from .harness import bytes_ok
+
+# ----------------------------------------------------------------------------
+# report
+
+
+def fmt(x: Any, nd: int = 1) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, float):
+        return f"{x:.{nd}f}"
+    return str(x)
+
+
+def cell(step: dict[str, Any] | None, check: bool = True) -> str:
+    """`GB/s` of a step, with ✗ if its bytes did not check out, or the failure."""
+    if not step:
+        return "not run"
+    if step.get("status") != "ok":
+        return f"{step.get('status')} ({first_line(step.get('error', step.get('reason', '')))[:80]})".replace("|", "/")
+    g = step.get("gbps_median")
+    s = fmt(g, 2 if g is not None and g < 10 else 1)
+    bc = step.get("bytes_check")
+    if check and bc is not None and not bc.get("ok"):
+        s += " ✗bytes"
+    if check and step.get("untouched") and step["untouched"].get("blocks_touched"):
+        s += " ✗guard"
+    return s
+
+
+def first_line(x: Any) -> str:
+    return str(x or "").strip().splitlines()[0][:300] if x else ""
+
+
+def run_layers(c: dict[str, Any]) -> int:
+    return int(c.get("geometry", {}).get("layers", 0))
+
+
+def place(dev: Any, s: Any, d: Any) -> str:
+    return f"GPU{s} → GPU{d}" if dev == "cuda" else "CPU → CPU"
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    files = sorted(Path(args.dir).glob("*.json"))
+    configs = []
+    for f in files:
+        try:
+            configs.append(json.loads(f.read_text()))
+        except Exception as e:  # noqa: BLE001
+            configs.append({"file": f.name, "status": f"unreadable: {e}", "steps": {}})
+    meta = {}
+    if args.meta and Path(args.meta).exists():
+        meta = json.loads(Path(args.meta).read_text())
+    merged = {"generated": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "meta": meta, "configs": configs}
+
+    def find(suite: str, transport: str | None, s: Any, d: Any) -> dict[str, Any] | None:
+        for c in configs:
+            if c.get("suite") == suite and (transport is None or c.get("transport") == transport) \
+                    and c.get("src_gpu") == s and c.get("dst_gpu") == d:
+                return c
+        return None
+
+    md: list[str] = []
+    md.append(f"Generated {merged['generated']} by `benches/gpu/qualify.py report`.")
+    if meta:
+        md.append("")
+        for k, v in meta.items():
+            md.append(f"- {k}: {v}")
+    pairs = sorted({(c.get("device"), c.get("src_gpu"), c.get("dst_gpu")) for c in configs if c.get("suite")},
+                   key=lambda p: (p[1] == p[2], str(p)))
+    goals: list[dict[str, Any]] = []
+    for dev, s, d in pairs:
+        where = place(dev, s, d)
+        nixl = find("nixl", None, s, d)
+        tch = find("torch", None, s, d)
+        for transport in ("nvlink", "tcp"):
+            mc = find("mooncake", transport, s, d)
+            if not mc:
+                continue
+            steps = mc["steps"]
+            label = {"nvlink": "Mooncake intra-node NVLink (MC_INTRANODE_NVLINK=1)",
+                     "tcp": "Mooncake TCP (MC_FORCE_TCP=1)"}[transport]
+            md += ["", f"### {where}, {label}", ""]
+            md.append(f"Status: {mc.get('status')}; {mc.get('elapsed_s')} s; started {mc.get('started')}.")
+            mcenv = {k: v for k, v in (mc.get("env") or {}).items() if k.startswith("MC_")}
+            if mcenv:
+                md.append("Mooncake environment: " + ", ".join(f"`{k}={v}`" for k, v in mcenv.items()) + ".")
+            reg = (steps.get("start_and_register") or {})
+            for side in ("producer", "consumer"):
+                h = reg.get(side)
+                if h:
+                    r = h["registration"]
+                    md.append(f"- {side}: {h.get('device')} ({h.get('pid')}), Mooncake {h.get('mooncake_version')}, "
+                              f"orbitkv {h.get('orbitkv')}, torch {h.get('torch')} (CUDA {h.get('torch_cuda')}); "
+                              f"registered {r['regions']} regions, {r['bytes'] / 2**30:.2f} GiB, "
+                              f"location {r['location']}, in {r['total_s']} s (median {r['median_ms']} ms, max "
+                              f"{r['max_ms']} ms), all registered: {r['is_registered_all']}, allocation bases: "
+                              f"{r.get('all_allocation_bases', 'n/a')}; Mooncake says: "
+                              + ("; ".join(f"“{x}”" for x in h.get("mooncake_transport") or []) or "nothing logged"))
+            if reg.get("status") not in (None, "ok"):
+                md.append(f"- start/registration: {reg.get('status')}: {first_line(reg.get('error'))}")
+            g = steps.get("guard_bytes")
+            if g:
+                if g.get("status") == "ok":
+                    md.append(f"- guard-byte test: {g['ranges']} ranges (1 B … 3 MiB, odd sizes and offsets), "
+                              f"{g['bytes_in_ranges']} bytes written, {g['guard_bytes_checked']} guard bytes checked: "
+                              f"{g['mismatched_data_bytes']} wrong data bytes, {g['modified_guard_bytes']} modified "
+                              f"guard bytes, edge bytes intact {g['edge_bytes_intact']} → "
+                              f"**{'PASS' if g['ok'] else 'FAIL'}**")
+                else:
+                    md.append(f"- guard-byte test: {g.get('status')}: {first_line(g.get('error'))}")
+            # NIXL (UCX picks its own transport: cuda_ipc between GPUs) sits
+            # beside the NVLink figures, or beside TCP where NVLink was not run
+            show_nixl = nixl is not None and (transport == "nvlink" or find("mooncake", "nvlink", s, d) is None)
+            md += ["", "Raw transfers (one batch; GB/s = 10^9 B/s, median):", ""]
+            hdr = "| pattern | Mooncake `engine.write` |" + (" NIXL 1.5.1 UCX |" if show_nixl else "") + \
+                  (" torch `copy_` |" if tch else "")
+            md += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+            raw_mib = f"raw_one_{mc.get('raw_mib', 256)}"
+            rows = [("one 1 MiB range", "raw_one_1"), ("one 16 MiB range", "raw_one_16"),
+                    (f"one {raw_mib[8:]} MiB range", raw_mib)]
+            rows += [("1024 × 64 KiB ranges, 1 batch", "raw_blocks_1"),
+                     ("1024 × 64 KiB, 8 batches submitted at once", "raw_blocks_8"),
+                     ("1024 × 64 KiB, 4 threads × 1 batch", "raw_threads_4")]
+            for name, key in rows:
+                line = f"| {name} | {cell(steps.get(key))} |"
+                only_mc = key in ("raw_blocks_8", "raw_threads_4")
+                if show_nixl and nixl is not None:
+                    line += f" {cell(nixl['steps'].get(key)) if not only_mc else '—'} |"
+                if tch:
+                    line += f" {cell(tch['steps'].get(key)) if not only_mc else '—'} |"
+                md.append(line)
+            md += ["", "KV streaming, Llama-3-8B geometry (32 layers × K,V planes, 32 KiB per block and plane), "
+                   "time from the first `layer_ready` to the consumer's `consumer_completed` (GB/s, median):", ""]
+            hdr = "| prompt | block IDs | bytes | ranges/layer | OrbitKV `Runtime` | Mooncake, same ranges |" + \
+                  (" NIXL, same ranges |" if show_nixl else "") + (" torch |" if tch else "") + \
+                  " bytes + guard check |"
+            md += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+            big = steps.get(raw_mib) if raw_mib else None
+            per_block = steps.get("raw_blocks_1")
+            for tokens in mc.get("tokens", []):
+                for pattern in ("contiguous", "scattered"):
+                    key = f"kv_{tokens}_{pattern}"
+                    k = steps.get(key) or {}
+                    rk = steps.get(f"rawkv_{tokens}_{pattern}")
+                    size = f"{k['bytes'] / 2**20:.0f} MiB" if k.get("bytes") else "—"
+                    line = (f"| {tokens} | {pattern} | {size} | "
+                            f"{k.get('ranges_per_layer', '—')} | {cell(k)} | {cell(rk)} |")
+                    if show_nixl and nixl is not None:
+                        line += f" {cell(nixl['steps'].get(key))} |"
+                    if tch:
+                        line += f" {cell(tch['steps'].get(key), check=False)} |"
+                    if k.get("status") == "ok":
+                        bc, ut = k["bytes_check"], k["untouched"]
+                        if bc.get("method") == "bytes":  # every byte compared; mismatched counts blocks
+                            what = (f"{bc['compared']} bytes compared, {max(bc['mismatched'], 0)} (layer, plane, "
+                                    "block) differing")
+                        else:  # older results: per-block checksums
+                            what = f"{bc['compared'] - max(bc['mismatched'], 0)}/{bc['compared']} blocks equal"
+                        line += (f" {'PASS' if k.get('ok') else 'FAIL'}: {what}, {ut['blocks_touched']}/"
+                                 f"{ut['blocks_checked']} other blocks touched |")
+                    else:
+                        line += " — |"
+                    md.append(line)
+                    if k.get("status") == "ok":
+                        nr = k["ranges_per_layer"] * run_layers(mc)
+                        gl = {"where": where, "transport": transport, "tokens": tokens, "pattern": pattern,
+                              "runtime_gbps": k["gbps_median"],
+                              "us_per_range": k["median_s"] / nr * 1e6 if nr else None}
+                        if pattern == "contiguous" and big and big.get("status") == "ok":
+                            gl["reference"] = f"raw one-range write ({raw_mib[8:]} MiB)"
+                            gl["reference_gbps"] = big["gbps_median"]
+                            gl["ratio"] = k["gbps_median"] / big["gbps_median"]
+                            gl["goal"] = ">= 0.9"
+                            gl["bytes_ok"] = bool(k.get("ok")) and bytes_ok(big)
+                            gl["met"] = gl["ratio"] >= 0.9 and gl["bytes_ok"]
+                        if pattern == "scattered" and per_block and per_block.get("status") == "ok":
+                            gl["reference"] = "raw 1024 × 64 KiB, one range per block"
+                            gl["reference_gbps"] = per_block["gbps_median"]
+                            gl["ratio"] = k["gbps_median"] / per_block["gbps_median"]
+                            gl["goal"] = ">= 2"
+                            gl["bytes_ok"] = bool(k.get("ok")) and bytes_ok(per_block)
+                            gl["met"] = gl["ratio"] >= 2.0 and gl["bytes_ok"]
+                        goals.append(gl)
+    for c in configs:
+        if c.get("suite") in ("nixl", "torch"):
+            bad = {k: v for k, v in c.get("steps", {}).items() if v.get("status") != "ok"}
+            if bad or c.get("status") != "done":
+                md.append("")
+                md.append(f"{c['suite']} {place(c.get('device'), c.get('src_gpu'), c.get('dst_gpu'))}: "
+                          f"status {c.get('status')}; "
+                          + "; ".join(f"{k}: {v.get('status')} {first_line(v.get('error', v.get('reason', '')))[:200]}"
+                                      for k, v in bad.items()))
+            if c.get("suite") == "nixl":
+                h = (c.get("steps", {}).get("start_and_register") or {}).get("producer")
+                if h:
+                    md.append("")
+                    md.append(f"NIXL {place(c.get('device'), c.get('src_gpu'), c.get('dst_gpu'))}: "
+                              f"nixl-cu13 {h.get('nixl_cu13')}, "
+                              f"plugins {h.get('plugins')}; NIXL columns are transfer-only times (handles created "
+                              f"before the clock starts; with creation: see results.json `with_create`).")
+    if goals:
+        md += ["", "Goals (contiguous: runtime ÷ raw one-range write; scattered: runtime ÷ raw one range per "
+               "64 KiB block). µs/range: the runtime's median time ÷ the ranges it wrote (2 planes × runs × layers).",
+               "", "| where | transport | prompt | block IDs | runtime GB/s | µs/range | reference | ref GB/s | "
+               "ratio | goal | met |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for g in goals:
+            if "ratio" in g:
+                md.append(f"| {g['where']} | {g['transport']} | {g['tokens']} | {g['pattern']} | "
+                          f"{fmt(g['runtime_gbps'], 2)} | {fmt(g['us_per_range'], 2)} | {g['reference']} | "
+                          f"{fmt(g['reference_gbps'], 2)} | "
+                          f"{fmt(g['ratio'], 2)} | {g['goal']} | "
+                          f"{'yes' if g['met'] else ('no (bytes not verified)' if not g.get('bytes_ok', True) else 'no')} |")
+    merged["goals"] = goals
+    Path(args.out_json).write_text(json.dumps(merged, indent=1, default=str))
+    Path(args.out_md).write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return 0

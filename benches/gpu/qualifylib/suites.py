@@ -1,0 +1,320 @@
+"""The steps of each suite, and the `run` command."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+from .common import BLOCK_BYTES, block_ids, guard_ranges, log, num_blocks_for, runs, summarize
+from .harness import Child, ChildDied, Run, compare_sums
+
+
+def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
+    a = run.args
+    st = a.step_timeout
+    prod = Child(ctx, "mooncake", "producer", opts)
+    cons = Child(ctx, "mooncake", "consumer", opts)
+    try:
+        hp = hc = None
+
+        def hello() -> dict[str, Any]:
+            nonlocal hp, hc
+            hp, hc = prod.recv(a.start_timeout), cons.recv(a.start_timeout)
+            return {"producer": dict(hp), "consumer": dict(hc)}
+
+        run.step("start_and_register", hello)
+        if hp is None or hc is None:
+            raise ChildDied("a process did not start")
+        for h in (run.data["steps"]["start_and_register"].get("producer"),
+                  run.data["steps"]["start_and_register"].get("consumer")):
+            h.pop("plane_bases", None)
+        run.save()
+        peer = hc["endpoint"]
+        cbases = hc["plane_bases"]
+
+        def guard() -> dict[str, Any]:
+            ranges = guard_ranges()
+            gb = hc["guard_base"]
+            pb = hp["guard_base"]
+            abs_ranges = [(pb + s, gb + d, n) for s, d, n in ranges]
+            t0 = time.monotonic()
+            wrote = prod.call("write_ranges", st, peer=peer, ranges=abs_ranges)
+            if a.corrupt:
+                cons.call("corrupt", st, what="guard", ranges=ranges)
+            res = cons.call("guard_check", st, ranges=ranges)
+            res["written"] = wrote
+            res["s_write"] = round(time.monotonic() - t0, 4)
+            return res
+
+        run.step("guard_bytes", guard)
+
+        # warm-up: one request over every layer (opens the peer's segment and,
+        # on NVLink, maps every registered region of the consumer)
+        seq = [0]
+
+        def stream(src: list[int], dst: list[int]) -> dict[str, Any]:
+            seq[0] += 1
+            req = f"q{seq[0]}"
+            hs = cons.call("consumer_open", st, req=req, dst=dst)
+            cons.send("consumer_wait", req=req)
+            prod.send("producer_stream", req=req, src=src, handshake=hs)
+            p = prod.recv(st + 10)
+            c = cons.recv(st + 10)
+            return {"req": req, "p": p, "c": c}
+
+        def warm() -> dict[str, Any]:
+            s, d = block_ids(a.tokens[0], "contiguous", opts["num_blocks"])
+            r = stream(s, d)
+            cons.call("consumer_release", st, req=r["req"])
+            cons.call("kv_reset", st)
+            return {"consumer": r["c"]["kind"], "producer": r["p"]["outcome"]}
+
+        run.step("warmup", warm)
+
+        def raw(kind: str, reps: int) -> Any:
+            def go() -> dict[str, Any]:
+                res = prod.call("raw", st * 2, peer=peer, dst_base=hc["raw_base"], kind=kind, reps=reps)
+                if kind in (f"one:{a.raw_mib}", "blocks:1"):
+                    if kind.startswith("one:"):
+                        rows = list(range(a.raw_mib * 16))
+                        ps = prod.call("raw_sums", st, rows=rows, row_bytes=64 << 10)
+                    else:
+                        rows = res["slots"]
+                        ps = prod.call("raw_sums", st, rows=list(range(1024)), row_bytes=64 << 10)
+                    if a.corrupt:
+                        cons.call("corrupt", st, what="raw", rows=rows)
+                    if kind.startswith("one:"):
+                        cs = cons.call("raw_sums", st, rows=rows, row_bytes=64 << 10)
+                    else:
+                        cs = cons.call("raw_sums", st, rows=res["slots"], row_bytes=64 << 10)
+                    res["bytes_check"] = compare_sums(ps, cs)
+                    cons.call("raw_reset", st)
+                res.pop("slots", None)
+                return res
+            return go
+
+        big = a.raw_reps
+        for kind in ("one:1", "one:16", f"one:{a.raw_mib}", "blocks:1", "blocks:8", "threads:4"):
+            run.step(f"raw_{kind.replace(':', '_')}", raw(kind, big if kind != "one:1" else big * 2))
+
+        for tokens in a.tokens:
+            for pattern in ("contiguous", "scattered"):
+                src, dst = block_ids(tokens, pattern, opts["num_blocks"])
+                nbytes = a.layers * 2 * len(src) * BLOCK_BYTES
+                reps = a.kv_reps if tokens <= 8192 or a.transport != "tcp" else max(1, a.kv_reps // 2)
+                est = nbytes / (1.0e9 if a.transport == "tcp" else 50e9) * (reps + 1) + 3
+
+                def kv(src: list[int] = src, dst: list[int] = dst, reps: int = reps,
+                       nbytes: int = nbytes) -> dict[str, Any]:
+                    secs, prods, checks = [], [], []
+                    # Every repetition writes into guard bytes and is checked
+                    # on its own (a later one cannot hide an earlier one's
+                    # wrong or stray bytes); the checks are outside the timing.
+                    cons.call("kv_reset", st)
+                    release: Any = None
+                    for _ in range(reps):
+                        r = stream(src, dst)
+                        if r["c"]["kind"] != "consumer_completed":
+                            try:
+                                cons.call("consumer_release", 15, req=r["req"])
+                            except Exception:  # noqa: BLE001
+                                pass
+                            raise RuntimeError(f"consumer: {r['c']}")
+                        if r["c"]["bytes"] != nbytes:
+                            raise RuntimeError(f"consumer got {r['c']['bytes']} bytes, expected {nbytes}")
+                        secs.append((r["c"]["t_ns"] - r["p"]["t0_ns"]) / 1e9)
+                        prods.append({k: r["p"][k] for k in ("calls_s", "released_s", "outcome")})
+                        if a.corrupt:
+                            cons.call("corrupt", st, what="kv", ids=dst)
+                        bc = cons.call("kv_equal", st * 2, src=src, dst=dst)
+                        ut = cons.call("kv_untouched", st * 2, ids=dst)
+                        ut["ok"] = ut["blocks_touched"] == 0
+                        checks.append({"bytes_check": bc, "untouched": ut})
+                        release = cons.call("consumer_release", st, req=r["req"])
+                        cons.call("kv_reset", st)
+                    out = summarize(nbytes, secs)
+                    out["producer"] = prods
+                    out["stats"] = r["p"]["stats"]
+                    # The worst repetition stands for the step.
+                    out["bytes_check"] = max((c["bytes_check"] for c in checks),
+                                             key=lambda b: (not b["ok"], b["mismatched"]))
+                    out["untouched"] = max((c["untouched"] for c in checks),
+                                           key=lambda u: (not u["ok"], u["blocks_touched"]))
+                    out["checked_repetitions"] = len(checks)
+                    out["ok"] = all(c["bytes_check"]["ok"] and c["untouched"]["ok"] for c in checks)
+                    out["release"] = release
+                    out["blocks"] = len(src)
+                    out["ranges_per_layer"] = 2 * len(runs(src, dst))
+                    return out
+
+                run.step(f"kv_{tokens}_{pattern}", kv, need_s=min(est, 60))
+
+                def rawkv(src: list[int] = src, dst: list[int] = dst, reps: int = reps) -> dict[str, Any]:
+                    cons.call("kv_reset", st)
+                    out = prod.call("raw_kv", st * 2, peer=peer, peer_bases=cbases, src=src, dst=dst, reps=reps)
+                    out["bytes_check"] = cons.call("kv_equal", st * 2, src=src, dst=dst)
+                    cons.call("kv_reset", st)
+                    out["ranges_per_layer"] = 2 * len(runs(src, dst))
+                    return out
+
+                run.step(f"rawkv_{tokens}_{pattern}", rawkv, need_s=min(est, 60))
+        # How many of Mooncake's submit-time events went to the idle stream.
+        run.step("submit_wait", lambda: {"producer": prod.call("submit_wait", st)})
+    finally:
+        prod.stop()
+        cons.stop()
+
+
+def suite_nixl(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
+    a = run.args
+    st = a.step_timeout
+    prod = Child(ctx, "nixl", "producer", opts)
+    cons = Child(ctx, "nixl", "consumer", opts)
+    try:
+        hp = hc = None
+
+        def hello() -> dict[str, Any]:
+            nonlocal hp, hc
+            hp, hc = prod.recv(a.start_timeout), cons.recv(a.start_timeout)
+            conn = prod.call("connect", st, metadata=hc["metadata"])
+            strip = lambda h: {k: v for k, v in h.items() if k not in ("metadata", "plane_bases")}  # noqa: E731
+            return {"producer": strip(hp), "consumer": strip(hc), "connect": conn}
+
+        run.step("start_and_register", hello)
+        if hp is None or hc is None or "connect" not in run.data["steps"]["start_and_register"]:
+            raise ChildDied("a process did not start or connect")
+        pgpu = hc["gpu"]
+
+        def warm() -> dict[str, Any]:
+            # As the Mooncake suite warms up before its first timed step: one
+            # untimed KV transfer and one raw write (NIXL prepares its
+            # descriptor lists and UCX its cuda_ipc mappings on first use).
+            s_, d_ = block_ids(a.tokens[0], "contiguous", opts["num_blocks"])
+            cons.call("kv_reset", st)
+            prod.call("kv", st * 3, peer_bases=hc["plane_bases"], peer_gpu=pgpu, src=s_, dst=d_, reps=1)
+            prod.call("raw", st * 2, dst_base=hc["raw_base"], peer_gpu=pgpu, kind="one:1", reps=1)
+            cons.call("kv_reset", st)
+            cons.call("raw_reset", st)
+            return {"kv_blocks": len(s_), "raw": "one:1"}
+
+        run.step("warmup", warm)
+
+        def raw(kind: str, reps: int) -> Any:
+            def go() -> dict[str, Any]:
+                res = prod.call("raw", st * 2, dst_base=hc["raw_base"], peer_gpu=pgpu, kind=kind, reps=reps)
+                if kind.startswith("one:") and int(kind[4:]) == a.raw_mib:
+                    rows = list(range(a.raw_mib * 16))
+                    res["bytes_check"] = compare_sums(prod.call("raw_sums", st, rows=rows, row_bytes=64 << 10),
+                                                      cons.call("raw_sums", st, rows=rows, row_bytes=64 << 10))
+                    cons.call("raw_reset", st)
+                elif kind == "blocks:1":
+                    res["bytes_check"] = compare_sums(
+                        prod.call("raw_sums", st, rows=list(range(1024)), row_bytes=64 << 10),
+                        cons.call("raw_sums", st, rows=res["slots"], row_bytes=64 << 10))
+                    cons.call("raw_reset", st)
+                res.pop("slots", None)
+                return res
+            return go
+
+        for kind in ("one:1", "one:16", f"one:{a.raw_mib}", "blocks:1"):
+            run.step(f"raw_{kind.replace(':', '_')}", raw(kind, a.raw_reps if kind != "one:1" else a.raw_reps * 2))
+
+        for tokens in a.tokens:
+            for pattern in ("contiguous", "scattered"):
+                src, dst = block_ids(tokens, pattern, opts["num_blocks"])
+
+                def kv(src: list[int] = src, dst: list[int] = dst) -> dict[str, Any]:
+                    cons.call("kv_reset", st)
+                    out = prod.call("kv", st * 3, peer_bases=hc["plane_bases"], peer_gpu=pgpu, src=src, dst=dst,
+                                    reps=a.kv_reps)
+                    out["bytes_check"] = cons.call("kv_equal", st * 2, src=src, dst=dst)
+                    out["untouched"] = cons.call("kv_untouched", st * 2, ids=dst)
+                    out["ok"] = out["bytes_check"]["ok"] and out["untouched"]["blocks_touched"] == 0
+                    cons.call("kv_reset", st)
+                    out["ranges_per_layer"] = 2 * len(runs(src, dst))
+                    return out
+
+                run.step(f"kv_{tokens}_{pattern}", kv)
+    finally:
+        prod.stop()
+        cons.stop()
+
+
+def suite_torch(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
+    a = run.args
+    st = a.step_timeout
+    one = Child(ctx, "torch", "torch", opts)
+    try:
+        run.step("start", lambda: {"hello": one.recv(a.start_timeout)})
+        for kind in ("one:1", "one:16", f"one:{a.raw_mib}", "blocks:1"):
+            run.step(f"raw_{kind.replace(':', '_')}",
+                     lambda kind=kind: one.call("raw", st, kind=kind, reps=a.raw_reps * 2))
+        for tokens in a.tokens:
+            for pattern in ("contiguous", "scattered"):
+                src, dst = block_ids(tokens, pattern, opts["num_blocks"])
+                run.step(f"kv_{tokens}_{pattern}",
+                         lambda src=src, dst=dst: one.call("kv", st, src_ids=src, dst_ids=dst, reps=a.kv_reps))
+    finally:
+        one.stop()
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    if args.device == "cpu" and args.suite == "mooncake" and args.transport == "nvlink":
+        print("--device cpu needs --transport tcp", file=sys.stderr)
+        return 2
+    if args.suite == "mooncake":
+        if args.transport == "nvlink":
+            os.environ["MC_INTRANODE_NVLINK"] = "1"
+            os.environ.pop("MC_FORCE_TCP", None)
+        else:
+            os.environ["MC_FORCE_TCP"] = "1"
+            os.environ.pop("MC_INTRANODE_NVLINK", None)
+            if args.tcp_queue:
+                # Mooncake's TCP transport rejects slices beyond 1024 queued per
+                # peer by default (tasks end FAILED: "TCP lane queue-full"); the
+                # runtime's window holds more ranges than that for scattered blocks
+                os.environ["MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"] = str(args.tcp_queue)
+                os.environ["MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER"] = str(args.tcp_queue)
+    opts = {
+        "device": args.device,
+        "src_gpu": args.src_gpu,
+        "dst_gpu": args.dst_gpu,
+        "layers": args.layers,
+        "num_blocks": num_blocks_for(max(args.tokens)),
+        "raw_mib": args.raw_mib,
+        "step_timeout": args.step_timeout,
+        "max_in_flight": args.max_in_flight,
+        "max_ranges_in_flight": args.max_ranges_in_flight,
+        "writer_lanes": args.writer_lanes,
+        "busy": args.busy,
+        "submit_wait": args.submit_wait,
+    }
+    run = Run(args)
+
+    def on_term(signum: int, _frame: Any) -> None:
+        raise SystemExit(f"signal {signum}")
+
+    import signal
+
+    signal.signal(signal.SIGTERM, on_term)
+    log(f"config {args.suite}/{run.data['transport']} {args.device} {args.src_gpu}->{args.dst_gpu}: "
+        f"tokens {args.tokens}, {args.layers} layers, {opts['num_blocks']} blocks/side, budget {args.budget_s:.0f}s")
+    ctx = mp.get_context("spawn")
+    try:
+        {"mooncake": suite_mooncake, "nixl": suite_nixl, "torch": suite_torch}[args.suite](run, ctx, opts)
+        run.data["status"] = "done"
+    except ChildDied as e:
+        run.data["status"] = f"aborted: {e}"
+    except Exception as e:  # noqa: BLE001
+        run.data["status"] = f"aborted: {type(e).__name__}: {e}"
+        traceback.print_exc()
+    except SystemExit as e:
+        run.data["status"] = f"killed ({e}): time limit"
+    run.save()
+    log(f"config done: {run.data['status']} in {run.data['elapsed_s']}s -> {run.out}")
+    return 0
