@@ -177,6 +177,26 @@ thread_local std::string t_last_error;
 
 void set_error(std::string msg) { t_last_error = std::move(msg); }
 
+// A function looked up by name into a slot.
+struct NamedSlot {
+  const char* name;
+  void** slot;
+};
+
+// Resolves every entry of `slots` in `handle`; false (the error set, naming
+// `what`) when one is missing.
+template <size_t N>
+bool resolve_all(void* handle, const NamedSlot (&slots)[N], const char* what) {
+  for (const NamedSlot& s : slots) {
+    *s.slot = dlsym(handle, s.name);
+    if (*s.slot == nullptr) {
+      set_error(std::string(what) + " lacks " + s.name);
+      return false;
+    }
+  }
+  return true;
+}
+
 // Runs `body`, converting every C++ exception into an error return.
 template <typename F>
 int guarded(const char* what, F&& body) noexcept {
@@ -622,10 +642,7 @@ int okv_cuda_load() {
                 (e != nullptr ? e : "?"));
       return -1;
     }
-    struct {
-      const char* name;
-      void** slot;
-    } syms[] = {
+    const NamedSlot syms[] = {
         {"cuCtxGetCurrent", reinterpret_cast<void**>(&g_cuda.ctx_get_current)},
         {"cuCtxSetCurrent", reinterpret_cast<void**>(&g_cuda.ctx_set_current)},
         {"cuEventCreate", reinterpret_cast<void**>(&g_cuda.event_create)},
@@ -634,13 +651,7 @@ int okv_cuda_load() {
         {"cuEventDestroy_v2", reinterpret_cast<void**>(&g_cuda.event_destroy)},
         {"cuGetErrorString", reinterpret_cast<void**>(&g_cuda.get_error_string)},
     };
-    for (auto& s : syms) {
-      *s.slot = dlsym(h, s.name);
-      if (*s.slot == nullptr) {
-        set_error(std::string("libcuda.so.1 lacks ") + s.name);
-        return -1;
-      }
-    }
+    if (!resolve_all(h, syms, "libcuda.so.1")) return -1;
     g_cuda_loaded.store(true);
     return 0;
   });
@@ -875,20 +886,11 @@ int okv_redirect_submit_wait(int* patched) {
       *patched = 0;
       return 0;
     }
-    struct {
-      const char* name;
-      void** slot;
-    } syms[] = {
+    const NamedSlot syms[] = {
         {"cudaStreamCreateWithFlags", reinterpret_cast<void**>(&g_cudart.stream_create)},
         {"cudaGetDevice", reinterpret_cast<void**>(&g_cudart.get_device)},
     };
-    for (auto& sy : syms) {
-      *sy.slot = dlsym(g_engine_handle, sy.name);
-      if (*sy.slot == nullptr) {
-        set_error(std::string("the CUDA runtime engine.so uses lacks ") + sy.name);
-        return -1;
-      }
-    }
+    if (!resolve_all(g_engine_handle, syms, "the CUDA runtime engine.so uses")) return -1;
     g_cudart.event_record = reinterpret_cast<CudaEventRecordFn>(record);
     struct link_map* lm = nullptr;
     if (dlinfo(g_engine_handle, RTLD_DI_LINKMAP, &lm) != 0 || lm == nullptr) {

@@ -9,36 +9,39 @@ from orbitkv.vllm.ledger import ConsumerRecord, Ledger, ProducerRecord
 
 def test_records_come_and_go_with_their_state() -> None:
     led = Ledger()
-    assert led.peek_consumer("a") == ConsumerRecord()
+    assert led.consumers.peek("a") == ConsumerRecord()
     assert led.sizes()["consumers"] == 0, "peeking stores nothing"
-    rec = led.consumer("a")
+    rec = led.consumers.get("a")
     rec.req_id, rec.blocks = "req-a", [1, 2]
-    assert led.consumer("a") is rec
+    assert led.consumers.get("a") is rec
+    led.consumers.tidy("a")
+    assert "a" in led.consumers, "a record with something in it stays"
     rec.req_id = rec.blocks = None
-    led.tidy_consumer("a")
+    led.consumers.tidy("a")
     assert "a" not in led.consumers
-    led.consumer("b").release_now = True
-    led.consumer("b").req_id = "req-b"
-    led.consumer("c").req_id = "req-c"
+    led.consumers.get("b").release_now = True
+    led.consumers.get("b").req_id = "req-b"
+    led.consumers.get("c").req_id = "req-c"
     assert list(led.release_now()) == ["b"]
-    assert led.forget_consumer("b") == "req-b"
-    assert led.forget_consumer("b") is None
+    popped = led.consumers.pop("b")
+    assert popped is not None and popped.req_id == "req-b"
+    assert led.consumers.pop("b") is None
     assert led.sizes() == {"consumers": 1, "producers": 0, "released_after_report": 0}
 
 
 def test_only_producers_both_ended_and_released_are_handed_back() -> None:
     led = Ledger()
-    led.producer("x").req_id = "rx"
-    led.producer("x").released = True
-    led.producer("y").req_id = "ry"
-    led.producer("y").ended = True
-    led.producer("z").req_id = "rz"
-    led.producer("z").ended = led.producer("z").released = True
+    led.producers.get("x").req_id = "rx"
+    led.producers.get("x").released = True
+    led.producers.get("y").req_id = "ry"
+    led.producers.get("y").ended = True
+    z = led.producers.get("z")
+    z.req_id, z.ended, z.released = "rz", True, True
     assert [pd for pd, _ in led.ended_and_released()] == ["z"]
-    led.producer("e")  # created by an abort, nothing in it
-    led.tidy_producer("e")
+    led.producers.get("e")  # created by an abort, nothing in it
+    led.producers.tidy("e")
     assert "e" not in led.producers
-    assert led.peek_producer("nope") == ProducerRecord()
+    assert led.producers.peek("nope") == ProducerRecord()
 
 
 def test_the_tombstones_of_released_consumers_are_bounded() -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 
 class _Record(Protocol):
@@ -23,17 +23,42 @@ class _Record(Protocol):
 R = TypeVar("R", bound=_Record)
 
 
-def _get(records: dict[str, R], pd: str, make: Callable[[], R]) -> R:
-    rec = records.get(pd)
-    if rec is None:
-        rec = records[pd] = make()
-    return rec
+class Records(Generic[R]):
+    """The records of one side, by P/D id."""
 
+    def __init__(self, make: Callable[[], R]) -> None:
+        self._make = make
+        self._by_pd: dict[str, R] = {}
 
-def _tidy(records: dict[str, R], pd: str) -> None:
-    rec = records.get(pd)
-    if rec is not None and rec.empty():
-        del records[pd]
+    def get(self, pd: str) -> R:
+        """The record of ``pd``, created empty if there is none."""
+        rec = self._by_pd.get(pd)
+        if rec is None:
+            rec = self._by_pd[pd] = self._make()
+        return rec
+
+    def peek(self, pd: str) -> R:
+        """The record of ``pd``, or an empty one (not stored)."""
+        return self._by_pd.get(pd) or self._make()
+
+    def tidy(self, pd: str) -> None:
+        """Drops ``pd``'s record once nothing is left in it."""
+        rec = self._by_pd.get(pd)
+        if rec is not None and rec.empty():
+            del self._by_pd[pd]
+
+    def pop(self, pd: str) -> R | None:
+        return self._by_pd.pop(pd, None)
+
+    def where(self, keep: Callable[[R], bool]) -> list[tuple[str, R]]:
+        """A snapshot of the records ``keep`` selects (safe to change them)."""
+        return [(pd, rec) for pd, rec in self._by_pd.items() if keep(rec)]
+
+    def __contains__(self, pd: object) -> bool:
+        return pd in self._by_pd
+
+    def __len__(self) -> int:
+        return len(self._by_pd)
 
 
 @dataclass
@@ -80,57 +105,26 @@ class ProducerRecord:
 class Ledger:
     """Every request this worker tracks, by P/D id, per side."""
 
-    consumers: dict[str, ConsumerRecord] = field(default_factory=dict)
-    producers: dict[str, ProducerRecord] = field(default_factory=dict)
+    consumers: Records[ConsumerRecord] = field(default_factory=lambda: Records(ConsumerRecord))
+    producers: Records[ProducerRecord] = field(default_factory=lambda: Records(ProducerRecord))
     # pd_id -> vLLM request id of consumers the runtime released after a
     # report vLLM may have withheld (PdScheduler.update_connector_output):
     # reported again if vLLM says so. Bounded: the oldest go first.
     released_after_report: dict[str, str] = field(default_factory=dict)
     released_after_report_cap: int = 4096
 
-    # -- consumers -------------------------------------------------------------
-
-    def consumer(self, pd: str) -> ConsumerRecord:
-        """The record of ``pd``, created empty if there is none."""
-        return _get(self.consumers, pd, ConsumerRecord)
-
-    def peek_consumer(self, pd: str) -> ConsumerRecord:
-        """The record of ``pd``, or an empty one (not stored)."""
-        return self.consumers.get(pd) or ConsumerRecord()
-
-    def tidy_consumer(self, pd: str) -> None:
-        """Drops ``pd``'s record once nothing is left in it."""
-        _tidy(self.consumers, pd)
-
-    def forget_consumer(self, pd: str) -> str | None:
-        """Drops ``pd``'s record; returns its vLLM request id."""
-        rec = self.consumers.pop(pd, None)
-        return None if rec is None else rec.req_id
-
     def release_now(self) -> Iterator[str]:
         """The consumers to report without waiting for the runtime."""
-        return iter([pd for pd, rec in self.consumers.items() if rec.release_now])
+        return iter([pd for pd, _ in self.consumers.where(lambda r: r.release_now)])
 
     def remember_released_after_report(self, pd: str, req_id: str) -> None:
         self.released_after_report[pd] = req_id
         while len(self.released_after_report) > self.released_after_report_cap:
             self.released_after_report.pop(next(iter(self.released_after_report)))
 
-    # -- producers -------------------------------------------------------------
-
-    def producer(self, pd: str) -> ProducerRecord:
-        return _get(self.producers, pd, ProducerRecord)
-
-    def peek_producer(self, pd: str) -> ProducerRecord:
-        return self.producers.get(pd) or ProducerRecord()
-
-    def tidy_producer(self, pd: str) -> None:
-        """Drops ``pd``'s record once nothing is left in it."""
-        _tidy(self.producers, pd)
-
-    def ended_and_released(self) -> Iterator[tuple[str, ProducerRecord]]:
+    def ended_and_released(self) -> list[tuple[str, ProducerRecord]]:
         """Producers vLLM waits for whose blocks nothing reads any more."""
-        return iter([(pd, rec) for pd, rec in self.producers.items() if rec.released and rec.ended])
+        return self.producers.where(lambda r: r.released and r.ended)
 
     def sizes(self) -> dict[str, int]:
         """Records held, for debugging and leak tests."""

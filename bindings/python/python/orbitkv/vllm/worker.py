@@ -281,7 +281,7 @@ class PdWorker:
         assert rt is not None, "register_kv_caches was not called"
         led = self.ledger
         for end in meta.producers_end:
-            prod = led.producer(end.pd_id)
+            prod = led.producers.get(end.pd_id)
             if end.report:
                 # vLLM finished the request and waits for our word to free
                 # its blocks; an abort of a request vLLM still runs (it was
@@ -289,7 +289,7 @@ class PdWorker:
                 prod.ended = True
             if end.aborted:
                 self._producer_call(rt.producer_abort, end.pd_id, end.reason or "aborted")
-                led.tidy_producer(end.pd_id)
+                led.producers.tidy(end.pd_id)
             elif not prod.finished:
                 prod.finished = True
                 self._producer_call(rt.producer_finish, end.pd_id)
@@ -299,16 +299,16 @@ class PdWorker:
                 # (it recomputed them, or ended the request before it saw
                 # the report): report it again once the runtime frees them.
                 if end.pd_id in led.consumers:
-                    led.consumers[end.pd_id].reported = False
+                    led.consumers.get(end.pd_id).reported = False
                 rid = led.released_after_report.pop(end.pd_id, None)
                 if rid is not None:
                     # Released already: nothing can write into them now.
-                    cons = led.consumer(end.pd_id)
+                    cons = led.consumers.get(end.pd_id)
                     cons.req_id, cons.release_now = rid, True
                     continue
-                if led.peek_consumer(end.pd_id).end:
+                if led.consumers.peek(end.pd_id).end:
                     continue  # its release is under way: reported when done
-            cons = led.consumer(end.pd_id)
+            cons = led.consumers.get(end.pd_id)
             cons.end = end.report
             try:
                 rt.consumer_release(end.pd_id)
@@ -334,12 +334,12 @@ class PdWorker:
         self._step_layers = set()
         for ch in meta.producer_chunks:
             if ch.opens:
-                led.producer(ch.pd_id).req_id = ch.req_id
+                led.producers.get(ch.pd_id).req_id = ch.req_id
                 ok = self._producer_call(rt.producer_open, ch.pd_id, ch.new_block_ids, ch.capability, ch.consumer_tp)
                 if not ok:
                     # Never opened, so no release event will come: vLLM gets
                     # its blocks back as soon as it finishes the request.
-                    led.producer(ch.pd_id).released = True
+                    led.producers.get(ch.pd_id).released = True
             elif ch.new_block_ids:
                 ok = self._producer_call(rt.producer_add_blocks, ch.pd_id, ch.new_block_ids)
             else:
@@ -385,7 +385,7 @@ class PdWorker:
             self._load_errors.update(c.block_ids)
             self._refused_consumers.add(c.req_id)
             return
-        cons = self.ledger.consumer(c.pd_id)
+        cons = self.ledger.consumers.get(c.pd_id)
         cons.req_id, cons.blocks = c.req_id, list(c.block_ids)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
@@ -460,7 +460,7 @@ class PdWorker:
         rt = self.runtime
         assert rt is not None
         for ch in self._step_chunks:
-            self.ledger.producer(ch.pd_id).finished = True
+            self.ledger.producers.get(ch.pd_id).finished = True
             self._producer_call(rt.producer_abort, ch.pd_id, f"layer gate failed: {e}")
         self._step_chunks = []
         return False
@@ -496,7 +496,7 @@ class PdWorker:
         rt = self.runtime
         assert rt is not None
         for ch in self._step_chunks:
-            prod = self.ledger.producer(ch.pd_id) if ch.last else None
+            prod = self.ledger.producers.get(ch.pd_id) if ch.last else None
             if prod is not None and not prod.finished:
                 prod.finished = True
                 if self._rust_gate:
@@ -515,13 +515,13 @@ class PdWorker:
         recving: set[str] = set(self._refused_consumers)
         self._refused_consumers.clear()
         for pd in led.release_now():
-            rid = led.forget_consumer(pd)
-            if rid is not None:
-                recving.add(rid)
+            rec = led.consumers.pop(pd)
+            if rec is not None and rec.req_id is not None:
+                recving.add(rec.req_id)
         for ev in rt.poll_events():
             pd = ev.request_id
             if ev.kind in ("consumer_completed", "consumer_failed"):
-                cons = led.peek_consumer(pd)
+                cons = led.consumers.peek(pd)
                 if ev.kind == "consumer_failed":
                     logger.warning("KV for %s did not arrive complete: %s", pd, ev.reason)
                     self._load_errors.update(cons.blocks or ())
@@ -545,18 +545,18 @@ class PdWorker:
                     if ev.kind == "consumer_completed" and self._hooks is not None and self._hooks.take_corruption():
                         if cons.blocks:  # test hook: decode must compute on changed KV
                             corrupt_block(self._kv_caches, self._num_blocks, cons.blocks[0])
-                    led.consumer(pd).reported = True
+                    led.consumers.get(pd).reported = True
                     recving.add(cons.req_id)
             elif ev.kind == "consumer_quiesced":
                 # vLLM still runs it (recompute policy: it waits for this
                 # report to recompute into the blocks); if vLLM already ended
                 # it, the release reports it.
-                cons = led.peek_consumer(pd)
+                cons = led.consumers.peek(pd)
                 if cons.req_id is not None and cons.end is None and not cons.reported:
-                    led.consumer(pd).reported = True
+                    led.consumers.get(pd).reported = True
                     recving.add(cons.req_id)
             elif ev.kind == "consumer_released":
-                cons = led.peek_consumer(pd)
+                cons = led.consumers.peek(pd)
                 if cons.end and not cons.reported and cons.req_id is not None:
                     recving.add(cons.req_id)
                 elif cons.end and cons.req_id is not None:
@@ -569,16 +569,16 @@ class PdWorker:
                     # report-now survives (handled at the next call).
                     cons.req_id = cons.blocks = cons.end = None
                     cons.reported = False
-                    led.tidy_consumer(pd)
+                    led.consumers.tidy(pd)
             elif ev.kind == "producer_released":
                 if ev.outcome != "done":
                     logger.warning("prefill %s ended %s: %s", pd, ev.outcome, ev.reason)
-                if led.peek_producer(pd).req_id is not None:  # not a discarded request's answer
-                    led.producer(pd).released = True
+                if led.producers.peek(pd).req_id is not None:  # not a discarded request's answer
+                    led.producers.get(pd).released = True
         for pd, prod in led.ended_and_released():
             if prod.req_id is not None:
                 sending.add(prod.req_id)
-            del led.producers[pd]
+            led.producers.pop(pd)
         return (sending or None), (recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
