@@ -58,6 +58,7 @@ def _check_mooncake(r: Report, bind_host: str) -> bool:
     try:
         with MooncakeTransferEngine(bind_host=bind_host) as engine:
             r.ok(f"Mooncake {PINNED_MOONCAKE_VERSION} (the pin) loads; an engine started at {engine.endpoint}")
+            _check_submit_wait(r, engine)
         return True
     except OrbitKVError as e:
         # The error names its cause and its fix (library not found, version
@@ -65,6 +66,28 @@ def _check_mooncake(r: Report, bind_host: str) -> bool:
         cause = str(e).split(" Fix:", 1)[0]
         r.fail(f"no Mooncake engine on {bind_host}: {type(e).__name__}: {cause}", _mooncake_fix(e))
         return False
+
+
+def _check_submit_wait(r: Report, engine: Any) -> None:
+    """Whether the connector's default on GPU, redirecting Mooncake's
+    submit-time wait on the writer's default stream
+    (``orbitkv.pd.mooncake_submit_wait = "layer"``), works with this Mooncake."""
+    from orbitkv import OrbitKVError
+
+    try:
+        slots = engine.redirect_submit_wait()
+    except OrbitKVError as e:
+        r.fail(
+            f"Mooncake's submit-time stream wait cannot be redirected: {e}",
+            'set "orbitkv.pd.mooncake_submit_wait": "device" (writes then wait for the default stream, '
+            "docs/configuration.md)",
+        )
+        return
+    if slots:
+        r.ok(f"Mooncake's CUDA submit-time stream wait redirects ({slots} import slot(s); "
+             'orbitkv.pd.mooncake_submit_wait = "layer")')
+    else:
+        r.note("this Mooncake has no CUDA: orbitkv.pd.mooncake_submit_wait has nothing to redirect")
 
 
 def _mooncake_fix(e: Exception) -> str:
