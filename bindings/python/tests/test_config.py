@@ -105,3 +105,14 @@ def test_the_connector_defaults_are_the_runtimes() -> None:
     )
     assert set(rt) >= {"notify_poll_ms", "max_parked", "max_parked_bytes", "publish_timeout_s"}
     assert all(isinstance(v, (int, float)) and v > 0 for v in rt.values())
+
+
+def test_every_setting_is_documented() -> None:
+    """Each key the connector accepts has its row in docs/configuration.md."""
+    from pathlib import Path
+
+    from orbitkv.vllm.config import KEYS
+
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "configuration.md").read_text()
+    missing = sorted(k for k in KEYS if f"`{k}`" not in doc)
+    assert not missing, f"settings without a row in docs/configuration.md: {missing}"
