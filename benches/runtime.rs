@@ -3,10 +3,13 @@
 //! measured is the runtime's own cost, not Mooncake's:
 //!
 //! * `layer_ready_to_submit/forward_cpu`: CPU time per layer of the forward
-//!   path alone, `Runtime::layer_ready` → `submit_write` (the façade, the
-//!   producer actor, the layer writer), summed over threads, with
-//!   completions held back outside the measured windows. Goal: ≤ 5 µs per
-//!   layer.
+//!   path alone, `Runtime::layer_ready` → `submit_write` (the façade and
+//!   its answered trip to the request directory, the producer actor, the
+//!   layer writer), summed over threads, with completions held back outside
+//!   the measured windows. Goal: ≤ 5 µs per layer.
+//! * `layer_ready_to_submit/gate_forward_cpu`: the same through a
+//!   `LayerGate` (no CUDA mark), the GPU worker's path: the gate thread
+//!   hands each layer to the directory without waiting.
 //! * `layer_ready_to_submit/steady_state_cpu`: process CPU time (all
 //!   threads) per layer while a stream of `Runtime::layer_ready` calls is
 //!   turned into `submit_write` calls — the façade, the producer actor, the
@@ -31,6 +34,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
+use orbitkv::actors::gate::{GateCall, LayerGate};
 use orbitkv::{Handshake, Notice, Notification, Outcome, ProducerRank, RequestId, Runtime};
 use support::{cap, scattered_blocks, InstantTransport, REQUEST_BLOCKS};
 
@@ -39,7 +43,9 @@ const LAYERS: u64 = 32;
 
 /// The producer side under test, and a handshake to clone per request.
 struct Producer {
-    runtime: Runtime,
+    runtime: std::sync::Arc<Runtime>,
+    /// The path GPU workers take: a layer gate (no CUDA mark here).
+    gate: LayerGate,
     transport: std::sync::Arc<InstantTransport>,
     template: Handshake,
     next: u32,
@@ -61,8 +67,10 @@ impl Producer {
             )
             .expect("consumer_open");
         drop(pair.consumer);
+        let runtime = std::sync::Arc::new(pair.producer);
         Self {
-            runtime: pair.producer,
+            gate: LayerGate::start(runtime.clone()),
+            runtime,
             transport: pair.p_transport,
             template,
             next: 0,
@@ -115,8 +123,9 @@ impl Producer {
     }
 }
 
-/// Layers per window of [`Producer::forward`] (completions are held that
-/// long): 64 layers of 8 MiB stay under the writer's 1 GiB in-flight bound.
+/// Layers per window of [`Producer::forward`] at most (completions are held
+/// that long): 64 layers of 8 MiB stay under the writer's 1 GiB in-flight
+/// bound; the per-peer range cap may allow fewer.
 const CHUNK: u64 = 64;
 
 impl Producer {
@@ -126,25 +135,48 @@ impl Producer {
     /// submit, while the double holds every batch in flight — so no
     /// completion work falls into the window. Between windows of [`CHUNK`]
     /// layers the writes complete, unmeasured.
-    fn forward(&mut self, n: u64) -> Duration {
-        self.forward_by_thread(n).values().sum()
+    fn forward(&mut self, n: u64, via: Via) -> Duration {
+        self.forward_by_thread(n, via).values().sum()
+    }
+
+    /// Hands layer `layer` of `req` to the runtime the way `via` says.
+    fn admit(&self, req: &RequestId, layer: u32, via: Via) {
+        match via {
+            Via::LayerReady => self
+                .runtime
+                .layer_ready(req, layer, 0..REQUEST_BLOCKS)
+                .expect("layer_ready"),
+            Via::Gate => self
+                .gate
+                .push(
+                    None,
+                    vec![GateCall::Ready {
+                        request: req.clone(),
+                        layer,
+                        blocks: 0..REQUEST_BLOCKS,
+                    }],
+                )
+                .expect("gate push"),
+        }
     }
 
     /// [`Self::forward`] by thread name (the caller is `caller`).
-    fn forward_by_thread(&mut self, n: u64) -> std::collections::BTreeMap<String, Duration> {
+    fn forward_by_thread(&mut self, n: u64, via: Via) -> std::collections::BTreeMap<String, Duration> {
         let others = support::ThreadClocks::new(&["orbitkv-poller"]);
         let mut out: std::collections::BTreeMap<String, Duration> = std::collections::BTreeMap::new();
+        // A window must fit the per-peer range cap: batches beyond it wait
+        // for completions, which are held inside the window.
+        let fits = self.runtime.config().max_ranges_in_flight_per_peer / ranges_per_layer(self).max(1);
+        let window = (fits as u64).clamp(1, CHUNK);
         let req = self.open();
         let mut k = 0u64;
         while k < n {
-            let m = (n - k).min(CHUNK);
+            let m = (n - k).min(window);
             let (submits, written) = (self.transport.submits(), self.runtime.stats().layers_written);
             self.transport.hold(true);
             let (mine, theirs) = (support::thread_cpu_now(), others.each());
             for _ in 0..m {
-                self.runtime
-                    .layer_ready(&req, (k % LAYERS) as u32, 0..REQUEST_BLOCKS)
-                    .expect("layer_ready");
+                self.admit(&req, (k % LAYERS) as u32, via);
                 k += 1;
             }
             *out.entry("caller".into()).or_default() += support::thread_cpu_now() - mine;
@@ -160,6 +192,16 @@ impl Producer {
         self.close(&req);
         out
     }
+}
+
+/// How the forward path hands a layer over.
+#[derive(Debug, Clone, Copy)]
+enum Via {
+    /// `Runtime::layer_ready`, which answers (a trip to the request
+    /// directory and back): the CPU worker's path (batched per layer there).
+    LayerReady,
+    /// A `LayerGate` (no CUDA mark): the GPU worker's path; nothing waits.
+    Gate,
 }
 
 /// Waits for `done` without burning the CPU being measured.
@@ -187,15 +229,17 @@ fn breakdown(p: &mut Producer) {
     );
     // The machine may be shared: repeat, and give the least disturbed run too.
     let m = 10_000u64;
-    let mut fwd: Vec<f64> = (0..7)
-        .map(|_| p.forward(m).as_nanos() as f64 / m as f64 / 1e3)
-        .collect();
-    fwd.sort_by(f64::total_cmp);
-    println!(
-        "forward path only (layer_ready -> submit_write, completions held), 7 x {m} layers: \
-         CPU µs/layer min {:.2}, median {:.2}, max {:.2}",
-        fwd[0], fwd[3], fwd[6]
-    );
+    for via in [Via::LayerReady, Via::Gate] {
+        let mut fwd: Vec<f64> = (0..7)
+            .map(|_| p.forward(m, via).as_nanos() as f64 / m as f64 / 1e3)
+            .collect();
+        fwd.sort_by(f64::total_cmp);
+        println!(
+            "forward path only ({via:?} -> submit_write, completions held), 7 x {m} layers: \
+             CPU µs/layer min {:.2}, median {:.2}, max {:.2}",
+            fwd[0], fwd[3], fwd[6]
+        );
+    }
     // The computation alone, on one thread: planning one layer's ranges.
     let (src, mut out) = (scattered_blocks(1, 8, 0x85EB_CA6B), Vec::new());
     let t0 = Instant::now();
@@ -218,14 +262,16 @@ fn breakdown(p: &mut Producer) {
         out.len(),
         t0.elapsed().as_nanos() as f64 / m as f64 / 1e3
     );
-    let by_thread = p.forward_by_thread(m);
-    println!("forward path by thread, {m} layers:");
-    for (name, d) in &by_thread {
-        if !d.is_zero() {
-            println!(
-                "  {name:<16} {:>6.2} µs/layer",
-                d.as_nanos() as f64 / m as f64 / 1e3
-            );
+    for via in [Via::LayerReady, Via::Gate] {
+        let by_thread = p.forward_by_thread(m, via);
+        println!("forward path ({via:?}) by thread, {m} layers:");
+        for (name, d) in &by_thread {
+            if !d.is_zero() {
+                println!(
+                    "  {name:<18} {:>6.2} µs/layer",
+                    d.as_nanos() as f64 / m as f64 / 1e3
+                );
+            }
         }
     }
     println!("steady state by thread (incl. the completion path):");
@@ -267,7 +313,12 @@ fn layer_ready_to_submit(c: &mut Criterion) {
     }
     let mut g = c.benchmark_group("layer_ready_to_submit");
     g.throughput(Throughput::Elements(1));
-    g.bench_function("forward_cpu", |b| b.iter_custom(|iters| p.forward(iters)));
+    g.bench_function("forward_cpu", |b| {
+        b.iter_custom(|iters| p.forward(iters, Via::LayerReady))
+    });
+    g.bench_function("gate_forward_cpu", |b| {
+        b.iter_custom(|iters| p.forward(iters, Via::Gate))
+    });
     g.bench_function("steady_state_cpu", |b| b.iter_custom(|iters| p.stream(iters).0));
     g.bench_function("steady_state_wall", |b| b.iter_custom(|iters| p.stream(iters).1));
     g.bench_function("one_at_a_time", |b| {

@@ -18,9 +18,10 @@ echo "== ruff (the Python package, its tests, the benchmarks' Python), mypy --st
 ruff check --config bindings/python/pyproject.toml bindings/python benches
 (cd bindings/python && python -m mypy --cache-dir "$(mktemp -d -t orbitkv-mypy.XXXXXX)")
 
-echo "== rustfmt, clippy"
+echo "== rustfmt, clippy, cargo deny (licenses, duplicate versions, sources; deny.toml)"
 cargo fmt --all -- --check
 cargo clippy --quiet --workspace --all-targets -- -D warnings
+cargo deny --log-level warn check licenses bans sources
 
 echo "== Rust tests (unit, property, integration against real Mooncake)"
 cargo test --all-targets 2>&1 | tee /tmp/orbitkv-cargo-test.log

@@ -49,7 +49,7 @@ pub enum GateCall {
 }
 
 impl GateCall {
-    fn request(&self) -> &RequestId {
+    pub(crate) fn request(&self) -> &RequestId {
         match self {
             Self::Ready { request, .. } | Self::Finish { request } => request,
         }
@@ -131,27 +131,7 @@ fn run(rt: &Runtime, rx: Receiver<Item>) {
             Ok(()) => {
                 let lag = item.queued.elapsed();
                 rt.note_layer_gate(lag, item.ready_calls());
-                for call in item.calls {
-                    let r = match &call {
-                        GateCall::Ready {
-                            request,
-                            layer,
-                            blocks,
-                        } => rt.layer_ready(request, *layer, blocks.clone()),
-                        GateCall::Finish { request } => rt.producer_finish(request),
-                    };
-                    match r {
-                        Ok(()) => {}
-                        // Released meanwhile (decode gone, cancelled, past
-                        // its deadline): nothing more to send for it.
-                        Err(RuntimeError::UnknownRequest(_)) => {
-                            tracing::debug!(request = %call.request(), "layer gate: request already released")
-                        }
-                        Err(e) => {
-                            tracing::warn!(request = %call.request(), error = %e, "layer gate call failed")
-                        }
-                    }
-                }
+                rt.gate_calls(item.calls);
             }
             Err(reason) => {
                 // The layer may be unwritten: never send it; fail its requests.

@@ -66,6 +66,20 @@ pub struct AbortRequest {
     pub reason: String,
 }
 
+// ---- to the request directory -------------------------------------------
+
+/// A producer request actor released `request` (every admitted write
+/// drained). The directory folds the members of group `group` into one
+/// `RuntimeEvent::ProducerReleased` (0: a producer of no group, passed on).
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct ProducerEnded {
+    pub group: u64,
+    pub request: RequestId,
+    pub outcome: Outcome,
+    pub reason: Option<String>,
+}
+
 // ---- to a consumer request actor ----------------------------------------
 
 /// A producer's notice for this request (routed by request ID).

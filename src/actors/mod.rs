@@ -3,7 +3,11 @@
 //! The rules of the safety contract live in [`crate::fsm`], a pure state
 //! machine under each request actor; the actors carry out its effects.
 //!
-//! * [`runtime::Runtime`]: the thread-safe façade the binding calls.
+//! * [`runtime::Runtime`]: the thread-safe façade the binding calls; it
+//!   keeps no per-request state.
+//! * [`directory`]: the `RequestDirectory`, the one actor that owns every
+//!   per-request map of a rank (consumer actors, producer groups, what
+//!   waits for its request to open).
 //! * [`consumer`]: `ConsumerActor` (decode side); [`producer`]: `ProducerActor` (prefill side).
 //! * [`writer`]: `LayerWriter` per peer, the completion poller.
 //! * [`router`]: the `NotificationRouter`.
@@ -12,6 +16,7 @@
 //!   kernels ran (a CUDA event), off any Python lock.
 
 pub mod consumer;
+pub mod directory;
 pub mod gate;
 pub mod messages;
 pub mod preopen;

@@ -9,7 +9,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
-use crossbeam_channel::Sender;
 use tracing::Span;
 
 use super::messages::*;
@@ -32,7 +31,8 @@ pub struct ProducerActor {
     local: Arc<KvLayout>,
     writers: Arc<WriterPool>,
     handshake_timeout: Duration,
-    events: Sender<RuntimeEvent>,
+    /// Where the release goes: the request directory, under this group token.
+    released_to: (u64, Recipient<ProducerEnded>),
     stats: Arc<Stats>,
     span: Span,
     planned: Vec<crate::transport::WriteRange>,
@@ -46,7 +46,7 @@ impl ProducerActor {
         local: Arc<KvLayout>,
         writers: Arc<WriterPool>,
         handshake_timeout: Duration,
-        events: Sender<RuntimeEvent>,
+        released_to: (u64, Recipient<ProducerEnded>),
         stats: Arc<Stats>,
     ) -> Self {
         let span = tracing::info_span!("request", side = "producer", request = %request,
@@ -58,7 +58,7 @@ impl ProducerActor {
             local,
             writers,
             handshake_timeout,
-            events,
+            released_to,
             stats,
             span,
             planned: Vec::new(),
@@ -166,7 +166,9 @@ impl ProducerActor {
             ProducerEffect::Release { outcome, reason } => {
                 self.stats.producers_released.inc();
                 tracing::info!(?outcome, ?reason, "released: every admitted write drained");
-                let _ = self.events.send(RuntimeEvent::ProducerReleased {
+                let (group, to) = &self.released_to;
+                to.do_send(ProducerEnded {
+                    group: *group,
                     request,
                     outcome,
                     reason,

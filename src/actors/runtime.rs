@@ -2,31 +2,28 @@
 //! system (which runs on its own thread). This is what the Python binding
 //! and the vLLM connector call.
 
-use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use actix::prelude::*;
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
-use super::consumer::ConsumerActor;
+use super::directory::{check_layer, Call, RequestDirectory};
 use super::messages::*;
-use super::preopen::{Parked, PreOpen, PreOpenLimits};
 use super::producer::ProducerActor;
 use super::router::NotificationRouter;
 use super::stats::{Stats, StatsSnapshot};
 use super::writer::{spawn_poller, PollJob, WriterPool};
 use crate::error::{GeometryError, RuntimeError};
-use crate::fsm::ConsumerMachine;
 use crate::ids::generation_seed;
 use crate::ids::{Capability, Generation, RequestId};
 use crate::layout::KvLayout;
 use crate::side_channel::client::{HandshakeJob, Publisher};
 use crate::transport::Transport;
-use crate::wire::{Cancel, Handshake, WIRE_VERSION};
+use crate::wire::{Cancel, Handshake};
 
 /// Runtime settings. Defaults suit a CPU or GPU P/D pair on one network.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -85,74 +82,22 @@ impl Default for RuntimeConfig {
     }
 }
 
-/// The producer side of one request on this rank: a `ProducerActor` per
-/// consumer (decode) rank it sends to — one when the TP sizes are equal or
-/// decode's is smaller, several when decode's is larger (each decode rank
-/// holds its own copy of some of this rank's heads) — opened together,
-/// driven together, reported released once all are.
-struct ProducerGroup {
-    capability: Capability,
-    consumer_tp: u32,
-    /// The request's source block list, as validated (each member keeps
-    /// its own copy; this one validates what `producer_add_blocks` appends).
-    src_blocks: Vec<u32>,
-    /// (consumer rank, its actor)
-    members: Vec<(u32, Addr<ProducerActor>)>,
-    /// Members not yet released, and how the released ones ended (the worst
-    /// outcome wins: failed, then aborted, then done).
-    pending: usize,
-    outcome: Option<(crate::wire::Outcome, Option<String>)>,
-}
-
-impl ProducerGroup {
-    fn live(&self) -> bool {
-        self.pending > 0 && self.members.iter().any(|(_, a)| a.connected())
-    }
-
-    fn send<M>(&self, msg: M)
-    where
-        M: Message + Send + Clone + 'static,
-        M::Result: Send,
-        ProducerActor: Handler<M>,
-    {
-        for (_, a) in &self.members {
-            a.do_send(msg.clone());
-        }
-    }
-
-    fn member(&self, consumer_rank: u32) -> Option<&Addr<ProducerActor>> {
-        self.members
-            .iter()
-            .find(|(c, _)| *c == consumer_rank)
-            .map(|(_, a)| a)
-    }
-}
-
 /// The request runtime of one rank.
 pub struct Runtime {
     transport: Arc<dyn Transport>,
     local: Arc<KvLayout>,
     cfg: RuntimeConfig,
-    arbiter: ArbiterHandle,
     system: System,
     system_thread: Option<std::thread::JoinHandle<()>>,
-    router: Addr<NotificationRouter>,
+    /// Owns every per-request map of this rank (the façade keeps none).
+    directory: Addr<RequestDirectory>,
     writers: Arc<WriterPool>,
     poller_tx: Option<Sender<PollJob>>,
     poller_stop: Arc<AtomicBool>,
     poller_thread: Option<std::thread::JoinHandle<()>>,
-    events_tx: Sender<RuntimeEvent>,
     events_rx: Receiver<RuntimeEvent>,
-    consumers: Mutex<HashMap<RequestId, (Generation, Addr<ConsumerActor>)>>,
-    /// Live producer requests: per request, one actor per consumer rank it
-    /// sends to, and the capability it was opened with.
-    producers: Mutex<HashMap<RequestId, ProducerGroup>>,
-    /// Handshakes and cancels that arrived before their request opened here
-    /// (bounded, keyed by capability, expired on a timer).
-    pre_open: Arc<Mutex<PreOpen>>,
     /// Sends this (decode) rank's handshakes and cancels, off any GIL.
     publisher: Mutex<Publisher>,
-    next_generation: AtomicU64,
     stats: Arc<Stats>,
 }
 
@@ -208,46 +153,59 @@ impl Runtime {
         ));
         let (events_tx, events_rx) = crossbeam_channel::unbounded();
         let publisher = Publisher::new(4, cfg.side_channel_key.clone(), cfg.publish_timeout);
-        let pre_open = Arc::new(Mutex::new(PreOpen::new(PreOpenLimits {
-            ttl: cfg.handshake_timeout,
-            max_entries: cfg.max_parked,
-            max_bytes: cfg.max_parked_bytes,
-            ..PreOpenLimits::default()
-        })));
-        // Parked handshakes expire on a timer, not only when the next one
-        // comes: an idle prefill must not keep a flood's memory.
-        let (sweep, sweep_stats) = (Arc::downgrade(&pre_open), stats.clone());
-        let every = (cfg.handshake_timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
-        arbiter.spawn(async move {
-            let mut tick = actix::clock::interval(every);
-            loop {
-                tick.tick().await;
-                let Some(p) = sweep.upgrade() else { break };
-                let n = p.lock().expire(Instant::now());
-                sweep_stats.parked_expired.add(n as u64);
-            }
-        });
+        let local = Arc::new(local);
+        let directory = RequestDirectory::new(
+            local.clone(),
+            cfg.clone(),
+            transport.endpoint().to_string(),
+            router,
+            writers.clone(),
+            events_tx,
+            stats.clone(),
+            generation_seed(),
+        );
+        let directory = RequestDirectory::start_in_arbiter(&arbiter, move |_| directory);
         Ok(Self {
             transport,
-            local: Arc::new(local),
+            local,
             cfg,
-            arbiter,
             system,
             system_thread: Some(system_thread),
-            router,
+            directory,
             writers,
             poller_tx: Some(poller_tx),
             poller_stop,
             poller_thread: Some(poller_thread),
-            events_tx,
             events_rx,
-            consumers: Mutex::new(HashMap::new()),
-            producers: Mutex::new(HashMap::new()),
-            pre_open,
             publisher: Mutex::new(publisher),
-            next_generation: AtomicU64::new(generation_seed().0),
             stats,
         })
+    }
+
+    /// Runs `f` on the request directory and waits for its answer
+    /// ([`RuntimeError::Stopped`] once the actor system is gone).
+    fn ask<R, F>(&self, f: F) -> Result<R, RuntimeError>
+    where
+        R: Send + 'static,
+        F: FnOnce(&mut RequestDirectory, &mut Context<RequestDirectory>) -> Result<R, RuntimeError>
+            + Send
+            + 'static,
+    {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.tell(move |d, ctx| {
+            let _ = tx.send(f(d, ctx));
+        });
+        // A call dropped unrun (the system stopped) drops `tx` with it.
+        rx.recv().unwrap_or(Err(RuntimeError::Stopped))
+    }
+
+    /// Runs `f` on the request directory, after everything handed to it
+    /// before, without waiting.
+    fn tell<F>(&self, f: F)
+    where
+        F: FnOnce(&mut RequestDirectory, &mut Context<RequestDirectory>) + Send + 'static,
+    {
+        self.directory.do_send(Call(Box::new(f)));
     }
 
     /// This rank's Mooncake endpoint.
@@ -305,52 +263,7 @@ impl Runtime {
             return Err(GeometryError::TensorParallel("producer TP size 0".into()).into());
         }
         self.local.validate_blocks(&block_ids)?;
-        let mut consumers = self.consumers.lock();
-        if consumers.get(&request).is_some_and(|(_, a)| a.connected()) {
-            return Err(RuntimeError::DuplicateRequest(request.0));
-        }
-        let generation = Generation(self.next_generation.fetch_add(1, Ordering::Relaxed));
-        let expected = ConsumerMachine::expected_ranks(
-            self.local.total_kv_heads,
-            self.local.tp_rank,
-            self.local.tp_size,
-            producer_tp,
-        );
-        let handshake = Handshake {
-            version: WIRE_VERSION,
-            request_id: request.clone(),
-            capability,
-            generation,
-            endpoint: self.transport.endpoint().to_string(),
-            expected_producers: expected.len() as u32,
-            first_block,
-            block_ids,
-            layout: (*self.local).clone(),
-            // The consumer fails the request at its deadline: no producer
-            // may start a write after it (see `Handshake::expires_unix_ms`).
-            expires_unix_ms: crate::wire::unix_ms_now()
-                .saturating_add(self.cfg.consumer_timeout.as_millis() as u64),
-        };
-        handshake.validate()?;
-        let machine = ConsumerMachine::new(request.clone(), generation, expected);
-        let actor = ConsumerActor::new(
-            machine,
-            self.cfg.consumer_timeout,
-            self.cfg.quarantine,
-            self.router.clone(),
-            self.events_tx.clone(),
-            self.stats.clone(),
-        );
-        let addr = ConsumerActor::start_in_arbiter(&self.arbiter, move |_| actor);
-        // Registered before the handshake leaves this function, so no notice
-        // can arrive before its route exists.
-        self.router.do_send(RegisterConsumer {
-            request: request.clone(),
-            generation,
-            to: addr.clone().recipient(),
-        });
-        consumers.insert(request, (generation, addr));
-        Ok(handshake)
+        self.ask(move |d, _| d.consumer_open(request, capability, first_block, block_ids, producer_tp))
     }
 
     /// Sends `handshake` (from [`Self::consumer_open`]) to the prefill side
@@ -362,17 +275,8 @@ impl Runtime {
         handshake: &Handshake,
         targets: Vec<(String, u32)>,
     ) -> Result<(), RuntimeError> {
-        let consumer = match self.consumers.lock().get(&handshake.request_id) {
-            Some((g, addr)) if *g == handshake.generation => addr.clone(),
-            Some((g, _)) => {
-                return Err(RuntimeError::StaleGeneration {
-                    request: handshake.request_id.0.clone(),
-                    got: handshake.generation.0,
-                    current: g.0,
-                })
-            }
-            None => return Err(RuntimeError::UnknownRequest(handshake.request_id.0.clone())),
-        };
+        let (request, generation) = (handshake.request_id.clone(), handshake.generation);
+        let consumer = self.ask(move |d, _| d.consumer(&request, generation))?;
         let body: Arc<str> = handshake.to_json().into();
         let publisher = self.publisher.lock();
         for (addr, producer_rank) in targets {
@@ -408,37 +312,21 @@ impl Runtime {
         producer_rank: u32,
         reason: &str,
     ) -> Result<(), RuntimeError> {
-        let consumers = self.consumers.lock();
-        let Some((g, addr)) = consumers.get(request) else {
-            return Err(RuntimeError::UnknownRequest(request.0.clone()));
-        };
-        if *g != generation {
-            return Err(RuntimeError::StaleGeneration {
-                request: request.0.clone(),
-                got: generation.0,
-                current: g.0,
-            });
-        }
-        addr.do_send(NoticeArrived(crate::wire::Notice::handshake_refused(
-            request.clone(),
-            generation,
-            producer_rank,
-            reason,
-        )));
-        Ok(())
+        let notice =
+            crate::wire::Notice::handshake_refused(request.clone(), generation, producer_rank, reason);
+        let request = request.clone();
+        self.ask(move |d, _| {
+            d.consumer(&request, generation)?.do_send(NoticeArrived(notice));
+            Ok(())
+        })
     }
 
     /// vLLM is done with `request` on the decode side. The blocks are
     /// released (a `ConsumerReleased` event) once no producer can write into
     /// them any more.
     pub fn consumer_release(&self, request: &RequestId) -> Result<(), RuntimeError> {
-        let (_, addr) = self
-            .consumers
-            .lock()
-            .remove(request)
-            .ok_or_else(|| RuntimeError::UnknownRequest(request.0.clone()))?;
-        addr.do_send(ReleaseRequest);
-        Ok(())
+        let request = request.clone();
+        self.ask(move |d, _| d.consumer_release(&request))
     }
 
     // ---- prefill side ---------------------------------------------------
@@ -467,60 +355,7 @@ impl Runtime {
             ))
             .into());
         }
-        let mut producers = self.producers.lock();
-        if producers.get(&request).is_some_and(ProducerGroup::live) {
-            return Err(RuntimeError::DuplicateRequest(request.0));
-        }
-        let targets: Vec<u32> = (0..consumer_tp)
-            .filter(|&c| {
-                crate::layout::producer_ranks_for(total, c, consumer_tp, self.local.tp_size)
-                    .contains(&self.local.tp_rank)
-            })
-            .collect();
-        let taken = self.pre_open.lock().take(&request, &capability);
-        self.stats.side_channel_forbidden.add(taken.strangers as u64);
-        if targets.is_empty() {
-            let _ = self.events_tx.send(RuntimeEvent::ProducerReleased {
-                request,
-                outcome: crate::wire::Outcome::Done,
-                reason: Some("this rank holds only replicas of heads a lower rank sends".into()),
-            });
-            return Ok(());
-        }
-        let mut members = Vec::with_capacity(targets.len());
-        for &c in &targets {
-            let actor = ProducerActor::new(
-                request.clone(),
-                src_blocks.clone(),
-                self.local.clone(),
-                self.writers.clone(),
-                self.cfg.handshake_timeout,
-                self.events_tx.clone(),
-                self.stats.clone(),
-            );
-            members.push((c, ProducerActor::start_in_arbiter(&self.arbiter, move |_| actor)));
-        }
-        let group = ProducerGroup {
-            capability,
-            consumer_tp,
-            src_blocks,
-            pending: members.len(),
-            members,
-            outcome: None,
-        };
-        for h in taken.handshakes {
-            match group.member(h.layout.tp_rank) {
-                Some(a) if h.layout.tp_size == consumer_tp => a.do_send(HandshakeArrived(h)),
-                _ => self.stats.events_dropped.inc(),
-            }
-        }
-        if let Some(reason) = taken.cancel {
-            // No consumer will send a handshake: release at once instead of
-            // holding the source blocks until the deadline.
-            group.send(AbortRequest { reason });
-        }
-        producers.insert(request, group);
-        Ok(())
+        self.ask(move |d, ctx| d.producer_open(request, src_blocks, capability, consumer_tp, ctx))
     }
 
     /// The consumer gave up `request` (e.g. the client went away) before it
@@ -531,21 +366,8 @@ impl Runtime {
     /// (remembered up to the handshake timeout), and a handshake parked for it
     /// under that capability is dropped.
     pub fn producer_cancel(&self, cancel: &Cancel) -> Result<(), RuntimeError> {
-        let request = &cancel.request_id;
-        let reason = format!("cancelled by the consumer: {}", cancel.reason);
-        let producers = self.producers.lock();
-        match producers.get(request) {
-            Some(group) if group.live() => {
-                self.check_capability(request, &group.capability, &cancel.capability)?;
-                group.send(AbortRequest { reason });
-                Ok(())
-            }
-            _ => self
-                .pre_open
-                .lock()
-                .cancel(request, &cancel.capability, reason)
-                .inspect_err(|_| self.stats.side_channel_overloaded.inc()),
-        }
+        let cancel = cancel.clone();
+        self.ask(move |d, _| d.producer_cancel(&cancel))
     }
 
     /// [`Self::producer_cancel`] from the JSON the consumer sent.
@@ -553,36 +375,12 @@ impl Runtime {
         self.producer_cancel(&Cancel::from_json(json)?)
     }
 
-    fn check_capability(
-        &self,
-        request: &RequestId,
-        own: &Capability,
-        got: &Capability,
-    ) -> Result<(), RuntimeError> {
-        if own.matches(got) {
-            return Ok(());
-        }
-        self.stats.side_channel_forbidden.inc();
-        Err(RuntimeError::Forbidden {
-            request: request.0.clone(),
-            reason: "the capability does not match the request's".into(),
-        })
-    }
-
     /// Appends source blocks to `request`'s block list (chunked prefill
     /// allocates blocks chunk by chunk). The whole list stays validated:
     /// in range and without duplicates.
     pub fn producer_add_blocks(&self, request: &RequestId, blocks: Vec<u32>) -> Result<(), RuntimeError> {
-        let mut producers = self.producers.lock();
-        let Some(group) = producers.get_mut(request).filter(|g| g.live()) else {
-            return Err(RuntimeError::UnknownRequest(request.0.clone()));
-        };
-        let mut all = group.src_blocks.clone();
-        all.extend_from_slice(&blocks);
-        self.local.validate_blocks(&all)?;
-        group.src_blocks = all;
-        group.send(SourceBlocksAdded(blocks));
-        Ok(())
+        let request = request.clone();
+        self.ask(move |d, _| d.producer_add_blocks(&request, blocks))
     }
 
     /// Admits a consumer's handshake: validated strictly, checked against
@@ -605,36 +403,7 @@ impl Runtime {
             .into());
         }
         let h = Arc::new(handshake);
-        let producers = self.producers.lock();
-        match producers.get(&h.request_id) {
-            Some(group) if group.live() => {
-                self.check_capability(&h.request_id, &group.capability, &h.capability)?;
-                if h.layout.tp_size != group.consumer_tp {
-                    return Err(GeometryError::TensorParallel(format!(
-                        "the consumer has TP size {}, but the request's orbitkv_decode_tp says {}",
-                        h.layout.tp_size, group.consumer_tp
-                    ))
-                    .into());
-                }
-                let Some(addr) = group.member(h.layout.tp_rank) else {
-                    return Err(GeometryError::TensorParallel(format!(
-                        "this rank does not send to consumer rank {}",
-                        h.layout.tp_rank
-                    ))
-                    .into());
-                };
-                addr.do_send(HandshakeArrived(h));
-                Ok(())
-            }
-            _ => {
-                let parked = self.pre_open.lock().park(h.clone());
-                match parked.inspect_err(|_| self.stats.side_channel_overloaded.inc())? {
-                    Parked::Waiting | Parked::Stale => {}
-                    Parked::Discarded(reason) => self.answer_aborted(h, reason),
-                }
-                Ok(())
-            }
-        }
+        self.ask(move |d, ctx| d.producer_handshake(h, ctx))
     }
 
     /// vLLM finished `request` on this (prefill) side before it was ever
@@ -648,36 +417,8 @@ impl Runtime {
         capability: &Capability,
         reason: &str,
     ) -> Result<(), RuntimeError> {
-        let producers = self.producers.lock();
-        if producers.get(request).is_some_and(ProducerGroup::live) {
-            return Err(RuntimeError::DuplicateRequest(request.0.clone()));
-        }
-        let reason = format!("prefill gave the request up: {reason}");
-        let parked = self
-            .pre_open
-            .lock()
-            .discard(request, capability, reason.clone())?;
-        for h in parked {
-            self.answer_aborted(h, reason.clone());
-        }
-        Ok(())
-    }
-
-    /// Tells the consumer of `h` that this rank sends nothing: a producer
-    /// with no source blocks, aborted at once, notifies `aborted` and ends.
-    fn answer_aborted(&self, h: Arc<Handshake>, reason: String) {
-        let actor = ProducerActor::new(
-            h.request_id.clone(),
-            Vec::new(),
-            self.local.clone(),
-            self.writers.clone(),
-            self.cfg.handshake_timeout,
-            self.events_tx.clone(),
-            self.stats.clone(),
-        );
-        let addr = ProducerActor::start_in_arbiter(&self.arbiter, move |_| actor);
-        addr.do_send(HandshakeArrived(h));
-        addr.do_send(AbortRequest { reason });
+        let (request, capability, reason) = (request.clone(), capability.clone(), reason.to_string());
+        self.ask(move |d, ctx| d.producer_discard(&request, &capability, &reason, ctx))
     }
 
     /// [`Self::producer_handshake`] from the JSON the consumer published.
@@ -692,13 +433,8 @@ impl Runtime {
         M::Result: Send,
         ProducerActor: Handler<M>,
     {
-        match self.producers.lock().get(request) {
-            Some(group) if group.live() => {
-                group.send(msg);
-                Ok(())
-            }
-            _ => Err(RuntimeError::UnknownRequest(request.0.clone())),
-        }
+        let request = request.clone();
+        self.ask(move |d, _| d.to_producer(&request, msg))
     }
 
     /// Prefill finished `layer` for request blocks `blocks` (indices into
@@ -709,14 +445,37 @@ impl Runtime {
         layer: u32,
         blocks: Range<u32>,
     ) -> Result<(), RuntimeError> {
-        if layer as usize >= self.local.layers.len() {
-            return Err(GeometryError::LayerOutOfRange {
-                layer,
-                num_layers: self.local.layers.len(),
-            }
-            .into());
-        }
+        check_layer(&self.local, layer)?;
         self.to_producer(request, LayerReady { layer, blocks })
+    }
+
+    /// [`Self::layer_ready`] for several requests at once, in one trip to
+    /// the request directory: layer `layer` of each `(request, blocks)`.
+    /// Returns the requests it could not admit, each with its error (a
+    /// request released meanwhile: [`RuntimeError::UnknownRequest`]); the
+    /// others are admitted.
+    pub fn layers_ready(
+        &self,
+        layer: u32,
+        chunks: Vec<(RequestId, Range<u32>)>,
+    ) -> Result<Vec<(RequestId, RuntimeError)>, RuntimeError> {
+        check_layer(&self.local, layer)?;
+        self.ask(move |d, _| {
+            Ok(chunks
+                .into_iter()
+                .filter_map(|(request, blocks)| {
+                    let r = d.to_producer(&request, LayerReady { layer, blocks });
+                    r.err().map(|e| (request, e))
+                })
+                .collect())
+        })
+    }
+
+    /// The layer gate's calls for one mark, handed to the request directory
+    /// in one message, in order, without waiting (a request released
+    /// meanwhile is skipped there).
+    pub(crate) fn gate_calls(&self, calls: Vec<super::gate::GateCall>) {
+        self.tell(move |d, _| d.gate_calls(calls));
     }
 
     /// vLLM finished `request` on the prefill side: once its writes drain,
@@ -737,80 +496,19 @@ impl Runtime {
 
     // ---- events ---------------------------------------------------------
 
-    /// Folds the releases of a producer group's actors into one event,
-    /// emitted when the last one released (the worst outcome wins); other
-    /// events pass unchanged.
-    fn note(&self, ev: RuntimeEvent) -> Option<RuntimeEvent> {
-        let RuntimeEvent::ProducerReleased {
-            request,
-            outcome,
-            reason,
-        } = ev
-        else {
-            return Some(ev);
-        };
-        let mut producers = self.producers.lock();
-        let Some(group) = producers.get_mut(&request) else {
-            return Some(RuntimeEvent::ProducerReleased {
-                request,
-                outcome,
-                reason,
-            });
-        };
-        use crate::wire::Outcome::*;
-        let rank = |o: crate::wire::Outcome| match o {
-            Done => 0,
-            Aborted => 1,
-            Failed => 2,
-        };
-        if group
-            .outcome
-            .as_ref()
-            .map_or(true, |(o, _)| rank(outcome) > rank(*o))
-        {
-            group.outcome = Some((outcome, reason));
-        }
-        group.pending = group.pending.saturating_sub(1);
-        if group.pending > 0 {
-            return None;
-        }
-        let (outcome, reason) = group.outcome.take().expect("set above");
-        producers.remove(&request);
-        Some(RuntimeEvent::ProducerReleased {
-            request,
-            outcome,
-            reason,
-        })
-    }
-
     /// Everything that happened since the last call.
     pub fn poll_events(&self) -> Vec<RuntimeEvent> {
-        let raw: Vec<RuntimeEvent> = self.events_rx.try_iter().collect();
-        raw.into_iter().filter_map(|e| self.note(e)).collect()
+        self.events_rx.try_iter().collect()
     }
 
     /// Waits up to `timeout` for the next event.
     pub fn next_event(&self, timeout: Duration) -> Option<RuntimeEvent> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let ev = self.events_rx.recv_timeout(left).ok()?;
-            if let Some(ev) = self.note(ev) {
-                return Some(ev);
-            }
-        }
+        self.events_rx.recv_timeout(timeout).ok()
     }
 
     /// Requests with a live actor on either side (for leak checks).
     pub fn live_requests(&self) -> (usize, usize) {
-        let c = self
-            .consumers
-            .lock()
-            .values()
-            .filter(|(_, a)| a.connected())
-            .count();
-        let p = self.producers.lock().values().filter(|g| g.live()).count();
-        (c, p)
+        self.ask(|d, _| Ok(d.live_requests())).unwrap_or((0, 0))
     }
 
     /// Stops the actors and threads. Writes in flight are abandoned.

@@ -504,6 +504,37 @@ impl PyRuntime {
             .map_err(|e| runtime_error(py, e))
     }
 
+    /// Prefill side: `layer` is computed for each request in `chunks`
+    /// (`(request_id, start, end)`, request blocks `[start, end)`), in one
+    /// call into the runtime. Returns `(request_id, error)` for each request
+    /// it could not admit (`UnknownRequestError`: released meanwhile); the
+    /// others are admitted. Never waits for the transfer.
+    fn layers_ready(
+        &self,
+        py: Python<'_>,
+        layer: u32,
+        chunks: Vec<(String, u32, u32)>,
+    ) -> PyResult<Vec<(String, Py<PyAny>)>> {
+        let mut batch = Vec::with_capacity(chunks.len());
+        for (request, start, end) in chunks {
+            if end < start {
+                return Err(invalid_argument(
+                    py,
+                    format!("block range [{start}, {end}) is reversed"),
+                ));
+            }
+            batch.push((RequestId::new(&request), start..end));
+        }
+        let refused = self
+            .rt(py)?
+            .layers_ready(layer, batch)
+            .map_err(|e| runtime_error(py, e))?;
+        Ok(refused
+            .into_iter()
+            .map(|(request, e)| (request.0, runtime_error(py, e).into_value(py).into_any()))
+            .collect())
+    }
+
     /// Prefill side, on a GPU: `layer` of each request in `chunks`
     /// (`(request_id, start, end)`, request blocks `[start, end)`) was
     /// *launched* on CUDA stream `stream` (a `cudaStream_t` as an int) by

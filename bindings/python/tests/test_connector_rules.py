@@ -273,6 +273,10 @@ class RecordingRuntime:
     def __getattr__(self, name: str) -> Any:
         return lambda *a: self.calls.append((name, *a)) or "{}"
 
+    def layers_ready(self, layer: int, chunks: list[tuple[str, int, int]]) -> list[tuple[str, Exception]]:
+        self.calls.append(("layers_ready", layer, chunks))
+        return []  # every request admitted
+
     def poll_events(self) -> list[Any]:
         ev, self.events = self.events, []
         return ev
@@ -548,6 +552,12 @@ class RaisingRuntime(RecordingRuntime):
 
         return call
 
+    def layers_ready(self, layer: int, chunks: list[tuple[str, int, int]]) -> list[tuple[str, Exception]]:
+        import orbitkv
+
+        self.calls.append(("layers_ready", layer, chunks))
+        return [(pd, orbitkv.UnknownRequestError("released", kind="UnknownRequest", request_id=pd)) for pd, _, _ in chunks]
+
 
 def test_a_released_producer_never_raises_inside_the_forward(worker: PdWorker) -> None:
     worker.runtime = RaisingRuntime()  # type: ignore[assignment]
@@ -560,7 +570,7 @@ def test_a_released_producer_never_raises_inside_the_forward(worker: PdWorker) -
     worker.wait_for_save()
     worker.start_load_kv(PdConnectorMetadata(producers_end=[RequestEnd("p1", "pd-1", False, "done", report=True)]))
     names = [c[0] for c in worker.runtime.calls]  # type: ignore[attr-defined]
-    assert names.count("layer_ready") == 1  # dropped from the step after the first refusal
+    assert names.count("layers_ready") == 1  # dropped from the step after the first refusal
     assert names.count("producer_finish") <= 1
 
 

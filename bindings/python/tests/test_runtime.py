@@ -105,6 +105,36 @@ def test_layers_stream_into_authorized_blocks(ranks: tuple[Rank, Rank]) -> None:
     assert p.runtime.stats()["bytes_written"] == ev.bytes
 
 
+def test_layers_ready_admits_every_open_request_in_one_call(ranks: tuple[Rank, Rank]) -> None:
+    # The CPU worker's call: one per layer for every request of the step. A
+    # request that is not open comes back with its error; the others are
+    # written (bytes equal, nothing outside the authorization touched).
+    p, c = ranks
+    src, dst = [3, 7], [8, 13]
+    hs = c.runtime.consumer_open("req-batch", CAP, 0, dst, 1)
+    p.runtime.producer_open("req-batch", src, CAP)
+    p.runtime.producer_handshake(hs)
+    for layer in range(LAYERS):
+        refused = p.runtime.layers_ready(layer, [("nobody", 0, 1), ("req-batch", 0, 2)])
+        assert [pd for pd, _ in refused] == ["nobody"]
+        assert isinstance(refused[0][1], orbitkv.UnknownRequestError)
+    with pytest.raises(orbitkv.GeometryError):
+        p.runtime.layers_ready(LAYERS, [("req-batch", 0, 2)])
+    with pytest.raises(orbitkv.InvalidArgumentError):
+        p.runtime.layers_ready(0, [("req-batch", 2, 1)])
+    p.runtime.producer_finish("req-batch")
+    assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
+    assert wait_event(c.runtime, {"consumer_completed", "consumer_failed"}).kind == "consumer_completed"
+    for layer in range(LAYERS):
+        for s, d in zip(src, dst):
+            assert torch.equal(c.caches[layer][d], p.caches[layer][s]), (layer, d)
+        untouched = [b for b in range(BLOCKS) if b not in dst]
+        assert bool((c.caches[layer][untouched] == GUARD).all()), f"layer {layer}: unauthorized block written"
+    c.runtime.consumer_release("req-batch")
+    wait_event(c.runtime, {"consumer_released"})
+    assert (p.runtime.live_requests(), c.runtime.live_requests()) == ((0, 0), (0, 0))
+
+
 def test_runtime_errors_are_typed_and_change_nothing(ranks: tuple[Rank, Rank]) -> None:
     p, c = ranks
     with pytest.raises(orbitkv.UnknownRequestError):

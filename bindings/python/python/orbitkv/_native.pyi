@@ -337,6 +337,12 @@ class Runtime:
         """Prefill side: `layer` is computed for request blocks `[start, end)`.
         Never waits for the transfer."""
 
+    def layers_ready(self, layer: int, chunks: list[tuple[str, int, int]]) -> list[tuple[str, Exception]]:
+        """Prefill side: `layer` is computed for each `(request_id, start, end)`,
+        in one call into the runtime. Returns `(request_id, error)` for each
+        request it could not admit (`UnknownRequestError`: released meanwhile);
+        the others are admitted. Never waits for the transfer."""
+
     def layers_ready_after(self, stream: int, layer: int, chunks: list[tuple[str, int, int]]) -> None:
         """Prefill side, on a GPU: `layer` of each `(request_id, start, end)`
         was launched on CUDA stream `stream` by the calling thread. Records an

@@ -435,14 +435,22 @@ class PdWorker:
                 self._ordered.put(
                     None, _delayed, delay, self._producer_call, rt.layer_ready, ch.pd_id, idx, ch.start_block, ch.end_block
                 )
-        else:
-            gone = [
-                ch
-                for ch in self._step_chunks
-                if not self._producer_call(rt.layer_ready, ch.pd_id, idx, ch.start_block, ch.end_block)
-            ]
-            for ch in gone:  # released under us: nothing more to send for it
-                self._step_chunks.remove(ch)
+        elif self._step_chunks:
+            # One call into the runtime for every request of this step.
+            try:
+                refused = rt.layers_ready(idx, [(ch.pd_id, ch.start_block, ch.end_block) for ch in self._step_chunks])
+            except OrbitKVError as e:
+                logger.warning("layers_ready for layer %d failed: %s", idx, e)
+                refused = [(ch.pd_id, e) for ch in self._step_chunks]
+            gone = set()
+            for pd_id, err in refused:
+                if isinstance(err, UnknownRequestError):
+                    logger.debug("layer_ready for %s: already released, nothing more to send", pd_id)
+                else:
+                    logger.warning("layer_ready for %s failed: %s", pd_id, err)
+                gone.add(pd_id)
+            if gone:  # released under us: nothing more to send for it
+                self._step_chunks = [ch for ch in self._step_chunks if ch.pd_id not in gone]
 
     def _gate_failed(self, e: Exception) -> bool:
         """The runtime's layer gate cannot be used (no usable CUDA driver from

@@ -1,0 +1,589 @@
+//! The request directory: the one actor that knows which requests live on
+//! this rank. It owns every per-request map — the consumer actors by
+//! request ID, the producer groups, and what arrived before a request
+//! opened on prefill ([`PreOpen`]: parked handshakes, early cancels,
+//! discards) — and nothing outside it reads or writes them. The façade
+//! ([`super::runtime::Runtime`]) validates what needs no state, then hands
+//! the rest to this actor as a [`Call`] and, for the calls whose answer the
+//! caller needs, waits for it; the layer gate's calls go without a wait.
+//!
+//! Because one actor handles every open, handshake, cancel, discard and
+//! release of this rank, one after another, no two of them can interleave:
+//! a cancel that races an open is seen either before it (remembered in
+//! [`PreOpen`], taken up by the open) or after it (the open group is
+//! aborted), never in between. The request actors it starts own each
+//! request's authorization, generation and expected producers
+//! ([`super::consumer`], [`super::producer`]); a producer group's releases
+//! come back here ([`ProducerEnded`]) and leave as one
+//! `RuntimeEvent::ProducerReleased` once the last member released.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix::prelude::*;
+use crossbeam_channel::Sender;
+
+use super::consumer::ConsumerActor;
+use super::gate::GateCall;
+use super::messages::*;
+use super::preopen::{Parked, PreOpen, PreOpenLimits};
+use super::producer::ProducerActor;
+use super::router::NotificationRouter;
+use super::runtime::RuntimeConfig;
+use super::stats::Stats;
+use super::writer::WriterPool;
+use crate::error::{GeometryError, RuntimeError};
+use crate::fsm::ConsumerMachine;
+use crate::ids::{Capability, Generation, RequestId};
+use crate::layout::KvLayout;
+use crate::wire::{Cancel, Handshake, Outcome, WIRE_VERSION};
+
+/// Work for the directory, run on its thread in arrival order (the façade's
+/// calls; see [`super::runtime::Runtime`]). A call that answers carries its
+/// own reply channel.
+pub struct Call(pub Box<dyn DirectoryWork>);
+
+/// What a [`Call`] runs: one step on the directory's state.
+pub trait DirectoryWork: FnOnce(&mut RequestDirectory, &mut Context<RequestDirectory>) + Send {}
+impl<F: FnOnce(&mut RequestDirectory, &mut Context<RequestDirectory>) + Send> DirectoryWork for F {}
+
+impl Message for Call {
+    type Result = ();
+}
+
+/// The producer side of one request on this rank: a `ProducerActor` per
+/// consumer (decode) rank it sends to — one when the TP sizes are equal or
+/// decode's is smaller, several when decode's is larger (each decode rank
+/// holds its own copy of some of this rank's heads) — opened together,
+/// driven together, reported released once all are.
+struct ProducerGroup {
+    /// This group's token: its members' releases name it, so a release of
+    /// an earlier group under the same request ID is never counted here.
+    token: u64,
+    capability: Capability,
+    consumer_tp: u32,
+    /// The request's source block list, as validated (each member keeps
+    /// its own copy; this one validates what `producer_add_blocks` appends).
+    src_blocks: Vec<u32>,
+    /// (consumer rank, its actor)
+    members: Vec<(u32, Addr<ProducerActor>)>,
+    /// Members not yet released, and how the released ones ended (the worst
+    /// outcome wins: failed, then aborted, then done).
+    pending: usize,
+    outcome: Option<(Outcome, Option<String>)>,
+}
+
+impl ProducerGroup {
+    fn live(&self) -> bool {
+        self.pending > 0 && self.members.iter().any(|(_, a)| a.connected())
+    }
+
+    fn send<M>(&self, msg: M)
+    where
+        M: Message + Send + Clone + 'static,
+        M::Result: Send,
+        ProducerActor: Handler<M>,
+    {
+        for (_, a) in &self.members {
+            a.do_send(msg.clone());
+        }
+    }
+
+    fn member(&self, consumer_rank: u32) -> Option<&Addr<ProducerActor>> {
+        self.members
+            .iter()
+            .find(|(c, _)| *c == consumer_rank)
+            .map(|(_, a)| a)
+    }
+
+    /// Folds one member's release in; the group's outcome once it was the
+    /// last one.
+    fn ended(&mut self, outcome: Outcome, reason: Option<String>) -> Option<(Outcome, Option<String>)> {
+        let rank = |o: Outcome| match o {
+            Outcome::Done => 0,
+            Outcome::Aborted => 1,
+            Outcome::Failed => 2,
+        };
+        if self
+            .outcome
+            .as_ref()
+            .map_or(true, |(o, _)| rank(outcome) > rank(*o))
+        {
+            self.outcome = Some((outcome, reason));
+        }
+        self.pending = self.pending.saturating_sub(1);
+        if self.pending > 0 {
+            return None;
+        }
+        self.outcome.take()
+    }
+}
+
+/// The request directory of one rank (see the module's documentation).
+pub struct RequestDirectory {
+    local: Arc<KvLayout>,
+    cfg: RuntimeConfig,
+    endpoint: String,
+    router: Addr<NotificationRouter>,
+    writers: Arc<WriterPool>,
+    events: Sender<RuntimeEvent>,
+    stats: Arc<Stats>,
+    next_generation: u64,
+    next_group: u64,
+    consumers: HashMap<RequestId, (Generation, Addr<ConsumerActor>)>,
+    producers: HashMap<RequestId, ProducerGroup>,
+    /// Groups replaced under their request ID (a new open after every
+    /// member had stopped) whose releases are still on their way, by token.
+    ending: HashMap<u64, ProducerGroup>,
+    pre_open: PreOpen,
+}
+
+impl RequestDirectory {
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        local: Arc<KvLayout>,
+        cfg: RuntimeConfig,
+        endpoint: String,
+        router: Addr<NotificationRouter>,
+        writers: Arc<WriterPool>,
+        events: Sender<RuntimeEvent>,
+        stats: Arc<Stats>,
+        first_generation: Generation,
+    ) -> Self {
+        let pre_open = PreOpen::new(PreOpenLimits {
+            ttl: cfg.handshake_timeout,
+            max_entries: cfg.max_parked,
+            max_bytes: cfg.max_parked_bytes,
+            ..PreOpenLimits::default()
+        });
+        Self {
+            local,
+            cfg,
+            endpoint,
+            router,
+            writers,
+            events,
+            stats,
+            next_generation: first_generation.0,
+            next_group: 1,
+            consumers: HashMap::new(),
+            producers: HashMap::new(),
+            ending: HashMap::new(),
+            pre_open,
+        }
+    }
+
+    // ---- decode side ----------------------------------------------------
+
+    /// [`super::runtime::Runtime::consumer_open`], after its stateless checks.
+    pub fn consumer_open(
+        &mut self,
+        request: RequestId,
+        capability: Capability,
+        first_block: u32,
+        block_ids: Vec<u32>,
+        producer_tp: u32,
+    ) -> Result<Handshake, RuntimeError> {
+        if self.consumers.get(&request).is_some_and(|(_, a)| a.connected()) {
+            return Err(RuntimeError::DuplicateRequest(request.0));
+        }
+        let generation = Generation(self.next_generation);
+        let expected = ConsumerMachine::expected_ranks(
+            self.local.total_kv_heads,
+            self.local.tp_rank,
+            self.local.tp_size,
+            producer_tp,
+        );
+        let handshake = Handshake {
+            version: WIRE_VERSION,
+            request_id: request.clone(),
+            capability,
+            generation,
+            endpoint: self.endpoint.clone(),
+            expected_producers: expected.len() as u32,
+            first_block,
+            block_ids,
+            layout: (*self.local).clone(),
+            // The consumer fails the request at its deadline: no producer
+            // may start a write after it (see `Handshake::expires_unix_ms`).
+            expires_unix_ms: crate::wire::unix_ms_now()
+                .saturating_add(self.cfg.consumer_timeout.as_millis() as u64),
+        };
+        handshake.validate()?;
+        self.next_generation += 1;
+        let machine = ConsumerMachine::new(request.clone(), generation, expected);
+        let actor = ConsumerActor::new(
+            machine,
+            self.cfg.consumer_timeout,
+            self.cfg.quarantine,
+            self.router.clone(),
+            self.events.clone(),
+            self.stats.clone(),
+        );
+        let addr = actor.start();
+        // Registered before the handshake leaves the runtime, so no notice
+        // can arrive before its route exists.
+        self.router.do_send(RegisterConsumer {
+            request: request.clone(),
+            generation,
+            to: addr.clone().recipient(),
+        });
+        self.consumers.insert(request, (generation, addr));
+        Ok(handshake)
+    }
+
+    /// The consumer actor of `request`'s authorization `generation`.
+    pub fn consumer(
+        &self,
+        request: &RequestId,
+        generation: Generation,
+    ) -> Result<Addr<ConsumerActor>, RuntimeError> {
+        match self.consumers.get(request) {
+            Some((g, addr)) if *g == generation => Ok(addr.clone()),
+            Some((g, _)) => Err(RuntimeError::StaleGeneration {
+                request: request.0.clone(),
+                got: generation.0,
+                current: g.0,
+            }),
+            None => Err(RuntimeError::UnknownRequest(request.0.clone())),
+        }
+    }
+
+    /// [`super::runtime::Runtime::consumer_release`].
+    pub fn consumer_release(&mut self, request: &RequestId) -> Result<(), RuntimeError> {
+        let (_, addr) = self
+            .consumers
+            .remove(request)
+            .ok_or_else(|| RuntimeError::UnknownRequest(request.0.clone()))?;
+        addr.do_send(ReleaseRequest);
+        Ok(())
+    }
+
+    // ---- prefill side ---------------------------------------------------
+
+    /// [`super::runtime::Runtime::producer_open`], after its stateless checks.
+    pub fn producer_open(
+        &mut self,
+        request: RequestId,
+        src_blocks: Vec<u32>,
+        capability: Capability,
+        consumer_tp: u32,
+        ctx: &mut Context<Self>,
+    ) -> Result<(), RuntimeError> {
+        if self.producers.get(&request).is_some_and(ProducerGroup::live) {
+            return Err(RuntimeError::DuplicateRequest(request.0));
+        }
+        let total = self.local.total_kv_heads;
+        let targets: Vec<u32> = (0..consumer_tp)
+            .filter(|&c| {
+                crate::layout::producer_ranks_for(total, c, consumer_tp, self.local.tp_size)
+                    .contains(&self.local.tp_rank)
+            })
+            .collect();
+        let taken = self.pre_open.take(&request, &capability);
+        self.stats.side_channel_forbidden.add(taken.strangers as u64);
+        if targets.is_empty() {
+            let _ = self.events.send(RuntimeEvent::ProducerReleased {
+                request,
+                outcome: Outcome::Done,
+                reason: Some("this rank holds only replicas of heads a lower rank sends".into()),
+            });
+            return Ok(());
+        }
+        let token = self.next_group;
+        self.next_group += 1;
+        let members: Vec<_> = targets
+            .iter()
+            .map(|&c| (c, self.start_producer(&request, src_blocks.clone(), token, ctx)))
+            .collect();
+        let group = ProducerGroup {
+            token,
+            capability,
+            consumer_tp,
+            src_blocks,
+            pending: members.len(),
+            members,
+            outcome: None,
+        };
+        for h in taken.handshakes {
+            match group.member(h.layout.tp_rank) {
+                Some(a) if h.layout.tp_size == consumer_tp => a.do_send(HandshakeArrived(h)),
+                _ => self.stats.events_dropped.inc(),
+            }
+        }
+        if let Some(reason) = taken.cancel {
+            // No consumer will send a handshake: release at once instead of
+            // holding the source blocks until the deadline.
+            group.send(AbortRequest { reason });
+        }
+        if let Some(old) = self.producers.insert(request, group) {
+            if old.pending > 0 {
+                self.ending.insert(old.token, old);
+            }
+        }
+        Ok(())
+    }
+
+    /// A producer actor for `request`, reporting its release to this
+    /// directory under group `token` (0: a producer of no group).
+    fn start_producer(
+        &self,
+        request: &RequestId,
+        src_blocks: Vec<u32>,
+        token: u64,
+        ctx: &mut Context<Self>,
+    ) -> Addr<ProducerActor> {
+        ProducerActor::new(
+            request.clone(),
+            src_blocks,
+            self.local.clone(),
+            self.writers.clone(),
+            self.cfg.handshake_timeout,
+            (token, ctx.address().recipient()),
+            self.stats.clone(),
+        )
+        .start()
+    }
+
+    /// [`super::runtime::Runtime::producer_cancel`].
+    pub fn producer_cancel(&mut self, cancel: &Cancel) -> Result<(), RuntimeError> {
+        let request = &cancel.request_id;
+        let reason = format!("cancelled by the consumer: {}", cancel.reason);
+        match self.producers.get(request) {
+            Some(group) if group.live() => {
+                check_capability(&self.stats, request, &group.capability, &cancel.capability)?;
+                group.send(AbortRequest { reason });
+                Ok(())
+            }
+            _ => self
+                .pre_open
+                .cancel(request, &cancel.capability, reason)
+                .inspect_err(|_| self.stats.side_channel_overloaded.inc()),
+        }
+    }
+
+    /// [`super::runtime::Runtime::producer_add_blocks`].
+    pub fn producer_add_blocks(&mut self, request: &RequestId, blocks: Vec<u32>) -> Result<(), RuntimeError> {
+        let Some(group) = self.producers.get_mut(request).filter(|g| g.live()) else {
+            return Err(RuntimeError::UnknownRequest(request.0.clone()));
+        };
+        let mut all = group.src_blocks.clone();
+        all.extend_from_slice(&blocks);
+        self.local.validate_blocks(&all)?;
+        group.src_blocks = all;
+        group.send(SourceBlocksAdded(blocks));
+        Ok(())
+    }
+
+    /// [`super::runtime::Runtime::producer_handshake`], after its stateless
+    /// checks (format, geometry, the expected producer count).
+    pub fn producer_handshake(
+        &mut self,
+        h: Arc<Handshake>,
+        ctx: &mut Context<Self>,
+    ) -> Result<(), RuntimeError> {
+        match self.producers.get(&h.request_id) {
+            Some(group) if group.live() => {
+                check_capability(&self.stats, &h.request_id, &group.capability, &h.capability)?;
+                if h.layout.tp_size != group.consumer_tp {
+                    return Err(GeometryError::TensorParallel(format!(
+                        "the consumer has TP size {}, but the request's orbitkv_decode_tp says {}",
+                        h.layout.tp_size, group.consumer_tp
+                    ))
+                    .into());
+                }
+                let Some(addr) = group.member(h.layout.tp_rank) else {
+                    return Err(GeometryError::TensorParallel(format!(
+                        "this rank does not send to consumer rank {}",
+                        h.layout.tp_rank
+                    ))
+                    .into());
+                };
+                addr.do_send(HandshakeArrived(h));
+                Ok(())
+            }
+            _ => {
+                let parked = self.pre_open.park(h.clone());
+                match parked.inspect_err(|_| self.stats.side_channel_overloaded.inc())? {
+                    Parked::Waiting | Parked::Stale => {}
+                    Parked::Discarded(reason) => self.answer_aborted(h, reason, ctx),
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// [`super::runtime::Runtime::producer_discard`].
+    pub fn producer_discard(
+        &mut self,
+        request: &RequestId,
+        capability: &Capability,
+        reason: &str,
+        ctx: &mut Context<Self>,
+    ) -> Result<(), RuntimeError> {
+        if self.producers.get(request).is_some_and(ProducerGroup::live) {
+            return Err(RuntimeError::DuplicateRequest(request.0.clone()));
+        }
+        let reason = format!("prefill gave the request up: {reason}");
+        for h in self.pre_open.discard(request, capability, reason.clone())? {
+            self.answer_aborted(h, reason.clone(), ctx);
+        }
+        Ok(())
+    }
+
+    /// Tells the consumer of `h` that this rank sends nothing: a producer
+    /// with no source blocks, aborted at once, notifies `aborted` and ends.
+    fn answer_aborted(&self, h: Arc<Handshake>, reason: String, ctx: &mut Context<Self>) {
+        let addr = self.start_producer(&h.request_id, Vec::new(), 0, ctx);
+        addr.do_send(HandshakeArrived(h));
+        addr.do_send(AbortRequest { reason });
+    }
+
+    /// Sends `msg` to every actor of `request`'s producer group.
+    pub fn to_producer<M>(&self, request: &RequestId, msg: M) -> Result<(), RuntimeError>
+    where
+        M: Message + Send + Clone + 'static,
+        M::Result: Send,
+        ProducerActor: Handler<M>,
+    {
+        match self.producers.get(request) {
+            Some(group) if group.live() => {
+                group.send(msg);
+                Ok(())
+            }
+            _ => Err(RuntimeError::UnknownRequest(request.0.clone())),
+        }
+    }
+
+    /// The layer gate's calls for one mark (in order; nobody waits for
+    /// them): a request released meanwhile is skipped.
+    pub fn gate_calls(&self, calls: Vec<GateCall>) {
+        for call in calls {
+            let r = match &call {
+                GateCall::Ready {
+                    request,
+                    layer,
+                    blocks,
+                } => check_layer(&self.local, *layer).and_then(|()| {
+                    self.to_producer(
+                        request,
+                        LayerReady {
+                            layer: *layer,
+                            blocks: blocks.clone(),
+                        },
+                    )
+                }),
+                GateCall::Finish { request } => self.to_producer(request, FinishRequest),
+            };
+            match r {
+                Ok(()) => {}
+                // Released meanwhile (decode gone, cancelled, past its
+                // deadline): nothing more to send for it.
+                Err(RuntimeError::UnknownRequest(_)) => {
+                    tracing::debug!(request = %call.request(), "layer gate: request already released")
+                }
+                Err(e) => tracing::warn!(request = %call.request(), error = %e, "layer gate call failed"),
+            }
+        }
+    }
+
+    /// Requests with a live actor on either side (for leak checks).
+    pub fn live_requests(&self) -> (usize, usize) {
+        let c = self.consumers.values().filter(|(_, a)| a.connected()).count();
+        let p = self.producers.values().filter(|g| g.live()).count();
+        (c, p)
+    }
+}
+
+/// A request's layer index must exist in this rank's layout.
+pub fn check_layer(local: &KvLayout, layer: u32) -> Result<(), RuntimeError> {
+    if layer as usize >= local.layers.len() {
+        return Err(GeometryError::LayerOutOfRange {
+            layer,
+            num_layers: local.layers.len(),
+        }
+        .into());
+    }
+    Ok(())
+}
+
+/// Rule 1 at the door: a handshake or cancel for an open request must carry
+/// its capability (counted as forbidden otherwise; nothing changes).
+fn check_capability(
+    stats: &Stats,
+    request: &RequestId,
+    own: &Capability,
+    got: &Capability,
+) -> Result<(), RuntimeError> {
+    if own.matches(got) {
+        return Ok(());
+    }
+    stats.side_channel_forbidden.inc();
+    Err(RuntimeError::Forbidden {
+        request: request.0.clone(),
+        reason: "the capability does not match the request's".into(),
+    })
+}
+
+impl Actor for RequestDirectory {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        // Parked handshakes expire on a timer, not only when the next one
+        // comes: an idle prefill must not keep a flood's memory.
+        let every = (self.cfg.handshake_timeout / 4).clamp(
+            std::time::Duration::from_millis(10),
+            std::time::Duration::from_secs(1),
+        );
+        ctx.run_interval(every, |d, _| {
+            let n = d.pre_open.expire(Instant::now());
+            d.stats.parked_expired.add(n as u64);
+        });
+    }
+}
+
+impl Handler<Call> for RequestDirectory {
+    type Result = ();
+    fn handle(&mut self, msg: Call, ctx: &mut Context<Self>) {
+        (msg.0)(self, ctx)
+    }
+}
+
+impl Handler<ProducerEnded> for RequestDirectory {
+    type Result = ();
+    fn handle(&mut self, msg: ProducerEnded, _ctx: &mut Context<Self>) {
+        let ProducerEnded {
+            group,
+            request,
+            outcome,
+            reason,
+        } = msg;
+        let current = self.producers.get(&request).is_some_and(|g| g.token == group);
+        let folded = if current {
+            self.producers.get_mut(&request)
+        } else {
+            self.ending.get_mut(&group)
+        };
+        let ended = match folded {
+            Some(g) if group != 0 => match g.ended(outcome, reason) {
+                None => return,
+                Some(last) => {
+                    if current {
+                        self.producers.remove(&request);
+                    } else {
+                        self.ending.remove(&group);
+                    }
+                    last
+                }
+            },
+            // A producer of no group (one answering a discarded request).
+            _ => (outcome, reason),
+        };
+        let _ = self.events.send(RuntimeEvent::ProducerReleased {
+            request,
+            outcome: ended.0,
+            reason: ended.1,
+        });
+    }
+}
