@@ -153,8 +153,6 @@ pub enum ProtocolError {
     Geometry(#[from] GeometryError),
     #[error("bad endpoint in handshake: {0}")]
     Endpoint(String),
-    #[error("handshake for {request} {generation} changes the authorization captured for that generation")]
-    AuthorizationChanged { request: String, generation: u64 },
 }
 
 /// Errors of the request runtime (the actor system and its façade).

@@ -19,6 +19,8 @@ pub mod fsm;
 pub mod ids;
 pub mod layout;
 pub mod side_channel;
+#[cfg(feature = "testing")]
+pub mod testing;
 pub mod trace;
 pub mod transport;
 pub mod wire;

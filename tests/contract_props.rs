@@ -65,6 +65,7 @@ use orbitkv::fsm::{
     ProducerMachine, ProducerPhase, WriteId,
 };
 use orbitkv::layout::plan_write;
+use orbitkv::testing::capability as cap;
 use orbitkv::wire::WIRE_VERSION;
 use orbitkv::{Generation, Handshake, KvLayout, Outcome, ProducerRank, RequestId, WriteRange};
 use proptest::prelude::*;
@@ -1369,10 +1370,4 @@ fn checker_rejects_fabricated_violations() {
     m4.gens[0].timed_out = true;
     let err = m4.feed_consumer(0, ConsumerEvent::TimedOut).unwrap_err();
     assert!(err.starts_with("(e)"), "{err}");
-}
-
-/// The capability every request of this test shares (the router would give
-/// each request its own).
-fn cap() -> orbitkv::Capability {
-    orbitkv::Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
 }

@@ -11,12 +11,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use orbitkv::testing::capability as cap;
 use orbitkv::transport::fake::FakeTransport;
 use orbitkv::{KvLayout, Outcome, RequestId, Runtime, RuntimeConfig, RuntimeEvent};
-
-fn cap() -> orbitkv::Capability {
-    orbitkv::Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
-}
 
 /// A consumer and a producer runtime over the crate's transport test double
 /// (`FakeTransport`; a model of `layers` layers, one writer lane, one range in flight per

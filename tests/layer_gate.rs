@@ -12,9 +12,7 @@ use crossbeam_channel::{bounded, Receiver, Sender};
 use orbitkv::actors::gate::{GateCall, LayerGate, Mark};
 use orbitkv::{Outcome, RequestId, Runtime, RuntimeEvent};
 
-#[path = "common/host_rank.rs"]
-mod host_rank;
-use host_rank::{block, rank, Rank};
+use orbitkv::testing::{block, host_rank as rank, HostRank as Rank};
 
 const GUARD: u8 = 0xA5;
 

@@ -11,9 +11,7 @@ use orbitkv::{
 
 const GUARD: u8 = 0xA5;
 
-#[path = "common/host_rank.rs"]
-mod host_rank;
-use host_rank::{block, rank, wait_for, Rank};
+use orbitkv::testing::{block, capability as cap, host_rank as rank, wait_for, HostRank as Rank};
 
 /// The consumer's verdict on a request: completed or failed.
 fn outcome(rt: &Runtime) -> RuntimeEvent {
@@ -705,12 +703,6 @@ fn a_cancel_racing_the_open_is_never_lost() {
         );
     }
     assert_eq!(producer.runtime.live_requests(), (0, 0));
-}
-
-/// The capability every request of this test shares (the router would give
-/// each request its own).
-fn cap() -> orbitkv::Capability {
-    orbitkv::Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
 }
 
 /// Two prefill ranks (TP 2) serve several requests in a row to one decode

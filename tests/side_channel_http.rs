@@ -17,16 +17,10 @@ const BLOCKS: u32 = 8;
 const BLOCK_BYTES: u64 = 1024;
 const KEY: &[u8] = b"deployment-key-0123456789";
 
-#[path = "common/host_rank.rs"]
-mod host_rank;
-use host_rank::{block, wait_for, Rank};
+use orbitkv::testing::{block, capability as cap, host_rank, wait_for, HostRank as Rank};
 
 fn rank(fill: impl Fn(usize) -> u8) -> Rank {
-    host_rank::rank(LAYERS, BLOCKS, BLOCK_BYTES, (0, 1), 2, fill)
-}
-
-fn cap() -> Capability {
-    Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
+    host_rank(LAYERS, BLOCKS, BLOCK_BYTES, (0, 1), 2, fill)
 }
 
 fn stranger() -> Capability {

@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 
+use orbitkv::testing::capability as cap;
 use orbitkv::transport::fake::{FakeEnd, FakeTransport};
 use orbitkv::{KvLayout, RequestId, Runtime, RuntimeConfig, RuntimeEvent};
 
@@ -60,10 +61,4 @@ fn the_runtime_installs_nothing_and_init_from_env_installs_the_trace() {
         .map(|e| e["name"].as_str().unwrap())
         .collect();
     assert_eq!(on_lane, ["request", "AbortRequest"]);
-}
-
-/// The capability every request of this test shares (the router would give
-/// each request its own).
-fn cap() -> orbitkv::Capability {
-    orbitkv::Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
 }

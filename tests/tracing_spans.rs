@@ -38,9 +38,7 @@ fn rank(layers: u32, blocks: u32, block_bytes: u64, fill: u8) -> Rank {
     Rank { runtime, _mem: mem }
 }
 
-#[path = "common/host_rank.rs"]
-mod host_rank;
-use host_rank::wait_for;
+use orbitkv::testing::{capability as cap, wait_for};
 
 /// Float µs from the JSON; ends are compared with this much slack.
 const EPS: f64 = 0.01;
@@ -277,10 +275,4 @@ fn a_request_is_a_lane_per_actor_with_a_span_per_message() {
     assert!(submits
         .iter()
         .all(|s| lanes[&s["tid"].as_u64().unwrap()].starts_with("thread ")));
-}
-
-/// The capability every request of this test shares (the router would give
-/// each request its own).
-fn cap() -> orbitkv::Capability {
-    orbitkv::Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
 }

@@ -230,8 +230,5 @@ pub fn thread_cpu() -> std::collections::BTreeMap<String, (u64, u64, u64)> {
     out
 }
 
-/// The capability every request of this test shares (the router would give
-/// each request its own).
-pub fn cap() -> orbitkv::Capability {
-    orbitkv::Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
-}
+/// The capability every request shares (the proxy would give each its own).
+pub use orbitkv::testing::capability as cap;

@@ -418,8 +418,5 @@ pub fn request(name: &str) -> RequestId {
     RequestId::new(format!("{name}-{}", std::process::id()))
 }
 
-/// The capability every request of this test shares (the router would give
-/// each request its own).
-pub fn cap() -> orbitkv::Capability {
-    orbitkv::Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
-}
+/// The capability every request shares (the proxy would give each its own).
+pub use orbitkv::testing::capability as cap;

@@ -17,9 +17,8 @@
 //! come back here ([`ProducerEnded`]) and leave as one
 //! `RuntimeEvent::ProducerReleased` once the last member released.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
-use std::time::Instant;
 
 use actix::prelude::*;
 use crossbeam_channel::Sender;
@@ -28,16 +27,15 @@ use super::consumer::ConsumerActor;
 use super::gate::GateCall;
 use super::messages::*;
 use super::preopen::{Parked, PreOpen, PreOpenLimits};
-use super::producer::ProducerActor;
+use super::producer::{ProducerActor, ProducerShared};
 use super::router::NotificationRouter;
 use super::runtime::RuntimeConfig;
 use super::stats::Stats;
-use super::writer::WriterPool;
 use crate::error::{GeometryError, RuntimeError};
 use crate::fsm::ConsumerMachine;
-use crate::ids::{Capability, Generation, RequestId};
+use crate::ids::{Capability, Generation, ProducerRank, RequestId};
 use crate::layout::KvLayout;
-use crate::wire::{Cancel, Handshake, Outcome, WIRE_VERSION};
+use crate::wire::{Cancel, Handshake, Outcome};
 
 /// Work for the directory, run on its thread in arrival order (the façade's
 /// calls; see [`super::runtime::Runtime`]). A call that answers carries its
@@ -122,13 +120,11 @@ impl ProducerGroup {
 
 /// The request directory of one rank (see the module's documentation).
 pub struct RequestDirectory {
-    local: Arc<KvLayout>,
+    /// The rank's layout, writers and counters, shared with its producers.
+    shared: Arc<ProducerShared>,
     cfg: RuntimeConfig,
-    endpoint: String,
     router: Addr<NotificationRouter>,
-    writers: Arc<WriterPool>,
     events: Sender<RuntimeEvent>,
-    stats: Arc<Stats>,
     next_generation: u64,
     next_group: u64,
     consumers: HashMap<RequestId, (Generation, Addr<ConsumerActor>)>,
@@ -140,15 +136,13 @@ pub struct RequestDirectory {
 }
 
 impl RequestDirectory {
-    #[allow(clippy::too_many_arguments)]
+    /// The directory of a rank whose producers share `shared`, sending its
+    /// events to `events`; generations count up from `first_generation`.
     pub fn new(
-        local: Arc<KvLayout>,
+        shared: Arc<ProducerShared>,
         cfg: RuntimeConfig,
-        endpoint: String,
         router: Addr<NotificationRouter>,
-        writers: Arc<WriterPool>,
         events: Sender<RuntimeEvent>,
-        stats: Arc<Stats>,
         first_generation: Generation,
     ) -> Self {
         let pre_open = PreOpen::new(PreOpenLimits {
@@ -158,13 +152,10 @@ impl RequestDirectory {
             ..PreOpenLimits::default()
         });
         Self {
-            local,
+            shared,
             cfg,
-            endpoint,
             router,
-            writers,
             events,
-            stats,
             next_generation: first_generation.0,
             next_group: 1,
             consumers: HashMap::new(),
@@ -176,42 +167,22 @@ impl RequestDirectory {
 
     // ---- decode side ----------------------------------------------------
 
-    /// [`super::runtime::Runtime::consumer_open`], after its stateless checks.
+    /// [`super::runtime::Runtime::consumer_open`], after its stateless
+    /// checks: `handshake` is built and validated but for its generation,
+    /// which is the directory's to give; `expected` are the producer ranks
+    /// it names (`expected_producers` of them).
     pub fn consumer_open(
         &mut self,
-        request: RequestId,
-        capability: Capability,
-        first_block: u32,
-        block_ids: Vec<u32>,
-        producer_tp: u32,
+        mut handshake: Handshake,
+        expected: BTreeSet<ProducerRank>,
     ) -> Result<Handshake, RuntimeError> {
+        let request = handshake.request_id.clone();
         if self.consumers.get(&request).is_some_and(|(_, a)| a.connected()) {
             return Err(RuntimeError::DuplicateRequest(request.0));
         }
         let generation = Generation(self.next_generation);
-        let expected = ConsumerMachine::expected_ranks(
-            self.local.total_kv_heads,
-            self.local.tp_rank,
-            self.local.tp_size,
-            producer_tp,
-        );
-        let handshake = Handshake {
-            version: WIRE_VERSION,
-            request_id: request.clone(),
-            capability,
-            generation,
-            endpoint: self.endpoint.clone(),
-            expected_producers: expected.len() as u32,
-            first_block,
-            block_ids,
-            layout: (*self.local).clone(),
-            // The consumer fails the request at its deadline: no producer
-            // may start a write after it (see `Handshake::expires_unix_ms`).
-            expires_unix_ms: crate::wire::unix_ms_now()
-                .saturating_add(self.cfg.consumer_timeout.as_millis() as u64),
-        };
-        handshake.validate()?;
         self.next_generation += 1;
+        handshake.generation = generation;
         let machine = ConsumerMachine::new(request.clone(), generation, expected);
         let actor = ConsumerActor::new(
             machine,
@@ -219,7 +190,7 @@ impl RequestDirectory {
             self.cfg.quarantine,
             self.router.clone(),
             self.events.clone(),
-            self.stats.clone(),
+            self.shared.stats.clone(),
         );
         let addr = actor.start();
         // Registered before the handshake leaves the runtime, so no notice
@@ -274,15 +245,18 @@ impl RequestDirectory {
         if self.producers.get(&request).is_some_and(ProducerGroup::live) {
             return Err(RuntimeError::DuplicateRequest(request.0));
         }
-        let total = self.local.total_kv_heads;
+        let total = self.shared.local.total_kv_heads;
         let targets: Vec<u32> = (0..consumer_tp)
             .filter(|&c| {
-                crate::layout::producer_ranks_for(total, c, consumer_tp, self.local.tp_size)
-                    .contains(&self.local.tp_rank)
+                crate::layout::producer_ranks_for(total, c, consumer_tp, self.shared.local.tp_size)
+                    .contains(&self.shared.local.tp_rank)
             })
             .collect();
         let taken = self.pre_open.take(&request, &capability);
-        self.stats.side_channel_forbidden.add(taken.strangers as u64);
+        self.shared
+            .stats
+            .side_channel_forbidden
+            .add(taken.strangers as u64);
         if targets.is_empty() {
             let _ = self.events.send(RuntimeEvent::ProducerReleased {
                 request,
@@ -309,7 +283,7 @@ impl RequestDirectory {
         for h in taken.handshakes {
             match group.member(h.layout.tp_rank) {
                 Some(a) if h.layout.tp_size == consumer_tp => a.do_send(HandshakeArrived(h)),
-                _ => self.stats.events_dropped.inc(),
+                _ => self.shared.stats.events_dropped.inc(),
             }
         }
         if let Some(reason) = taken.cancel {
@@ -337,11 +311,8 @@ impl RequestDirectory {
         ProducerActor::new(
             request.clone(),
             src_blocks,
-            self.local.clone(),
-            self.writers.clone(),
-            self.cfg.handshake_timeout,
+            self.shared.clone(),
             (token, ctx.address().recipient()),
-            self.stats.clone(),
         )
         .start()
     }
@@ -352,14 +323,14 @@ impl RequestDirectory {
         let reason = format!("cancelled by the consumer: {}", cancel.reason);
         match self.producers.get(request) {
             Some(group) if group.live() => {
-                check_capability(&self.stats, request, &group.capability, &cancel.capability)?;
+                check_capability(&self.shared.stats, request, &group.capability, &cancel.capability)?;
                 group.send(AbortRequest { reason });
                 Ok(())
             }
             _ => self
                 .pre_open
                 .cancel(request, &cancel.capability, reason)
-                .inspect_err(|_| self.stats.side_channel_overloaded.inc()),
+                .inspect_err(|_| self.shared.stats.side_channel_overloaded.inc()),
         }
     }
 
@@ -370,7 +341,7 @@ impl RequestDirectory {
         };
         let mut all = group.src_blocks.clone();
         all.extend_from_slice(&blocks);
-        self.local.validate_blocks(&all)?;
+        self.shared.local.validate_blocks(&all)?;
         group.src_blocks = all;
         group.send(SourceBlocksAdded(blocks));
         Ok(())
@@ -385,7 +356,12 @@ impl RequestDirectory {
     ) -> Result<(), RuntimeError> {
         match self.producers.get(&h.request_id) {
             Some(group) if group.live() => {
-                check_capability(&self.stats, &h.request_id, &group.capability, &h.capability)?;
+                check_capability(
+                    &self.shared.stats,
+                    &h.request_id,
+                    &group.capability,
+                    &h.capability,
+                )?;
                 if h.layout.tp_size != group.consumer_tp {
                     return Err(GeometryError::TensorParallel(format!(
                         "the consumer has TP size {}, but the request's orbitkv_decode_tp says {}",
@@ -405,7 +381,7 @@ impl RequestDirectory {
             }
             _ => {
                 let parked = self.pre_open.park(h.clone());
-                match parked.inspect_err(|_| self.stats.side_channel_overloaded.inc())? {
+                match parked.inspect_err(|_| self.shared.stats.side_channel_overloaded.inc())? {
                     Parked::Waiting | Parked::Stale => {}
                     Parked::Discarded(reason) => self.answer_aborted(h, reason, ctx),
                 }
@@ -465,7 +441,7 @@ impl RequestDirectory {
                     request,
                     layer,
                     blocks,
-                } => check_layer(&self.local, *layer).and_then(|()| {
+                } => check_layer(&self.shared.local, *layer).and_then(|()| {
                     self.to_producer(
                         request,
                         LayerReady {
@@ -537,8 +513,8 @@ impl Actor for RequestDirectory {
             std::time::Duration::from_secs(1),
         );
         ctx.run_interval(every, |d, _| {
-            let n = d.pre_open.expire(Instant::now());
-            d.stats.parked_expired.add(n as u64);
+            let n = d.pre_open.expire(actix::clock::Instant::now());
+            d.shared.stats.parked_expired.add(n as u64);
         });
     }
 }

@@ -7,7 +7,11 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+// The actors' clock (tokio's): paused in the paused-time tests, the
+// system clock otherwise.
+use actix::clock::Instant;
 
 use crate::error::RuntimeError;
 use crate::ids::{Capability, RequestId};

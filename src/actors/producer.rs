@@ -23,43 +23,43 @@ use crate::wire::{Notice, WIRE_VERSION};
 pub const EXPIRED: &str =
     "the consumer's authorization expired (its deadline passed): nothing more is written";
 
+/// What every producer actor of a rank shares (the request directory holds
+/// it and hands each actor a reference).
+pub struct ProducerShared {
+    pub local: Arc<KvLayout>,
+    pub writers: Arc<WriterPool>,
+    /// How long a producer waits for its consumer's handshake.
+    pub handshake_timeout: Duration,
+    pub stats: Arc<Stats>,
+}
+
 /// The prefill side of one request.
 pub struct ProducerActor {
     machine: ProducerMachine,
     rank: ProducerRank,
     src_blocks: Vec<u32>,
-    local: Arc<KvLayout>,
-    writers: Arc<WriterPool>,
-    handshake_timeout: Duration,
+    shared: Arc<ProducerShared>,
     /// Where the release goes: the request directory, under this group token.
     released_to: (u64, Recipient<ProducerEnded>),
-    stats: Arc<Stats>,
     span: Span,
     planned: Vec<crate::transport::WriteRange>,
 }
 
 impl ProducerActor {
-    #[allow(clippy::too_many_arguments)]
     pub fn new(
         request: RequestId,
         src_blocks: Vec<u32>,
-        local: Arc<KvLayout>,
-        writers: Arc<WriterPool>,
-        handshake_timeout: Duration,
+        shared: Arc<ProducerShared>,
         released_to: (u64, Recipient<ProducerEnded>),
-        stats: Arc<Stats>,
     ) -> Self {
         let span = tracing::info_span!("request", side = "producer", request = %request,
-            rank = local.tp_rank, blocks = src_blocks.len());
+            rank = shared.local.tp_rank, blocks = src_blocks.len());
         Self {
             machine: ProducerMachine::new(request),
-            rank: ProducerRank(local.tp_rank),
+            rank: ProducerRank(shared.local.tp_rank),
             src_blocks,
-            local,
-            writers,
-            handshake_timeout,
+            shared,
             released_to,
-            stats,
             span,
             planned: Vec::new(),
         }
@@ -98,7 +98,7 @@ impl ProducerActor {
                     });
                 }
                 let planned = plan_write(
-                    &self.local,
+                    &self.shared.local,
                     &self.src_blocks,
                     &auth,
                     layer,
@@ -130,7 +130,7 @@ impl ProducerActor {
                     "layer admitted"
                 );
                 let cap = self.planned.len();
-                self.writers.next(&auth.endpoint).do_send(WriteLayer {
+                self.shared.writers.next(&auth.endpoint).do_send(WriteLayer {
                     request,
                     write,
                     generation,
@@ -160,11 +160,14 @@ impl ProducerActor {
                     bytes,
                 };
                 tracing::info!(?outcome, bytes, "notifying the consumer");
-                self.writers.get(&auth.endpoint).do_send(SendNotice(notice));
+                self.shared
+                    .writers
+                    .get(&auth.endpoint)
+                    .do_send(SendNotice(notice));
                 None
             }
             ProducerEffect::Release { outcome, reason } => {
-                self.stats.producers_released.inc();
+                self.shared.stats.producers_released.inc();
                 tracing::info!(?outcome, ?reason, "released: every admitted write drained");
                 let (group, to) = &self.released_to;
                 to.do_send(ProducerEnded {
@@ -177,7 +180,7 @@ impl ProducerActor {
                 None
             }
             ProducerEffect::Dropped(why) => {
-                self.stats.events_dropped.inc();
+                self.shared.stats.events_dropped.inc();
                 tracing::info!(?why, "event dropped");
                 None
             }
@@ -191,7 +194,7 @@ impl Actor for ProducerActor {
     fn started(&mut self, ctx: &mut Context<Self>) {
         let _g = self.span.enter();
         tracing::info!("opened");
-        ctx.run_later(self.handshake_timeout, |a, ctx| {
+        ctx.run_later(self.shared.handshake_timeout, |a, ctx| {
             if !a.machine.has_handshake() {
                 let span = tracing::info_span!(parent: &a.span, "msg", kind = "TimedOut");
                 let _g = span.enter();

@@ -117,3 +117,76 @@ impl Handler<UnregisterConsumer> for NotificationRouter {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::fake::FakeTransport;
+
+    /// Records the notices routed to it (a stand-in consumer actor).
+    struct Recorder(Arc<parking_lot::Mutex<Vec<Notice>>>);
+    impl Actor for Recorder {
+        type Context = Context<Self>;
+    }
+    impl Handler<NoticeArrived> for Recorder {
+        type Result = ();
+        fn handle(&mut self, msg: NoticeArrived, _ctx: &mut Context<Self>) {
+            self.0.lock().push(msg.0);
+        }
+    }
+
+    fn notice(request: &str, generation: u64) -> Vec<u8> {
+        Notice::handshake_refused(RequestId::new(request), Generation(generation), 0, "x").to_json()
+    }
+
+    #[test]
+    fn rule2_route_delivers_only_to_the_matching_request_and_generation() {
+        System::new().block_on(async {
+            let stats = Arc::new(Stats::default());
+            let transport = Arc::new(FakeTransport::new("127.0.0.1:1"));
+            let mut router = NotificationRouter::new(transport, Duration::from_secs(1), stats.clone());
+            let got = Arc::new(parking_lot::Mutex::new(Vec::new()));
+            let to = Recorder(got.clone()).start().recipient();
+            router.handle(
+                RegisterConsumer {
+                    request: RequestId::new("r"),
+                    generation: Generation(7),
+                    to,
+                },
+                &mut Context::new(),
+            );
+            assert_eq!(router.route("someone-else", &notice("r", 7)), Route::Malformed);
+            assert_eq!(router.route(NOTIFY_NAME, b"{not json"), Route::Malformed);
+            assert_eq!(
+                router.route(NOTIFY_NAME, &notice("other", 7)),
+                Route::UnknownRequest
+            );
+            assert_eq!(router.route(NOTIFY_NAME, &notice("r", 6)), Route::StaleGeneration);
+            assert_eq!(router.route(NOTIFY_NAME, &notice("r", 7)), Route::Delivered);
+            router.handle(
+                UnregisterConsumer {
+                    request: RequestId::new("r"),
+                    generation: Generation(7),
+                },
+                &mut Context::new(),
+            );
+            assert_eq!(router.route(NOTIFY_NAME, &notice("r", 7)), Route::UnknownRequest);
+            actix::clock::sleep(Duration::from_millis(10)).await;
+            let got = got.lock();
+            assert_eq!(got.len(), 1, "only the matching notice was delivered");
+            assert_eq!(
+                (got[0].request_id.as_str(), got[0].generation),
+                ("r", Generation(7))
+            );
+            assert_eq!(
+                (
+                    stats.notices_malformed.get(),
+                    stats.notices_unknown_request.get(),
+                    stats.notices_stale_generation.get(),
+                    stats.notices_routed.get()
+                ),
+                (2, 2, 1, 1)
+            );
+        });
+    }
+}

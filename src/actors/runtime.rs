@@ -13,17 +13,18 @@ use parking_lot::Mutex;
 
 use super::directory::{check_layer, Call, RequestDirectory};
 use super::messages::*;
-use super::producer::ProducerActor;
+use super::producer::{ProducerActor, ProducerShared};
 use super::router::NotificationRouter;
 use super::stats::{Stats, StatsSnapshot};
 use super::writer::{spawn_poller, PollJob, WriterPool};
 use crate::error::{GeometryError, RuntimeError};
+use crate::fsm::ConsumerMachine;
 use crate::ids::generation_seed;
 use crate::ids::{Capability, Generation, RequestId};
 use crate::layout::KvLayout;
 use crate::side_channel::client::{HandshakeJob, Publisher};
 use crate::transport::Transport;
-use crate::wire::{Cancel, Handshake};
+use crate::wire::{Cancel, Handshake, WIRE_VERSION};
 
 /// Runtime settings. Defaults suit a CPU or GPU P/D pair on one network.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -154,16 +155,13 @@ impl Runtime {
         let (events_tx, events_rx) = crossbeam_channel::unbounded();
         let publisher = Publisher::new(4, cfg.side_channel_key.clone(), cfg.publish_timeout);
         let local = Arc::new(local);
-        let directory = RequestDirectory::new(
-            local.clone(),
-            cfg.clone(),
-            transport.endpoint().to_string(),
-            router,
-            writers.clone(),
-            events_tx,
-            stats.clone(),
-            generation_seed(),
-        );
+        let shared = Arc::new(ProducerShared {
+            local: local.clone(),
+            writers: writers.clone(),
+            handshake_timeout: cfg.handshake_timeout,
+            stats: stats.clone(),
+        });
+        let directory = RequestDirectory::new(shared, cfg.clone(), router, events_tx, generation_seed());
         let directory = RequestDirectory::start_in_arbiter(&arbiter, move |_| directory);
         Ok(Self {
             transport,
@@ -263,7 +261,30 @@ impl Runtime {
             return Err(GeometryError::TensorParallel("producer TP size 0".into()).into());
         }
         self.local.validate_blocks(&block_ids)?;
-        self.ask(move |d, _| d.consumer_open(request, capability, first_block, block_ids, producer_tp))
+        let expected = ConsumerMachine::expected_ranks(
+            self.local.total_kv_heads,
+            self.local.tp_rank,
+            self.local.tp_size,
+            producer_tp,
+        );
+        let handshake = Handshake {
+            version: WIRE_VERSION,
+            request_id: request,
+            capability,
+            // The request directory gives it (see `RequestDirectory::consumer_open`).
+            generation: Generation(0),
+            endpoint: self.transport.endpoint().to_string(),
+            expected_producers: expected.len() as u32,
+            first_block,
+            block_ids,
+            layout: (*self.local).clone(),
+            // The consumer fails the request at its deadline: no producer
+            // may start a write after it (see `Handshake::expires_unix_ms`).
+            expires_unix_ms: crate::wire::unix_ms_now()
+                .saturating_add(self.cfg.consumer_timeout.as_millis() as u64),
+        };
+        handshake.validate()?;
+        self.ask(move |d, _| d.consumer_open(handshake, expected))
     }
 
     /// Sends `handshake` (from [`Self::consumer_open`]) to the prefill side

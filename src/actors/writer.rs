@@ -142,12 +142,7 @@ struct Job {
 /// than the budget into several batches.
 pub struct LayerWriter {
     peer: String,
-    transport: Arc<dyn Transport>,
-    poller: Sender<PollJob>,
-    write_timeout: Duration,
-    quarantine: Duration,
-    max_in_flight: u64,
-    max_ranges: usize,
+    lane: LaneSettings,
     in_flight: u64,
     in_flight_ranges: usize,
     jobs: HashMap<u64, Job>,
@@ -156,6 +151,18 @@ pub struct LayerWriter {
     pending: HashMap<u64, (u64, u64, usize, Instant)>,
     next_token: u64,
     next_job: u64,
+}
+
+/// What every writer lane of a runtime shares: the transport, the poller,
+/// the deadlines and one lane's share of the per-peer budgets.
+#[derive(Clone)]
+struct LaneSettings {
+    transport: Arc<dyn Transport>,
+    poller: Sender<PollJob>,
+    write_timeout: Duration,
+    quarantine: Duration,
+    max_in_flight: u64,
+    max_ranges: usize,
     stats: Arc<Stats>,
 }
 
@@ -178,13 +185,13 @@ impl LayerWriter {
                 self.maybe_finish(id);
                 continue;
             }
-            let end = (job.next + self.max_ranges).min(job.ranges.len());
+            let end = (job.next + self.lane.max_ranges).min(job.ranges.len());
             let chunk = &job.ranges[job.next..end];
             let bytes: u64 = chunk.iter().map(|r| r.len).sum();
             let busy = self.in_flight > 0 || self.in_flight_ranges > 0;
             if busy
-                && (self.in_flight + bytes > self.max_in_flight
-                    || self.in_flight_ranges + chunk.len() > self.max_ranges)
+                && (self.in_flight + bytes > self.lane.max_in_flight
+                    || self.in_flight_ranges + chunk.len() > self.lane.max_ranges)
             {
                 break;
             }
@@ -193,27 +200,28 @@ impl LayerWriter {
             .entered();
             let n = chunk.len();
             let submitting = Instant::now();
-            let submitted = self.transport.submit_write(&self.peer, chunk);
-            self.stats
+            let submitted = self.lane.transport.submit_write(&self.peer, chunk);
+            self.lane
+                .stats
                 .write_submit_micros
                 .add(submitting.elapsed().as_micros() as u64);
             match submitted {
                 Ok(handle) => {
-                    self.stats.write_batches.inc();
-                    self.stats.write_ranges.add(n as u64);
+                    self.lane.stats.write_batches.inc();
+                    self.lane.stats.write_ranges.add(n as u64);
                     let token = self.next_token;
                     self.next_token += 1;
                     let now = Instant::now();
                     let poll = PollJob {
                         handle,
-                        late_at: now + self.write_timeout,
-                        deadline: now + self.write_timeout + self.quarantine,
+                        late_at: now + self.lane.write_timeout,
+                        deadline: now + self.lane.write_timeout + self.lane.quarantine,
                         token,
                         reply: ctx.address().recipient(),
                         peer: self.peer.clone(),
                         warned: false,
                     };
-                    if self.poller.send(poll).is_err() {
+                    if self.lane.poller.send(poll).is_err() {
                         job.failed = Some("the runtime is shutting down".into());
                         continue;
                     }
@@ -239,14 +247,15 @@ impl LayerWriter {
             return;
         }
         let job = self.jobs.remove(&id).expect("checked above");
-        self.stats
+        self.lane
+            .stats
             .layer_write_micros
             .add(job.admitted.elapsed().as_micros() as u64);
         match job.failed {
             None => {
                 job.span.record("result", "ok");
-                self.stats.bytes_written.add(job.written);
-                self.stats.layers_written.inc();
+                self.lane.stats.bytes_written.add(job.written);
+                self.lane.stats.layers_written.inc();
                 job.done_to.do_send(LayerWritten {
                     request: job.request,
                     write: job.write,
@@ -256,7 +265,7 @@ impl LayerWriter {
             }
             Some(reason) => {
                 job.span.record("result", "failed");
-                self.stats.writes_failed.inc();
+                self.lane.stats.writes_failed.inc();
                 tracing::warn!(peer = %self.peer, request = %job.request, %reason, "write failed");
                 job.failed_to.do_send(LayerWriteFailed {
                     request: job.request,
@@ -311,7 +320,8 @@ impl Handler<BatchFinished> for LayerWriter {
         let Some((id, bytes, n, submitted)) = self.pending.remove(&msg.token) else {
             return;
         };
-        self.stats
+        self.lane
+            .stats
             .write_batch_micros
             .add(submitted.elapsed().as_micros() as u64);
         self.in_flight -= bytes;
@@ -338,13 +348,14 @@ impl Handler<SendNotice> for LayerWriter {
             outcome = ?n.outcome, peer = %self.peer)
         .entered();
         match self
+            .lane
             .transport
             .send_notification(&self.peer, NOTIFY_NAME, &n.to_json())
         {
-            Ok(()) => self.stats.notices_sent.inc(),
+            Ok(()) => self.lane.stats.notices_sent.inc(),
             Err(e) => {
                 // The consumer will fail the request at its deadline.
-                self.stats.notices_failed.inc();
+                self.lane.stats.notices_failed.inc();
                 tracing::warn!(peer = %self.peer, request = %n.request_id, error = %e, "notice not sent");
             }
         }
@@ -361,15 +372,9 @@ impl Handler<SendNotice> for LayerWriter {
 /// sends its notice only after every write it admitted ended, whatever lane
 /// carried them.
 pub struct WriterPool {
-    transport: Arc<dyn Transport>,
-    poller: Sender<PollJob>,
-    write_timeout: Duration,
-    quarantine: Duration,
-    max_in_flight: u64,
-    max_ranges: usize,
+    lane: LaneSettings,
     lanes: usize,
     next_lane: std::sync::atomic::AtomicUsize,
-    stats: Arc<Stats>,
     writers: Mutex<HashMap<String, Vec<Lane>>>,
 }
 
@@ -389,15 +394,17 @@ impl WriterPool {
     ) -> Self {
         let lanes = lanes.clamp(1, max_ranges.max(1));
         Self {
-            transport,
-            poller,
-            write_timeout,
-            quarantine,
-            max_in_flight: (max_in_flight / lanes as u64).max(1),
-            max_ranges: (max_ranges / lanes).max(1),
+            lane: LaneSettings {
+                transport,
+                poller,
+                write_timeout,
+                quarantine,
+                max_in_flight: (max_in_flight / lanes as u64).max(1),
+                max_ranges: (max_ranges / lanes).max(1),
+                stats,
+            },
             lanes,
             next_lane: std::sync::atomic::AtomicUsize::new(0),
-            stats,
             writers: Mutex::new(HashMap::new()),
         }
     }
@@ -410,12 +417,7 @@ impl WriterPool {
                     let arbiter = Arbiter::new();
                     let writer = LayerWriter {
                         peer: peer.to_string(),
-                        transport: self.transport.clone(),
-                        poller: self.poller.clone(),
-                        write_timeout: self.write_timeout,
-                        quarantine: self.quarantine,
-                        max_in_flight: self.max_in_flight,
-                        max_ranges: self.max_ranges,
+                        lane: self.lane.clone(),
                         in_flight: 0,
                         in_flight_ranges: 0,
                         jobs: HashMap::new(),
@@ -423,7 +425,6 @@ impl WriterPool {
                         pending: HashMap::new(),
                         next_token: 1,
                         next_job: 1,
-                        stats: self.stats.clone(),
                     };
                     let addr = LayerWriter::start_in_arbiter(&arbiter.handle(), move |_| writer);
                     (arbiter, addr)

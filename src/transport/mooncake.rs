@@ -584,7 +584,8 @@ impl Drop for MooncakeTransferEngine {
 }
 
 /// Mooncake's `TransferStatusEnum` (0.3.13.post1, `transfer_engine.h`), as
-/// the shim reports a batch's or a task's state.
+/// the shim reports a batch's or a task's state (the shim passes the
+/// `int32_t` through; its values are named here only).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(i32)]
 pub enum TransferStatus {

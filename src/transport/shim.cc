@@ -76,15 +76,10 @@ struct TransferRequest {
   int transport_hint = 0;
   uint64_t task_group_id = 0;
 };
-enum TransferStatusEnum : int32_t {
-  WAITING = 0,
-  PENDING = 1,
-  INVALID = 2,
-  CANCELED = 3,
-  COMPLETED = 4,
-  TIMEOUT = 5,
-  FAILED = 6
-};
+// Mooncake's TransferStatusEnum is an int32_t-sized enum; the shim passes
+// it through untouched, and its values are named once, on the Rust side
+// (`mooncake::TransferStatus`).
+using TransferStatusEnum = int32_t;
 struct TransferStatus {
   TransferStatusEnum s;
   size_t transferred_bytes;

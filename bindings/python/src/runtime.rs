@@ -4,9 +4,11 @@
 //! Every call only sends a message or reads a channel; `next_event` and
 //! `shutdown`, which can wait, release the GIL. Nothing calls back into Python.
 
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
+use orbitkv::actors::directory::check_layer;
 use orbitkv::actors::gate::{GateCall, LayerGate, Mark};
 use orbitkv::transport::cuda::CudaEvents;
 use orbitkv::{
@@ -18,6 +20,26 @@ use pyo3::types::PyDict;
 
 use crate::engine::PyEngine;
 use crate::errors::{invalid_argument, new_error, transport_error, Detail};
+
+/// Request blocks `[start, end)`; a reversed range is an
+/// `InvalidArgumentError`.
+fn block_range(py: Python<'_>, start: u32, end: u32) -> PyResult<Range<u32>> {
+    if end < start {
+        return Err(invalid_argument(
+            py,
+            format!("block range [{start}, {end}) is reversed"),
+        ));
+    }
+    Ok(start..end)
+}
+
+/// `(request_id, start, end)` chunks as request IDs and block ranges.
+fn block_ranges(py: Python<'_>, chunks: Vec<(String, u32, u32)>) -> PyResult<Vec<(RequestId, Range<u32>)>> {
+    chunks
+        .into_iter()
+        .map(|(request, start, end)| Ok((RequestId::new(&request), block_range(py, start, end)?)))
+        .collect()
+}
 
 /// Raises a runtime error as its Python class (the core's
 /// [`RuntimeError::class_name`] table), with the variant's fields as details.
@@ -493,14 +515,9 @@ impl PyRuntime {
         start: u32,
         end: u32,
     ) -> PyResult<()> {
-        if end < start {
-            return Err(invalid_argument(
-                py,
-                format!("block range [{start}, {end}) is reversed"),
-            ));
-        }
+        let blocks = block_range(py, start, end)?;
         self.rt(py)?
-            .layer_ready(&RequestId::new(request_id), layer, start..end)
+            .layer_ready(&RequestId::new(request_id), layer, blocks)
             .map_err(|e| runtime_error(py, e))
     }
 
@@ -515,19 +532,9 @@ impl PyRuntime {
         layer: u32,
         chunks: Vec<(String, u32, u32)>,
     ) -> PyResult<Vec<(String, Py<PyAny>)>> {
-        let mut batch = Vec::with_capacity(chunks.len());
-        for (request, start, end) in chunks {
-            if end < start {
-                return Err(invalid_argument(
-                    py,
-                    format!("block range [{start}, {end}) is reversed"),
-                ));
-            }
-            batch.push((RequestId::new(&request), start..end));
-        }
         let refused = self
             .rt(py)?
-            .layers_ready(layer, batch)
+            .layers_ready(layer, block_ranges(py, chunks)?)
             .map_err(|e| runtime_error(py, e))?;
         Ok(refused
             .into_iter()
@@ -550,31 +557,15 @@ impl PyRuntime {
         chunks: Vec<(String, u32, u32)>,
     ) -> PyResult<()> {
         let rt = self.rt(py)?;
-        let layers = rt.layout().layers.len();
-        if layer as usize >= layers {
-            return Err(runtime_error(
-                py,
-                orbitkv::GeometryError::LayerOutOfRange {
-                    layer,
-                    num_layers: layers,
-                }
-                .into(),
-            ));
-        }
-        let mut calls = Vec::with_capacity(chunks.len());
-        for (request, start, end) in chunks {
-            if end < start {
-                return Err(invalid_argument(
-                    py,
-                    format!("block range [{start}, {end}) is reversed"),
-                ));
-            }
-            calls.push(GateCall::Ready {
-                request: RequestId::new(&request),
+        check_layer(rt.layout(), layer).map_err(|e| runtime_error(py, e))?;
+        let calls = block_ranges(py, chunks)?
+            .into_iter()
+            .map(|(request, blocks)| GateCall::Ready {
+                request,
                 layer,
-                blocks: start..end,
-            });
-        }
+                blocks,
+            })
+            .collect();
         let mut gate = self.gate.lock();
         if gate.is_none() {
             let events = CudaEvents::load().map_err(|e| transport_error(py, e))?;

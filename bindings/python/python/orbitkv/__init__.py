@@ -9,6 +9,7 @@ Errors are the classes of :mod:`orbitkv.errors`, all derived from
 not imported here.
 """
 
+from orbitkv import errors
 from orbitkv._native import (
     PINNED_MOONCAKE_VERSION,
     Batch,
@@ -22,67 +23,19 @@ from orbitkv._native import (
     producer_ranks,
 )
 from orbitkv._native import __version__ as __version__
-from orbitkv.errors import (
-    BadEndpointError,
-    CudaError,
-    DuplicateRequestError,
-    EngineClosedError,
-    EngineInitError,
-    ForbiddenError,
-    GeometryError,
-    HandshakeError,
-    HandshakeRejected,
-    InvalidArgumentError,
-    MooncakeError,
-    MooncakeLibraryError,
-    MooncakeVersionError,
-    NotificationError,
-    OrbitKVError,
-    OverloadedError,
-    RegistrationError,
-    RuntimeStoppedError,
-    SideChannelError,
-    StaleGenerationError,
-    TransferError,
-    TransferTimeoutError,
-    UnknownRequestError,
-    UnregisteredMemoryError,
-)
+from orbitkv.errors import *  # noqa: F403 (every error class, named once: errors.__all__)
 
 __all__ = [
     "PINNED_MOONCAKE_VERSION",
-    "BadEndpointError",
     "Batch",
-    "CudaError",
-    "DuplicateRequestError",
-    "EngineClosedError",
-    "EngineInitError",
-    "ForbiddenError",
-    "GeometryError",
-    "HandshakeError",
-    "HandshakeRejected",
-    "InvalidArgumentError",
-    "MooncakeError",
-    "MooncakeLibraryError",
     "MooncakeTransferEngine",
-    "MooncakeVersionError",
-    "NotificationError",
-    "OrbitKVError",
-    "OverloadedError",
-    "RegistrationError",
     "Runtime",
     "RuntimeEvent",
-    "RuntimeStoppedError",
     "SideChannel",
-    "SideChannelError",
-    "StaleGenerationError",
-    "TransferError",
-    "TransferTimeoutError",
-    "UnknownRequestError",
-    "UnregisteredMemoryError",
     "__version__",
     "cancel_message",
     "install_trace",
     "new_capability",
     "producer_ranks",
 ]
+__all__ += errors.__all__

@@ -1,17 +1,26 @@
-//! A rank whose KV cache is host memory registered with its own real
-//! Mooncake engine (TCP on 127.0.0.1), and its request runtime: the fixture
-//! of the runtime-level tests (`runtime_loopback.rs`, `layer_gate.rs`,
-//! `side_channel_http.rs`).
-
-#![allow(dead_code)]
+//! What the crate's own tests, scenario examples and benchmarks share (cargo
+//! feature `testing`, which they turn on through the crate's dev-dependency
+//! on itself): the transport test double, the test capability, a rank whose
+//! KV cache is host memory registered with a real Mooncake engine, and a
+//! bounded wait for a runtime event. Nothing here is part of the connector.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use orbitkv::{EngineConfig, KvLayout, MooncakeTransferEngine, Runtime, RuntimeConfig, RuntimeEvent};
+pub use crate::transport::fake::{FakeEnd, FakeTransport};
+use crate::{
+    Capability, EngineConfig, KvLayout, MooncakeTransferEngine, Runtime, RuntimeConfig, RuntimeEvent,
+};
 
-/// A rank's KV cache in host memory, registered with its own engine.
-pub struct Rank {
+/// The capability every request of a test shares (the proxy would give each
+/// request its own).
+pub fn capability() -> Capability {
+    Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
+}
+
+/// A rank whose KV cache is host memory registered with its own real
+/// Mooncake engine (TCP on 127.0.0.1), and its request runtime.
+pub struct HostRank {
     pub mem: Vec<u8>,
     pub layout: KvLayout,
     pub runtime: Arc<Runtime>,
@@ -19,15 +28,15 @@ pub struct Rank {
 
 /// `layers` × `blocks` blocks of `block_bytes` (the `(tp_rank, tp_size)`
 /// share of `heads` KV heads), filled byte by byte by `fill`; a consumer
-/// deadline of 20 s.
-pub fn rank(
+/// deadline of 20 s, the other settings `RuntimeConfig::default()`'s.
+pub fn host_rank(
     layers: u32,
     blocks: u32,
     block_bytes: u64,
     tp: (u32, u32),
     heads: u32,
     fill: impl Fn(usize) -> u8,
-) -> Rank {
+) -> HostRank {
     let size = (layers as u64 * blocks as u64 * block_bytes) as usize;
     let mut mem: Vec<u8> = (0..size).map(fill).collect();
     let base = mem.as_mut_ptr() as u64;
@@ -41,11 +50,11 @@ pub fn rank(
         ..RuntimeConfig::default()
     };
     let runtime = Arc::new(Runtime::start(engine, layout.clone(), cfg).expect("runtime"));
-    Rank { mem, layout, runtime }
+    HostRank { mem, layout, runtime }
 }
 
 /// The bytes of `layer`'s block `b` on `r`.
-pub fn block(r: &Rank, layer: u32, b: u32) -> &[u8] {
+pub fn block(r: &HostRank, layer: u32, b: u32) -> &[u8] {
     let p = r.layout.layers[layer as usize].planes[0];
     let off = (p.block_addr(b) - r.mem.as_ptr() as u64) as usize;
     &r.mem[off..off + p.block_bytes as usize]

@@ -1,0 +1,281 @@
+//! The request actors and the request directory under paused time (tokio's
+//! test clock), over the crate's transport test double (`FakeTransport`):
+//! the deadlines of the safety contract at their production defaults
+//! (consumer 120 s, quarantine 60 s, handshake 120 s) run in milliseconds
+//! of wall time, exactly, with no sleep in the test. The same rules are
+//! tested against real Mooncake with short timeouts elsewhere
+//! (`tests/runtime_loopback.rs`, `tests/parked_handshake.rs`).
+
+use std::collections::BTreeSet;
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::clock::Instant;
+use actix::prelude::*;
+use crossbeam_channel::Receiver;
+use orbitkv::actors::consumer::ConsumerActor;
+use orbitkv::actors::directory::{Call, RequestDirectory};
+use orbitkv::actors::messages::ReleaseRequest;
+use orbitkv::actors::producer::ProducerShared;
+use orbitkv::actors::router::NotificationRouter;
+use orbitkv::actors::stats::Stats;
+use orbitkv::actors::writer::{spawn_poller, WriterPool};
+use orbitkv::fsm::ConsumerMachine;
+use orbitkv::testing::capability as cap;
+use orbitkv::transport::fake::FakeTransport;
+use orbitkv::{Generation, Handshake, KvLayout, ProducerRank, RequestId, RuntimeConfig, RuntimeEvent};
+
+/// Runs `test` on a fresh actix system whose clock is paused (it jumps to
+/// the next timer whenever every task waits).
+fn paused(test: impl std::future::Future<Output = ()>) {
+    System::new().block_on(async {
+        tokio::time::pause();
+        test.await
+    });
+}
+
+/// The next runtime event, waiting on the paused clock (each nap lets the
+/// actors run and the clock jump); `None` after `within` of virtual time.
+async fn next(rx: &Receiver<RuntimeEvent>, within: Duration) -> Option<(RuntimeEvent, Instant)> {
+    let end = Instant::now() + within;
+    while Instant::now() < end {
+        if let Ok(ev) = rx.try_recv() {
+            return Some((ev, Instant::now()));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    None
+}
+
+/// One rank's directory with its router and writers, on the current system.
+struct Rank {
+    directory: Addr<RequestDirectory>,
+    events: Receiver<RuntimeEvent>,
+    stats: Arc<Stats>,
+    poller_stop: Arc<AtomicBool>,
+}
+
+impl Drop for Rank {
+    fn drop(&mut self) {
+        self.poller_stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Rank {
+    fn new(endpoint: &str, cfg: RuntimeConfig) -> Self {
+        let transport = Arc::new(FakeTransport::new(endpoint));
+        let stats = Arc::new(Stats::default());
+        let router =
+            NotificationRouter::new(transport.clone(), Duration::from_millis(100), stats.clone()).start();
+        let (poll_tx, poll_rx) = crossbeam_channel::unbounded();
+        let stop = Arc::new(AtomicBool::new(false));
+        spawn_poller(transport.clone(), poll_rx, stop.clone(), stats.clone());
+        let writers = Arc::new(WriterPool::new(
+            transport,
+            poll_tx,
+            (cfg.write_timeout, cfg.quarantine),
+            cfg.max_bytes_in_flight_per_peer,
+            cfg.max_ranges_in_flight_per_peer,
+            1,
+            stats.clone(),
+        ));
+        let (tx, events) = crossbeam_channel::unbounded();
+        let shared = Arc::new(ProducerShared {
+            local: Arc::new(layout()),
+            writers,
+            handshake_timeout: cfg.handshake_timeout,
+            stats: stats.clone(),
+        });
+        let directory = RequestDirectory::new(shared, cfg, router, tx, Generation(1)).start();
+        Self {
+            directory,
+            events,
+            stats,
+            poller_stop: stop,
+        }
+    }
+
+    /// Runs `f` on the directory and returns its answer.
+    async fn call<R: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut RequestDirectory, &mut Context<RequestDirectory>) -> R + Send + 'static,
+    ) -> R {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.directory
+            .send(Call(Box::new(move |d, ctx| {
+                let _ = tx.send(f(d, ctx));
+            })))
+            .await
+            .expect("the directory runs");
+        rx.try_recv().expect("answered")
+    }
+}
+
+#[test]
+fn a_silent_producer_fails_the_consumer_at_its_deadline_and_holds_the_blocks_for_the_quarantine() {
+    paused(async {
+        let cfg = RuntimeConfig::default();
+        let (timeout, quarantine) = (cfg.consumer_timeout, cfg.quarantine);
+        assert_eq!(
+            (timeout, quarantine),
+            (Duration::from_secs(120), Duration::from_secs(60))
+        );
+        let transport = Arc::new(FakeTransport::new("127.0.0.1:1"));
+        let stats = Arc::new(Stats::default());
+        let router = NotificationRouter::new(transport, Duration::from_millis(100), stats.clone()).start();
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let machine = ConsumerMachine::new(
+            RequestId::new("silent"),
+            Generation(7),
+            BTreeSet::from([ProducerRank(0)]),
+        );
+        let t0 = Instant::now();
+        let wall = std::time::Instant::now();
+        let consumer = ConsumerActor::new(machine, timeout, quarantine, router, tx, stats.clone()).start();
+
+        let (ev, at) = next(&rx, Duration::from_secs(600))
+            .await
+            .expect("failed at the deadline");
+        assert!(
+            matches!(&ev, RuntimeEvent::ConsumerFailed { held: true, .. }),
+            "{ev:?}"
+        );
+        let failed_after = at - t0;
+        assert!(
+            failed_after >= timeout && failed_after < timeout + Duration::from_secs(1),
+            "failed {failed_after:?} after opening, not at the {timeout:?} deadline"
+        );
+        // vLLM lets go of the request now; the blocks stay held.
+        consumer.do_send(ReleaseRequest);
+        let (ev, at) = next(&rx, Duration::from_secs(600))
+            .await
+            .expect("freed after the quarantine");
+        assert!(matches!(ev, RuntimeEvent::ConsumerReleased { .. }), "{ev:?}");
+        let released_after = at - t0;
+        assert!(
+            released_after >= timeout + quarantine && released_after < timeout + quarantine + Duration::from_secs(1),
+            "released {released_after:?} after opening: the blocks must stay held until the quarantine is over"
+        );
+        assert_eq!(stats.consumers_quarantine_expired.get(), 1);
+        assert!(
+            wall.elapsed() < Duration::from_secs(10),
+            "paused time ran slow: {:?}",
+            wall.elapsed()
+        );
+    });
+}
+
+/// Every rank's layout: 2 layers of 8 blocks, TP 1.
+fn layout() -> KvLayout {
+    KvLayout::packed(0x10_0000, 2, 8, 4096, (0, 1), 1)
+}
+
+/// A consumer's handshake of `request` for blocks 1 and 2, valid until an
+/// hour from now.
+fn handshake_for(request: &str) -> Handshake {
+    let h = Handshake {
+        version: orbitkv::wire::WIRE_VERSION,
+        request_id: RequestId::new(request),
+        capability: cap(),
+        generation: Generation(5),
+        endpoint: "127.0.0.1:2".into(),
+        expected_producers: 1,
+        first_block: 0,
+        block_ids: vec![1, 2],
+        layout: layout(),
+        expires_unix_ms: orbitkv::wire::unix_ms_now() + 3_600_000,
+    };
+    h.validate().expect("a valid handshake");
+    h
+}
+
+#[test]
+fn a_parked_handshake_expires_at_the_handshake_deadline_and_is_never_taken_after() {
+    paused(async {
+        let cfg = RuntimeConfig::default();
+        let ttl = cfg.handshake_timeout;
+        let producer = Rank::new("127.0.0.1:3", cfg);
+        let h = Arc::new(handshake_for("late-open"));
+        producer
+            .call(move |d, ctx| d.producer_handshake(h, ctx))
+            .await
+            .expect("parked");
+        // Just before the deadline it still waits; just after, the timer
+        // dropped it.
+        tokio::time::sleep(ttl - Duration::from_secs(2)).await;
+        assert_eq!(producer.stats.parked_expired.get(), 0);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert_eq!(producer.stats.parked_expired.get(), 1);
+        // Opening now takes nothing: no handshake, so the producer waits for
+        // one and gives up at its own deadline, writing nothing.
+        let t0 = Instant::now();
+        producer
+            .call(|d, ctx| d.producer_open(RequestId::new("late-open"), vec![0, 1], cap(), 1, ctx))
+            .await
+            .expect("producer_open");
+        let (ev, at) = next(&producer.events, Duration::from_secs(600))
+            .await
+            .expect("released at the handshake deadline");
+        assert!(
+            matches!(
+                &ev,
+                RuntimeEvent::ProducerReleased {
+                    outcome: orbitkv::Outcome::Failed,
+                    ..
+                }
+            ),
+            "{ev:?}"
+        );
+        assert!(
+            at - t0 >= ttl && at - t0 < ttl + Duration::from_secs(1),
+            "{:?}",
+            at - t0
+        );
+        assert_eq!(producer.stats.bytes_written.get(), 0);
+        assert_eq!(producer.call(|d, _| d.live_requests()).await, (0, 0));
+    });
+}
+
+#[test]
+fn a_cancel_before_the_open_releases_the_producer_at_once_and_a_stranger_cannot_cancel() {
+    paused(async {
+        let producer = Rank::new("127.0.0.1:4", RuntimeConfig::default());
+        let stranger = orbitkv::Cancel::new(
+            RequestId::new("c"),
+            orbitkv::Capability::parse(&"f".repeat(32)).unwrap(),
+            "x",
+        );
+        let cancel = orbitkv::Cancel::new(RequestId::new("c"), cap(), "client left");
+        producer
+            .call(move |d, _| d.producer_cancel(&stranger))
+            .await
+            .expect("a stranger's cancel waits beside, under its own capability");
+        producer
+            .call(move |d, _| d.producer_cancel(&cancel))
+            .await
+            .expect("remembered");
+        let t0 = Instant::now();
+        producer
+            .call(|d, ctx| d.producer_open(RequestId::new("c"), vec![0], cap(), 1, ctx))
+            .await
+            .expect("producer_open");
+        let (ev, at) = next(&producer.events, Duration::from_secs(600))
+            .await
+            .expect("released");
+        assert!(
+            matches!(&ev, RuntimeEvent::ProducerReleased { outcome: orbitkv::Outcome::Aborted, reason: Some(r), .. } if r.contains("client left")),
+            "{ev:?}"
+        );
+        assert!(
+            at - t0 < Duration::from_secs(1),
+            "held {:?} after a cancel",
+            at - t0
+        );
+        assert_eq!(
+            producer.stats.side_channel_forbidden.get(),
+            1,
+            "the stranger's entry counted"
+        );
+    });
+}
