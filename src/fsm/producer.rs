@@ -310,13 +310,22 @@ impl ProducerMachine {
                 reason,
             } => {
                 match self.in_flight.remove(&write) {
-                    Some(g) if Some(g) == self.generation() => {
-                        self.stop_with(Outcome::Failed, reason);
-                    }
-                    Some(_) => {
-                        // A write for a superseded generation failed: it no
-                        // longer decides this request's outcome.
-                        let _ = generation;
+                    Some(g) => {
+                        if g != generation {
+                            // The report names another generation than the
+                            // write was admitted under: say so (as for
+                            // `WriteDone`); the admitted one decides below.
+                            out.push(ProducerEffect::Dropped(Dropped::StaleGeneration {
+                                got: generation,
+                                current: g,
+                            }));
+                        }
+                        // A write of the current generation failed: so does
+                        // the request. One of a superseded generation no
+                        // longer decides its outcome.
+                        if Some(g) == self.generation() {
+                            self.stop_with(Outcome::Failed, reason);
+                        }
                     }
                     None => out.push(ProducerEffect::Dropped(Dropped::UnknownWrite(write))),
                 }
@@ -429,6 +438,47 @@ mod tests {
             bytes: 7,
         });
         assert!(fx.iter().any(|e| matches!(e, ProducerEffect::Notify { outcome: Outcome::Done, bytes: 7, auth, .. } if auth.generation == Generation(2))));
+    }
+
+    // Rule 5: a failure of a write admitted under an older generation
+    // cannot fail the current one; a failure of a current write fails it,
+    // whatever generation its report names.
+    #[test]
+    fn rule5_a_stale_failure_never_fails_a_new_generation() {
+        let mut p = ProducerMachine::new(rid());
+        p.on_event(ProducerEvent::Handshake(hs_layers(1, vec![4, 5], 1)));
+        let old = submits(&p.on_event(ProducerEvent::LayerReady {
+            layer: 0,
+            blocks: 0..2,
+        }))[0]
+            .0;
+        let new = submits(&p.on_event(ProducerEvent::Handshake(hs_layers(2, vec![6, 7], 1))))[0].0;
+        // The old write fails: generation 2 goes on.
+        let fx = p.on_event(ProducerEvent::WriteFailed {
+            write: old,
+            generation: Generation(1),
+            reason: "old peer died".into(),
+        });
+        assert!(fx.is_empty(), "{fx:?}");
+        assert_eq!(p.phase(), ProducerPhase::Streaming);
+        p.on_event(ProducerEvent::Finish);
+        // The new write fails under a report that names generation 1: the
+        // mismatch is said, and the request still fails (its pages may be
+        // unwritten).
+        let fx = p.on_event(ProducerEvent::WriteFailed {
+            write: new,
+            generation: Generation(1),
+            reason: "peer died".into(),
+        });
+        assert!(fx.contains(&ProducerEffect::Dropped(Dropped::StaleGeneration {
+            got: Generation(1),
+            current: Generation(2)
+        })));
+        assert!(
+            fx.iter()
+                .any(|e| matches!(e, ProducerEffect::Notify { outcome: Outcome::Failed, auth, .. } if auth.generation == Generation(2))),
+            "{fx:?}"
+        );
     }
 
     // Rule 6: release waits for every admitted write, also after an error.

@@ -392,8 +392,7 @@ impl MooncakeTransferEngine {
         let rc =
             unsafe { ffi::okv_submit_write(self.raw.as_ptr(), seg, raw.as_ptr(), raw.len(), &mut batch) };
         if rc != 0 {
-            let reason = ffi::last_error();
-            return Err(classify_failure(peer, ranges, reason));
+            return Err(submit_failure(peer, ranges, rc, ffi::last_error()));
         }
         Ok(BatchHandle {
             id: batch,
@@ -633,12 +632,15 @@ impl TransferStatus {
     }
 }
 
-fn classify_failure(peer: &str, ranges: &[WriteRange], reason: String) -> TransportError {
-    let lower = reason.to_ascii_lowercase();
-    if lower.contains("address not registered")
-        || lower.contains("not registered")
-        || lower.contains("invalid address")
-    {
+/// Mooncake's `Status::Code` for an address outside every registered
+/// region (`kAddressNotRegistered`, the same in every release since 0.3).
+const MC_ADDRESS_NOT_REGISTERED: i32 = 3;
+
+/// The error of a refused submit: by Mooncake's status code where the shim
+/// passed one (`rc > 0`; the local sources were checked before, so an
+/// unregistered address is the peer's), else a failure with the shim's text.
+fn submit_failure(peer: &str, ranges: &[WriteRange], rc: i32, reason: String) -> TransportError {
+    if rc == MC_ADDRESS_NOT_REGISTERED {
         let r = ranges[0];
         return TransportError::UnregisteredRemote {
             peer: peer.into(),
@@ -655,6 +657,36 @@ fn classify_failure(peer: &str, ranges: &[WriteRange], reason: String) -> Transp
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_submit_is_classified_by_mooncakes_code_not_its_text() {
+        let ranges = [WriteRange {
+            src: 1,
+            dst: 0x2000,
+            len: 16,
+        }];
+        assert_eq!(
+            submit_failure(
+                "p:1",
+                &ranges,
+                MC_ADDRESS_NOT_REGISTERED,
+                "whatever it says".into()
+            ),
+            TransportError::UnregisteredRemote {
+                peer: "p:1".into(),
+                addr: 0x2000,
+                len: 16
+            }
+        );
+        // Another code (kInvalidArgument) or none: a failure, whatever the
+        // text, even one that mentions registration.
+        for rc in [1, -1] {
+            assert!(matches!(
+                submit_failure("p:1", &ranges, rc, "address not registered".into()),
+                TransportError::TransferFailed { .. }
+            ));
+        }
+    }
 
     #[test]
     fn transfer_status_follows_mooncakes_enum() {

@@ -462,6 +462,9 @@ int okv_close_segment(okv_engine* e, uint64_t seg) {
 
 // Allocates a batch, submits `n` WRITE requests into segment `seg` and
 // stores the batch id in `*batch_out`. On a submit failure the batch is freed.
+// Submits a batch of WRITEs. 0: `*batch_out` is the batch; -1: failed
+// before Mooncake answered (the error text says why); > 0: Mooncake's
+// submitTransfer refused it with that `Status::Code`.
 int okv_submit_write(okv_engine* e, uint64_t seg, const okv_range* ranges,
                      size_t n, uint64_t* batch_out) {
   return guarded("okv_submit_write", [&]() -> int {
@@ -488,7 +491,7 @@ int okv_submit_write(okv_engine* e, uint64_t seg, const okv_range* ranges,
                 st.message() + " (code " + std::to_string(st.code()) + ")");
       Status ignored = g_api.free_batch_id(e->te(), batch);
       (void)ignored;
-      return -1;
+      return static_cast<int>(st.code());  // Mooncake's Status::Code (> 0)
     }
     *batch_out = batch;
     return 0;
