@@ -116,3 +116,40 @@ def test_every_setting_is_documented() -> None:
     doc = (Path(__file__).resolve().parents[3] / "docs" / "configuration.md").read_text()
     missing = sorted(k for k in KEYS if f"`{k}`" not in doc)
     assert not missing, f"settings without a row in docs/configuration.md: {missing}"
+
+
+@pytest.mark.parametrize(
+    ("key", "bad"),
+    [
+        ("orbitkv.pd.side_channel_port", 0),
+        ("orbitkv.pd.side_channel_port", 65536),
+        ("orbitkv.pd.side_channel_port", "17500"),
+        ("orbitkv.pd.side_channel_port", True),
+        ("orbitkv.pd.max_inflight_mb", 0),
+        ("orbitkv.pd.max_inflight_ranges", 1.5),
+        ("orbitkv.pd.mooncake.bind_host", ""),
+        ("orbitkv.pd.mooncake.bind_host", "a host"),
+        ("orbitkv.pd.mooncake.bind_host", None),
+        ("orbitkv.pd.side_channel_host", 7),
+        ("orbitkv.pd.mooncake.library", 3),
+        ("orbitkv.pd.trace", ["x"]),
+        ("orbitkv.pd.side_channel_key_file", ""),
+        ("orbitkv.pd.mooncake.rank_map", ["mlx5_0"]),
+        ("orbitkv.pd.mooncake.rank_map", {"x": {"nic": "mlx5_0"}}),
+        ("orbitkv.pd.mooncake.rank_map", {"-1": {"nic": "mlx5_0"}}),
+        ("orbitkv.pd.mooncake.rank_map", {"0": {"nic": ""}}),
+        ("orbitkv.pd.mooncake.rank_map", {"0": {"nic": "mlx5_0", "port": 1}}),
+    ],
+)
+def test_every_key_is_strict_and_its_error_names_it(key: str, bad: object) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        PdConfig.from_extra_config({key: bad})
+
+
+def test_other_connectors_keys_are_left_alone_and_the_keys_are_the_models() -> None:
+    from orbitkv.vllm.config import KEYS, ExtraConfig
+
+    c = PdConfig.from_extra_config({"some.other.connector": {"x": 1}, 7: "not even a string"})  # type: ignore[dict-item]
+    assert c == PdConfig.from_extra_config({})
+    assert {f.alias for f in ExtraConfig.model_fields.values()} == KEYS
+    assert len(KEYS) == len(ExtraConfig.model_fields)

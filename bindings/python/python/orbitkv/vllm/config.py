@@ -1,37 +1,22 @@
 """``kv_connector_extra_config`` keys of the PdConnector, their defaults and
-their checks. Every bad value raises :class:`ConfigError` naming the key.
-Imports nothing from vLLM. ``docs/configuration.md`` documents each key."""
+their checks. The keys are the aliases of one pydantic model
+(:class:`ExtraConfig`: strict types, unknown ``orbitkv.pd.*`` keys refused);
+every bad value raises :class:`ConfigError` naming the key. Imports nothing
+from vLLM (pydantic is one of vLLM's own dependencies).
+``docs/configuration.md`` documents each key."""
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from orbitkv._native import RUNTIME_DEFAULTS as _RT
 
 PREFIX = "orbitkv.pd."
-
-KEYS = {
-    "orbitkv.pd.mooncake.bind_host",
-    "orbitkv.pd.mooncake.rank_map",
-    "orbitkv.pd.mooncake.library",
-    "orbitkv.pd.side_channel_host",
-    "orbitkv.pd.side_channel_port",
-    "orbitkv.pd.timeout_s",
-    "orbitkv.pd.handshake_timeout_s",
-    "orbitkv.pd.write_timeout_s",
-    "orbitkv.pd.quarantine_s",
-    "orbitkv.pd.max_inflight_mb",
-    "orbitkv.pd.max_inflight_ranges",
-    "orbitkv.pd.writer_lanes",
-    "orbitkv.pd.mooncake_submit_wait",
-    "orbitkv.pd.trace",
-    "orbitkv.pd.allowed_prefill",
-    "orbitkv.pd.side_channel_key_file",
-}
 
 # Where decode may send handshakes when `orbitkv.pd.allowed_prefill` is unset.
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -49,36 +34,138 @@ class ConfigError(ValueError):
     """A ``kv_connector_extra_config`` value OrbitKV cannot use."""
 
 
-def _positive_float(cfg: Mapping[str, Any], key: str, default: float) -> float:
-    v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf:
-        raise ConfigError(f"{key} must be a positive, finite number of seconds, got {v!r}")
-    return float(v)
+# Value types (strict: no bool for a number, no string for an int, no int
+# for a string).
+Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False, description="a positive, finite number of seconds")]
+Port = Annotated[int, Field(ge=1, le=65535, description="a TCP port in 1..65535")]
+Positive = Annotated[int, Field(ge=1, description="a positive integer")]
+Text = Annotated[str, Field(min_length=1)]
 
 
-def _port(cfg: Mapping[str, Any], key: str, default: int) -> int:
-    v = cfg.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65535:
-        raise ConfigError(f"{key} must be a TCP port in 1..65535, got {v!r}")
-    return v
+class ExtraConfig(BaseModel):
+    """The ``orbitkv.pd.*`` keys of ``kv_connector_extra_config``, as given
+    (each field's alias is its key; ``None``: not given, the default
+    applies). :meth:`PdConfig.from_extra_config` turns it into a
+    :class:`PdConfig`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+    bind_host: Text | None = Field(None, alias="orbitkv.pd.mooncake.bind_host", description="a host name or IP")
+    rank_map: dict[int, list[str]] | None = Field(None, alias="orbitkv.pd.mooncake.rank_map")
+    library: str | None = Field(None, alias="orbitkv.pd.mooncake.library", description="a path")
+    side_channel_host: Text | None = Field(None, alias="orbitkv.pd.side_channel_host", description="a host")
+    side_channel_port: Port = Field(DEFAULT_SIDE_CHANNEL_PORT, alias="orbitkv.pd.side_channel_port")
+    # The runtime's settings default to the runtime's own defaults (Rust's
+    # RuntimeConfig::default(), the one place they are written).
+    timeout_s: Seconds = Field(float(_RT["consumer_timeout_s"]), alias="orbitkv.pd.timeout_s")
+    handshake_timeout_s: Seconds = Field(float(_RT["handshake_timeout_s"]), alias="orbitkv.pd.handshake_timeout_s")
+    write_timeout_s: Seconds = Field(float(_RT["write_timeout_s"]), alias="orbitkv.pd.write_timeout_s")
+    quarantine_s: Seconds = Field(float(_RT["quarantine_s"]), alias="orbitkv.pd.quarantine_s")
+    max_inflight_mb: Positive = Field(int(_RT["max_bytes_in_flight_per_peer"]) >> 20, alias="orbitkv.pd.max_inflight_mb")
+    max_inflight_ranges: Positive = Field(
+        int(_RT["max_ranges_in_flight_per_peer"]), alias="orbitkv.pd.max_inflight_ranges"
+    )
+    writer_lanes: Annotated[int, Field(ge=1, le=64, description="an integer in 1..64")] = Field(
+        int(_RT["writer_lanes_per_peer"]), alias="orbitkv.pd.writer_lanes"
+    )
+    mooncake_submit_wait: Literal["layer", "device"] = Field(
+        "layer", alias="orbitkv.pd.mooncake_submit_wait", description="'layer' or 'device'"
+    )
+    trace: str | None = Field(None, alias="orbitkv.pd.trace", description="a file path")
+    allowed_prefill: tuple[tuple[str, int | None], ...] = Field(
+        tuple((h, None) for h in LOOPBACK), alias="orbitkv.pd.allowed_prefill"
+    )
+    side_channel_key_file: Text | None = Field(
+        None, alias="orbitkv.pd.side_channel_key_file", description="a file path"
+    )
+
+    @field_validator("bind_host", "side_channel_host", mode="after")
+    @classmethod
+    def _host(cls, v: str | None) -> str | None:
+        if v is not None and any(c.isspace() for c in v):
+            raise ValueError("must be a host name or IP")
+        return v
+
+    @field_validator("rank_map", mode="before")
+    @classmethod
+    def _rank_map(cls, v: Any) -> dict[int, list[str]] | None:
+        """TP rank (an int, or its decimal string as JSON keys are) ->
+        ``{'nic': NAME}`` or ``{'nic': [NAME, ...]}``."""
+        if v is None:
+            return None
+        if not isinstance(v, Mapping):
+            raise ValueError("must map TP rank -> {'nic': NAME}")
+        out: dict[int, list[str]] = {}
+        for rank, entry in v.items():
+            try:
+                r = int(rank)
+            except (TypeError, ValueError):
+                raise ValueError(f"rank {rank!r} is not an integer") from None
+            if isinstance(rank, bool) or r < 0:
+                raise ValueError(f"rank {rank!r} is not a TP rank")
+            if not isinstance(entry, Mapping) or set(entry) - {"nic"}:
+                raise ValueError(f"[{rank!r}] must be {{'nic': NAME}}, got {entry!r}")
+            nic = entry.get("nic")
+            nics = [nic] if isinstance(nic, str) else nic
+            if not isinstance(nics, list) or not all(isinstance(n, str) and n for n in nics):
+                raise ValueError(f"[{rank!r}].nic must be a NIC name, got {nic!r}")
+            out[r] = nics
+        return out
+
+    @field_validator("allowed_prefill", mode="before")
+    @classmethod
+    def _allowed(cls, v: Any) -> tuple[tuple[str, int | None], ...]:
+        """``"*"``, or a list of ``"host"`` / ``"host:port"`` entries."""
+        if isinstance(v, str):
+            v = [v]
+        if not isinstance(v, (list, tuple)):
+            raise ValueError("must be a list of 'host' or 'host:port'")
+        return tuple(_allow_entry(a) for a in v)
+
+    @staticmethod
+    def keys() -> set[str]:
+        """Every key, as written in ``kv_connector_extra_config``."""
+        return {f.alias for f in ExtraConfig.model_fields.values() if f.alias}
+
+
+KEYS = ExtraConfig.keys()
+
+
+def _config_error(e: ValidationError) -> ConfigError:
+    """The first problem of ``e``, naming its key and the value given."""
+    unknown = sorted(str(err["loc"][0]) for err in e.errors() if err["type"] == "extra_forbidden")
+    if unknown:
+        return ConfigError(f"unknown OrbitKV setting(s) {unknown}; known: {sorted(KEYS)}")
+    err = e.errors()[0]
+    key = str(err["loc"][0])
+    described = {f.alias: f.description for f in ExtraConfig.model_fields.values()}
+    if err["type"] == "value_error":  # one of the validators below said why
+        what = err["msg"].removeprefix("Value error, ")
+    elif described.get(key):
+        what = f"must be {described[key]}"
+    else:
+        what = err["msg"]
+    sep = " " if what.startswith("must") else ": "
+    return ConfigError(f"{key}{sep}{what}, got {err['input']!r}")
 
 
 @dataclass(frozen=True)
 class PdConfig:
+    """The connector's settings, validated (:meth:`from_extra_config`); the
+    defaults are :class:`ExtraConfig`'s."""
+
     bind_host: str = "127.0.0.1"
     rank_nics: dict[int, list[str]] = field(default_factory=dict)
     library: str | None = None
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
-    # The runtime's settings default to the runtime's own defaults (Rust's
-    # RuntimeConfig::default(), the one place they are written).
-    timeout_s: float = float(_RT["consumer_timeout_s"])
-    handshake_timeout_s: float = float(_RT["handshake_timeout_s"])
-    write_timeout_s: float = float(_RT["write_timeout_s"])
-    quarantine_s: float = float(_RT["quarantine_s"])
-    max_inflight_mb: int = int(_RT["max_bytes_in_flight_per_peer"]) >> 20
-    max_inflight_ranges: int = int(_RT["max_ranges_in_flight_per_peer"])
-    writer_lanes: int = int(_RT["writer_lanes_per_peer"])
+    timeout_s: float = ExtraConfig.model_fields["timeout_s"].default
+    handshake_timeout_s: float = ExtraConfig.model_fields["handshake_timeout_s"].default
+    write_timeout_s: float = ExtraConfig.model_fields["write_timeout_s"].default
+    quarantine_s: float = ExtraConfig.model_fields["quarantine_s"].default
+    max_inflight_mb: int = ExtraConfig.model_fields["max_inflight_mb"].default
+    max_inflight_ranges: int = ExtraConfig.model_fields["max_inflight_ranges"].default
+    writer_lanes: int = ExtraConfig.model_fields["writer_lanes"].default
     # On CUDA, what a Mooncake submit waits for before its copies: "layer",
     # only the layer's own event, which OrbitKV waited for already (Mooncake's
     # wait on the caller's default stream redirected); "device", as Mooncake
@@ -86,7 +173,7 @@ class PdConfig:
     mooncake_submit_wait: str = "layer"
     trace: str | None = None
     # (host, port or None) pairs; ("*", None) allows any (trusts the network).
-    allowed_prefill: tuple[tuple[str, int | None], ...] = tuple((h, None) for h in LOOPBACK)
+    allowed_prefill: tuple[tuple[str, int | None], ...] = ExtraConfig.model_fields["allowed_prefill"].default
     side_channel_key: bytes | None = field(default=None, repr=False)
 
     def prefill_allowed(self, host: str, port: int) -> bool:
@@ -103,85 +190,40 @@ class PdConfig:
 
     @staticmethod
     def from_extra_config(extra: Mapping[str, Any] | None) -> PdConfig:
-        cfg = dict(extra or {})
-        unknown = sorted(k for k in cfg if k.startswith(PREFIX) and k not in KEYS)
-        if unknown:
-            raise ConfigError(f"unknown OrbitKV setting(s) {unknown}; known: {sorted(KEYS)}")
-        default_host = os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
-        bind_host = cfg.get("orbitkv.pd.mooncake.bind_host", default_host)
-        if not isinstance(bind_host, str) or not bind_host or any(c.isspace() for c in bind_host):
-            raise ConfigError(f"orbitkv.pd.mooncake.bind_host must be a host name or IP, got {bind_host!r}")
-        rank_map = cfg.get("orbitkv.pd.mooncake.rank_map", {}) or {}
-        if not isinstance(rank_map, Mapping):
-            raise ConfigError(f"orbitkv.pd.mooncake.rank_map must map TP rank -> {{'nic': NAME}}, got {rank_map!r}")
-        rank_nics: dict[int, list[str]] = {}
-        for rank, entry in rank_map.items():
-            try:
-                r = int(rank)
-            except (TypeError, ValueError):
-                raise ConfigError(f"orbitkv.pd.mooncake.rank_map: rank {rank!r} is not an integer") from None
-            if r < 0:
-                raise ConfigError(f"orbitkv.pd.mooncake.rank_map: rank {r} is negative")
-            if not isinstance(entry, Mapping) or set(entry) - {"nic"}:
-                raise ConfigError(f"orbitkv.pd.mooncake.rank_map[{rank!r}] must be {{'nic': NAME}}, got {entry!r}")
-            nic = entry.get("nic")
-            nics = [nic] if isinstance(nic, str) else nic
-            if not isinstance(nics, list) or not all(isinstance(n, str) and n for n in nics):
-                raise ConfigError(f"orbitkv.pd.mooncake.rank_map[{rank!r}].nic must be a NIC name, got {nic!r}")
-            rank_nics[r] = nics
-        library = cfg.get("orbitkv.pd.mooncake.library")
-        if library is not None and not isinstance(library, str):
-            raise ConfigError(f"orbitkv.pd.mooncake.library must be a path, got {library!r}")
-        sc_host = cfg.get("orbitkv.pd.side_channel_host", bind_host)
-        if not isinstance(sc_host, str) or not sc_host:
-            raise ConfigError(f"orbitkv.pd.side_channel_host must be a host, got {sc_host!r}")
-        inflight = cfg.get("orbitkv.pd.max_inflight_mb", PdConfig.max_inflight_mb)
-        if isinstance(inflight, bool) or not isinstance(inflight, int) or inflight < 1:
-            raise ConfigError(f"orbitkv.pd.max_inflight_mb must be a positive integer, got {inflight!r}")
-        ranges = cfg.get("orbitkv.pd.max_inflight_ranges", PdConfig.max_inflight_ranges)
-        if isinstance(ranges, bool) or not isinstance(ranges, int) or ranges < 1:
-            raise ConfigError(f"orbitkv.pd.max_inflight_ranges must be a positive integer, got {ranges!r}")
-        lanes = cfg.get("orbitkv.pd.writer_lanes", PdConfig.writer_lanes)
-        if isinstance(lanes, bool) or not isinstance(lanes, int) or not 1 <= lanes <= 64:
-            raise ConfigError(f"orbitkv.pd.writer_lanes must be an integer in 1..64, got {lanes!r}")
-        submit_wait = cfg.get("orbitkv.pd.mooncake_submit_wait", PdConfig.mooncake_submit_wait)
-        if submit_wait not in ("layer", "device"):
-            raise ConfigError(f"orbitkv.pd.mooncake_submit_wait must be 'layer' or 'device', got {submit_wait!r}")
-        trace = cfg.get("orbitkv.pd.trace")
-        if trace is not None and not isinstance(trace, str):
-            raise ConfigError(f"orbitkv.pd.trace must be a file path, got {trace!r}")
-        allowed = cfg.get("orbitkv.pd.allowed_prefill", list(LOOPBACK))
-        if isinstance(allowed, str):
-            allowed = [allowed]
-        if not isinstance(allowed, (list, tuple)):
-            raise ConfigError(f"orbitkv.pd.allowed_prefill must be a list of 'host' or 'host:port', got {allowed!r}")
-        allow = tuple(_allow_entry(a) for a in allowed)
-        key = _side_channel_key(cfg.get("orbitkv.pd.side_channel_key_file"))
+        """Validates the ``orbitkv.pd.*`` keys of ``extra`` (other keys belong
+        to other connectors and are ignored)."""
+        given = {k: v for k, v in (extra or {}).items() if isinstance(k, str) and k.startswith(PREFIX)}
+        for key in ("orbitkv.pd.mooncake.bind_host", "orbitkv.pd.side_channel_host"):
+            if key in given and given[key] is None:
+                raise ConfigError(f"{key}: must be a host name or IP, got None")
+        try:
+            x = ExtraConfig.model_validate(given)
+        except ValidationError as e:
+            raise _config_error(e) from None
+        bind_host = x.bind_host or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
         return PdConfig(
             bind_host=bind_host,
-            rank_nics=rank_nics,
-            library=library,
-            side_channel_host=sc_host,
-            side_channel_port=_port(cfg, "orbitkv.pd.side_channel_port", PdConfig.side_channel_port),
-            timeout_s=_positive_float(cfg, "orbitkv.pd.timeout_s", PdConfig.timeout_s),
-            handshake_timeout_s=_positive_float(cfg, "orbitkv.pd.handshake_timeout_s", PdConfig.handshake_timeout_s),
-            write_timeout_s=_positive_float(cfg, "orbitkv.pd.write_timeout_s", PdConfig.write_timeout_s),
-            quarantine_s=_positive_float(cfg, "orbitkv.pd.quarantine_s", PdConfig.quarantine_s),
-            max_inflight_mb=inflight,
-            max_inflight_ranges=ranges,
-            writer_lanes=lanes,
-            mooncake_submit_wait=submit_wait,
-            trace=trace,
-            allowed_prefill=allow,
-            side_channel_key=key,
+            rank_nics=dict(x.rank_map or {}),
+            library=x.library,
+            side_channel_host=x.side_channel_host or bind_host,
+            side_channel_port=x.side_channel_port,
+            timeout_s=x.timeout_s,
+            handshake_timeout_s=x.handshake_timeout_s,
+            write_timeout_s=x.write_timeout_s,
+            quarantine_s=x.quarantine_s,
+            max_inflight_mb=x.max_inflight_mb,
+            max_inflight_ranges=x.max_inflight_ranges,
+            writer_lanes=x.writer_lanes,
+            mooncake_submit_wait=x.mooncake_submit_wait,
+            trace=x.trace,
+            allowed_prefill=x.allowed_prefill,
+            side_channel_key=_side_channel_key(x.side_channel_key_file),
         )
 
 
 def _allow_entry(a: Any) -> tuple[str, int | None]:
     """``"*"``, ``"host"``, ``"host:port"``, ``"::1"`` or ``"[::1]:port"``."""
-    bad = ConfigError(
-        "orbitkv.pd.allowed_prefill entries are 'host' or 'host:port' (or '*' for any), " f"got {a!r}"
-    )
+    bad = ValueError(f"entries are 'host' or 'host:port' (or '*' for any), not {a!r}")
     if not isinstance(a, str) or not a or any(c.isspace() for c in a):
         raise bad
     if a == "*":
@@ -202,12 +244,10 @@ def _allow_entry(a: Any) -> tuple[str, int | None]:
     return (host.lower(), int(port) if port is not None else None)
 
 
-def _side_channel_key(path: Any) -> bytes | None:
+def _side_channel_key(path: str | None) -> bytes | None:
     """The deployment key: the file `side_channel_key_file` names, else the
     environment variable ORBITKV_SIDE_CHANNEL_KEY, else none."""
     if path is not None:
-        if not isinstance(path, str) or not path:
-            raise ConfigError(f"orbitkv.pd.side_channel_key_file must be a file path, got {path!r}")
         try:
             with open(path, "rb") as f:
                 key = f.read().strip()
