@@ -3,7 +3,9 @@
 //! * `shim.cc` / [`ffi`]: C functions over Mooncake's exported C++ API,
 //!   exception-safe, loaded with dlopen at run time.
 //! * [`library`]: where `engine.so` (and libpython) is found; the version pin.
+//! * [`loader`]: loading it into the process once; the submit-wait patch.
 //! * [`mooncake`]: [`MooncakeTransferEngine`], the safe wrapper.
+//! * [`status`]: Mooncake's status codes (a batch's state, a refused submit).
 //! * [`cuda`]: GPU events from the CUDA driver (through the same shim), so a
 //!   layer is written only after the kernel that wrote it ran.
 
@@ -14,7 +16,9 @@ pub mod cuda;
 pub mod fake;
 pub mod ffi;
 pub mod library;
+pub mod loader;
 pub mod mooncake;
+pub mod status;
 
 pub use library::{MooncakeLibrary, PINNED_MOONCAKE_VERSION};
 pub use mooncake::{parse_endpoint, EngineConfig, MooncakeTransferEngine};

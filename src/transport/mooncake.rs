@@ -1,17 +1,18 @@
 //! The safe wrapper: `MooncakeTransferEngine`, the seed's native boundary.
+//! Loading Mooncake is [`super::loader`]'s; its status codes, [`super::status`]'s.
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::{c_char, c_void, CString};
-use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::ptr::NonNull;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
 use super::ffi::{self, OkvEngine, OkvRange};
-use super::library::{self, MooncakeLibrary};
+use super::library::MooncakeLibrary;
+pub use super::loader::{load_mooncake, redirect_submit_wait, submit_wait_counts};
+use super::status::{submit_failure, TransferStatus};
 use super::{BatchHandle, BatchState, Notification, WriteRange};
 use crate::error::{TransportError, TransportResult};
 
@@ -40,102 +41,8 @@ impl Default for EngineConfig {
     }
 }
 
-static LOADED: OnceLock<Result<MooncakeLibrary, TransportError>> = OnceLock::new();
-
 fn cstring(s: &str, what: &str) -> TransportResult<CString> {
     CString::new(s).map_err(|_| TransportError::InvalidArgument(format!("{what} contains a NUL byte")))
-}
-
-/// Loads Mooncake once per process. Later calls return the first result.
-pub fn load_mooncake(
-    explicit: Option<&Path>,
-    allow_version: Option<&str>,
-) -> TransportResult<MooncakeLibrary> {
-    LOADED
-        .get_or_init(|| {
-            // SAFETY: pure query of the process's symbol table.
-            let has_python = unsafe { ffi::okv_process_has_python() } == 1;
-            let (lib, libpython) = library::locate(explicit, !has_python)?;
-            library::check_version(&lib, allow_version)?;
-            let libpython = if has_python {
-                None
-            } else {
-                Some(libpython.ok_or_else(|| TransportError::LibPythonNotFound {
-                    reason: "no interpreter reported its LIBDIR/LDLIBRARY".into(),
-                })?)
-            };
-            let engine_c =
-                CString::new(lib.engine.as_os_str().as_bytes()).map_err(|_| TransportError::LoadFailed {
-                    path: lib.engine.clone(),
-                    reason: "path has a NUL byte".into(),
-                })?;
-            let py_c = match &libpython {
-                Some(p) => Some(CString::new(p.as_os_str().as_bytes()).map_err(|_| {
-                    TransportError::LibPythonNotFound {
-                        reason: "path has a NUL byte".into(),
-                    }
-                })?),
-                None => None,
-            };
-            // SAFETY: both pointers are valid NUL-terminated strings for the
-            // duration of the call; the shim copies what it keeps.
-            let rc = unsafe {
-                ffi::okv_load(
-                    engine_c.as_ptr(),
-                    py_c.as_ref().map_or(std::ptr::null(), |c| c.as_ptr()),
-                )
-            };
-            match rc {
-                0 => Ok(lib),
-                2 => Err(TransportError::LibPythonNotFound {
-                    reason: ffi::last_error(),
-                }),
-                _ => Err(TransportError::LoadFailed {
-                    path: lib.engine.clone(),
-                    reason: ffi::last_error(),
-                }),
-            }
-        })
-        .clone()
-}
-
-/// Takes Mooncake's submit-time wait on the caller's default stream off the
-/// writer threads.
-///
-/// Mooncake 0.3.13.post1's intra-node NVLink transport records an event on
-/// `cudaStreamPerThread` and waits for it at the start of every submit. That
-/// stream is ordered after the legacy default stream, so a submit blocks its
-/// writer until whatever the process queued there (and every blocking stream
-/// ahead of it: vLLM's forward) has run; under load each batch waited
-/// milliseconds. This points `engine.so`'s imported `cudaEventRecord` at a
-/// shim function that records those events on an idle non-blocking stream of
-/// the calling thread instead (`shim.cc`); every other record passes through.
-///
-/// Safe where the caller orders its writes after the GPU itself: OrbitKV
-/// admits a GPU layer only after an event recorded behind its attention
-/// kernel completed, and Mooncake's copies keep source access order on their
-/// own stream. Loads Mooncake first (as [`load_mooncake`]); idempotent.
-/// Returns the number of `engine.so` import slots redirected: 0 for a
-/// Mooncake without CUDA (nothing to do).
-pub fn redirect_submit_wait(explicit: Option<&Path>) -> TransportResult<u32> {
-    load_mooncake(explicit, None)?;
-    let mut patched: std::os::raw::c_int = 0;
-    // SAFETY: `patched` is a valid out-pointer for the call; the shim only
-    // rewrites engine.so's own import slots (under its lock) and catches
-    // every C++ exception.
-    if unsafe { ffi::okv_redirect_submit_wait(&mut patched) } != 0 {
-        return Err(TransportError::Cuda(ffi::last_error()));
-    }
-    Ok(u32::try_from(patched).unwrap_or(0))
-}
-
-/// Events Mooncake recorded since [`redirect_submit_wait`]: `(redirected,
-/// passed)`, on the writer's idle stream and unchanged.
-pub fn submit_wait_counts() -> (u64, u64) {
-    let (mut redirected, mut passed) = (0u64, 0u64);
-    // SAFETY: two valid out-pointers; the shim reads two atomics.
-    unsafe { ffi::okv_submit_wait_counts(&mut redirected, &mut passed) };
-    (redirected, passed)
 }
 
 /// Splits and checks `host:port`.
@@ -582,130 +489,9 @@ impl Drop for MooncakeTransferEngine {
     }
 }
 
-/// Mooncake's `TransferStatusEnum` (0.3.13.post1, `transfer_engine.h`), as
-/// the shim reports a batch's or a task's state (the shim passes the
-/// `int32_t` through; its values are named here only).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(i32)]
-pub enum TransferStatus {
-    Waiting = 0,
-    Pending = 1,
-    Invalid = 2,
-    Canceled = 3,
-    Completed = 4,
-    Timeout = 5,
-    Failed = 6,
-}
-
-impl TransferStatus {
-    /// The status Mooncake reported, or `None` for a value it does not define.
-    pub fn from_raw(raw: i32) -> Option<Self> {
-        Some(match raw {
-            0 => Self::Waiting,
-            1 => Self::Pending,
-            2 => Self::Invalid,
-            3 => Self::Canceled,
-            4 => Self::Completed,
-            5 => Self::Timeout,
-            6 => Self::Failed,
-            _ => return None,
-        })
-    }
-
-    /// Ended without its bytes (an unknown value counts as such).
-    pub fn is_failure(self) -> bool {
-        !matches!(self, Self::Waiting | Self::Pending | Self::Completed)
-    }
-
-    /// Mooncake's name of it (`UNKNOWN` for a value it does not define).
-    pub fn name_of(s: Option<Self>) -> &'static str {
-        match s {
-            Some(Self::Waiting) => "WAITING",
-            Some(Self::Pending) => "PENDING",
-            Some(Self::Invalid) => "INVALID",
-            Some(Self::Canceled) => "CANCELED",
-            Some(Self::Completed) => "COMPLETED",
-            Some(Self::Timeout) => "TIMEOUT",
-            Some(Self::Failed) => "FAILED",
-            None => "UNKNOWN",
-        }
-    }
-}
-
-/// Mooncake's `Status::Code` for an address outside every registered
-/// region (`kAddressNotRegistered`, the same in every release since 0.3).
-const MC_ADDRESS_NOT_REGISTERED: i32 = 3;
-
-/// The error of a refused submit: by Mooncake's status code where the shim
-/// passed one (`rc > 0`; the local sources were checked before, so an
-/// unregistered address is the peer's), else a failure with the shim's text.
-fn submit_failure(peer: &str, ranges: &[WriteRange], rc: i32, reason: String) -> TransportError {
-    if rc == MC_ADDRESS_NOT_REGISTERED {
-        let r = ranges[0];
-        return TransportError::UnregisteredRemote {
-            peer: peer.into(),
-            addr: r.dst,
-            len: r.len,
-        };
-    }
-    TransportError::TransferFailed {
-        peer: peer.into(),
-        reason,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_refused_submit_is_classified_by_mooncakes_code_not_its_text() {
-        let ranges = [WriteRange {
-            src: 1,
-            dst: 0x2000,
-            len: 16,
-        }];
-        assert_eq!(
-            submit_failure(
-                "p:1",
-                &ranges,
-                MC_ADDRESS_NOT_REGISTERED,
-                "whatever it says".into()
-            ),
-            TransportError::UnregisteredRemote {
-                peer: "p:1".into(),
-                addr: 0x2000,
-                len: 16
-            }
-        );
-        // Another code (kInvalidArgument) or none: a failure, whatever the
-        // text, even one that mentions registration.
-        for rc in [1, -1] {
-            assert!(matches!(
-                submit_failure("p:1", &ranges, rc, "address not registered".into()),
-                TransportError::TransferFailed { .. }
-            ));
-        }
-    }
-
-    #[test]
-    fn transfer_status_follows_mooncakes_enum() {
-        for (raw, want) in [
-            (0, TransferStatus::Waiting),
-            (1, TransferStatus::Pending),
-            (2, TransferStatus::Invalid),
-            (3, TransferStatus::Canceled),
-            (4, TransferStatus::Completed),
-            (5, TransferStatus::Timeout),
-            (6, TransferStatus::Failed),
-        ] {
-            assert_eq!(TransferStatus::from_raw(raw), Some(want));
-            assert_eq!(want as i32, raw);
-        }
-        assert_eq!(TransferStatus::from_raw(7), None);
-        assert_eq!(TransferStatus::name_of(None), "UNKNOWN");
-        assert!(TransferStatus::Timeout.is_failure() && !TransferStatus::Pending.is_failure());
-    }
 
     #[test]
     fn endpoints_parse() {
