@@ -39,24 +39,20 @@ const KIB: u64 = 1 << 10;
 
 // ---------------------------------------------------------------- patterns
 
-/// xorshift64*: deterministic, no dependency.
-pub struct Rng(u64);
+/// The tests' seeded generator (`fastrand`): the same seed gives the same
+/// stream in every process, so a peer regenerates what the producer wrote.
+pub struct Rng(fastrand::Rng);
 
 impl Rng {
     pub fn new(seed: u64) -> Self {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
+        Rng(fastrand::Rng::with_seed(seed))
     }
     pub fn next_u64(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_F491_4F6C_DD1D)
+        self.0.u64(..)
     }
     /// Uniform in `lo..=hi`.
     pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
-        lo + self.next_u64() % (hi - lo + 1)
+        self.0.u64(lo..=hi)
     }
 }
 
@@ -512,21 +508,19 @@ pub fn note(seed: u64, i: usize) -> (String, Vec<u8>) {
     (name, msg.into_bytes())
 }
 
+/// `b` as hex for the peer's command line (`-`: empty).
 pub fn hex(b: &[u8]) -> String {
     if b.is_empty() {
         return "-".into();
     }
-    b.iter().map(|x| format!("{x:02x}")).collect()
+    hex::encode(b)
 }
 
 pub fn unhex(s: &str) -> Vec<u8> {
     if s == "-" {
         return Vec::new();
     }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex"))
-        .collect()
+    hex::decode(s).expect("hex")
 }
 
 /// Runs a plan from `engine` to `peer`: registers a fresh source, submits
