@@ -105,6 +105,8 @@ class Completion:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     ttft_s: float | None = None  # request sent -> first token (streaming only)
+    # request sent -> each streamed chunk that carried tokens (streaming only)
+    token_times: list[float] = field(default_factory=list)
     total_s: float = 0.0
     request_id: str | None = None  # the proxy's P/D request id (X-Request-Id)
     error: Any = None
@@ -185,8 +187,10 @@ def complete(
                 break
             for ch in data.get("choices", ()):
                 ids = ch.get("token_ids") or []
-                if (ids or ch.get("text")) and out.ttft_s is None:
-                    out.ttft_s = time.monotonic() - t0
+                if ids or ch.get("text"):
+                    out.token_times.append(time.monotonic() - t0)
+                    if out.ttft_s is None:
+                        out.ttft_s = out.token_times[0]
                 pieces.append(ch.get("text") or "")
                 out.token_ids.extend(ids)
                 out.finish_reason = ch.get("finish_reason") or out.finish_reason
