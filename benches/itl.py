@@ -4,17 +4,24 @@ stdout, the raw per-request figures as JSON with ``--json``).
 
     .venv/bin/python benches/itl.py [--prompt 128] [--gen 64] [--reps 15] [--json out.json]
 
-Two clusters of two vLLM CPU servers (tiny random-weight model, one core
+Three clusters of two vLLM CPU servers (tiny random-weight model, one core
 each: "a" on core 0, "b" on core 1, as ``orbitkv.testing.cluster`` pins
 them), one after the other:
 
 1. without a connector: plain requests to "a" and to "b" (what the cores
    and the placement cost, no OrbitKV anywhere);
-2. with the ``PdConnector`` on both ("a" = prefill, "b" = decode) and
+2. with a connector that does nothing (``benches/null_connector.py``) on
+   both: plain requests to "a" and "b" (vLLM's connector machinery alone);
+3. with the ``PdConnector`` on both ("a" = prefill, "b" = decode) and
    ``orbitkv.proxy``: plain requests to "a" and to "b" (the connector loaded,
    no transfer: its per-step hooks), and P/D requests through the proxy
    (the decode "b" computes every token after the first on KV that came
    over Mooncake).
+
+The servers keep vLLM's own busy-wait after each step-ring read
+(``ORBITKV_TESTING_SHM_SPIN_S=1``; the test cluster sets 0 to keep two cores
+from starving, and a CPU worker then waits up to the cluster's 100 ms
+re-check per step, which would be every token's latency).
 
 Every request has a fresh random prompt (no prefix-cache hit), greedy,
 ``ignore_eos``, streamed; ITL = (last token's arrival - first token's) /
@@ -36,8 +43,35 @@ import tempfile
 import time
 from pathlib import Path
 
-from orbitkv.testing.cluster import Cluster, complete
+# vLLM's own busy-wait after each step-ring read (1 s), not the test
+# cluster's 0: without it a CPU worker can miss its step wake-up and wait for
+# the cluster's 100 ms re-check (vLLM 0.26.0), which would be every token's
+# latency here. Set before the cluster module reads it.
+os.environ.setdefault("ORBITKV_TESTING_SHM_SPIN_S", "1")
+
+from orbitkv.testing.cluster import Cluster, InstanceSpec, complete
 from orbitkv.testing.tiny_model import make_tiny_model
+
+BENCHES = Path(__file__).resolve().parent
+
+
+class NullCluster(Cluster):
+    """Both servers with ``benches/null_connector.py``'s connector (no proxy)."""
+
+    def start(self) -> Cluster:
+        self.connector = True
+        for name in self.servers:
+            self.start_server(name, wait=False)
+        self.wait_healthy(self.servers)
+        return self
+
+    def kv_transfer_config(self, spec: InstanceSpec) -> dict[str, object]:
+        return {"kv_connector": "NullConnector", "kv_connector_module_path": "null_connector", "kv_role": "kv_both"}
+
+    def server_env(self, spec: InstanceSpec) -> dict[str, str]:
+        env = super().server_env(spec)
+        env["PYTHONPATH"] = os.pathsep.join((str(BENCHES), env["PYTHONPATH"]))
+        return env
 
 
 def _q(xs: list[float], q: float) -> float:
@@ -86,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     with Cluster(model, run_dir / "plain", connector=False) as c:
         print(f"# plain cluster up in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
         got = measure({"no connector, core 0": c.prefill_url, "no connector, core 1": c.decode_url})
+        results.update(got)
+    t0 = time.monotonic()
+    with NullCluster(model, run_dir / "null", connector=False) as c:
+        print(f"# null-connector cluster up in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+        got = measure({"NullConnector, core 0": c.prefill_url, "NullConnector, core 1": c.decode_url})
         results.update(got)
     t0 = time.monotonic()
     with Cluster(model, run_dir / "pd") as c:
