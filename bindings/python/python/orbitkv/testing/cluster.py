@@ -101,10 +101,13 @@ def _stop_all() -> None:
             c.stop()
 
 
-# A TP > 1 instance's workers re-check vLLM's step ring at least this often
-# when parked (vLLM 0.26.0 bug, fixed upstream by vllm-project/vllm#45224;
-# 0 leaves vLLM as it is).
-SHM_RECHECK_MS = int(os.environ.get("ORBITKV_TESTING_SHM_RECHECK_MS", "100"))
+# Every instance's workers re-check vLLM's step ring at least this often
+# when parked (vLLM 0.26.0 can lose a step wake-up, fixed upstream by
+# vllm-project/vllm#45224; 0 leaves vLLM as it is). With the busy-wait off
+# (below) a CPU worker often misses its wake-up and waits for this re-check:
+# at 100 ms every decode step took ~100 ms (benches/itl.py's finding), at
+# 5 ms the P/D end-to-end module ran in 124 s instead of 250 s.
+SHM_RECHECK_MS = int(os.environ.get("ORBITKV_TESTING_SHM_RECHECK_MS", "5"))
 SHM_SPIN_S = os.environ.get("ORBITKV_TESTING_SHM_SPIN_S", "0")
 SHIMS_DIR = Path(__file__).parent / "vllm_shims"
 
