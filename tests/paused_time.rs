@@ -16,7 +16,7 @@ use actix::prelude::*;
 use crossbeam_channel::Receiver;
 use orbitkv::actors::consumer::ConsumerActor;
 use orbitkv::actors::directory::{Call, RequestDirectory};
-use orbitkv::actors::messages::ReleaseRequest;
+use orbitkv::actors::messages::{ProducerEnded, ReleaseRequest};
 use orbitkv::actors::producer::ProducerShared;
 use orbitkv::actors::router::NotificationRouter;
 use orbitkv::actors::stats::Stats;
@@ -276,6 +276,47 @@ fn a_cancel_before_the_open_releases_the_producer_at_once_and_a_stranger_cannot_
             producer.stats.side_channel_forbidden.get(),
             1,
             "the stranger's entry counted"
+        );
+    });
+}
+
+#[test]
+fn a_release_naming_an_unknown_group_never_releases_the_live_one() {
+    paused(async {
+        let producer = Rank::new("127.0.0.1:5", RuntimeConfig::default());
+        producer
+            .call(|d, ctx| d.producer_open(RequestId::new("g"), vec![0], cap(), 1, ctx))
+            .await
+            .expect("producer_open");
+        // A stray release under a group token the directory never gave out.
+        producer
+            .directory
+            .send(ProducerEnded {
+                group: 999,
+                request: RequestId::new("g"),
+                outcome: orbitkv::Outcome::Done,
+                reason: None,
+            })
+            .await
+            .expect("the directory runs");
+        assert!(
+            producer.events.try_recv().is_err(),
+            "a stray release reached the worker"
+        );
+        assert_eq!(producer.stats.events_dropped.get(), 1);
+        assert_eq!(producer.call(|d, _| d.live_requests()).await, (0, 1));
+        // The live group is released once, by its own member (here: no
+        // handshake, so at the handshake deadline).
+        let (ev, _) = next(&producer.events, Duration::from_secs(600))
+            .await
+            .expect("released");
+        assert!(
+            matches!(&ev, RuntimeEvent::ProducerReleased { request, .. } if request.as_str() == "g"),
+            "{ev:?}"
+        );
+        assert!(
+            next(&producer.events, Duration::from_secs(5)).await.is_none(),
+            "released twice"
         );
     });
 }

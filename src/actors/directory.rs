@@ -554,7 +554,15 @@ impl Handler<ProducerEnded> for RequestDirectory {
                 }
             },
             // A producer of no group (one answering a discarded request).
-            _ => (outcome, reason),
+            _ if group == 0 => (outcome, reason),
+            // A group this directory does not know (its members were all
+            // counted already): never a release of whatever group holds the
+            // request ID now, whose writes may still be in flight.
+            _ => {
+                self.shared.stats.events_dropped.inc();
+                tracing::warn!(request = %request, group, "release of an unknown producer group dropped");
+                return;
+            }
         };
         let _ = self.events.send(RuntimeEvent::ProducerReleased {
             request,
