@@ -368,6 +368,7 @@ fn notification_router(c: &mut Criterion) {
                 outcome: Outcome::Done,
                 reason: None,
                 bytes: 1 << 20,
+                staged: false,
             };
             Notification {
                 name: "orbitkv".into(),

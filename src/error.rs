@@ -140,6 +140,17 @@ pub enum GeometryError {
     OutsideAuthorization { index: u32, authorized: usize },
     #[error("request block index {index} is outside the producer's {available} source blocks")]
     OutsideSource { index: u32, available: usize },
+    #[error("a staged write of {len} bytes at {dst:#x} is outside the staging grant of {grant} bytes at {base:#x}")]
+    OutsideStagingGrant {
+        dst: u64,
+        len: u64,
+        base: u64,
+        grant: u64,
+    },
+    #[error("staging addresses or sizes overflow")]
+    StagingOverflow,
+    #[error("staging grant of {granted} bytes is smaller than the {needed} bytes its blocks stage to")]
+    StagingTooSmall { granted: u64, needed: u64 },
 }
 
 /// A handshake or notification that cannot be admitted.

@@ -110,6 +110,12 @@ fn rank_heads(total: u32, tp: u32, rank: u32) -> Heads {
     }
 }
 
+/// The KV heads rank `rank` of an instance of TP size `tp` holds, of `total`.
+pub fn rank_heads_range(total: u32, tp: u32, rank: u32) -> Range<u32> {
+    let h = rank_heads(total, tp, rank);
+    h.start..h.end
+}
+
 /// For each head of `wanted`, the lowest rank of an instance of TP size
 /// `tp` that holds it.
 fn senders(total: u32, wanted: Heads, tp: u32) -> std::collections::BTreeSet<u32> {
@@ -180,8 +186,14 @@ impl KvLayout {
         rank_heads(self.total_kv_heads, self.tp_size, self.tp_rank)
     }
 
-    fn local_heads(&self) -> u32 {
+    pub(crate) fn local_heads(&self) -> u32 {
         self.heads().len()
+    }
+
+    /// The KV heads this rank holds, of the model's `total_kv_heads`.
+    pub fn heads_range(&self) -> Range<u32> {
+        let h = self.heads();
+        h.start..h.end
     }
 
     /// The producer ranks, of an instance of TP size `producer_tp`, that

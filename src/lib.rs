@@ -19,6 +19,7 @@ pub mod fsm;
 pub mod ids;
 pub mod layout;
 pub mod side_channel;
+pub mod staging;
 #[cfg(feature = "testing")]
 pub mod testing;
 pub mod trace;

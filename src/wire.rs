@@ -9,9 +9,10 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::error::ProtocolError;
+use crate::error::{GeometryError, ProtocolError};
 use crate::ids::{Capability, Generation, ProducerRank, RequestId};
 use crate::layout::KvLayout;
+use crate::staging::StagingGrant;
 use crate::transport::parse_endpoint;
 
 /// The wire version this build speaks. Version 2 added the request's
@@ -52,6 +53,12 @@ pub struct Handshake {
     /// clocks must agree to well within `orbitkv.pd.timeout_s` (NTP).
     #[serde(default)]
     pub expires_unix_ms: u64,
+    /// Where a producer that stages writes instead of the pages: a region of
+    /// the consumer's registered staging memory, authorized for this
+    /// request and generation like `block_ids` (`crate::staging`). Absent:
+    /// producers write the pages directly.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staging: Option<StagingGrant>,
 }
 
 /// Milliseconds since the Unix epoch, on this host's clock.
@@ -92,6 +99,20 @@ impl Handshake {
         parse_endpoint(&self.endpoint).map_err(|e| ProtocolError::Endpoint(e.to_string()))?;
         self.layout.validate()?;
         self.layout.validate_blocks(&self.block_ids)?;
+        if let Some(g) = self.staging {
+            let needed = crate::staging::staged_bytes(&self.layout, self.block_ids.len() as u32)
+                .ok_or(GeometryError::StagingOverflow)?;
+            if g.base.checked_add(g.len).is_none() || g.base == 0 {
+                return Err(GeometryError::StagingOverflow.into());
+            }
+            if g.len < needed {
+                return Err(GeometryError::StagingTooSmall {
+                    granted: g.len,
+                    needed,
+                }
+                .into());
+            }
+        }
         Ok(())
     }
 
@@ -183,6 +204,10 @@ pub struct Notice {
     pub reason: Option<String>,
     /// Bytes this producer wrote for the request.
     pub bytes: u64,
+    /// Whether this producer wrote into the handshake's staging grant
+    /// instead of the pages (the consumer then scatters its heads).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub staged: bool,
 }
 
 impl Notice {
@@ -205,6 +230,7 @@ impl Notice {
                 "producer rank {producer_rank} refused the handshake: {reason}"
             )),
             bytes: 0,
+            staged: false,
         }
     }
 
@@ -280,6 +306,7 @@ mod tests {
             block_ids: vec![3, 1, 2],
             layout: layout(0x10_0000, 2, 8, 256, (0, 1), 2),
             expires_unix_ms: 0,
+            staging: None,
         }
     }
 
@@ -329,6 +356,7 @@ mod tests {
             outcome: Outcome::Failed,
             reason: Some("x".into()),
             bytes: 5,
+            staged: false,
         };
         assert_eq!(Notice::from_json(&n.to_json()).unwrap(), n);
     }

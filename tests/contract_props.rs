@@ -463,6 +463,7 @@ impl Model {
             block_ids: blocks,
             layout: self.consumer_layout.clone(),
             expires_unix_ms: 0,
+            staging: None,
         });
         handshake.validate().expect("the model's handshake is valid");
         self.gens.push(Gen {

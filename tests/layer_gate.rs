@@ -115,7 +115,8 @@ fn layers_are_written_only_after_their_mark_and_the_finish_waits_for_them() {
         RuntimeEvent::ConsumerCompleted {
             request: req.clone(),
             generation: hs.generation,
-            bytes: layers as u64 * 3 * bb
+            bytes: layers as u64 * 3 * bb,
+            staged: None,
         }
     );
     for l in 0..layers {

@@ -132,7 +132,8 @@ fn a_silent_producer_fails_the_consumer_at_its_deadline_and_holds_the_blocks_for
         );
         let t0 = Instant::now();
         let wall = std::time::Instant::now();
-        let consumer = ConsumerActor::new(machine, timeout, quarantine, router, tx, stats.clone()).start();
+        let consumer =
+            ConsumerActor::new(machine, timeout, quarantine, router, tx, stats.clone(), None).start();
 
         let (ev, at) = next(&rx, Duration::from_secs(600))
             .await
@@ -185,6 +186,7 @@ fn handshake_for(request: &str) -> Handshake {
         block_ids: vec![1, 2],
         layout: layout(),
         expires_unix_ms: orbitkv::wire::unix_ms_now() + 3_600_000,
+        staging: None,
     };
     h.validate().expect("a valid handshake");
     h
@@ -211,7 +213,7 @@ fn a_parked_handshake_expires_at_the_handshake_deadline_and_is_never_taken_after
         // one and gives up at its own deadline, writing nothing.
         let t0 = Instant::now();
         producer
-            .call(|d, ctx| d.producer_open(RequestId::new("late-open"), vec![0, 1], cap(), 1, ctx))
+            .call(|d, ctx| d.producer_open(RequestId::new("late-open"), vec![0, 1], cap(), 1, None, ctx))
             .await
             .expect("producer_open");
         let (ev, at) = next(&producer.events, Duration::from_secs(600))
@@ -257,7 +259,7 @@ fn a_cancel_before_the_open_releases_the_producer_at_once_and_a_stranger_cannot_
             .expect("remembered");
         let t0 = Instant::now();
         producer
-            .call(|d, ctx| d.producer_open(RequestId::new("c"), vec![0], cap(), 1, ctx))
+            .call(|d, ctx| d.producer_open(RequestId::new("c"), vec![0], cap(), 1, None, ctx))
             .await
             .expect("producer_open");
         let (ev, at) = next(&producer.events, Duration::from_secs(600))
@@ -285,7 +287,7 @@ fn a_release_naming_an_unknown_group_never_releases_the_live_one() {
     paused(async {
         let producer = Rank::new("127.0.0.1:5", RuntimeConfig::default());
         producer
-            .call(|d, ctx| d.producer_open(RequestId::new("g"), vec![0], cap(), 1, ctx))
+            .call(|d, ctx| d.producer_open(RequestId::new("g"), vec![0], cap(), 1, None, ctx))
             .await
             .expect("producer_open");
         // A stray release under a group token the directory never gave out.

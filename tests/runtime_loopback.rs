@@ -81,7 +81,8 @@ fn one_producer_streams_layers_into_authorized_blocks_only() {
         RuntimeEvent::ConsumerCompleted {
             request: req.clone(),
             generation: hs.generation,
-            bytes: expected_bytes
+            bytes: expected_bytes,
+            staged: None,
         }
     );
 
@@ -203,6 +204,7 @@ fn notices_for_unknown_requests_or_stale_generations_are_dropped_and_counted() {
         outcome: Outcome::Done,
         reason: None,
         bytes: 0,
+        staged: false,
     };
     let ep = consumer.runtime.endpoint().to_string();
     sender

@@ -27,9 +27,18 @@ Suites:
             and scattered block IDs, every written byte compared with the
             producer's source block (the consumer regenerates the producer's
             seeded random KV) after every repetition, and unauthorized blocks
-            checked untouched, (d) raw `engine.write` anchors (1, 16, 256 MiB; 1024 x
-            64 KiB in one batch and in 8 batches) and the runtime's own ranges
-            written directly (one batch per layer, all submitted at once).
+            checked untouched; with `--staging on` (the default) each scattered
+            case also through staging (the producer gathers every layer into
+            its source staging before `layer_ready`, the runtime writes it
+            into the consumer's grant as a few large ranges, the consumer
+            scatters the grant into its pages: timed from before the first
+            gather to the scatter done, checked like the direct case, and the
+            consumer's staging outside the grant checked untouched; the direct
+            case then runs against a consumer that grants staging, which a
+            producer without source staging ignores), (d) raw `engine.write`
+            anchors (1, 16, 256 MiB; 1024 x 64 KiB in one batch and in 8
+            batches) and the runtime's own ranges written directly (one batch
+            per layer, all submitted at once).
   nixl      two processes, one NIXL agent each (UCX backend): the same anchors
             and the same KV ranges, one transfer per layer, all posted at once.
   torch     one process: `dst.copy_(src)` from the source device to the
@@ -82,6 +91,13 @@ def main() -> int:
                    help="MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER and MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER for "
                         "--transport tcp (Mooncake's default, 1024, fails scattered KV of >= 8k tokens); "
                         "0 keeps Mooncake's defaults")
+    r.add_argument("--staging", choices=("on", "off"), default="on",
+                   help="mooncake suite: also stream each scattered KV case through staging (the producer "
+                        "gathers each layer into a source staging, the runtime writes it into the consumer's "
+                        "grant as a few large ranges, the consumer scatters it), timed end to end")
+    r.add_argument("--staging-min-ranges", type=int, default=4,
+                   help="Runtime staging_min_ranges with --staging on (grant staging from this many direct "
+                        "ranges per layer)")
     r.add_argument("--corrupt", action="store_true",
                    help="self-test of the checks: damage one written byte and one guard byte before every "
                         "check of the mooncake suite; every check must then report it")

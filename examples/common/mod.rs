@@ -231,6 +231,7 @@ pub fn describe(ev: &RuntimeEvent) -> String {
             request,
             generation,
             bytes,
+            ..
         } => format!("consumer {request} {generation}: COMPLETED ({bytes} bytes)"),
         RuntimeEvent::ConsumerFailed {
             request,

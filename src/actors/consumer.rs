@@ -15,6 +15,8 @@ use super::messages::*;
 use super::router::NotificationRouter;
 use super::stats::Stats;
 use crate::fsm::*;
+use crate::staging::{staged_units, SharedArena, StagedKv, StagingGrant};
+use std::collections::BTreeSet;
 
 /// The decode side of one request.
 pub struct ConsumerActor {
@@ -27,6 +29,48 @@ pub struct ConsumerActor {
     events: Sender<RuntimeEvent>,
     stats: Arc<Stats>,
     span: Span,
+    /// The request's staging grant, if it has one (returned to its arena on
+    /// release, never before).
+    staging: Option<ConsumerStaging>,
+}
+
+/// A consumer's staging grant and what it needs to tell the worker what to
+/// scatter.
+pub struct ConsumerStaging {
+    pub grant: StagingGrant,
+    pub arena: SharedArena,
+    pub blocks: u32,
+    pub producer_tp: u32,
+    pub layout: Arc<crate::layout::KvLayout>,
+    /// Producer ranks of this generation that said they staged.
+    pub staged: BTreeSet<u32>,
+}
+
+impl ConsumerStaging {
+    fn staged_kv(&self) -> Option<StagedKv> {
+        if self.staged.is_empty() {
+            return None;
+        }
+        let mut units: Vec<std::ops::Range<u32>> = self
+            .staged
+            .iter()
+            .map(|&r| staged_units(&self.layout, self.producer_tp, r))
+            .filter(|u| !u.is_empty())
+            .collect();
+        units.sort_by_key(|u| u.start);
+        let mut merged: Vec<std::ops::Range<u32>> = Vec::with_capacity(units.len());
+        for u in units {
+            match merged.last_mut() {
+                Some(last) if u.start <= last.end => last.end = last.end.max(u.end),
+                _ => merged.push(u),
+            }
+        }
+        Some(StagedKv {
+            grant: self.grant,
+            blocks: self.blocks,
+            units: merged,
+        })
+    }
 }
 
 impl ConsumerActor {
@@ -37,6 +81,7 @@ impl ConsumerActor {
         router: Addr<NotificationRouter>,
         events: Sender<RuntimeEvent>,
         stats: Arc<Stats>,
+        staging: Option<ConsumerStaging>,
     ) -> Self {
         let span = tracing::info_span!("request", side = "consumer", request = %machine.request,
             generation = machine.generation.0, expected = machine.expected_count());
@@ -49,6 +94,7 @@ impl ConsumerActor {
             events,
             stats,
             span,
+            staging,
         }
     }
 
@@ -66,6 +112,7 @@ impl ConsumerActor {
                         request: request.clone(),
                         generation,
                         bytes,
+                        staged: self.staging.as_ref().and_then(ConsumerStaging::staged_kv),
                     });
                 }
                 ConsumerEffect::Failed { reason, held } => {
@@ -91,6 +138,12 @@ impl ConsumerActor {
                 }
                 ConsumerEffect::Released => {
                     tracing::info!("released: no producer can write into the blocks any more");
+                    if let Some(s) = self.staging.take() {
+                        // Nothing can write into the grant any more either.
+                        if let Err(e) = s.arena.lock().free(s.grant.base) {
+                            tracing::error!(error = %e, "staging grant not returned");
+                        }
+                    }
                     self.router.do_send(UnregisterConsumer {
                         request: request.clone(),
                         generation,
@@ -141,6 +194,18 @@ impl Handler<NoticeArrived> for ConsumerActor {
         if n.request_id != self.machine.request {
             self.stats.events_dropped.inc();
             return;
+        }
+        if n.staged
+            && n.outcome == crate::wire::Outcome::Done
+            && n.generation == self.machine.generation
+            && self.machine.would_count(n.producer_rank)
+        {
+            // Only the first done notice of an expected rank of this
+            // generation: a duplicate or a stranger's never makes the
+            // worker scatter over heads written directly.
+            if let Some(s) = self.staging.as_mut() {
+                s.staged.insert(n.producer_rank.0);
+            }
         }
         self.feed(
             ConsumerEvent::Notice {

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use actix::prelude::*;
 use crossbeam_channel::Sender;
 
-use super::consumer::ConsumerActor;
+use super::consumer::{ConsumerActor, ConsumerStaging};
 use super::gate::GateCall;
 use super::messages::*;
 use super::preopen::{Parked, PreOpen, PreOpenLimits};
@@ -35,6 +35,8 @@ use crate::error::{GeometryError, RuntimeError};
 use crate::fsm::ConsumerMachine;
 use crate::ids::{Capability, Generation, ProducerRank, RequestId};
 use crate::layout::KvLayout;
+use crate::staging::arena::StagingArena;
+use crate::staging::{staged_bytes, SharedArena, SourceStaging, StagingGrant};
 use crate::wire::{Cancel, Handshake, Outcome};
 
 /// Work for the directory, run on its thread in arrival order (the façade's
@@ -133,6 +135,8 @@ pub struct RequestDirectory {
     /// member had stopped) whose releases are still on their way, by token.
     ending: HashMap<u64, ProducerGroup>,
     pre_open: PreOpen,
+    /// Decode side: where staging grants come from (`cfg.staging_region`).
+    staging: Option<SharedArena>,
 }
 
 impl RequestDirectory {
@@ -151,7 +155,13 @@ impl RequestDirectory {
             max_bytes: cfg.max_parked_bytes,
             ..PreOpenLimits::default()
         });
+        let staging = cfg.staging_region.and_then(|(base, len)| {
+            StagingArena::new(base, len)
+                .map(|a| Arc::new(parking_lot::Mutex::new(a)))
+                .ok()
+        });
         Self {
+            staging,
             shared,
             cfg,
             router,
@@ -175,6 +185,7 @@ impl RequestDirectory {
         &mut self,
         mut handshake: Handshake,
         expected: BTreeSet<ProducerRank>,
+        producer_tp: u32,
     ) -> Result<Handshake, RuntimeError> {
         let request = handshake.request_id.clone();
         if self.consumers.get(&request).is_some_and(|(_, a)| a.connected()) {
@@ -183,6 +194,17 @@ impl RequestDirectory {
         let generation = Generation(self.next_generation);
         self.next_generation += 1;
         handshake.generation = generation;
+        let staging = self.grant_staging(&handshake, producer_tp).map(|(grant, arena)| {
+            handshake.staging = Some(grant);
+            ConsumerStaging {
+                grant,
+                arena,
+                blocks: handshake.block_ids.len() as u32,
+                producer_tp,
+                layout: self.shared.local.clone(),
+                staged: BTreeSet::new(),
+            }
+        });
         let machine = ConsumerMachine::new(request.clone(), generation, expected);
         let actor = ConsumerActor::new(
             machine,
@@ -191,6 +213,7 @@ impl RequestDirectory {
             self.router.clone(),
             self.events.clone(),
             self.shared.stats.clone(),
+            staging,
         );
         let addr = actor.start();
         // Registered before the handshake leaves the runtime, so no notice
@@ -202,6 +225,47 @@ impl RequestDirectory {
         });
         self.consumers.insert(request, (generation, addr));
         Ok(handshake)
+    }
+
+    /// A staging grant for `handshake`'s blocks, when this rank stages and
+    /// writing its pages directly would take at least `staging_min_ranges`
+    /// ranges per layer: one per run of consecutive blocks and plane, or one
+    /// per block and plane when a producer of another TP size writes head
+    /// slices. `None` when the arena is full (counted; the request is
+    /// written directly).
+    fn grant_staging(&self, handshake: &Handshake, producer_tp: u32) -> Option<(StagingGrant, SharedArena)> {
+        let arena = self.staging.as_ref()?;
+        let local = &self.shared.local;
+        let ids = &handshake.block_ids;
+        let planes = local.layers.first().map_or(1, |l| l.planes.len());
+        let pieces = if producer_tp != local.tp_size && local.head_major {
+            ids.len()
+        } else {
+            1 + ids.windows(2).filter(|w| w[1] != w[0].wrapping_add(1)).count()
+        };
+        if pieces * planes < self.cfg.staging_min_ranges {
+            return None;
+        }
+        let len = staged_bytes(local, ids.len() as u32)?;
+        match arena.lock().alloc(len) {
+            Ok(base) => {
+                self.shared.stats.staging_granted.inc();
+                Some((StagingGrant { base, len }, arena.clone()))
+            }
+            Err(e) => {
+                self.shared.stats.staging_exhausted.inc();
+                tracing::debug!(error = %e, "no staging grant: writing the pages directly");
+                None
+            }
+        }
+    }
+
+    /// Bytes and pieces of staging granted now (decode side).
+    pub fn staging_in_use(&self) -> (u64, usize) {
+        self.staging.as_ref().map_or((0, 0), |a| {
+            let a = a.lock();
+            (a.used_bytes(), a.pieces())
+        })
     }
 
     /// The consumer actor of `request`'s authorization `generation`.
@@ -240,6 +304,7 @@ impl RequestDirectory {
         src_blocks: Vec<u32>,
         capability: Capability,
         consumer_tp: u32,
+        staging: Option<SourceStaging>,
         ctx: &mut Context<Self>,
     ) -> Result<(), RuntimeError> {
         if self.producers.get(&request).is_some_and(ProducerGroup::live) {
@@ -269,7 +334,12 @@ impl RequestDirectory {
         self.next_group += 1;
         let members: Vec<_> = targets
             .iter()
-            .map(|&c| (c, self.start_producer(&request, src_blocks.clone(), token, ctx)))
+            .map(|&c| {
+                (
+                    c,
+                    self.start_producer(&request, src_blocks.clone(), staging, token, ctx),
+                )
+            })
             .collect();
         let group = ProducerGroup {
             token,
@@ -305,12 +375,14 @@ impl RequestDirectory {
         &self,
         request: &RequestId,
         src_blocks: Vec<u32>,
+        staging: Option<SourceStaging>,
         token: u64,
         ctx: &mut Context<Self>,
     ) -> Addr<ProducerActor> {
         ProducerActor::new(
             request.clone(),
             src_blocks,
+            staging,
             self.shared.clone(),
             (token, ctx.address().recipient()),
         )
@@ -411,7 +483,7 @@ impl RequestDirectory {
     /// Tells the consumer of `h` that this rank sends nothing: a producer
     /// with no source blocks, aborted at once, notifies `aborted` and ends.
     fn answer_aborted(&self, h: Arc<Handshake>, reason: String, ctx: &mut Context<Self>) {
-        let addr = self.start_producer(&h.request_id, Vec::new(), 0, ctx);
+        let addr = self.start_producer(&h.request_id, Vec::new(), None, 0, ctx);
         addr.do_send(HandshakeArrived(h));
         addr.do_send(AbortRequest { reason });
     }

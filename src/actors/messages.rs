@@ -158,6 +158,9 @@ pub enum RuntimeEvent {
         request: RequestId,
         generation: Generation,
         bytes: u64,
+        /// Producers that wrote into the request's staging grant: the
+        /// consumer must scatter it into the pages before the KV is used.
+        staged: Option<crate::staging::StagedKv>,
     },
     /// Decode side: the KV will not be complete (failure, abort, timeout).
     /// `held`: at the deadline, with a producer that never ended: its writes

@@ -319,6 +319,7 @@ mod tests {
             block_ids: (0..blocks).collect(),
             layout: KvLayout::packed(0x1000, 1, 1024, 64, (0, 1), 1),
             expires_unix_ms: 0,
+            staging: None,
         })
     }
 

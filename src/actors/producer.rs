@@ -17,7 +17,8 @@ use super::writer::WriterPool;
 use crate::fsm::*;
 use crate::ids::{ProducerRank, RequestId};
 use crate::layout::{plan_write, KvLayout};
-use crate::wire::{Notice, WIRE_VERSION};
+use crate::staging::{plan_staged_write, staging_compatible, SourceStaging, StagingGrant};
+use crate::wire::{Handshake, Notice, WIRE_VERSION};
 
 /// Why a write was not submitted once the consumer's deadline passed.
 pub const EXPIRED: &str =
@@ -43,12 +44,16 @@ pub struct ProducerActor {
     released_to: (u64, Recipient<ProducerEnded>),
     span: Span,
     planned: Vec<crate::transport::WriteRange>,
+    /// Where the worker gathers this request's blocks (`None`: it does not
+    /// stage; every write goes to the pages).
+    staging: Option<SourceStaging>,
 }
 
 impl ProducerActor {
     pub fn new(
         request: RequestId,
         src_blocks: Vec<u32>,
+        staging: Option<SourceStaging>,
         shared: Arc<ProducerShared>,
         released_to: (u64, Recipient<ProducerEnded>),
     ) -> Self {
@@ -62,7 +67,16 @@ impl ProducerActor {
             released_to,
             span,
             planned: Vec::new(),
+            staging,
         }
+    }
+
+    /// Where this producer writes under `auth`: the consumer's staging grant
+    /// when both sides stage in the same order, else the pages. Fixed for
+    /// an authorization (its notice says which).
+    fn staged_into(&self, auth: &Handshake) -> Option<(SourceStaging, StagingGrant)> {
+        let (src, grant) = (self.staging?, auth.staging?);
+        staging_compatible(&self.shared.local, &auth.layout).then_some((src, grant))
     }
 
     fn feed(&mut self, ev: ProducerEvent, ctx: &mut Context<Self>) {
@@ -97,14 +111,26 @@ impl ProducerActor {
                         reason: EXPIRED.into(),
                     });
                 }
-                let planned = plan_write(
-                    &self.shared.local,
-                    &self.src_blocks,
-                    &auth,
-                    layer,
-                    blocks.clone(),
-                    &mut self.planned,
-                );
+                let staged = self.staged_into(&auth);
+                let planned = match staged {
+                    Some((src, grant)) => plan_staged_write(
+                        &self.shared.local,
+                        src,
+                        &auth,
+                        grant,
+                        layer,
+                        blocks.clone(),
+                        &mut self.planned,
+                    ),
+                    None => plan_write(
+                        &self.shared.local,
+                        &self.src_blocks,
+                        &auth,
+                        layer,
+                        blocks.clone(),
+                        &mut self.planned,
+                    ),
+                };
                 if let Err(e) = planned {
                     tracing::warn!(layer, error = %e, "layer cannot be written inside the authorization");
                     return Some(ProducerEvent::WriteFailed {
@@ -121,6 +147,9 @@ impl ProducerActor {
                     });
                 }
                 let bytes = self.planned.iter().map(|r| r.len).sum();
+                if staged.is_some() {
+                    self.shared.stats.layers_staged.inc();
+                }
                 tracing::debug!(
                     write,
                     layer,
@@ -158,8 +187,9 @@ impl ProducerActor {
                     outcome,
                     reason,
                     bytes,
+                    staged: self.staged_into(&auth).is_some(),
                 };
-                tracing::info!(?outcome, bytes, "notifying the consumer");
+                tracing::info!(?outcome, bytes, notice.staged, "notifying the consumer");
                 self.shared
                     .writers
                     .get(&auth.endpoint)

@@ -23,6 +23,7 @@ use crate::ids::generation_seed;
 use crate::ids::{Capability, Generation, RequestId};
 use crate::layout::KvLayout;
 use crate::side_channel::client::{HandshakeJob, Publisher};
+use crate::staging::{staged_bytes, SourceStaging};
 use crate::transport::Transport;
 use crate::wire::{Cancel, Handshake, WIRE_VERSION};
 
@@ -62,6 +63,17 @@ pub struct RuntimeConfig {
     pub side_channel_key: Option<Arc<Vec<u8>>>,
     /// How long one handshake or cancel POST may take.
     pub publish_timeout: Duration,
+    /// Decode side: registered memory (`(address, bytes)`) that staging
+    /// grants are given from (`crate::staging`); `None`: producers always
+    /// write the pages directly.
+    pub staging_region: Option<(u64, u64)>,
+    /// Prefill side: registered memory the worker gathers requests into
+    /// (each request's source staging must lie inside it); `None`: this
+    /// rank never stages.
+    pub source_staging_region: Option<(u64, u64)>,
+    /// Decode side: a request gets a staging grant only when writing its
+    /// pages directly would take at least this many ranges per layer.
+    pub staging_min_ranges: usize,
 }
 
 impl Default for RuntimeConfig {
@@ -79,8 +91,39 @@ impl Default for RuntimeConfig {
             max_parked_bytes: 64 << 20,
             side_channel_key: None,
             publish_timeout: Duration::from_secs(10),
+            staging_region: None,
+            source_staging_region: None,
+            staging_min_ranges: 16,
         }
     }
+}
+
+/// The staging regions are well formed and apart (a grant and a gather
+/// must never share bytes).
+fn check_staging_regions(cfg: &RuntimeConfig) -> Result<(), RuntimeError> {
+    let bad = |what: &str, (base, len): (u64, u64)| {
+        invalid_argument(format!(
+            "{what} of {len} bytes at {base:#x} is empty, at 0, or overflows"
+        ))
+    };
+    for (what, r) in [
+        ("staging_region", cfg.staging_region),
+        ("source_staging_region", cfg.source_staging_region),
+    ] {
+        if let Some((base, len)) = r {
+            if base == 0 || len == 0 || base.checked_add(len).is_none() {
+                return Err(bad(what, (base, len)));
+            }
+        }
+    }
+    if let (Some((a, al)), Some((b, bl))) = (cfg.staging_region, cfg.source_staging_region) {
+        if a < b + bl && b < a + al {
+            return Err(invalid_argument(
+                "staging_region and source_staging_region overlap".into(),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// The request runtime of one rank.
@@ -122,6 +165,7 @@ impl Runtime {
         cfg: RuntimeConfig,
     ) -> Result<Self, RuntimeError> {
         local.validate()?;
+        check_staging_regions(&cfg)?;
         let stats = Arc::new(Stats::default());
         let (boot_tx, boot_rx) = crossbeam_channel::bounded(1);
         let router_transport = transport.clone();
@@ -224,6 +268,12 @@ impl Runtime {
         self.stats.snapshot()
     }
 
+    /// Decode side: staging bytes and grants given out now (every grant is
+    /// returned when its consumer is released).
+    pub fn staging_in_use(&self) -> Result<(u64, usize), RuntimeError> {
+        self.ask(|d, _| Ok(d.staging_in_use()))
+    }
+
     /// Counts `layers` request-layers the embedding worker admitted at the
     /// end of a step because its host never reported them one by one
     /// (`layers_saved_at_wait`).
@@ -282,9 +332,12 @@ impl Runtime {
             // may start a write after it (see `Handshake::expires_unix_ms`).
             expires_unix_ms: crate::wire::unix_ms_now()
                 .saturating_add(self.cfg.consumer_timeout.as_millis() as u64),
+            // The request directory grants it when staging pays (see
+            // `RequestDirectory::consumer_open`).
+            staging: None,
         };
         handshake.validate()?;
-        self.ask(move |d, _| d.consumer_open(handshake, expected))
+        self.ask(move |d, _| d.consumer_open(handshake, expected, producer_tp))
     }
 
     /// Sends `handshake` (from [`Self::consumer_open`]) to the prefill side
@@ -368,7 +421,36 @@ impl Runtime {
         capability: Capability,
         consumer_tp: u32,
     ) -> Result<(), RuntimeError> {
+        self.producer_open_staged(request, src_blocks, capability, consumer_tp, None)
+    }
+
+    /// [`Self::producer_open`] with the request's source staging: the
+    /// worker gathers each computed layer of request blocks
+    /// `0..staging.capacity` there (`crate::staging`), and the producers
+    /// write from it into consumers that granted staging. It must lie
+    /// inside `source_staging_region` and stay untouched by anything else
+    /// until the request's `ProducerReleased`.
+    pub fn producer_open_staged(
+        &self,
+        request: RequestId,
+        src_blocks: Vec<u32>,
+        capability: Capability,
+        consumer_tp: u32,
+        staging: Option<SourceStaging>,
+    ) -> Result<(), RuntimeError> {
         self.local.validate_blocks(&src_blocks)?;
+        if let Some(s) = staging {
+            let len = staged_bytes(&self.local, s.capacity).ok_or(GeometryError::StagingOverflow)?;
+            let inside = self.cfg.source_staging_region.is_some_and(|(base, rlen)| {
+                s.base >= base && s.base.checked_add(len).is_some_and(|end| end <= base + rlen)
+            });
+            if !inside || s.capacity == 0 {
+                return Err(invalid_argument(format!(
+                    "source staging of {} blocks ({len} bytes at {:#x}) is not inside the source staging region",
+                    s.capacity, s.base
+                )));
+            }
+        }
         let total = self.local.total_kv_heads;
         if consumer_tp == 0 || (total % consumer_tp != 0 && consumer_tp % total != 0) {
             return Err(GeometryError::TensorParallel(format!(
@@ -376,7 +458,7 @@ impl Runtime {
             ))
             .into());
         }
-        self.ask(move |d, ctx| d.producer_open(request, src_blocks, capability, consumer_tp, ctx))
+        self.ask(move |d, ctx| d.producer_open(request, src_blocks, capability, consumer_tp, staging, ctx))
     }
 
     /// The consumer gave up `request` (e.g. the client went away) before it
@@ -559,4 +641,9 @@ impl Drop for Runtime {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// A setting or argument out of range (raised as `InvalidArgumentError`).
+fn invalid_argument(msg: String) -> RuntimeError {
+    crate::error::TransportError::InvalidArgument(msg).into()
 }

@@ -72,6 +72,14 @@ pub struct Stats {
     /// called `save_kv_layer` for them (a model path without the per-layer
     /// hook): correct, but not overlapped with the forward.
     pub layers_saved_at_wait: Counter,
+    /// Decode side: requests given a staging grant.
+    pub staging_granted: Counter,
+    /// Decode side: requests that would have been given a staging grant but
+    /// found the staging region full (written directly instead).
+    pub staging_exhausted: Counter,
+    /// Prefill side: layer writes that went from source staging into a
+    /// consumer's grant.
+    pub layers_staged: Counter,
 }
 
 /// A point-in-time copy of [`Stats`].
@@ -105,6 +113,9 @@ pub struct StatsSnapshot {
     pub writes_abandoned: u64,
     pub consumers_quarantine_expired: u64,
     pub layers_saved_at_wait: u64,
+    pub staging_granted: u64,
+    pub staging_exhausted: u64,
+    pub layers_staged: u64,
 }
 
 impl Stats {
@@ -138,6 +149,9 @@ impl Stats {
             writes_abandoned: self.writes_abandoned.get(),
             consumers_quarantine_expired: self.consumers_quarantine_expired.get(),
             layers_saved_at_wait: self.layers_saved_at_wait.get(),
+            staging_granted: self.staging_granted.get(),
+            staging_exhausted: self.staging_exhausted.get(),
+            layers_staged: self.layers_staged.get(),
         }
     }
 }

@@ -135,6 +135,14 @@ impl ConsumerMachine {
         self.done.len()
     }
 
+    /// Whether a notice from `rank` now would be that rank's first terminal
+    /// notice of an expected rank while the request still waits (what a
+    /// staged-done notice needs to count: a duplicate, a stranger or a late
+    /// one changes nothing).
+    pub fn would_count(&self, rank: ProducerRank) -> bool {
+        self.phase == ConsumerPhase::Waiting && self.expected.contains(&rank) && !self.ended.contains(&rank)
+    }
+
     pub fn expected_count(&self) -> usize {
         self.expected.len()
     }

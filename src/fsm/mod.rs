@@ -80,6 +80,7 @@ pub(crate) mod test_support {
             block_ids: blocks,
             layout: layout(0x10_0000, layers, 8, 256, (0, 1), 2),
             expires_unix_ms: 0,
+            staging: None,
         })
     }
 }

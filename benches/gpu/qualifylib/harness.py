@@ -87,6 +87,8 @@ class Run:
                         "max_ranges_in_flight_per_peer": args.max_ranges_in_flight,
                         "writer_lanes_per_peer": args.writer_lanes},
             "busy": args.busy,
+            "staging": getattr(args, "staging", "off") if args.suite == "mooncake" else None,
+            "staging_min_ranges": getattr(args, "staging_min_ranges", None),
             "submit_wait": args.submit_wait,
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "host": platform.node(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -35,11 +36,44 @@ def cell(step: dict[str, Any] | None, check: bool = True) -> str:
         s += " ✗bytes"
     if check and step.get("untouched") and step["untouched"].get("blocks_touched"):
         s += " ✗guard"
+    if check and step.get("stage_untouched") and step["stage_untouched"].get("bytes_modified"):
+        s += " ✗staging"
     return s
 
 
 def first_line(x: Any) -> str:
     return str(x or "").strip().splitlines()[0][:300] if x else ""
+
+
+def check_text(k: dict[str, Any]) -> str:
+    """The bytes + guard check of a KV step, in words (— if the step did not run)."""
+    if k.get("status") != "ok":
+        return "—"
+    bc, ut = k["bytes_check"], k["untouched"]
+    if bc.get("method") == "bytes":  # every byte compared; mismatched counts blocks
+        what = f"{bc['compared']} bytes compared, {max(bc['mismatched'], 0)} (layer, plane, block) differing"
+    else:  # older results: per-block checksums
+        what = f"{bc['compared'] - max(bc['mismatched'], 0)}/{bc['compared']} blocks equal"
+    what += f", {ut['blocks_touched']}/{ut['blocks_checked']} other blocks touched"
+    su = k.get("stage_untouched")
+    if su:
+        what += f", {su['bytes_modified']}/{su['bytes_checked']} staging bytes outside the grant modified"
+    if k.get("staging_problem"):
+        what += f", {k['staging_problem']}"
+    return f"{'PASS' if k.get('ok') else 'FAIL'}: {what}"
+
+
+def ratio(a: dict[str, Any] | None, b: dict[str, Any] | None) -> float | None:
+    """Median GB/s of step `a` over step `b`, when both ran."""
+    if not a or not b or a.get("status") != "ok" or b.get("status") != "ok":
+        return None
+    ga, gb = a.get("gbps_median"), b.get("gbps_median")
+    return ga / gb if ga and gb else None
+
+
+def ms(xs: list[float] | None) -> str:
+    """The median of `xs` seconds in ms."""
+    return fmt(statistics.median(xs) * 1e3, 2) if xs else "—"
 
 
 def run_layers(c: dict[str, Any]) -> int:
@@ -48,6 +82,54 @@ def run_layers(c: dict[str, Any]) -> int:
 
 def place(dev: Any, s: Any, d: Any) -> str:
     return f"GPU{s} → GPU{d}" if dev == "cuda" else "CPU → CPU"
+
+
+def staged_table(md: list[str], goals: list[dict[str, Any]], steps: dict[str, Any], mc: dict[str, Any],
+                 where: str, transport: str, per_block: dict[str, Any] | None) -> None:
+    """The scattered KV cases through staging beside the direct ones, and
+    their goal rows (staged ÷ raw one range per 64 KiB block >= 2, met only
+    when both steps' bytes checked out)."""
+    staged = [t for t in mc.get("tokens", []) if f"kv_{t}_scattered_staged" in steps]
+    if not staged:
+        if (mc.get("staging") or "off") == "off":
+            md += ["", "Staging: not run (`--staging off`, or a run from before it)."]
+        return
+    md += ["", "Scattered KV through staging (`--staging on`, staging_min_ranges "
+           f"{mc.get('staging_min_ranges')}): the producer gathers each layer into its source staging before its "
+           "`layer_ready`, the runtime writes it into the consumer's grant, the consumer scatters the grant into "
+           "its pages; timed from before the first gather to the scatter done (synchronized). Ranges/layer: what "
+           "the runtime submitted (producer's `write_ranges` ÷ layers). Ratios of medians.", ""]
+    hdr = ("| prompt | bytes | ranges/layer direct → staged | layers staged | direct GB/s | staged GB/s | "
+           "Mooncake, same ranges | staged ÷ Mooncake same ranges | staged ÷ direct | staged ÷ raw 1024 × 64 KiB | "
+           "gather ms | scatter ms | bytes + guard check |")
+    md += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
+    for tokens in staged:
+        sk = steps[f"kv_{tokens}_scattered_staged"]
+        k = steps.get(f"kv_{tokens}_scattered") or {}
+        rk = steps.get(f"rawkv_{tokens}_scattered")
+        ok = sk.get("status") == "ok"
+        size = f"{sk['bytes'] / 2**20:.0f} MiB" if sk.get("bytes") else "—"
+        direct_r = k.get("ranges_per_layer_submitted", k.get("ranges_per_layer"))
+        rng = f"{fmt(direct_r, 0)} → {fmt(sk['ranges_per_layer'], 0)}" if ok else "—"
+        nl = run_layers(mc)
+        ls = f"{sk.get('layers_staged')}/{nl}" if ok else "—"
+        md.append(f"| {tokens} | {size} | {rng} | {ls} | "
+                  f"{cell(k)} | {cell(sk)} | {cell(rk)} | {fmt(ratio(sk, rk), 2)} | {fmt(ratio(sk, k), 2)} | "
+                  f"{fmt(ratio(sk, per_block), 2)} | {ms(sk.get('gather_s'))} | {ms(sk.get('scatter_s'))} | "
+                  f"{check_text(sk)} |")
+        if ok:
+            nr = sk["ranges_per_layer"] * nl
+            gl = {"where": where, "transport": transport, "tokens": tokens, "pattern": "scattered, staged",
+                  "runtime_gbps": sk["gbps_median"], "us_per_range": sk["median_s"] / nr * 1e6 if nr else None,
+                  "vs_mooncake_same_ranges": ratio(sk, rk), "vs_direct": ratio(sk, k)}
+            if per_block and per_block.get("status") == "ok":
+                gl["reference"] = "raw 1024 × 64 KiB, one range per block"
+                gl["reference_gbps"] = per_block["gbps_median"]
+                gl["ratio"] = sk["gbps_median"] / per_block["gbps_median"]
+                gl["goal"] = ">= 2"
+                gl["bytes_ok"] = bool(sk.get("ok")) and bytes_ok(sk) and bytes_ok(per_block)
+                gl["met"] = gl["ratio"] >= 2.0 and gl["bytes_ok"]
+            goals.append(gl)
 
 
 def cmd_report(args: argparse.Namespace) -> int:
@@ -141,8 +223,11 @@ def cmd_report(args: argparse.Namespace) -> int:
                     line += f" {cell(tch['steps'].get(key)) if not only_mc else '—'} |"
                 md.append(line)
             md += ["", "KV streaming, Llama-3-8B geometry (32 layers × K,V planes, 32 KiB per block and plane), "
-                   "time from the first `layer_ready` to the consumer's `consumer_completed` (GB/s, median):", ""]
-            hdr = "| prompt | block IDs | bytes | ranges/layer | OrbitKV `Runtime` | Mooncake, same ranges |" + \
+                   "time from the first `layer_ready` to the consumer's `consumer_completed` (staged: from before the first "
+                   "gather to the consumer's scatter done; GB/s, median):", ""]
+            staging = mc.get("staging") or "off"
+            hdr = "| prompt | block IDs | bytes | ranges/layer | OrbitKV `Runtime` | OrbitKV staged |" + \
+                  " Mooncake, same ranges |" + \
                   (" NIXL, same ranges |" if show_nixl else "") + (" torch |" if tch else "") + \
                   " bytes + guard check |"
             md += [hdr, "|" + "---|" * (hdr.count("|") - 1)]
@@ -154,23 +239,21 @@ def cmd_report(args: argparse.Namespace) -> int:
                     k = steps.get(key) or {}
                     rk = steps.get(f"rawkv_{tokens}_{pattern}")
                     size = f"{k['bytes'] / 2**20:.0f} MiB" if k.get("bytes") else "—"
+                    if pattern != "scattered":
+                        sg = "—"
+                    elif staging == "off":
+                        sg = "off"
+                    else:
+                        sk = steps.get(f"{key}_staged")
+                        sg = cell(sk) + (f" ({fmt(sk['ranges_per_layer'], 0)} ranges/layer)"
+                                         if sk and sk.get("status") == "ok" else "")
                     line = (f"| {tokens} | {pattern} | {size} | "
-                            f"{k.get('ranges_per_layer', '—')} | {cell(k)} | {cell(rk)} |")
+                            f"{k.get('ranges_per_layer', '—')} | {cell(k)} | {sg} | {cell(rk)} |")
                     if show_nixl and nixl is not None:
                         line += f" {cell(nixl['steps'].get(key))} |"
                     if tch:
                         line += f" {cell(tch['steps'].get(key), check=False)} |"
-                    if k.get("status") == "ok":
-                        bc, ut = k["bytes_check"], k["untouched"]
-                        if bc.get("method") == "bytes":  # every byte compared; mismatched counts blocks
-                            what = (f"{bc['compared']} bytes compared, {max(bc['mismatched'], 0)} (layer, plane, "
-                                    "block) differing")
-                        else:  # older results: per-block checksums
-                            what = f"{bc['compared'] - max(bc['mismatched'], 0)}/{bc['compared']} blocks equal"
-                        line += (f" {'PASS' if k.get('ok') else 'FAIL'}: {what}, {ut['blocks_touched']}/"
-                                 f"{ut['blocks_checked']} other blocks touched |")
-                    else:
-                        line += " — |"
+                    line += f" {check_text(k)} |"
                     md.append(line)
                     if k.get("status") == "ok":
                         nr = k["ranges_per_layer"] * run_layers(mc)
@@ -192,6 +275,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                             gl["bytes_ok"] = bool(k.get("ok")) and bytes_ok(per_block)
                             gl["met"] = gl["ratio"] >= 2.0 and gl["bytes_ok"]
                         goals.append(gl)
+            staged_table(md, goals, steps, mc, where, transport, per_block)
     for c in configs:
         if c.get("suite") in ("nixl", "torch"):
             bad = {k: v for k, v in c.get("steps", {}).items() if v.get("status") != "ok"}
@@ -211,7 +295,9 @@ def cmd_report(args: argparse.Namespace) -> int:
                               f"before the clock starts; with creation: see results.json `with_create`).")
     if goals:
         md += ["", "Goals (contiguous: runtime ÷ raw one-range write; scattered: runtime ÷ raw one range per "
-               "64 KiB block). µs/range: the runtime's median time ÷ the ranges it wrote (2 planes × runs × layers).",
+               "64 KiB block; scattered, staged: the same, gathers and scatter inside the time; met only when the "
+               "bytes of both checked out). µs/range: the runtime's median time ÷ the ranges it wrote (direct: "
+               "2 planes × runs × layers; staged: the ranges it submitted).",
                "", "| where | transport | prompt | block IDs | runtime GB/s | µs/range | reference | ref GB/s | "
                "ratio | goal | met |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for g in goals:

@@ -301,6 +301,11 @@ class Side:
         pass
 
 
+# What a request changed of the producer's counters (`Runtime.stats()`).
+STAT_DELTAS = ("write_ranges", "write_batches", "layers_written", "layers_staged", "bytes_written")
+STAGE_SLACK = 64 << 10  # staging beyond the largest request: alignment, and bytes no grant covers
+
+
 def mooncake_says(start: Any) -> tuple[list[str], Any]:
     """Runs ``start`` (which loads Mooncake and starts an engine) with
     Mooncake's INFO log on and this process's stderr going to a file for the
@@ -337,6 +342,19 @@ class MooncakeSide(Side):
         import orbitkv
 
         self.orbitkv = orbitkv
+        # Staging memory (--staging on): the producer's source staging, the
+        # consumer's staging region for grants, each sized for the largest
+        # request's KV (its staged copy is as large) plus alignment slack.
+        self.stage: Any = None
+        self.grants: dict[str, dict[str, int] | None] = {}
+        stage_blocks = opts.get("staging_blocks", 0)
+        if stage_blocks:
+            nbytes = self.layers * 2 * stage_blocks * BLOCK_BYTES + STAGE_SLACK
+            if self.cuda:
+                # its own cudaMalloc, not a piece of a cached one (alloc_bases)
+                self.torch.cuda.empty_cache()
+            self.stage = self.torch.full((nbytes,), GUARD, dtype=self.torch.uint8, device=self.dev)
+            self.sync()
         t0 = time.monotonic()
         self.transport_log, self.engine = mooncake_says(lambda: orbitkv.MooncakeTransferEngine("127.0.0.1"))
         self.engine_s = time.monotonic() - t0
@@ -357,7 +375,65 @@ class MooncakeSide(Side):
             max_bytes_in_flight_per_peer=opts["max_in_flight"],
             max_ranges_in_flight_per_peer=opts["max_ranges_in_flight"],
             writer_lanes_per_peer=opts["writer_lanes"],
+            staging_region=self.stage_region() if role == "consumer" else None,
+            source_staging_region=self.stage_region() if role == "producer" else None,
+            staging_min_ranges=opts.get("staging_min_ranges") if self.stage is not None else None,
         )
+        if self.stage is not None:
+            from orbitkv.staging import StagingCopier
+
+            need = self.runtime.staged_layout(stage_blocks)["bytes"]
+            if need + STAGE_SLACK > self.stage.numel():
+                raise RuntimeError(f"staging of {self.stage.numel()} bytes is short of {need} + {STAGE_SLACK}")
+            units = self.runtime.staged_layout(1)["units"]
+            self.copier = StagingCopier(json.loads(self.layout_json()), units, [*self.kv, self.stage])
+            self.arena = orbitkv.StagingArena(*self.stage_region())
+
+    def stage_region(self) -> tuple[int, int] | None:
+        """`(addr, bytes)` of the staging tensor, None without one."""
+        if self.stage is None:
+            return None
+        return self.stage.data_ptr(), self.stage.numel()
+
+    def buffers(self) -> list[Any]:
+        return [*super().buffers(), *([] if getattr(self, "stage", None) is None else [self.stage])]
+
+    def stream_sync(self) -> None:
+        """Waits for the copies queued on the current CUDA stream (the
+        gathers and scatters of `orbitkv.staging`)."""
+        if self.cuda:
+            self.torch.cuda.current_stream().synchronize()
+
+    def cmd_kv_reset(self) -> dict[str, Any]:
+        """Also puts guard bytes back into the staging memory, so a grant
+        that was not written cannot hand an earlier repetition's bytes to
+        the scatter."""
+        if self.stage is not None:
+            self.stage.fill_(GUARD)
+        return super().cmd_kv_reset()
+
+    def cmd_corrupt(self, what: str, ranges: list[tuple[int, int, int]] | None = None,
+                    ids: list[int] | None = None, rows: list[int] | None = None) -> dict[str, Any]:
+        """`stage`: damages the last byte of the staging region (outside
+        every grant: the region has slack after the largest one)."""
+        if what == "stage":
+            self.stage[-1] ^= 0xFF
+            self.sync()
+            return {}
+        return super().cmd_corrupt(what, ranges, ids, rows)
+
+    def cmd_stage_untouched(self, req: str) -> dict[str, Any]:
+        """Consumer: staging bytes outside `req`'s grant that are no longer
+        guard bytes (nothing but the grant may be written)."""
+        g = self.grants.get(req)
+        if g is None:
+            raise RuntimeError(f"{req} got no staging grant")
+        off = g["base"] - self.stage.data_ptr()
+        outside = [self.stage[:off], self.stage[off + g["len"]:]]
+        step = 256 * MiB
+        bad = sum(int((x[i:i + step] != GUARD).sum()) for x in outside for i in range(0, x.numel(), step))
+        return {"bytes_checked": sum(x.numel() for x in outside), "bytes_modified": bad, "ok": bad == 0,
+                "grant": dict(g)}
 
     def cmd_submit_wait(self) -> dict[str, Any]:
         redirected, passed = self.engine.submit_wait_counts()
@@ -409,32 +485,84 @@ class MooncakeSide(Side):
         raise TimeoutError(f"no {sorted(kinds)} event for {req} within {timeout}s")
 
     def cmd_consumer_open(self, req: str, dst: list[int]) -> str:
-        return self.runtime.consumer_open(req, BENCH_CAPABILITY, 0, dst, 1)
+        hs = self.runtime.consumer_open(req, BENCH_CAPABILITY, 0, dst, 1)
+        self.grants[req] = json.loads(hs).get("staging")
+        return hs
 
-    def cmd_consumer_wait(self, req: str) -> dict[str, Any]:
+    def cmd_consumer_wait(self, req: str, scatter: list[int] | None = None) -> dict[str, Any]:
+        """Waits for `req`'s end. With `scatter` (its destination blocks) a
+        staged arrival is scattered from the grant into the pages and the
+        time taken when that is done (synchronized)."""
         ev = self.next_event({"consumer_completed", "consumer_failed"}, req, self.opts["step_timeout"])
         t = time.monotonic_ns()
-        return {"kind": ev.kind, "t_ns": t, "bytes": ev.bytes, "reason": ev.reason}
+        out = {"kind": ev.kind, "t_ns": t, "bytes": ev.bytes, "reason": ev.reason, "staged": None}
+        if scatter is not None and ev.kind == "consumer_completed" and ev.staged is not None:
+            base, n, units = ev.staged
+            if n != len(scatter):
+                raise RuntimeError(f"{req}: {n} blocks staged, {len(scatter)} authorized")
+            self.copier.scatter(self.copier.index(scatter), base, units, self.runtime.staged_layout(n)["slots"])
+            self.stream_sync()
+            out["t_ns"] = time.monotonic_ns()
+            out["staged"] = {"base": base, "blocks": n, "units": [list(u) for u in units],
+                             "scatter_s": (out["t_ns"] - t) / 1e9}
+        return out
 
     def cmd_consumer_release(self, req: str) -> dict[str, Any]:
         self.runtime.consumer_release(req)
         self.next_event({"consumer_released"}, req, self.opts["step_timeout"])
+        self.grants.pop(req, None)
         return {"live": self.runtime.live_requests()}
 
-    def cmd_producer_stream(self, req: str, src: list[int], handshake: str) -> dict[str, Any]:
+    def cmd_producer_stream(self, req: str, src: list[int], handshake: str, staged: bool = False) -> dict[str, Any]:
+        """Streams every layer of `req`. `staged`: with a source staging from
+        the arena, each layer gathered there (and the stream synchronized)
+        before its `layer_ready`, inside the timing; the piece goes back on
+        `producer_released`."""
         rt = self.runtime
-        rt.producer_open(req, src, BENCH_CAPABILITY, 1)
-        rt.producer_handshake(handshake)
         n = len(src)
+        before = rt.stats()
+        piece = slots = None
+        if staged:
+            sl = rt.staged_layout(n)
+            piece, slots = self.arena.alloc(sl["bytes"]), sl["slots"]
+            if piece is None:
+                raise RuntimeError(f"no source staging of {sl['bytes']} bytes free: {self.arena.in_use()} in use")
+            # zeros, not the last request's bytes: a layer not gathered is seen
+            off = piece - self.stage.data_ptr()
+            self.stage[off:off + sl["bytes"]].zero_()
+            self.sync()
+            try:
+                rt.producer_open(req, src, BENCH_CAPABILITY, 1, staging_base=piece, staging_blocks=n)
+            except BaseException:
+                self.arena.free(piece)
+                raise
+        else:
+            rt.producer_open(req, src, BENCH_CAPABILITY, 1)
+        rt.producer_handshake(handshake)
         t0 = time.monotonic_ns()
-        for layer in range(self.layers):
-            rt.layer_ready(req, layer, 0, n)
+        gather_ns = 0
+        if staged:
+            idx = self.copier.index(src)
+            for layer in range(self.layers):
+                g0 = time.monotonic_ns()
+                self.copier.gather(layer, idx, 0, piece, n, slots)
+                self.stream_sync()
+                gather_ns += time.monotonic_ns() - g0
+                rt.layer_ready(req, layer, 0, n)
+        else:
+            for layer in range(self.layers):
+                rt.layer_ready(req, layer, 0, n)
         t1 = time.monotonic_ns()
         rt.producer_finish(req)
         ev = self.next_event({"producer_released"}, req, self.opts["step_timeout"])
         t2 = time.monotonic_ns()
+        if piece is not None:
+            self.arena.free(piece)
+        after = dict(rt.stats())
+        delta = {k: after[k] - before.get(k, 0) for k in STAT_DELTAS}
         return {"t0_ns": t0, "calls_s": (t1 - t0) / 1e9, "released_s": (t2 - t0) / 1e9,
-                "outcome": ev.outcome, "reason": ev.reason, "stats": dict(self.runtime.stats())}
+                "gather_s": gather_ns / 1e9 if staged else None,
+                "outcome": ev.outcome, "reason": ev.reason, "stats": after, "delta": delta}
 
     # -- raw writes ---------------------------------------------------------------
 

@@ -10,7 +10,7 @@ import time
 import traceback
 from typing import Any
 
-from .common import BLOCK_BYTES, block_ids, guard_ranges, log, num_blocks_for, runs, summarize
+from .common import BLOCK_BYTES, BLOCK_TOKENS, block_ids, guard_ranges, log, num_blocks_for, runs, summarize
 from .harness import Child, ChildDied, Run, compare_sums
 
 
@@ -57,12 +57,12 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
         # on NVLink, maps every registered region of the consumer)
         seq = [0]
 
-        def stream(src: list[int], dst: list[int]) -> dict[str, Any]:
+        def stream(src: list[int], dst: list[int], staged: bool = False) -> dict[str, Any]:
             seq[0] += 1
             req = f"q{seq[0]}"
             hs = cons.call("consumer_open", st, req=req, dst=dst)
-            cons.send("consumer_wait", req=req)
-            prod.send("producer_stream", req=req, src=src, handshake=hs)
+            cons.send("consumer_wait", req=req, scatter=dst if staged else None)
+            prod.send("producer_stream", req=req, src=src, handshake=hs, staged=staged)
             p = prod.recv(st + 10)
             c = cons.recv(st + 10)
             return {"req": req, "p": p, "c": c}
@@ -110,31 +110,39 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                 est = nbytes / (1.0e9 if a.transport == "tcp" else 50e9) * (reps + 1) + 3
 
                 def kv(src: list[int] = src, dst: list[int] = dst, reps: int = reps,
-                       nbytes: int = nbytes) -> dict[str, Any]:
-                    secs, prods, checks = [], [], []
+                       nbytes: int = nbytes, staged: bool = False) -> dict[str, Any]:
+                    secs, prods, checks, scatters = [], [], [], []
                     # Every repetition writes into guard bytes and is checked
                     # on its own (a later one cannot hide an earlier one's
                     # wrong or stray bytes); the checks are outside the timing.
+                    # Staged: the clock runs from before the producer's first
+                    # gather to the consumer's scatter done (synchronized).
                     cons.call("kv_reset", st)
                     release: Any = None
                     for _ in range(reps):
-                        r = stream(src, dst)
-                        if r["c"]["kind"] != "consumer_completed":
+                        r = stream(src, dst, staged)
+                        if r["c"]["kind"] != "consumer_completed" or (staged and not r["c"]["staged"]):
                             try:
                                 cons.call("consumer_release", 15, req=r["req"])
                             except Exception:  # noqa: BLE001
                                 pass
-                            raise RuntimeError(f"consumer: {r['c']}")
+                            why = "" if r["c"]["kind"] != "consumer_completed" else "not staged: "
+                            raise RuntimeError(f"consumer: {why}{r['c']}; producer: {r['p']['delta']}")
                         if r["c"]["bytes"] != nbytes:
                             raise RuntimeError(f"consumer got {r['c']['bytes']} bytes, expected {nbytes}")
                         secs.append((r["c"]["t_ns"] - r["p"]["t0_ns"]) / 1e9)
-                        prods.append({k: r["p"][k] for k in ("calls_s", "released_s", "outcome")})
+                        prods.append({k: r["p"][k] for k in ("calls_s", "gather_s", "released_s", "outcome", "delta")})
                         if a.corrupt:
                             cons.call("corrupt", st, what="kv", ids=dst)
+                            if staged:
+                                cons.call("corrupt", st, what="stage")
                         bc = cons.call("kv_equal", st * 2, src=src, dst=dst)
                         ut = cons.call("kv_untouched", st * 2, ids=dst)
                         ut["ok"] = ut["blocks_touched"] == 0
                         checks.append({"bytes_check": bc, "untouched": ut})
+                        if staged:
+                            checks[-1]["stage"] = cons.call("stage_untouched", st * 2, req=r["req"])
+                            scatters.append(r["c"]["staged"]["scatter_s"])
                         release = cons.call("consumer_release", st, req=r["req"])
                         cons.call("kv_reset", st)
                     out = summarize(nbytes, secs)
@@ -146,13 +154,33 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                     out["untouched"] = max((c["untouched"] for c in checks),
                                            key=lambda u: (not u["ok"], u["blocks_touched"]))
                     out["checked_repetitions"] = len(checks)
-                    out["ok"] = all(c["bytes_check"]["ok"] and c["untouched"]["ok"] for c in checks)
+                    out["ok"] = all(c["bytes_check"]["ok"] and c["untouched"]["ok"]
+                                    and c.get("stage", {"ok": True})["ok"] for c in checks)
                     out["release"] = release
                     out["blocks"] = len(src)
+                    # What the runtime submitted (producer counters), the most of any repetition.
+                    deltas = [p_["delta"] for p_ in prods]
+                    out["ranges_per_layer_submitted"] = max(d["write_ranges"] for d in deltas) / a.layers
+                    out["batches_per_layer_submitted"] = max(d["write_batches"] for d in deltas) / a.layers
+                    out["layers_staged"] = min(d["layers_staged"] for d in deltas)
                     out["ranges_per_layer"] = 2 * len(runs(src, dst))
+                    if staged:
+                        out["staged"] = True
+                        out["ranges_per_layer_direct"] = out["ranges_per_layer"]
+                        out["ranges_per_layer"] = out["ranges_per_layer_submitted"]
+                        out["gather_s"] = [round(p_["gather_s"], 6) for p_ in prods]
+                        out["scatter_s"] = [round(x, 6) for x in scatters]
+                        out["stage_untouched"] = max((c["stage"] for c in checks),
+                                                     key=lambda u: (not u["ok"], u["bytes_modified"]))
+                        out["grant"] = out["stage_untouched"].pop("grant")
+                        if out["layers_staged"] != a.layers:  # bytes right, but not all of them staged
+                            out["ok"] = False
+                            out["staging_problem"] = f"{out['layers_staged']} of {a.layers} layers staged"
                     return out
 
                 run.step(f"kv_{tokens}_{pattern}", kv, need_s=min(est, 60))
+                if pattern == "scattered" and a.staging == "on":
+                    run.step(f"kv_{tokens}_{pattern}_staged", lambda kv=kv: kv(staged=True), need_s=min(est, 60))
 
                 def rawkv(src: list[int] = src, dst: list[int] = dst, reps: int = reps) -> dict[str, Any]:
                     cons.call("kv_reset", st)
@@ -293,6 +321,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         "writer_lanes": args.writer_lanes,
         "busy": args.busy,
         "submit_wait": args.submit_wait,
+        # staging sized for the largest request (its staged copy is as large as its KV)
+        "staging_blocks": max(args.tokens) // BLOCK_TOKENS if args.suite == "mooncake" and args.staging == "on" else 0,
+        "staging_min_ranges": args.staging_min_ranges,
     }
     run = Run(args)
 

@@ -8,6 +8,7 @@
 //!   rank (producer and consumer sides of each P/D request).
 //! * [`side_channel`]: `SideChannel`, the prefill rank's HTTP side channel
 //!   (the core's actix-web server, serving a `Runtime` without Python).
+//! * [`staging`]: `StagingArena`, the allocator of a prefill worker's source staging.
 //! * [`errors`]: core errors → the classes of `orbitkv.errors`.
 //!
 //! The Python sources (`python/orbitkv`) re-export these; the stubs are in
@@ -21,6 +22,7 @@ mod errors;
 mod region;
 mod runtime;
 mod side_channel;
+mod staging;
 
 /// Native core of OrbitKV (Rust). Import from `orbitkv` rather than from here.
 #[pymodule]
@@ -52,12 +54,14 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     defaults.set_item("max_parked", d.max_parked)?;
     defaults.set_item("max_parked_bytes", d.max_parked_bytes)?;
     defaults.set_item("publish_timeout_s", d.publish_timeout.as_secs_f64())?;
+    defaults.set_item("staging_min_ranges", d.staging_min_ranges)?;
     m.add("RUNTIME_DEFAULTS", defaults)?;
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<engine::PyBatch>()?;
     m.add_class::<runtime::PyRuntime>()?;
     m.add_class::<runtime::PyRuntimeEvent>()?;
     m.add_class::<side_channel::PySideChannel>()?;
+    m.add_class::<staging::PyStagingArena>()?;
     m.add_function(wrap_pyfunction!(runtime::install_trace, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::new_capability, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::cancel_message, m)?)?;

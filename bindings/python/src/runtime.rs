@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use orbitkv::actors::directory::check_layer;
 use orbitkv::actors::gate::{GateCall, LayerGate, Mark};
+use orbitkv::staging::{staged_bytes, staged_slot, units as staging_units, SourceStaging};
 use orbitkv::transport::cuda::CudaEvents;
 use orbitkv::{
     Cancel, Capability, KvLayout, Outcome, RequestId, Runtime, RuntimeConfig, RuntimeError, RuntimeEvent,
@@ -161,6 +162,9 @@ pub(crate) fn seconds(py: Python<'_>, name: &str, s: f64) -> PyResult<Duration> 
     Duration::try_from_secs_f64(s).map_err(|e| invalid_argument(py, format!("{name}: {e}")))
 }
 
+/// `(grant address, authorized blocks, [(first unit, end unit), ...])`.
+type StagedTuple = (u64, u32, Vec<(u32, u32)>);
+
 /// Something the runtime reports: a decode request's KV arrived
 /// (`"consumer_completed"`) or will not (`"consumer_failed"`), no producer is
 /// waited for after a held failure (`"consumer_quiesced"`), its blocks are
@@ -187,14 +191,19 @@ pub struct PyRuntimeEvent {
     /// ended; the blocks must not be reused before `consumer_quiesced` or
     /// `consumer_released`.
     held: Option<bool>,
+    /// `consumer_completed` only, when producers wrote into the request's
+    /// staging grant: `(grant address, authorized blocks, [(first unit, end
+    /// unit), ...])`. The worker scatters those units of every authorized
+    /// block from the grant into its pages before the KV is used.
+    staged: Option<StagedTuple>,
 }
 
 #[pymethods]
 impl PyRuntimeEvent {
     fn __repr__(&self) -> String {
         format!(
-            "RuntimeEvent(kind={:?}, request_id={:?}, generation={:?}, bytes={:?}, outcome={:?}, reason={:?}, held={:?})",
-            self.kind, self.request_id, self.generation, self.bytes, self.outcome, self.reason, self.held
+            "RuntimeEvent(kind={:?}, request_id={:?}, generation={:?}, bytes={:?}, outcome={:?}, reason={:?}, held={:?}, staged={:?})",
+            self.kind, self.request_id, self.generation, self.bytes, self.outcome, self.reason, self.held, self.staged
         )
     }
 }
@@ -217,15 +226,24 @@ impl From<RuntimeEvent> for PyRuntimeEvent {
             outcome: None,
             reason: None,
             held: None,
+            staged: None,
         };
         match ev {
             RuntimeEvent::ConsumerCompleted {
                 request,
                 generation,
                 bytes,
+                staged,
             } => PyRuntimeEvent {
                 generation: Some(generation.0),
                 bytes: Some(bytes),
+                staged: staged.map(|s| {
+                    (
+                        s.grant.base,
+                        s.blocks,
+                        s.units.iter().map(|u| (u.start, u.end)).collect(),
+                    )
+                }),
                 ..base("consumer_completed", request)
             },
             RuntimeEvent::ConsumerFailed {
@@ -302,7 +320,8 @@ impl PyRuntime {
     #[pyo3(signature = (engine, layout_json, *, consumer_timeout_s=None, handshake_timeout_s=None,
         write_timeout_s=None, quarantine_s=None, max_bytes_in_flight_per_peer=None,
         max_ranges_in_flight_per_peer=None, writer_lanes_per_peer=None, notify_poll_ms=None, max_parked=None,
-        max_parked_bytes=None, side_channel_key=None, publish_timeout_s=None))]
+        max_parked_bytes=None, side_channel_key=None, publish_timeout_s=None, staging_region=None,
+        source_staging_region=None, staging_min_ranges=None))]
     fn new(
         py: Python<'_>,
         engine: &PyEngine,
@@ -319,6 +338,9 @@ impl PyRuntime {
         max_parked_bytes: Option<usize>,
         side_channel_key: Option<Vec<u8>>,
         publish_timeout_s: Option<f64>,
+        staging_region: Option<(u64, u64)>,
+        source_staging_region: Option<(u64, u64)>,
+        staging_min_ranges: Option<usize>,
     ) -> PyResult<Self> {
         let layout: KvLayout = serde_json::from_str(layout_json).map_err(|e| {
             runtime_error(
@@ -357,6 +379,9 @@ impl PyRuntime {
             max_parked_bytes: max_parked_bytes.unwrap_or(d.max_parked_bytes).max(1),
             side_channel_key: side_channel_key.map(Arc::new),
             publish_timeout: secs("publish_timeout_s", publish_timeout_s, d.publish_timeout)?,
+            staging_region,
+            source_staging_region,
+            staging_min_ranges: staging_min_ranges.unwrap_or(d.staging_min_ranges),
         };
         let transport = engine.transport(py)?;
         let endpoint = transport.endpoint().to_string();
@@ -470,7 +495,15 @@ impl PyRuntime {
     /// Prefill side: opens the request with its source blocks (request
     /// order) for a decode instance of TP size `consumer_tp`; only
     /// handshakes and cancels carrying `capability` (hex) are accepted for it.
-    #[pyo3(signature = (request_id, block_ids, capability_hex, consumer_tp=1))]
+    ///
+    /// With `staging_base` (an address inside the runtime's
+    /// `source_staging_region`) the caller gathers each computed layer of
+    /// request blocks `0..staging_blocks` there in the staged order
+    /// (`staged_layout`) before it reports the layer ready, and keeps that
+    /// memory for the request until its `producer_released` event; the
+    /// runtime then writes from it into consumers that granted staging.
+    #[pyo3(signature = (request_id, block_ids, capability_hex, consumer_tp=1, *, staging_base=None, staging_blocks=0))]
+    #[allow(clippy::too_many_arguments)] // mirrors the Python signature
     fn producer_open(
         &self,
         py: Python<'_>,
@@ -478,10 +511,51 @@ impl PyRuntime {
         block_ids: Vec<u32>,
         capability_hex: &str,
         consumer_tp: u32,
+        staging_base: Option<u64>,
+        staging_blocks: u32,
     ) -> PyResult<()> {
         let cap = capability(py, capability_hex)?;
+        let staging = staging_base.map(|base| SourceStaging {
+            base,
+            capacity: staging_blocks,
+        });
         self.rt(py)?
-            .producer_open(RequestId::new(request_id), block_ids, cap, consumer_tp)
+            .producer_open_staged(RequestId::new(request_id), block_ids, cap, consumer_tp, staging)
+            .map_err(|e| runtime_error(py, e))
+    }
+
+    /// Where each (layer, plane) of `capacity` request blocks lies in this
+    /// rank's staged order: `{"units": units per block, "bytes": total,
+    /// "slots": [[(offset, unit bytes) per plane] per layer]}`. Unit `u` of
+    /// request block `i` of (layer, plane) is at `offset + (u * capacity +
+    /// i) * unit_bytes` (`orbitkv.vllm.staging` gathers and scatters so).
+    fn staged_layout<'py>(&self, py: Python<'py>, capacity: u32) -> PyResult<Bound<'py, PyDict>> {
+        let rt = self.rt(py)?;
+        let layout = rt.layout();
+        let bytes = staged_bytes(layout, capacity)
+            .ok_or_else(|| invalid_argument(py, format!("{capacity} blocks overflow the staged size")))?;
+        let slots: Vec<Vec<(u64, u64)>> = layout
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(li, l)| {
+                (0..l.planes.len())
+                    .map(|pi| staged_slot(layout, capacity, li as u32, pi).unwrap_or((0, 0)))
+                    .collect()
+            })
+            .collect();
+        let d = PyDict::new(py);
+        d.set_item("units", staging_units(layout))?;
+        d.set_item("bytes", bytes)?;
+        d.set_item("slots", slots)?;
+        Ok(d)
+    }
+
+    /// Decode side: `(bytes, grants)` of staging given out now (each grant
+    /// goes back when its request's `consumer_released` comes).
+    fn staging_in_use(&self, py: Python<'_>) -> PyResult<(u64, usize)> {
+        let rt = self.rt(py)?;
+        py.detach(move || rt.staging_in_use())
             .map_err(|e| runtime_error(py, e))
     }
 

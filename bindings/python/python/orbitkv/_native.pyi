@@ -250,6 +250,13 @@ class RuntimeEvent:
     def reason(self) -> str | None:
         """Why (failures, aborts)."""
 
+    @property
+    def staged(self) -> tuple[int, int, list[tuple[int, int]]] | None:
+        """`consumer_completed` only, when producers wrote into the request's
+        staging grant: `(grant address, authorized blocks, [(first unit, end
+        unit), ...])`. The worker scatters those units of every authorized
+        block from the grant into its pages before the KV is used."""
+
 @final
 class Runtime:
     """The request runtime of one rank: a request actor per P/D request and
@@ -280,6 +287,9 @@ class Runtime:
         max_parked_bytes: int | None = None,
         side_channel_key: bytes | None = None,
         publish_timeout_s: float | None = None,
+        staging_region: tuple[int, int] | None = None,
+        source_staging_region: tuple[int, int] | None = None,
+        staging_min_ranges: int | None = None,
     ) -> Self:
         """Each setting left out (None) is the Rust `RuntimeConfig::default()`'s
         (`RUNTIME_DEFAULTS`)."""
@@ -319,10 +329,37 @@ class Runtime:
         """Decode side: vLLM is done with the request; a `consumer_released`
         event follows once no producer can write into its blocks."""
 
-    def producer_open(self, request_id: str, block_ids: list[int], capability_hex: str, consumer_tp: int = 1) -> None:
+    def producer_open(
+        self,
+        request_id: str,
+        block_ids: list[int],
+        capability_hex: str,
+        consumer_tp: int = 1,
+        *,
+        staging_base: int | None = None,
+        staging_blocks: int = 0,
+    ) -> None:
         """Prefill side: opens the request with its source blocks (request
         order) for a decode instance of TP size `consumer_tp`; only
-        handshakes and cancels carrying `capability` (hex) are accepted for it."""
+        handshakes and cancels carrying `capability` (hex) are accepted for it.
+
+        With `staging_base` (an address inside the runtime's
+        `source_staging_region`) the caller gathers each computed layer of
+        request blocks `0..staging_blocks` there in the staged order
+        (`staged_layout`) before it reports the layer ready, and keeps that
+        memory for the request until its `producer_released` event; the
+        runtime then writes from it into consumers that granted staging."""
+
+    def staged_layout(self, capacity: int) -> dict[str, Any]:
+        """Where each (layer, plane) of `capacity` request blocks lies in this
+        rank's staged order: `{"units": units per block, "bytes": total,
+        "slots": [[(offset, unit bytes) per plane] per layer]}`. Unit `u` of
+        request block `i` of (layer, plane) is at `offset + (u * capacity +
+        i) * unit_bytes` (`orbitkv.vllm.staging` gathers and scatters so)."""
+
+    def staging_in_use(self) -> tuple[int, int]:
+        """Decode side: `(bytes, grants)` of staging given out now (each grant
+        goes back when its request's `consumer_released` comes)."""
 
     def producer_add_blocks(self, request_id: str, block_ids: list[int]) -> None:
         """Prefill side: appends source blocks (chunked prefill)."""
@@ -392,6 +429,26 @@ class Runtime:
 
     def shutdown(self) -> None:
         """Stops the actors (writes in flight are abandoned). Idempotent."""
+
+@final
+class StagingArena:
+    """Disjoint, 256-byte aligned pieces of `len` bytes at `base` (the core's
+    allocator; the prefill worker's source staging)."""
+
+    def __new__(cls, base: int, len: int) -> Self: ...
+    def alloc(self, len: int) -> int | None:
+        """The address of a free piece of at least `len` bytes, or `None` when
+        no piece is that large."""
+
+    def free(self, addr: int) -> None:
+        """Gives piece `addr` back (`InvalidArgumentError` if it is not one in use)."""
+
+    def in_use(self) -> tuple[int, int]:
+        """`(bytes, pieces)` in use."""
+
+    @property
+    def region(self) -> tuple[int, int]:
+        """`(base, len)` of the region."""
 
 @final
 class SideChannel:

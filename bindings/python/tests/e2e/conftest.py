@@ -38,6 +38,15 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "e2e: end-to-end test with real vLLM servers (slow)")
 
 
+# ORBITKV_TEST_STAGING=1 (scripts/test.sh on vLLM 0.26): this module's P/D
+# pair stages every request (orbitkv.pd.staging_mb, a threshold of one range
+# per layer: the tiny model's fresh blocks are mostly contiguous), so the
+# gather, the staged writes and the scatter run through real vLLM; the other
+# e2e modules and the newest-vLLM run write pages directly.
+STAGING = os.environ.get("ORBITKV_TEST_STAGING", "0") == "1"
+STAGING_CONFIG = {"orbitkv.pd.staging_mb": 128, "orbitkv.pd.staging_min_ranges": 1} if STAGING else {}
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
@@ -52,8 +61,12 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         tiny_model,
         run,
         timeout_s=PD_TIMEOUT_S,
-        prefill_config={"orbitkv.pd.handshake_timeout_s": PD_TIMEOUT_S, "orbitkv.pd.quarantine_s": QUARANTINE_S},
-        decode_config={"orbitkv.pd.quarantine_s": QUARANTINE_S},
+        prefill_config={
+            "orbitkv.pd.handshake_timeout_s": PD_TIMEOUT_S,
+            "orbitkv.pd.quarantine_s": QUARANTINE_S,
+            **STAGING_CONFIG,
+        },
+        decode_config={"orbitkv.pd.quarantine_s": QUARANTINE_S, **STAGING_CONFIG},
         prefill_env={
             "ORBITKV_TESTING_WRITE_DELAY": str(run / "write-delay"),
             # vLLM shim (orbitkv/testing/vllm_shims): while this file exists

@@ -11,6 +11,7 @@ the fp32 tiny model is deterministic, so token ids must match exactly.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -36,6 +37,8 @@ from orbitkv.testing.cluster import (
 )
 
 pytestmark = pytest.mark.e2e
+
+STAGING = os.environ.get("ORBITKV_TEST_STAGING", "0") == "1"  # conftest.STAGING_CONFIG
 
 # Prompts no other module shares a prefix with.
 fresh_prompt = prompt_source(1000)
@@ -105,6 +108,11 @@ def test_pd_equals_single_engine(cluster: Cluster, n: int) -> None:
     assert after_d[COMPLETED] - before_d[COMPLETED] == 3, "decode did not load KV for each P/D request"
     assert after_d[FAILED] == before_d[FAILED]
     assert after_p[BYTES] > before_p[BYTES]
+    if STAGING:
+        # every request staged: gathered on prefill, scattered on decode
+        granted, staged = "vllm:orbitkv_staging_granted_total", "vllm:orbitkv_layers_staged_total"
+        assert after_d.get(granted, 0) - before_d.get(granted, 0) == 3, "a request was not given staging"
+        assert after_p.get(staged, 0) > before_p.get(staged, 0), "no layer went through staging"
     cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
 
 

@@ -72,6 +72,10 @@ class ExtraConfig(BaseModel):
         "layer", alias="orbitkv.pd.mooncake_submit_wait", description="'layer' or 'device'"
     )
     trace: str | None = Field(None, alias="orbitkv.pd.trace", description="a file path")
+    staging_mb: Annotated[int, Field(ge=0, description="a size in MiB (0: off)")] = Field(
+        0, alias="orbitkv.pd.staging_mb"
+    )
+    staging_min_ranges: Positive = Field(int(_RT["staging_min_ranges"]), alias="orbitkv.pd.staging_min_ranges")
     allowed_prefill: tuple[tuple[str, int | None], ...] = Field(
         tuple((h, None) for h in LOOPBACK), alias="orbitkv.pd.allowed_prefill"
     )
@@ -172,6 +176,9 @@ class PdConfig:
     # does it: also everything queued on the legacy default stream.
     mooncake_submit_wait: str = "layer"
     trace: str | None = None
+    # Staging memory per rank, MiB, on the KV device (0: off; docs/configuration.md).
+    staging_mb: int = 0
+    staging_min_ranges: int = ExtraConfig.model_fields["staging_min_ranges"].default
     # (host, port or None) pairs; ("*", None) allows any (trusts the network).
     allowed_prefill: tuple[tuple[str, int | None], ...] = ExtraConfig.model_fields["allowed_prefill"].default
     side_channel_key: bytes | None = field(default=None, repr=False)
@@ -216,6 +223,8 @@ class PdConfig:
             writer_lanes=x.writer_lanes,
             mooncake_submit_wait=x.mooncake_submit_wait,
             trace=x.trace,
+            staging_mb=x.staging_mb,
+            staging_min_ranges=x.staging_min_ranges,
             allowed_prefill=x.allowed_prefill,
             side_channel_key=_side_channel_key(x.side_channel_key_file),
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 
 class _Record(Protocol):
@@ -77,6 +77,9 @@ class ConsumerRecord:
     # Report at the next get_finished without waiting for the runtime (it no
     # longer knows the request, or released it already).
     release_now: bool = False
+    # CUDA: an event recorded after the scatter of its staging grant; the
+    # grant goes back (consumer_release) only once it completed.
+    scatter_done: Any = None
 
     def empty(self) -> bool:
         return (
@@ -96,9 +99,17 @@ class ProducerRecord:
     released: bool = False
     # producer_finish (or an abort) was called.
     finished: bool = False
+    # Source staging (orbitkv.staging): (address, capacity in blocks, the
+    # staged layout's slots), freed once the runtime released the request
+    # and vLLM no longer schedules it (nothing reads or gathers into it).
+    staging: tuple[int, int, list[Any]] | None = None
+    # The request's source blocks so far, in request order (staging gathers them).
+    blocks: list[int] = field(default_factory=list)
+    # vLLM ended or aborted it: no chunk of it will be computed any more.
+    vllm_done: bool = False
 
     def empty(self) -> bool:
-        return self.req_id is None and not (self.ended or self.released or self.finished)
+        return self.req_id is None and self.staging is None and not (self.ended or self.released or self.finished)
 
 
 @dataclass

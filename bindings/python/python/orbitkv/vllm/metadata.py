@@ -33,6 +33,8 @@ class ProducerChunk:
     start_block: int
     end_block: int
     last: bool
+    # Blocks of the whole prompt (a staging request holds this many).
+    prompt_blocks: int = 0
 
 
 @dataclass

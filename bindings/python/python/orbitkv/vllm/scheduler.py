@@ -200,6 +200,7 @@ class PdScheduler:
                 min(start_block, end_block),
                 end_block,
                 last,
+                _cdiv(p.prompt_len, self.block_size),
             )
         )
         p.opened = True

@@ -110,6 +110,15 @@ _PROM = {
         "vllm:orbitkv_layers_saved_at_wait",
         "Layers sent at the end of a step because vLLM skipped the per-layer save hook for them (not overlapped).",
     ),
+    "staging_granted": ("vllm:orbitkv_staging_granted", "Decode requests given a staging grant."),
+    "staging_exhausted": (
+        "vllm:orbitkv_staging_exhausted",
+        "Decode requests that found the staging region full and were written into their pages directly.",
+    ),
+    "layers_staged": (
+        "vllm:orbitkv_layers_staged",
+        "Layer writes that went from source staging into a consumer's staging grant.",
+    ),
 }
 
 # Time sums the runtime keeps in microseconds, exported as seconds counters.

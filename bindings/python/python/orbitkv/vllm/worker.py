@@ -26,10 +26,12 @@ from orbitkv import (
     OrbitKVError,
     Runtime,
     SideChannel,
+    StagingArena,
     UnknownRequestError,
     install_trace,
     producer_ranks,
 )
+from orbitkv.staging import StagingCopier
 from orbitkv.vllm._testing import TestingHooks, corrupt_block
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.layout import kv_layout_of
@@ -182,6 +184,11 @@ class PdWorker:
         # recomputes them).
         self._refused_consumers: set[str] = set()
         self._last_stats = {k: 0 for k in COUNTERS}
+        # Staging (orbitkv.pd.staging_mb): the memory, the copies, and the
+        # allocator of this rank's source staging.
+        self._staging_tensors: list[torch.Tensor] = []
+        self._copier: StagingCopier | None = None
+        self._source_arena: StagingArena | None = None
 
     # ---- registration ----------------------------------------------------
 
@@ -251,6 +258,7 @@ class PdWorker:
             seen.add(st.data_ptr())
             loc = f"cuda:{t.device.index}" if t.device.type == "cuda" else "cpu:0"
             self.engine.register_memory(st.data_ptr(), st.nbytes(), location=loc)
+        grants, sources = self._make_staging(kv_caches)
         self.runtime = Runtime(
             self.engine,
             json.dumps(layout),
@@ -263,7 +271,17 @@ class PdWorker:
             writer_lanes_per_peer=self.config.writer_lanes,
             side_channel_key=self.config.side_channel_key,
             publish_timeout_s=min(10.0, self.config.timeout_s),
+            staging_region=grants,
+            source_staging_region=sources,
+            staging_min_ranges=self.config.staging_min_ranges,
         )
+        if grants or sources:
+            units = self.runtime.staged_layout(1)["units"]
+            self._copier = StagingCopier(layout, units, [*kv_caches.values(), *self._staging_tensors])
+            if sources:
+                self._source_arena = StagingArena(*sources)
+            logger.info("OrbitKV rank %d: staging %d MiB for grants, %d MiB for sources",
+                        self.tp_rank, (grants or (0, 0))[1] >> 20, (sources or (0, 0))[1] >> 20)
         # The side channel (Rust, actix-web) serves this rank's producer side
         # on its own threads: handshakes never take the GIL.
         port = self.config.side_channel_port_for(self.tp_rank)
@@ -274,6 +292,29 @@ class PdWorker:
             key=self.config.side_channel_key,
         )
 
+    def _make_staging(self, kv_caches: dict[str, torch.Tensor]) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+        """Staging memory (orbitkv.pd.staging_mb) on the KV device, registered:
+        the grants decode gives producers, the sources prefill gathers into
+        (half each for kv_both). Returns the two regions (None: none)."""
+        mb = self.config.staging_mb
+        if mb <= 0:
+            return None, None
+        role = getattr(getattr(self.vllm_config, "kv_transfer_config", None), "kv_role", "kv_both")
+        dev = next(iter(kv_caches.values())).device
+        parts = {"kv_producer": (0, mb), "kv_consumer": (mb, 0)}.get(role, (mb - mb // 2, mb // 2))
+        regions: list[tuple[int, int] | None] = []
+        for part in parts:
+            if part <= 0:
+                regions.append(None)
+                continue
+            t = torch.empty(part << 20, dtype=torch.uint8, device=dev)
+            assert self.engine is not None
+            loc = f"cuda:{dev.index}" if dev.type == "cuda" else "cpu:0"
+            self.engine.register_memory(t.data_ptr(), t.numel(), location=loc)
+            self._staging_tensors.append(t)
+            regions.append((t.data_ptr(), t.numel()))
+        return regions[0], regions[1]
+
     # ---- per step ----------------------------------------------------------
 
     def start_load_kv(self, meta: PdConnectorMetadata) -> None:
@@ -282,6 +323,7 @@ class PdWorker:
         led = self.ledger
         for end in meta.producers_end:
             prod = led.producers.get(end.pd_id)
+            prod.vllm_done = True
             if end.report:
                 # vLLM finished the request and waits for our word to free
                 # its blocks; an abort of a request vLLM still runs (it was
@@ -311,7 +353,7 @@ class PdWorker:
             cons = led.consumers.get(end.pd_id)
             cons.end = end.report
             try:
-                rt.consumer_release(end.pd_id)
+                self._release_consumer(end.pd_id)
             except Exception as e:  # noqa: BLE001 - nothing may escape vLLM's hook
                 # The runtime no longer knows it: nothing can be waited for.
                 logger.warning("consumer release %s: %s", end.pd_id, e)
@@ -334,31 +376,111 @@ class PdWorker:
         self._step_layers = set()
         for ch in meta.producer_chunks:
             if ch.opens:
-                led.producers.get(ch.pd_id).req_id = ch.req_id
-                ok = self._producer_call(rt.producer_open, ch.pd_id, ch.new_block_ids, ch.capability, ch.consumer_tp)
+                prod = led.producers.get(ch.pd_id)
+                prod.req_id = ch.req_id
+                ok = self._open_producer(ch)
+                if ok:
+                    prod.blocks = list(ch.new_block_ids)
                 if not ok:
                     # Never opened, so no release event will come: vLLM gets
                     # its blocks back as soon as it finishes the request.
                     led.producers.get(ch.pd_id).released = True
             elif ch.new_block_ids:
                 ok = self._producer_call(rt.producer_add_blocks, ch.pd_id, ch.new_block_ids)
+                if ok:
+                    led.producers.get(ch.pd_id).blocks.extend(ch.new_block_ids)
             else:
                 ok = True
             if ok and (ch.end_block > ch.start_block or ch.last):
                 self._step_chunks.append(ch)
+
+    def _open_producer(self, ch: Any) -> bool:
+        """``producer_open``, with a source staging for the whole prompt when
+        this rank stages and the staging region has room (else the request
+        writes pages directly; decided once, before anything is written)."""
+        rt = self.runtime
+        assert rt is not None
+        arena, cap = self._source_arena, max(ch.prompt_blocks, ch.end_block)
+        base = None
+        if arena is not None and cap > 0:
+            sl = rt.staged_layout(cap)
+            base = arena.alloc(sl["bytes"])
+            if base is not None:
+                ok = self._producer_call(
+                    rt.producer_open, ch.pd_id, ch.new_block_ids, ch.capability, ch.consumer_tp,
+                    staging_base=base, staging_blocks=cap,
+                )
+                if ok:
+                    self.ledger.producers.get(ch.pd_id).staging = (base, cap, sl["slots"])
+                else:
+                    arena.free(base)
+                return ok
+        return self._producer_call(rt.producer_open, ch.pd_id, ch.new_block_ids, ch.capability, ch.consumer_tp)
+
+    def _gather(self, idx: int) -> None:
+        """Copies layer ``idx`` of this step's staging chunks into their
+        source staging (on CUDA: kernels on the current stream, so the layer's
+        event covers them)."""
+        copier = self._copier
+        if copier is None:
+            return
+        for ch in self._step_chunks:
+            prod = self.ledger.producers.peek(ch.pd_id)
+            if prod.staging is None or ch.end_block <= ch.start_block:
+                continue
+            base, cap, slots = prod.staging
+            blocks = copier.index(prod.blocks[ch.start_block : ch.end_block])
+            copier.gather(idx, blocks, ch.start_block, base, cap, slots)
+
+    def _scatter(self, pd: str, staged: tuple[int, int, list[tuple[int, int]]], blocks: list[int]) -> None:
+        """Copies a completed request's staging grant into its pages (before
+        vLLM is told the KV arrived; on CUDA ordered before the next forward
+        on the same stream)."""
+        copier, rt = self._copier, self.runtime
+        assert copier is not None and rt is not None
+        base, n, units = staged
+        if n != len(blocks):
+            raise ValueError(f"staging of {pd}: {n} blocks staged, {len(blocks)} authorized")
+        copier.scatter(copier.index(blocks), base, units, rt.staged_layout(n)["slots"])
+        if self.is_cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+            self.ledger.consumers.get(pd).scatter_done = ev
+
+    def _release_consumer(self, pd: str) -> None:
+        """``consumer_release``, once the scatter out of its grant (if any) ran."""
+        rt = self.runtime
+        assert rt is not None
+        if pd in self.ledger.consumers:
+            rec = self.ledger.consumers.get(pd)
+            if rec.scatter_done is not None:
+                rec.scatter_done.synchronize()
+                rec.scatter_done = None
+        rt.consumer_release(pd)
+
+    def _free_source_staging(self) -> None:
+        """Gives back the source staging of requests the runtime released and
+        vLLM no longer schedules."""
+        if self._source_arena is None:
+            return
+        for pd, prod in self.ledger.producers.where(lambda r: r.staging is not None and r.released and r.vllm_done):
+            assert prod.staging is not None
+            self._source_arena.free(prod.staging[0])
+            prod.staging = None
+            self.ledger.producers.tidy(pd)
 
     def _senders(self, prefill_tp: int) -> list[int]:
         """The prefill ranks that send to this decode rank (the core's rule)."""
         total = self.vllm_config.model_config.get_total_num_kv_heads()
         return producer_ranks(total, self.tp_rank, self.tp_size, prefill_tp)
 
-    def _producer_call(self, fn: Any, pd_id: str, *args: Any) -> bool:
+    def _producer_call(self, fn: Any, pd_id: str, *args: Any, **kwargs: Any) -> bool:
         """Calls the runtime for producer ``pd_id`` inside vLLM's hooks, where
         no exception may escape: a producer already released (the decode
         died, cancelled, a deadline passed) means nothing more to send for
         that request; any other error fails that request alone."""
         try:
-            fn(pd_id, *args)
+            fn(pd_id, *args, **kwargs)
             return True
         except UnknownRequestError:
             logger.debug("%s for %s: already released, nothing more to send", fn.__name__, pd_id)
@@ -407,6 +529,7 @@ class PdWorker:
         the layer's kernels are done on GPU)."""
         rt = self.runtime
         assert rt is not None
+        self._gather(idx)
         if self._rust_gate:
             # CUDA: the attention kernel may still be writing this layer. The
             # runtime records an event on this stream and admits the layer
@@ -553,6 +676,14 @@ class PdWorker:
                     if ev.kind == "consumer_completed" and self._hooks is not None and self._hooks.take_corruption():
                         if cons.blocks:  # test hook: decode must compute on changed KV
                             corrupt_block(self._kv_caches, self._num_blocks, cons.blocks[0])
+                    staged = getattr(ev, "staged", None) if ev.kind == "consumer_completed" else None
+                    if staged is not None:
+                        try:
+                            self._scatter(pd, staged, cons.blocks or [])
+                        except Exception as e:  # noqa: BLE001 - nothing may escape vLLM's hook
+                            # The pages are incomplete: vLLM recomputes them.
+                            logger.warning("staging of %s could not be scattered (%s): recomputed", pd, e)
+                            self._load_errors.update(cons.blocks or ())
                     led.consumers.get(pd).reported = True
                     recving.add(cons.req_id)
             elif ev.kind == "consumer_quiesced":
@@ -586,7 +717,12 @@ class PdWorker:
         for pd, prod in led.ended_and_released():
             if prod.req_id is not None:
                 sending.add(prod.req_id)
+            if prod.staging is not None and self._source_arena is not None:
+                # vLLM ended it (it waits for this report) and the runtime
+                # released it: nothing gathers into or reads the staging.
+                self._source_arena.free(prod.staging[0])
             led.producers.pop(pd)
+        self._free_source_staging()
         return (sending or None), (recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

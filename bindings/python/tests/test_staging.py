@@ -1,0 +1,286 @@
+"""Staging through real Mooncake on 127.0.0.1: the producer gathers scattered
+blocks into its source staging (`orbitkv.staging`, torch), the runtime writes
+them into the consumer's staging grant as a few large ranges, the consumer
+scatters the grant into its pages. Bytes must equal the producer's blocks;
+pages outside the authorization and staging outside the grant stay as they
+were; every grant goes back on release; a producer that does not stage (or a
+consumer that grants nothing) falls back to writing pages, and the consumer
+then scatters only the heads of producers that staged."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+import torch
+from _util import wait_event
+
+import orbitkv
+from orbitkv.staging import StagingCopier
+
+LAYERS, BLOCKS, HEADS, BLOCK, HEAD_DIM = 3, 24, 4, 16, 8
+GUARD, STAGE_GUARD = -7.0, -3.0
+CAP = "0123456789abcdef" * 4
+STAGE_FLOATS = 1 << 18  # 1 MiB of staging per rank
+
+
+def layout_of(caches: list[torch.Tensor], tp: tuple[int, int]) -> dict:
+    """One plane each for K and V: `caches[l]` is `[2, BLOCKS, heads, BLOCK, HEAD_DIM]`."""
+    es = caches[0].element_size()
+    return {
+        "num_blocks": BLOCKS,
+        "block_size": BLOCK,
+        "total_kv_heads": HEADS,
+        "tp_rank": tp[0],
+        "tp_size": tp[1],
+        "head_major": True,
+        "layers": [
+            {
+                "planes": [
+                    {"base": t[kv].data_ptr(), "block_stride": t.stride(1) * es, "block_bytes": t[kv][0].numel() * es}
+                    for kv in (0, 1)
+                ]
+            }
+            for t in caches
+        ],
+    }
+
+
+class Rank:
+    def __init__(self, fill: float | None, tp: tuple[int, int] = (0, 1), *, grants: bool, sources: bool) -> None:
+        heads = HEADS // tp[1]
+        shape = (2, BLOCKS, heads, BLOCK, HEAD_DIM)
+        self.caches = [torch.randn(shape) if fill is None else torch.full(shape, fill) for _ in range(LAYERS)]
+        self.grants = torch.full((STAGE_FLOATS,), STAGE_GUARD)
+        self.sources = torch.full((STAGE_FLOATS,), STAGE_GUARD)
+        self.engine = orbitkv.MooncakeTransferEngine()
+        for t in [*self.caches, self.grants, self.sources]:
+            self.engine.register_memory(t)
+        self.layout = layout_of(self.caches, tp)
+        region = lambda t: (t.data_ptr(), t.numel() * t.element_size())  # noqa: E731
+        self.runtime = orbitkv.Runtime(
+            self.engine,
+            json.dumps(self.layout),
+            consumer_timeout_s=20.0,
+            staging_region=region(self.grants) if grants else None,
+            source_staging_region=region(self.sources) if sources else None,
+            staging_min_ranges=4,
+        )
+        units = self.runtime.staged_layout(1)["units"]
+        self.copier = StagingCopier(self.layout, units, [*self.caches, self.grants, self.sources])
+        self.arena = orbitkv.StagingArena(*region(self.sources))
+
+    def open_staged(self, rid: str, src: list[int], consumer_tp: int = 1) -> tuple[int, int, list]:
+        """`producer_open` with a source staging for `len(src)` blocks."""
+        cap = len(src)
+        sl = self.runtime.staged_layout(cap)
+        base = self.arena.alloc(sl["bytes"])
+        assert base is not None
+        self.runtime.producer_open(rid, src, CAP, consumer_tp, staging_base=base, staging_blocks=cap)
+        return base, cap, sl["slots"]
+
+    def close(self) -> None:
+        self.runtime.shutdown()
+        self.engine.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[Rank, Rank]]:
+    p, c = Rank(None, grants=False, sources=True), Rank(GUARD, grants=True, sources=False)
+    yield p, c
+    p.close()
+    c.close()
+
+
+def scatter_completed(c: Rank, ev: orbitkv.RuntimeEvent, dst: list[int]) -> None:
+    assert ev.kind == "consumer_completed", ev
+    if ev.staged is not None:
+        base, n, units = ev.staged
+        assert n == len(dst)
+        slots = c.runtime.staged_layout(n)["slots"]
+        c.copier.scatter(c.copier.index(dst), base, units, slots)
+
+
+def check_pages(p: Rank, c: Rank, src: list[int], dst: list[int], heads: slice = slice(None)) -> None:
+    for layer in range(LAYERS):
+        for s, d in zip(src, dst):
+            assert torch.equal(c.caches[layer][:, d, heads], p.caches[layer][:, s]), (layer, s, d)
+        untouched = [b for b in range(BLOCKS) if b not in dst]
+        assert bool((c.caches[layer][:, untouched] == GUARD).all()), f"layer {layer}: unauthorized block written"
+
+
+def test_scattered_blocks_go_through_staging_as_few_ranges(pair: tuple[Rank, Rank]) -> None:
+    p, c = pair
+    src = [3, 17, 5, 9, 21, 0, 12, 7, 14, 2]
+    dst = [20, 1, 11, 6, 15, 22, 4, 9, 18, 13]  # no two consecutive: 10 ranges per plane direct
+    hs = c.runtime.consumer_open("st", CAP, 0, dst, 1)
+    grant = json.loads(hs)["staging"]
+    assert grant is not None and grant["len"] >= 2 * LAYERS * len(dst) * HEADS * BLOCK * HEAD_DIM * 4
+    base, cap, slots = p.open_staged("st", src)
+    p.runtime.producer_handshake(hs)
+    # two chunks, as chunked prefill computes them
+    for lo, hi in ((0, 6), (6, 10)):
+        idx = p.copier.index(src[lo:hi])
+        for layer in range(LAYERS):
+            p.copier.gather(layer, idx, lo, base, cap, slots)
+            assert p.runtime.layers_ready(layer, [("st", lo, hi)]) == []
+    p.runtime.producer_finish("st")
+    assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
+    ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
+    assert ev.staged is not None and ev.staged[0] == grant["base"] and ev.staged[2] == [(0, HEADS)]
+    # nothing in the pages before the scatter: every byte went to the grant
+    for layer in range(LAYERS):
+        assert bool((c.caches[layer] == GUARD).all())
+    scatter_completed(c, ev, dst)
+    check_pages(p, c, src, dst)
+    stats = p.runtime.stats()
+    assert stats["layers_staged"] == 2 * LAYERS
+    # per chunk and layer: one range per (plane, head) at most, against 2 x blocks direct
+    assert stats["write_ranges"] <= 2 * LAYERS * 2 * HEADS
+    # staging outside the grant untouched
+    g0 = (grant["base"] - c.grants.data_ptr()) // 4
+    g1 = g0 + grant["len"] // 4
+    assert bool((c.grants[:g0] == STAGE_GUARD).all()) and bool((c.grants[g1:] == STAGE_GUARD).all())
+    assert c.runtime.staging_in_use()[1] == 1
+    c.runtime.consumer_release("st")
+    wait_event(c.runtime, {"consumer_released"})
+    assert c.runtime.staging_in_use() == (0, 0)
+    p.arena.free(base)
+    assert (p.runtime.live_requests(), c.runtime.live_requests()) == ((0, 0), (0, 0))
+
+
+def test_a_producer_that_does_not_stage_writes_pages_and_nothing_is_scattered(pair: tuple[Rank, Rank]) -> None:
+    p, c = pair
+    src, dst = [1, 8, 4, 19, 10], [2, 9, 16, 5, 23]
+    hs = c.runtime.consumer_open("direct", CAP, 0, dst, 1)
+    assert json.loads(hs)["staging"] is not None
+    p.runtime.producer_open("direct", src, CAP)
+    p.runtime.producer_handshake(hs)
+    for layer in range(LAYERS):
+        p.runtime.layer_ready("direct", layer, 0, len(src))
+    p.runtime.producer_finish("direct")
+    ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
+    assert ev.kind == "consumer_completed" and ev.staged is None
+    check_pages(p, c, src, dst)
+    assert p.runtime.stats()["layers_staged"] == 0
+    c.runtime.consumer_release("direct")
+    wait_event(c.runtime, {"consumer_released"})
+    assert c.runtime.staging_in_use() == (0, 0)
+
+
+def test_contiguous_blocks_get_no_grant_and_a_consumer_without_staging_gets_pages(pair: tuple[Rank, Rank]) -> None:
+    p, c = pair
+    # contiguous: 2 ranges per layer direct, under staging_min_ranges
+    hs = json.loads(c.runtime.consumer_open("contig", CAP, 0, [4, 5, 6, 7], 1))
+    assert hs.get("staging") is None
+    c.runtime.consumer_release("contig")
+    # a producer that stages, a consumer that grants nothing: pages directly
+    c2 = Rank(GUARD, grants=False, sources=False)
+    try:
+        src, dst = [2, 11, 6], [7, 0, 14]
+        hs2 = c2.runtime.consumer_open("nogrant", CAP, 0, dst, 1)
+        assert json.loads(hs2).get("staging") is None
+        base, cap, slots = p.open_staged("nogrant", src)
+        p.runtime.producer_handshake(hs2)
+        idx = p.copier.index(src)
+        for layer in range(LAYERS):
+            p.copier.gather(layer, idx, 0, base, cap, slots)
+            p.runtime.layer_ready("nogrant", layer, 0, 3)
+        p.runtime.producer_finish("nogrant")
+        ev = wait_event(c2.runtime, {"consumer_completed", "consumer_failed"})
+        assert ev.kind == "consumer_completed" and ev.staged is None
+        check_pages(p, c2, src, dst)
+        wait_event(p.runtime, {"producer_released"})
+        p.arena.free(base)
+    finally:
+        c2.close()
+
+
+@pytest.mark.parametrize("staging_ranks", [(0, 1), (1,)])
+def test_tp2_to_tp1_scatters_only_the_heads_of_producers_that_staged(staging_ranks: tuple[int, ...]) -> None:
+    c = Rank(GUARD, grants=True, sources=False)
+    ps = [Rank(None, (r, 2), grants=False, sources=True) for r in range(2)]
+    try:
+        src, dst = [5, 0, 13, 8, 19, 2], [21, 3, 10, 17, 6, 12]
+        hs = c.runtime.consumer_open("tp", CAP, 0, dst, 2)
+        assert json.loads(hs)["staging"] is not None
+        bases = {}
+        for r, p in enumerate(ps):
+            if r in staging_ranks:
+                bases[r] = p.open_staged("tp", src)
+            else:
+                p.runtime.producer_open("tp", src, CAP)
+            p.runtime.producer_handshake(hs)
+            idx = p.copier.index(src)
+            for layer in range(LAYERS):
+                if r in bases:
+                    base, cap, slots = bases[r]
+                    p.copier.gather(layer, idx, 0, base, cap, slots)
+                p.runtime.layer_ready("tp", layer, 0, len(src))
+            p.runtime.producer_finish("tp")
+        ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
+        assert ev.staged is not None
+        half = HEADS // 2
+        # the staged heads, adjacent ones merged
+        assert ev.staged[2] == ([(0, HEADS)] if len(staging_ranks) == 2 else [(half, HEADS)])
+        scatter_completed(c, ev, dst)
+        for r, p in enumerate(ps):
+            check_pages(p, c, src, dst, slice(r * half, (r + 1) * half))
+        c.runtime.consumer_release("tp")
+        wait_event(c.runtime, {"consumer_released"})
+        assert c.runtime.staging_in_use() == (0, 0)
+    finally:
+        for p in ps:
+            p.close()
+        c.close()
+
+
+def test_bad_staging_is_refused_and_changes_nothing(pair: tuple[Rank, Rank]) -> None:
+    p, c = pair
+    # source staging outside the region
+    with pytest.raises(orbitkv.InvalidArgumentError):
+        p.runtime.producer_open("bad", [1, 2], CAP, staging_base=p.caches[0].data_ptr(), staging_blocks=2)
+    # capacity beyond the region
+    with pytest.raises(orbitkv.InvalidArgumentError):
+        p.runtime.producer_open("bad", [1, 2], CAP, staging_base=p.sources.data_ptr(), staging_blocks=10_000)
+    assert p.runtime.live_requests() == (0, 0)
+    # a grant shorter than its blocks stage to: the producer refuses the handshake
+    hs = json.loads(c.runtime.consumer_open("short", CAP, 0, [1, 9, 3, 20, 7], 1))
+    hs["staging"]["len"] -= 1
+    with pytest.raises(orbitkv.HandshakeError, match="smaller than"):
+        p.runtime.producer_handshake(json.dumps(hs))
+    hs["staging"] = {"base": 0, "len": 1 << 20}
+    with pytest.raises(orbitkv.HandshakeError, match="overflow"):
+        p.runtime.producer_handshake(json.dumps(hs))
+    hs["staging"] = {"base": 1, "len": 1 << 20, "extra": 1}
+    with pytest.raises(orbitkv.HandshakeError):
+        p.runtime.producer_handshake(json.dumps(hs))
+    # released by vLLM, but no producer ended: like its pages, the grant
+    # stays held (until the quarantine after the deadline)
+    c.runtime.consumer_release("short")
+    assert c.runtime.staging_in_use()[1] == 1
+    # overlapping staging regions are refused at start
+    with pytest.raises(orbitkv.InvalidArgumentError):
+        orbitkv.Runtime(
+            p.engine,
+            json.dumps(p.layout),
+            staging_region=(p.sources.data_ptr(), 4096),
+            source_staging_region=(p.sources.data_ptr() + 1024, 4096),
+        )
+
+
+def test_a_full_staging_region_writes_pages_directly() -> None:
+    c = Rank(GUARD, grants=True, sources=False)
+    try:
+        # each grant of 20 blocks: 3 layers x 2 planes x 20 x 2 KiB = 240 KiB; 1 MiB holds 4
+        ids = [[(k * 5 + i * 7) % BLOCKS for i in range(20)] for k in range(5)]
+        got = [json.loads(c.runtime.consumer_open(f"r{k}", CAP, 0, x, 1)).get("staging") for k, x in enumerate(ids)]
+        assert [g is not None for g in got] == [True] * 4 + [False]
+        spans = sorted((g["base"], g["base"] + g["len"]) for g in got if g)
+        assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), "grants overlap"
+        assert c.runtime.stats()["staging_exhausted"] == 1
+        for k in range(5):
+            c.runtime.consumer_release(f"r{k}")
+    finally:
+        c.close()
