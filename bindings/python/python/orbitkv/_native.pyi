@@ -16,6 +16,7 @@ __all__ = [
     "Runtime",
     "RuntimeEvent",
     "SideChannel",
+    "StagingArena",
     "__version__",
     "cancel_message",
     "install_trace",
