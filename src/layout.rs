@@ -443,17 +443,23 @@ impl KvLayout {
                     dst: cp.block_addr(d) + dst_off,
                     len,
                 };
-                let can_merge = out.len() > first
-                    && out
-                        .last()
-                        .is_some_and(|l| l.src + l.len == r.src && l.dst + l.len == r.dst);
-                match out.last_mut() {
-                    Some(last) if can_merge => last.len += r.len,
-                    _ => out.push(r),
-                }
+                push_merged(out, first, r);
             }
         }
         Ok(())
+    }
+}
+
+/// Appends `r` to `out`, merged into the last range when both its source
+/// and its destination continue it (never into a range before `first`).
+pub(crate) fn push_merged(out: &mut Vec<WriteRange>, first: usize, r: WriteRange) {
+    let can_merge = out.len() > first
+        && out
+            .last()
+            .is_some_and(|l| l.src + l.len == r.src && l.dst + l.len == r.dst);
+    match out.last_mut() {
+        Some(last) if can_merge => last.len += r.len,
+        _ => out.push(r),
     }
 }
 

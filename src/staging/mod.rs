@@ -40,7 +40,7 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 
 use crate::error::GeometryError;
-use crate::layout::{KvLayout, WriteRange};
+use crate::layout::{push_merged, KvLayout, WriteRange};
 use crate::wire::Handshake;
 
 /// A consumer's staging grant for one request: `len` bytes at the consumer's
@@ -257,14 +257,7 @@ pub fn plan_staged_write(
                     grant: grant.len,
                 });
             }
-            let can_merge = out.len() > first_range
-                && out
-                    .last()
-                    .is_some_and(|l| l.src + l.len == r.src && l.dst + l.len == r.dst);
-            match out.last_mut() {
-                Some(last) if can_merge => last.len += r.len,
-                _ => out.push(r),
-            }
+            push_merged(out, first_range, r);
         }
     }
     Ok(())
