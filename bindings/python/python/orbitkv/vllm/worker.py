@@ -673,9 +673,6 @@ class PdWorker:
                     # holds the blocks when the request ends, until the
                     # runtime releases them (RequestEnd.after_load).
                 if cons.end is None and not cons.reported and cons.req_id is not None:
-                    if ev.kind == "consumer_completed" and self._hooks is not None and self._hooks.take_corruption():
-                        if cons.blocks:  # test hook: decode must compute on changed KV
-                            corrupt_block(self._kv_caches, self._num_blocks, cons.blocks[0])
                     staged = getattr(ev, "staged", None) if ev.kind == "consumer_completed" else None
                     if staged is not None:
                         try:
@@ -684,6 +681,9 @@ class PdWorker:
                             # The pages are incomplete: vLLM recomputes them.
                             logger.warning("staging of %s could not be scattered (%s): recomputed", pd, e)
                             self._load_errors.update(cons.blocks or ())
+                    if ev.kind == "consumer_completed" and self._hooks is not None and self._hooks.take_corruption():
+                        if cons.blocks:  # test hook: decode must compute on changed KV (after any scatter)
+                            corrupt_block(self._kv_caches, self._num_blocks, cons.blocks[0])
                     led.consumers.get(pd).reported = True
                     recving.add(cons.req_id)
             elif ev.kind == "consumer_quiesced":
