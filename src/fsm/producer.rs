@@ -1,7 +1,10 @@
 //! The prefill side's machine: one per request and rank. It writes only
 //! under the authorization it captured (rules 1, 5), releases the source
-//! blocks only once admitted writes drained (rule 6), and says `done` only
-//! for KV it was given in full (rule 7).
+//! blocks only once admitted writes drained (rule 6), says `done` only
+//! for KV it was given in full (rule 7), and never lets a write overtake an
+//! earlier one into the same bytes (rule 8: chunked prefill sends a
+//! chunk's partial last block again with the next chunk, and Mooncake does
+//! not order batches, not even a writer lane's).
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -96,8 +99,11 @@ pub struct ProducerMachine {
     auth: Option<Arc<Handshake>>,
     /// Every (layer, blocks) prefill reported, in order.
     ready: Vec<(u32, Range<u32>)>,
-    /// Admitted writes not yet completed: id -> generation.
-    in_flight: BTreeMap<WriteId, Generation>,
+    /// Admitted writes not yet completed: id -> (generation, layer, blocks).
+    in_flight: BTreeMap<WriteId, (Generation, u32, Range<u32>)>,
+    /// Writes of the current authorization held back until an earlier
+    /// write into the same layer and blocks ended (rule 8), in order.
+    deferred: Vec<(u32, Range<u32>)>,
     next_write: WriteId,
     finished: bool,
     /// The first error or abort; it decides the outcome.
@@ -113,6 +119,7 @@ impl ProducerMachine {
             auth: None,
             ready: Vec::new(),
             in_flight: BTreeMap::new(),
+            deferred: Vec::new(),
             next_write: 1,
             finished: false,
             stop: None,
@@ -141,11 +148,49 @@ impl ProducerMachine {
         self.finished
     }
 
+    /// Rule 8: whether a write of `layer`, `blocks` under the current
+    /// authorization must wait, because an earlier one into some of the same
+    /// blocks is in flight or waits itself.
+    fn must_wait(&self, layer: u32, blocks: &Range<u32>) -> bool {
+        let overlaps = |l: u32, b: &Range<u32>| l == layer && b.start < blocks.end && blocks.start < b.end;
+        let generation = self.generation();
+        self.in_flight
+            .values()
+            .any(|(g, l, b)| Some(*g) == generation && overlaps(*l, b))
+            || self.deferred.iter().any(|(l, b)| overlaps(*l, b))
+    }
+
     fn submit(&mut self, layer: u32, blocks: Range<u32>, out: &mut Vec<ProducerEffect>) {
+        if self.auth.is_none() {
+            return;
+        }
+        if self.must_wait(layer, &blocks) {
+            self.deferred.push((layer, blocks));
+            return;
+        }
+        self.submit_now(layer, blocks, out);
+    }
+
+    /// After a write ended: the held-back writes that no longer overlap an
+    /// earlier one go out, in order (none once the request is stopping on
+    /// an error or an abort).
+    fn submit_deferred(&mut self, out: &mut Vec<ProducerEffect>) {
+        if self.stop.is_some() {
+            self.deferred.clear();
+            return;
+        }
+        let held = std::mem::take(&mut self.deferred);
+        for (layer, blocks) in held {
+            self.submit(layer, blocks, out);
+        }
+    }
+
+    fn submit_now(&mut self, layer: u32, blocks: Range<u32>, out: &mut Vec<ProducerEffect>) {
         let Some(auth) = &self.auth else { return };
         let write = self.next_write;
         self.next_write += 1;
-        self.in_flight.insert(write, auth.generation);
+        self.in_flight
+            .insert(write, (auth.generation, layer, blocks.clone()));
         out.push(ProducerEffect::Submit {
             write,
             generation: auth.generation,
@@ -229,6 +274,8 @@ impl ProducerMachine {
         if self.stop.is_none() {
             self.stop = Some((outcome, reason));
         }
+        // Nothing more is submitted (rule 6 waits only for what is in flight).
+        self.deferred.clear();
         self.phase = ProducerPhase::Draining;
     }
 
@@ -265,6 +312,9 @@ impl ProducerMachine {
                 // Writes of older generations keep their own authorization.
                 self.auth = Some(h);
                 self.bytes = 0;
+                // What waited did so under the old authorization: all of it
+                // is in `ready` and goes out again under the new one.
+                self.deferred.clear();
                 let ready = self.ready.clone();
                 for (layer, blocks) in ready {
                     self.submit(layer, blocks, &mut out);
@@ -287,7 +337,7 @@ impl ProducerMachine {
                 generation,
                 bytes,
             } => {
-                match self.in_flight.remove(&write) {
+                match self.in_flight.remove(&write).map(|(g, _, _)| g) {
                     Some(g) if g == generation => {
                         if Some(g) == self.generation() {
                             self.bytes += bytes;
@@ -302,6 +352,7 @@ impl ProducerMachine {
                     }
                     None => out.push(ProducerEffect::Dropped(Dropped::UnknownWrite(write))),
                 }
+                self.submit_deferred(&mut out);
                 self.settle(&mut out);
             }
             ProducerEvent::WriteFailed {
@@ -309,7 +360,7 @@ impl ProducerMachine {
                 generation,
                 reason,
             } => {
-                match self.in_flight.remove(&write) {
+                match self.in_flight.remove(&write).map(|(g, _, _)| g) {
                     Some(g) => {
                         if g != generation {
                             // The report names another generation than the
@@ -329,6 +380,7 @@ impl ProducerMachine {
                     }
                     None => out.push(ProducerEffect::Dropped(Dropped::UnknownWrite(write))),
                 }
+                self.submit_deferred(&mut out);
                 self.settle(&mut out);
             }
             ProducerEvent::Finish => {
@@ -548,12 +600,15 @@ mod tests {
             })));
         }
         let mut fx = p.on_event(ProducerEvent::Finish);
-        for (write, generation, _) in writes {
-            fx.extend(p.on_event(ProducerEvent::WriteDone {
+        // Writes held back by rule 8 go out as earlier ones end: complete those too.
+        while let Some((write, generation, _)) = writes.pop() {
+            let more = p.on_event(ProducerEvent::WriteDone {
                 write,
                 generation,
                 bytes: 1,
-            }));
+            });
+            writes.extend(submits(&more));
+            fx.extend(more);
         }
         assert_eq!(p.phase(), ProducerPhase::Released, "{fx:?}");
         fx.into_iter()
@@ -562,6 +617,104 @@ mod tests {
                 _ => None,
             })
             .expect("a notice")
+    }
+
+    // Rule 8: a write never overtakes an earlier one into the same bytes.
+    // Chunked prefill sends a chunk's partial last block again with the
+    // next chunk; were both in flight, Mooncake could land the stale one last.
+    #[test]
+    fn rule8_an_overlapping_write_waits_for_the_earlier_one() {
+        let mut p = ProducerMachine::new(rid());
+        p.on_event(ProducerEvent::Handshake(hs_layers(1, vec![4, 5, 6], 2)));
+        let first = submits(&p.on_event(ProducerEvent::LayerReady {
+            layer: 0,
+            blocks: 0..2,
+        }));
+        assert_eq!(first.len(), 1);
+        // the same layer, overlapping on block 1: held back
+        assert!(submits(&p.on_event(ProducerEvent::LayerReady {
+            layer: 0,
+            blocks: 1..3
+        }))
+        .is_empty());
+        // another layer, or blocks apart: not held
+        assert_eq!(
+            submits(&p.on_event(ProducerEvent::LayerReady {
+                layer: 1,
+                blocks: 0..3
+            }))
+            .len(),
+            1
+        );
+        p.on_event(ProducerEvent::Finish);
+        assert_eq!(p.in_flight(), 2);
+        // the earlier write ends: the held one goes out, and only then can
+        // the request be done
+        let fx = p.on_event(ProducerEvent::WriteDone {
+            write: first[0].0,
+            generation: first[0].1,
+            bytes: 1,
+        });
+        let next = submits(&fx);
+        assert_eq!(next.iter().map(|s| s.2).collect::<Vec<_>>(), vec![0]);
+        assert!(!fx.iter().any(|e| matches!(e, ProducerEffect::Notify { .. })));
+        for e in fx {
+            if let ProducerEffect::Submit { blocks, .. } = e {
+                assert_eq!(blocks, 1..3);
+            }
+        }
+        let ids: Vec<_> = p.in_flight.keys().copied().collect();
+        let mut fx = Vec::new();
+        for w in ids {
+            fx = p.on_event(ProducerEvent::WriteDone {
+                write: w,
+                generation: Generation(1),
+                bytes: 1,
+            });
+        }
+        assert!(
+            fx.iter().any(|e| matches!(
+                e,
+                ProducerEffect::Notify {
+                    outcome: Outcome::Done,
+                    ..
+                }
+            )),
+            "{fx:?}"
+        );
+    }
+
+    // Rule 8 with a failure: what was held back is never submitted once the
+    // request stops, and the release still waits only for what is in flight.
+    #[test]
+    fn rule8_held_writes_are_dropped_when_the_request_stops() {
+        let mut p = ProducerMachine::new(rid());
+        p.on_event(ProducerEvent::Handshake(hs_layers(1, vec![4, 5, 6], 1)));
+        let first = submits(&p.on_event(ProducerEvent::LayerReady {
+            layer: 0,
+            blocks: 0..2,
+        }));
+        assert!(submits(&p.on_event(ProducerEvent::LayerReady {
+            layer: 0,
+            blocks: 1..3
+        }))
+        .is_empty());
+        p.on_event(ProducerEvent::Abort {
+            reason: "client gone".into(),
+        });
+        let fx = p.on_event(ProducerEvent::WriteDone {
+            write: first[0].0,
+            generation: first[0].1,
+            bytes: 1,
+        });
+        assert!(submits(&fx).is_empty(), "{fx:?}");
+        assert!(fx.iter().any(|e| matches!(
+            e,
+            ProducerEffect::Release {
+                outcome: Outcome::Aborted,
+                ..
+            }
+        )));
     }
 
     // Rule 7: done only when every layer of every authorized block was
