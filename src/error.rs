@@ -147,7 +147,7 @@ pub enum GeometryError {
         base: u64,
         grant: u64,
     },
-    #[error("staging addresses or sizes overflow")]
+    #[error("a staging grant at address 0, or staging addresses or sizes that overflow")]
     StagingOverflow,
     #[error("staging grant of {granted} bytes is smaller than the {needed} bytes its blocks stage to")]
     StagingTooSmall { granted: u64, needed: u64 },

@@ -359,6 +359,56 @@ mod tests {
             staged: false,
         };
         assert_eq!(Notice::from_json(&n.to_json()).unwrap(), n);
+        // `staged` is left out when false (what an older producer sends)...
+        assert!(!String::from_utf8_lossy(&n.to_json()).contains("staged"));
+        let staged = Notice { staged: true, ..n };
+        assert_eq!(Notice::from_json(&staged.to_json()).unwrap(), staged);
+        // ...and anything but a boolean is malformed
+        for bad in [
+            serde_json::json!("yes"),
+            serde_json::json!(1),
+            serde_json::json!(null),
+        ] {
+            let mut v = serde_json::to_value(&staged).unwrap();
+            v["staged"] = bad.clone();
+            assert!(
+                matches!(
+                    Notice::from_json(v.to_string().as_bytes()),
+                    Err(ProtocolError::Malformed { .. })
+                ),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_staging_grant_is_checked_like_the_blocks() {
+        let n = handshake().block_ids.len() as u32;
+        let needed = crate::staging::staged_bytes(&handshake().layout, n).unwrap();
+        let mut h = handshake();
+        h.staging = Some(StagingGrant {
+            base: 0x100_0000,
+            len: needed,
+        });
+        assert_eq!(Handshake::from_json(&h.to_json()).unwrap(), h);
+        // too small, at 0, overflowing, or not a {base, len} object
+        for bad in [
+            serde_json::json!({"base": 0x100_0000, "len": needed - 1}),
+            serde_json::json!({"base": 0, "len": needed}),
+            serde_json::json!({"base": u64::MAX - 8, "len": needed}),
+            serde_json::json!({"base": 1, "len": needed, "rkey": 7}),
+            serde_json::json!({"base": -1, "len": needed}),
+            serde_json::json!([1, 2]),
+            serde_json::json!("0x1000"),
+        ] {
+            let mut v = serde_json::to_value(handshake()).unwrap();
+            v["staging"] = bad.clone();
+            assert!(Handshake::from_json(&v.to_string()).is_err(), "{bad}");
+        }
+        // absent or null: no staging
+        let mut v = serde_json::to_value(handshake()).unwrap();
+        v["staging"] = serde_json::Value::Null;
+        assert_eq!(Handshake::from_json(&v.to_string()).unwrap().staging, None);
     }
 
     #[test]

@@ -39,6 +39,15 @@
 //! * (h) a producer notifies `Done` only when, for every layer, the layers
 //!   prefill reported while it streamed cover every request block of the
 //!   authorization (a skipped per-layer save never publishes stale pages);
+//! * (i) a write never goes out while an earlier write of the same
+//!   producer, generation and layer into some of the same request blocks is
+//!   in flight (rule 8: chunked prefill sends a partial block twice);
+//! * with staging (half the cases: every generation's handshake carries a
+//!   staging grant and each producer a source staging, planned as
+//!   `ProducerActor` does with `StagedPlan`), (a) reads: every staged range
+//!   lies inside its own generation's grant and in no other generation's
+//!   grant or blocks; the grant is freed with the blocks, so (f) and (g)
+//!   cover it too;
 //! * stale, misrouted, foreign-rank and duplicate events change nothing.
 //!
 //! After the steps the model drains (writes complete, producers finish or
@@ -65,6 +74,7 @@ use orbitkv::fsm::{
     ProducerMachine, ProducerPhase, WriteId,
 };
 use orbitkv::layout::plan_write;
+use orbitkv::staging::{staged_bytes, SourceStaging, StagedPlan, StagingGrant};
 use orbitkv::testing::capability as cap;
 use orbitkv::wire::WIRE_VERSION;
 use orbitkv::{Generation, Handshake, KvLayout, Outcome, ProducerRank, RequestId, WriteRange};
@@ -80,6 +90,9 @@ const HEADS: u32 = 4;
 /// Consumer block bytes (4 heads of 64 B); a producer of TP 2 holds 2 heads.
 const C_BLOCK: u64 = 256;
 const SRC_BLOCKS: [u32; REQ_BLOCKS as usize] = [4, 1, 2];
+/// Where generation `k`'s staging grant lies: `GRANT_BASE + k * GRANT_STRIDE`.
+const GRANT_BASE: u64 = 0xA000_0000;
+const GRANT_STRIDE: u64 = 0x10_0000;
 
 type Check = Result<(), String>;
 
@@ -188,6 +201,7 @@ enum Shape {
 #[derive(Clone)]
 struct Case {
     producers: usize,
+    staging: bool,
     steps: Vec<u64>,
 }
 
@@ -201,6 +215,7 @@ impl std::fmt::Debug for Case {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Case")
             .field("producers", &self.producers)
+            .field("staging", &self.staging)
             .field("ops", &self.ops())
             .finish()
     }
@@ -290,8 +305,16 @@ fn decode(x: u64) -> Op {
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    (1..=2usize, prop::collection::vec(any::<u64>(), 0..64))
-        .prop_map(|(producers, steps)| Case { producers, steps })
+    (
+        1..=2usize,
+        any::<bool>(),
+        prop::collection::vec(any::<u64>(), 0..64),
+    )
+        .prop_map(|(producers, staging, steps)| Case {
+            producers,
+            staging,
+            steps,
+        })
 }
 
 // ------------------------------------------------------------------ model
@@ -346,6 +369,34 @@ struct Prod {
     released: u32,
     /// (layer, request blocks) prefill reported while the machine streamed.
     reported: Vec<(u32, Range<u32>)>,
+    /// The request's source staging (staging cases only).
+    source: Option<SourceStaging>,
+}
+
+impl Prod {
+    /// Plans a `Submit` exactly as `ProducerActor` does: into the grant
+    /// when both sides stage, else into the pages. Returns whether it staged.
+    fn plan(
+        &self,
+        auth: &Handshake,
+        layer: u32,
+        blocks: Range<u32>,
+        out: &mut Vec<WriteRange>,
+    ) -> (Result<(), String>, bool) {
+        let staged = self
+            .source
+            .and_then(|src| StagedPlan::new(&self.layout, src, auth).ok().flatten());
+        match staged {
+            Some(plan) => (
+                plan.plan_layer(layer, blocks, out).map_err(|e| e.to_string()),
+                true,
+            ),
+            None => (
+                plan_write(&self.layout, &SRC_BLOCKS, auth, layer, blocks, out).map_err(|e| e.to_string()),
+                false,
+            ),
+        }
+    }
 }
 
 struct Write {
@@ -355,6 +406,8 @@ struct Write {
     layer: u32,
     blocks: Range<u32>,
     ranges: Vec<WriteRange>,
+    /// Into the generation's staging grant rather than its pages.
+    staged: bool,
     bytes: u64,
 }
 
@@ -388,6 +441,10 @@ struct Coverage {
     consumer_timeouts: u64,
     released_by_deadline_with_writes_in_flight: u64,
     quiesced: u64,
+    /// A layer reported over blocks an earlier write of it still had in flight.
+    overlaps_while_in_flight: u64,
+    /// Writes planned into a staging grant.
+    staged_writes: u64,
 }
 
 struct Model {
@@ -400,10 +457,12 @@ struct Model {
     ended_writes: Vec<(usize, WriteId, Generation)>,
     notices: Vec<Note>,
     cov: Coverage,
+    /// Each generation gets a staging grant, each producer a source staging.
+    staging: bool,
 }
 
 impl Model {
-    fn new(producers: usize, mutation: Mutation) -> Self {
+    fn new(producers: usize, mutation: Mutation, staging: bool) -> Self {
         let consumer_layout = layout(0x9000_0000, REQ_BLOCKS * MAX_GENS as u32, C_BLOCK, (0, 1));
         let prods = (0..producers as u32)
             .map(|rank| {
@@ -421,6 +480,10 @@ impl Model {
                     notified: 0,
                     released: 0,
                     reported: Vec::new(),
+                    source: staging.then_some(SourceStaging {
+                        base: 0x7000_0000 + 0x100_0000 * rank as u64,
+                        capacity: REQ_BLOCKS,
+                    }),
                 }
             })
             .collect();
@@ -436,6 +499,7 @@ impl Model {
             ended_writes: Vec::new(),
             notices: Vec::new(),
             cov: Coverage::default(),
+            staging,
         };
         m.open_generation(0, Shape::Full);
         m
@@ -463,7 +527,10 @@ impl Model {
             block_ids: blocks,
             layout: self.consumer_layout.clone(),
             expires_unix_ms: 0,
-            staging: None,
+            staging: self.staging.then(|| StagingGrant {
+                base: GRANT_BASE + k as u64 * GRANT_STRIDE,
+                len: staged_bytes(&self.consumer_layout, n).expect("small"),
+            }),
         });
         handshake.validate().expect("the model's handshake is valid");
         self.gens.push(Gen {
@@ -653,22 +720,15 @@ impl Model {
             let prod = &self.prods[w.p];
             if let Some(cur) = prod.machine.generation().and_then(|g| prod.delivered.get(&g)) {
                 let mut out = Vec::new();
-                if plan_write(
-                    &prod.layout,
-                    &SRC_BLOCKS,
-                    cur,
-                    w.layer,
-                    w.blocks.clone(),
-                    &mut out,
-                )
-                .is_ok()
-                {
+                let (planned, staged) = prod.plan(cur, w.layer, w.blocks.clone(), &mut out);
+                if planned.is_ok() {
                     w.ranges = out;
+                    w.staged = staged;
                 }
             }
         }
         // The bytes land now: they must still be inside their own authorization.
-        self.check_ranges(w.generation, w.layer, &w.ranges)?;
+        self.check_ranges(w.generation, w.layer, w.staged, &w.ranges)?;
         if self.prods[w.p].machine.generation() != Some(w.generation) {
             self.cov.old_writes_landed_after_reuse += 1;
         }
@@ -721,6 +781,16 @@ impl Model {
     /// Prefill reports `layer` for `blocks`; the model remembers it when the
     /// machine can still take layers.
     fn layer_ready(&mut self, p: usize, layer: u32, blocks: Range<u32>) -> Check {
+        let current = self.prods[p].machine.generation();
+        if self.pool.iter().any(|w| {
+            w.p == p
+                && Some(w.generation) == current
+                && w.layer == layer
+                && w.blocks.start < blocks.end
+                && blocks.start < w.blocks.end
+        }) {
+            self.cov.overlaps_while_in_flight += 1;
+        }
         let m = &self.prods[p].machine;
         if m.phase() == ProducerPhase::Streaming && !m.finished() {
             self.prods[p].reported.push((layer, blocks.clone()));
@@ -803,16 +873,19 @@ impl Model {
                     self.prods[p].in_flight.insert(write),
                     "producer {p} reused write id {write}"
                 );
+                // (i) rule 8: nothing earlier into the same bytes is in flight.
+                ensure!(
+                    !self.pool.iter().any(|w| w.p == p
+                        && w.generation == generation
+                        && w.layer == layer
+                        && w.blocks.start < blocks.end
+                        && blocks.start < w.blocks.end),
+                    "(i) producer {p} submitted layer {layer} blocks {blocks:?} of {generation} while an \
+                     earlier write into some of them was in flight"
+                );
                 // Planned exactly as `ProducerActor` plans a `Submit`.
                 let mut out = Vec::new();
-                let planned = plan_write(
-                    &self.prods[p].layout,
-                    &SRC_BLOCKS,
-                    &auth,
-                    layer,
-                    blocks.clone(),
-                    &mut out,
-                );
+                let (planned, staged) = self.prods[p].plan(&auth, layer, blocks.clone(), &mut out);
                 let authorized_end = auth.first_block as usize + auth.block_ids.len();
                 if blocks.end as usize > authorized_end && blocks.start.max(auth.first_block) < blocks.end {
                     ensure!(
@@ -827,10 +900,13 @@ impl Model {
                     return Ok(Some(ProducerEvent::WriteFailed {
                         write,
                         generation,
-                        reason: err.to_string(),
+                        reason: err,
                     }));
                 }
-                self.check_ranges(generation, layer, &out)?;
+                self.check_ranges(generation, layer, staged, &out)?;
+                if staged {
+                    self.cov.staged_writes += 1;
+                }
                 if out.is_empty() {
                     return Ok(Some(ProducerEvent::WriteDone {
                         write,
@@ -846,6 +922,7 @@ impl Model {
                     layer,
                     blocks,
                     ranges: out,
+                    staged,
                     bytes,
                 });
                 Ok(None)
@@ -924,12 +1001,40 @@ impl Model {
 
     /// (a) at byte level: every range lies in blocks authorized for
     /// `generation` and touches no block of another generation.
-    fn check_ranges(&self, generation: Generation, layer: u32, ranges: &[WriteRange]) -> Check {
+    fn check_ranges(&self, generation: Generation, layer: u32, staged: bool, ranges: &[WriteRange]) -> Check {
         let gi = self
             .gen_index(generation)
             .ok_or_else(|| format!("(a) a write under unknown {generation}"))?;
         let plane = self.consumer_layout.layers[layer as usize].planes[0];
         let extent = |b: u32| (plane.block_addr(b), plane.block_addr(b) + plane.block_bytes);
+        if staged {
+            for r in ranges {
+                let (lo, hi) = (r.dst, r.dst + r.len);
+                for (i, g) in self.gens.iter().enumerate() {
+                    let grant = g.handshake.staging.ok_or("(a) a staged write without a grant")?;
+                    let inside = lo >= grant.base && hi <= grant.base + grant.len;
+                    if i == gi {
+                        ensure!(
+                            inside,
+                            "(a) a staged write of {generation} at {lo:#x}..{hi:#x} leaves its grant"
+                        );
+                    } else {
+                        ensure!(
+                            hi <= grant.base || lo >= grant.base + grant.len,
+                            "(a) a staged write of {generation} lands in the grant of generation #{i}"
+                        );
+                    }
+                    for &b in &g.handshake.block_ids {
+                        let (s, e) = extent(b);
+                        ensure!(
+                            hi <= s || lo >= e,
+                            "(a) a staged write of {generation} lands in block {b}"
+                        );
+                    }
+                }
+            }
+            return Ok(());
+        }
         for r in ranges {
             let (lo, hi) = (r.dst, r.dst + r.len);
             for (other, g) in self.gens.iter().enumerate().filter(|(i, _)| *i != gi) {
@@ -1136,7 +1241,7 @@ fn notice_event(n: &Note) -> ConsumerEvent {
 }
 
 fn run_case(c: &Case, mutation: Mutation) -> Result<Coverage, String> {
-    let mut m = Model::new(c.producers, mutation);
+    let mut m = Model::new(c.producers, mutation, c.staging);
     for (i, op) in c.ops().iter().enumerate() {
         m.step(op).map_err(|e| format!("step {i} ({op:?}): {e}"))?;
     }
@@ -1177,6 +1282,8 @@ fn explore(cases: u32, mutation: Mutation) -> Result<(u64, Coverage), (String, C
         s.consumer_timeouts += cov.consumer_timeouts;
         s.released_by_deadline_with_writes_in_flight += cov.released_by_deadline_with_writes_in_flight;
         s.quiesced += cov.quiesced;
+        s.overlaps_while_in_flight += cov.overlaps_while_in_flight;
+        s.staged_writes += cov.staged_writes;
         Ok(())
     });
     match r {
@@ -1186,6 +1293,7 @@ fn explore(cases: u32, mutation: Mutation) -> Result<(u64, Coverage), (String, C
             format!("aborted: {why}"),
             Case {
                 producers: 0,
+                staging: false,
                 steps: vec![],
             },
         )),
@@ -1225,6 +1333,11 @@ fn contract_holds_over_10000_interleavings() {
         ("consumer failures", cov.failed),
         ("consumer timeouts", cov.consumer_timeouts),
         ("held failures quiesced", cov.quiesced),
+        (
+            "layers reported over blocks still being written",
+            cov.overlaps_while_in_flight,
+        ),
+        ("writes into a staging grant", cov.staged_writes),
     ];
     // Each run draws a fresh seed, so the counts vary: consumer completions,
     // the rarest, average about 110 per 10,000 interleavings and were seen
@@ -1281,7 +1394,7 @@ fn broken_consumer_that_frees_at_the_deadline_is_caught() {
 /// Fabricated effects, one per invariant, fed straight to the checker.
 #[test]
 fn checker_rejects_fabricated_violations() {
-    let mut m = Model::new(2, Mutation::None);
+    let mut m = Model::new(2, Mutation::None, false);
     m.deliver_handshake(0, 0).unwrap();
     m.step(&Op::Reauthorize {
         rot: 1,
@@ -1311,6 +1424,7 @@ fn checker_rejects_fabricated_violations() {
         .check_ranges(
             old.generation,
             0,
+            false,
             &[WriteRange {
                 src: 0x1000,
                 dst: plane.block_addr(new.block_ids[0]),
@@ -1341,7 +1455,7 @@ fn checker_rejects_fabricated_violations() {
     assert!(err.starts_with("(c)"), "{err}");
 
     // (d) a second release.
-    let mut m2 = Model::new(1, Mutation::None);
+    let mut m2 = Model::new(1, Mutation::None, false);
     let release = ProducerEffect::Release {
         outcome: Outcome::Aborted,
         reason: None,
@@ -1351,7 +1465,7 @@ fn checker_rejects_fabricated_violations() {
     assert!(err.starts_with("(d)"), "{err}");
 
     // (b) a completion with one of two producers done; (e) failure after completion.
-    let mut m3 = Model::new(2, Mutation::CompleteOnFirstDone);
+    let mut m3 = Model::new(2, Mutation::CompleteOnFirstDone, false);
     m3.gens[0].done_from.insert(0);
     let err = m3
         .feed_consumer(
@@ -1366,7 +1480,7 @@ fn checker_rejects_fabricated_violations() {
         )
         .unwrap_err();
     assert!(err.starts_with("(b)"), "{err}");
-    let mut m4 = Model::new(1, Mutation::None);
+    let mut m4 = Model::new(1, Mutation::None, false);
     m4.gens[0].completed = 1;
     m4.gens[0].timed_out = true;
     let err = m4.feed_consumer(0, ConsumerEvent::TimedOut).unwrap_err();

@@ -322,3 +322,96 @@ fn a_release_naming_an_unknown_group_never_releases_the_live_one() {
         );
     });
 }
+
+/// A done notice of producer `rank` for `generation` of request "staged".
+fn done_notice(rank: u32, generation: u64, staged: bool) -> orbitkv::Notice {
+    orbitkv::Notice {
+        version: orbitkv::wire::WIRE_VERSION,
+        request_id: RequestId::new("staged"),
+        generation: Generation(generation),
+        producer_rank: ProducerRank(rank),
+        outcome: orbitkv::Outcome::Done,
+        reason: None,
+        bytes: 1,
+        staged,
+    }
+}
+
+#[test]
+fn only_the_first_done_notice_of_an_expected_rank_says_what_to_scatter_and_the_grant_outlives_nothing() {
+    use orbitkv::actors::consumer::ConsumerStaging;
+    use orbitkv::actors::messages::NoticeArrived;
+    use orbitkv::staging::arena::StagingArena;
+    use orbitkv::staging::{staged_bytes, StagingGrant};
+    paused(async {
+        // decode TP 1 with 2 KV heads, prefill TP 2: rank r sends head r
+        let local = Arc::new(KvLayout::packed(0x10_0000, 2, 8, 4096, (0, 1), 2));
+        let arena = Arc::new(parking_lot::Mutex::new(
+            StagingArena::new(0x100_0000, 1 << 20).unwrap(),
+        ));
+        let len = staged_bytes(&local, 4).unwrap();
+        let grant = StagingGrant {
+            base: arena.lock().alloc(len).unwrap(),
+            len,
+        };
+        let staging = ConsumerStaging {
+            grant,
+            arena: arena.clone(),
+            blocks: 4,
+            producer_tp: 2,
+            layout: local,
+            staged: BTreeSet::new(),
+        };
+        let transport = Arc::new(FakeTransport::new("127.0.0.1:1"));
+        let stats = Arc::new(Stats::default());
+        let router = NotificationRouter::new(transport, Duration::from_millis(100), stats.clone()).start();
+        let (tx, rx) = crossbeam_channel::unbounded();
+        let machine = ConsumerMachine::new(
+            RequestId::new("staged"),
+            Generation(7),
+            BTreeSet::from([ProducerRank(0), ProducerRank(1)]),
+        );
+        let cfg = RuntimeConfig::default();
+        let consumer = ConsumerActor::new(
+            machine,
+            cfg.consumer_timeout,
+            cfg.quarantine,
+            router,
+            tx,
+            stats.clone(),
+            Some(staging),
+        )
+        .start();
+        // rank 0 wrote pages directly; its duplicate "staged" notice, a
+        // stranger's and a stale generation's must change nothing
+        for n in [
+            done_notice(0, 7, false),
+            done_notice(0, 7, true),
+            done_notice(5, 7, true),
+            done_notice(1, 6, true),
+        ] {
+            consumer.do_send(NoticeArrived(n));
+        }
+        assert_eq!(next(&rx, Duration::from_secs(1)).await, None);
+        consumer.do_send(NoticeArrived(done_notice(1, 7, true)));
+        let (ev, _) = next(&rx, Duration::from_secs(1)).await.expect("completed");
+        match ev {
+            RuntimeEvent::ConsumerCompleted { staged: Some(s), .. } => {
+                // only rank 1's head (unit 1); rank 0 wrote its pages
+                assert_eq!((s.grant, s.blocks), (grant, 4));
+                assert_eq!(
+                    s.units.iter().map(|u| (u.start, u.end)).collect::<Vec<_>>(),
+                    [(1, 2)]
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        // the grant is held until the consumer is released, then returned
+        assert_eq!(arena.lock().pieces(), 1);
+        consumer.do_send(ReleaseRequest);
+        let (ev, _) = next(&rx, Duration::from_secs(1)).await.expect("released");
+        assert!(matches!(ev, RuntimeEvent::ConsumerReleased { .. }), "{ev:?}");
+        let a = arena.lock();
+        assert_eq!((a.pieces(), a.used_bytes()), (0, 0));
+    });
+}

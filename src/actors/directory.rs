@@ -155,6 +155,7 @@ impl RequestDirectory {
             max_bytes: cfg.max_parked_bytes,
             ..PreOpenLimits::default()
         });
+        // `Runtime::start` refused a region the arena cannot take.
         let staging = cfg.staging_region.and_then(|(base, len)| {
             StagingArena::new(base, len)
                 .map(|a| Arc::new(parking_lot::Mutex::new(a)))

@@ -15,9 +15,9 @@ use super::messages::*;
 use super::stats::Stats;
 use super::writer::WriterPool;
 use crate::fsm::*;
-use crate::ids::{ProducerRank, RequestId};
+use crate::ids::{Generation, ProducerRank, RequestId};
 use crate::layout::{plan_write, KvLayout};
-use crate::staging::{plan_staged_write, staging_compatible, SourceStaging, StagingGrant};
+use crate::staging::{SourceStaging, StagedPlan};
 use crate::wire::{Handshake, Notice, WIRE_VERSION};
 
 /// Why a write was not submitted once the consumer's deadline passed.
@@ -47,6 +47,9 @@ pub struct ProducerActor {
     /// Where the worker gathers this request's blocks (`None`: it does not
     /// stage; every write goes to the pages).
     staging: Option<SourceStaging>,
+    /// The staged plan of the authorization of this generation (`None`
+    /// inside: that authorization is written into pages), made once.
+    staged: Option<(Generation, Option<Arc<StagedPlan>>)>,
 }
 
 impl ProducerActor {
@@ -68,15 +71,30 @@ impl ProducerActor {
             span,
             planned: Vec::new(),
             staging,
+            staged: None,
         }
     }
 
     /// Where this producer writes under `auth`: the consumer's staging grant
-    /// when both sides stage in the same order, else the pages. Fixed for
-    /// an authorization (its notice says which).
-    fn staged_into(&self, auth: &Handshake) -> Option<(SourceStaging, StagingGrant)> {
-        let (src, grant) = (self.staging?, auth.staging?);
-        staging_compatible(&self.shared.local, &auth.layout).then_some((src, grant))
+    /// when both sides stage in the same order (the plan), else the pages
+    /// (`None`). Fixed for an authorization, so its notice can say which;
+    /// planned once per generation. An authorization whose grant cannot be
+    /// planned (its addresses overflow) is written into pages.
+    fn staged_into(&mut self, auth: &Handshake) -> Option<Arc<StagedPlan>> {
+        if let Some((g, plan)) = &self.staged {
+            if *g == auth.generation {
+                return plan.clone();
+            }
+        }
+        let plan = self.staging.and_then(|src| {
+            StagedPlan::new(&self.shared.local, src, auth)
+                .inspect_err(|e| tracing::warn!(error = %e, "staging grant not usable: writing pages"))
+                .ok()
+                .flatten()
+                .map(Arc::new)
+        });
+        self.staged = Some((auth.generation, plan.clone()));
+        plan
     }
 
     fn feed(&mut self, ev: ProducerEvent, ctx: &mut Context<Self>) {
@@ -112,16 +130,8 @@ impl ProducerActor {
                     });
                 }
                 let staged = self.staged_into(&auth);
-                let planned = match staged {
-                    Some((src, grant)) => plan_staged_write(
-                        &self.shared.local,
-                        src,
-                        &auth,
-                        grant,
-                        layer,
-                        blocks.clone(),
-                        &mut self.planned,
-                    ),
+                let planned = match &staged {
+                    Some(plan) => plan.plan_layer(layer, blocks.clone(), &mut self.planned),
                     None => plan_write(
                         &self.shared.local,
                         &self.src_blocks,

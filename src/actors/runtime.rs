@@ -116,6 +116,10 @@ fn check_staging_regions(cfg: &RuntimeConfig) -> Result<(), RuntimeError> {
             }
         }
     }
+    if let Some((base, len)) = cfg.staging_region {
+        // The directory's arena over it (too small to hold one aligned piece: refused here).
+        crate::staging::arena::StagingArena::new(base, len).map_err(|e| invalid_argument(e.to_string()))?;
+    }
     if let (Some((a, al)), Some((b, bl))) = (cfg.staging_region, cfg.source_staging_region) {
         if a < b + bl && b < a + al {
             return Err(invalid_argument(

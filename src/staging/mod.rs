@@ -5,7 +5,7 @@
 //! The producer gathers each computed layer of its request blocks into its
 //! *source staging* (a device copy, done by the worker: `orbitkv.vllm.staging`),
 //! the runtime writes the part the consumer authorized into the consumer's
-//! *staging grant* with [`plan_staged_write`], and the consumer scatters the
+//! *staging grant* with [`StagedPlan`], and the consumer scatters the
 //! grant into its pages once every producer reported done, before the KV is
 //! published complete. Every remote byte is still moved by Mooncake.
 //!
@@ -85,33 +85,44 @@ pub fn units(layout: &KvLayout) -> u32 {
     }
 }
 
-/// Offset of (layer, plane) and the bytes of one unit there, in the staged
-/// order of `capacity` blocks; `None` on overflow or an unknown (layer, plane).
-pub fn staged_slot(layout: &KvLayout, capacity: u32, layer: u32, plane: usize) -> Option<(u64, u64)> {
-    let u = units(layout) as u64;
-    let mut off: u64 = 0;
-    for (li, l) in layout.layers.iter().enumerate() {
-        for (pi, p) in l.planes.iter().enumerate() {
-            let unit = p.block_bytes / u;
-            if li as u32 == layer && pi == plane {
-                return Some((off, unit));
+/// A rank's staged order for `capacity` blocks: where each (layer, plane)
+/// starts and the bytes of one unit there. Built once per request (a
+/// producer's per authorization), so no layer write walks the layout.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StagedOrder {
+    pub capacity: u32,
+    /// `slots[layer][plane]`: (offset, unit bytes).
+    pub slots: Vec<Vec<(u64, u64)>>,
+    /// Bytes of the whole staged copy.
+    pub bytes: u64,
+}
+
+impl StagedOrder {
+    /// `None` on overflow.
+    pub fn new(layout: &KvLayout, capacity: u32) -> Option<Self> {
+        let u = units(layout) as u64;
+        let mut off: u64 = 0;
+        let mut slots = Vec::with_capacity(layout.layers.len());
+        for l in &layout.layers {
+            let mut planes = Vec::with_capacity(l.planes.len());
+            for p in &l.planes {
+                planes.push((off, p.block_bytes / u));
+                off = off.checked_add(p.block_bytes.checked_mul(capacity as u64)?)?;
             }
-            off = off.checked_add(p.block_bytes.checked_mul(capacity as u64)?)?;
+            slots.push(planes);
         }
+        Some(Self {
+            capacity,
+            slots,
+            bytes: off,
+        })
     }
-    None
 }
 
 /// Bytes of the staged copy of `capacity` blocks of `layout` (every layer
 /// and plane); `None` on overflow.
 pub fn staged_bytes(layout: &KvLayout, capacity: u32) -> Option<u64> {
-    layout
-        .layers
-        .iter()
-        .flat_map(|l| &l.planes)
-        .try_fold(0u64, |acc, p| {
-            acc.checked_add(p.block_bytes.checked_mul(capacity as u64)?)
-        })
+    StagedOrder::new(layout, capacity).map(|o| o.bytes)
 }
 
 /// Whether a producer of layout `producer` may stage into a consumer of
@@ -152,115 +163,157 @@ pub fn staged_units(consumer: &KvLayout, producer_tp: u32, producer_rank: u32) -
     (s - c.start)..(e - c.start)
 }
 
-/// The staged counterpart of [`crate::layout::plan_write`]: the ranges that
-/// write request blocks `blocks` of `layer` from `src` (this producer's
-/// source staging) into `grant` (the consumer's, in `auth`). Request blocks
-/// before `auth.first_block` are skipped. One range per (plane, sent unit),
-/// merged where consecutive: a whole request in one chunk is one range per
-/// plane. Every destination lies inside the grant and every source inside
-/// `src`'s staged copy: anything else is an error, never a range.
-pub fn plan_staged_write(
-    local: &KvLayout,
+/// How one producer writes into one consumer's staging grant, fixed for an
+/// authorization: built when the handshake is known, then used for every
+/// layer write under it ([`StagedPlan::plan_layer`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StagedPlan {
     src: SourceStaging,
-    auth: &Handshake,
+    src_order: StagedOrder,
     grant: StagingGrant,
-    layer: u32,
-    blocks: Range<u32>,
-    out: &mut Vec<WriteRange>,
-) -> Result<(), GeometryError> {
-    out.clear();
-    let consumer = &auth.layout;
-    let num_layers = local.layers.len();
-    let (Some(pl), Some(cl)) = (
-        local.layers.get(layer as usize),
-        consumer.layers.get(layer as usize),
-    ) else {
-        return Err(GeometryError::LayerOutOfRange { layer, num_layers });
-    };
-    let first = auth.first_block;
-    let n = auth.block_ids.len() as u32;
-    let (lo, hi) = (blocks.start.max(first), blocks.end);
-    if lo >= hi {
-        return Ok(());
+    dst_order: StagedOrder,
+    first_block: u32,
+    /// The sent units: the first in the producer's and in the consumer's
+    /// order, and how many (0: this producer holds none of the consumer's heads).
+    src_unit: u32,
+    dst_unit: u32,
+    count: u32,
+}
+
+impl StagedPlan {
+    /// The plan for writing from `src` into `auth`'s grant; `Ok(None)` when
+    /// `auth` has no grant or the two layouts stage in different orders
+    /// (the producer then writes pages directly).
+    pub fn new(
+        local: &KvLayout,
+        src: SourceStaging,
+        auth: &Handshake,
+    ) -> Result<Option<Self>, GeometryError> {
+        let consumer = &auth.layout;
+        let Some(grant) = auth.staging else {
+            return Ok(None);
+        };
+        if !staging_compatible(local, consumer) {
+            return Ok(None);
+        }
+        let (p, c) = (local.heads_range(), consumer.heads_range());
+        let (src_unit, dst_unit, count) = if local.head_major {
+            let (s, e) = (p.start.max(c.start), p.end.min(c.end));
+            if s >= e {
+                (0, 0, 0)
+            } else {
+                (s - p.start, s - c.start, e - s)
+            }
+        } else {
+            (0, 0, 1)
+        };
+        let overflow = GeometryError::StagingOverflow;
+        let src_order = StagedOrder::new(local, src.capacity).ok_or(overflow.clone())?;
+        let dst_order = StagedOrder::new(consumer, auth.block_ids.len() as u32).ok_or(overflow.clone())?;
+        src.base.checked_add(src_order.bytes).ok_or(overflow.clone())?;
+        grant.base.checked_add(grant.len).ok_or(overflow)?;
+        Ok(Some(Self {
+            src,
+            src_order,
+            grant,
+            dst_order,
+            first_block: auth.first_block,
+            src_unit,
+            dst_unit,
+            count,
+        }))
     }
-    if hi - first > n {
-        return Err(GeometryError::OutsideAuthorization {
-            index: hi - 1 - first,
-            authorized: n as usize,
-        });
-    }
-    if hi > src.capacity {
-        return Err(GeometryError::OutsideSource {
-            index: hi - 1,
-            available: src.capacity as usize,
-        });
-    }
-    if !staging_compatible(local, consumer) {
-        return Err(GeometryError::TensorParallel(
-            "the two layouts stage in different orders (one is head-major, the other not)".into(),
-        ));
-    }
-    let (p, c) = (local.heads_range(), consumer.heads_range());
-    let sent = if local.head_major {
-        let (s, e) = (p.start.max(c.start), p.end.min(c.end));
-        if s >= e {
+
+    /// The staged counterpart of [`crate::layout::plan_write`]: the ranges
+    /// that write request blocks `blocks` of `layer` from the source staging
+    /// into the grant. Request blocks before the handshake's `first_block`
+    /// are skipped. One range per (plane, sent unit), merged where
+    /// consecutive: a whole request in one chunk is one range per plane.
+    /// Every destination lies inside the grant and every source inside the
+    /// source staging: anything else is an error, never a range.
+    pub fn plan_layer(
+        &self,
+        layer: u32,
+        blocks: Range<u32>,
+        out: &mut Vec<WriteRange>,
+    ) -> Result<(), GeometryError> {
+        out.clear();
+        let (Some(sl), Some(dl)) = (
+            self.src_order.slots.get(layer as usize),
+            self.dst_order.slots.get(layer as usize),
+        ) else {
+            return Err(GeometryError::LayerOutOfRange {
+                layer,
+                num_layers: self.src_order.slots.len(),
+            });
+        };
+        let (first, n, cap) = (self.first_block, self.dst_order.capacity, self.src.capacity);
+        let (lo, hi) = (blocks.start.max(first), blocks.end);
+        if lo >= hi {
             return Ok(());
         }
-        (s - p.start, s - c.start, e - s)
-    } else {
-        (0, 0, 1)
-    };
-    let (src_unit, dst_unit, count) = sent;
-    let grant_end = grant
-        .base
-        .checked_add(grant.len)
-        .ok_or(GeometryError::StagingOverflow)?;
-    for pi in 0..pl.planes.len().min(cl.planes.len()) {
-        let (Some((soff, unit)), Some((doff, dunit))) = (
-            staged_slot(local, src.capacity, layer, pi),
-            staged_slot(consumer, n, layer, pi),
-        ) else {
-            return Err(GeometryError::StagingOverflow);
-        };
-        debug_assert_eq!(unit, dunit);
-        let first_range = out.len();
-        for k in 0..count as u64 {
-            let at = |base: u64, off: u64, u: u64, cap: u64, i: u64| -> Option<u64> {
-                base.checked_add(off)?
-                    .checked_add(u.checked_mul(cap)?.checked_add(i)?.checked_mul(unit)?)
-            };
-            let r = (|| {
-                Some(WriteRange {
-                    src: at(
-                        src.base,
-                        soff,
-                        src_unit as u64 + k,
-                        src.capacity as u64,
-                        lo as u64,
-                    )?,
-                    dst: at(
-                        grant.base,
-                        doff,
-                        dst_unit as u64 + k,
-                        n as u64,
-                        (lo - first) as u64,
-                    )?,
-                    len: ((hi - lo) as u64).checked_mul(unit)?,
-                })
-            })()
-            .ok_or(GeometryError::StagingOverflow)?;
-            if r.dst < grant.base || r.dst.checked_add(r.len).map_or(true, |end| end > grant_end) {
-                return Err(GeometryError::OutsideStagingGrant {
-                    dst: r.dst,
-                    len: r.len,
-                    base: grant.base,
-                    grant: grant.len,
-                });
-            }
-            push_merged(out, first_range, r);
+        if hi - first > n {
+            return Err(GeometryError::OutsideAuthorization {
+                index: hi - 1 - first,
+                authorized: n as usize,
+            });
         }
+        if hi > cap {
+            return Err(GeometryError::OutsideSource {
+                index: hi - 1,
+                available: cap as usize,
+            });
+        }
+        let inside = |at: u64, len: u64, base: u64, size: u64| {
+            at >= base && at.checked_add(len).is_some_and(|end| end <= base + size)
+        };
+        for (&(soff, unit), &(doff, dunit)) in sl.iter().zip(dl) {
+            debug_assert_eq!(unit, dunit);
+            let first_range = out.len();
+            for k in 0..self.count as u64 {
+                let at = |base: u64, off: u64, u: u64, cap: u64, i: u64| -> Option<u64> {
+                    base.checked_add(off)?
+                        .checked_add(u.checked_mul(cap)?.checked_add(i)?.checked_mul(unit)?)
+                };
+                let r = (|| {
+                    Some(WriteRange {
+                        src: at(
+                            self.src.base,
+                            soff,
+                            self.src_unit as u64 + k,
+                            cap as u64,
+                            lo as u64,
+                        )?,
+                        dst: at(
+                            self.grant.base,
+                            doff,
+                            self.dst_unit as u64 + k,
+                            n as u64,
+                            (lo - first) as u64,
+                        )?,
+                        len: ((hi - lo) as u64).checked_mul(unit)?,
+                    })
+                })()
+                .ok_or(GeometryError::StagingOverflow)?;
+                if !inside(r.dst, r.len, self.grant.base, self.grant.len) {
+                    return Err(GeometryError::OutsideStagingGrant {
+                        dst: r.dst,
+                        len: r.len,
+                        base: self.grant.base,
+                        grant: self.grant.len,
+                    });
+                }
+                if !inside(r.src, r.len, self.src.base, self.src_order.bytes) {
+                    return Err(GeometryError::OutsideSource {
+                        index: hi - 1,
+                        available: cap as usize,
+                    });
+                }
+                push_merged(out, first_range, r);
+            }
+        }
+        Ok(())
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -94,7 +94,7 @@ fn gather(
     let u = units(local);
     for (li, l) in local.layers.iter().enumerate() {
         for (pi, p) in l.planes.iter().enumerate() {
-            let (off, ub) = staged_slot(local, cap, li as u32, pi).unwrap();
+            let (off, ub) = StagedOrder::new(local, cap).unwrap().slots[li][pi];
             for unit in 0..u {
                 for i in range.clone() {
                     let from = p.block_addr(src_blocks[i as usize]) + unit as u64 * ub;
@@ -114,7 +114,7 @@ fn scatter(consumer: &KvLayout, h: &Handshake, units_sent: Range<u32>, stage: &m
     let n = h.block_ids.len() as u32;
     for (li, l) in consumer.layers.iter().enumerate() {
         for (pi, p) in l.planes.iter().enumerate() {
-            let (off, ub) = staged_slot(consumer, n, li as u32, pi).unwrap();
+            let (off, ub) = StagedOrder::new(consumer, n).unwrap().slots[li][pi];
             for unit in units_sent.clone() {
                 for (i, &b) in h.block_ids.iter().enumerate() {
                     let from = g.base + off + (unit as u64 * n as u64 + i as u64) * ub;
@@ -125,6 +125,19 @@ fn scatter(consumer: &KvLayout, h: &Handshake, units_sent: Range<u32>, stage: &m
             }
         }
     }
+}
+
+/// The producer's plan under `h`, for one layer write.
+fn plan(
+    local: &KvLayout,
+    src: SourceStaging,
+    h: &Handshake,
+    layer: u32,
+    blocks: Range<u32>,
+    out: &mut Vec<WriteRange>,
+) -> Result<(), GeometryError> {
+    let plan = StagedPlan::new(local, src, h)?.expect("both sides stage");
+    plan.plan_layer(layer, blocks, out)
 }
 
 fn apply(ranges: &[WriteRange], src: &mut Mem, dst: &mut Mem) {
@@ -197,7 +210,7 @@ fn check(
             c.clone(),
         );
         for l in 0..layers {
-            plan_staged_write(&producer, src, &h, grant, l, c.clone(), &mut out).unwrap();
+            plan(&producer, src, &h, l, c.clone(), &mut out).unwrap();
             for r in &out {
                 assert!(
                     r.dst >= gat && r.dst + r.len <= gat + gbytes,
@@ -281,7 +294,7 @@ fn one_chunk_of_a_whole_request_is_one_range_per_plane() {
         base: 0x500_0000,
         capacity: 20,
     };
-    plan_staged_write(&p, src, &h, grant, 1, 0..20, &mut out).unwrap();
+    plan(&p, src, &h, 1, 0..20, &mut out).unwrap();
     assert_eq!(out.len(), 2, "{out:?}");
     assert_eq!(out.iter().map(|r| r.len).sum::<u64>(), 2 * 20 * 8 * 64);
     // the same blocks direct: one range per block and plane
@@ -306,7 +319,7 @@ fn writes_outside_the_grant_or_the_source_are_errors() {
     };
     // beyond the authorized blocks
     assert!(matches!(
-        plan_staged_write(&p, src, &h, grant, 0, 0..5, &mut out),
+        plan(&p, src, &h, 0, 0..5, &mut out),
         Err(GeometryError::OutsideAuthorization { .. })
     ));
     // beyond the source staging's capacity
@@ -315,7 +328,7 @@ fn writes_outside_the_grant_or_the_source_are_errors() {
         capacity: 3,
     };
     assert!(matches!(
-        plan_staged_write(&p, small, &h, grant, 0, 0..4, &mut out),
+        plan(&p, small, &h, 0, 0..4, &mut out),
         Err(GeometryError::OutsideSource { .. })
     ));
     // a grant too small for its blocks is refused by the handshake check...
@@ -327,12 +340,12 @@ fn writes_outside_the_grant_or_the_source_are_errors() {
     assert!(bad.validate().is_err());
     // ...and, were it used anyway, no range leaves it
     assert!(matches!(
-        plan_staged_write(&p, src, &bad, short, 1, 0..4, &mut out),
+        plan(&p, src, &bad, 1, 0..4, &mut out),
         Err(GeometryError::OutsideStagingGrant { .. })
     ));
     // an unknown layer
     assert!(matches!(
-        plan_staged_write(&p, src, &h, grant, 9, 0..4, &mut out),
+        plan(&p, src, &h, 9, 0..4, &mut out),
         Err(GeometryError::LayerOutOfRange { .. })
     ));
     assert!(out.is_empty());
@@ -345,6 +358,21 @@ fn layouts_that_stage_in_different_orders_do_not_stage() {
     assert!(!staging_compatible(&p, &c));
     assert!(staging_compatible(&p, &p));
     assert!(staging_compatible(&c, &c));
+    // such a producer plans no staged write: it writes the pages
+    let n = 4;
+    let grant = StagingGrant {
+        base: 0x900_0000,
+        len: staged_bytes(&c, n).unwrap(),
+    };
+    let src = SourceStaging {
+        base: 0x500_0000,
+        capacity: n,
+    };
+    let h = handshake(&c, 0, (0..n).collect(), Some(grant));
+    assert_eq!(StagedPlan::new(&p, src, &h), Ok(None));
+    // nor does one whose consumer gave no grant
+    let h = handshake(&p, 0, (0..n).collect(), None);
+    assert_eq!(StagedPlan::new(&p, src, &h), Ok(None));
 }
 
 #[test]

@@ -756,6 +756,9 @@ class Fleet:
         #                (orbitkv.pd.mooncake_submit_wait = "device"), as before it was redirected
         #   wide-ranges  the per-peer cap of ranges in flight lifted from 768 to 8192
         #                (orbitkv.pd.max_inflight_ranges; 192 -> 2048 per writer lane)
+        #   staging      every request through staging (orbitkv.pd.staging_mb 8192 on both
+        #                instances, staging_min_ranges 1): gathered on prefill, written into
+        #                decode's grant, scattered into decode's pages
         self.pairs: dict[str, list[Server]] = {"single": [self.single], "orbit": [self.opre, self.odec],
                                                 "nixl": [self.npre, self.ndec]}
         ab = ctx.args.ab
@@ -769,6 +772,10 @@ class Fleet:
                 self.opre_ab.orbit_cfg["orbitkv.pd.mooncake_submit_wait"] = "device"
             if ab == "wide-ranges":
                 self.opre_ab.orbit_cfg["orbitkv.pd.max_inflight_ranges"] = 8192
+            if ab == "staging":
+                for s in (self.opre_ab, self.odec_ab):
+                    s.orbit_cfg["orbitkv.pd.staging_mb"] = 8192
+                    s.orbit_cfg["orbitkv.pd.staging_min_ranges"] = 1
             self.servers += [self.opre_ab, self.odec_ab]
             self.pairs[f"orbit-{ab}"] = [self.opre_ab, self.odec_ab]
         self.systems = ["single", "orbit"] + [k for k in self.pairs if k.startswith("orbit-")] + ["nixl"]
@@ -1244,7 +1251,8 @@ def report(d: Path) -> str:
         names = {"orbit": "OrbitKV P/D", "orbit-python-gate": "OrbitKV P/D, Python gate", "orbit-py": "OrbitKV P/D, Python gate",
                  "orbit-one-lane": "OrbitKV P/D, one writer per peer",
                  "orbit-device-wait": "OrbitKV P/D, Mooncake's submit wait",
-                 "orbit-wide-ranges": "OrbitKV P/D, 8192 ranges in flight", "nixl": "NIXL P/D"}
+                 "orbit-wide-ranges": "OrbitKV P/D, 8192 ranges in flight",
+                 "orbit-staging": "OrbitKV P/D, every request staged", "nixl": "NIXL P/D"}
         lines += [f"## {st}: TTFT, medians of {r['reps']} (fresh prompt per request), ms", "",
                   "| prompt tokens | one engine | " + " | ".join(names.get(x, x) for x in others) + " | "
                   + " | ".join(f"{names.get(x, x)} ÷ one" for x in others) + " |",
@@ -1296,7 +1304,7 @@ def main(argv: list[str] | None = None) -> int:
                         "per-layer connector hooks (every layer then goes at wait_for_save; counted)")
     p.add_argument("--one-gpu", action="store_true",
                    help="every instance on GPU 0 (a one-GPU machine; the transfer stays on one device)")
-    p.add_argument("--ab", choices=("none", "one-lane", "python-gate", "device-wait", "wide-ranges"),
+    p.add_argument("--ab", choices=("none", "one-lane", "python-gate", "device-wait", "wide-ranges", "staging"),
                    default="device-wait",
                    help="a second OrbitKV pair with one setting changed: one writer per peer, the Python "
                         "layer-ordering thread (ORBITKV_LAYER_GATE=python), or Mooncake's own submit-time "

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use orbitkv::actors::directory::check_layer;
 use orbitkv::actors::gate::{GateCall, LayerGate, Mark};
-use orbitkv::staging::{staged_bytes, staged_slot, units as staging_units, SourceStaging};
+use orbitkv::staging::{units as staging_units, SourceStaging, StagedOrder};
 use orbitkv::transport::cuda::CudaEvents;
 use orbitkv::{
     Cancel, Capability, KvLayout, Outcome, RequestId, Runtime, RuntimeConfig, RuntimeError, RuntimeEvent,
@@ -532,22 +532,12 @@ impl PyRuntime {
     fn staged_layout<'py>(&self, py: Python<'py>, capacity: u32) -> PyResult<Bound<'py, PyDict>> {
         let rt = self.rt(py)?;
         let layout = rt.layout();
-        let bytes = staged_bytes(layout, capacity)
+        let order = StagedOrder::new(layout, capacity)
             .ok_or_else(|| invalid_argument(py, format!("{capacity} blocks overflow the staged size")))?;
-        let slots: Vec<Vec<(u64, u64)>> = layout
-            .layers
-            .iter()
-            .enumerate()
-            .map(|(li, l)| {
-                (0..l.planes.len())
-                    .map(|pi| staged_slot(layout, capacity, li as u32, pi).unwrap_or((0, 0)))
-                    .collect()
-            })
-            .collect();
         let d = PyDict::new(py);
         d.set_item("units", staging_units(layout))?;
-        d.set_item("bytes", bytes)?;
-        d.set_item("slots", slots)?;
+        d.set_item("bytes", order.bytes)?;
+        d.set_item("slots", order.slots)?;
         Ok(d)
     }
 

@@ -103,7 +103,7 @@ class ProducerRecord:
     # staged layout's slots), freed once the runtime released the request
     # and vLLM no longer schedules it (nothing reads or gathers into it).
     staging: tuple[int, int, list[Any]] | None = None
-    # The request's source blocks so far, in request order (staging gathers them).
+    # A staging request's source blocks so far, in request order (gathered from).
     blocks: list[int] = field(default_factory=list)
     # vLLM ended or aborted it: no chunk of it will be computed any more.
     vllm_done: bool = False

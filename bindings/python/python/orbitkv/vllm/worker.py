@@ -189,6 +189,8 @@ class PdWorker:
         self._staging_tensors: list[torch.Tensor] = []
         self._copier: StagingCopier | None = None
         self._source_arena: StagingArena | None = None
+        # This step's block indices of staging chunks, by P/D id.
+        self._step_index: dict[str, torch.Tensor] = {}
 
     # ---- registration ----------------------------------------------------
 
@@ -374,12 +376,13 @@ class PdWorker:
             self._producer_call(rt.producer_discard, d.pd_id, d.capability, d.reason or "finished before scheduled")
         self._step_chunks = []
         self._step_layers = set()
+        self._step_index = {}
         for ch in meta.producer_chunks:
             if ch.opens:
                 prod = led.producers.get(ch.pd_id)
                 prod.req_id = ch.req_id
                 ok = self._open_producer(ch)
-                if ok:
+                if ok and prod.staging is not None:
                     prod.blocks = list(ch.new_block_ids)
                 if not ok:
                     # Never opened, so no release event will come: vLLM gets
@@ -387,12 +390,13 @@ class PdWorker:
                     led.producers.get(ch.pd_id).released = True
             elif ch.new_block_ids:
                 ok = self._producer_call(rt.producer_add_blocks, ch.pd_id, ch.new_block_ids)
-                if ok:
+                if ok and led.producers.peek(ch.pd_id).staging is not None:
                     led.producers.get(ch.pd_id).blocks.extend(ch.new_block_ids)
             else:
                 ok = True
             if ok and (ch.end_block > ch.start_block or ch.last):
                 self._step_chunks.append(ch)
+                self._index_staged_chunk(ch)
 
     def _open_producer(self, ch: Any) -> bool:
         """``producer_open``, with a source staging for the whole prompt when
@@ -417,6 +421,13 @@ class PdWorker:
                 return ok
         return self._producer_call(rt.producer_open, ch.pd_id, ch.new_block_ids, ch.capability, ch.consumer_tp)
 
+    def _index_staged_chunk(self, ch: ProducerChunk) -> None:
+        """The block IDs this step gathers for a staging request, as an index
+        on the KV device: made once per step, used by every layer."""
+        prod = self.ledger.producers.peek(ch.pd_id)
+        if self._copier is not None and prod.staging is not None and ch.end_block > ch.start_block:
+            self._step_index[ch.pd_id] = self._copier.index(prod.blocks[ch.start_block : ch.end_block])
+
     def _gather(self, idx: int) -> None:
         """Copies layer ``idx`` of this step's staging chunks into their
         source staging (on CUDA: kernels on the current stream, so the layer's
@@ -425,11 +436,11 @@ class PdWorker:
         if copier is None:
             return
         for ch in self._step_chunks:
-            prod = self.ledger.producers.peek(ch.pd_id)
-            if prod.staging is None or ch.end_block <= ch.start_block:
+            blocks = self._step_index.get(ch.pd_id)
+            staging = self.ledger.producers.peek(ch.pd_id).staging
+            if blocks is None or staging is None:
                 continue
-            base, cap, slots = prod.staging
-            blocks = copier.index(prod.blocks[ch.start_block : ch.end_block])
+            base, cap, slots = staging
             copier.gather(idx, blocks, ch.start_block, base, cap, slots)
 
     def _scatter(self, pd: str, staged: tuple[int, int, list[tuple[int, int]]], blocks: list[int]) -> None:
@@ -622,6 +633,7 @@ class PdWorker:
         self._finish_last_chunks()  # if the last layer's save was not seen
         self._step_chunks = []
         self._step_layers = set()
+        self._step_index = {}
 
     def _finish_last_chunks(self) -> None:
         rt = self.runtime
@@ -714,15 +726,11 @@ class PdWorker:
                     logger.warning("prefill %s ended %s: %s", pd, ev.outcome, ev.reason)
                 if led.producers.peek(pd).req_id is not None:  # not a discarded request's answer
                     led.producers.get(pd).released = True
+        self._free_source_staging()
         for pd, prod in led.ended_and_released():
             if prod.req_id is not None:
                 sending.add(prod.req_id)
-            if prod.staging is not None and self._source_arena is not None:
-                # vLLM ended it (it waits for this report) and the runtime
-                # released it: nothing gathers into or reads the staging.
-                self._source_arena.free(prod.staging[0])
             led.producers.pop(pd)
-        self._free_source_staging()
         return (sending or None), (recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
