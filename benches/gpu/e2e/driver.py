@@ -571,7 +571,18 @@ def small_trio(ctx: Ctx, spec: ModelSpec, model: str, eager: bool, tag: str) -> 
     extra = ["--max-num-batched-tokens", str(ctx.args.small_mnbt)] if ctx.args.small_mnbt else []
     mk = lambda name, gpu, conn: Server(  # noqa: E731
         f"{tag}-{name}", model, spec, gpu, conn, eager, kv, mml, ctx.port(), ctx.port(), {}, list(extra))
-    return [mk("single", 0, "none"), mk("prefill", 0, "orbit"), mk("decode", 1, "orbit")]
+    trio = [mk("single", 0, "none"), mk("prefill", 0, "orbit"), mk("decode", 1, "orbit")]
+    if ctx.args.staging:
+        # every request through staging (orbitkv.pd.staging_mb), gathered on
+        # prefill, scattered on decode; the stage then requires it happened
+        for s in trio[1:]:
+            s.orbit_cfg.update(STAGING_CFG)
+    return trio
+
+
+# --staging: staging memory on both OrbitKV instances, and a threshold of one
+# range per layer so that every request (fresh blocks are mostly contiguous) stages.
+STAGING_CFG = {"orbitkv.pd.staging_mb": 8192, "orbitkv.pd.staging_min_ranges": 1}
 
 
 def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, tol: float) -> dict[str, Any]:
@@ -650,13 +661,16 @@ def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, t
     res["transfers_completed"] = d.get("vllm:orbitkv_transfers_completed_total")
     res["transfers_failed"] = d.get("vllm:orbitkv_transfers_failed_total")
     res["bytes_written"] = p.get("vllm:orbitkv_bytes_written_total")
+    res["staging_granted"] = d.get("vllm:orbitkv_staging_granted_total")
+    res["layers_staged"] = p.get("vllm:orbitkv_layers_staged_total")
+    staged_ok = not ctx.args.staging or (res["staging_granted"] or 0) >= n_pd
     ok_tokens = all(v in ("equal", "near-tie") for v in flat)
     # every P/D request must have had its KV over the connector (a request the
     # connector refuses is served as a plain request on decode: equal output,
     # nothing transferred)
     res["pass"] = bool(ok_tokens and all(x["idle"] for x in res["idle_after"].values())
                        and (res["transfers_completed"] or 0) >= n_pd and not res["transfers_failed"]
-                       and (res["bytes_written"] or 0) > 0)
+                       and (res["bytes_written"] or 0) > 0 and staged_ok)
     return res
 
 
@@ -1165,6 +1179,8 @@ def report(d: Path) -> str:
                         if "decode_prefix_cache_hit_tokens" in x), None)
             idle_ok = all(v.get("idle") for v in m.get("idle_after", {}).values())
             late = f", {m['layers_saved_at_wait']:.0f} layers sent at wait_for_save" if "layers_saved_at_wait" in m else ""
+            if m.get("staging_granted"):
+                late += f", staged: {m['staging_granted']:.0f} grants, {m.get('layers_staged') or 0:.0f} layers"
             lines.append(
                 f"| {key} ({m['model']['dtype']}{late}) | yes | {c.get('equal', 0)} / {c.get('near-tie', 0)} / "
                 f"{c.get('mismatch', 0)} / {c.get('error', 0) + c.get('reference error', 0)} | {hit} tokens | "
@@ -1299,6 +1315,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--big-kv-gib", type=float, default=12)
     p.add_argument("--big-layers", type=int, default=32,
                    help="layers of the Llama-3-8B-shaped model (fewer: more instances fit one GPU)")
+    p.add_argument("--staging", action="store_true",
+                   help="stage a: every OrbitKV instance stages every request (orbitkv.pd.staging_mb, "
+                        "staging_min_ranges 1); a model passes only if each P/D request got a grant")
     p.add_argument("--skip-layer-hook", action="store_true",
                    help="stage a: the fp32 model once more with its prefill's attention layers skipping vLLM's "
                         "per-layer connector hooks (every layer then goes at wait_for_save; counted)")
