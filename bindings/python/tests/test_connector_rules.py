@@ -271,7 +271,10 @@ class RecordingRuntime:
         self.events: list[Any] = []
 
     def __getattr__(self, name: str) -> Any:
-        return lambda *a: self.calls.append((name, *a)) or "{}"
+        return lambda *a, **kw: self.calls.append((name, *a, *kw.items())) or "{}"
+
+    def staged_layout(self, capacity: int) -> dict[str, Any]:
+        return {"units": 1, "bytes": 4096 * capacity, "slots": [[(0, 4096)]]}
 
     def layers_ready(self, layer: int, chunks: list[tuple[str, int, int]]) -> list[tuple[str, Exception]]:
         self.calls.append(("layers_ready", layer, chunks))
@@ -572,6 +575,44 @@ def test_a_released_producer_never_raises_inside_the_forward(worker: PdWorker) -
     names = [c[0] for c in worker.runtime.calls]  # type: ignore[attr-defined]
     assert names.count("layers_ready") == 1  # dropped from the step after the first refusal
     assert names.count("producer_finish") <= 1
+
+
+class GatherFailsFor:
+    """Test double of `orbitkv.staging.StagingCopier` whose device copy
+    fails for the block IDs `bad` (e.g. a CUDA error), and succeeds otherwise."""
+
+    def __init__(self, bad: list[int]) -> None:
+        self.bad = bad
+        self.gathered: list[list[int]] = []
+
+    def index(self, blocks: list[int]) -> list[int]:
+        return list(blocks)
+
+    def gather(self, layer: int, blocks: list[int], *rest: Any) -> None:
+        if blocks == self.bad:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        self.gathered.append(blocks)
+
+
+def test_a_failed_staging_gather_aborts_that_request_alone(worker: PdWorker) -> None:
+    import orbitkv
+
+    worker._copier = GatherFailsFor([1])  # type: ignore[assignment]
+    worker._source_arena = orbitkv.StagingArena(1 << 20, 1 << 20)
+    worker._layer_index = {"layer.0": 0, "layer.1": 1}
+    meta = PdConnectorMetadata()
+    meta.producer_chunks.append(ProducerChunk("p1", "pd-1", CAP, 1, True, [1], 0, 1, True, 1))
+    meta.producer_chunks.append(ProducerChunk("p2", "pd-2", CAP, 1, True, [2], 0, 1, True, 1))
+    worker.start_load_kv(meta)
+    # both requests got a source staging
+    opens = [c for c in worker.runtime.calls if c[0] == "producer_open"]  # type: ignore[attr-defined]
+    assert [c[1] for c in opens] == ["pd-1", "pd-2"] and all(("staging_blocks", 1) in c for c in opens)
+    worker.save_kv_layer("layer.0", None)  # type: ignore[arg-type]  # must not raise
+    worker.save_kv_layer("layer.1", None)  # type: ignore[arg-type]
+    aborts = [c for c in worker.runtime.calls if c[0] == "producer_abort"]  # type: ignore[attr-defined]
+    assert [c[1] for c in aborts] == ["pd-1"] and "staging gather failed" in aborts[0][2]
+    # the other request was gathered for every layer; the failed one not again
+    assert worker._copier.gathered == [[2], [2]]  # type: ignore[attr-defined]
 
 
 def test_a_refused_authorization_fails_that_request_alone(worker: PdWorker) -> None:

@@ -441,7 +441,15 @@ class PdWorker:
             if blocks is None or staging is None:
                 continue
             base, cap, slots = staging
-            copier.gather(idx, blocks, ch.start_block, base, cap, slots)
+            try:
+                copier.gather(idx, blocks, ch.start_block, base, cap, slots)
+            except Exception as e:  # noqa: BLE001 - nothing may escape vLLM's hook
+                # This request's staged copy is incomplete: fail it alone
+                # (decode recomputes), gather nothing more for it.
+                logger.warning("staging gather for %s failed (%s): aborting the request", ch.pd_id, e)
+                del self._step_index[ch.pd_id]
+                assert self.runtime is not None
+                self._producer_call(self.runtime.producer_abort, ch.pd_id, f"staging gather failed: {e}")
 
     def _scatter(self, pd: str, staged: tuple[int, int, list[tuple[int, int]]], blocks: list[int]) -> None:
         """Copies a completed request's staging grant into its pages (before
