@@ -7,9 +7,10 @@
 //!   its answered trip to the request directory, the producer actor, the
 //!   layer writer), summed over threads, with completions held back outside
 //!   the measured windows. Goal: ≤ 5 µs per layer.
-//! * `layer_ready_to_submit/gate_forward_cpu`: the same through a
-//!   `LayerGate` (no CUDA mark), the GPU worker's path: the gate thread
-//!   hands each layer to the directory without waiting.
+//! * `layer_ready_to_submit/gate_forward_cpu`: the same through
+//!   `Runtime::layers_ready_after` with a mark already reached, the GPU
+//!   worker's path: the caller numbers the mark and hands the layer to the
+//!   directory without waiting; the writer checks the mark, then submits.
 //! * `layer_ready_to_submit/steady_state_cpu`: process CPU time (all
 //!   threads) per layer while a stream of `Runtime::layer_ready` calls is
 //!   turned into `submit_write` calls — the façade, the producer actor, the
@@ -34,7 +35,17 @@ mod support;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use orbitkv::actors::gate::{GateCall, LayerGate};
+use orbitkv::actors::gate::{GateCall, Mark};
+
+/// A layer mark already reached (a CUDA event whose kernels ran): the GPU
+/// worker's path with the GPU ahead of nothing.
+struct Reached;
+
+impl Mark for Reached {
+    fn wait(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+}
 use orbitkv::{Handshake, Notice, Notification, Outcome, ProducerRank, RequestId, Runtime};
 use support::{cap, scattered_blocks, InstantTransport, REQUEST_BLOCKS};
 
@@ -44,8 +55,6 @@ const LAYERS: u64 = 32;
 /// The producer side under test, and a handshake to clone per request.
 struct Producer {
     runtime: std::sync::Arc<Runtime>,
-    /// The path GPU workers take: a layer gate (no CUDA mark here).
-    gate: LayerGate,
     transport: std::sync::Arc<InstantTransport>,
     template: Handshake,
     next: u32,
@@ -69,7 +78,6 @@ impl Producer {
         drop(pair.consumer);
         let runtime = std::sync::Arc::new(pair.producer);
         Self {
-            gate: LayerGate::start(runtime.clone()),
             runtime,
             transport: pair.p_transport,
             template,
@@ -146,17 +154,14 @@ impl Producer {
                 .runtime
                 .layer_ready(req, layer, 0..REQUEST_BLOCKS)
                 .expect("layer_ready"),
-            Via::Gate => self
-                .gate
-                .push(
-                    None,
-                    vec![GateCall::Ready {
-                        request: req.clone(),
-                        layer,
-                        blocks: 0..REQUEST_BLOCKS,
-                    }],
-                )
-                .expect("gate push"),
+            Via::Gate => self.runtime.layers_ready_after(
+                Some(Box::new(Reached)),
+                vec![GateCall::Ready {
+                    request: req.clone(),
+                    layer,
+                    blocks: 0..REQUEST_BLOCKS,
+                }],
+            ),
         }
     }
 
@@ -200,7 +205,8 @@ enum Via {
     /// `Runtime::layer_ready`, which answers (a trip to the request
     /// directory and back): the CPU worker's path (batched per layer there).
     LayerReady,
-    /// A `LayerGate` (no CUDA mark): the GPU worker's path; nothing waits.
+    /// `layers_ready_after` with a reached mark: the GPU worker's path;
+    /// the caller does not wait.
     Gate,
 }
 

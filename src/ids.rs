@@ -41,6 +41,10 @@ impl std::fmt::Display for Generation {
     }
 }
 
+/// The number of a layer mark (a recorded GPU event, `actors::gate`) that a
+/// write waits for before it is submitted; 0: none (the data is written).
+pub type MarkSeq = u64;
+
 /// A producer's tensor-parallel rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(transparent)]

@@ -795,7 +795,14 @@ impl Model {
         if m.phase() == ProducerPhase::Streaming && !m.finished() {
             self.prods[p].reported.push((layer, blocks.clone()));
         }
-        self.feed_producer(p, ProducerEvent::LayerReady { layer, blocks })
+        self.feed_producer(
+            p,
+            ProducerEvent::LayerReady {
+                layer,
+                blocks,
+                after: 0,
+            },
+        )
     }
 
     fn feed_producer(&mut self, p: usize, ev: ProducerEvent) -> Check {
@@ -847,6 +854,7 @@ impl Model {
                 layer,
                 blocks,
                 auth,
+                ..
             } => {
                 let prod = &self.prods[p];
                 ensure!(
@@ -1413,6 +1421,7 @@ fn checker_rejects_fabricated_violations() {
                 generation: old.generation,
                 layer: 0,
                 blocks: 0..1,
+                after: 0,
                 auth: new.clone(),
             },
         )

@@ -1,7 +1,9 @@
-//! The layer gate (`orbitkv::actors::gate`) against the real Mooncake engine
-//! on 127.0.0.1: a layer handed over with a mark is not written before the
-//! mark is reached, the request's finish waits for its layers, and a mark
-//! that fails aborts the request without writing the layer.
+//! The layer gate (`orbitkv::actors::gate`, `Runtime::layers_ready_after`)
+//! against the real Mooncake engine on 127.0.0.1: a layer handed over with a
+//! mark is not written before the mark is reached (its layer writer waits),
+//! the request's finish waits for its layers, a mark that fails fails the
+//! request without writing the layer, and a mark nobody needs does not stop
+//! later ones.
 //!
 //! The marks here are a test double (a channel the test opens); on a GPU
 //! they are CUDA events (`transport::cuda`), which CI cannot record.
@@ -9,7 +11,7 @@
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, Sender};
-use orbitkv::actors::gate::{GateCall, LayerGate, Mark};
+use orbitkv::actors::gate::{GateCall, Mark};
 use orbitkv::{Outcome, RequestId, Runtime, RuntimeEvent};
 
 use orbitkv::testing::{block, host_rank as rank, HostRank as Rank};
@@ -78,13 +80,12 @@ fn layers_are_written_only_after_their_mark_and_the_finish_waits_for_them() {
     let (src, dst) = (vec![1, 2, 3], vec![6, 4, 0]);
     let (producer, consumer, hs) = pair(&req, &src, &dst);
 
-    let mut gate = LayerGate::start(producer.runtime.clone());
+    let rt = &producer.runtime;
     let (reach0, mark0) = hand();
     let (reach1, mark1) = hand();
-    gate.push(Some(mark0), vec![ready(&req, 0, 3)]).unwrap();
-    gate.push(Some(mark1), vec![ready(&req, 1, 3)]).unwrap();
-    gate.push(None, vec![GateCall::Finish { request: req.clone() }])
-        .unwrap();
+    rt.layers_ready_after(Some(mark0), vec![ready(&req, 0, 3)]);
+    rt.layers_ready_after(Some(mark1), vec![ready(&req, 1, 3)]);
+    rt.layers_ready_after(None, vec![GateCall::Finish { request: req.clone() }]);
 
     // Nothing is admitted, so nothing is written, before the marks.
     assert_eq!(next(&consumer.runtime, Duration::from_millis(300)), None);
@@ -134,9 +135,9 @@ fn layers_are_written_only_after_their_mark_and_the_finish_waits_for_them() {
             );
         }
     }
-    gate.close();
     let s = producer.runtime.stats();
-    assert_eq!(s.ready_items, 2, "two marked steps admitted");
+    assert_eq!(s.ready_items, 2, "two marks reached");
+    assert_eq!(producer.runtime.layer_marks().outstanding(), 0);
     assert!(s.ready_lag_micros >= 300_000, "the lag counts the wait: {s:?}");
     assert!(s.write_batches >= 2 && s.layer_write_micros > 0, "{s:?}");
 }
@@ -148,11 +149,10 @@ fn a_mark_that_fails_aborts_its_requests_and_writes_nothing_of_that_layer() {
     let dst = vec![3, 5];
     let (producer, consumer, _hs) = pair(&req, &[0, 1], &dst);
 
-    let gate = LayerGate::start(producer.runtime.clone());
+    let rt = &producer.runtime;
     let (reach, mark) = hand();
-    gate.push(Some(mark), vec![ready(&req, 0, 2)]).unwrap();
-    gate.push(None, vec![GateCall::Finish { request: req.clone() }])
-        .unwrap();
+    rt.layers_ready_after(Some(mark), vec![ready(&req, 0, 2)]);
+    rt.layers_ready_after(None, vec![GateCall::Finish { request: req.clone() }]);
     reach
         .send(Err("CUDA error 700 (an illegal memory access)".into()))
         .unwrap();
@@ -174,24 +174,48 @@ fn a_mark_that_fails_aborts_its_requests_and_writes_nothing_of_that_layer() {
             );
         }
     }
-    drop(gate);
     consumer.runtime.consumer_release(&req).unwrap();
 }
 
 #[test]
-fn a_request_released_before_its_mark_is_skipped_and_the_gate_goes_on() {
-    let producer = rank(1, 4, 4096, (0, 1), 2, |i| (i % 127) as u8);
-    let gate = LayerGate::start(producer.runtime.clone());
+fn a_mark_nobody_needs_is_waited_for_in_turn_and_later_layers_are_written() {
+    // The first step's only request was never opened (released meanwhile):
+    // nobody waits for its mark, so the next write waits for both, in order.
+    let req = RequestId::new("gate-3");
+    let dst = vec![7, 2];
+    let (producer, consumer, hs) = pair(&req, &[4, 5], &dst);
+    let rt = &producer.runtime;
     let gone = RequestId::new("never-opened");
-    let (reach, mark) = hand();
-    gate.push(Some(mark), vec![ready(&gone, 0, 1)]).unwrap();
-    reach.send(Ok(())).unwrap();
-    // A later item still runs: the gate did not stop at the unknown request.
+    let (reach0, mark0) = hand();
+    let (reach1, mark1) = hand();
     let (reach2, mark2) = hand();
-    gate.push(Some(mark2), vec![]).unwrap();
+    rt.layers_ready_after(Some(mark0), vec![ready(&gone, 0, 1)]);
+    rt.layers_ready_after(Some(mark1), vec![ready(&req, 0, 2)]);
+    rt.layers_ready_after(Some(mark2), vec![ready(&req, 1, 2)]);
+    rt.layers_ready_after(None, vec![GateCall::Finish { request: req.clone() }]);
+    // Layer 0's writer waits for mark 1, and so first for mark 0.
+    reach1.send(Ok(())).unwrap();
+    assert_eq!(next(&consumer.runtime, Duration::from_millis(300)), None);
+    assert_eq!(
+        rt.stats().bytes_written,
+        0,
+        "not written before mark 0 was judged"
+    );
+    reach0.send(Ok(())).unwrap();
     reach2.send(Ok(())).unwrap();
-    drop(gate); // runs what is queued, then joins
-    assert_eq!(producer.runtime.stats().bytes_written, 0);
-    assert_eq!(producer.runtime.live_requests(), (0, 0));
-    assert_eq!(producer.runtime.stats().ready_items, 1);
+    match next(&consumer.runtime, Duration::from_secs(20)) {
+        Some(RuntimeEvent::ConsumerCompleted {
+            request, generation, ..
+        }) => {
+            assert_eq!((request, generation), (req.clone(), hs.generation))
+        }
+        other => panic!("expected the request complete, got {other:?}"),
+    }
+    for l in 0..2 {
+        assert_eq!(block(&consumer, l, 7), block(&producer, l, 4), "layer {l}");
+        assert_eq!(block(&consumer, l, 2), block(&producer, l, 5), "layer {l}");
+    }
+    assert_eq!(rt.layer_marks().reached(), 3);
+    assert_eq!(rt.stats().ready_items, 3);
+    consumer.runtime.consumer_release(&req).unwrap();
 }

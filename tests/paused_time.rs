@@ -73,7 +73,10 @@ impl Rank {
         spawn_poller(transport.clone(), poll_rx, stop.clone(), stats.clone());
         let writers = Arc::new(WriterPool::new(
             transport,
-            poll_tx,
+            (
+                poll_tx,
+                Arc::new(orbitkv::actors::gate::LayerMarks::new(stats.clone())),
+            ),
             (cfg.write_timeout, cfg.quarantine),
             cfg.max_bytes_in_flight_per_peer,
             cfg.max_ranges_in_flight_per_peer,

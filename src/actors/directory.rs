@@ -507,7 +507,7 @@ impl RequestDirectory {
 
     /// The layer gate's calls for one mark (in order; nobody waits for
     /// them): a request released meanwhile is skipped.
-    pub fn gate_calls(&self, calls: Vec<GateCall>) {
+    pub fn gate_calls(&self, after: crate::ids::MarkSeq, calls: Vec<GateCall>) {
         for call in calls {
             let r = match &call {
                 GateCall::Ready {
@@ -520,6 +520,7 @@ impl RequestDirectory {
                         LayerReady {
                             layer: *layer,
                             blocks: blocks.clone(),
+                            after,
                         },
                     )
                 }),

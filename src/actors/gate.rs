@@ -1,50 +1,76 @@
-//! The layer gate: one thread per runtime that admits a prefill layer to
-//! its request actors once the GPU has written it.
+//! The layer gate: a prefill layer is submitted only once the GPU wrote it,
+//! without a thread of its own.
 //!
 //! On a GPU the vLLM worker hands over a layer when it *launched* the
 //! kernels that write it; they may not have run yet. The worker records a
-//! mark (a CUDA event) on its stream and queues the layer here; the gate
-//! waits for each mark in order, then calls [`Runtime::layer_ready`] for
-//! every request of that step (and [`Runtime::producer_finish`] after a
-//! request's last layer). Nothing here holds Python's lock, so a busy
-//! engine thread never delays a transfer, and the worker never waits.
+//! mark (a CUDA event) on its stream and hands the mark to [`LayerMarks`],
+//! which numbers it ([`MarkSeq`]); the step's calls go to the request
+//! directory at once, each layer tagged with that number, and are planned
+//! under the authorization there as on CPU. The layer writer that carries
+//! a write waits for its mark ([`LayerMarks::wait_for`]) right before it
+//! submits the first batch: the wait costs no thread crossing of its own
+//! (worker → system thread → writer lane, as on CPU). Nothing here holds
+//! Python's lock, and the worker never waits.
 //!
-//! If a mark cannot be waited for (a CUDA error), the layer is never
-//! admitted: its requests are aborted (their consumers are told, nothing
-//! unwritten is reported as written).
+//! Marks are waited for in the order they were pushed, by whichever writer
+//! needs one first (one at a time); a mark reached stays reached. A mark
+//! that cannot be waited for (a CUDA error) fails the writes tagged with
+//! it (their requests fail: the consumer is told, nothing unwritten is
+//! reported as written); marks before and after it are judged on their
+//! own. Marks that no write needs (every request of the step released
+//! meanwhile) are dropped once their event is seen complete, when later
+//! marks are pushed; none is kept past [`PRUNE_AT`] outstanding unless its
+//! GPU work is still running.
 
+use std::collections::{BTreeSet, VecDeque};
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use crossbeam_channel::{unbounded, Receiver, Sender};
+use parking_lot::Mutex;
 
-use super::runtime::Runtime;
-use crate::error::RuntimeError;
+use super::stats::Stats;
 use crate::ids::RequestId;
 
 /// Something to wait for before a layer may be sent.
 pub trait Mark: Send {
     /// Blocks until the data the mark covers is written.
     fn wait(&mut self) -> Result<(), String>;
+
+    /// Without blocking: `Some` once the mark was reached (or its wait
+    /// failed), `None` while the work before it runs. A mark that cannot
+    /// tell says `None`.
+    fn poll(&mut self) -> Option<Result<(), String>> {
+        None
+    }
 }
 
 impl Mark for crate::transport::cuda::GpuMark {
     fn wait(&mut self) -> Result<(), String> {
         crate::transport::cuda::GpuMark::wait(self).map_err(|e| e.to_string())
     }
+
+    fn poll(&mut self) -> Option<Result<(), String>> {
+        crate::transport::cuda::GpuMark::poll(self)
+            .map_err(|e| e.to_string())
+            .transpose()
+    }
 }
 
-/// What the gate does for a request once the mark before it was reached.
+/// A mark's number; 0 is "no mark" (nothing to wait for).
+pub type MarkSeq = u64;
+
+/// What is done for a request once the directory takes a step's calls.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum GateCall {
-    /// [`Runtime::layer_ready`].
+    /// [`crate::Runtime::layer_ready`], the write submitted after the mark.
     Ready {
         request: RequestId,
         layer: u32,
         blocks: Range<u32>,
     },
-    /// [`Runtime::producer_finish`] (after every layer queued before it).
+    /// [`crate::Runtime::producer_finish`] (after every call before it).
     Finish { request: RequestId },
 }
 
@@ -56,103 +82,266 @@ impl GateCall {
     }
 }
 
-struct Item {
-    mark: Option<Box<dyn Mark>>,
-    calls: Vec<GateCall>,
-    queued: Instant,
+/// Marks outstanding beyond which a push drops the ones already reached.
+pub const PRUNE_AT: usize = 256;
+
+/// Failed marks remembered (a write tagged with an older failed mark than
+/// these is judged reached: by then its request long ended).
+const FAILED_KEPT: usize = 1024;
+
+struct Queued {
+    seq: MarkSeq,
+    mark: Box<dyn Mark>,
+    pushed: Instant,
 }
 
-/// The gate thread and its queue. Dropping it (or [`LayerGate::close`])
-/// runs what is queued, then stops the thread.
-pub struct LayerGate {
-    tx: Option<Sender<Item>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+struct Pending {
+    next: MarkSeq,
+    queue: VecDeque<Queued>,
 }
 
-impl std::fmt::Debug for LayerGate {
+/// The marks of one runtime, numbered in push order.
+pub struct LayerMarks {
+    pending: Mutex<Pending>,
+    /// Every mark up to this one was waited for (or judged).
+    reached: AtomicU64,
+    /// Held by the one thread waiting for the oldest mark.
+    waiter: Mutex<()>,
+    failed: Mutex<BTreeSet<(MarkSeq, String)>>,
+    stats: Arc<Stats>,
+}
+
+impl std::fmt::Debug for LayerMarks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LayerGate")
-            .field("open", &self.tx.is_some())
+        f.debug_struct("LayerMarks")
+            .field("reached", &self.reached())
+            .field("outstanding", &self.outstanding())
             .finish()
     }
 }
 
-impl LayerGate {
-    /// Starts the gate thread for `runtime`.
-    pub fn start(runtime: Arc<Runtime>) -> Self {
-        let (tx, rx) = unbounded::<Item>();
-        let thread = std::thread::Builder::new()
-            .name("orbitkv-layer-gate".into())
-            .spawn(move || run(&runtime, rx))
-            .expect("spawn the layer gate thread");
+impl LayerMarks {
+    pub fn new(stats: Arc<Stats>) -> Self {
         Self {
-            tx: Some(tx),
-            thread: Some(thread),
+            pending: Mutex::new(Pending {
+                next: 1,
+                queue: VecDeque::new(),
+            }),
+            reached: AtomicU64::new(0),
+            waiter: Mutex::new(()),
+            failed: Mutex::new(BTreeSet::new()),
+            stats,
         }
     }
 
-    /// Queues `calls`, to run once `mark` is reached (at once without one),
-    /// after everything queued before.
-    pub fn push(&self, mark: Option<Box<dyn Mark>>, calls: Vec<GateCall>) -> Result<(), RuntimeError> {
-        let item = Item {
-            mark,
-            calls,
-            queued: Instant::now(),
+    /// Numbers `mark` (after every mark pushed before). Never blocks on the
+    /// GPU; past [`PRUNE_AT`] outstanding it drops the oldest marks that
+    /// say they were reached.
+    pub fn push(&self, mark: Box<dyn Mark>) -> MarkSeq {
+        let (seq, prune) = {
+            let mut p = self.pending.lock();
+            let seq = p.next;
+            p.next += 1;
+            p.queue.push_back(Queued {
+                seq,
+                mark,
+                pushed: Instant::now(),
+            });
+            (seq, p.queue.len() > PRUNE_AT)
         };
-        match &self.tx {
-            Some(tx) if tx.send(item).is_ok() => Ok(()),
-            _ => Err(RuntimeError::Stopped),
-        }
-    }
-
-    /// Runs what is queued, then stops the thread.
-    pub fn close(&mut self) {
-        self.tx.take();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-impl Drop for LayerGate {
-    fn drop(&mut self) {
-        self.close();
-    }
-}
-
-fn run(rt: &Runtime, rx: Receiver<Item>) {
-    for mut item in rx {
-        let waited = match item.mark.as_mut() {
-            Some(m) => m.wait(),
-            None => Ok(()),
-        };
-        drop(item.mark.take()); // a GPU event goes back to its pool
-        match waited {
-            Ok(()) => {
-                let lag = item.queued.elapsed();
-                rt.note_layer_gate(lag, item.ready_calls());
-                rt.gate_calls(item.calls);
-            }
-            Err(reason) => {
-                // The layer may be unwritten: never send it; fail its requests.
-                let mut seen = std::collections::HashSet::new();
-                for call in &item.calls {
-                    let request = call.request();
-                    if seen.insert(request.clone()) {
-                        tracing::warn!(request = %request, %reason, "layer gate: GPU wait failed, aborting");
-                        let _ = rt.producer_abort(request, &format!("GPU event wait failed: {reason}"));
+        if prune {
+            // Only if no writer is waiting (it will drain the queue itself).
+            if let Some(_w) = self.waiter.try_lock() {
+                while let Some(result) = self.take_oldest(|m| m.poll()) {
+                    if result.is_none() {
+                        break;
                     }
                 }
             }
         }
+        seq
+    }
+
+    /// The newest mark every mark up to which was judged.
+    pub fn reached(&self) -> MarkSeq {
+        self.reached.load(Ordering::Acquire)
+    }
+
+    /// Marks pushed and not yet judged.
+    pub fn outstanding(&self) -> usize {
+        self.pending.lock().queue.len()
+    }
+
+    /// Blocks until mark `seq` (and every mark before it) was reached; the
+    /// error of mark `seq` itself if its wait failed. `0`: at once.
+    pub fn wait_for(&self, seq: MarkSeq) -> Result<(), String> {
+        while self.reached() < seq {
+            let _w = self.waiter.lock();
+            if self.reached() >= seq {
+                break;
+            }
+            if self.take_oldest(|m| Some(m.wait())).is_none() {
+                // Not pushed (a number from elsewhere): nothing to wait for.
+                break;
+            }
+        }
+        self.failure(seq)
+    }
+
+    /// Judges the oldest mark with `judge` (the waiter lock held): `None`
+    /// with nothing queued, `Some(None)` if `judge` could not tell yet
+    /// (the mark stays), `Some(Some(()))` once judged.
+    fn take_oldest(
+        &self,
+        judge: impl FnOnce(&mut dyn Mark) -> Option<Result<(), String>>,
+    ) -> Option<Option<()>> {
+        let mut q = self.pending.lock().queue.pop_front()?;
+        let Some(result) = judge(q.mark.as_mut()) else {
+            self.pending.lock().queue.push_front(q);
+            return Some(None);
+        };
+        drop(q.mark); // a GPU event goes back to its pool
+        self.stats.ready_items.inc();
+        self.stats
+            .ready_lag_micros
+            .add(q.pushed.elapsed().as_micros() as u64);
+        if let Err(reason) = result {
+            tracing::warn!(mark = q.seq, %reason, "layer gate: GPU wait failed; its writes fail");
+            let mut failed = self.failed.lock();
+            failed.insert((q.seq, reason));
+            while failed.len() > FAILED_KEPT {
+                failed.pop_first();
+            }
+        }
+        self.reached.store(q.seq, Ordering::Release);
+        Some(Some(()))
+    }
+
+    fn failure(&self, seq: MarkSeq) -> Result<(), String> {
+        if seq == 0 {
+            return Ok(());
+        }
+        let failed = self.failed.lock();
+        match failed.range((seq, String::new())..).next() {
+            Some((s, reason)) if *s == seq => Err(reason.clone()),
+            _ => Ok(()),
+        }
     }
 }
 
-impl Item {
-    fn ready_calls(&self) -> usize {
-        self.calls
-            .iter()
-            .filter(|c| matches!(c, GateCall::Ready { .. }))
-            .count()
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A test double of a CUDA event: reached when the test says, through
+    /// a shared cell; `wait` takes what was set (failing if nothing was).
+    #[derive(Clone, Default)]
+    struct Cell(Arc<Mutex<Option<Result<(), String>>>>);
+
+    struct Fake {
+        cell: Cell,
+        waits: Arc<AtomicU64>,
+    }
+
+    impl Mark for Fake {
+        fn wait(&mut self) -> Result<(), String> {
+            self.waits.fetch_add(1, Ordering::Relaxed);
+            self.cell
+                .0
+                .lock()
+                .clone()
+                .unwrap_or_else(|| Err("not set".into()))
+        }
+        fn poll(&mut self) -> Option<Result<(), String>> {
+            self.cell.0.lock().clone()
+        }
+    }
+
+    fn fake(waits: &Arc<AtomicU64>, value: Option<Result<(), String>>) -> (Cell, Box<dyn Mark>) {
+        let cell = Cell(Arc::new(Mutex::new(value)));
+        (
+            cell.clone(),
+            Box::new(Fake {
+                cell,
+                waits: waits.clone(),
+            }),
+        )
+    }
+
+    #[test]
+    fn marks_are_waited_in_order_and_each_failure_is_its_own() {
+        let stats = Arc::new(Stats::default());
+        let marks = LayerMarks::new(stats.clone());
+        let waits = Arc::new(AtomicU64::new(0));
+        let a = marks.push(fake(&waits, Some(Ok(()))).1);
+        let b = marks.push(fake(&waits, Some(Err("CUDA error 700".into()))).1);
+        let c = marks.push(fake(&waits, Some(Ok(()))).1);
+        assert_eq!((a, b, c), (1, 2, 3));
+        assert_eq!(marks.wait_for(0), Ok(()), "no mark: nothing to wait for");
+        assert_eq!(waits.load(Ordering::Relaxed), 0);
+        // Waiting for the last judges the earlier ones first, once each.
+        assert_eq!(marks.wait_for(c), Ok(()), "a failure before it is not its own");
+        assert_eq!(waits.load(Ordering::Relaxed), 3);
+        assert_eq!(marks.wait_for(a), Ok(()));
+        assert_eq!(marks.wait_for(b), Err("CUDA error 700".into()));
+        assert_eq!(
+            waits.load(Ordering::Relaxed),
+            3,
+            "a reached mark is not waited again"
+        );
+        assert_eq!((marks.reached(), marks.outstanding()), (3, 0));
+        assert_eq!(stats.snapshot().ready_items, 3);
+        // A number never pushed does not block.
+        assert_eq!(marks.wait_for(99), Ok(()));
+    }
+
+    #[test]
+    fn marks_nobody_waits_for_are_dropped_once_reached_and_never_before() {
+        let marks = LayerMarks::new(Arc::new(Stats::default()));
+        let waits = Arc::new(AtomicU64::new(0));
+        let mut cells = Vec::new();
+        for _ in 0..PRUNE_AT {
+            let (cell, m) = fake(&waits, None);
+            cells.push(cell);
+            marks.push(m);
+        }
+        assert_eq!(marks.outstanding(), PRUNE_AT);
+        // The GPU reached the first 10: the next push drops those, not more.
+        for c in &cells[..10] {
+            *c.0.lock() = Some(Ok(()));
+        }
+        let (_, m) = fake(&waits, None);
+        marks.push(m);
+        assert_eq!(marks.outstanding(), PRUNE_AT + 1 - 10);
+        assert_eq!(marks.reached(), 10);
+        assert_eq!(waits.load(Ordering::Relaxed), 0, "pruning never blocks");
+    }
+
+    #[test]
+    fn a_writer_blocks_until_its_mark_and_others_share_the_wait() {
+        let marks = Arc::new(LayerMarks::new(Arc::new(Stats::default())));
+        let (tx, rx) = crossbeam_channel::bounded::<()>(1);
+        struct Gate(crossbeam_channel::Receiver<()>);
+        impl Mark for Gate {
+            fn wait(&mut self) -> Result<(), String> {
+                self.0.recv().map_err(|e| e.to_string())
+            }
+        }
+        let seq = marks.push(Box::new(Gate(rx)));
+        let waiters: Vec<_> = (0..3)
+            .map(|_| {
+                let m = marks.clone();
+                std::thread::spawn(move || m.wait_for(seq))
+            })
+            .collect();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(
+            waiters.iter().all(|w| !w.is_finished()),
+            "nobody passes an unreached mark"
+        );
+        tx.send(()).unwrap();
+        for w in waiters {
+            assert_eq!(w.join().unwrap(), Ok(()));
+        }
     }
 }

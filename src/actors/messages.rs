@@ -21,12 +21,14 @@ use crate::fsm::WriteId;
 #[rtype(result = "()")]
 pub struct HandshakeArrived(pub Arc<Handshake>);
 
-/// Prefill finished `layer` for request blocks `blocks`.
+/// Prefill finished `layer` for request blocks `blocks` (on a GPU: once
+/// layer mark `after` is reached; 0: already written).
 #[derive(Message, Debug, Clone)]
 #[rtype(result = "()")]
 pub struct LayerReady {
     pub layer: u32,
     pub blocks: Range<u32>,
+    pub after: crate::ids::MarkSeq,
 }
 
 /// More source blocks for the request (chunked prefill grows its block list).
@@ -104,6 +106,9 @@ pub struct WriteLayer {
     pub layer: u32,
     pub ranges: Vec<WriteRange>,
     pub bytes: u64,
+    /// The layer mark to wait for before the first batch is submitted
+    /// (0: none).
+    pub after: crate::ids::MarkSeq,
     /// The consumer's deadline (`Handshake::expires_unix_ms`, 0: none): a
     /// batch not yet submitted by then is not submitted.
     pub expires_unix_ms: u64,

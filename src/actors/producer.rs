@@ -119,6 +119,7 @@ impl ProducerActor {
                 generation,
                 layer,
                 blocks,
+                after,
                 auth,
             } => {
                 if auth.expired() {
@@ -177,6 +178,7 @@ impl ProducerActor {
                     // The next layer plans into a buffer of this size (no regrowth).
                     ranges: std::mem::replace(&mut self.planned, Vec::with_capacity(cap)),
                     bytes,
+                    after,
                     expires_unix_ms: auth.expires_unix_ms,
                     done_to: ctx.address().recipient(),
                     failed_to: ctx.address().recipient(),
@@ -281,7 +283,8 @@ producer_handler!(
     "LayerReady",
     |m| ProducerEvent::LayerReady {
         layer: m.layer,
-        blocks: m.blocks
+        blocks: m.blocks,
+        after: m.after
     },
     layer = m.layer,
     blocks = ?m.blocks

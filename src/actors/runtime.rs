@@ -12,6 +12,7 @@ use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
 use super::directory::{check_layer, Call, RequestDirectory};
+use super::gate::LayerMarks;
 use super::messages::*;
 use super::producer::{ProducerActor, ProducerShared};
 use super::router::NotificationRouter;
@@ -140,6 +141,8 @@ pub struct Runtime {
     /// Owns every per-request map of this rank (the façade keeps none).
     directory: Addr<RequestDirectory>,
     writers: Arc<WriterPool>,
+    /// The GPU worker's layer marks, waited for by the layer writers.
+    marks: Arc<LayerMarks>,
     poller_tx: Option<Sender<PollJob>>,
     poller_stop: Arc<AtomicBool>,
     poller_thread: Option<std::thread::JoinHandle<()>>,
@@ -191,9 +194,10 @@ impl Runtime {
         let (poller_tx, poller_rx) = crossbeam_channel::unbounded();
         let poller_stop = Arc::new(AtomicBool::new(false));
         let poller_thread = spawn_poller(transport.clone(), poller_rx, poller_stop.clone(), stats.clone());
+        let marks = Arc::new(LayerMarks::new(stats.clone()));
         let writers = Arc::new(WriterPool::new(
             transport.clone(),
-            poller_tx.clone(),
+            (poller_tx.clone(), marks.clone()),
             (cfg.write_timeout, cfg.quarantine),
             cfg.max_bytes_in_flight_per_peer,
             cfg.max_ranges_in_flight_per_peer,
@@ -219,6 +223,7 @@ impl Runtime {
             system_thread: Some(system_thread),
             directory,
             writers,
+            marks,
             poller_tx: Some(poller_tx),
             poller_stop,
             poller_thread: Some(poller_thread),
@@ -283,15 +288,6 @@ impl Runtime {
     /// (`layers_saved_at_wait`).
     pub fn note_layers_saved_at_wait(&self, layers: u64) {
         self.stats.layers_saved_at_wait.add(layers);
-    }
-
-    /// Counts one step's layer admitted through a layer gate after `lag`
-    /// (handed over → admitted); `layers` request-layers were in it.
-    pub fn note_layer_gate(&self, lag: Duration, layers: usize) {
-        if layers > 0 {
-            self.stats.ready_items.inc();
-            self.stats.ready_lag_micros.add(lag.as_micros() as u64);
-        }
     }
 
     // ---- decode side ----------------------------------------------------
@@ -553,7 +549,14 @@ impl Runtime {
         blocks: Range<u32>,
     ) -> Result<(), RuntimeError> {
         check_layer(&self.local, layer)?;
-        self.to_producer(request, LayerReady { layer, blocks })
+        self.to_producer(
+            request,
+            LayerReady {
+                layer,
+                blocks,
+                after: 0,
+            },
+        )
     }
 
     /// [`Self::layer_ready`] for several requests at once, in one trip to
@@ -571,18 +574,39 @@ impl Runtime {
             Ok(chunks
                 .into_iter()
                 .filter_map(|(request, blocks)| {
-                    let r = d.to_producer(&request, LayerReady { layer, blocks });
+                    let r = d.to_producer(
+                        &request,
+                        LayerReady {
+                            layer,
+                            blocks,
+                            after: 0,
+                        },
+                    );
                     r.err().map(|e| (request, e))
                 })
                 .collect())
         })
     }
 
-    /// The layer gate's calls for one mark, handed to the request directory
-    /// in one message, in order, without waiting (a request released
-    /// meanwhile is skipped there).
-    pub(crate) fn gate_calls(&self, calls: Vec<super::gate::GateCall>) {
-        self.tell(move |d, _| d.gate_calls(calls));
+    /// Prefill side, on a GPU: the calls of one step, whose layers were
+    /// launched before `mark` (`None`: written already, as for a request's
+    /// finish). Numbers the mark and hands the calls to the request
+    /// directory in one message, in order after every call before, without
+    /// waiting; each write is submitted by its layer writer once the mark
+    /// was reached (`super::gate`). A request released meanwhile is skipped
+    /// there; a mark whose wait fails fails the writes that wait for it.
+    pub fn layers_ready_after(
+        &self,
+        mark: Option<Box<dyn super::gate::Mark>>,
+        calls: Vec<super::gate::GateCall>,
+    ) {
+        let after = mark.map_or(0, |m| self.marks.push(m));
+        self.tell(move |d, _| d.gate_calls(after, calls));
+    }
+
+    /// The layer marks (for tests and benchmarks: what was reached).
+    pub fn layer_marks(&self) -> &super::gate::LayerMarks {
+        &self.marks
     }
 
     /// vLLM finished `request` on the prefill side: once its writes drain,

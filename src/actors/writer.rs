@@ -11,6 +11,7 @@ use actix::prelude::*;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
+use super::gate::LayerMarks;
 use super::messages::{BatchFinished, LayerWriteFailed, LayerWritten, SendNotice, WriteLayer};
 use super::stats::Stats;
 use crate::transport::{BatchHandle, BatchState, Transport};
@@ -120,6 +121,8 @@ struct Job {
     write: u64,
     generation: crate::ids::Generation,
     ranges: Vec<crate::transport::WriteRange>,
+    /// The layer mark to wait for before the first batch (0: none).
+    after: crate::ids::MarkSeq,
     /// Index of the next range to submit.
     next: usize,
     /// Batches submitted and not yet ended.
@@ -159,6 +162,7 @@ pub struct LayerWriter {
 struct LaneSettings {
     transport: Arc<dyn Transport>,
     poller: Sender<PollJob>,
+    marks: Arc<LayerMarks>,
     write_timeout: Duration,
     quarantine: Duration,
     max_in_flight: u64,
@@ -179,6 +183,15 @@ impl LayerWriter {
                 // Queued past the consumer's deadline: it failed the request
                 // and may reuse the blocks once its quarantine passes.
                 job.failed = Some(super::producer::EXPIRED.into());
+            }
+            if job.failed.is_none() && job.next == 0 && job.after != 0 {
+                // On a GPU: not before the kernels that wrote the layer ran
+                // (this lane waits; later writes to this peer on this lane
+                // were launched later still).
+                if let Err(reason) = self.lane.marks.wait_for(job.after) {
+                    job.failed = Some(format!("GPU event wait failed: {reason}"));
+                }
+                job.after = 0;
             }
             if job.failed.is_some() || job.next == job.ranges.len() {
                 self.queue.pop_front();
@@ -298,6 +311,7 @@ impl Handler<WriteLayer> for LayerWriter {
                 write: msg.write,
                 generation: msg.generation,
                 ranges: msg.ranges,
+                after: msg.after,
                 next: 0,
                 outstanding: 0,
                 written: 0,
@@ -382,10 +396,11 @@ pub struct WriterPool {
 type Lane = (Arbiter, Addr<LayerWriter>);
 
 impl WriterPool {
-    /// `max_in_flight` and `max_ranges` bound each peer, all its lanes together.
+    /// `max_in_flight` and `max_ranges` bound each peer, all its lanes
+    /// together; `marks` are the layer marks writes wait for.
     pub fn new(
         transport: Arc<dyn Transport>,
-        poller: Sender<PollJob>,
+        (poller, marks): (Sender<PollJob>, Arc<LayerMarks>),
         (write_timeout, quarantine): (Duration, Duration),
         max_in_flight: u64,
         max_ranges: usize,
@@ -397,6 +412,7 @@ impl WriterPool {
             lane: LaneSettings {
                 transport,
                 poller,
+                marks,
                 write_timeout,
                 quarantine,
                 max_in_flight: (max_in_flight / lanes as u64).max(1),

@@ -11,7 +11,7 @@ use std::ops::Range;
 use std::sync::Arc;
 
 use super::Dropped;
-use crate::ids::{Generation, RequestId};
+use crate::ids::{Generation, MarkSeq, RequestId};
 use crate::wire::{Handshake, Outcome};
 
 /// Identity of one admitted write (a layer's chunk under one generation).
@@ -23,8 +23,13 @@ pub enum ProducerEvent {
     /// A consumer's handshake, already validated against the local layout.
     Handshake(Arc<Handshake>),
     /// Prefill finished `layer` for request blocks `blocks` (indices into
-    /// the request's block list).
-    LayerReady { layer: u32, blocks: Range<u32> },
+    /// the request's block list); on a GPU, once mark `after` is reached
+    /// (0: already written). The writer waits for the mark, not the machine.
+    LayerReady {
+        layer: u32,
+        blocks: Range<u32>,
+        after: MarkSeq,
+    },
     /// An admitted write completed.
     WriteDone {
         write: WriteId,
@@ -48,12 +53,14 @@ pub enum ProducerEvent {
 /// What the producer actor must do.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ProducerEffect {
-    /// Plan and submit this write, into `auth`'s blocks only.
+    /// Plan and submit this write, into `auth`'s blocks only, once mark
+    /// `after` is reached.
     Submit {
         write: WriteId,
         generation: Generation,
         layer: u32,
         blocks: Range<u32>,
+        after: MarkSeq,
         auth: Arc<Handshake>,
     },
     /// Tell the consumer (the endpoint of `auth`) how it ended.
@@ -97,13 +104,13 @@ pub struct ProducerMachine {
     pub request: RequestId,
     phase: ProducerPhase,
     auth: Option<Arc<Handshake>>,
-    /// Every (layer, blocks) prefill reported, in order.
-    ready: Vec<(u32, Range<u32>)>,
+    /// Every (layer, blocks, mark) prefill reported, in order.
+    ready: Vec<(u32, Range<u32>, MarkSeq)>,
     /// Admitted writes not yet completed: id -> (generation, layer, blocks).
     in_flight: BTreeMap<WriteId, (Generation, u32, Range<u32>)>,
     /// Writes of the current authorization held back until an earlier
     /// write into the same layer and blocks ended (rule 8), in order.
-    deferred: Vec<(u32, Range<u32>)>,
+    deferred: Vec<(u32, Range<u32>, MarkSeq)>,
     next_write: WriteId,
     finished: bool,
     /// The first error or abort; it decides the outcome.
@@ -157,18 +164,18 @@ impl ProducerMachine {
         self.in_flight
             .values()
             .any(|(g, l, b)| Some(*g) == generation && overlaps(*l, b))
-            || self.deferred.iter().any(|(l, b)| overlaps(*l, b))
+            || self.deferred.iter().any(|(l, b, _)| overlaps(*l, b))
     }
 
-    fn submit(&mut self, layer: u32, blocks: Range<u32>, out: &mut Vec<ProducerEffect>) {
+    fn submit(&mut self, layer: u32, blocks: Range<u32>, after: MarkSeq, out: &mut Vec<ProducerEffect>) {
         if self.auth.is_none() {
             return;
         }
         if self.must_wait(layer, &blocks) {
-            self.deferred.push((layer, blocks));
+            self.deferred.push((layer, blocks, after));
             return;
         }
-        self.submit_now(layer, blocks, out);
+        self.submit_now(layer, blocks, after, out);
     }
 
     /// After a write ended: the held-back writes that no longer overlap an
@@ -180,12 +187,12 @@ impl ProducerMachine {
             return;
         }
         let held = std::mem::take(&mut self.deferred);
-        for (layer, blocks) in held {
-            self.submit(layer, blocks, out);
+        for (layer, blocks, after) in held {
+            self.submit(layer, blocks, after, out);
         }
     }
 
-    fn submit_now(&mut self, layer: u32, blocks: Range<u32>, out: &mut Vec<ProducerEffect>) {
+    fn submit_now(&mut self, layer: u32, blocks: Range<u32>, after: MarkSeq, out: &mut Vec<ProducerEffect>) {
         let Some(auth) = &self.auth else { return };
         let write = self.next_write;
         self.next_write += 1;
@@ -196,6 +203,7 @@ impl ProducerMachine {
             generation: auth.generation,
             layer,
             blocks,
+            after,
             auth: auth.clone(),
         });
     }
@@ -249,8 +257,8 @@ impl ProducerMachine {
             spans.extend(
                 self.ready
                     .iter()
-                    .filter(|(l, _)| *l == layer)
-                    .map(|(_, b)| b.clone()),
+                    .filter(|(l, _, _)| *l == layer)
+                    .map(|(_, b, _)| b.clone()),
             );
             spans.sort_by_key(|r| r.start);
             let mut reach = start;
@@ -316,21 +324,21 @@ impl ProducerMachine {
                 // is in `ready` and goes out again under the new one.
                 self.deferred.clear();
                 let ready = self.ready.clone();
-                for (layer, blocks) in ready {
-                    self.submit(layer, blocks, &mut out);
+                for (layer, blocks, after) in ready {
+                    self.submit(layer, blocks, after, &mut out);
                 }
                 if self.finished {
                     self.phase = ProducerPhase::Draining;
                     self.settle(&mut out);
                 }
             }
-            ProducerEvent::LayerReady { layer, blocks } => {
+            ProducerEvent::LayerReady { layer, blocks, after } => {
                 if self.phase != ProducerPhase::Streaming || self.finished {
                     out.push(ProducerEffect::Dropped(Dropped::AfterTerminal));
                     return out;
                 }
-                self.ready.push((layer, blocks.clone()));
-                self.submit(layer, blocks, &mut out);
+                self.ready.push((layer, blocks.clone(), after));
+                self.submit(layer, blocks, after, &mut out);
             }
             ProducerEvent::WriteDone {
                 write,
@@ -437,13 +445,15 @@ mod tests {
         assert!(p
             .on_event(ProducerEvent::LayerReady {
                 layer: 0,
-                blocks: 0..2
+                blocks: 0..2,
+                after: 0,
             })
             .is_empty());
         assert!(p
             .on_event(ProducerEvent::LayerReady {
                 layer: 1,
-                blocks: 0..2
+                blocks: 0..2,
+                after: 0,
             })
             .is_empty());
         let fx = p.on_event(ProducerEvent::Handshake(hs(1, vec![4, 5])));
@@ -465,6 +475,7 @@ mod tests {
         let old = submits(&p.on_event(ProducerEvent::LayerReady {
             layer: 0,
             blocks: 0..2,
+            after: 0,
         }));
         assert_eq!(old[0].1, Generation(1));
         let fx = p.on_event(ProducerEvent::Handshake(hs_layers(1, vec![6, 7], 1)));
@@ -502,6 +513,7 @@ mod tests {
         let old = submits(&p.on_event(ProducerEvent::LayerReady {
             layer: 0,
             blocks: 0..2,
+            after: 0,
         }))[0]
             .0;
         let new = submits(&p.on_event(ProducerEvent::Handshake(hs_layers(2, vec![6, 7], 1))))[0].0;
@@ -541,11 +553,13 @@ mod tests {
         let a = submits(&p.on_event(ProducerEvent::LayerReady {
             layer: 0,
             blocks: 0..2,
+            after: 0,
         }))[0]
             .0;
         let b = submits(&p.on_event(ProducerEvent::LayerReady {
             layer: 1,
             blocks: 0..2,
+            after: 0,
         }))[0]
             .0;
         let fx = p.on_event(ProducerEvent::WriteFailed {
@@ -561,7 +575,8 @@ mod tests {
         // no new writes after an error
         assert!(submits(&p.on_event(ProducerEvent::LayerReady {
             layer: 0,
-            blocks: 2..3
+            blocks: 2..3,
+            after: 0,
         }))
         .is_empty());
         let fx = p.on_event(ProducerEvent::WriteDone {
@@ -597,6 +612,7 @@ mod tests {
             writes.extend(submits(&p.on_event(ProducerEvent::LayerReady {
                 layer: *layer,
                 blocks: blocks.clone(),
+                after: 0,
             })));
         }
         let mut fx = p.on_event(ProducerEvent::Finish);
@@ -629,19 +645,22 @@ mod tests {
         let first = submits(&p.on_event(ProducerEvent::LayerReady {
             layer: 0,
             blocks: 0..2,
+            after: 0,
         }));
         assert_eq!(first.len(), 1);
         // the same layer, overlapping on block 1: held back
         assert!(submits(&p.on_event(ProducerEvent::LayerReady {
             layer: 0,
-            blocks: 1..3
+            blocks: 1..3,
+            after: 0,
         }))
         .is_empty());
         // another layer, or blocks apart: not held
         assert_eq!(
             submits(&p.on_event(ProducerEvent::LayerReady {
                 layer: 1,
-                blocks: 0..3
+                blocks: 0..3,
+                after: 0,
             }))
             .len(),
             1
@@ -686,6 +705,52 @@ mod tests {
 
     // Rule 8 with a failure: what was held back is never submitted once the
     // request stops, and the release still waits only for what is in flight.
+    /// A write carries the layer mark of its own `LayerReady` through
+    /// everything that delays it: a handshake not yet in, a rule-8 hold, and
+    /// the replay under a newer generation (the writer waits for it).
+    #[test]
+    fn a_write_keeps_the_mark_of_its_own_layer_ready() {
+        fn marks(fx: &[ProducerEffect]) -> Vec<(u32, Range<u32>, MarkSeq)> {
+            fx.iter()
+                .filter_map(|e| match e {
+                    ProducerEffect::Submit {
+                        layer, blocks, after, ..
+                    } => Some((*layer, blocks.clone(), *after)),
+                    _ => None,
+                })
+                .collect()
+        }
+        let mut p = ProducerMachine::new(rid());
+        // Before the handshake: taken, submitted with their marks once it comes.
+        assert!(marks(&p.on_event(ProducerEvent::LayerReady {
+            layer: 0,
+            blocks: 0..2,
+            after: 7,
+        }))
+        .is_empty());
+        let fx = p.on_event(ProducerEvent::Handshake(hs_layers(1, vec![4, 5, 6], 2)));
+        assert_eq!(marks(&fx), vec![(0, 0..2, 7)]);
+        let first = submits(&fx);
+        // Held behind the earlier write (rule 8), then out with its own mark.
+        assert!(marks(&p.on_event(ProducerEvent::LayerReady {
+            layer: 0,
+            blocks: 1..3,
+            after: 9,
+        }))
+        .is_empty());
+        let fx = p.on_event(ProducerEvent::WriteDone {
+            write: first[0].0,
+            generation: first[0].1,
+            bytes: 1,
+        });
+        assert_eq!(marks(&fx), vec![(0, 1..3, 9)]);
+        // A newer generation writes everything again, each with its mark.
+        let mut newer = (*hs_layers(1, vec![1, 2, 3], 2)).clone();
+        newer.generation = Generation(first[0].1 .0 + 1);
+        let fx = p.on_event(ProducerEvent::Handshake(Arc::new(newer)));
+        assert_eq!(marks(&fx), vec![(0, 0..2, 7)], "1..3 waits behind 0..2 again");
+    }
+
     #[test]
     fn rule8_held_writes_are_dropped_when_the_request_stops() {
         let mut p = ProducerMachine::new(rid());
@@ -693,10 +758,12 @@ mod tests {
         let first = submits(&p.on_event(ProducerEvent::LayerReady {
             layer: 0,
             blocks: 0..2,
+            after: 0,
         }));
         assert!(submits(&p.on_event(ProducerEvent::LayerReady {
             layer: 0,
-            blocks: 1..3
+            blocks: 1..3,
+            after: 0,
         }))
         .is_empty());
         p.on_event(ProducerEvent::Abort {
@@ -741,6 +808,7 @@ mod tests {
         p.on_event(ProducerEvent::LayerReady {
             layer: 0,
             blocks: 0..1,
+            after: 0,
         });
         p.on_event(ProducerEvent::Finish);
         let fx = p.on_event(ProducerEvent::Handshake(hs(1, vec![4])));
@@ -769,6 +837,7 @@ mod tests {
         let a = submits(&p.on_event(ProducerEvent::LayerReady {
             layer: 0,
             blocks: 0..1,
+            after: 0,
         }))[0]
             .0;
         assert!(p
@@ -803,6 +872,7 @@ mod tests {
         p.on_event(ProducerEvent::LayerReady {
             layer: 0,
             blocks: 0..1,
+            after: 0,
         });
         assert!(p.on_event(ProducerEvent::Finish).is_empty());
         let w = submits(&p.on_event(ProducerEvent::Handshake(hs_layers(1, vec![4], 1))));
@@ -834,6 +904,7 @@ mod tests {
         p.on_event(ProducerEvent::LayerReady {
             layer: 0,
             blocks: 0..1,
+            after: 0,
         });
         let fx = p.on_event(ProducerEvent::TimedOut);
         assert!(matches!(

@@ -5,7 +5,8 @@
 //! Python's lock.
 //!
 //! Events are pooled: one is taken from the pool (or created) when the
-//! worker records, and goes back when the gate has waited for it.
+//! worker records, and goes back once a layer writer waited for it (or saw
+//! it reached).
 
 use std::ffi::c_void;
 use std::sync::Arc;
@@ -123,20 +124,53 @@ pub struct GpuMark {
 
 impl GpuMark {
     /// Blocks the calling thread until the GPU ran the work recorded before
-    /// this mark.
+    /// this mark. The thread's current CUDA context is the same after.
     pub fn wait(&mut self) -> TransportResult<()> {
         let Some(ev) = self.event else { return Ok(()) };
-        // SAFETY: the context the event was made in (a thread may make any
-        // context current) and a live event owned by this mark.
+        self.in_context(|| {
+            // SAFETY: a live event owned by this mark, in the current context.
+            let rc = unsafe { ffi::okv_cuda_event_wait(ev.0) };
+            (rc == 0).then_some(())
+        })
+    }
+
+    /// Without blocking: `Some(())` once the GPU ran the work before this
+    /// mark, `None` while it runs.
+    pub fn poll(&mut self) -> TransportResult<Option<()>> {
+        let Some(ev) = self.event else { return Ok(Some(())) };
+        self.in_context(|| {
+            // SAFETY: a live event owned by this mark, in the current context.
+            let rc = unsafe { ffi::okv_cuda_event_query(ev.0) };
+            match rc {
+                0 => Some(Some(())),
+                1 => Some(None),
+                _ => None,
+            }
+        })
+    }
+
+    /// Runs `f` with the event's context current on this thread (a writer
+    /// lane's thread, whose own context, if any, is put back after); `f`
+    /// says `None` when its driver call failed.
+    fn in_context<T>(&self, f: impl FnOnce() -> Option<T>) -> TransportResult<T> {
+        let mut prev: *mut c_void = std::ptr::null_mut();
+        // SAFETY: prev is a valid out-pointer for the call's duration; the
+        // context set is the one the event was made in (a thread may make
+        // any context current).
         unsafe {
-            if ffi::okv_cuda_set_context(self.context.0) != 0 {
+            if ffi::okv_cuda_current_context(&mut prev) != 0 {
                 return Err(cuda_err());
             }
-            if ffi::okv_cuda_event_wait(ev.0) != 0 {
+            if prev != self.context.0 && ffi::okv_cuda_set_context(self.context.0) != 0 {
                 return Err(cuda_err());
             }
         }
-        Ok(())
+        let out = f().ok_or_else(cuda_err);
+        if prev != self.context.0 {
+            // SAFETY: the context that was current before (or none: null).
+            unsafe { ffi::okv_cuda_set_context(prev) };
+        }
+        out
     }
 }
 

@@ -74,6 +74,7 @@ extern "C" {
     pub fn okv_cuda_event_new(ev: *mut *mut c_void) -> c_int;
     pub fn okv_cuda_event_record(ev: *mut c_void, stream: u64) -> c_int;
     pub fn okv_cuda_event_wait(ev: *mut c_void) -> c_int;
+    pub fn okv_cuda_event_query(ev: *mut c_void) -> c_int;
     pub fn okv_cuda_event_free(ev: *mut c_void) -> c_int;
 
     // Mooncake's submit-time wait on the caller's default stream: see

@@ -588,8 +588,9 @@ int okv_take_notifies(okv_engine* e, okv_notify_cb cb, void* ctx) {
 //
 // A prefill layer's KV is written by a kernel the vLLM worker launched; it
 // may be written to decode only once that kernel ran. The worker records an
-// event on its stream (okv_cuda_event_record, on its own thread) and OrbitKV's
-// gate thread waits for it (okv_cuda_event_wait), with no Python lock held.
+// event on its stream (okv_cuda_event_record, on its own thread) and the layer
+// writer that carries the layer waits for it (okv_cuda_event_wait), with no
+// Python lock held.
 // The driver is loaded on first use; nothing here runs on a machine without
 // CUDA unless called.
 
@@ -604,6 +605,7 @@ struct CudaApi {
   CUresult (*event_create)(CUev*, unsigned) = nullptr;
   CUresult (*event_record)(CUev, CUstream) = nullptr;
   CUresult (*event_synchronize)(CUev) = nullptr;
+  CUresult (*event_query)(CUev) = nullptr;
   CUresult (*event_destroy)(CUev) = nullptr;
   CUresult (*get_error_string)(CUresult, const char**) = nullptr;
 };
@@ -646,6 +648,7 @@ int okv_cuda_load() {
         {"cuEventCreate", reinterpret_cast<void**>(&g_cuda.event_create)},
         {"cuEventRecord", reinterpret_cast<void**>(&g_cuda.event_record)},
         {"cuEventSynchronize", reinterpret_cast<void**>(&g_cuda.event_synchronize)},
+        {"cuEventQuery", reinterpret_cast<void**>(&g_cuda.event_query)},
         {"cuEventDestroy_v2", reinterpret_cast<void**>(&g_cuda.event_destroy)},
         {"cuGetErrorString", reinterpret_cast<void**>(&g_cuda.get_error_string)},
     };
@@ -697,6 +700,19 @@ int okv_cuda_event_wait(void* ev) {
     if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_event_wait");
     CUresult r = g_cuda.event_synchronize(ev);
     return r == 0 ? 0 : cuda_failed("cuEventSynchronize", r);
+  });
+}
+
+// Without blocking: 0 once the work before `ev` ran, 1 while it runs, -1 on
+// an error (the message set).
+int okv_cuda_event_query(void* ev) {
+  return guarded("okv_cuda_event_query", [&]() -> int {
+    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_event_query");
+    constexpr CUresult kNotReady = 600;  // CUDA_ERROR_NOT_READY
+    CUresult r = g_cuda.event_query(ev);
+    if (r == 0) return 0;
+    if (r == kNotReady) return 1;
+    return cuda_failed("cuEventQuery", r);
   });
 }
 

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use orbitkv::actors::directory::check_layer;
-use orbitkv::actors::gate::{GateCall, LayerGate, Mark};
+use orbitkv::actors::gate::{GateCall, Mark};
 use orbitkv::staging::{units as staging_units, SourceStaging, StagedOrder};
 use orbitkv::transport::cuda::CudaEvents;
 use orbitkv::{
@@ -295,9 +295,9 @@ impl From<RuntimeEvent> for PyRuntimeEvent {
 pub struct PyRuntime {
     inner: RwLock<Option<Arc<Runtime>>>,
     endpoint: String,
-    /// The layer gate and the CUDA events it waits for, started on the first
+    /// The CUDA events the layer writers wait for, loaded on the first
     /// `layers_ready_after` (GPU workers only).
-    gate: Mutex<Option<(LayerGate, Arc<CudaEvents>)>>,
+    events: Mutex<Option<Arc<CudaEvents>>>,
 }
 
 impl PyRuntime {
@@ -395,7 +395,7 @@ impl PyRuntime {
         Ok(Self {
             inner: RwLock::new(Some(Arc::new(rt))),
             endpoint,
-            gate: Mutex::new(None),
+            events: Mutex::new(None),
         })
     }
 
@@ -609,10 +609,11 @@ impl PyRuntime {
     /// Prefill side, on a GPU: `layer` of each request in `chunks`
     /// (`(request_id, start, end)`, request blocks `[start, end)`) was
     /// *launched* on CUDA stream `stream` (a `cudaStream_t` as an int) by
-    /// the calling thread. Records an event there and returns at once; the
-    /// runtime's layer gate waits for the event on its own thread (no GIL)
-    /// and then admits the layer for each request, in call order. A request
-    /// released meanwhile is skipped; a failed wait aborts the requests.
+    /// the calling thread. Records an event there, hands the layer to the
+    /// runtime and returns at once; each request's write is planned at once
+    /// and submitted by its layer writer once the event was reached (the
+    /// writer waits, no GIL), in call order. A request released meanwhile is
+    /// skipped; a failed wait fails the requests whose writes waited for it.
     fn layers_ready_after(
         &self,
         py: Python<'_>,
@@ -630,36 +631,34 @@ impl PyRuntime {
                 blocks,
             })
             .collect();
-        let mut gate = self.gate.lock();
-        if gate.is_none() {
-            let events = CudaEvents::load().map_err(|e| transport_error(py, e))?;
-            *gate = Some((LayerGate::start(rt.clone()), Arc::new(events)));
-        }
-        let (gate, events) = gate.as_ref().expect("started above");
+        let events = {
+            let mut events = self.events.lock();
+            match events.as_ref() {
+                Some(e) => e.clone(),
+                None => {
+                    let e = Arc::new(CudaEvents::load().map_err(|e| transport_error(py, e))?);
+                    *events = Some(e.clone());
+                    e
+                }
+            }
+        };
         let mark = events.record(stream).map_err(|e| transport_error(py, e))?;
-        gate.push(Some(Box::new(mark) as Box<dyn Mark>), calls)
-            .map_err(|e| runtime_error(py, e))
+        rt.layers_ready_after(Some(Box::new(mark) as Box<dyn Mark>), calls);
+        Ok(())
     }
 
-    /// Prefill side, on a GPU: `producer_finish` once every layer handed to
-    /// `layers_ready_after` before was admitted. Without a gate (nothing
-    /// was handed over) it is `producer_finish` now.
+    /// Prefill side, on a GPU: `producer_finish`, taken after every layer
+    /// handed to `layers_ready_after` before (the notice still goes only
+    /// once their writes ended). Without CUDA events (nothing was handed
+    /// over) it is `producer_finish` now.
     fn producer_finish_after(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
         let rt = self.rt(py)?;
-        let gate = self.gate.lock();
-        match gate.as_ref() {
-            Some((gate, _)) => gate
-                .push(
-                    None,
-                    vec![GateCall::Finish {
-                        request: RequestId::new(request_id),
-                    }],
-                )
-                .map_err(|e| runtime_error(py, e)),
-            None => rt
-                .producer_finish(&RequestId::new(request_id))
-                .map_err(|e| runtime_error(py, e)),
+        let request = RequestId::new(request_id);
+        if self.events.lock().is_none() {
+            return rt.producer_finish(&request).map_err(|e| runtime_error(py, e));
         }
+        rt.layers_ready_after(None, vec![GateCall::Finish { request }]);
+        Ok(())
     }
 
     /// Prefill side: no more layers come; notify the consumer once drained.
@@ -744,15 +743,12 @@ impl PyRuntime {
 
     /// Stops the actors (writes in flight are abandoned). Idempotent.
     fn shutdown(&self, py: Python<'_>) {
-        // The gate first: what it holds runs (or finds its request gone),
-        // and it lets go of the runtime.
-        let gate = self.gate.lock().take();
-        if let Some(gate) = gate {
-            py.detach(move || drop(gate));
-        }
         let rt = self.inner.write().take();
         if let Some(rt) = rt {
             py.detach(move || drop(rt));
         }
+        // After the runtime (its writers and marks): the events' pool.
+        let events = self.events.lock().take();
+        drop(events);
     }
 }
