@@ -21,6 +21,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyList, PyMemoryView, PyString, PyTuple};
 
+use crate::context::{exit_closing, ExcArg};
 use crate::errors::{closed_error, invalid_argument, transport_error, Failure};
 use crate::region;
 
@@ -490,16 +491,8 @@ impl PyEngine {
 
     /// Closes the engine; exceptions propagate.
     #[pyo3(signature = (exc_type = None, exc_value = None, traceback = None))]
-    fn __exit__(
-        &self,
-        py: Python<'_>,
-        exc_type: Option<&Bound<'_, PyAny>>,
-        exc_value: Option<&Bound<'_, PyAny>>,
-        traceback: Option<&Bound<'_, PyAny>>,
-    ) -> bool {
-        let _ = (exc_type, exc_value, traceback);
-        self.close(py);
-        false
+    fn __exit__(&self, py: Python<'_>, exc_type: ExcArg, exc_value: ExcArg, traceback: ExcArg) -> bool {
+        exit_closing([exc_type, exc_value, traceback], || self.close(py))
     }
 
     fn __repr__(&self) -> String {

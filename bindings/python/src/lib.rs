@@ -10,6 +10,8 @@
 //!   (the core's actix-web server, serving a `Runtime` without Python).
 //! * [`staging`]: `StagingArena`, the allocator of a prefill worker's source staging.
 //! * [`errors`]: core errors → the classes of `orbitkv.errors`.
+//! * [`context`]: the context-manager rule (`with`: close on exit) of the
+//!   engine and the side channel.
 //!
 //! The Python sources (`python/orbitkv`) re-export these; the stubs are in
 //! `python/orbitkv/_native.pyi` and are checked against this module by
@@ -17,6 +19,7 @@
 
 use pyo3::prelude::*;
 
+mod context;
 mod engine;
 mod errors;
 mod region;

@@ -6,6 +6,7 @@ use orbitkv::{SideChannel, SideChannelConfig, SideChannelError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
+use crate::context::{exit_closing, ExcArg};
 use crate::errors::{new_error, Detail};
 use crate::runtime::{seconds, PyRuntime};
 
@@ -126,16 +127,8 @@ impl PySideChannel {
 
     /// Closes the side channel; exceptions propagate.
     #[pyo3(signature = (exc_type = None, exc_value = None, traceback = None))]
-    fn __exit__(
-        &self,
-        py: Python<'_>,
-        exc_type: Option<&Bound<'_, PyAny>>,
-        exc_value: Option<&Bound<'_, PyAny>>,
-        traceback: Option<&Bound<'_, PyAny>>,
-    ) -> bool {
-        let _ = (exc_type, exc_value, traceback);
-        self.close(py);
-        false
+    fn __exit__(&self, py: Python<'_>, exc_type: ExcArg, exc_value: ExcArg, traceback: ExcArg) -> bool {
+        exit_closing([exc_type, exc_value, traceback], || self.close(py))
     }
 
     fn __repr__(&self) -> String {

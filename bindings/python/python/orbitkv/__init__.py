@@ -9,35 +9,15 @@ Errors are the classes of :mod:`orbitkv.errors`, all derived from
 not imported here.
 """
 
-from orbitkv import errors
-from orbitkv._native import (
-    PINNED_MOONCAKE_VERSION,
-    Batch,
-    MooncakeTransferEngine,
-    Runtime,
-    RuntimeEvent,
-    SideChannel,
-    StagingArena,
-    cancel_message,
-    install_trace,
-    new_capability,
-    producer_ranks,
-)
-from orbitkv._native import __version__ as __version__
+from orbitkv import _native, errors
+from orbitkv._native import *  # noqa: F403 (every native name, named once: _native.__all__)
 from orbitkv.errors import *  # noqa: F403 (every error class, named once: errors.__all__)
 
-__all__ = [
-    "PINNED_MOONCAKE_VERSION",
-    "Batch",
-    "MooncakeTransferEngine",
-    "Runtime",
-    "RuntimeEvent",
-    "SideChannel",
-    "StagingArena",
-    "__version__",
-    "cancel_message",
-    "install_trace",
-    "new_capability",
-    "producer_ranks",
-]
+# The native module's names (its stub's __all__ is checked against the module
+# by stubtest) and the error classes. The runtime's counters and defaults are
+# left out of __all__: orbitkv.vllm reads them from orbitkv._native.
+__all__: list[str] = []
+__all__ += _native.__all__
 __all__ += errors.__all__
+__all__.remove("RUNTIME_DEFAULTS")
+__all__.remove("STATS_FIELDS")

@@ -43,8 +43,28 @@ RUNTIME_DEFAULTS: dict[str, float | int]
 # Python >= 3.12, so this stays Any.
 _Region: TypeAlias = Any
 
+# Stub only: at runtime each of these classes has the two methods itself
+# (src/context.rs holds their one body).
+class _ClosesOnExit:
+    """A context manager over `close()`: `with x:` binds `x` itself; leaving
+    the block closes it, and an exception raised inside propagates."""
+
+    def close(self) -> None:
+        """Closes the object."""
+
+    def __enter__(self) -> Self:
+        """Returns the object itself."""
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc_value: BaseException | None = None,
+        traceback: TracebackType | None = None,
+    ) -> bool:
+        """Closes the object; exceptions propagate."""
+
 @final
-class MooncakeTransferEngine:
+class MooncakeTransferEngine(_ClosesOnExit):
     """A Mooncake Transfer Engine (P2P handshake, no metadata service).
 
     `MooncakeTransferEngine(bind_host="127.0.0.1", nics=None, library=None,
@@ -165,17 +185,6 @@ class MooncakeTransferEngine:
         threads to let go of the engine. Idempotent; any later call (also on
         its batches) raises `EngineClosedError`.
         """
-
-    def __enter__(self) -> Self:
-        """Returns the engine itself."""
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None = None,
-        exc_value: BaseException | None = None,
-        traceback: TracebackType | None = None,
-    ) -> bool:
-        """Closes the engine; exceptions propagate."""
 
 @final
 class Batch:
@@ -452,7 +461,7 @@ class StagingArena:
         """`(base, len)` of the region."""
 
 @final
-class SideChannel:
+class SideChannel(_ClosesOnExit):
     """The HTTP side channel of a prefill rank (Rust, actix-web): decode ranks
     POST their handshakes to `/orbitkv/v1/handshake` and cancels to
     `/orbitkv/v1/cancel`; `GET /orbitkv/v1/health` answers `{"ok": true}`.
@@ -507,17 +516,6 @@ class SideChannel:
         """Stops listening, lets requests in progress finish (up to 1 s), then
         closes every connection; returns within about 3 s (GIL released).
         Idempotent."""
-
-    def __enter__(self) -> Self:
-        """Returns the side channel itself."""
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None = None,
-        exc_value: BaseException | None = None,
-        traceback: TracebackType | None = None,
-    ) -> bool:
-        """Closes the side channel; exceptions propagate."""
 
 def install_trace(path: str | None = None, *, filter: str | None = None, max_events: int | None = None) -> str | None:
     """Installs, once per process, OrbitKV's global subscriber: its warnings on
