@@ -28,7 +28,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,8 +40,42 @@ CORRUPT_ENV = "ORBITKV_TESTING_CORRUPT_AFTER_LOAD"
 WRITE_DELAY_ENV = "ORBITKV_TESTING_WRITE_DELAY"
 
 
+class Faults:
+    """The worker's one seam to the test hooks: what it calls on its data
+    path. These are the production no-ops; :class:`TestingHooks` overrides
+    them. :func:`faults_from_env` makes the worker's one instance."""
+
+    @property
+    def delays_writes(self) -> bool:
+        """Whether layer writes may be delayed (the worker then keeps a
+        background thread for them)."""
+        return False
+
+    def write_delay(self, queued: int) -> float | None:
+        """The delay to hand this layer's writes to the runtime with, from the
+        background thread, given the calls ``queued`` there; None: write them
+        the ordinary way."""
+        return None
+
+    def after_load(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, blocks: list[int] | None) -> None:
+        """A consumer's KV load into ``blocks`` completed (after any staging
+        scatter, before the request is reported to vLLM)."""
+
+
+def faults_from_env() -> Faults:
+    """The test hooks the environment asks for, else the no-ops."""
+    return TestingHooks.from_env() or Faults()
+
+
+def delayed(delay_s: float, fn: Any, *args: Any) -> None:
+    """Calls ``fn(*args)`` after ``delay_s`` seconds (a slow link)."""
+    if delay_s > 0:
+        time.sleep(delay_s)
+    fn(*args)
+
+
 @dataclass
-class TestingHooks:
+class TestingHooks(Faults):
     corrupt: str | None = None  # "1" (always) or a path (one shot while it exists)
     write_delay_file: str | None = None
 
@@ -81,6 +117,23 @@ class TestingHooks:
                 return max(0.0, float(f.read().strip() or 0))
         except (OSError, ValueError):
             return 0.0
+
+    @property
+    def delays_writes(self) -> bool:
+        return self.write_delay_file is not None
+
+    def write_delay(self, queued: int) -> float | None:
+        # Through the thread while the file holds a positive delay or earlier
+        # writes are still queued there, so their order is kept.
+        if not self.delays_writes or not (queued > 0 or self.write_delay_s() > 0):
+            return None
+        return self.write_delay_s()
+
+    def after_load(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, blocks: list[int] | None) -> None:
+        # Decode must compute on changed KV: the first block the request
+        # authorized. A one-shot is consumed even when there is no block.
+        if self.take_corruption() and blocks:
+            corrupt_block(kv_caches, num_blocks, blocks[0])
 
 
 def corrupt_block(kv_caches: dict[str, torch.Tensor], num_blocks: int, block_id: int) -> None:

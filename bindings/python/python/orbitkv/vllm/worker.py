@@ -32,7 +32,7 @@ from orbitkv import (
     producer_ranks,
 )
 from orbitkv.staging import StagingCopier
-from orbitkv.vllm._testing import TestingHooks, corrupt_block
+from orbitkv.vllm._testing import delayed, faults_from_env
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.layout import kv_layout_of
 from orbitkv.vllm.ledger import Ledger
@@ -85,12 +85,6 @@ def _stream_handle() -> int:
     if _current_stream is None:
         _current_stream = _current_stream_fn()
     return int(_current_stream().cuda_stream)
-
-
-def _delayed(delay_s: float, fn: Any, *args: Any) -> None:
-    if delay_s > 0:
-        time.sleep(delay_s)
-    fn(*args)
 
 
 class _Ordered:
@@ -159,15 +153,15 @@ class PdWorker:
         self.side_channel: SideChannel | None = None
         self._layer_index: dict[str, int] = {}
         self._layer_names: list[str] = []
-        # Test-only fault hooks, off unless their environment variables are set.
-        self._hooks = TestingHooks.from_env()
-        delay_hook = self._hooks is not None and self._hooks.write_delay_file is not None
+        # Test-only fault hooks (_testing.py): no-ops unless their environment
+        # variables are set.
+        self._faults = faults_from_env()
         # On GPU a layer goes to the runtime's layer gate (a CUDA event,
         # waited for in Rust, no GIL); ORBITKV_LAYER_GATE=python selects the
         # older Python thread instead (a diagnostic A/B; also the fallback
         # when the CUDA driver cannot be used from Rust).
         self._rust_gate = self.is_cuda and os.environ.get("ORBITKV_LAYER_GATE", "rust") != "python"
-        self._ordered = _Ordered() if (self.is_cuda and not self._rust_gate) or delay_hook else None
+        self._ordered = _Ordered() if (self.is_cuda and not self._rust_gate) or self._faults.delays_writes else None
         self._gate_used = False
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._num_blocks = 0
@@ -568,14 +562,11 @@ class PdWorker:
             ev.record()
             for ch in self._step_chunks:
                 self._ordered.put(ev, self._producer_call, rt.layer_ready, ch.pd_id, idx, ch.start_block, ch.end_block)
-        elif self._ordered is not None and self._hooks is not None and (
-            self._ordered.pending > 0 or self._hooks.write_delay_s() > 0
-        ):
+        elif self._ordered is not None and (delay := self._faults.write_delay(self._ordered.pending)) is not None:
             # Test hook (ORBITKV_TESTING_WRITE_DELAY): a slow link.
-            delay = self._hooks.write_delay_s()
             for ch in self._step_chunks:
                 self._ordered.put(
-                    None, _delayed, delay, self._producer_call, rt.layer_ready, ch.pd_id, idx, ch.start_block, ch.end_block
+                    None, delayed, delay, self._producer_call, rt.layer_ready, ch.pd_id, idx, ch.start_block, ch.end_block
                 )
         elif self._step_chunks:
             # One call into the runtime for every request of this step.
@@ -701,9 +692,8 @@ class PdWorker:
                             # The pages are incomplete: vLLM recomputes them.
                             logger.warning("staging of %s could not be scattered (%s): recomputed", pd, e)
                             self._load_errors.update(cons.blocks or ())
-                    if ev.kind == "consumer_completed" and self._hooks is not None and self._hooks.take_corruption():
-                        if cons.blocks:  # test hook: decode must compute on changed KV (after any scatter)
-                            corrupt_block(self._kv_caches, self._num_blocks, cons.blocks[0])
+                    if ev.kind == "consumer_completed":  # test hook (after any scatter)
+                        self._faults.after_load(self._kv_caches, self._num_blocks, cons.blocks)
                     led.consumers.get(pd).reported = True
                     recving.add(cons.req_id)
             elif ev.kind == "consumer_quiesced":
