@@ -423,6 +423,15 @@ mod tests {
     use super::*;
     use crate::fsm::test_support::*;
 
+    /// `LayerReady` of a written layer (no mark to wait for).
+    fn layer_ready(layer: u32, blocks: Range<u32>) -> ProducerEvent {
+        ProducerEvent::LayerReady {
+            layer,
+            blocks,
+            after: 0,
+        }
+    }
+
     fn submits(fx: &[ProducerEffect]) -> Vec<(WriteId, Generation, u32)> {
         fx.iter()
             .filter_map(|e| match e {
@@ -442,20 +451,8 @@ mod tests {
     #[test]
     fn rule1_no_write_without_authorization() {
         let mut p = ProducerMachine::new(rid());
-        assert!(p
-            .on_event(ProducerEvent::LayerReady {
-                layer: 0,
-                blocks: 0..2,
-                after: 0,
-            })
-            .is_empty());
-        assert!(p
-            .on_event(ProducerEvent::LayerReady {
-                layer: 1,
-                blocks: 0..2,
-                after: 0,
-            })
-            .is_empty());
+        assert!(p.on_event(layer_ready(0, 0..2)).is_empty());
+        assert!(p.on_event(layer_ready(1, 0..2)).is_empty());
         let fx = p.on_event(ProducerEvent::Handshake(hs(1, vec![4, 5])));
         assert_eq!(submits(&fx).iter().map(|s| s.2).collect::<Vec<_>>(), vec![0, 1]);
         for e in &fx {
@@ -472,11 +469,7 @@ mod tests {
     fn rule5_generation_fences_writes() {
         let mut p = ProducerMachine::new(rid());
         p.on_event(ProducerEvent::Handshake(hs_layers(1, vec![4, 5], 1)));
-        let old = submits(&p.on_event(ProducerEvent::LayerReady {
-            layer: 0,
-            blocks: 0..2,
-            after: 0,
-        }));
+        let old = submits(&p.on_event(layer_ready(0, 0..2)));
         assert_eq!(old[0].1, Generation(1));
         let fx = p.on_event(ProducerEvent::Handshake(hs_layers(1, vec![6, 7], 1)));
         assert_eq!(fx, vec![ProducerEffect::Dropped(Dropped::AuthorizationChanged)]);
@@ -510,12 +503,7 @@ mod tests {
     fn rule5_a_stale_failure_never_fails_a_new_generation() {
         let mut p = ProducerMachine::new(rid());
         p.on_event(ProducerEvent::Handshake(hs_layers(1, vec![4, 5], 1)));
-        let old = submits(&p.on_event(ProducerEvent::LayerReady {
-            layer: 0,
-            blocks: 0..2,
-            after: 0,
-        }))[0]
-            .0;
+        let old = submits(&p.on_event(layer_ready(0, 0..2)))[0].0;
         let new = submits(&p.on_event(ProducerEvent::Handshake(hs_layers(2, vec![6, 7], 1))))[0].0;
         // The old write fails: generation 2 goes on.
         let fx = p.on_event(ProducerEvent::WriteFailed {
@@ -550,18 +538,8 @@ mod tests {
     fn rule6_release_waits_for_drain_after_error() {
         let mut p = ProducerMachine::new(rid());
         p.on_event(ProducerEvent::Handshake(hs(1, vec![4, 5])));
-        let a = submits(&p.on_event(ProducerEvent::LayerReady {
-            layer: 0,
-            blocks: 0..2,
-            after: 0,
-        }))[0]
-            .0;
-        let b = submits(&p.on_event(ProducerEvent::LayerReady {
-            layer: 1,
-            blocks: 0..2,
-            after: 0,
-        }))[0]
-            .0;
+        let a = submits(&p.on_event(layer_ready(0, 0..2)))[0].0;
+        let b = submits(&p.on_event(layer_ready(1, 0..2)))[0].0;
         let fx = p.on_event(ProducerEvent::WriteFailed {
             write: a,
             generation: Generation(1),
@@ -573,12 +551,7 @@ mod tests {
         );
         assert_eq!(p.phase(), ProducerPhase::Draining);
         // no new writes after an error
-        assert!(submits(&p.on_event(ProducerEvent::LayerReady {
-            layer: 0,
-            blocks: 2..3,
-            after: 0,
-        }))
-        .is_empty());
+        assert!(submits(&p.on_event(layer_ready(0, 2..3))).is_empty());
         let fx = p.on_event(ProducerEvent::WriteDone {
             write: b,
             generation: Generation(1),
@@ -609,11 +582,7 @@ mod tests {
         p.on_event(ProducerEvent::Handshake(Arc::new(auth)));
         let mut writes = Vec::new();
         for (layer, blocks) in ready {
-            writes.extend(submits(&p.on_event(ProducerEvent::LayerReady {
-                layer: *layer,
-                blocks: blocks.clone(),
-                after: 0,
-            })));
+            writes.extend(submits(&p.on_event(layer_ready(*layer, blocks.clone()))));
         }
         let mut fx = p.on_event(ProducerEvent::Finish);
         // Writes held back by rule 8 go out as earlier ones end: complete those too.
@@ -642,29 +611,12 @@ mod tests {
     fn rule8_an_overlapping_write_waits_for_the_earlier_one() {
         let mut p = ProducerMachine::new(rid());
         p.on_event(ProducerEvent::Handshake(hs_layers(1, vec![4, 5, 6], 2)));
-        let first = submits(&p.on_event(ProducerEvent::LayerReady {
-            layer: 0,
-            blocks: 0..2,
-            after: 0,
-        }));
+        let first = submits(&p.on_event(layer_ready(0, 0..2)));
         assert_eq!(first.len(), 1);
         // the same layer, overlapping on block 1: held back
-        assert!(submits(&p.on_event(ProducerEvent::LayerReady {
-            layer: 0,
-            blocks: 1..3,
-            after: 0,
-        }))
-        .is_empty());
+        assert!(submits(&p.on_event(layer_ready(0, 1..3))).is_empty());
         // another layer, or blocks apart: not held
-        assert_eq!(
-            submits(&p.on_event(ProducerEvent::LayerReady {
-                layer: 1,
-                blocks: 0..3,
-                after: 0,
-            }))
-            .len(),
-            1
-        );
+        assert_eq!(submits(&p.on_event(layer_ready(1, 0..3))).len(), 1);
         p.on_event(ProducerEvent::Finish);
         assert_eq!(p.in_flight(), 2);
         // the earlier write ends: the held one goes out, and only then can
@@ -755,17 +707,8 @@ mod tests {
     fn rule8_held_writes_are_dropped_when_the_request_stops() {
         let mut p = ProducerMachine::new(rid());
         p.on_event(ProducerEvent::Handshake(hs_layers(1, vec![4, 5, 6], 1)));
-        let first = submits(&p.on_event(ProducerEvent::LayerReady {
-            layer: 0,
-            blocks: 0..2,
-            after: 0,
-        }));
-        assert!(submits(&p.on_event(ProducerEvent::LayerReady {
-            layer: 0,
-            blocks: 1..3,
-            after: 0,
-        }))
-        .is_empty());
+        let first = submits(&p.on_event(layer_ready(0, 0..2)));
+        assert!(submits(&p.on_event(layer_ready(0, 1..3))).is_empty());
         p.on_event(ProducerEvent::Abort {
             reason: "client gone".into(),
         });
@@ -805,11 +748,7 @@ mod tests {
         assert_eq!(finish_with(2, 1, &[(0, 2..3), (1, 2..3)]), (Outcome::Done, None));
         // the handshake arrives after Finish: the same rule
         let mut p = ProducerMachine::new(rid());
-        p.on_event(ProducerEvent::LayerReady {
-            layer: 0,
-            blocks: 0..1,
-            after: 0,
-        });
+        p.on_event(layer_ready(0, 0..1));
         p.on_event(ProducerEvent::Finish);
         let fx = p.on_event(ProducerEvent::Handshake(hs(1, vec![4])));
         let w = submits(&fx);
@@ -834,12 +773,7 @@ mod tests {
     fn abort_drains_then_notifies_aborted() {
         let mut p = ProducerMachine::new(rid());
         p.on_event(ProducerEvent::Handshake(hs(1, vec![4])));
-        let a = submits(&p.on_event(ProducerEvent::LayerReady {
-            layer: 0,
-            blocks: 0..1,
-            after: 0,
-        }))[0]
-            .0;
+        let a = submits(&p.on_event(layer_ready(0, 0..1)))[0].0;
         assert!(p
             .on_event(ProducerEvent::Abort {
                 reason: "client went away".into()
@@ -869,11 +803,7 @@ mod tests {
     #[test]
     fn finish_before_handshake_waits_then_writes_everything() {
         let mut p = ProducerMachine::new(rid());
-        p.on_event(ProducerEvent::LayerReady {
-            layer: 0,
-            blocks: 0..1,
-            after: 0,
-        });
+        p.on_event(layer_ready(0, 0..1));
         assert!(p.on_event(ProducerEvent::Finish).is_empty());
         let w = submits(&p.on_event(ProducerEvent::Handshake(hs_layers(1, vec![4], 1))));
         assert_eq!(w.len(), 1);
@@ -901,11 +831,7 @@ mod tests {
     #[test]
     fn no_handshake_before_deadline_releases_without_notice() {
         let mut p = ProducerMachine::new(rid());
-        p.on_event(ProducerEvent::LayerReady {
-            layer: 0,
-            blocks: 0..1,
-            after: 0,
-        });
+        p.on_event(layer_ready(0, 0..1));
         let fx = p.on_event(ProducerEvent::TimedOut);
         assert!(matches!(
             fx[..],
