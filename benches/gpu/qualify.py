@@ -98,6 +98,11 @@ def main() -> int:
     r.add_argument("--staging-min-ranges", type=int, default=4,
                    help="Runtime staging_min_ranges with --staging on (grant staging from this many direct "
                         "ranges per layer)")
+    r.add_argument("--head-major", action="store_true",
+                   help="KV blocks head-major on both sides (vLLM's HND layout: [8 heads, 16 tokens, 128])")
+    r.add_argument("--consumer-tp", type=int, choices=(1, 2), default=1,
+                   help="2: the consumer is TP rank 0 of 2 (heads 0-3; needs --head-major): every write is a "
+                        "heterogeneous-TP head slice (16 KiB of each 32 KiB block); raw-write steps are skipped")
     r.add_argument("--corrupt", action="store_true",
                    help="self-test of the checks: damage one written byte and one guard byte before every "
                         "check of the mooncake suite; every check must then report it")
@@ -111,6 +116,9 @@ def main() -> int:
     if args.cmd == "run":
         if args.device == "cpu":
             args.src_gpu = args.dst_gpu = None
+        if args.consumer_tp > 1 and not (args.head_major and args.suite == "mooncake"):
+            ap.error("--consumer-tp 2 needs --head-major and --suite mooncake (a token-major head slice "
+                     "is not one range per block, and only the runtime writes slices)")
         return cmd_run(args)
     return cmd_report(args)
 

@@ -80,7 +80,10 @@ class Run:
             "dst_gpu": args.dst_gpu,
             "geometry": {"layers": args.layers, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bf16",
                          "block_tokens": BLOCK_TOKENS, "block_bytes_per_plane": BLOCK_BYTES,
-                         "num_blocks": num_blocks_for(max(args.tokens)), "layout": "[2, num_blocks, 16, 8, 128]"},
+                         "num_blocks": num_blocks_for(max(args.tokens)),
+                         "layout": "[2, num_blocks, 8, 16, 128] (head-major, HND)" if getattr(args, "head_major", False)
+                         else "[2, num_blocks, 16, 8, 128]",
+                         "consumer_tp": getattr(args, "consumer_tp", 1)},
             "tokens": args.tokens,
             "raw_mib": args.raw_mib,
             "runtime": {"max_bytes_in_flight_per_peer": args.max_in_flight,

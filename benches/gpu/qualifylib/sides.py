@@ -33,7 +33,10 @@ from .common import (
 
 class Side:
     """One process: its device, its KV cache (one tensor per layer, FlashAttention
-    layout [2, num_blocks, 16, 8, 128] bf16), a raw buffer and a guard buffer."""
+    layout [2, num_blocks, 16, 8, 128] bf16, or head-major [2, num_blocks, 8, 16,
+    128] with --head-major), a raw buffer and a guard buffer. With --consumer-tp
+    2 the consumer is TP rank 0 of 2 (heads 0-3: head-major blocks of 16 KiB,
+    the first half of each producer block), so every write is a head slice."""
 
     def __init__(self, role: str, opts: dict[str, Any]) -> None:
         import torch
@@ -51,9 +54,14 @@ class Side:
             self.dev = torch.device("cpu")
         self.layers = opts["layers"]
         self.nb = opts["num_blocks"]
+        self.head_major = bool(opts.get("head_major"))
+        self.tp_size = opts.get("consumer_tp", 1) if role == "consumer" else 1
+        self.heads = KV_HEADS // self.tp_size
+        self.block_bytes = BLOCK_BYTES // self.tp_size
+        shape = (2, self.nb, self.heads, BLOCK_TOKENS, HEAD_DIM) if self.head_major else \
+            (2, self.nb, BLOCK_TOKENS, self.heads, HEAD_DIM)
         t0 = time.monotonic()
-        self.kv = [torch.empty((2, self.nb, BLOCK_TOKENS, KV_HEADS, HEAD_DIM), dtype=torch.bfloat16, device=self.dev)
-                   for _ in range(self.layers)]
+        self.kv = [torch.empty(shape, dtype=torch.bfloat16, device=self.dev) for _ in range(self.layers)]
         self.raw = torch.empty(opts["raw_mib"] * MiB, dtype=torch.uint8, device=self.dev)
         self.guard = torch.empty(GUARD_BUF, dtype=torch.uint8, device=self.dev)
         gen = torch.Generator(device=self.dev)
@@ -76,10 +84,11 @@ class Side:
         if role == "consumer":
             ref_gen = torch.Generator(device=self.dev)
             ref_gen.manual_seed(SEED + 1)
-            for t in self.kv:
-                r = torch.empty_like(t)
-                r.view(torch.uint8).random_(0, 256, generator=ref_gen)
-                self.ref.append(r)
+            for _ in self.kv:
+                r = torch.empty((2, self.nb, BLOCK_BYTES), dtype=torch.uint8, device=self.dev)
+                r.random_(0, 256, generator=ref_gen)
+                # rank 0 of 2, head-major: heads 0-3 are each block's first half
+                self.ref.append(r[:, :, :self.block_bytes].contiguous() if self.tp_size > 1 else r)
         self.sync()
         self.alloc_s = time.monotonic() - t0
         w = (torch.arange(1, 32769, dtype=torch.int64) * 2654435761) % 2147483647 + 1
@@ -162,7 +171,7 @@ class Side:
         return out
 
     def plane_bases(self) -> list[list[int]]:
-        return [[t.data_ptr(), t.data_ptr() + self.nb * BLOCK_BYTES] for t in self.kv]
+        return [[t.data_ptr(), t.data_ptr() + self.nb * self.block_bytes] for t in self.kv]
 
     def layout_json(self) -> str:
         return json.dumps({
@@ -170,11 +179,12 @@ class Side:
             "block_size": BLOCK_TOKENS,
             "total_kv_heads": KV_HEADS,
             "tp_rank": 0,
-            "tp_size": 1,
+            "tp_size": self.tp_size,
             # FlashAttention blocks are [16 tokens, 8 heads, 128]: token-major
-            "head_major": False,
-            "layers": [{"planes": [{"base": k, "block_stride": BLOCK_BYTES, "block_bytes": BLOCK_BYTES},
-                                   {"base": v, "block_stride": BLOCK_BYTES, "block_bytes": BLOCK_BYTES}]}
+            # (vLLM's HND layout: [8 heads, 16 tokens, 128], head-major)
+            "head_major": self.head_major,
+            "layers": [{"planes": [{"base": k, "block_stride": self.block_bytes, "block_bytes": self.block_bytes},
+                                   {"base": v, "block_stride": self.block_bytes, "block_bytes": self.block_bytes}]}
                        for k, v in self.plane_bases()],
         })
 
@@ -208,8 +218,8 @@ class Side:
         di = torch.tensor(dst, dtype=torch.int64, device=self.dev)
         bad = compared = 0
         for got_t, want_t in zip(self.kv, self.ref, strict=True):
-            got = got_t.view(torch.uint8).reshape(2, self.nb, BLOCK_BYTES)
-            want = want_t.view(torch.uint8).reshape(2, self.nb, BLOCK_BYTES)
+            got = got_t.view(torch.uint8).reshape(2, self.nb, self.block_bytes)
+            want = want_t.view(torch.uint8).reshape(2, self.nb, self.block_bytes)
             for i in range(0, len(dst), 512):
                 a = got.index_select(1, di[i:i + 512])
                 b = want.index_select(1, si[i:i + 512])
@@ -224,7 +234,7 @@ class Side:
         idx = torch.tensor(others, dtype=torch.int64, device=self.dev)
         bad = 0
         for t in self.kv:
-            v = t.view(torch.uint8).reshape(2, self.nb, BLOCK_BYTES)
+            v = t.view(torch.uint8).reshape(2, self.nb, self.block_bytes)
             for p in range(2):
                 for i in range(0, len(others), 512):
                     sel = v[p].index_select(0, idx[i:i + 512])
@@ -281,10 +291,10 @@ class Side:
             self.guard[d1] ^= 0x01  # the first data byte of range 1
         elif what == "kv":
             assert ids is not None
-            v0 = self.kv[0].view(torch.uint8).reshape(2, self.nb, BLOCK_BYTES)
+            v0 = self.kv[0].view(torch.uint8).reshape(2, self.nb, self.block_bytes)
             v0[0, ids[0], 100] ^= 0x01
             other = min(set(range(self.nb)) - set(ids))
-            vl = self.kv[-1].view(torch.uint8).reshape(2, self.nb, BLOCK_BYTES)
+            vl = self.kv[-1].view(torch.uint8).reshape(2, self.nb, self.block_bytes)
             vl[1, other, 7] = GUARD ^ 0xFF
         elif what == "raw":
             assert rows is not None
@@ -370,7 +380,11 @@ class MooncakeSide(Side):
                                  for t in self.buffers())
         self.runtime = orbitkv.Runtime(
             self.engine, self.layout_json(),
-            consumer_timeout_s=opts["step_timeout"], handshake_timeout_s=opts["step_timeout"],
+            consumer_timeout_s=opts["step_timeout"],
+            # --consumer-tp 2: only decode rank 0 exists; the producer's rank-1
+            # half waits this long for a handshake that never comes (after the
+            # timed part: the clock stops at rank 0's completion)
+            handshake_timeout_s=3.0 if opts.get("consumer_tp", 1) > 1 else opts["step_timeout"],
             write_timeout_s=opts["step_timeout"],
             max_bytes_in_flight_per_peer=opts["max_in_flight"],
             max_ranges_in_flight_per_peer=opts["max_ranges_in_flight"],
@@ -532,12 +546,13 @@ class MooncakeSide(Side):
             self.stage[off:off + sl["bytes"]].zero_()
             self.sync()
             try:
-                rt.producer_open(req, src, BENCH_CAPABILITY, 1, staging_base=piece, staging_blocks=n)
+                rt.producer_open(req, src, BENCH_CAPABILITY, self.opts.get("consumer_tp", 1),
+                                 staging_base=piece, staging_blocks=n)
             except BaseException:
                 self.arena.free(piece)
                 raise
         else:
-            rt.producer_open(req, src, BENCH_CAPABILITY, 1)
+            rt.producer_open(req, src, BENCH_CAPABILITY, self.opts.get("consumer_tp", 1))
         rt.producer_handshake(handshake)
         t0 = time.monotonic_ns()
         gather_ns = 0

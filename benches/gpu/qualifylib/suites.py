@@ -105,7 +105,8 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
         for tokens in a.tokens:
             for pattern in ("contiguous", "scattered"):
                 src, dst = block_ids(tokens, pattern, opts["num_blocks"])
-                nbytes = a.layers * 2 * len(src) * BLOCK_BYTES
+                # --consumer-tp 2: the consumer takes its head slice of each block
+                nbytes = a.layers * 2 * len(src) * BLOCK_BYTES // a.consumer_tp
                 reps = a.kv_reps if tokens <= 8192 or a.transport != "tcp" else max(1, a.kv_reps // 2)
                 est = nbytes / (1.0e9 if a.transport == "tcp" else 50e9) * (reps + 1) + 3
 
@@ -179,8 +180,10 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                     return out
 
                 run.step(f"kv_{tokens}_{pattern}", kv, need_s=min(est, 60))
-                if pattern == "scattered" and a.staging == "on":
+                if a.staging == "on" and (pattern == "scattered" or a.consumer_tp > 1):
                     run.step(f"kv_{tokens}_{pattern}_staged", lambda kv=kv: kv(staged=True), need_s=min(est, 60))
+                if a.consumer_tp > 1:
+                    continue  # the raw writes below are of whole blocks
 
                 def rawkv(src: list[int] = src, dst: list[int] = dst, reps: int = reps) -> dict[str, Any]:
                     cons.call("kv_reset", st)
@@ -324,6 +327,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         # staging sized for the largest request (its staged copy is as large as its KV)
         "staging_blocks": max(args.tokens) // BLOCK_TOKENS if args.suite == "mooncake" and args.staging == "on" else 0,
         "staging_min_ranges": args.staging_min_ranges,
+        "head_major": args.head_major,
+        "consumer_tp": args.consumer_tp,
     }
     run = Run(args)
 
