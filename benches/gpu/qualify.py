@@ -98,6 +98,10 @@ def main() -> int:
     r.add_argument("--staging-min-ranges", type=int, default=4,
                    help="Runtime staging_min_ranges with --staging on (grant staging from this many direct "
                         "ranges per layer)")
+    r.add_argument("--gather", choices=("event", "sync"), default="event",
+                   help="staged steps on CUDA: 'event' queues each layer's gather on the stream and hands the layer "
+                        "over with a CUDA event (layers_ready_after: the writer waits, as in the connector); "
+                        "'sync': the host waits for each gather before layer_ready (the figures before 2026-12-01 14:00)")
     r.add_argument("--head-major", action="store_true",
                    help="KV blocks head-major on both sides (vLLM's HND layout: [8 heads, 16 tokens, 128])")
     r.add_argument("--consumer-tp", type=int, choices=(1, 2), default=1,

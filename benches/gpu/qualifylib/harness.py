@@ -92,6 +92,7 @@ class Run:
             "busy": args.busy,
             "staging": getattr(args, "staging", "off") if args.suite == "mooncake" else None,
             "staging_min_ranges": getattr(args, "staging_min_ranges", None),
+            "gather": getattr(args, "gather", None),
             "submit_wait": args.submit_wait,
             "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
             "host": platform.node(),

@@ -95,8 +95,12 @@ def staged_table(md: list[str], goals: list[dict[str, Any]], steps: dict[str, An
             md += ["", "Staging: not run (`--staging off`, or a run from before it)."]
         return
     md += ["", "Scattered KV through staging (`--staging on`, staging_min_ranges "
-           f"{mc.get('staging_min_ranges')}): the producer gathers each layer into its source staging before its "
-           "`layer_ready`, the runtime writes it into the consumer's grant, the consumer scatters the grant into "
+           f"{mc.get('staging_min_ranges')}): the producer gathers each layer into its source staging "
+           + ("and hands the layer over with a CUDA event after the gather (`layers_ready_after`: its writer "
+              "waits for the event, the host does not; gather ms is then the launches alone)"
+              if mc.get("gather") == "event" and mc.get("device") == "cuda"
+              else "and waits for the gather before its `layer_ready`")
+           + ", the runtime writes it into the consumer's grant, the consumer scatters the grant into "
            "its pages; timed from before the first gather to the scatter done (synchronized). Ranges/layer: what "
            "the runtime submitted (producer's `write_ranges` ÷ layers). Ratios of medians.", ""]
     hdr = ("| prompt | bytes | ranges/layer direct → staged | layers staged | direct GB/s | staged GB/s | "

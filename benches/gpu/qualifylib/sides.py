@@ -554,6 +554,12 @@ class MooncakeSide(Side):
         else:
             rt.producer_open(req, src, BENCH_CAPABILITY, self.opts.get("consumer_tp", 1))
         rt.producer_handshake(handshake)
+        # --gather event (CUDA): as the connector does, each layer's gather is
+        # queued on the stream and the layer handed over with a CUDA event
+        # (`layers_ready_after`); its writer waits for the event, the host
+        # never does. --gather sync: the host waits for each gather.
+        stream = (self.torch.cuda.current_stream().cuda_stream
+                  if staged and self.cuda and self.opts.get("gather", "event") == "event" else None)
         t0 = time.monotonic_ns()
         gather_ns = 0
         if staged:
@@ -561,14 +567,21 @@ class MooncakeSide(Side):
             for layer in range(self.layers):
                 g0 = time.monotonic_ns()
                 self.copier.gather(layer, idx, 0, piece, n, slots)
-                self.stream_sync()
-                gather_ns += time.monotonic_ns() - g0
-                rt.layer_ready(req, layer, 0, n)
+                if stream is None:
+                    self.stream_sync()
+                    gather_ns += time.monotonic_ns() - g0
+                    rt.layer_ready(req, layer, 0, n)
+                else:
+                    gather_ns += time.monotonic_ns() - g0  # the launch alone
+                    rt.layers_ready_after(stream, layer, [(req, 0, n)])
         else:
             for layer in range(self.layers):
                 rt.layer_ready(req, layer, 0, n)
         t1 = time.monotonic_ns()
-        rt.producer_finish(req)
+        if stream is None:
+            rt.producer_finish(req)
+        else:
+            rt.producer_finish_after(req)
         ev = self.next_event({"producer_released"}, req, self.opts["step_timeout"])
         t2 = time.monotonic_ns()
         if piece is not None:

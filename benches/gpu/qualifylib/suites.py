@@ -329,6 +329,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "staging_min_ranges": args.staging_min_ranges,
         "head_major": args.head_major,
         "consumer_tp": args.consumer_tp,
+        "gather": args.gather,
     }
     run = Run(args)
 
