@@ -115,6 +115,37 @@ impl Rank {
     }
 }
 
+/// A consumer actor of `request` (generation 7, expecting producer ranks
+/// `ranks`, the production deadlines) over the transport double, with
+/// `staging`; its counters and its event channel. Inside the actor system.
+fn start_consumer(
+    request: &str,
+    ranks: &[u32],
+    staging: Option<orbitkv::actors::consumer::ConsumerStaging>,
+) -> (Addr<ConsumerActor>, Arc<Stats>, Receiver<RuntimeEvent>) {
+    let cfg = RuntimeConfig::default();
+    let transport = Arc::new(FakeTransport::new("127.0.0.1:1"));
+    let stats = Arc::new(Stats::default());
+    let router = NotificationRouter::new(transport, Duration::from_millis(100), stats.clone()).start();
+    let (tx, rx) = crossbeam_channel::unbounded();
+    let machine = ConsumerMachine::new(
+        RequestId::new(request),
+        Generation(7),
+        ranks.iter().map(|&r| ProducerRank(r)).collect(),
+    );
+    let consumer = ConsumerActor::new(
+        machine,
+        cfg.consumer_timeout,
+        cfg.quarantine,
+        router,
+        tx,
+        stats.clone(),
+        staging,
+    )
+    .start();
+    (consumer, stats, rx)
+}
+
 #[test]
 fn a_silent_producer_fails_the_consumer_at_its_deadline_and_holds_the_blocks_for_the_quarantine() {
     paused(async {
@@ -124,19 +155,9 @@ fn a_silent_producer_fails_the_consumer_at_its_deadline_and_holds_the_blocks_for
             (timeout, quarantine),
             (Duration::from_secs(120), Duration::from_secs(60))
         );
-        let transport = Arc::new(FakeTransport::new("127.0.0.1:1"));
-        let stats = Arc::new(Stats::default());
-        let router = NotificationRouter::new(transport, Duration::from_millis(100), stats.clone()).start();
-        let (tx, rx) = crossbeam_channel::unbounded();
-        let machine = ConsumerMachine::new(
-            RequestId::new("silent"),
-            Generation(7),
-            BTreeSet::from([ProducerRank(0)]),
-        );
         let t0 = Instant::now();
         let wall = std::time::Instant::now();
-        let consumer =
-            ConsumerActor::new(machine, timeout, quarantine, router, tx, stats.clone(), None).start();
+        let (consumer, stats, rx) = start_consumer("silent", &[0], None);
 
         let (ev, at) = next(&rx, Duration::from_secs(600))
             .await
@@ -365,26 +386,7 @@ fn only_the_first_done_notice_of_an_expected_rank_says_what_to_scatter_and_the_g
             layout: local,
             staged: BTreeSet::new(),
         };
-        let transport = Arc::new(FakeTransport::new("127.0.0.1:1"));
-        let stats = Arc::new(Stats::default());
-        let router = NotificationRouter::new(transport, Duration::from_millis(100), stats.clone()).start();
-        let (tx, rx) = crossbeam_channel::unbounded();
-        let machine = ConsumerMachine::new(
-            RequestId::new("staged"),
-            Generation(7),
-            BTreeSet::from([ProducerRank(0), ProducerRank(1)]),
-        );
-        let cfg = RuntimeConfig::default();
-        let consumer = ConsumerActor::new(
-            machine,
-            cfg.consumer_timeout,
-            cfg.quarantine,
-            router,
-            tx,
-            stats.clone(),
-            Some(staging),
-        )
-        .start();
+        let (consumer, _stats, rx) = start_consumer("staged", &[0, 1], Some(staging));
         // rank 0 wrote pages directly; its duplicate "staged" notice, a
         // stranger's and a stale generation's must change nothing
         for n in [

@@ -22,7 +22,7 @@
 //! marks are pushed; none is kept past [`PRUNE_AT`] outstanding unless its
 //! GPU work is still running.
 
-use std::collections::{BTreeSet, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -107,7 +107,8 @@ pub struct LayerMarks {
     reached: AtomicU64,
     /// Held by the one thread waiting for the oldest mark.
     waiter: Mutex<()>,
-    failed: Mutex<BTreeSet<(MarkSeq, String)>>,
+    /// Marks whose wait failed, with the reason (the newest [`FAILED_KEPT`]).
+    failed: Mutex<BTreeMap<MarkSeq, String>>,
     stats: Arc<Stats>,
 }
 
@@ -129,7 +130,7 @@ impl LayerMarks {
             }),
             reached: AtomicU64::new(0),
             waiter: Mutex::new(()),
-            failed: Mutex::new(BTreeSet::new()),
+            failed: Mutex::new(BTreeMap::new()),
             stats,
         }
     }
@@ -152,11 +153,7 @@ impl LayerMarks {
         if prune {
             // Only if no writer is waiting (it will drain the queue itself).
             if let Some(_w) = self.waiter.try_lock() {
-                while let Some(result) = self.take_oldest(|m| m.poll()) {
-                    if result.is_none() {
-                        break;
-                    }
-                }
+                while self.take_oldest(|m| m.poll()) == Oldest::Judged {}
             }
         }
         seq
@@ -180,7 +177,7 @@ impl LayerMarks {
             if self.reached() >= seq {
                 break;
             }
-            if self.take_oldest(|m| Some(m.wait())).is_none() {
+            if self.take_oldest(|m| Some(m.wait())) == Oldest::None {
                 // Not pushed (a number from elsewhere): nothing to wait for.
                 break;
             }
@@ -188,17 +185,15 @@ impl LayerMarks {
         self.failure(seq)
     }
 
-    /// Judges the oldest mark with `judge` (the waiter lock held): `None`
-    /// with nothing queued, `Some(None)` if `judge` could not tell yet
-    /// (the mark stays), `Some(Some(()))` once judged.
-    fn take_oldest(
-        &self,
-        judge: impl FnOnce(&mut dyn Mark) -> Option<Result<(), String>>,
-    ) -> Option<Option<()>> {
-        let mut q = self.pending.lock().queue.pop_front()?;
+    /// Judges the oldest mark with `judge` (the waiter lock held); `judge`
+    /// says `None` when it cannot tell yet (the mark stays).
+    fn take_oldest(&self, judge: impl FnOnce(&mut dyn Mark) -> Option<Result<(), String>>) -> Oldest {
+        let Some(mut q) = self.pending.lock().queue.pop_front() else {
+            return Oldest::None;
+        };
         let Some(result) = judge(q.mark.as_mut()) else {
             self.pending.lock().queue.push_front(q);
-            return Some(None);
+            return Oldest::NotYet;
         };
         drop(q.mark); // a GPU event goes back to its pool
         self.stats.ready_items.inc();
@@ -208,25 +203,33 @@ impl LayerMarks {
         if let Err(reason) = result {
             tracing::warn!(mark = q.seq, %reason, "layer gate: GPU wait failed; its writes fail");
             let mut failed = self.failed.lock();
-            failed.insert((q.seq, reason));
+            failed.insert(q.seq, reason);
             while failed.len() > FAILED_KEPT {
                 failed.pop_first();
             }
         }
         self.reached.store(q.seq, Ordering::Release);
-        Some(Some(()))
+        Oldest::Judged
     }
 
+    /// Mark `seq`'s own verdict (once reached).
     fn failure(&self, seq: MarkSeq) -> Result<(), String> {
-        if seq == 0 {
-            return Ok(());
-        }
-        let failed = self.failed.lock();
-        match failed.range((seq, String::new())..).next() {
-            Some((s, reason)) if *s == seq => Err(reason.clone()),
-            _ => Ok(()),
+        match self.failed.lock().get(&seq) {
+            Some(reason) => Err(reason.clone()),
+            None => Ok(()),
         }
     }
+}
+
+/// What [`LayerMarks::take_oldest`] did.
+#[derive(Debug, PartialEq, Eq)]
+enum Oldest {
+    /// Nothing was queued.
+    None,
+    /// The oldest mark could not be judged yet; it stays first.
+    NotYet,
+    /// The oldest mark was judged and dropped.
+    Judged,
 }
 
 #[cfg(test)]
