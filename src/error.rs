@@ -3,8 +3,10 @@
 
 use std::path::PathBuf;
 
+use serde::Serialize;
+
 /// Errors from the transport layer (Mooncake through FFI).
-#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq, Serialize)]
 pub enum TransportError {
     /// No `engine.so` was found where we looked.
     #[error(
@@ -25,6 +27,7 @@ pub enum TransportError {
     VersionMismatch {
         found: String,
         pinned: &'static str,
+        #[serde(rename = "distribution")]
         dist: String,
         path: PathBuf,
     },
@@ -54,15 +57,29 @@ pub enum TransportError {
         "local range [{addr:#x}, +{len}) is not inside a registered region; \
              register the tensor with register_memory first"
     )]
-    UnregisteredLocal { addr: u64, len: u64 },
+    UnregisteredLocal {
+        addr: u64,
+        #[serde(rename = "length")]
+        len: u64,
+    },
 
     /// A remote range is not inside memory the peer registered.
     #[error("remote range [{addr:#x}, +{len}) on {peer} is not inside memory the peer registered")]
-    UnregisteredRemote { peer: String, addr: u64, len: u64 },
+    UnregisteredRemote {
+        peer: String,
+        addr: u64,
+        #[serde(rename = "length")]
+        len: u64,
+    },
 
     /// Registration of a region failed or overlaps an existing one.
     #[error("register_memory([{addr:#x}, +{len})) failed: {reason}")]
-    Registration { addr: u64, len: u64, reason: String },
+    Registration {
+        addr: u64,
+        #[serde(rename = "length")]
+        len: u64,
+        reason: String,
+    },
 
     /// A batch was submitted but failed as a whole.
     #[error("transfer batch to {peer} failed: {reason}")]
@@ -70,7 +87,11 @@ pub enum TransportError {
 
     /// A batch did not finish before its deadline.
     #[error("transfer batch to {peer} timed out after {millis} ms")]
-    Timeout { peer: String, millis: u64 },
+    Timeout {
+        peer: String,
+        #[serde(rename = "timeout_s", serialize_with = "details::millis_as_seconds")]
+        millis: u64,
+    },
 
     /// A notification could not be sent.
     #[error("notification to {peer} failed: {reason}")]
@@ -78,16 +99,16 @@ pub enum TransportError {
 
     /// An argument is invalid (empty batch, zero-length range, ...).
     #[error("invalid argument: {0}")]
-    InvalidArgument(String),
+    InvalidArgument(#[serde(serialize_with = "details::reason")] String),
 
     /// Any other error reported by Mooncake through the shim.
     #[error("Mooncake: {0}")]
-    Mooncake(String),
+    Mooncake(#[serde(serialize_with = "details::reason")] String),
 
     /// The CUDA driver (used to order writes after the GPU wrote a layer)
     /// could not be loaded or reported an error.
     #[error("CUDA: {0}")]
-    Cuda(String),
+    Cuda(#[serde(serialize_with = "details::reason")] String),
 }
 
 pub type TransportResult<T> = Result<T, TransportError>;
@@ -167,33 +188,50 @@ pub enum ProtocolError {
 }
 
 /// Errors of the request runtime (the actor system and its façade).
-#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq, Serialize)]
 pub enum RuntimeError {
     #[error(transparent)]
     Transport(#[from] TransportError),
     #[error(transparent)]
-    Protocol(#[from] ProtocolError),
+    Protocol(
+        #[from]
+        #[serde(serialize_with = "details::reason_display")]
+        ProtocolError,
+    ),
     #[error(transparent)]
-    Geometry(#[from] GeometryError),
+    Geometry(
+        #[from]
+        #[serde(serialize_with = "details::reason_display")]
+        GeometryError,
+    ),
     #[error("unknown request {0}")]
-    UnknownRequest(String),
+    UnknownRequest(#[serde(serialize_with = "details::request_id")] String),
     #[error("request {request}: generation {got} is stale (current {current})")]
-    StaleGeneration { request: String, got: u64, current: u64 },
+    StaleGeneration {
+        #[serde(rename = "request_id")]
+        request: String,
+        got: u64,
+        current: u64,
+    },
     #[error("request {0} already exists on this side")]
-    DuplicateRequest(String),
+    DuplicateRequest(#[serde(serialize_with = "details::request_id")] String),
     /// A handshake or cancel without the request's capability: refused,
     /// and nothing about the request changes.
     #[error("request {request}: forbidden: {reason}")]
-    Forbidden { request: String, reason: String },
+    Forbidden {
+        #[serde(rename = "request_id")]
+        request: String,
+        reason: String,
+    },
     /// A bounded resource (parked handshakes, remembered cancels) is full.
     #[error("overloaded: {0}")]
-    Overloaded(String),
+    Overloaded(#[serde(serialize_with = "details::reason")] String),
     #[error("the runtime has stopped")]
     Stopped,
 }
 
 /// The side channel (`src/side_channel`) could not start.
-#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq, Serialize)]
 pub enum SideChannelError {
     /// Something else listens on that address.
     #[error("cannot listen on {address}: the address is in use (another side channel, or another program, listens there); pick another port")]
@@ -203,10 +241,10 @@ pub enum SideChannelError {
     Bind { address: String, reason: String },
     /// A setting is out of range.
     #[error("invalid side channel setting: {0}")]
-    InvalidArgument(String),
+    InvalidArgument(#[serde(serialize_with = "details::reason")] String),
     /// The server's threads did not start.
     #[error("the side channel did not start: {0}")]
-    Start(String),
+    Start(#[serde(serialize_with = "details::reason")] String),
 }
 
 // ---- The Python class of each error -------------------------------------------
@@ -311,9 +349,95 @@ impl SideChannelError {
     }
 }
 
+/// How an error's fields serialize as the `details` of its Python exception
+/// (`exc.details`): the derived `Serialize` of an error is `{variant: {field:
+/// value, ...}}`, or the variant's name alone when it has no fields; a
+/// variant with one unnamed field names it with one of these.
+mod details {
+    use serde::ser::{SerializeMap, Serializer};
+
+    fn one<S: Serializer>(key: &str, value: &str, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = s.serialize_map(Some(1))?;
+        map.serialize_entry(key, value)?;
+        map.end()
+    }
+
+    /// `{"reason": text}`.
+    pub(super) fn reason<S: Serializer>(text: &str, s: S) -> Result<S::Ok, S::Error> {
+        one("reason", text, s)
+    }
+
+    /// `{"reason": the error's message}`.
+    pub(super) fn reason_display<S: Serializer, E: std::fmt::Display>(
+        e: &E,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        one("reason", &e.to_string(), s)
+    }
+
+    /// `{"request_id": id}`.
+    pub(super) fn request_id<S: Serializer>(id: &str, s: S) -> Result<S::Ok, S::Error> {
+        one("request_id", id, s)
+    }
+
+    /// A deadline in milliseconds, as seconds.
+    pub(super) fn millis_as_seconds<S: Serializer>(millis: &u64, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(*millis as f64 / 1000.0)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
+
+    /// The details a Python exception carries are the variant's fields under
+    /// their Python names: renamed, converted, and one unnamed field named.
+    #[test]
+    fn details_serialize_under_their_python_names() {
+        fn v(e: &impl Serialize) -> serde_json::Value {
+            serde_json::to_value(e).unwrap()
+        }
+        assert_eq!(
+            v(&TransportError::Timeout {
+                peer: "p".into(),
+                millis: 1500
+            }),
+            json!({"Timeout": {"peer": "p", "timeout_s": 1.5}})
+        );
+        assert_eq!(
+            v(&TransportError::UnregisteredRemote {
+                peer: "p".into(),
+                addr: 7,
+                len: 8
+            }),
+            json!({"UnregisteredRemote": {"peer": "p", "addr": 7, "length": 8}})
+        );
+        assert_eq!(
+            v(&TransportError::InvalidArgument("bad".into())),
+            json!({"InvalidArgument": {"reason": "bad"}})
+        );
+        assert_eq!(
+            v(&RuntimeError::UnknownRequest("r1".into())),
+            json!({"UnknownRequest": {"request_id": "r1"}})
+        );
+        assert_eq!(
+            v(&RuntimeError::Forbidden {
+                request: "r1".into(),
+                reason: "no".into()
+            }),
+            json!({"Forbidden": {"request_id": "r1", "reason": "no"}})
+        );
+        assert_eq!(
+            v(&RuntimeError::Geometry(GeometryError::NoLayers)),
+            json!({"Geometry": {"reason": "layout has no layers"}})
+        );
+        assert_eq!(v(&RuntimeError::Stopped), json!("Stopped"));
+        assert_eq!(
+            v(&SideChannelError::Start("x".into())),
+            json!({"Start": {"reason": "x"}})
+        );
+    }
 
     /// Every class the table names exists in the Python package.
     #[test]

@@ -1,20 +1,40 @@
 //! What the native context managers share. `MooncakeTransferEngine` and
-//! `SideChannel` are their own context managers over `close()`: `with x:`
-//! binds `x` itself, and leaving the block closes it and lets any exception
-//! raised inside propagate. PyO3 joins no `#[pymethods]` of two classes
-//! (short of its `multiple-pymethods` feature), so each class keeps a
-//! one-line `__enter__` and `__exit__`, and the rule is written here.
+//! `SideChannel` extend `_ClosesOnExit`, a context manager over the object's
+//! own `close()`: `with x:` binds `x` itself, and leaving the block closes it
+//! and lets any exception raised inside propagate. The rule is written once,
+//! here; each subclass only has a `close`.
 
 use pyo3::prelude::*;
 
 /// An argument of `__exit__` (the exception's type, value or traceback, or
 /// `None`): accepted and ignored.
-pub(crate) type ExcArg = Option<Py<PyAny>>;
+type ExcArg = Option<Py<PyAny>>;
 
-/// The body of `__exit__`: calls `close` and returns `False`, so that an
-/// exception raised inside the `with` block propagates. `_exc` takes the
-/// three arguments, which do not change what happens.
-pub(crate) fn exit_closing(_exc: [ExcArg; 3], close: impl FnOnce()) -> bool {
-    close();
-    false
+/// The base of the native classes that close on leaving a `with` block.
+/// It holds nothing; a subclass provides `close()`.
+#[pyclass(module = "orbitkv._native", name = "_ClosesOnExit", subclass, frozen)]
+#[derive(Default)]
+pub struct ClosesOnExit;
+
+#[pymethods]
+impl ClosesOnExit {
+    /// Returns the object itself.
+    fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    /// Calls the object's `close()` and returns `False`, so that an exception
+    /// raised inside the `with` block propagates. The three arguments do not
+    /// change what happens.
+    #[pyo3(signature = (exc_type = None, exc_value = None, traceback = None))]
+    fn __exit__(
+        slf: &Bound<'_, Self>,
+        exc_type: ExcArg,
+        exc_value: ExcArg,
+        traceback: ExcArg,
+    ) -> PyResult<bool> {
+        let _ = (exc_type, exc_value, traceback);
+        slf.call_method0("close")?;
+        Ok(false)
+    }
 }

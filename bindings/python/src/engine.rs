@@ -21,7 +21,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyList, PyMemoryView, PyString, PyTuple};
 
-use crate::context::{exit_closing, ExcArg};
+use crate::context::ClosesOnExit;
 use crate::errors::{closed_error, invalid_argument, transport_error, Failure};
 use crate::region;
 
@@ -150,7 +150,7 @@ fn message_arg(message: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
 ///
 /// Thread-safe. Blocking calls release the GIL. Use it as a context manager,
 /// or call `close()`, to unregister everything and free the engine.
-#[pyclass(module = "orbitkv._native", name = "MooncakeTransferEngine", frozen)]
+#[pyclass(module = "orbitkv._native", name = "MooncakeTransferEngine", extends = ClosesOnExit, frozen)]
 pub struct PyEngine {
     shared: Arc<Shared>,
     endpoint: String,
@@ -246,7 +246,7 @@ impl PyEngine {
         nics: Option<Vec<String>>,
         library: Option<PathBuf>,
         allow_version: Option<String>,
-    ) -> PyResult<Self> {
+    ) -> PyResult<PyClassInitializer<Self>> {
         let library = match library {
             Some(path) => Some(path),
             // Mooncake is loaded once per process; the core reuses it.
@@ -281,7 +281,7 @@ impl PyEngine {
             .detach(|| MooncakeTransferEngine::new(&config))
             .map_err(|e| Failure::Transport(e).into_pyerr(py))?;
         MOONCAKE_LOADED.store(true, Ordering::Release);
-        Ok(Self {
+        let this = Self {
             endpoint: engine.endpoint().to_string(),
             version: engine.library().version.clone(),
             library: engine.library().engine.clone(),
@@ -289,7 +289,8 @@ impl PyEngine {
                 engine: RwLock::new(Some(engine)),
                 keep_alive: Mutex::new(HashMap::new()),
             }),
-        })
+        };
+        Ok(PyClassInitializer::from(ClosesOnExit).add_subclass(this))
     }
 
     /// The endpoint (`ip:port`) peers pass to `write` and `send_notification`.
@@ -482,17 +483,6 @@ impl PyEngine {
         });
         let released: Vec<Py<PyAny>> = self.shared.keep_alive.lock().drain().map(|(_, v)| v).collect();
         drop(released);
-    }
-
-    /// Returns the engine itself.
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    /// Closes the engine; exceptions propagate.
-    #[pyo3(signature = (exc_type = None, exc_value = None, traceback = None))]
-    fn __exit__(&self, py: Python<'_>, exc_type: ExcArg, exc_value: ExcArg, traceback: ExcArg) -> bool {
-        exit_closing([exc_type, exc_value, traceback], || self.close(py))
     }
 
     fn __repr__(&self) -> String {

@@ -10,7 +10,9 @@ use orbitkv::TransportError;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyModule};
+use pyo3::types::{PyDict, PyList, PyModule};
+use serde::Serialize;
+use serde_json::Value;
 
 const ERRORS_MODULE: &str = "orbitkv.errors";
 
@@ -44,54 +46,60 @@ impl Failure {
     }
 }
 
-/// A detail value attached to an exception (`exc.details[key]`).
-pub(crate) enum Detail {
-    Str(String),
-    Int(u64),
-    Float(f64),
+/// The details of an error (`exc.details`): the fields of its variant, as its
+/// derived `Serialize` writes them (`{variant: {field: value, ...}}`, or the
+/// variant's name alone); the core's `error.rs` names and converts them.
+fn details_of(err: &impl Serialize) -> serde_json::Map<String, Value> {
+    match serde_json::to_value(err) {
+        Ok(Value::Object(variant)) => match variant.into_iter().next() {
+            Some((_, Value::Object(fields))) => fields,
+            _ => serde_json::Map::new(),
+        },
+        _ => serde_json::Map::new(),
+    }
 }
 
-impl From<&str> for Detail {
-    fn from(s: &str) -> Self {
-        Detail::Str(s.to_string())
-    }
-}
-impl From<String> for Detail {
-    fn from(s: String) -> Self {
-        Detail::Str(s)
-    }
-}
-impl From<u64> for Detail {
-    fn from(v: u64) -> Self {
-        Detail::Int(v)
-    }
-}
-impl From<f64> for Detail {
-    fn from(v: f64) -> Self {
-        Detail::Float(v)
-    }
+/// A JSON value as the Python object it stands for.
+fn to_py<'py>(py: Python<'py>, v: &Value) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match v {
+        Value::Null => py.None().into_bound(py),
+        Value::Bool(b) => b.into_pyobject(py)?.to_owned().into_any(),
+        Value::Number(n) => match (n.as_u64(), n.as_i64()) {
+            (Some(u), _) => u.into_pyobject(py)?.into_any(),
+            (None, Some(i)) => i.into_pyobject(py)?.into_any(),
+            _ => n.as_f64().unwrap_or(f64::NAN).into_pyobject(py)?.into_any(),
+        },
+        Value::String(s) => s.into_pyobject(py)?.into_any(),
+        Value::Array(items) => {
+            let items = items.iter().map(|i| to_py(py, i)).collect::<PyResult<Vec<_>>>()?;
+            PyList::new(py, items)?.into_any()
+        }
+        Value::Object(map) => {
+            let d = PyDict::new(py);
+            for (k, v) in map {
+                d.set_item(k, to_py(py, v)?)?;
+            }
+            d.into_any()
+        }
+    })
 }
 
 /// Builds `orbitkv.errors.<class>(message, kind=kind, **details)`. Falls back
 /// to `RuntimeError` (naming the class) if the module cannot be imported.
-pub(crate) fn new_error(
+fn new_error(
     py: Python<'_>,
     class: &str,
     kind: &str,
     message: String,
-    details: Vec<(&'static str, Detail)>,
+    details: serde_json::Map<String, Value>,
 ) -> PyErr {
     let build = || -> PyResult<PyErr> {
         let module = ERRORS.get_or_try_init(py, || py.import(ERRORS_MODULE).map(Bound::unbind))?;
         let cls = module.bind(py).getattr(class)?;
         let kwargs = PyDict::new(py);
         kwargs.set_item("kind", kind)?;
-        for (key, value) in details {
-            match value {
-                Detail::Str(s) => kwargs.set_item(key, s)?,
-                Detail::Int(v) => kwargs.set_item(key, v)?,
-                Detail::Float(v) => kwargs.set_item(key, v)?,
-            }
+        for (key, value) in &details {
+            kwargs.set_item(key, to_py(py, value)?)?;
         }
         let exc = cls.call((message.as_str(),), Some(&kwargs))?;
         Ok(PyErr::from_value(exc))
@@ -104,6 +112,17 @@ pub(crate) fn new_error(
     }
 }
 
+/// Raises a core error as its Python class (the core's `class_name` table),
+/// with the variant's fields as details.
+pub(crate) fn core_error<E: Serialize + std::fmt::Display>(
+    py: Python<'_>,
+    err: &E,
+    class: &str,
+    kind: &str,
+) -> PyErr {
+    new_error(py, class, kind, err.to_string(), details_of(err))
+}
+
 /// The exception for a use of a closed engine (or of a batch of one).
 pub(crate) fn closed_error(py: Python<'_>) -> PyErr {
     new_error(
@@ -111,7 +130,7 @@ pub(crate) fn closed_error(py: Python<'_>) -> PyErr {
         "EngineClosedError",
         "EngineClosed",
         "this MooncakeTransferEngine was closed; create a new engine".into(),
-        Vec::new(),
+        serde_json::Map::new(),
     )
 }
 
@@ -120,64 +139,7 @@ pub(crate) fn invalid_argument(py: Python<'_>, message: impl Into<String>) -> Py
     transport_error(py, TransportError::InvalidArgument(message.into()))
 }
 
-/// Raises a core error as its Python class (the core's
-/// [`TransportError::class_name`] table), with the variant's fields as details.
+/// Raises a transport error as its Python class.
 pub(crate) fn transport_error(py: Python<'_>, err: TransportError) -> PyErr {
-    let (class, kind, message) = (err.class_name(), err.kind(), err.to_string());
-    let details: Vec<(&'static str, Detail)> = match err {
-        TransportError::LibraryNotFound { searched, pinned } => {
-            vec![("searched", searched.into()), ("pinned", pinned.into())]
-        }
-        TransportError::LoadFailed { path, reason } => vec![
-            ("path", path.display().to_string().into()),
-            ("reason", reason.into()),
-        ],
-        TransportError::LibPythonNotFound { reason } => vec![("reason", reason.into())],
-        TransportError::VersionMismatch {
-            found,
-            pinned,
-            dist,
-            path,
-        } => vec![
-            ("found", found.into()),
-            ("pinned", pinned.into()),
-            ("distribution", dist.into()),
-            ("path", path.display().to_string().into()),
-        ],
-        TransportError::EngineInit { bind_host, reason } => {
-            vec![("bind_host", bind_host.into()), ("reason", reason.into())]
-        }
-        TransportError::BadEndpoint { endpoint, reason } => {
-            vec![("endpoint", endpoint.into()), ("reason", reason.into())]
-        }
-        TransportError::UnregisteredLocal { addr, len } => vec![
-            ("side", "local".into()),
-            ("addr", addr.into()),
-            ("length", len.into()),
-        ],
-        TransportError::UnregisteredRemote { peer, addr, len } => vec![
-            ("side", "remote".into()),
-            ("peer", peer.into()),
-            ("addr", addr.into()),
-            ("length", len.into()),
-        ],
-        TransportError::Registration { addr, len, reason } => vec![
-            ("addr", addr.into()),
-            ("length", len.into()),
-            ("reason", reason.into()),
-        ],
-        TransportError::TransferFailed { peer, reason } => {
-            vec![("peer", peer.into()), ("reason", reason.into())]
-        }
-        TransportError::Timeout { peer, millis } => vec![
-            ("peer", peer.into()),
-            ("timeout_s", (millis as f64 / 1000.0).into()),
-        ],
-        TransportError::NotifyFailed { peer, reason } => {
-            vec![("peer", peer.into()), ("reason", reason.into())]
-        }
-        TransportError::InvalidArgument(reason) => vec![("reason", reason.into())],
-        TransportError::Mooncake(reason) | TransportError::Cuda(reason) => vec![("reason", reason.into())],
-    };
-    new_error(py, class, kind, message, details)
+    core_error(py, &err, err.class_name(), err.kind())
 }

@@ -59,6 +59,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     defaults.set_item("publish_timeout_s", d.publish_timeout.as_secs_f64())?;
     defaults.set_item("staging_min_ranges", d.staging_min_ranges)?;
     m.add("RUNTIME_DEFAULTS", defaults)?;
+    m.add_class::<context::ClosesOnExit>()?;
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<engine::PyBatch>()?;
     m.add_class::<runtime::PyRuntime>()?;

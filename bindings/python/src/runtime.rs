@@ -20,7 +20,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use crate::engine::PyEngine;
-use crate::errors::{invalid_argument, new_error, transport_error, Detail};
+use crate::errors::{core_error, invalid_argument, transport_error};
 
 /// Request blocks `[start, end)`; a reversed range is an
 /// `InvalidArgumentError`.
@@ -45,30 +45,10 @@ fn block_ranges(py: Python<'_>, chunks: Vec<(String, u32, u32)>) -> PyResult<Vec
 /// Raises a runtime error as its Python class (the core's
 /// [`RuntimeError::class_name`] table), with the variant's fields as details.
 pub(crate) fn runtime_error(py: Python<'_>, err: RuntimeError) -> PyErr {
-    let (class, kind, message) = (err.class_name(), err.kind(), err.to_string());
-    let details: Vec<(&'static str, Detail)> = match err {
-        RuntimeError::Transport(e) => return transport_error(py, e),
-        RuntimeError::Protocol(e) => vec![("reason", e.to_string().into())],
-        RuntimeError::Geometry(e) => vec![("reason", e.to_string().into())],
-        RuntimeError::UnknownRequest(r) | RuntimeError::DuplicateRequest(r) => {
-            vec![("request_id", r.into())]
-        }
-        RuntimeError::StaleGeneration {
-            request,
-            got,
-            current,
-        } => vec![
-            ("request_id", request.into()),
-            ("got", got.into()),
-            ("current", current.into()),
-        ],
-        RuntimeError::Forbidden { request, reason } => {
-            vec![("request_id", request.into()), ("reason", reason.into())]
-        }
-        RuntimeError::Overloaded(reason) => vec![("reason", reason.into())],
-        RuntimeError::Stopped => Vec::new(),
-    };
-    new_error(py, class, kind, message, details)
+    match err {
+        RuntimeError::Transport(e) => transport_error(py, e),
+        err => core_error(py, &err, err.class_name(), err.kind()),
+    }
 }
 
 fn capability(py: Python<'_>, s: &str) -> PyResult<Capability> {

@@ -6,24 +6,14 @@ use orbitkv::{SideChannel, SideChannelConfig, SideChannelError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::context::{exit_closing, ExcArg};
-use crate::errors::{new_error, Detail};
+use crate::context::ClosesOnExit;
+use crate::errors::core_error;
 use crate::runtime::{seconds, PyRuntime};
 
 /// Raises a side channel error as its Python class (the core's
 /// [`SideChannelError::class_name`] table).
 fn side_channel_error(py: Python<'_>, err: SideChannelError) -> PyErr {
-    let (class, kind, message) = (err.class_name(), err.kind(), err.to_string());
-    let details: Vec<(&'static str, Detail)> = match err {
-        SideChannelError::AddressInUse { address } => vec![("address", address.into())],
-        SideChannelError::Bind { address, reason } => {
-            vec![("address", address.into()), ("reason", reason.into())]
-        }
-        SideChannelError::InvalidArgument(reason) | SideChannelError::Start(reason) => {
-            vec![("reason", reason.into())]
-        }
-    };
-    new_error(py, class, kind, message, details)
+    core_error(py, &err, err.class_name(), err.kind())
 }
 
 /// The HTTP side channel of a prefill rank (Rust, actix-web): decode ranks
@@ -33,7 +23,7 @@ fn side_channel_error(py: Python<'_>, err: SideChannelError) -> PyErr {
 /// `SideChannel(runtime, host, port, *, key=None, read_timeout_s=10.0,
 /// max_connections=64, max_body=16 MiB)` listens at once (port 0 picks a
 /// free one; `address` tells) and serves until `close()`.
-#[pyclass(module = "orbitkv._native", name = "SideChannel", frozen)]
+#[pyclass(module = "orbitkv._native", name = "SideChannel", extends = ClosesOnExit, frozen)]
 pub struct PySideChannel {
     inner: SideChannel,
     address: String,
@@ -54,7 +44,7 @@ impl PySideChannel {
         read_timeout_s: f64,
         max_connections: usize,
         max_body: usize,
-    ) -> PyResult<Self> {
+    ) -> PyResult<PyClassInitializer<Self>> {
         let cfg = SideChannelConfig {
             host: host.to_string(),
             port,
@@ -68,10 +58,11 @@ impl PySideChannel {
         let inner = py
             .detach(move || SideChannel::start(cfg, rt))
             .map_err(|e| side_channel_error(py, e))?;
-        Ok(Self {
+        let this = Self {
             address: inner.address().to_string(),
             inner,
-        })
+        };
+        Ok(PyClassInitializer::from(ClosesOnExit).add_subclass(this))
     }
 
     /// The bound address, `host:port`.
@@ -118,17 +109,6 @@ impl PySideChannel {
     /// Idempotent.
     fn close(&self, py: Python<'_>) {
         py.detach(|| self.inner.stop());
-    }
-
-    /// Returns the side channel itself.
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    /// Closes the side channel; exceptions propagate.
-    #[pyo3(signature = (exc_type = None, exc_value = None, traceback = None))]
-    fn __exit__(&self, py: Python<'_>, exc_type: ExcArg, exc_value: ExcArg, traceback: ExcArg) -> bool {
-        exit_closing([exc_type, exc_value, traceback], || self.close(py))
     }
 
     fn __repr__(&self) -> String {

@@ -17,7 +17,7 @@ from orbitkv.errors import *  # noqa: F403 (every error class, named once: error
 # by stubtest) and the error classes. The runtime's counters and defaults are
 # left out of __all__: orbitkv.vllm reads them from orbitkv._native.
 __all__: list[str] = []
-__all__ += _native.__all__
+__all__ += [name for name in _native.__all__ if not name.startswith("_")]
 __all__ += errors.__all__
 __all__.remove("RUNTIME_DEFAULTS")
 __all__.remove("STATS_FIELDS")

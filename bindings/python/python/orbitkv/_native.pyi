@@ -17,6 +17,7 @@ __all__ = [
     "RuntimeEvent",
     "SideChannel",
     "StagingArena",
+    "_ClosesOnExit",
     "__version__",
     "cancel_message",
     "install_trace",
@@ -43,14 +44,12 @@ RUNTIME_DEFAULTS: dict[str, float | int]
 # Python >= 3.12, so this stays Any.
 _Region: TypeAlias = Any
 
-# Stub only: at runtime each of these classes has the two methods itself
-# (src/context.rs holds their one body).
+# The native base of the classes below that close on leaving a `with` block
+# (src/context.rs).
 class _ClosesOnExit:
     """A context manager over `close()`: `with x:` binds `x` itself; leaving
-    the block closes it, and an exception raised inside propagates."""
-
-    def close(self) -> None:
-        """Closes the object."""
+    the block closes it, and an exception raised inside propagates. A
+    subclass has the `close()`."""
 
     def __enter__(self) -> Self:
         """Returns the object itself."""

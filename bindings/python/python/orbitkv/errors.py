@@ -118,8 +118,13 @@ class UnregisteredMemoryError(OrbitKVError):
 
     ``side`` is ``"local"`` (a WRITE source not registered with this engine;
     register it with ``register_memory``) or ``"remote"`` (a destination the
-    peer did not register, when Mooncake reports it at submission).
+    peer did not register, when Mooncake reports it at submission), from
+    ``kind`` (``UnregisteredLocal`` or ``UnregisteredRemote``).
     """
+
+    @property
+    def side(self) -> str:
+        return "remote" if self.kind == "UnregisteredRemote" else "local"
 
 
 class RegistrationError(OrbitKVError):

@@ -2,7 +2,7 @@
 HTTP, real Mooncake (TCP on 127.0.0.1). The tiny model is made in a
 temporary directory; nothing is downloaded.
 
-Every test module here sets ``pytestmark = pytest.mark.e2e``
+Every test in this folder is marked ``e2e`` here
 (``-m "not e2e"`` leaves them out of a quick local run; ``scripts/test.sh``
 and CI run them)."""
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -36,6 +37,13 @@ MAX_BATCHED_TOKENS = 600
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "e2e: end-to-end test with real vLLM servers (slow)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if item.path.is_relative_to(here):
+            item.add_marker(pytest.mark.e2e)
 
 
 # ORBITKV_TEST_STAGING=1 (scripts/test.sh on vLLM 0.26): this module's P/D

@@ -21,7 +21,6 @@ cannot make a namespace the module is skipped with the reason, and
 from __future__ import annotations
 
 import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -30,24 +29,20 @@ import pytest
 
 from orbitkv.testing import netns
 from orbitkv.testing.cluster import (
-    COMPLETED,
-    FAILED,
-    RELEASED,
-    SUCCESS,
+    BLOCK,
+    IDLE_TIMEOUT_S,
     Cluster,
     Completion,
+    Metric,
     complete,
     prompt_source,
     wait_until,
 )
 
-pytestmark = pytest.mark.e2e
-
 # Prompts no other module shares a prefix with.
 fresh_prompt = prompt_source(500000)
 
 GEN = 16
-BLOCK = 128
 # orbitkv.pd.timeout_s / handshake_timeout_s of both instances, and the
 # prefill's write timeout: a request caught by a fault must end within
 # FAULT_END_S of it.
@@ -58,7 +53,6 @@ WRITE_TIMEOUT_S = 6.0
 # timeout the prefill waits for Mooncake to end a late write).
 QUARANTINE_S = 15.0
 FAULT_END_S = PD_TIMEOUT_S + 15.0
-IDLE_TIMEOUT_S = 45.0
 # Service must be back (a P/D request correct end to end) this long after a
 # fault ends.
 RECOVER_S = 20.0
@@ -169,7 +163,7 @@ def test_pd_crosses_the_data_link(cluster: Cluster, link: netns.NetnsLink) -> No
     got = complete(cluster.proxy_url, prompt, GEN, timeout_s=REQ_TIMEOUT_S)
     assert got.status == 200, got.error
     assert got.token_ids == baseline(cluster, prompt)
-    assert m(cluster, "decode")[COMPLETED] == d0[COMPLETED] + 1
+    assert m(cluster, "decode")[Metric.COMPLETED] == d0[Metric.COMPLETED] + 1
     cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
 
 
@@ -193,7 +187,7 @@ def test_link_cut_mid_transfer_then_restored(cluster: Cluster, link: netns.Netns
     try:
         t = streamed_pd(cluster, fresh_prompt(2 * BLOCK + 50), out)
         wait_until(
-            lambda: m(cluster, "prefill")[SUCCESS] > p0[SUCCESS],
+            lambda: m(cluster, "prefill")[Metric.SUCCESS] > p0[Metric.SUCCESS],
             60,
             "the prefill instance to finish computing the request",
             [cluster.procs["prefill"], cluster.procs["decode"]],
@@ -207,8 +201,8 @@ def test_link_cut_mid_transfer_then_restored(cluster: Cluster, link: netns.Netns
         end_s = failed_in_time(t, out, t_cut, "the cut")
         cluster.check_alive()
         d1 = m(cluster, "decode")
-        assert d1[FAILED] > d0[FAILED], "decode did not count the failed transfer"
-        assert d1[COMPLETED] == d0[COMPLETED], "decode completed a transfer across a cut link"
+        assert d1[Metric.FAILED] > d0[Metric.FAILED], "decode did not count the failed transfer"
+        assert d1[Metric.COMPLETED] == d0[Metric.COMPLETED], "decode completed a transfer across a cut link"
         # The failed request is over for the client, but the writes queued
         # behind the cut may still land: decode keeps its blocks.
         time.sleep(1.0)
@@ -222,7 +216,7 @@ def test_link_cut_mid_transfer_then_restored(cluster: Cluster, link: netns.Netns
     # decode, and both free their blocks.
     cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
     idle_s = time.monotonic() - t_back
-    assert m(cluster, "prefill")[RELEASED] > p0[RELEASED]
+    assert m(cluster, "prefill")[Metric.RELEASED] > p0[Metric.RELEASED]
     print(
         f"link cut: request failed {end_s:.1f}s after the cut; decode held its blocks "
         f"({held:.3f} of the cache) until the link came back; both idle {idle_s:.1f}s after it did"
@@ -247,7 +241,7 @@ def test_throttled_link_still_serves_correctly(cluster: Cluster, link: netns.Net
         link.restore()
     assert got.status == 200, f"throttled: HTTP {got.status}: {got.error}"
     assert got.token_ids == want
-    assert m(cluster, "decode")[COMPLETED] == d0[COMPLETED] + 1
+    assert m(cluster, "decode")[Metric.COMPLETED] == d0[Metric.COMPLETED] + 1
     print(f"throttled link (8 Mbit/s): P/D request took {took:.1f}s")
     cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
     cluster.check_alive()
@@ -263,34 +257,22 @@ def test_prefill_stopped_past_the_timeout_then_resumed(cluster: Cluster) -> None
     p0, d0 = m(cluster, "prefill"), m(cluster, "decode")
     out: dict[str, object] = {}
     t = streamed_pd(cluster, fresh_prompt(3000), out)
-    proc = cluster.procs["prefill"]
-    try:
-        wait_until(
-            lambda: m(cluster, "prefill").get("vllm:num_requests_running", 0) >= 1,
-            60,
-            "the prefill instance to run the request",
-            [proc],
-            every_s=0.01,
-        )
-    finally:
-        os.killpg(proc.pgid, signal.SIGSTOP)
-        t_stop = time.monotonic()
+    t_stop = cluster.stop_when_running("prefill")
     try:
         end_s = failed_in_time(t, out, t_stop, "SIGSTOP")
         d1 = m(cluster, "decode")
-        assert d1[COMPLETED] == d0[COMPLETED]
+        assert d1[Metric.COMPLETED] == d0[Metric.COMPLETED]
         assert d1.get("vllm:num_requests_running", 0) == 0
         held = d1.get("vllm:kv_cache_usage_perc", 0)
         assert held > 0, "decode freed the blocks of a request whose stopped prefill may still write into them"
     finally:
-        os.killpg(proc.pgid, signal.SIGCONT)
-    t_cont = time.monotonic()
+        t_cont = cluster.resume("prefill")
     cluster.check_alive()
     # The quarantine ends at the latest QUARANTINE_S after decode's deadline.
     cluster.wait_idle(timeout_s=QUARANTINE_S + IDLE_TIMEOUT_S)
     idle_s = time.monotonic() - t_cont
     p2, d2 = m(cluster, "prefill"), m(cluster, "decode")
-    assert p2[RELEASED] > p0[RELEASED]
+    assert p2[Metric.RELEASED] > p0[Metric.RELEASED]
     expired = d2.get("vllm:orbitkv_consumers_quarantine_expired_total", 0) - d0.get(
         "vllm:orbitkv_consumers_quarantine_expired_total", 0
     )

@@ -22,8 +22,6 @@ failure policy, ``recompute``.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -31,18 +29,16 @@ from collections.abc import Iterator
 import pytest
 
 from orbitkv.testing.cluster import (
-    COMPLETED,
-    FAILED,
-    RELEASED,
+    IDLE_TIMEOUT_S,
+    REQ_TIMEOUT_S,
     Cluster,
     Completion,
+    Metric,
     complete,
     http_get,
     prompt_source,
     wait_until,
 )
-
-pytestmark = pytest.mark.e2e
 
 # Prompts no other module shares a prefix with.
 fresh_prompt = prompt_source(700000)
@@ -50,8 +46,6 @@ fresh_prompt = prompt_source(700000)
 GEN = 16
 PD_TIMEOUT_S = 12.0
 QUARANTINE_S = 20.0
-IDLE_TIMEOUT_S = 45.0
-REQ_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -95,20 +89,9 @@ def test_stopped_prefill_recomputed_on_decode_and_its_blocks_held(cluster: Clust
         out["c"] = complete(cluster.proxy_url, prompt, GEN, timeout_s=REQ_TIMEOUT_S)
         out["at"] = time.monotonic()
 
-    proc = cluster.procs["prefill"]
     t = threading.Thread(target=call)
     t.start()
-    try:
-        wait_until(
-            lambda: cluster.metrics("prefill").get("vllm:num_requests_running", 0) >= 1,
-            60,
-            "the prefill instance to run the request",
-            [proc],
-            every_s=0.01,
-        )
-    finally:
-        os.killpg(proc.pgid, signal.SIGSTOP)
-        t_stop = time.monotonic()
+    t_stop = cluster.stop_when_running("prefill")
     try:
         t.join(PD_TIMEOUT_S + 60)
         assert not t.is_alive(), "the request did not end with the prefill stopped"
@@ -118,13 +101,12 @@ def test_stopped_prefill_recomputed_on_decode_and_its_blocks_held(cluster: Clust
         end_s = float(out["at"]) - t_stop  # type: ignore[arg-type]
         assert end_s <= PD_TIMEOUT_S + 15, f"the request ended {end_s:.1f}s after the stop"
         d1 = cluster.metrics("decode")
-        assert d1[FAILED] > d0[FAILED] and d1[COMPLETED] == d0[COMPLETED]
+        assert d1[Metric.FAILED] > d0[Metric.FAILED] and d1[Metric.COMPLETED] == d0[Metric.COMPLETED]
         assert d1.get("vllm:num_requests_running", 0) == 0
         held = d1.get("vllm:kv_cache_usage_perc", 0)
         assert held > 0, "decode gave the blocks of a recomputed request back while its stopped prefill may write"
     finally:
-        os.killpg(proc.pgid, signal.SIGCONT)
-    t_cont = time.monotonic()
+        t_cont = cluster.resume("prefill")
     cluster.check_alive()
     cluster.wait_idle(timeout_s=QUARANTINE_S + IDLE_TIMEOUT_S)
     print(
@@ -170,8 +152,8 @@ def _equal_one_engine(cluster: Cluster, prompts: list[list[int]], got: list[Comp
 
 
 def test_requests_spread_over_both_prefills_and_equal_one_engine(cluster: Cluster) -> None:
-    released = {n: cluster.metrics(n)[RELEASED] for n in ("prefill", "prefill2")}
-    completed = cluster.metrics("decode")[COMPLETED]
+    released = {n: cluster.metrics(n)[Metric.RELEASED] for n in ("prefill", "prefill2")}
+    completed = cluster.metrics("decode")[Metric.COMPLETED]
     prompts = [fresh_prompt(700) for _ in range(6)]
     got, threads = _concurrently(cluster, prompts)
     _join(threads)
@@ -180,10 +162,10 @@ def test_requests_spread_over_both_prefills_and_equal_one_engine(cluster: Cluste
         # A prefill counts its release when its worker next takes the
         # runtime's events, which may be after the client got its answer.
         deadline = time.monotonic() + 15
-        while cluster.metrics(n)[RELEASED] <= before and time.monotonic() < deadline:
+        while cluster.metrics(n)[Metric.RELEASED] <= before and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert cluster.metrics(n)[RELEASED] > before, f"{n} ran none of 6 concurrent requests"
-    assert cluster.metrics("decode")[COMPLETED] - completed == 6, "decode did not load KV for each request"
+        assert cluster.metrics(n)[Metric.RELEASED] > before, f"{n} ran none of 6 concurrent requests"
+    assert cluster.metrics("decode")[Metric.COMPLETED] - completed == 6, "decode did not load KV for each request"
     cluster.wait_idle(cluster.servers, timeout_s=IDLE_TIMEOUT_S)
 
 

@@ -23,32 +23,24 @@ from pathlib import Path
 import pytest
 
 from orbitkv.testing.cluster import (
-    BYTES,
-    COMPLETED,
-    FAILED,
-    RELEASED,
-    SUCCESS,
+    BLOCK,
+    IDLE_TIMEOUT_S,
+    REQ_TIMEOUT_S,
     Abandoned,
     Cluster,
     Completion,
+    Metric,
     complete,
     prompt_source,
     wait_until,
 )
-
-pytestmark = pytest.mark.e2e
 
 STAGING = os.environ.get("ORBITKV_TEST_STAGING", "0") == "1"  # conftest.STAGING_CONFIG
 
 # Prompts no other module shares a prefix with.
 fresh_prompt = prompt_source(1000)
 
-BLOCK = 128  # vLLM's CPU default block size (the servers do not set --block-size)
 GEN = 16  # tokens generated per request
-REQ_TIMEOUT_S = 120.0
-# How long a test waits for both instances to hold nothing: the cluster's
-# orbitkv.pd.timeout_s (conftest: 15 s) bounds every wait for a peer.
-IDLE_TIMEOUT_S = 45.0
 
 
 def ok(c: Completion, what: str) -> Completion:
@@ -105,9 +97,9 @@ def test_pd_equals_single_engine(cluster: Cluster, n: int) -> None:
     assert pd(cluster, warm, stream=True).token_ids == want
 
     after_p, after_d = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
-    assert after_d[COMPLETED] - before_d[COMPLETED] == 3, "decode did not load KV for each P/D request"
-    assert after_d[FAILED] == before_d[FAILED]
-    assert after_p[BYTES] > before_p[BYTES]
+    assert after_d[Metric.COMPLETED] - before_d[Metric.COMPLETED] == 3, "decode did not load KV for each P/D request"
+    assert after_d[Metric.FAILED] == before_d[Metric.FAILED]
+    assert after_p[Metric.BYTES] > before_p[Metric.BYTES]
     if STAGING:
         # every request staged: gathered on prefill, scattered on decode
         granted, staged = "vllm:orbitkv_staging_granted_total", "vllm:orbitkv_layers_staged_total"
@@ -198,8 +190,8 @@ def test_layers_whose_save_hook_vllm_skips_are_sent_at_wait_for_save(cluster: Cl
     assert sent_late == TINY_LAYERS * sum(steps for _, steps in prompts), (
         f"{sent_late} layers sent at wait_for_save: expected every layer of every prefill step"
     )
-    assert after_d[COMPLETED] - before_d[COMPLETED] == len(prompts), "decode did not load KV for each request"
-    assert after_d[FAILED] == before_d[FAILED]
+    assert after_d[Metric.COMPLETED] - before_d[Metric.COMPLETED] == len(prompts), "decode did not load KV for each request"
+    assert after_d[Metric.FAILED] == before_d[Metric.FAILED]
     assert log.read_text(errors="replace").count(warning) == 1, "the fallback must be said once in the log"
     # With the hook back, layers go one by one again (nothing more counted).
     assert_serves_correctly(cluster)
@@ -291,9 +283,9 @@ def test_abort_during_prefill(cluster: Cluster) -> None:
     cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
     idle_s = time.monotonic() - t_drop
     p1, d1 = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
-    assert p1[SUCCESS] == p0[SUCCESS], "the prefill request completed: the abort did not land during prefill"
-    assert d1[SUCCESS] == d0[SUCCESS]
-    assert d1[COMPLETED] == d0[COMPLETED], "decode received the whole KV of an aborted prefill"
+    assert p1[Metric.SUCCESS] == p0[Metric.SUCCESS], "the prefill request completed: the abort did not land during prefill"
+    assert d1[Metric.SUCCESS] == d0[Metric.SUCCESS]
+    assert d1[Metric.COMPLETED] == d0[Metric.COMPLETED], "decode received the whole KV of an aborted prefill"
     print(f"abort during prefill: both instances idle {idle_s:.2f}s after the disconnect")
     cluster.check_alive()
     assert_serves_correctly(cluster)
@@ -312,19 +304,19 @@ def test_abort_during_transfer(cluster: Cluster) -> None:
         _drop_when(
             cluster,
             req,
-            lambda: snapshot(cluster, "prefill")[SUCCESS] > p0[SUCCESS],
+            lambda: snapshot(cluster, "prefill")[Metric.SUCCESS] > p0[Metric.SUCCESS],
             "the prefill instance to finish the request",
         )
         t_drop = time.monotonic()
         at_drop = snapshot(cluster, "decode")
     finally:
         delay.unlink(missing_ok=True)
-    assert at_drop[COMPLETED] == d0[COMPLETED], "the KV had already arrived: the abort was not during the transfer"
+    assert at_drop[Metric.COMPLETED] == d0[Metric.COMPLETED], "the KV had already arrived: the abort was not during the transfer"
     cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
     idle_s = time.monotonic() - t_drop
     p1, d1 = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
-    assert d1[SUCCESS] == d0[SUCCESS], "the decode request completed despite the disconnect"
-    assert p1[RELEASED] > p0[RELEASED], "the prefill's source blocks were not released"
+    assert d1[Metric.SUCCESS] == d0[Metric.SUCCESS], "the decode request completed despite the disconnect"
+    assert p1[Metric.RELEASED] > p0[Metric.RELEASED], "the prefill's source blocks were not released"
     print(f"abort during transfer: both instances idle {idle_s:.2f}s after the disconnect")
     cluster.check_alive()
     assert_serves_correctly(cluster)
@@ -440,7 +432,7 @@ def test_a_producer_released_mid_prefill_does_not_kill_prefill(cluster: Cluster)
     post_cancel(cluster.prefill_kv, cancel_message(pd_id, cap, "test: decode gave up"))
     released_while_running = False
     while t.is_alive():
-        released_while_running |= snapshot(cluster, "prefill")[RELEASED] > p0[RELEASED] and t.is_alive()
+        released_while_running |= snapshot(cluster, "prefill")[Metric.RELEASED] > p0[Metric.RELEASED] and t.is_alive()
         time.sleep(0.01)
     t.join()
     c = out["p"]
@@ -463,7 +455,7 @@ def test_decode_killed_mid_transfer_then_restarted(cluster: Cluster) -> None:
         req = Abandoned(cluster.proxy_url, fresh_prompt(2 * BLOCK + 50), GEN, stream=True)
         try:
             wait_until(
-                lambda: snapshot(cluster, "prefill")[SUCCESS] > p0[SUCCESS],
+                lambda: snapshot(cluster, "prefill")[Metric.SUCCESS] > p0[Metric.SUCCESS],
                 60,
                 "the prefill instance to finish the request",
                 [cluster.procs["prefill"], cluster.procs["decode"]],
@@ -478,7 +470,7 @@ def test_decode_killed_mid_transfer_then_restarted(cluster: Cluster) -> None:
     cluster.check_alive(["prefill", "proxy"])
     cluster.wait_idle(["prefill"], timeout_s=IDLE_TIMEOUT_S)
     released_s = time.monotonic() - t_kill
-    assert snapshot(cluster, "prefill")[RELEASED] > p0[RELEASED], "prefill did not release the request"
+    assert snapshot(cluster, "prefill")[Metric.RELEASED] > p0[Metric.RELEASED], "prefill did not release the request"
     t_restart = time.monotonic()
     cluster.start_server("decode")
     print(f"decode killed: prefill idle {released_s:.1f}s later; decode back in {time.monotonic() - t_restart:.1f}s")
@@ -558,7 +550,7 @@ def test_prefill_killed_mid_request(cluster: Cluster) -> None:
     assert plain.token_ids == want_after
     cluster.wait_idle(["decode"], timeout_s=IDLE_TIMEOUT_S)
     d = snapshot(cluster, "decode")
-    assert d[FAILED] >= 1, "decode did not count the failed transfer"
+    assert d[Metric.FAILED] >= 1, "decode did not count the failed transfer"
     assert not Path(cluster.log("decode")).read_text(errors="replace").count("Traceback (most recent call last)"), (
         f"decode logged a traceback: {cluster.log('decode')}"
     )

@@ -23,13 +23,13 @@ import pytest
 
 from orbitkv import producer_ranks
 from orbitkv.testing.cluster import (
-    COMPLETED,
-    FAILED,
-    RELEASED,
-    SUCCESS,
+    BLOCK,
+    IDLE_TIMEOUT_S,
+    REQ_TIMEOUT_S,
     Abandoned,
     Cluster,
     Completion,
+    Metric,
     complete,
     prompt_source,
     wait_until,
@@ -46,16 +46,11 @@ from orbitkv.testing.tiny_model import TinyModelSpec, make_tiny_model
 # on the core a prefill TP rank is pinned to, and the prefill's step and both
 # API servers got no CPU (top: decode's worker and the prefill ranks ~100 %,
 # py-spy: all of them "waiting"). The shim turns the busy-wait off.
-pytestmark = pytest.mark.e2e
-
 # Prompts no other module shares a prefix with.
 fresh_prompt = prompt_source(50000)
 
-BLOCK = 128  # vLLM's CPU block size
 GEN = 8
-REQ_TIMEOUT_S = 120.0
 PD_TIMEOUT_S = 15.0
-IDLE_TIMEOUT_S = 45.0
 MAX_BATCHED_TOKENS = 600
 
 # (prefill TP, decode TP, KV heads)
@@ -115,12 +110,12 @@ def test_pd_equals_single_engine_of_the_decode_tp(cluster: Cluster) -> None:
     # request's KV, and each (prefill rank, decode rank) pair the sender rule
     # names was released once (a prefill rank that holds only replicas sends
     # nothing; one that serves two decode ranks releases each one's part).
-    assert d1[COMPLETED] - d0[COMPLETED] == len(LENGTHS) * cluster.decode.tp, "decode did not receive every KV"
-    assert d1[FAILED] == d0[FAILED]
+    assert d1[Metric.COMPLETED] - d0[Metric.COMPLETED] == len(LENGTHS) * cluster.decode.tp, "decode did not receive every KV"
+    assert d1[Metric.FAILED] == d0[Metric.FAILED]
     pairs = sum(
         len(producer_ranks(_heads(cluster), c, cluster.decode.tp, cluster.prefill.tp)) for c in range(cluster.decode.tp)
     )
-    assert p1[RELEASED] - p0[RELEASED] == len(LENGTHS) * pairs
+    assert p1[Metric.RELEASED] - p0[Metric.RELEASED] == len(LENGTHS) * pairs
     cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
 
 
@@ -151,7 +146,7 @@ def test_abort_mid_transfer_leaves_nothing_held(cluster: Cluster) -> None:
         req = Abandoned(cluster.proxy_url, fresh_prompt(2 * BLOCK + 10), GEN, stream=True)
         try:
             wait_until(
-                lambda: cluster.metrics("prefill")[SUCCESS] > p0[SUCCESS],
+                lambda: cluster.metrics("prefill")[Metric.SUCCESS] > p0[Metric.SUCCESS],
                 60,
                 "the prefill instance to finish the request",
                 [cluster.procs["prefill"], cluster.procs["decode"]],
@@ -190,7 +185,7 @@ def test_a_wrong_prefill_tp_fails_fast_with_its_reason(cluster: Cluster) -> None
     t0 = time.monotonic()
     c = complete(cluster.decode_url, fresh_prompt(200), GEN, timeout_s=REQ_TIMEOUT_S, kv_transfer_params=consumer)
     took = time.monotonic() - t0
-    assert c.status != 200 or cluster.metrics("decode")[FAILED] > d0[FAILED]
+    assert c.status != 200 or cluster.metrics("decode")[Metric.FAILED] > d0[Metric.FAILED]
     assert took < PD_TIMEOUT_S - 2, f"the request waited {took:.1f}s (deadline {PD_TIMEOUT_S}s)"
     log = cluster.log("decode").read_text(errors="replace")
     assert "orbitkv_prefill_tp does not match" in log or "refused the handshake" in log

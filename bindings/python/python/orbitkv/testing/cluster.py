@@ -30,8 +30,10 @@ import atexit
 import contextlib
 import json
 import os
+import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,16 +54,15 @@ from orbitkv.testing.client import (
 from orbitkv.testing.processes import HOST, ClusterError, Proc, free_port, wait_until
 
 __all__ = [
-    "BYTES",
-    "COMPLETED",
-    "FAILED",
-    "RELEASED",
+    "BLOCK",
+    "IDLE_TIMEOUT_S",
+    "REQ_TIMEOUT_S",
     "SERVED_MODEL",
-    "SUCCESS",
     "Abandoned",
     "Cluster",
     "ClusterError",
     "Completion",
+    "Metric",
     "Proc",
     "complete",
     "completion_body",
@@ -78,12 +79,24 @@ __all__ = [
 KV_CACHE_BYTES = 128 << 20
 
 
-# Prometheus series the tests read (``metrics`` sums each over its labels).
-SUCCESS = "vllm:request_success_total"
-COMPLETED = "vllm:orbitkv_transfers_completed_total"
-FAILED = "vllm:orbitkv_transfers_failed_total"
-RELEASED = "vllm:orbitkv_producers_released_total"
-BYTES = "vllm:orbitkv_bytes_written_total"
+# vLLM's CPU block size in tokens (the test servers do not set --block-size).
+BLOCK = 128
+# How long a test waits for one completion, and for every instance to hold
+# no request and no KV block (the cluster's orbitkv.pd.timeout_s bounds every
+# wait for a peer).
+REQ_TIMEOUT_S = 120.0
+IDLE_TIMEOUT_S = 45.0
+
+
+class Metric:
+    """The Prometheus series the tests read (``metrics`` sums each over its
+    labels)."""
+
+    SUCCESS = "vllm:request_success_total"
+    COMPLETED = "vllm:orbitkv_transfers_completed_total"
+    FAILED = "vllm:orbitkv_transfers_failed_total"
+    RELEASED = "vllm:orbitkv_producers_released_total"
+    BYTES = "vllm:orbitkv_bytes_written_total"
 
 
 # ---- the cluster -------------------------------------------------------------
@@ -424,6 +437,28 @@ class Cluster:
     def kill(self, name: str) -> None:
         """SIGKILL a process group of the cluster (prefill, decode or proxy)."""
         self.procs[name].kill()
+
+    def stop_when_running(self, name: str) -> float:
+        """Waits (up to 60 s) until instance ``name`` runs a request, then
+        stops its whole process group (SIGSTOP), also when the wait fails.
+        Returns the ``time.monotonic()`` of the stop; ``resume`` undoes it."""
+        proc = self.procs[name]
+        try:
+            wait_until(
+                lambda: self.metrics(name).get("vllm:num_requests_running", 0) >= 1,
+                60,
+                f"the {name} instance to run the request",
+                [proc],
+                every_s=0.01,
+            )
+        finally:
+            os.killpg(proc.pgid, signal.SIGSTOP)
+        return time.monotonic()
+
+    def resume(self, name: str) -> float:
+        """SIGCONT to the process group of ``name``; returns the time of it."""
+        os.killpg(self.procs[name].pgid, signal.SIGCONT)
+        return time.monotonic()
 
     def stop(self) -> None:
         for name in ("proxy", *reversed(self.servers)):
