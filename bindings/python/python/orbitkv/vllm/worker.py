@@ -31,7 +31,7 @@ from orbitkv import (
     install_trace,
     producer_ranks,
 )
-from orbitkv.staging import StagingCopier
+from orbitkv.staging import BlockIndex, StagingCopier
 from orbitkv.vllm._testing import delayed, faults_from_env
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.layout import kv_layout_of
@@ -184,7 +184,7 @@ class PdWorker:
         self._copier: StagingCopier | None = None
         self._source_arena: StagingArena | None = None
         # This step's block indices of staging chunks, by P/D id.
-        self._step_index: dict[str, torch.Tensor] = {}
+        self._step_index: dict[str, BlockIndex] = {}
 
     # ---- registration ----------------------------------------------------
 
