@@ -27,17 +27,9 @@ from collections.abc import Iterator
 
 import pytest
 
+import orbitkv.testing.cluster as tc
 from orbitkv.testing import netns
-from orbitkv.testing.cluster import (
-    BLOCK,
-    IDLE_TIMEOUT_S,
-    Cluster,
-    Completion,
-    Metric,
-    complete,
-    prompt_source,
-    wait_until,
-)
+from orbitkv.testing.cluster import Cluster, Completion, Metric, complete, prompt_source
 
 # Prompts no other module shares a prefix with.
 fresh_prompt = prompt_source(500000)
@@ -110,7 +102,7 @@ def recovers(cluster: Cluster, since: float, what: str) -> float:
     ``RECOVER_S``."""
     tries: list[str] = []
     while True:
-        prompt = fresh_prompt(2 * BLOCK + 30)
+        prompt = fresh_prompt(2 * tc.BLOCK + 30)
         want = baseline(cluster, prompt)
         got = complete(cluster.proxy_url, prompt, GEN, timeout_s=REQ_TIMEOUT_S)
         took = time.monotonic() - since
@@ -159,12 +151,12 @@ def test_pd_crosses_the_data_link(cluster: Cluster, link: netns.NetnsLink) -> No
     """The setup itself: prefill's KV reaches decode over the data link."""
     assert cluster.prefill_kv.startswith(link.data_inside)
     d0 = m(cluster, "decode")
-    prompt = fresh_prompt(3 * BLOCK + 7)
+    prompt = fresh_prompt(3 * tc.BLOCK + 7)
     got = complete(cluster.proxy_url, prompt, GEN, timeout_s=REQ_TIMEOUT_S)
     assert got.status == 200, got.error
     assert got.token_ids == baseline(cluster, prompt)
     assert m(cluster, "decode")[Metric.COMPLETED] == d0[Metric.COMPLETED] + 1
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
 
 
 def test_link_cut_mid_transfer_then_restored(cluster: Cluster, link: netns.NetnsLink) -> None:
@@ -185,14 +177,8 @@ def test_link_cut_mid_transfer_then_restored(cluster: Cluster, link: netns.Netns
     out: dict[str, object] = {}
     delay.write_text("0.5")  # per layer: 4 layers -> 2 s of transfer
     try:
-        t = streamed_pd(cluster, fresh_prompt(2 * BLOCK + 50), out)
-        wait_until(
-            lambda: m(cluster, "prefill")[Metric.SUCCESS] > p0[Metric.SUCCESS],
-            60,
-            "the prefill instance to finish computing the request",
-            [cluster.procs["prefill"], cluster.procs["decode"]],
-            every_s=0.01,
-        )
+        t = streamed_pd(cluster, fresh_prompt(2 * tc.BLOCK + 50), out)
+        cluster.wait_finished(p0)
         link.cut()
         t_cut = time.monotonic()
     finally:
@@ -214,7 +200,7 @@ def test_link_cut_mid_transfer_then_restored(cluster: Cluster, link: netns.Netns
     t_back = time.monotonic()
     # Mooncake delivers (or fails) the queued writes, the prefill notices
     # decode, and both free their blocks.
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
     idle_s = time.monotonic() - t_back
     assert m(cluster, "prefill")[Metric.RELEASED] > p0[Metric.RELEASED]
     print(
@@ -222,14 +208,14 @@ def test_link_cut_mid_transfer_then_restored(cluster: Cluster, link: netns.Netns
         f"({held:.3f} of the cache) until the link came back; both idle {idle_s:.1f}s after it did"
     )
     recovers(cluster, t_back, "link restored")
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
     no_tracebacks(cluster)
 
 
 def test_throttled_link_still_serves_correctly(cluster: Cluster, link: netns.NetnsLink) -> None:
     """The data link at 8 Mbit/s each way: requests are slower
     but complete, equal to one engine, and nothing is held afterwards."""
-    prompt = fresh_prompt(4 * BLOCK + 3)  # ~2 MB of KV: ~2 s at 8 Mbit/s
+    prompt = fresh_prompt(4 * tc.BLOCK + 3)  # ~2 MB of KV: ~2 s at 8 Mbit/s
     want = baseline(cluster, prompt)
     d0 = m(cluster, "decode")
     link.throttle("8mbit")
@@ -243,7 +229,7 @@ def test_throttled_link_still_serves_correctly(cluster: Cluster, link: netns.Net
     assert got.token_ids == want
     assert m(cluster, "decode")[Metric.COMPLETED] == d0[Metric.COMPLETED] + 1
     print(f"throttled link (8 Mbit/s): P/D request took {took:.1f}s")
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
     cluster.check_alive()
 
 
@@ -269,7 +255,7 @@ def test_prefill_stopped_past_the_timeout_then_resumed(cluster: Cluster) -> None
         t_cont = cluster.resume("prefill")
     cluster.check_alive()
     # The quarantine ends at the latest QUARANTINE_S after decode's deadline.
-    cluster.wait_idle(timeout_s=QUARANTINE_S + IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=QUARANTINE_S + tc.IDLE_TIMEOUT_S)
     idle_s = time.monotonic() - t_cont
     p2, d2 = m(cluster, "prefill"), m(cluster, "decode")
     assert p2[Metric.RELEASED] > p0[Metric.RELEASED]
@@ -282,5 +268,5 @@ def test_prefill_stopped_past_the_timeout_then_resumed(cluster: Cluster) -> None
         f"both idle {idle_s:.1f}s after SIGCONT"
     )
     recovers(cluster, t_cont, "prefill resumed")
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
     no_tracebacks(cluster)

@@ -28,17 +28,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from orbitkv.testing.cluster import (
-    IDLE_TIMEOUT_S,
-    REQ_TIMEOUT_S,
-    Cluster,
-    Completion,
-    Metric,
-    complete,
-    http_get,
-    prompt_source,
-    wait_until,
-)
+import orbitkv.testing.cluster as tc
+from orbitkv.testing.cluster import Cluster, Completion, Metric, complete, http_get, prompt_source
 
 # Prompts no other module shares a prefix with.
 fresh_prompt = prompt_source(700000)
@@ -79,14 +70,14 @@ def test_stopped_prefill_recomputed_on_decode_and_its_blocks_held(cluster: Clust
     failure recomputes) only the last, partial block, while the prefill
     computes all of it, which leaves time to stop it mid-compute."""
     prompt = fresh_prompt(3000)
-    want = complete(cluster.decode_url, prompt, GEN, timeout_s=REQ_TIMEOUT_S)
+    want = complete(cluster.decode_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S)
     assert want.status == 200 and len(want.token_ids) == GEN
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
     d0 = cluster.metrics("decode")
     out: dict[str, object] = {}
 
     def call() -> None:
-        out["c"] = complete(cluster.proxy_url, prompt, GEN, timeout_s=REQ_TIMEOUT_S)
+        out["c"] = complete(cluster.proxy_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S)
         out["at"] = time.monotonic()
 
     t = threading.Thread(target=call)
@@ -108,16 +99,16 @@ def test_stopped_prefill_recomputed_on_decode_and_its_blocks_held(cluster: Clust
     finally:
         t_cont = cluster.resume("prefill")
     cluster.check_alive()
-    cluster.wait_idle(timeout_s=QUARANTINE_S + IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=QUARANTINE_S + tc.IDLE_TIMEOUT_S)
     print(
         f"recompute: decode answered (recomputed, equal to one engine) {end_s:.1f}s after SIGSTOP and "
         f"held the blocks ({held:.3f} of the cache) while the prefill was stopped; both idle "
         f"{time.monotonic() - t_cont:.1f}s after SIGCONT"
     )
     p = fresh_prompt(300)
-    got = complete(cluster.proxy_url, p, GEN, timeout_s=REQ_TIMEOUT_S)
-    assert got.status == 200 and got.token_ids == complete(cluster.decode_url, p, GEN, timeout_s=REQ_TIMEOUT_S).token_ids
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    got = complete(cluster.proxy_url, p, GEN, timeout_s=tc.REQ_TIMEOUT_S)
+    assert got.status == 200 and got.token_ids == complete(cluster.decode_url, p, GEN, timeout_s=tc.REQ_TIMEOUT_S).token_ids
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
 
 
 # ---- the proxy in front of two prefills ----------------------------------------------
@@ -127,7 +118,7 @@ def _concurrently(cluster: Cluster, prompts: list[list[int]]) -> tuple[list[Comp
     out: list[Completion | None] = [None] * len(prompts)
 
     def call(i: int) -> None:
-        out[i] = complete(cluster.proxy_url, prompts[i], GEN, timeout_s=REQ_TIMEOUT_S)
+        out[i] = complete(cluster.proxy_url, prompts[i], GEN, timeout_s=tc.REQ_TIMEOUT_S)
 
     threads = [threading.Thread(target=call, args=(i,), daemon=True) for i in range(len(prompts))]
     for t in threads:
@@ -136,17 +127,17 @@ def _concurrently(cluster: Cluster, prompts: list[list[int]]) -> tuple[list[Comp
 
 
 def _join(threads: list[threading.Thread]) -> None:
-    deadline = time.monotonic() + REQ_TIMEOUT_S
+    deadline = time.monotonic() + tc.REQ_TIMEOUT_S
     for t in threads:
         t.join(max(0.0, deadline - time.monotonic()))
     hung = sum(t.is_alive() for t in threads)
-    assert hung == 0, f"{hung} client requests still waiting after {REQ_TIMEOUT_S} s"
+    assert hung == 0, f"{hung} client requests still waiting after {tc.REQ_TIMEOUT_S} s"
 
 
 def _equal_one_engine(cluster: Cluster, prompts: list[list[int]], got: list[Completion | None]) -> None:
     for i, (prompt, c) in enumerate(zip(prompts, got)):
         assert c is not None and c.status == 200, f"request {i}: {c}"
-        want = complete(cluster.prefill_url, prompt, GEN, timeout_s=REQ_TIMEOUT_S)
+        want = complete(cluster.prefill_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S)
         assert want.status == 200, want
         assert c.token_ids == want.token_ids, f"request {i}: P/D differs from one engine"
 
@@ -166,19 +157,13 @@ def test_requests_spread_over_both_prefills_and_equal_one_engine(cluster: Cluste
             time.sleep(0.2)
         assert cluster.metrics(n)[Metric.RELEASED] > before, f"{n} ran none of 6 concurrent requests"
     assert cluster.metrics("decode")[Metric.COMPLETED] - completed == 6, "decode did not load KV for each request"
-    cluster.wait_idle(cluster.servers, timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(cluster.servers, timeout_s=tc.IDLE_TIMEOUT_S)
 
 
 def test_a_prefill_killed_under_load_loses_no_request(cluster: Cluster) -> None:
     prompts = [fresh_prompt(3000) for _ in range(6)]
     got, threads = _concurrently(cluster, prompts)
-    wait_until(
-        lambda: cluster.metrics("prefill2").get("vllm:num_requests_running", 0) >= 1,
-        60,
-        "prefill2 to run a request",
-        [cluster.procs[n] for n in cluster.servers],
-        every_s=0.01,
-    )
+    cluster.wait_running("prefill2", watch=cluster.servers)
     cluster.kill("prefill2")
     t_kill = time.monotonic()
     _join(threads)
@@ -199,4 +184,4 @@ def test_a_prefill_killed_under_load_loses_no_request(cluster: Cluster) -> None:
     _equal_one_engine(cluster, prompts + later, got + got_later)
     # Decode holds nothing once the dead prefill's authorizations passed
     # their deadline and quarantine.
-    cluster.wait_idle(["prefill", "decode"], timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(["prefill", "decode"], timeout_s=tc.IDLE_TIMEOUT_S)

@@ -22,18 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from orbitkv.testing.cluster import (
-    BLOCK,
-    IDLE_TIMEOUT_S,
-    REQ_TIMEOUT_S,
-    Abandoned,
-    Cluster,
-    Completion,
-    Metric,
-    complete,
-    prompt_source,
-    wait_until,
-)
+import orbitkv.testing.cluster as tc
+from orbitkv.testing.cluster import Abandoned, Cluster, Completion, Metric, complete, prompt_source, wait_until
 
 STAGING = os.environ.get("ORBITKV_TEST_STAGING", "0") == "1"  # conftest.STAGING_CONFIG
 
@@ -50,11 +40,11 @@ def ok(c: Completion, what: str) -> Completion:
 
 
 def baseline(cluster: Cluster, prompt: list[int] | str) -> list[int]:
-    return ok(complete(cluster.prefill_url, prompt, GEN, timeout_s=REQ_TIMEOUT_S), "single engine").token_ids
+    return ok(complete(cluster.prefill_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S), "single engine").token_ids
 
 
 def pd(cluster: Cluster, prompt: list[int] | str, stream: bool = False) -> Completion:
-    return ok(complete(cluster.proxy_url, prompt, GEN, stream=stream, timeout_s=REQ_TIMEOUT_S), "P/D")
+    return ok(complete(cluster.proxy_url, prompt, GEN, stream=stream, timeout_s=tc.REQ_TIMEOUT_S), "P/D")
 
 
 def snapshot(cluster: Cluster, name: str) -> dict[str, float]:
@@ -65,16 +55,16 @@ def assert_serves_correctly(cluster: Cluster, n: int = 300) -> None:
     prompt = fresh_prompt(n)
     got = pd(cluster, prompt).token_ids
     assert got == baseline(cluster, prompt), "P/D after the event differs from one engine"
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
 
 
 # ---- (a) P/D output equals one engine, token for token ----------------------
 
 LENGTHS = {
     "shorter-than-a-block": 5,
-    "one-less-than-a-block": BLOCK - 1,
-    "exactly-a-block": BLOCK,
-    "a-block-plus-one": BLOCK + 1,
+    "one-less-than-a-block": tc.BLOCK - 1,
+    "exactly-a-block": tc.BLOCK,
+    "a-block-plus-one": tc.BLOCK + 1,
     "many-blocks": 1000,
     "many-blocks-chunked": 3000,  # 5 prefill steps of 600 tokens
 }
@@ -93,7 +83,7 @@ def test_pd_equals_single_engine(cluster: Cluster, n: int) -> None:
     want = baseline(cluster, warm)
     assert pd(cluster, warm).token_ids == want
     # Again: now decode has the full blocks in its own prefix cache too and
-    # loads only the rest (the handshake's first_block > 0 when n > BLOCK).
+    # loads only the rest (the handshake's first_block > 0 when n > tc.BLOCK).
     assert pd(cluster, warm, stream=True).token_ids == want
 
     after_p, after_d = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
@@ -105,7 +95,7 @@ def test_pd_equals_single_engine(cluster: Cluster, n: int) -> None:
         granted, staged = "vllm:orbitkv_staging_granted_total", "vllm:orbitkv_layers_staged_total"
         assert after_d.get(granted, 0) - before_d.get(granted, 0) == 3, "a request was not given staging"
         assert after_p.get(staged, 0) > before_p.get(staged, 0), "no layer went through staging"
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
 
 
 def test_pd_text_prompts_and_streaming(cluster: Cluster) -> None:
@@ -120,7 +110,7 @@ def test_pd_text_prompts_and_streaming(cluster: Cluster) -> None:
         assert streamed.token_ids == want
         assert streamed.ttft_s is not None and streamed.ttft_s <= streamed.total_s
         assert pd(cluster, text).token_ids == want
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
 
 
 def test_pd_concurrent_requests(cluster: Cluster) -> None:
@@ -129,17 +119,17 @@ def test_pd_concurrent_requests(cluster: Cluster) -> None:
     results: dict[int, Completion] = {}
 
     def run(i: int) -> None:
-        results[i] = complete(cluster.proxy_url, prompts[i], GEN, timeout_s=REQ_TIMEOUT_S)
+        results[i] = complete(cluster.proxy_url, prompts[i], GEN, timeout_s=tc.REQ_TIMEOUT_S)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(REQ_TIMEOUT_S + 10)
+        t.join(tc.REQ_TIMEOUT_S + 10)
     assert sorted(results) == list(range(len(prompts)))
     for i, prompt in enumerate(prompts):
         assert ok(results[i], f"concurrent #{i}").token_ids == baseline(cluster, prompt), f"request #{i}"
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
 
 
 # ---- (b) a corrupted block changes decode's output ---------------------------
@@ -147,7 +137,7 @@ def test_pd_concurrent_requests(cluster: Cluster) -> None:
 
 def test_corrupted_block_changes_output(cluster: Cluster) -> None:
     arm = cluster.run_dir / "corrupt-next-load"
-    prompt = fresh_prompt(3 * BLOCK + 44)
+    prompt = fresh_prompt(3 * tc.BLOCK + 44)
     want = baseline(cluster, prompt)
     arm.touch()
     try:
@@ -175,7 +165,7 @@ def test_layers_whose_save_hook_vllm_skips_are_sent_at_wait_for_save(cluster: Cl
     log = cluster.log("prefill")
     warning = "vLLM did not call save_kv_layer"
     # (prompt tokens, prefill steps of MAX_BATCHED_TOKENS=600)
-    prompts = [(BLOCK + 1, 1), (1500, 3)]
+    prompts = [(tc.BLOCK + 1, 1), (1500, 3)]
     before_p, before_d = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
     skip.touch()
     try:
@@ -223,7 +213,7 @@ def test_one_timeline_per_request_from_both_traces(cluster: Cluster, tmp_path: P
     """`orbitkv trace` merges the prefill's and the decode's worker traces
     into one timeline of a request: both processes, the request's producer
     and consumer lanes and the writes of its layers, on one clock."""
-    got = pd(cluster, fresh_prompt(3 * BLOCK + 5))
+    got = pd(cluster, fresh_prompt(3 * tc.BLOCK + 5))
     rid = got.request_id
     assert rid, "the proxy names the request (X-Request-Id)"
     assert cluster.wait_for_traces([rid], timeout_s=30), "the traces do not name the request"
@@ -254,7 +244,7 @@ def test_one_timeline_per_request_from_both_traces(cluster: Cluster, tmp_path: P
         capture_output=True, text=True, timeout=60,
     )
     assert r.returncode == 1 and "no event of request no-such-request" in r.stderr
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
 
 
 # ---- (c) aborts: both instances stay healthy and hold nothing -----------------
@@ -280,7 +270,7 @@ def test_abort_during_prefill(cluster: Cluster) -> None:
         "the prefill instance to run the request",
     )
     t_drop = time.monotonic()
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
     idle_s = time.monotonic() - t_drop
     p1, d1 = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
     assert p1[Metric.SUCCESS] == p0[Metric.SUCCESS], "the prefill request completed: the abort did not land during prefill"
@@ -300,7 +290,7 @@ def test_abort_during_transfer(cluster: Cluster) -> None:
     p0, d0 = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
     delay.write_text("0.75")  # per layer: 4 layers -> 3 s of transfer
     try:
-        req = Abandoned(cluster.proxy_url, fresh_prompt(2 * BLOCK + 50), GEN, stream=True)
+        req = Abandoned(cluster.proxy_url, fresh_prompt(2 * tc.BLOCK + 50), GEN, stream=True)
         _drop_when(
             cluster,
             req,
@@ -312,7 +302,7 @@ def test_abort_during_transfer(cluster: Cluster) -> None:
     finally:
         delay.unlink(missing_ok=True)
     assert at_drop[Metric.COMPLETED] == d0[Metric.COMPLETED], "the KV had already arrived: the abort was not during the transfer"
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
     idle_s = time.monotonic() - t_drop
     p1, d1 = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
     assert d1[Metric.SUCCESS] == d0[Metric.SUCCESS], "the decode request completed despite the disconnect"
@@ -360,11 +350,11 @@ def test_hostile_params_fail_that_request_alone(cluster: Cluster) -> None:
     want = baseline(cluster, prompt)
     for what, params in _bad_params(cluster.prefill_kv).items():
         for server in ("decode", "prefill"):
-            c = complete(cluster.url_of(server), prompt, GEN, timeout_s=REQ_TIMEOUT_S, kv_transfer_params=params)
+            c = complete(cluster.url_of(server), prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S, kv_transfer_params=params)
             assert c.status == 200, f"{what} on {server}: HTTP {c.status}: {c.error}"
             assert c.token_ids == want, f"{what} on {server}: not served as a plain request"
             cluster.check_alive()
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
     assert_serves_correctly(cluster)
 
 
@@ -385,7 +375,7 @@ def test_duplicate_request_ids_fail_alone(cluster: Cluster) -> None:
     out: dict[str, Completion] = {}
 
     def call(key: str, url: str, n: int, params: dict) -> None:
-        out[key] = complete(url, prompt, n, timeout_s=REQ_TIMEOUT_S, kv_transfer_params=params)
+        out[key] = complete(url, prompt, n, timeout_s=tc.REQ_TIMEOUT_S, kv_transfer_params=params)
 
     threads = [
         threading.Thread(target=call, args=("d1", cluster.decode_url, GEN, consumer)),
@@ -395,11 +385,11 @@ def test_duplicate_request_ids_fail_alone(cluster: Cluster) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(REQ_TIMEOUT_S + 10)
+        t.join(tc.REQ_TIMEOUT_S + 10)
     assert ok(out["d1"], "first").token_ids == want
     assert ok(out["d2"], "duplicate").token_ids == want
     cluster.check_alive()
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
     assert_serves_correctly(cluster)
 
 
@@ -418,17 +408,11 @@ def test_a_producer_released_mid_prefill_does_not_kill_prefill(cluster: Cluster)
     out: dict[str, object] = {}
 
     def call() -> None:
-        out["p"] = complete(cluster.prefill_url, fresh_prompt(4000), 1, timeout_s=REQ_TIMEOUT_S, kv_transfer_params=producer)
+        out["p"] = complete(cluster.prefill_url, fresh_prompt(4000), 1, timeout_s=tc.REQ_TIMEOUT_S, kv_transfer_params=producer)
 
     t = threading.Thread(target=call)
     t.start()
-    wait_until(
-        lambda: snapshot(cluster, "prefill").get("vllm:num_requests_running", 0) >= 1,
-        60,
-        "the prefill to run the request",
-        [cluster.procs["prefill"]],
-        every_s=0.01,
-    )
+    cluster.wait_running("prefill")
     post_cancel(cluster.prefill_kv, cancel_message(pd_id, cap, "test: decode gave up"))
     released_while_running = False
     while t.is_alive():
@@ -439,7 +423,7 @@ def test_a_producer_released_mid_prefill_does_not_kill_prefill(cluster: Cluster)
     assert isinstance(c, Completion) and c.status == 200, c
     assert released_while_running, "the producer was not released while vLLM still computed the prompt"
     cluster.check_alive()
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
     assert_serves_correctly(cluster)
 
 
@@ -452,15 +436,9 @@ def test_decode_killed_mid_transfer_then_restarted(cluster: Cluster) -> None:
     p0 = snapshot(cluster, "prefill")
     delay.write_text("0.75")  # per layer: 4 layers -> 3 s of transfer
     try:
-        req = Abandoned(cluster.proxy_url, fresh_prompt(2 * BLOCK + 50), GEN, stream=True)
+        req = Abandoned(cluster.proxy_url, fresh_prompt(2 * tc.BLOCK + 50), GEN, stream=True)
         try:
-            wait_until(
-                lambda: snapshot(cluster, "prefill")[Metric.SUCCESS] > p0[Metric.SUCCESS],
-                60,
-                "the prefill instance to finish the request",
-                [cluster.procs["prefill"], cluster.procs["decode"]],
-                every_s=0.01,
-            )
+            cluster.wait_finished(p0)
             cluster.kill("decode")
             t_kill = time.monotonic()
         finally:
@@ -468,7 +446,7 @@ def test_decode_killed_mid_transfer_then_restarted(cluster: Cluster) -> None:
     finally:
         delay.unlink(missing_ok=True)
     cluster.check_alive(["prefill", "proxy"])
-    cluster.wait_idle(["prefill"], timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(["prefill"], timeout_s=tc.IDLE_TIMEOUT_S)
     released_s = time.monotonic() - t_kill
     assert snapshot(cluster, "prefill")[Metric.RELEASED] > p0[Metric.RELEASED], "prefill did not release the request"
     t_restart = time.monotonic()
@@ -505,7 +483,7 @@ def test_prefill_killed_mid_request(cluster: Cluster) -> None:
     def call(key: str, url: str, max_tokens: int, params: dict | None, stream: bool = False) -> None:
         try:
             extra = {"kv_transfer_params": params} if params else {}
-            out[key] = complete(url, prompt, max_tokens, stream=stream, timeout_s=REQ_TIMEOUT_S, **extra)
+            out[key] = complete(url, prompt, max_tokens, stream=stream, timeout_s=tc.REQ_TIMEOUT_S, **extra)
         except Exception as e:  # noqa: BLE001 - the prefill dies under this one: any error is the outcome
             out[key] = e
         out[key + "_at"] = time.monotonic()
@@ -518,18 +496,12 @@ def test_prefill_killed_mid_request(cluster: Cluster) -> None:
     for t in threads:
         t.start()
     try:
-        wait_until(
-            lambda: snapshot(cluster, "prefill").get("vllm:num_requests_running", 0) >= 1,
-            60,
-            "the prefill instance to run the requests",
-            [cluster.procs["prefill"]],
-            every_s=0.01,
-        )
+        cluster.wait_running("prefill")
     finally:
         cluster.kill("prefill")
         t_kill = time.monotonic()
     for t in threads:
-        t.join(REQ_TIMEOUT_S + 10)
+        t.join(tc.REQ_TIMEOUT_S + 10)
     assert not any(t.is_alive() for t in threads), "a request did not end"
 
     dec = out["decode"]
@@ -545,10 +517,10 @@ def test_prefill_killed_mid_request(cluster: Cluster) -> None:
     print(f"prefill killed: decode failed its request after {fail_s:.1f}s; proxy answered {prx.status}")
 
     cluster.check_alive(["decode", "proxy"])
-    cluster.wait_idle(["decode"], timeout_s=IDLE_TIMEOUT_S)
-    plain = ok(complete(cluster.decode_url, after_prompt, GEN, timeout_s=REQ_TIMEOUT_S), "decode alone")
+    cluster.wait_idle(["decode"], timeout_s=tc.IDLE_TIMEOUT_S)
+    plain = ok(complete(cluster.decode_url, after_prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S), "decode alone")
     assert plain.token_ids == want_after
-    cluster.wait_idle(["decode"], timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(["decode"], timeout_s=tc.IDLE_TIMEOUT_S)
     d = snapshot(cluster, "decode")
     assert d[Metric.FAILED] >= 1, "decode did not count the failed transfer"
     assert not Path(cluster.log("decode")).read_text(errors="replace").count("Traceback (most recent call last)"), (

@@ -21,19 +21,9 @@ from collections.abc import Iterator
 
 import pytest
 
+import orbitkv.testing.cluster as tc
 from orbitkv import producer_ranks
-from orbitkv.testing.cluster import (
-    BLOCK,
-    IDLE_TIMEOUT_S,
-    REQ_TIMEOUT_S,
-    Abandoned,
-    Cluster,
-    Completion,
-    Metric,
-    complete,
-    prompt_source,
-    wait_until,
-)
+from orbitkv.testing.cluster import Abandoned, Cluster, Completion, Metric, complete, prompt_source
 from orbitkv.testing.tiny_model import TinyModelSpec, make_tiny_model
 
 # On the 2-core CI machine these stalled for 15-60 s per request until
@@ -88,7 +78,7 @@ def ok(c: Completion, what: str) -> list[int]:
     return c.token_ids
 
 
-LENGTHS = {"below-a-block": 17, "a-block": BLOCK, "a-block-plus-one": BLOCK + 1, "chunked": 700}
+LENGTHS = {"below-a-block": 17, "a-block": tc.BLOCK, "a-block-plus-one": tc.BLOCK + 1, "chunked": 700}
 
 
 def test_pd_equals_single_engine_of_the_decode_tp(cluster: Cluster) -> None:
@@ -96,14 +86,14 @@ def test_pd_equals_single_engine_of_the_decode_tp(cluster: Cluster) -> None:
     for what, n in LENGTHS.items():
         prompt = fresh_prompt(n)
         t0 = time.monotonic()
-        got = ok(complete(cluster.proxy_url, prompt, GEN, timeout_s=REQ_TIMEOUT_S), f"P/D {what}")
+        got = ok(complete(cluster.proxy_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S), f"P/D {what}")
         took = time.monotonic() - t0
         # Nothing waits out a deadline: each request is far below PD_TIMEOUT_S.
         assert took < PD_TIMEOUT_S / 2, f"{what}: {took:.1f}s"
         # One engine of the decode's TP: decode itself, a plain request. The
         # cluster runs without prefix caching, so this recomputes the prompt
         # rather than reusing the KV under test.
-        want = ok(complete(cluster.decode_url, prompt, GEN, timeout_s=REQ_TIMEOUT_S), f"one engine {what}")
+        want = ok(complete(cluster.decode_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S), f"one engine {what}")
         assert got == want, f"{what}: P/D {got} != one engine {want}"
     d1, p1 = cluster.metrics("decode"), cluster.metrics("prefill")
     # vLLM sums the ranks' counters: every decode rank received each
@@ -116,7 +106,7 @@ def test_pd_equals_single_engine_of_the_decode_tp(cluster: Cluster) -> None:
         len(producer_ranks(_heads(cluster), c, cluster.decode.tp, cluster.prefill.tp)) for c in range(cluster.decode.tp)
     )
     assert p1[Metric.RELEASED] - p0[Metric.RELEASED] == len(LENGTHS) * pairs
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
 
 
 def test_the_proxy_learned_the_prefill_tp_from_its_side_channels(cluster: Cluster) -> None:
@@ -143,25 +133,19 @@ def test_abort_mid_transfer_leaves_nothing_held(cluster: Cluster) -> None:
     p0 = cluster.metrics("prefill")
     delay.write_text("0.5")
     try:
-        req = Abandoned(cluster.proxy_url, fresh_prompt(2 * BLOCK + 10), GEN, stream=True)
+        req = Abandoned(cluster.proxy_url, fresh_prompt(2 * tc.BLOCK + 10), GEN, stream=True)
         try:
-            wait_until(
-                lambda: cluster.metrics("prefill")[Metric.SUCCESS] > p0[Metric.SUCCESS],
-                60,
-                "the prefill instance to finish the request",
-                [cluster.procs["prefill"], cluster.procs["decode"]],
-                every_s=0.02,
-            )
+            cluster.wait_finished(p0)
         finally:
             req.drop()
     finally:
         delay.unlink(missing_ok=True)
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
     cluster.check_alive()
     prompt = fresh_prompt(300)
-    got = ok(complete(cluster.proxy_url, prompt, GEN, timeout_s=REQ_TIMEOUT_S), "P/D after the abort")
-    assert got == ok(complete(cluster.decode_url, prompt, GEN, timeout_s=REQ_TIMEOUT_S), "one engine")
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    got = ok(complete(cluster.proxy_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S), "P/D after the abort")
+    assert got == ok(complete(cluster.decode_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S), "one engine")
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
 
 
 def test_a_wrong_prefill_tp_fails_fast_with_its_reason(cluster: Cluster) -> None:
@@ -183,10 +167,10 @@ def test_a_wrong_prefill_tp_fails_fast_with_its_reason(cluster: Cluster) -> None
     }
     d0 = cluster.metrics("decode")
     t0 = time.monotonic()
-    c = complete(cluster.decode_url, fresh_prompt(200), GEN, timeout_s=REQ_TIMEOUT_S, kv_transfer_params=consumer)
+    c = complete(cluster.decode_url, fresh_prompt(200), GEN, timeout_s=tc.REQ_TIMEOUT_S, kv_transfer_params=consumer)
     took = time.monotonic() - t0
     assert c.status != 200 or cluster.metrics("decode")[Metric.FAILED] > d0[Metric.FAILED]
     assert took < PD_TIMEOUT_S - 2, f"the request waited {took:.1f}s (deadline {PD_TIMEOUT_S}s)"
     log = cluster.log("decode").read_text(errors="replace")
     assert "orbitkv_prefill_tp does not match" in log or "refused the handshake" in log
-    cluster.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)

@@ -438,21 +438,39 @@ class Cluster:
         """SIGKILL a process group of the cluster (prefill, decode or proxy)."""
         self.procs[name].kill()
 
+    def wait_running(self, name: str, watch: Sequence[str] | None = None) -> None:
+        """Waits (up to 60 s, looking every 10 ms) until instance ``name``
+        runs a request; the processes of ``watch`` (default: ``name``) must
+        stay alive meanwhile."""
+        wait_until(
+            lambda: self.metrics(name).get("vllm:num_requests_running", 0) >= 1,
+            60,
+            f"the {name} instance to run a request",
+            [self.procs[n] for n in (watch or [name])],
+            every_s=0.01,
+        )
+
+    def wait_finished(self, before: dict[str, float], name: str = "prefill") -> None:
+        """Waits (up to 60 s, looking every 10 ms) until instance ``name``
+        finished more requests than ``before`` (its ``metrics`` earlier)
+        says; prefill and decode must stay alive meanwhile."""
+        wait_until(
+            lambda: self.metrics(name)[Metric.SUCCESS] > before[Metric.SUCCESS],
+            60,
+            f"the {name} instance to finish the request",
+            [self.procs["prefill"], self.procs["decode"]],
+            every_s=0.01,
+        )
+
     def stop_when_running(self, name: str) -> float:
-        """Waits (up to 60 s) until instance ``name`` runs a request, then
-        stops its whole process group (SIGSTOP), also when the wait fails.
-        Returns the ``time.monotonic()`` of the stop; ``resume`` undoes it."""
-        proc = self.procs[name]
+        """Waits until instance ``name`` runs a request (``wait_running``),
+        then stops its whole process group (SIGSTOP), also when the wait
+        fails. Returns the ``time.monotonic()`` of the stop; ``resume``
+        undoes it."""
         try:
-            wait_until(
-                lambda: self.metrics(name).get("vllm:num_requests_running", 0) >= 1,
-                60,
-                f"the {name} instance to run the request",
-                [proc],
-                every_s=0.01,
-            )
+            self.wait_running(name)
         finally:
-            os.killpg(proc.pgid, signal.SIGSTOP)
+            os.killpg(self.procs[name].pgid, signal.SIGSTOP)
         return time.monotonic()
 
     def resume(self, name: str) -> float:
