@@ -10,55 +10,53 @@ Staged order (the core's ``staging`` module, read through
 unit_bytes(l, p)``; a unit is one KV head of a head-major layout, else the
 whole block.
 
-How a layer is copied: every plane of the layer (K and V) is seen as rows of
-``r`` bytes, ``r`` the largest size that divides every unit, block stride and
-plane offset of the layer (one unit is usually one row), so that the layer's
-whole gather (or scatter) is one ``index_select`` into a temporary and one
-``index_copy_`` out of it: two kernels a layer, whatever the number of
-planes, heads and blocks. The row indices depend on the blocks, not on the
-layer: they are computed on the host (numpy) once per `BlockIndex` and
-shape, and copied to the device once, so a step's gathers of every layer, or
-a request's scatter, share them.
+How a layer is copied: the planes of a layer (K and V) that share their
+block stride and block size, at evenly spaced bases, are one strided view
+``(planes, blocks, units, unit elements)``, and their staged copies another
+``(planes, units, capacity, unit elements)``. A layer's gather is then one
+``index_select`` over the blocks written straight into the staged view, and a
+scatter one ``index_copy_`` per range of units: one kernel a layer, one pass
+over the bytes, whatever the number of planes and heads. The block IDs go to
+the device once per `BlockIndex` (one step of one request, or one scatter),
+pinned and asynchronously.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 _WIDE = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 @dataclass(frozen=True)
-class _LayerRows:
-    """One layer's planes as rows of ``row`` bytes, anchored at the lowest
-    plane base ``anchor``: plane ``p`` starts ``rel[p]`` rows in, has a block
-    stride of ``stride[p]`` rows and units of ``unit[p]`` rows."""
+class _Group:
+    """Planes ``planes`` of a layer as one view ``(planes, blocks, units,
+    unit elements)`` of the KV memory."""
 
-    anchor: int
-    span: int
-    row: int
-    rel: tuple[int, ...]
-    stride: tuple[int, ...]
-    unit: tuple[int, ...]
+    planes: tuple[int, ...]
+    view: torch.Tensor
 
 
 class BlockIndex:
-    """The block IDs of one gather (one step of one request) or one scatter,
-    with the row indices computed for them (by what and shape)."""
+    """The block IDs of one gather (one step of one request: make it once,
+    use it for every layer) or one scatter, on the device."""
 
     def __init__(self, blocks: Sequence[int], device: torch.device) -> None:
-        self.ids = np.asarray(list(blocks), dtype=np.int64)
-        self.device = device
-        self.rows: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+        ids = torch.tensor(list(blocks), dtype=torch.long)
+        if device.type == "cuda":
+            # Pinned and asynchronous: a copy from pageable memory may make
+            # the host wait for the kernels queued on the stream (vLLM's
+            # forward). torch's pinned-memory allocator does not reuse the
+            # block before the copy ran.
+            ids = ids.pin_memory()
+        self.tensor = ids.to(device, non_blocking=True)
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return int(self.tensor.numel())
 
 
 class StagingCopier:
@@ -84,26 +82,30 @@ class StagingCopier:
         self._es = _size(self.dtype)
         self.device = self._storages[0][3] if self._storages else torch.device("cpu")
         n = layout["num_blocks"]
-        self._layers = [self._layer_rows(layer["planes"], n) for layer in layout["layers"]]
-        self._kv = [self._rows(g.anchor, g.span, g.row) for g in self._layers]
+        self._groups = [self._layer_groups(layer["planes"], n) for layer in layout["layers"]]
 
-    def _layer_rows(self, planes: Sequence[dict[str, int]], num_blocks: int) -> _LayerRows:
-        anchor = min(p["base"] for p in planes)
-        end = max(p["base"] + (num_blocks - 1) * p["block_stride"] + p["block_bytes"] for p in planes)
-        ubs = [p["block_bytes"] // self.units for p in planes]
-        row = 0
-        for p, ub in zip(planes, ubs):
-            # Staged offsets are sums of units * capacity * unit bytes, so a
-            # row that divides every unit divides them too.
-            row = math.gcd(row, ub, p["block_stride"], p["base"] - anchor)
-        return _LayerRows(
-            anchor=anchor,
-            span=end - anchor,
-            row=row,
-            rel=tuple((p["base"] - anchor) // row for p in planes),
-            stride=tuple(p["block_stride"] // row for p in planes),
-            unit=tuple(ub // row for ub in ubs),
+    def _layer_groups(self, planes: Sequence[dict[str, int]], num_blocks: int) -> list[_Group]:
+        """All planes of the layer in one view when they share stride and
+        size at evenly spaced bases (K and V always are), else one each."""
+        order = sorted(range(len(planes)), key=lambda i: planes[i]["base"])
+        first = planes[order[0]]
+        delta = planes[order[1]]["base"] - first["base"] if len(order) > 1 else 0
+        even = all(
+            planes[i]["block_stride"] == first["block_stride"]
+            and planes[i]["block_bytes"] == first["block_bytes"]
+            and planes[i]["base"] == first["base"] + k * delta
+            for k, i in enumerate(order)
         )
+        parts = [order] if even else [[i] for i in order]
+        return [self._group(tuple(part), [planes[i] for i in part], delta, num_blocks) for part in parts]
+
+    def _group(self, which: tuple[int, ...], planes: list[dict[str, int]], delta: int, num_blocks: int) -> _Group:
+        es, p0 = self._es, planes[0]
+        ub = p0["block_bytes"] // self.units
+        span = (len(planes) - 1) * delta + (num_blocks - 1) * p0["block_stride"] + p0["block_bytes"]
+        flat = self._words(p0["base"], span)
+        view = flat.as_strided((len(planes), num_blocks, self.units, ub // es), (delta // es, p0["block_stride"] // es, ub // es, 1))
+        return _Group(which, view)
 
     def _words(self, addr: int, nbytes: int) -> torch.Tensor:
         """A 1-D view of ``nbytes`` at ``addr`` in ``self.dtype`` elements."""
@@ -116,57 +118,25 @@ class StagingCopier:
                 return t.set_(st, (addr - base) // es, (nbytes // es,), (1,))
         raise ValueError(f"{nbytes} bytes at {addr:#x} are in no registered tensor")
 
-    def _rows(self, addr: int, nbytes: int, row: int) -> torch.Tensor:
-        """``nbytes`` at ``addr`` (a whole number of rows) as ``(rows, row bytes)``."""
-        if nbytes % row:
-            raise ValueError(f"{nbytes} bytes at {addr:#x} are not whole {row}-byte rows")
-        return self._words(addr, nbytes).view(-1, row // self._es)
-
     def index(self, blocks: Sequence[int]) -> BlockIndex:
         """Block IDs, for `gather` (the source blocks of one step of one
         request: make it once per step, use it for every layer) or `scatter`."""
         return BlockIndex(blocks, self.device)
 
-    def _staged_rows(self, g: _LayerRows, slots: Sequence[Sequence[int]], capacity: int) -> tuple[int, tuple[int, ...]]:
-        """Where a layer's staged planes start (bytes from the staging base,
-        the lowest one) and each plane's start in rows from there."""
-        first = min(off for off, _ in slots)
-        for off, ub in slots:
-            if ub % g.row or (off - first) % g.row:
-                raise ValueError(f"staged plane at {off} ({ub}-byte units) is not in {g.row}-byte rows")
-        return first, tuple((off - first) // g.row for off, _ in slots)
-
-    def _pair(
-        self,
-        what: str,
-        g: _LayerRows,
-        staged: tuple[int, ...],
-        blocks: BlockIndex,
-        start: int,
-        capacity: int,
-        units: Sequence[tuple[int, int]],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row indices of the pages (``blocks``) and of the staging (request
-        blocks ``start ..``, ``capacity`` per unit) for the ``units`` ranges
-        of every plane, in one order, on the device: (page rows, staged rows)."""
-        key = (what, g.rel, g.stride, g.unit, staged, start, capacity, tuple(units))
-        hit = blocks.rows.get(key)
-        if hit is not None:
-            return hit
-        m = len(blocks)
-        pages, stage = [], []
-        i = np.arange(m, dtype=np.int64).reshape(1, m, 1)
-        b = blocks.ids.reshape(1, m, 1)
-        for rel, stride, unit, srel in zip(g.rel, g.stride, g.unit, staged):
-            j = np.arange(unit, dtype=np.int64).reshape(1, 1, unit)
-            for a, z in units:
-                u = np.arange(a, z, dtype=np.int64).reshape(-1, 1, 1)
-                pages.append((rel + b * stride + u * unit + j).reshape(-1))
-                stage.append((srel + (u * capacity + start + i) * unit + j).reshape(-1))
-        both = torch.from_numpy(np.stack([np.concatenate(pages), np.concatenate(stage)])).to(blocks.device)
-        out = (both[0], both[1])
-        blocks.rows[key] = out
-        return out
+    def _staged(self, g: _Group, base: int, slots: Sequence[Sequence[int]], capacity: int) -> torch.Tensor:
+        """Group ``g``'s staged planes at ``base`` as ``(planes, units,
+        capacity, unit elements)``."""
+        es = self._es
+        offs = [slots[p][0] for p in g.planes]
+        ub = slots[g.planes[0]][1]
+        unit_elems = g.view.shape[3]
+        delta = offs[1] - offs[0] if len(offs) > 1 else 0
+        if ub != unit_elems * es or any(slots[p][1] != ub or off != offs[0] + k * delta
+                                         for k, (p, off) in enumerate(zip(g.planes, offs))):
+            raise ValueError(f"staged planes {offs} ({ub}-byte units) do not match the layer's planes")
+        span = (len(offs) - 1) * delta + self.units * capacity * ub
+        flat = self._words(base + offs[0], span)
+        return flat.as_strided((len(offs), self.units, capacity, unit_elems), (delta // es, capacity * unit_elems, unit_elems, 1))
 
     def gather(
         self,
@@ -183,12 +153,9 @@ class StagingCopier:
         end = start + len(src_blocks)
         if end > capacity:
             raise ValueError(f"request blocks up to {end} do not fit a staging of {capacity}")
-        g = self._layers[layer]
-        first, staged = self._staged_rows(g, slots[layer], capacity)
-        page_rows, stage_rows = self._pair("gather", g, staged, src_blocks, start, capacity, [(0, self.units)])
-        span = sum(self.units * capacity * ub for _, ub in slots[layer])
-        dst = self._rows(base + first, span, g.row)
-        dst.index_copy_(0, stage_rows, self._kv[layer].index_select(0, page_rows))
+        for g in self._groups[layer]:
+            out = self._staged(g, base, slots[layer], capacity)[:, :, start:end].permute(0, 2, 1, 3)
+            torch.index_select(g.view, 1, src_blocks.tensor, out=out)
 
     def scatter(
         self,
@@ -201,14 +168,11 @@ class StagingCopier:
         at ``base`` (``len(dst_blocks)`` blocks, ``slots`` for that many) into
         the pages ``dst_blocks``, every layer and plane."""
         n = len(dst_blocks)
-        if not units or n == 0:
-            return
-        for layer, g in enumerate(self._layers):
-            first, staged = self._staged_rows(g, slots[layer], n)
-            page_rows, stage_rows = self._pair("scatter", g, staged, dst_blocks, 0, n, units)
-            span = sum(self.units * n * ub for _, ub in slots[layer])
-            src = self._rows(base + first, span, g.row)
-            self._kv[layer].index_copy_(0, page_rows, src.index_select(0, stage_rows))
+        for layer, groups in enumerate(self._groups):
+            for g in groups:
+                src = self._staged(g, base, slots[layer], n)
+                for a, z in units:
+                    g.view[:, :, a:z].index_copy_(1, dst_blocks.tensor, src[:, a:z].permute(0, 2, 1, 3))
 
 
 def _size(dtype: torch.dtype) -> int:
