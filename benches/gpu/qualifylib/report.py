@@ -136,6 +136,32 @@ def staged_table(md: list[str], goals: list[dict[str, Any]], steps: dict[str, An
             goals.append(gl)
 
 
+def hetero_goals(goals: list[dict[str, Any]], mc: dict[str, Any], mcs: list[dict[str, Any]], where: str,
+                 transport: str) -> None:
+    """Issue 13's heterogeneous-TP goal: head slices, staged, at >= 0.5 x the
+    same run's TP 1 -> 1 contiguous figure of the same layout and transport
+    (met only when both steps' bytes checked out)."""
+    geo = mc.get("geometry") or {}
+    ref = next((c for c in mcs if c.get("transport") == mc.get("transport")
+                and (c.get("geometry") or {}).get("layout") == geo.get("layout")
+                and ((c.get("geometry") or {}).get("consumer_tp") or 1) == 1), None)
+    if ref is None:
+        return
+    for tokens in mc.get("tokens", []):
+        for pattern in ("contiguous", "scattered"):
+            sk = mc["steps"].get(f"kv_{tokens}_{pattern}_staged")
+            rk = ref["steps"].get(f"kv_{tokens}_contiguous")
+            if not sk or sk.get("status") != "ok" or not rk or rk.get("status") != "ok":
+                continue
+            r = sk["gbps_median"] / rk["gbps_median"]
+            ok = bool(sk.get("ok")) and bool(rk.get("ok"))
+            goals.append({"where": where, "transport": transport, "tokens": tokens,
+                          "pattern": f"head slices, {pattern} blocks, staged", "runtime_gbps": sk["gbps_median"],
+                          "us_per_range": None, "reference": "TP 1 → 1 contiguous, same run",
+                          "reference_gbps": rk["gbps_median"], "ratio": r, "goal": ">= 0.5", "bytes_ok": ok,
+                          "met": r >= 0.5 and ok})
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     files = sorted(Path(args.dir).glob("*.json"))
     configs = []
@@ -167,15 +193,28 @@ def cmd_report(args: argparse.Namespace) -> int:
     goals: list[dict[str, Any]] = []
     for dev, s, d in pairs:
         where = place(dev, s, d)
-        nixl = find("nixl", None, s, d)
-        tch = find("torch", None, s, d)
-        for transport in ("nvlink", "tcp"):
-            mc = find("mooncake", transport, s, d)
-            if not mc:
-                continue
+        # Every Mooncake configuration of the pair, NVLink first, in run
+        # order; one that differs from the first of its transport in layout
+        # or consumer TP is named by that (and compared with NIXL and torch
+        # only when it has their layout).
+        mcs = [c for c in configs if c.get("suite") == "mooncake" and c.get("src_gpu") == s
+               and c.get("dst_gpu") == d and c.get("transport") in ("nvlink", "tcp")]
+        mcs.sort(key=lambda c: c.get("transport") != "nvlink")
+        for mc in mcs:
+            transport = mc["transport"]
             steps = mc["steps"]
+            geo = mc.get("geometry") or {}
+            variant = ""
+            if "HND" in str(geo.get("layout", "")):
+                variant += ", HND blocks"
+            if (geo.get("consumer_tp") or 1) > 1:
+                variant += f", to decode rank 0 of TP {geo['consumer_tp']} (head slices)"
+            plain = (geo.get("consumer_tp") or 1) == 1
+            nixl, tch = (o if o is not None and plain and (o.get("geometry") or {}).get("layout") == geo.get("layout")
+                         else None for o in (find("nixl", None, s, d), find("torch", None, s, d)))
             label = {"nvlink": "Mooncake intra-node NVLink (MC_INTRANODE_NVLINK=1)",
-                     "tcp": "Mooncake TCP (MC_FORCE_TCP=1)"}[transport]
+                     "tcp": "Mooncake TCP (MC_FORCE_TCP=1)"}[transport] + variant
+            transport = transport + variant
             md += ["", f"### {where}, {label}", ""]
             md.append(f"Status: {mc.get('status')}; {mc.get('elapsed_s')} s; started {mc.get('started')}.")
             mcenv = {k: v for k, v in (mc.get("env") or {}).items() if k.startswith("MC_")}
@@ -207,7 +246,7 @@ def cmd_report(args: argparse.Namespace) -> int:
                     md.append(f"- guard-byte test: {g.get('status')}: {first_line(g.get('error'))}")
             # NIXL (UCX picks its own transport: cuda_ipc between GPUs) sits
             # beside the NVLink figures, or beside TCP where NVLink was not run
-            show_nixl = nixl is not None and (transport == "nvlink" or find("mooncake", "nvlink", s, d) is None)
+            show_nixl = nixl is not None and (mc["transport"] == "nvlink" or find("mooncake", "nvlink", s, d) is None)
             md += ["", "Raw transfers (one batch; GB/s = 10^9 B/s, median):", ""]
             hdr = "| pattern | Mooncake `engine.write` |" + (" NIXL 1.5.1 UCX |" if show_nixl else "") + \
                   (" torch `copy_` |" if tch else "")
@@ -280,6 +319,8 @@ def cmd_report(args: argparse.Namespace) -> int:
                             gl["met"] = gl["ratio"] >= 2.0 and gl["bytes_ok"]
                         goals.append(gl)
             staged_table(md, goals, steps, mc, where, transport, per_block)
+            if (geo.get("consumer_tp") or 1) > 1:
+                hetero_goals(goals, mc, mcs, where, transport)
     for c in configs:
         if c.get("suite") in ("nixl", "torch"):
             bad = {k: v for k, v in c.get("steps", {}).items() if v.get("status") != "ok"}
