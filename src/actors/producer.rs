@@ -246,14 +246,15 @@ impl Actor for ProducerActor {
     }
 }
 
-/// A handler: a `msg` span (with `kind` and the given span fields) around
-/// feeding the event to the machine.
+/// A handler: a `msg` span (`kind`: the message's type name, and the given
+/// span fields) around feeding the event to the machine. One line each
+/// below: message, the event it becomes; span fields.
 macro_rules! producer_handler {
-    ($msg:ty, $kind:literal, |$m:ident| $ev:expr $(, $($field:tt)+)?) => {
+    ($msg:ident, |$m:ident| $ev:expr $(; $($field:tt)+)?) => {
         impl Handler<$msg> for ProducerActor {
             type Result = ();
             fn handle(&mut self, $m: $msg, ctx: &mut Context<Self>) {
-                let span = tracing::info_span!(parent: &self.span, "msg", kind = $kind $(, $($field)+)?);
+                let span = tracing::info_span!(parent: &self.span, "msg", kind = stringify!($msg) $(, $($field)+)?);
                 let _g = span.enter();
                 self.feed($ev, ctx);
             }
@@ -271,52 +272,14 @@ impl Handler<SourceBlocksAdded> for ProducerActor {
     }
 }
 
-producer_handler!(
-    HandshakeArrived,
-    "HandshakeArrived",
-    |m| ProducerEvent::Handshake(m.0),
-    generation = m.0.generation.0,
-    blocks = m.0.block_ids.len()
-);
-producer_handler!(
-    LayerReady,
-    "LayerReady",
-    |m| ProducerEvent::LayerReady {
-        layer: m.layer,
-        blocks: m.blocks,
-        after: m.after
-    },
-    layer = m.layer,
-    blocks = ?m.blocks
-);
-producer_handler!(
-    LayerWritten,
-    "LayerWritten",
-    |m| ProducerEvent::WriteDone {
-        write: m.write,
-        generation: m.generation,
-        bytes: m.bytes
-    },
-    write = m.write,
-    bytes = m.bytes
-);
-producer_handler!(
-    LayerWriteFailed,
-    "LayerWriteFailed",
-    |m| {
-        ProducerEvent::WriteFailed {
-            write: m.write,
-            generation: m.generation,
-            reason: m.reason,
-        }
-    },
-    write = m.write,
-    reason = %m.reason
-);
-producer_handler!(FinishRequest, "FinishRequest", |_m| ProducerEvent::Finish);
-producer_handler!(
-    AbortRequest,
-    "AbortRequest",
-    |m| ProducerEvent::Abort { reason: m.reason },
-    reason = %m.reason
-);
+producer_handler!(HandshakeArrived, |m| ProducerEvent::Handshake(m.0);
+    generation = m.0.generation.0, blocks = m.0.block_ids.len());
+producer_handler!(LayerReady, |m| ProducerEvent::LayerReady { layer: m.layer, blocks: m.blocks, after: m.after };
+    layer = m.layer, blocks = ?m.blocks);
+producer_handler!(LayerWritten, |m| ProducerEvent::WriteDone { write: m.write, generation: m.generation, bytes: m.bytes };
+    write = m.write, bytes = m.bytes);
+producer_handler!(LayerWriteFailed,
+    |m| ProducerEvent::WriteFailed { write: m.write, generation: m.generation, reason: m.reason };
+    write = m.write, reason = %m.reason);
+producer_handler!(FinishRequest, |_m| ProducerEvent::Finish);
+producer_handler!(AbortRequest, |m| ProducerEvent::Abort { reason: m.reason }; reason = %m.reason);

@@ -6,6 +6,7 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
 import orbitkv
@@ -43,3 +44,20 @@ def register() -> Iterator[Register]:
             engine.unregister_memory(start)
         except orbitkv.RegistrationError:
             pass  # the test unregistered it itself
+
+
+@pytest.fixture
+def regions(register: Register) -> Callable[..., tuple[np.ndarray, np.ndarray]]:
+    """`regions(a, b, nbytes, seed)`: `nbytes` random bytes registered with
+    `a` and a zeroed destination of the same size registered with `b`."""
+
+    def make(
+        a: orbitkv.MooncakeTransferEngine, b: orbitkv.MooncakeTransferEngine, nbytes: int, seed: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        src = np.random.default_rng(seed).integers(0, 256, size=nbytes, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        register(a, src)
+        register(b, dst)
+        return src, dst
+
+    return make

@@ -92,12 +92,9 @@ def test_failed_batch_raises_from_poll_and_wait(pair, register):
     assert "failed" in repr(batch)
 
 
-def test_timeout_leaves_the_batch_pending(pair, register):
+def test_timeout_leaves_the_batch_pending(pair, regions):
     a, b = pair
-    src = np.random.default_rng(5).integers(0, 256, size=64 << 20, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    register(a, src)
-    register(b, dst)
+    src, dst = regions(a, b, 64 << 20, 5)
     batch = a.submit_write(b.endpoint, [(addr(src), addr(dst), src.nbytes)])
     with pytest.raises(orbitkv.TransferTimeoutError) as exc:
         batch.wait(timeout_s=0.0)

@@ -66,12 +66,9 @@ def test_many_small_ranges_in_one_batch(pair, register):
     assert not dst[blocks].any(), "the block nobody wrote was touched"
 
 
-def test_submit_poll_wait(pair, register):
+def test_submit_poll_wait(pair, regions):
     a, b = pair
-    src = np.random.default_rng(4).integers(0, 256, size=8 << 20, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    register(a, src)
-    register(b, dst)
+    src, dst = regions(a, b, 8 << 20, 4)
     batch = a.submit_write(b.endpoint, [(addr(src), addr(dst), src.nbytes // 2), (addr(src) + src.nbytes // 2, addr(dst) + src.nbytes // 2, src.nbytes // 2)])
     assert (batch.peer, batch.tasks, batch.nbytes) == (b.endpoint, 2, src.nbytes)
     assert batch.poll() in ("in_flight", "completed")

@@ -214,6 +214,15 @@ async def wait_then_hang(b: Backend, request: web.Request, body: dict) -> web.St
     raise AssertionError("not dropped")
 
 
+def wait_dropped(*backends: Backend) -> None:
+    """Waits up to WAIT_S until the proxy dropped its request to each backend."""
+    deadline = time.monotonic() + WAIT_S
+    while not all(b.cancelled for b in backends) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for b in backends:
+        assert b.cancelled, f"the request to {b.name} was not dropped"
+
+
 def test_non_streaming_goes_to_both_at_once(pd: Setup) -> None:
     pd.prefill.reply, pd.decode.reply = prefill_ok, decode_json
     client = {"model": "tiny", "prompt": [0, 5, 9], "max_tokens": 7, "temperature": 0}
@@ -256,10 +265,7 @@ def test_failed_prefill_drops_decode(pd: Setup) -> None:
     assert status == 502
     assert "prefill failed" in json.loads(body)["error"]["message"]
     assert time.monotonic() - t0 < 3.0
-    deadline = time.monotonic() + WAIT_S
-    while not pd.decode.cancelled and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert pd.decode.cancelled, "decode request was not dropped"
+    wait_dropped(pd.decode)
 
 
 def test_failed_prefill_mid_stream_sends_sse_error(pd: Setup) -> None:
@@ -291,10 +297,7 @@ def test_failed_decode_drops_prefill(pd: Setup) -> None:
     pd.prefill.reply, pd.decode.reply = wait_then_hang, decode_refuses
     status, _, body = pd.post({"model": "tiny", "prompt": "x", "max_tokens": 4})
     assert status == 400 and json.loads(body)["error"]["message"] == "bad request"
-    deadline = time.monotonic() + WAIT_S
-    while not pd.prefill.cancelled and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert pd.prefill.cancelled, "prefill request was not dropped"
+    wait_dropped(pd.prefill)
 
 
 def test_client_disconnect_drops_both(pd: Setup) -> None:
@@ -315,10 +318,7 @@ def test_client_disconnect_drops_both(pd: Setup) -> None:
     assert r.status == 200
     assert r.read1(1024).startswith(b"data:")
     conn.close()
-    deadline = time.monotonic() + WAIT_S
-    while not (pd.decode.cancelled and pd.prefill.cancelled) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert pd.decode.cancelled and pd.prefill.cancelled
+    wait_dropped(pd.decode, pd.prefill)
 
 
 def test_a_prefill_reply_after_decode_answered_is_not_dropped(pd: Setup) -> None:

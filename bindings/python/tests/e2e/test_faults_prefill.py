@@ -91,11 +91,8 @@ def test_stopped_prefill_recomputed_on_decode_and_its_blocks_held(cluster: Clust
         assert c.token_ids == want.token_ids, "the recomputed answer differs from one engine"
         end_s = float(out["at"]) - t_stop  # type: ignore[arg-type]
         assert end_s <= PD_TIMEOUT_S + 15, f"the request ended {end_s:.1f}s after the stop"
-        d1 = cluster.metrics("decode")
-        assert d1[Metric.FAILED] > d0[Metric.FAILED] and d1[Metric.COMPLETED] == d0[Metric.COMPLETED]
-        assert d1.get("vllm:num_requests_running", 0) == 0
-        held = d1.get("vllm:kv_cache_usage_perc", 0)
-        assert held > 0, "decode gave the blocks of a recomputed request back while its stopped prefill may write"
+        assert cluster.metrics("decode")[Metric.FAILED] > d0[Metric.FAILED], "decode did not count the failed load"
+        held = cluster.holds_blocks_of_failed_load(d0)
     finally:
         t_cont = cluster.resume("prefill")
     cluster.check_alive()

@@ -473,6 +473,18 @@ class Cluster:
             os.killpg(self.procs[name].pgid, signal.SIGSTOP)
         return time.monotonic()
 
+    def holds_blocks_of_failed_load(self, before: dict[str, float]) -> float:
+        """Decode, after a load that failed while its prefill was stopped:
+        no transfer completed since ``before`` (its ``metrics`` earlier), no
+        request running, and the request's blocks still held (the stopped
+        prefill may yet write into them). Returns the KV cache share held."""
+        now = self.metrics("decode")
+        assert now[Metric.COMPLETED] == before[Metric.COMPLETED], "decode completed a transfer of a stopped prefill"
+        assert now.get("vllm:num_requests_running", 0) == 0
+        held = now.get("vllm:kv_cache_usage_perc", 0)
+        assert held > 0, "decode gave back the blocks of a request whose stopped prefill may still write into them"
+        return held
+
     def resume(self, name: str) -> float:
         """SIGCONT to the process group of ``name``; returns the time of it."""
         os.killpg(self.procs[name].pgid, signal.SIGCONT)

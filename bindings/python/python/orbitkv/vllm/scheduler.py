@@ -78,11 +78,9 @@ class PdScheduler:
         self.block_size = vllm_config.cache_config.block_size
         self._producers: dict[str, _Producer] = {}
         self._consumers: dict[str, _Consumer] = {}
-        self._open: list[ConsumerOpen] = []
-        self._consumers_end: list[RequestEnd] = []
-        self._producers_end: list[RequestEnd] = []
-        self._cancel: list[ConsumerCancel] = []
-        self._discard: list[ProducerDiscard] = []
+        # What the next step's metadata tells the workers (its producer
+        # chunks are added when it is built).
+        self._next = PdConnectorMetadata()
         # Requests whose block free vLLM delayed on our word.
         self._delayed: set[str] = set()
         # vLLM request id -> its OrbitKV params (None: a plain request, or
@@ -151,19 +149,12 @@ class PdScheduler:
         first_block = len(all_ids) - len(fresh)
         self._consumers[rid] = _Consumer(p.request, frozenset(fresh))
         assert p.prefill_kv is not None
-        self._open.append(
+        self._next.consumers_open.append(
             ConsumerOpen(rid, p.request, p.capability, first_block, list(fresh), p.prefill_kv, p.prefill_tp)
         )
 
     def build_connector_meta(self, so: SchedulerOutput) -> PdConnectorMetadata:
-        meta = PdConnectorMetadata(
-            consumers_open=self._open,
-            consumers_end=self._consumers_end,
-            producers_end=self._producers_end,
-            consumers_cancel=self._cancel,
-            producers_discard=self._discard,
-        )
-        self._open, self._consumers_end, self._producers_end, self._cancel, self._discard = [], [], [], [], []
+        meta, self._next = self._next, PdConnectorMetadata()
         for new in so.scheduled_new_reqs:
             self._chunk(meta, new.req_id, list(new.block_ids[0]) if new.block_ids else [], new.num_computed_tokens, so)
         cached = so.scheduled_cached_reqs
@@ -211,7 +202,7 @@ class PdScheduler:
         p = self._producers.get(rid)
         if p is not None and p.opened:
             p.last_sent = True
-            self._producers_end.append(RequestEnd(rid, p.pd_id, True, reason, report=False))
+            self._next.producers_end.append(RequestEnd(rid, p.pd_id, True, reason, report=False))
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         rid = request.request_id
@@ -230,22 +221,22 @@ class PdScheduler:
                 # Never scheduled here (aborted while queued): its decode may
                 # have authorized blocks already; tell it nothing will come.
                 del self._producers[rid]
-                self._discard.append(ProducerDiscard(p.pd_id, p.capability, status))
+                self._next.producers_discard.append(ProducerDiscard(p.pd_id, p.capability, status))
                 return False, None
             complete = p.last_sent and not aborted
-            self._producers_end.append(RequestEnd(rid, p.pd_id, not complete, status, report=True))
+            self._next.producers_end.append(RequestEnd(rid, p.pd_id, not complete, status, report=True))
             self._delayed.add(rid)
             return True, None
         if rid in self._consumers:
             c = self._consumers[rid]
-            pending = next((o for o in self._open if o.req_id == rid), None)
+            pending = next((o for o in self._next.consumers_open if o.req_id == rid), None)
             if pending is not None:
                 # The worker never authorized it: nothing can be written. Tell
                 # the producers, so they need not hold their blocks until the
                 # handshake deadline.
-                self._open.remove(pending)
+                self._next.consumers_open.remove(pending)
                 del self._consumers[rid]
-                self._cancel.append(
+                self._next.consumers_cancel.append(
                     ConsumerCancel(c.pd_id, pending.capability, pending.prefill_kv, pending.prefill_tp, status)
                 )
                 return False, None
@@ -254,22 +245,22 @@ class PdScheduler:
                 # have ended (the deadline), so its writes may still land;
                 # the blocks wait for the runtime's word (every producer
                 # ended, or the quarantine passed).
-                self._consumers_end.append(RequestEnd(rid, c.pd_id, aborted, status, report=True, after_load=True))
+                self._next.consumers_end.append(RequestEnd(rid, c.pd_id, aborted, status, report=True, after_load=True))
                 self._delayed.add(rid)
                 return True, None
             if c.loaded:
                 # Complete: every producer reported done.
-                self._consumers_end.append(RequestEnd(rid, c.pd_id, aborted, status, report=False))
+                self._next.consumers_end.append(RequestEnd(rid, c.pd_id, aborted, status, report=False))
                 del self._consumers[rid]
                 return False, None
-            self._consumers_end.append(RequestEnd(rid, c.pd_id, True, status, report=True))
+            self._next.consumers_end.append(RequestEnd(rid, c.pd_id, True, status, report=True))
             self._delayed.add(rid)
             return True, None
         params = self.params_of(request)
         if params is not None and params.role == CONSUMER and params.prefill_kv is not None:
             # Finished before any block was allocated for it (e.g. aborted
             # while queued): the producers must not wait for a handshake.
-            self._cancel.append(
+            self._next.consumers_cancel.append(
                 ConsumerCancel(params.request, params.capability, params.prefill_kv, params.prefill_tp, status)
             )
         return False, None
@@ -292,7 +283,7 @@ class PdScheduler:
                     # again once the runtime released them.
                     assert out.finished_recving is not None
                     out.finished_recving.discard(rid)
-                    self._consumers_end.append(
+                    self._next.consumers_end.append(
                         RequestEnd(rid, c.pd_id, True, "ended before its failed load was seen", report=True,
                                    after_load=True)
                     )
@@ -309,10 +300,10 @@ class PdScheduler:
     def has_pending_push_work(self) -> bool:
         return bool(
             self._delayed
-            or self._open
-            or self._cancel
-            or self._discard
-            or self._consumers_end
-            or self._producers_end
+            or self._next.consumers_open
+            or self._next.consumers_cancel
+            or self._next.producers_discard
+            or self._next.consumers_end
+            or self._next.producers_end
             or any(p.opened for p in self._producers.values())
         )
