@@ -13,7 +13,6 @@ type ExcArg = Option<Py<PyAny>>;
 /// The base of the native classes that close on leaving a `with` block.
 /// It holds nothing; a subclass provides `close()`.
 #[pyclass(module = "orbitkv._native", name = "_ClosesOnExit", subclass, frozen)]
-#[derive(Default)]
 pub struct ClosesOnExit;
 
 #[pymethods]

@@ -80,6 +80,12 @@ class StagingCopier:
         numbers += [p["block_bytes"] // max(units, 1) for p in planes]
         self.dtype = next(d for d in _WIDE if all(n % _size(d) == 0 for n in numbers))
         self._es = _size(self.dtype)
+        # Each storage as one flat tensor of `dtype`, made once: every view of
+        # the KV planes and of staging is one `as_strided` of these.
+        self._flat = [
+            (base, size - size % self._es, torch.empty(0, dtype=self.dtype, device=dev).set_(st, 0, (size // self._es,), (1,)))
+            for base, size, st, dev in self._storages
+        ]
         self.device = self._storages[0][3] if self._storages else torch.device("cpu")
         n = layout["num_blocks"]
         self._groups = [self._layer_groups(layer["planes"], n) for layer in layout["layers"]]
@@ -103,19 +109,19 @@ class StagingCopier:
         es, p0 = self._es, planes[0]
         ub = p0["block_bytes"] // self.units
         span = (len(planes) - 1) * delta + (num_blocks - 1) * p0["block_stride"] + p0["block_bytes"]
-        flat = self._words(p0["base"], span)
-        view = flat.as_strided((len(planes), num_blocks, self.units, ub // es), (delta // es, p0["block_stride"] // es, ub // es, 1))
+        shape = (len(planes), num_blocks, self.units, ub // es)
+        view = self._view(p0["base"], span, shape, (delta // es, p0["block_stride"] // es, ub // es, 1))
         return _Group(which, view)
 
-    def _words(self, addr: int, nbytes: int) -> torch.Tensor:
-        """A 1-D view of ``nbytes`` at ``addr`` in ``self.dtype`` elements."""
+    def _view(self, addr: int, nbytes: int, size: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+        """The ``nbytes`` at ``addr`` (inside one registered tensor's storage)
+        as a strided view of ``self.dtype`` elements."""
         es = self._es
-        for base, size, st, dev in self._storages:
-            if base <= addr and addr + nbytes <= base + size:
+        for base, total, flat in self._flat:
+            if base <= addr and addr + nbytes <= base + total:
                 if (addr - base) % es or nbytes % es:
                     raise ValueError(f"{nbytes} bytes at {addr:#x} are not {es}-byte aligned")
-                t = torch.empty(0, dtype=self.dtype, device=dev)
-                return t.set_(st, (addr - base) // es, (nbytes // es,), (1,))
+                return flat.as_strided(size, stride, (addr - base) // es)
         raise ValueError(f"{nbytes} bytes at {addr:#x} are in no registered tensor")
 
     def index(self, blocks: Sequence[int]) -> BlockIndex:
@@ -135,8 +141,8 @@ class StagingCopier:
                                          for k, (p, off) in enumerate(zip(g.planes, offs))):
             raise ValueError(f"staged planes {offs} ({ub}-byte units) do not match the layer's planes")
         span = (len(offs) - 1) * delta + self.units * capacity * ub
-        flat = self._words(base + offs[0], span)
-        return flat.as_strided((len(offs), self.units, capacity, unit_elems), (delta // es, capacity * unit_elems, unit_elems, 1))
+        shape = (len(offs), self.units, capacity, unit_elems)
+        return self._view(base + offs[0], span, shape, (delta // es, capacity * unit_elems, unit_elems, 1))
 
     def gather(
         self,
