@@ -81,6 +81,7 @@ impl Rank {
             cfg.max_bytes_in_flight_per_peer,
             cfg.max_ranges_in_flight_per_peer,
             1,
+            cfg.inline_submit_max_ranges,
             stats.clone(),
         ));
         let (tx, events) = crossbeam_channel::unbounded();
@@ -90,7 +91,8 @@ impl Rank {
             handshake_timeout: cfg.handshake_timeout,
             stats: stats.clone(),
         });
-        let directory = RequestDirectory::new(shared, cfg, router, tx, Generation(1)).start();
+        let directory =
+            RequestDirectory::new(shared, cfg, router, tx, Generation(1), Default::default()).start();
         Self {
             directory,
             events,

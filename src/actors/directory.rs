@@ -2,10 +2,15 @@
 //! this rank. It owns every per-request map — the consumer actors by
 //! request ID, the producer groups, and what arrived before a request
 //! opened on prefill ([`PreOpen`]: parked handshakes, early cancels,
-//! discards) — and nothing outside it reads or writes them. The façade
+//! discards) — and nothing outside it writes them. The façade
 //! ([`super::runtime::Runtime`]) validates what needs no state, then hands
 //! the rest to this actor as a [`Call`] and, for the calls whose answer the
-//! caller needs, waits for it; the layer gate's calls go without a wait.
+//! caller needs, waits for it. One thing is published for others to read:
+//! the [`ProducerIndex`], request ID → the open producer group's members,
+//! which the façade looks layer hand-overs up in (they go to the producer
+//! actors themselves, see [`super::producer`]); the directory alone
+//! changes it, in step with its own map, before it answers the call that
+//! changed it.
 //!
 //! Because one actor handles every open, handshake, cancel, discard and
 //! release of this rank, one after another, no two of them can interleave:
@@ -24,10 +29,9 @@ use actix::prelude::*;
 use crossbeam_channel::Sender;
 
 use super::consumer::{ConsumerActor, ConsumerStaging};
-use super::gate::GateCall;
 use super::messages::*;
 use super::preopen::{Parked, PreOpen, PreOpenLimits};
-use super::producer::{ProducerActor, ProducerShared};
+use super::producer::{ProducerActor, ProducerRef, ProducerShared};
 use super::router::NotificationRouter;
 use super::runtime::RuntimeConfig;
 use super::stats::Stats;
@@ -52,6 +56,10 @@ impl Message for Call {
     type Result = ();
 }
 
+/// The open producer groups' members by request ID, published by the
+/// directory for the façade to read (see the module's documentation).
+pub type ProducerIndex = Arc<parking_lot::RwLock<HashMap<RequestId, Arc<[ProducerRef]>>>>;
+
 /// The producer side of one request on this rank: a `ProducerActor` per
 /// consumer (decode) rank it sends to — one when the TP sizes are equal or
 /// decode's is smaller, several when decode's is larger (each decode rank
@@ -67,7 +75,7 @@ struct ProducerGroup {
     /// its own copy; this one validates what `producer_add_blocks` appends).
     src_blocks: Vec<u32>,
     /// (consumer rank, its actor)
-    members: Vec<(u32, Addr<ProducerActor>)>,
+    members: Vec<(u32, ProducerRef)>,
     /// Members not yet released, and how the released ones ended (the worst
     /// outcome wins: failed, then aborted, then done).
     pending: usize,
@@ -86,11 +94,11 @@ impl ProducerGroup {
         ProducerActor: Handler<M>,
     {
         for (_, a) in &self.members {
-            a.do_send(msg.clone());
+            a.send(msg.clone());
         }
     }
 
-    fn member(&self, consumer_rank: u32) -> Option<&Addr<ProducerActor>> {
+    fn member(&self, consumer_rank: u32) -> Option<&ProducerRef> {
         self.members
             .iter()
             .find(|(c, _)| *c == consumer_rank)
@@ -131,6 +139,8 @@ pub struct RequestDirectory {
     next_group: u64,
     consumers: HashMap<RequestId, (Generation, Addr<ConsumerActor>)>,
     producers: HashMap<RequestId, ProducerGroup>,
+    /// What of `producers` the façade reads (kept in step with it).
+    index: ProducerIndex,
     /// Groups replaced under their request ID (a new open after every
     /// member had stopped) whose releases are still on their way, by token.
     ending: HashMap<u64, ProducerGroup>,
@@ -148,6 +158,7 @@ impl RequestDirectory {
         router: Addr<NotificationRouter>,
         events: Sender<RuntimeEvent>,
         first_generation: Generation,
+        index: ProducerIndex,
     ) -> Self {
         let pre_open = PreOpen::new(PreOpenLimits {
             ttl: cfg.handshake_timeout,
@@ -171,6 +182,7 @@ impl RequestDirectory {
             next_group: 1,
             consumers: HashMap::new(),
             producers: HashMap::new(),
+            index,
             ending: HashMap::new(),
             pre_open,
         }
@@ -353,7 +365,7 @@ impl RequestDirectory {
         };
         for h in taken.handshakes {
             match group.member(h.layout.tp_rank) {
-                Some(a) if h.layout.tp_size == consumer_tp => a.do_send(HandshakeArrived(h)),
+                Some(a) if h.layout.tp_size == consumer_tp => a.send(HandshakeArrived(h)),
                 _ => self.shared.stats.events_dropped.inc(),
             }
         }
@@ -362,6 +374,8 @@ impl RequestDirectory {
             // holding the source blocks until the deadline.
             group.send(AbortRequest { reason });
         }
+        let members: Arc<[ProducerRef]> = group.members.iter().map(|(_, a)| a.clone()).collect();
+        self.index.write().insert(request.clone(), members);
         if let Some(old) = self.producers.insert(request, group) {
             if old.pending > 0 {
                 self.ending.insert(old.token, old);
@@ -379,15 +393,14 @@ impl RequestDirectory {
         staging: Option<SourceStaging>,
         token: u64,
         ctx: &mut Context<Self>,
-    ) -> Addr<ProducerActor> {
-        ProducerActor::new(
+    ) -> ProducerRef {
+        ProducerRef::start(
             request.clone(),
             src_blocks,
             staging,
             self.shared.clone(),
             (token, ctx.address().recipient()),
         )
-        .start()
     }
 
     /// [`super::runtime::Runtime::producer_cancel`].
@@ -449,7 +462,7 @@ impl RequestDirectory {
                     ))
                     .into());
                 };
-                addr.do_send(HandshakeArrived(h));
+                addr.send(HandshakeArrived(h));
                 Ok(())
             }
             _ => {
@@ -485,8 +498,8 @@ impl RequestDirectory {
     /// with no source blocks, aborted at once, notifies `aborted` and ends.
     fn answer_aborted(&self, h: Arc<Handshake>, reason: String, ctx: &mut Context<Self>) {
         let addr = self.start_producer(&h.request_id, Vec::new(), None, 0, ctx);
-        addr.do_send(HandshakeArrived(h));
-        addr.do_send(AbortRequest { reason });
+        addr.send(HandshakeArrived(h));
+        addr.send(AbortRequest { reason });
     }
 
     /// Sends `msg` to every actor of `request`'s producer group.
@@ -502,39 +515,6 @@ impl RequestDirectory {
                 Ok(())
             }
             _ => Err(RuntimeError::UnknownRequest(request.0.clone())),
-        }
-    }
-
-    /// The layer gate's calls for one mark (in order; nobody waits for
-    /// them): a request released meanwhile is skipped.
-    pub fn gate_calls(&self, after: crate::ids::MarkSeq, calls: Vec<GateCall>) {
-        for call in calls {
-            let r = match &call {
-                GateCall::Ready {
-                    request,
-                    layer,
-                    blocks,
-                } => check_layer(&self.shared.local, *layer).and_then(|()| {
-                    self.to_producer(
-                        request,
-                        LayerReady {
-                            layer: *layer,
-                            blocks: blocks.clone(),
-                            after,
-                        },
-                    )
-                }),
-                GateCall::Finish { request } => self.to_producer(request, FinishRequest),
-            };
-            match r {
-                Ok(()) => {}
-                // Released meanwhile (decode gone, cancelled, past its
-                // deadline): nothing more to send for it.
-                Err(RuntimeError::UnknownRequest(_)) => {
-                    tracing::debug!(request = %call.request(), "layer gate: request already released")
-                }
-                Err(e) => tracing::warn!(request = %call.request(), error = %e, "layer gate call failed"),
-            }
         }
     }
 
@@ -621,6 +601,7 @@ impl Handler<ProducerEnded> for RequestDirectory {
                 Some(last) => {
                     if current {
                         self.producers.remove(&request);
+                        self.index.write().remove(&request);
                     } else {
                         self.ending.remove(&group);
                     }

@@ -112,8 +112,10 @@ pub struct WriteLayer {
     /// The consumer's deadline (`Handshake::expires_unix_ms`, 0: none): a
     /// batch not yet submitted by then is not submitted.
     pub expires_unix_ms: u64,
-    pub done_to: Recipient<LayerWritten>,
-    pub failed_to: Recipient<LayerWriteFailed>,
+    /// The producer actor that admitted it (`LayerWritten` or
+    /// `LayerWriteFailed` go there; an address, not a recipient: cloning
+    /// it allocates nothing on the per-layer path).
+    pub reply_to: Addr<crate::actors::producer::ProducerActor>,
 }
 
 /// Send a notice to the writer's peer (after the request's writes drained).

@@ -4,11 +4,27 @@
 //! [`crate::layout::plan_write`] under that authorization, hands it to a
 //! layer writer, and carries out the other effects. Handlers stay thin;
 //! failures travel as messages.
+//!
+//! **A layer handed over on the caller's thread.** The actor's state sits
+//! behind its lock ([`ProducerCell`]), and the façade reaches it through a
+//! [`ProducerRef`], which counts every message it sends the actor until the
+//! actor handled it. A `LayerReady` runs the actor's handler on the
+//! caller's own thread, under that lock, when nothing sent to the actor
+//! before it is still unhandled; otherwise it is queued like any other
+//! message. Either way the machine sees every event
+//! one at a time and in the order the caller caused them (an
+//! `add_blocks` answered before a `layer_ready` is handled before it), so
+//! the rules and their proofs are unchanged; what changes is that the
+//! common layer costs no thread crossing to reach its layer writer, and,
+//! when that writer is idle and the write waits for no mark, none to reach
+//! `submit_write` ([`super::writer::LaneRef::write`]).
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
+use parking_lot::Mutex;
 use tracing::Span;
 
 use super::messages::*;
@@ -34,8 +50,24 @@ pub struct ProducerShared {
     pub stats: Arc<Stats>,
 }
 
-/// The prefill side of one request.
+/// The prefill side of one request: an actor whose state is its
+/// [`ProducerCell`].
 pub struct ProducerActor {
+    cell: Arc<ProducerCell>,
+}
+
+/// A producer actor's state and its inbox count, shared by the actor and
+/// the [`ProducerRef`]s that reach it.
+pub struct ProducerCell {
+    core: Mutex<ProducerCore>,
+    /// Messages sent through a [`ProducerRef`] and not yet handled: while
+    /// any is, a `LayerReady` is queued behind them, not run inline.
+    inbox: AtomicUsize,
+    addr: Addr<ProducerActor>,
+}
+
+/// What the actor owns (see [`ProducerActor`]).
+struct ProducerCore {
     machine: ProducerMachine,
     rank: ProducerRank,
     src_blocks: Vec<u32>,
@@ -50,19 +82,135 @@ pub struct ProducerActor {
     /// The staged plan of the authorization of this generation (`None`
     /// inside: that authorization is written into pages), made once.
     staged: Option<(Generation, Option<Arc<StagedPlan>>)>,
+    /// Where the writers report (this actor).
+    me: Addr<ProducerActor>,
+    /// The machine released: the actor stops.
+    released: bool,
+    /// The machine's effects, one event at a time (reused).
+    effects: Vec<ProducerEffect>,
 }
 
-impl ProducerActor {
-    pub fn new(
+/// Who carries out an effect: the actor on its thread, or the caller that
+/// runs a `LayerReady` inline on its own.
+enum Via<'a> {
+    Actor(&'a mut Context<ProducerActor>),
+    Caller,
+}
+
+/// Stops a producer actor whose machine released while a caller held it.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Stop;
+
+/// How the façade and the request directory reach a producer actor.
+#[derive(Clone)]
+pub struct ProducerRef(Arc<ProducerCell>);
+
+impl std::fmt::Debug for ProducerRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProducerRef")
+            .field("inbox", &self.0.inbox.load(Ordering::Relaxed))
+            .finish()
+    }
+}
+
+impl ProducerRef {
+    /// Starts a producer actor on the current arbiter (the system thread).
+    pub fn start(
         request: RequestId,
         src_blocks: Vec<u32>,
         staging: Option<SourceStaging>,
         shared: Arc<ProducerShared>,
         released_to: (u64, Recipient<ProducerEnded>),
     ) -> Self {
+        let mut cell = None;
+        ProducerActor::create(|ctx| {
+            let core = ProducerCore::new(request, src_blocks, staging, shared, released_to, ctx.address());
+            let c = Arc::new(ProducerCell {
+                core: Mutex::new(core),
+                inbox: AtomicUsize::new(0),
+                addr: ctx.address(),
+            });
+            cell = Some(c.clone());
+            ProducerActor { cell: c }
+        });
+        Self(cell.expect("Actor::create runs its closure at once"))
+    }
+
+    /// Sends `msg` to the actor, counted in its inbox until handled.
+    pub fn send<M>(&self, msg: M)
+    where
+        M: Message + Send + 'static,
+        M::Result: Send,
+        ProducerActor: Handler<M>,
+    {
+        self.0.inbox.fetch_add(1, Ordering::SeqCst);
+        self.0.addr.do_send(msg);
+    }
+
+    /// Whether the actor still runs.
+    pub fn connected(&self) -> bool {
+        self.0.addr.connected()
+    }
+
+    /// Layer `layer` of request blocks `blocks` was computed (`after`: the
+    /// mark its kernels were launched before, 0: none): runs the actor's
+    /// `LayerReady` on this thread if nothing sent to the actor before is
+    /// unhandled and no write of it is held back (see the module's
+    /// documentation). `false`: not run; the caller sends it instead.
+    pub fn try_layer_ready_inline(
+        &self,
+        layer: u32,
+        blocks: &std::ops::Range<u32>,
+        after: crate::ids::MarkSeq,
+    ) -> bool {
+        let cell = &self.0;
+        if cell.inbox.load(Ordering::SeqCst) != 0 {
+            return false;
+        }
+        // The actor's handlers never wait on anything while they hold the
+        // lock (they plan and send messages), so this waits at most for
+        // one of them to end.
+        let mut core = cell.core.lock();
+        // Checked again under the lock: a message sent meanwhile was sent
+        // concurrently with this call (either order is one the caller
+        // could have seen); one sent before is counted or already handled.
+        // Writes held back by rule 8 end only on the actor's thread: while
+        // any wait, layers take the paced way there, so that a caller
+        // rewriting the same blocks faster than they complete cannot grow
+        // the held-back list without bound.
+        if cell.inbox.load(Ordering::SeqCst) != 0 || core.released || core.machine.held_back() > 0 {
+            return false;
+        }
+        core.shared.stats.layers_ready_inline.inc();
+        let span = tracing::info_span!(parent: &core.span, "msg", kind = "LayerReady",
+            layer, blocks = ?blocks, inline = true);
+        let _g = span.enter();
+        let ev = ProducerEvent::LayerReady {
+            layer,
+            blocks: blocks.clone(),
+            after,
+        };
+        core.feed(ev, &mut Via::Caller);
+        true
+    }
+}
+
+impl ProducerCore {
+    fn new(
+        request: RequestId,
+        src_blocks: Vec<u32>,
+        staging: Option<SourceStaging>,
+        shared: Arc<ProducerShared>,
+        released_to: (u64, Recipient<ProducerEnded>),
+        me: Addr<ProducerActor>,
+    ) -> Self {
         let span = tracing::info_span!("request", side = "producer", request = %request,
             rank = shared.local.tp_rank, blocks = src_blocks.len());
         Self {
+            me,
+            released: false,
+            effects: Vec::new(),
             machine: ProducerMachine::new(request),
             rank: ProducerRank(shared.local.tp_rank),
             src_blocks,
@@ -97,22 +245,25 @@ impl ProducerActor {
         plan
     }
 
-    fn feed(&mut self, ev: ProducerEvent, ctx: &mut Context<Self>) {
-        // Follow-up events are rare: the queue allocates only when one comes.
+    fn feed(&mut self, ev: ProducerEvent, via: &mut Via<'_>) {
+        // Follow-up events are rare: the queue allocates only when one comes;
+        // the effects go through a buffer kept from one event to the next.
         let mut queue = std::collections::VecDeque::new();
+        let mut effects = std::mem::take(&mut self.effects);
         let mut next = Some(ev);
         while let Some(ev) = next.take().or_else(|| queue.pop_front()) {
-            for fx in self.machine.on_event(ev) {
-                if let Some(follow) = self.apply(fx, ctx) {
+            self.machine.on_event_into(ev, &mut effects);
+            for fx in effects.drain(..) {
+                if let Some(follow) = self.apply(fx, via) {
                     queue.push_back(follow);
                 }
             }
         }
+        self.effects = effects;
     }
 
     /// Carries out one effect; may return an event to feed back.
-    fn apply(&mut self, fx: ProducerEffect, ctx: &mut Context<Self>) -> Option<ProducerEvent> {
-        let request = self.machine.request.clone();
+    fn apply(&mut self, fx: ProducerEffect, via: &mut Via<'_>) -> Option<ProducerEvent> {
         match fx {
             ProducerEffect::Submit {
                 write,
@@ -170,8 +321,8 @@ impl ProducerActor {
                     "layer admitted"
                 );
                 let cap = self.planned.len();
-                self.shared.writers.next(&auth.endpoint).do_send(WriteLayer {
-                    request,
+                let write = WriteLayer {
+                    request: self.machine.request.clone(),
                     write,
                     generation,
                     layer,
@@ -180,9 +331,12 @@ impl ProducerActor {
                     bytes,
                     after,
                     expires_unix_ms: auth.expires_unix_ms,
-                    done_to: ctx.address().recipient(),
-                    failed_to: ctx.address().recipient(),
-                });
+                    reply_to: self.me.clone(),
+                };
+                // Submitted here only on the caller's thread: the system
+                // thread never waits on Mooncake.
+                let inline = matches!(via, Via::Caller);
+                self.shared.writers.next(&auth.endpoint).write(write, inline);
                 None
             }
             ProducerEffect::Notify {
@@ -193,7 +347,7 @@ impl ProducerActor {
             } => {
                 let notice = Notice {
                     version: WIRE_VERSION,
-                    request_id: request,
+                    request_id: self.machine.request.clone(),
                     generation: auth.generation,
                     producer_rank: self.rank,
                     outcome,
@@ -202,10 +356,7 @@ impl ProducerActor {
                     staged: self.staged_into(&auth).is_some(),
                 };
                 tracing::info!(?outcome, bytes, notice.staged, "notifying the consumer");
-                self.shared
-                    .writers
-                    .get(&auth.endpoint)
-                    .do_send(SendNotice(notice));
+                self.shared.writers.get(&auth.endpoint).notice(notice);
                 None
             }
             ProducerEffect::Release { outcome, reason } => {
@@ -214,11 +365,15 @@ impl ProducerActor {
                 let (group, to) = &self.released_to;
                 to.do_send(ProducerEnded {
                     group: *group,
-                    request,
+                    request: self.machine.request.clone(),
                     outcome,
                     reason,
                 });
-                ctx.stop();
+                self.released = true;
+                match via {
+                    Via::Actor(ctx) => ctx.stop(),
+                    Via::Caller => self.me.do_send(Stop),
+                }
                 None
             }
             ProducerEffect::Dropped(why) => {
@@ -234,29 +389,62 @@ impl Actor for ProducerActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        let _g = self.span.enter();
+        let core = self.cell.core.lock();
+        let _g = core.span.enter();
         tracing::info!("opened");
-        ctx.run_later(self.shared.handshake_timeout, |a, ctx| {
-            if !a.machine.has_handshake() {
-                let span = tracing::info_span!(parent: &a.span, "msg", kind = "TimedOut");
+        ctx.run_later(core.shared.handshake_timeout, |a, ctx| {
+            let cell = a.cell.clone();
+            let mut core = cell.core.lock();
+            if !core.machine.has_handshake() {
+                let span = tracing::info_span!(parent: &core.span, "msg", kind = "TimedOut");
                 let _g = span.enter();
-                a.feed(ProducerEvent::TimedOut, ctx);
+                core.feed(ProducerEvent::TimedOut, &mut Via::Actor(ctx));
             }
         });
     }
 }
 
+impl ProducerActor {
+    /// Runs one message's handler: `f` on the state, under the lock; a
+    /// message sent through a [`ProducerRef`] (`counted`) leaves the inbox
+    /// count once handled.
+    fn handle_with(
+        &mut self,
+        ctx: &mut Context<Self>,
+        counted: bool,
+        f: impl FnOnce(&mut ProducerCore, &mut Via<'_>),
+    ) {
+        let cell = self.cell.clone();
+        let mut core = cell.core.lock();
+        f(&mut core, &mut Via::Actor(ctx));
+        if counted {
+            cell.inbox.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Handler<Stop> for ProducerActor {
+    type Result = ();
+    fn handle(&mut self, _: Stop, ctx: &mut Context<Self>) {
+        ctx.stop();
+    }
+}
+
 /// A handler: a `msg` span (`kind`: the message's type name, and the given
 /// span fields) around feeding the event to the machine. One line each
-/// below: message, the event it becomes; span fields.
+/// below: whether the message is counted in the inbox (sent through a
+/// [`ProducerRef`]) or a writer's report, message, the event it becomes;
+/// span fields.
 macro_rules! producer_handler {
-    ($msg:ident, |$m:ident| $ev:expr $(; $($field:tt)+)?) => {
+    ($counted:literal, $msg:ident, |$m:ident| $ev:expr $(; $($field:tt)+)?) => {
         impl Handler<$msg> for ProducerActor {
             type Result = ();
             fn handle(&mut self, $m: $msg, ctx: &mut Context<Self>) {
-                let span = tracing::info_span!(parent: &self.span, "msg", kind = stringify!($msg) $(, $($field)+)?);
-                let _g = span.enter();
-                self.feed($ev, ctx);
+                self.handle_with(ctx, $counted, |core, via| {
+                    let span = tracing::info_span!(parent: &core.span, "msg", kind = stringify!($msg) $(, $($field)+)?);
+                    let _g = span.enter();
+                    core.feed($ev, via);
+                });
             }
         }
     };
@@ -264,22 +452,24 @@ macro_rules! producer_handler {
 
 impl Handler<SourceBlocksAdded> for ProducerActor {
     type Result = ();
-    fn handle(&mut self, msg: SourceBlocksAdded, _ctx: &mut Context<Self>) {
-        let span =
-            tracing::info_span!(parent: &self.span, "msg", kind = "SourceBlocksAdded", added = msg.0.len());
-        let _g = span.enter();
-        self.src_blocks.extend(msg.0);
+    fn handle(&mut self, msg: SourceBlocksAdded, ctx: &mut Context<Self>) {
+        self.handle_with(ctx, true, |core, _| {
+            let span =
+                tracing::info_span!(parent: &core.span, "msg", kind = "SourceBlocksAdded", added = msg.0.len());
+            let _g = span.enter();
+            core.src_blocks.extend(msg.0);
+        });
     }
 }
 
-producer_handler!(HandshakeArrived, |m| ProducerEvent::Handshake(m.0);
+producer_handler!(true, HandshakeArrived, |m| ProducerEvent::Handshake(m.0);
     generation = m.0.generation.0, blocks = m.0.block_ids.len());
-producer_handler!(LayerReady, |m| ProducerEvent::LayerReady { layer: m.layer, blocks: m.blocks, after: m.after };
+producer_handler!(true, LayerReady, |m| ProducerEvent::LayerReady { layer: m.layer, blocks: m.blocks, after: m.after };
     layer = m.layer, blocks = ?m.blocks);
-producer_handler!(LayerWritten, |m| ProducerEvent::WriteDone { write: m.write, generation: m.generation, bytes: m.bytes };
+producer_handler!(false, LayerWritten, |m| ProducerEvent::WriteDone { write: m.write, generation: m.generation, bytes: m.bytes };
     write = m.write, bytes = m.bytes);
-producer_handler!(LayerWriteFailed,
+producer_handler!(false, LayerWriteFailed,
     |m| ProducerEvent::WriteFailed { write: m.write, generation: m.generation, reason: m.reason };
     write = m.write, reason = %m.reason);
-producer_handler!(FinishRequest, |_m| ProducerEvent::Finish);
-producer_handler!(AbortRequest, |m| ProducerEvent::Abort { reason: m.reason }; reason = %m.reason);
+producer_handler!(true, FinishRequest, |_m| ProducerEvent::Finish);
+producer_handler!(true, AbortRequest, |m| ProducerEvent::Abort { reason: m.reason }; reason = %m.reason);

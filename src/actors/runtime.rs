@@ -11,17 +11,17 @@ use actix::prelude::*;
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
-use super::directory::{check_layer, Call, RequestDirectory};
+use super::directory::{check_layer, Call, ProducerIndex, RequestDirectory};
 use super::gate::LayerMarks;
 use super::messages::*;
-use super::producer::{ProducerActor, ProducerShared};
+use super::producer::{ProducerActor, ProducerRef, ProducerShared};
 use super::router::NotificationRouter;
 use super::stats::{Stats, StatsSnapshot};
 use super::writer::{spawn_poller, PollJob, WriterPool};
 use crate::error::{GeometryError, RuntimeError};
 use crate::fsm::ConsumerMachine;
 use crate::ids::generation_seed;
-use crate::ids::{Capability, Generation, RequestId};
+use crate::ids::{Capability, Generation, MarkSeq, RequestId};
 use crate::layout::KvLayout;
 use crate::side_channel::client::{HandshakeJob, Publisher};
 use crate::staging::{staged_bytes, SourceStaging};
@@ -52,6 +52,10 @@ pub struct RuntimeConfig {
     /// Writers per peer (threads that submit to Mooncake in turn, sharing
     /// the per-peer budgets).
     pub writer_lanes_per_peer: usize,
+    /// A layer write of at most this many ranges, handed over without a
+    /// layer mark, is submitted on the thread that called `layer_ready`
+    /// when its writer is idle (0: always on the writer's thread).
+    pub inline_submit_max_ranges: usize,
     /// How often the router drains Mooncake's notifications.
     pub notify_poll: Duration,
     /// Handshakes parked and cancels remembered before their request opened
@@ -87,6 +91,7 @@ impl Default for RuntimeConfig {
             max_bytes_in_flight_per_peer: 1 << 30,
             max_ranges_in_flight_per_peer: 768,
             writer_lanes_per_peer: 4,
+            inline_submit_max_ranges: 64,
             notify_poll: Duration::from_millis(1),
             max_parked: 4096,
             max_parked_bytes: 64 << 20,
@@ -140,6 +145,8 @@ pub struct Runtime {
     system_thread: Option<std::thread::JoinHandle<()>>,
     /// Owns every per-request map of this rank (the façade keeps none).
     directory: Addr<RequestDirectory>,
+    /// The directory's open producer groups, read to hand layers over.
+    producers: ProducerIndex,
     writers: Arc<WriterPool>,
     /// The GPU worker's layer marks, waited for by the layer writers.
     marks: Arc<LayerMarks>,
@@ -195,15 +202,19 @@ impl Runtime {
         let poller_stop = Arc::new(AtomicBool::new(false));
         let poller_thread = spawn_poller(transport.clone(), poller_rx, poller_stop.clone(), stats.clone());
         let marks = Arc::new(LayerMarks::new(stats.clone()));
-        let writers = Arc::new(WriterPool::new(
-            transport.clone(),
-            (poller_tx.clone(), marks.clone()),
-            (cfg.write_timeout, cfg.quarantine),
-            cfg.max_bytes_in_flight_per_peer,
-            cfg.max_ranges_in_flight_per_peer,
-            cfg.writer_lanes_per_peer,
-            stats.clone(),
-        ));
+        let writers = Arc::new(
+            WriterPool::new(
+                transport.clone(),
+                (poller_tx.clone(), marks.clone()),
+                (cfg.write_timeout, cfg.quarantine),
+                cfg.max_bytes_in_flight_per_peer,
+                cfg.max_ranges_in_flight_per_peer,
+                cfg.writer_lanes_per_peer,
+                cfg.inline_submit_max_ranges,
+                stats.clone(),
+            )
+            .in_system(system.clone()),
+        );
         let (events_tx, events_rx) = crossbeam_channel::unbounded();
         let publisher = Publisher::new(4, cfg.side_channel_key.clone(), cfg.publish_timeout);
         let local = Arc::new(local);
@@ -213,7 +224,15 @@ impl Runtime {
             handshake_timeout: cfg.handshake_timeout,
             stats: stats.clone(),
         });
-        let directory = RequestDirectory::new(shared, cfg.clone(), router, events_tx, generation_seed());
+        let producers = ProducerIndex::default();
+        let directory = RequestDirectory::new(
+            shared,
+            cfg.clone(),
+            router,
+            events_tx,
+            generation_seed(),
+            producers.clone(),
+        );
         let directory = RequestDirectory::start_in_arbiter(&arbiter, move |_| directory);
         Ok(Self {
             transport,
@@ -222,6 +241,7 @@ impl Runtime {
             system,
             system_thread: Some(system_thread),
             directory,
+            producers,
             writers,
             marks,
             poller_tx: Some(poller_tx),
@@ -540,8 +560,53 @@ impl Runtime {
         self.ask(move |d, _| d.to_producer(&request, msg))
     }
 
+    /// The open producer group of `request`, if the directory has one
+    /// whose actors still run.
+    fn group(&self, request: &RequestId) -> Option<Arc<[ProducerRef]>> {
+        let group = self.producers.read().get(request).cloned()?;
+        group.iter().any(|m| m.connected()).then_some(group)
+    }
+
+    /// Hands layer `layer` of `request` to its producers that are idle, on
+    /// this thread (see [`super::producer`]); returns the members that were
+    /// not (to be sent the layer), `None` when the request has no open
+    /// producer group.
+    fn hand_over(
+        &self,
+        request: &RequestId,
+        layer: u32,
+        blocks: &Range<u32>,
+        after: MarkSeq,
+    ) -> Option<Vec<ProducerRef>> {
+        let group = self.group(request)?;
+        Some(
+            group
+                .iter()
+                .filter(|m| !m.try_layer_ready_inline(layer, blocks, after))
+                .cloned()
+                .collect(),
+        )
+    }
+
+    /// Sends `LayerReady` to producers that were busy, from the system
+    /// thread, and waits until it was sent: a busy producer's layers queue
+    /// at the pace the system thread takes them, as every message does.
+    fn send_layers(&self, sends: Vec<(ProducerRef, LayerReady)>) -> Result<(), RuntimeError> {
+        if sends.is_empty() {
+            return Ok(());
+        }
+        self.ask(move |_, _| {
+            for (member, msg) in sends {
+                member.send(msg);
+            }
+            Ok(())
+        })
+    }
+
     /// Prefill finished `layer` for request blocks `blocks` (indices into
-    /// the request's block list). Never blocks on the transfer.
+    /// the request's block list). Never blocks on the transfer; with the
+    /// request's producer and writer idle, the write is submitted before
+    /// this returns.
     pub fn layer_ready(
         &self,
         request: &RequestId,
@@ -549,59 +614,111 @@ impl Runtime {
         blocks: Range<u32>,
     ) -> Result<(), RuntimeError> {
         check_layer(&self.local, layer)?;
-        self.to_producer(
-            request,
-            LayerReady {
-                layer,
-                blocks,
-                after: 0,
-            },
-        )
+        let msg = LayerReady {
+            layer,
+            blocks,
+            after: 0,
+        };
+        match self.hand_over(request, layer, &msg.blocks, 0) {
+            Some(busy) => self.send_layers(busy.into_iter().map(|m| (m, msg.clone())).collect()),
+            // Not open here: the directory says why.
+            None => self.to_producer(request, msg),
+        }
     }
 
-    /// [`Self::layer_ready`] for several requests at once, in one trip to
-    /// the request directory: layer `layer` of each `(request, blocks)`.
-    /// Returns the requests it could not admit, each with its error (a
-    /// request released meanwhile: [`RuntimeError::UnknownRequest`]); the
-    /// others are admitted.
+    /// [`Self::layer_ready`] for several requests at once: layer `layer`
+    /// of each `(request, blocks)`, with at most one trip to the request
+    /// directory. Returns the requests it could not admit, each with its
+    /// error (a request released meanwhile:
+    /// [`RuntimeError::UnknownRequest`]); the others are admitted.
     pub fn layers_ready(
         &self,
         layer: u32,
         chunks: Vec<(RequestId, Range<u32>)>,
     ) -> Result<Vec<(RequestId, RuntimeError)>, RuntimeError> {
         check_layer(&self.local, layer)?;
+        let (mut unknown, mut sends) = (Vec::new(), Vec::new());
+        for (request, blocks) in chunks {
+            let msg = LayerReady {
+                layer,
+                blocks,
+                after: 0,
+            };
+            match self.hand_over(&request, layer, &msg.blocks, 0) {
+                Some(busy) => sends.extend(busy.into_iter().map(|m| (m, msg.clone()))),
+                None => unknown.push((request, msg)),
+            }
+        }
+        if unknown.is_empty() {
+            self.send_layers(sends)?;
+            return Ok(Vec::new());
+        }
         self.ask(move |d, _| {
-            Ok(chunks
+            for (member, msg) in sends {
+                member.send(msg);
+            }
+            Ok(unknown
                 .into_iter()
-                .filter_map(|(request, blocks)| {
-                    let r = d.to_producer(
-                        &request,
-                        LayerReady {
-                            layer,
-                            blocks,
-                            after: 0,
-                        },
-                    );
-                    r.err().map(|e| (request, e))
-                })
+                .filter_map(|(request, msg)| d.to_producer(&request, msg).err().map(|e| (request, e)))
                 .collect())
         })
     }
 
     /// Prefill side, on a GPU: the calls of one step, whose layers were
     /// launched before `mark` (`None`: written already, as for a request's
-    /// finish). Numbers the mark and hands the calls to the request
-    /// directory in one message, in order after every call before, without
-    /// waiting; each write is submitted by its layer writer once the mark
-    /// was reached (`super::gate`). A request released meanwhile is skipped
-    /// there; a mark whose wait fails fails the writes that wait for it.
+    /// finish). Numbers the mark and hands the calls to the producers, in
+    /// order after every call before, without waiting; each write is
+    /// submitted by its layer writer once the mark was reached
+    /// (`super::gate`). A request released meanwhile is skipped; a mark
+    /// whose wait fails fails the writes that wait for it.
     pub fn layers_ready_after(
         &self,
         mark: Option<Box<dyn super::gate::Mark>>,
         calls: Vec<super::gate::GateCall>,
     ) {
+        use super::gate::GateCall;
         let after = mark.map_or(0, |m| self.marks.push(m));
-        self.tell(move |d, _| d.gate_calls(after, calls));
+        for call in calls {
+            let known = match &call {
+                GateCall::Ready {
+                    request,
+                    layer,
+                    blocks,
+                } => match check_layer(&self.local, *layer) {
+                    // Busy producers are sent the layer from here: nobody
+                    // waits for a step's calls.
+                    Ok(()) => self
+                        .hand_over(request, *layer, blocks, after)
+                        .map(|busy| {
+                            for member in busy {
+                                member.send(LayerReady {
+                                    layer: *layer,
+                                    blocks: blocks.clone(),
+                                    after,
+                                });
+                            }
+                        })
+                        .is_some(),
+                    Err(e) => {
+                        tracing::warn!(request = %request, error = %e, "layer gate call failed");
+                        continue;
+                    }
+                },
+                GateCall::Finish { request } => self
+                    .group(request)
+                    .map(|g| {
+                        for member in g.iter() {
+                            member.send(FinishRequest);
+                        }
+                    })
+                    .is_some(),
+            };
+            if !known {
+                // Released meanwhile (decode gone, cancelled, past its
+                // deadline): nothing more to send for it.
+                tracing::debug!(request = %call.request(), "layer gate: request already released");
+            }
+        }
     }
 
     /// The layer marks (for tests and benchmarks: what was reached).
@@ -645,6 +762,9 @@ impl Runtime {
     /// Stops the actors and threads. Writes in flight are abandoned.
     pub fn shutdown(&mut self) {
         let was_running = self.system_thread.is_some();
+        // Layers handed over from now on find no group: the directory,
+        // stopped, answers `Stopped`.
+        self.producers.write().clear();
         self.publisher.lock().stop();
         self.writers.stop();
         self.system.stop();

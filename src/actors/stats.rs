@@ -80,6 +80,12 @@ pub struct Stats {
     /// Prefill side: layer writes that went from source staging into a
     /// consumer's grant.
     pub layers_staged: Counter,
+    /// Prefill side: layers whose `LayerReady` ran on the thread that
+    /// handed them over (no message to the system thread).
+    pub layers_ready_inline: Counter,
+    /// Prefill side: layer writes submitted to Mooncake on that thread
+    /// (their writer was idle; no message to its thread).
+    pub writes_inline: Counter,
 }
 
 /// A point-in-time copy of [`Stats`].
@@ -116,6 +122,8 @@ pub struct StatsSnapshot {
     pub staging_granted: u64,
     pub staging_exhausted: u64,
     pub layers_staged: u64,
+    pub layers_ready_inline: u64,
+    pub writes_inline: u64,
 }
 
 impl Stats {
@@ -152,6 +160,8 @@ impl Stats {
             staging_granted: self.staging_granted.get(),
             staging_exhausted: self.staging_exhausted.get(),
             layers_staged: self.layers_staged.get(),
+            layers_ready_inline: self.layers_ready_inline.get(),
+            writes_inline: self.writes_inline.get(),
         }
     }
 }

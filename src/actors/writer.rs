@@ -2,8 +2,18 @@
 //! slow or dead peer holds up nobody else) and the completion poller (one
 //! thread per runtime, polling every batch in flight without blocking a
 //! thread per batch).
+//!
+//! A writer's state sits behind its lock ([`LaneRef`]): a write handed
+//! over on the thread that computed the layer (a producer's `LayerReady`
+//! run inline, see [`super::producer`]) is submitted right there when the
+//! writer is idle — nothing queued or on its way to it, its lock free —
+//! the write waits for no layer mark, and it has at most
+//! `inline_submit_max_ranges` ranges; every other write goes to the
+//! writer's thread as a `WriteLayer` message, as before. Completions always
+//! come back through the writer's thread (poller → writer → producer).
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -15,6 +25,7 @@ use super::gate::LayerMarks;
 use super::messages::{BatchFinished, LayerWriteFailed, LayerWritten, SendNotice, WriteLayer};
 use super::stats::Stats;
 use crate::transport::{BatchHandle, BatchState, Transport};
+use crate::wire::Notice;
 use crate::wire::NOTIFY_NAME;
 
 /// A batch handed to the poller.
@@ -26,8 +37,8 @@ pub struct PollJob {
     /// `write_timeout + quarantine` after submission: the batch is given up.
     pub deadline: Instant,
     pub token: u64,
-    pub reply: Recipient<BatchFinished>,
-    pub peer: String,
+    pub reply: Addr<LayerWriter>,
+    pub peer: Arc<str>,
     pub warned: bool,
 }
 
@@ -131,8 +142,7 @@ struct Job {
     failed: Option<String>,
     /// The consumer's deadline (0: none): nothing is submitted after it.
     expires_unix_ms: u64,
-    done_to: Recipient<LayerWritten>,
-    failed_to: Recipient<LayerWriteFailed>,
+    reply_to: Addr<super::producer::ProducerActor>,
     /// The write in flight, for the trace (closed when the job ends).
     span: tracing::Span,
     /// When the writer took the write.
@@ -142,10 +152,30 @@ struct Job {
 /// Writes to one peer. Bounds the bytes and the ranges it has in flight
 /// (Mooncake's TCP transport refuses more than about a thousand queued
 /// transfers per peer); queues the rest, splitting a layer with more ranges
-/// than the budget into several batches.
+/// than the budget into several batches. Its state is its [`LaneCell`].
 pub struct LayerWriter {
-    peer: String,
+    cell: Arc<LaneCell>,
+}
+
+/// A writer's settings, state and inbox count, shared by the actor and the
+/// [`LaneRef`]s that reach it.
+pub struct LaneCell {
+    peer: Arc<str>,
     lane: LaneSettings,
+    state: Mutex<LaneState>,
+    /// `WriteLayer`s sent to the actor and not yet queued: while any is, a
+    /// write is not submitted inline ahead of it.
+    inbox: AtomicUsize,
+    /// The actor (set once it started, before anyone can reach the cell).
+    addr: std::sync::OnceLock<Addr<LayerWriter>>,
+}
+
+/// How producers reach a writer.
+#[derive(Clone)]
+pub struct LaneRef(Arc<LaneCell>);
+
+/// What a writer owns.
+struct LaneState {
     in_flight: u64,
     in_flight_ranges: usize,
     jobs: HashMap<u64, Job>,
@@ -167,14 +197,79 @@ struct LaneSettings {
     quarantine: Duration,
     max_in_flight: u64,
     max_ranges: usize,
+    /// A write of at most this many ranges may be submitted on the thread
+    /// that handed it over (0: never).
+    inline_max_ranges: usize,
     stats: Arc<Stats>,
 }
 
-impl LayerWriter {
+impl LaneRef {
+    /// Hands `msg` to this writer. `inline`: the caller computed the layer
+    /// on this thread (not the system thread) and may submit it here.
+    pub fn write(&self, msg: WriteLayer, inline: bool) {
+        let cell = &self.0;
+        if inline
+            && msg.after == 0
+            && msg.ranges.len() <= cell.lane.inline_max_ranges
+            && cell.inbox.load(Ordering::SeqCst) == 0
+        {
+            if let Some(mut st) = cell.state.try_lock() {
+                if st.queue.is_empty() && cell.inbox.load(Ordering::SeqCst) == 0 {
+                    cell.lane.stats.writes_inline.inc();
+                    cell.admit(&mut st, msg);
+                    cell.pump(&mut st);
+                    return;
+                }
+            }
+        }
+        cell.inbox.fetch_add(1, Ordering::SeqCst);
+        cell.addr().do_send(msg);
+    }
+
+    /// Sends `notice` from this writer's thread.
+    pub fn notice(&self, notice: Notice) {
+        self.0.addr().do_send(SendNotice(notice));
+    }
+}
+
+impl LaneCell {
+    fn addr(&self) -> &Addr<LayerWriter> {
+        self.addr.get().expect("a lane's address is set when it starts")
+    }
+
+    /// Takes a write into the queue.
+    fn admit(&self, st: &mut LaneState, msg: WriteLayer) {
+        // Submit to completion; never entered, so an async slice in a trace.
+        let span = tracing::debug_span!(parent: None, "write", request = %msg.request,
+            write = msg.write, layer = msg.layer, generation = msg.generation.0, peer = %self.peer,
+            bytes = msg.bytes, result = tracing::field::Empty);
+        let id = st.next_job;
+        st.next_job += 1;
+        st.jobs.insert(
+            id,
+            Job {
+                request: msg.request,
+                write: msg.write,
+                generation: msg.generation,
+                ranges: msg.ranges,
+                after: msg.after,
+                next: 0,
+                outstanding: 0,
+                written: 0,
+                failed: None,
+                expires_unix_ms: msg.expires_unix_ms,
+                reply_to: msg.reply_to,
+                span,
+                admitted: Instant::now(),
+            },
+        );
+        st.queue.push_back(id);
+    }
+
     /// Submits as many batches as the budgets allow, in arrival order.
-    fn pump(&mut self, ctx: &mut Context<Self>) {
-        while let Some(&id) = self.queue.front() {
-            let job = self.jobs.get_mut(&id).expect("queued job exists");
+    fn pump(&self, st: &mut LaneState) {
+        while let Some(&id) = st.queue.front() {
+            let job = st.jobs.get_mut(&id).expect("queued job exists");
             if job.failed.is_none()
                 && job.next < job.ranges.len()
                 && job.expires_unix_ms != 0
@@ -194,23 +289,24 @@ impl LayerWriter {
                 job.after = 0;
             }
             if job.failed.is_some() || job.next == job.ranges.len() {
-                self.queue.pop_front();
-                self.maybe_finish(id);
+                st.queue.pop_front();
+                self.maybe_finish(st, id);
                 continue;
             }
             let end = (job.next + self.lane.max_ranges).min(job.ranges.len());
             let chunk = &job.ranges[job.next..end];
             let bytes: u64 = chunk.iter().map(|r| r.len).sum();
-            let busy = self.in_flight > 0 || self.in_flight_ranges > 0;
+            let busy = st.in_flight > 0 || st.in_flight_ranges > 0;
             if busy
-                && (self.in_flight + bytes > self.lane.max_in_flight
-                    || self.in_flight_ranges + chunk.len() > self.lane.max_ranges)
+                && (st.in_flight + bytes > self.lane.max_in_flight
+                    || st.in_flight_ranges + chunk.len() > self.lane.max_ranges)
             {
                 break;
             }
-            let _g = tracing::debug_span!("write_layer", request = %job.request, write = job.write,
+            let _g =
+                tracing::debug_span!(parent: None, "write_layer", request = %job.request, write = job.write,
                 generation = job.generation.0, peer = %self.peer, ranges = chunk.len(), bytes)
-            .entered();
+                .entered();
             let n = chunk.len();
             let submitting = Instant::now();
             let submitted = self.lane.transport.submit_write(&self.peer, chunk);
@@ -222,15 +318,15 @@ impl LayerWriter {
                 Ok(handle) => {
                     self.lane.stats.write_batches.inc();
                     self.lane.stats.write_ranges.add(n as u64);
-                    let token = self.next_token;
-                    self.next_token += 1;
+                    let token = st.next_token;
+                    st.next_token += 1;
                     let now = Instant::now();
                     let poll = PollJob {
                         handle,
                         late_at: now + self.lane.write_timeout,
                         deadline: now + self.lane.write_timeout + self.lane.quarantine,
                         token,
-                        reply: ctx.address().recipient(),
+                        reply: self.addr().clone(),
                         peer: self.peer.clone(),
                         warned: false,
                     };
@@ -240,9 +336,9 @@ impl LayerWriter {
                     }
                     job.next = end;
                     job.outstanding += 1;
-                    self.in_flight += bytes;
-                    self.in_flight_ranges += n;
-                    self.pending.insert(token, (id, bytes, n, submitting));
+                    st.in_flight += bytes;
+                    st.in_flight_ranges += n;
+                    st.pending.insert(token, (id, bytes, n, submitting));
                 }
                 Err(e) => {
                     tracing::warn!(peer = %self.peer, error = %e, "submit failed");
@@ -253,13 +349,13 @@ impl LayerWriter {
     }
 
     /// Reports a job once nothing of it is in flight and nothing is left to submit.
-    fn maybe_finish(&mut self, id: u64) {
-        let Some(job) = self.jobs.get(&id) else { return };
+    fn maybe_finish(&self, st: &mut LaneState, id: u64) {
+        let Some(job) = st.jobs.get(&id) else { return };
         let submitted_all = job.next == job.ranges.len();
         if job.outstanding > 0 || !(submitted_all || job.failed.is_some()) {
             return;
         }
-        let job = self.jobs.remove(&id).expect("checked above");
+        let job = st.jobs.remove(&id).expect("checked above");
         self.lane
             .stats
             .layer_write_micros
@@ -269,7 +365,7 @@ impl LayerWriter {
                 job.span.record("result", "ok");
                 self.lane.stats.bytes_written.add(job.written);
                 self.lane.stats.layers_written.inc();
-                job.done_to.do_send(LayerWritten {
+                job.reply_to.do_send(LayerWritten {
                     request: job.request,
                     write: job.write,
                     generation: job.generation,
@@ -280,7 +376,7 @@ impl LayerWriter {
                 job.span.record("result", "failed");
                 self.lane.stats.writes_failed.inc();
                 tracing::warn!(peer = %self.peer, request = %job.request, %reason, "write failed");
-                job.failed_to.do_send(LayerWriteFailed {
+                job.reply_to.do_send(LayerWriteFailed {
                     request: job.request,
                     write: job.write,
                     generation: job.generation,
@@ -297,50 +393,31 @@ impl Actor for LayerWriter {
 
 impl Handler<WriteLayer> for LayerWriter {
     type Result = ();
-    fn handle(&mut self, msg: WriteLayer, ctx: &mut Context<Self>) {
-        // Submit to completion; never entered, so an async slice in a trace.
-        let span = tracing::debug_span!(parent: None, "write", request = %msg.request,
-            write = msg.write, layer = msg.layer, generation = msg.generation.0, peer = %self.peer,
-            bytes = msg.bytes, result = tracing::field::Empty);
-        let id = self.next_job;
-        self.next_job += 1;
-        self.jobs.insert(
-            id,
-            Job {
-                request: msg.request,
-                write: msg.write,
-                generation: msg.generation,
-                ranges: msg.ranges,
-                after: msg.after,
-                next: 0,
-                outstanding: 0,
-                written: 0,
-                failed: None,
-                expires_unix_ms: msg.expires_unix_ms,
-                done_to: msg.done_to,
-                failed_to: msg.failed_to,
-                span,
-                admitted: Instant::now(),
-            },
-        );
-        self.queue.push_back(id);
-        self.pump(ctx);
+    fn handle(&mut self, msg: WriteLayer, _ctx: &mut Context<Self>) {
+        let cell = &self.cell;
+        let mut st = cell.state.lock();
+        cell.admit(&mut st, msg);
+        // Queued now: an inline write that looks sees it (under the lock).
+        cell.inbox.fetch_sub(1, Ordering::SeqCst);
+        cell.pump(&mut st);
     }
 }
 
 impl Handler<BatchFinished> for LayerWriter {
     type Result = ();
-    fn handle(&mut self, msg: BatchFinished, ctx: &mut Context<Self>) {
-        let Some((id, bytes, n, submitted)) = self.pending.remove(&msg.token) else {
+    fn handle(&mut self, msg: BatchFinished, _ctx: &mut Context<Self>) {
+        let cell = &self.cell;
+        let mut st = cell.state.lock();
+        let Some((id, bytes, n, submitted)) = st.pending.remove(&msg.token) else {
             return;
         };
-        self.lane
+        cell.lane
             .stats
             .write_batch_micros
             .add(submitted.elapsed().as_micros() as u64);
-        self.in_flight -= bytes;
-        self.in_flight_ranges -= n;
-        if let Some(job) = self.jobs.get_mut(&id) {
+        st.in_flight -= bytes;
+        st.in_flight_ranges -= n;
+        if let Some(job) = st.jobs.get_mut(&id) {
             job.outstanding -= 1;
             match msg.result {
                 Ok(written) => job.written += written,
@@ -349,28 +426,28 @@ impl Handler<BatchFinished> for LayerWriter {
                 }
             }
         }
-        self.maybe_finish(id);
-        self.pump(ctx);
+        cell.maybe_finish(&mut st, id);
+        cell.pump(&mut st);
     }
 }
 
 impl Handler<SendNotice> for LayerWriter {
     type Result = ();
     fn handle(&mut self, msg: SendNotice, _ctx: &mut Context<Self>) {
-        let n = msg.0;
+        let (n, cell) = (msg.0, &self.cell);
         let _g = tracing::debug_span!("send_notice", request = %n.request_id, generation = n.generation.0,
-            outcome = ?n.outcome, peer = %self.peer)
+            outcome = ?n.outcome, peer = %cell.peer)
         .entered();
-        match self
+        match cell
             .lane
             .transport
-            .send_notification(&self.peer, NOTIFY_NAME, &n.to_json())
+            .send_notification(&cell.peer, NOTIFY_NAME, &n.to_json())
         {
-            Ok(()) => self.lane.stats.notices_sent.inc(),
+            Ok(()) => cell.lane.stats.notices_sent.inc(),
             Err(e) => {
                 // The consumer will fail the request at its deadline.
-                self.lane.stats.notices_failed.inc();
-                tracing::warn!(peer = %self.peer, request = %n.request_id, error = %e, "notice not sent");
+                cell.lane.stats.notices_failed.inc();
+                tracing::warn!(peer = %cell.peer, request = %n.request_id, error = %e, "notice not sent");
             }
         }
     }
@@ -390,14 +467,20 @@ pub struct WriterPool {
     lanes: usize,
     next_lane: std::sync::atomic::AtomicUsize,
     writers: Mutex<HashMap<String, Vec<Lane>>>,
+    /// The actor system the lanes' arbiters belong to, for a lane first
+    /// needed on a thread outside it (a write handed over inline).
+    system: Option<System>,
 }
 
 /// One writer of a peer and the arbiter (thread) it runs on.
-type Lane = (Arbiter, Addr<LayerWriter>);
+type Lane = (Arbiter, LaneRef);
 
 impl WriterPool {
     /// `max_in_flight` and `max_ranges` bound each peer, all its lanes
-    /// together; `marks` are the layer marks writes wait for.
+    /// together; `marks` are the layer marks writes wait for; a write of at
+    /// most `inline_max_ranges` ranges may be submitted on the thread that
+    /// computed its layer.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         transport: Arc<dyn Transport>,
         (poller, marks): (Sender<PollJob>, Arc<LayerMarks>),
@@ -405,6 +488,7 @@ impl WriterPool {
         max_in_flight: u64,
         max_ranges: usize,
         lanes: usize,
+        inline_max_ranges: usize,
         stats: Arc<Stats>,
     ) -> Self {
         let lanes = lanes.clamp(1, max_ranges.max(1));
@@ -417,33 +501,58 @@ impl WriterPool {
                 quarantine,
                 max_in_flight: (max_in_flight / lanes as u64).max(1),
                 max_ranges: (max_ranges / lanes).max(1),
+                inline_max_ranges,
                 stats,
             },
             lanes,
             next_lane: std::sync::atomic::AtomicUsize::new(0),
             writers: Mutex::new(HashMap::new()),
+            system: System::try_current(),
         }
     }
 
-    fn lane_of(&self, peer: &str, lane: usize) -> Addr<LayerWriter> {
+    /// The pool's lanes belong to `system` (for a pool made outside it).
+    pub fn in_system(mut self, system: System) -> Self {
+        self.system = Some(system);
+        self
+    }
+
+    fn lane_of(&self, peer: &str, lane: usize) -> LaneRef {
         let mut writers = self.writers.lock();
+        if let Some(lanes) = writers.get(peer) {
+            // The per-layer path: no key to allocate.
+            return lanes[lane % lanes.len()].1.clone();
+        }
         let lanes = writers.entry(peer.to_string()).or_insert_with(|| {
+            if System::try_current().is_none() {
+                // A thread outside the actor system (the caller of an
+                // inline hand-over): its arbiters still belong to it.
+                if let Some(sys) = &self.system {
+                    System::set_current(sys.clone());
+                }
+            }
             (0..self.lanes)
                 .map(|_| {
                     let arbiter = Arbiter::new();
-                    let writer = LayerWriter {
-                        peer: peer.to_string(),
+                    let cell = Arc::new(LaneCell {
+                        peer: peer.into(),
                         lane: self.lane.clone(),
-                        in_flight: 0,
-                        in_flight_ranges: 0,
-                        jobs: HashMap::new(),
-                        queue: VecDeque::new(),
-                        pending: HashMap::new(),
-                        next_token: 1,
-                        next_job: 1,
-                    };
+                        state: Mutex::new(LaneState {
+                            in_flight: 0,
+                            in_flight_ranges: 0,
+                            jobs: HashMap::new(),
+                            queue: VecDeque::new(),
+                            pending: HashMap::new(),
+                            next_token: 1,
+                            next_job: 1,
+                        }),
+                        inbox: AtomicUsize::new(0),
+                        addr: std::sync::OnceLock::new(),
+                    });
+                    let writer = LayerWriter { cell: cell.clone() };
                     let addr = LayerWriter::start_in_arbiter(&arbiter.handle(), move |_| writer);
-                    (arbiter, addr)
+                    let _ = cell.addr.set(addr);
+                    (arbiter, LaneRef(cell))
                 })
                 .collect()
         });
@@ -451,12 +560,12 @@ impl WriterPool {
     }
 
     /// The writer that sends `peer` its notices (lane 0).
-    pub fn get(&self, peer: &str) -> Addr<LayerWriter> {
+    pub fn get(&self, peer: &str) -> LaneRef {
         self.lane_of(peer, 0)
     }
 
     /// The writer for the next write to `peer` (the lanes in turn).
-    pub fn next(&self, peer: &str) -> Addr<LayerWriter> {
+    pub fn next(&self, peer: &str) -> LaneRef {
         let lane = self.next_lane.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.lane_of(peer, lane)
     }

@@ -138,6 +138,12 @@ impl ProducerMachine {
         self.phase
     }
 
+    /// Writes held back by rule 8 (waiting for an earlier write into the
+    /// same layer and blocks to end).
+    pub fn held_back(&self) -> usize {
+        self.deferred.len()
+    }
+
     pub fn in_flight(&self) -> usize {
         self.in_flight.len()
     }
@@ -289,29 +295,36 @@ impl ProducerMachine {
 
     pub fn on_event(&mut self, ev: ProducerEvent) -> Vec<ProducerEffect> {
         let mut out = Vec::new();
+        self.on_event_into(ev, &mut out);
+        out
+    }
+
+    /// [`Self::on_event`], appending the effects to `out` (a buffer the
+    /// caller reuses: the per-layer path allocates nothing for them).
+    pub fn on_event_into(&mut self, ev: ProducerEvent, out: &mut Vec<ProducerEffect>) {
         if self.phase == ProducerPhase::Released {
             out.push(ProducerEffect::Dropped(Dropped::AfterTerminal));
-            return out;
+            return;
         }
         match ev {
             ProducerEvent::Handshake(h) => {
                 if self.phase != ProducerPhase::Streaming || self.stop.is_some() {
                     out.push(ProducerEffect::Dropped(Dropped::AfterTerminal));
-                    return out;
+                    return;
                 }
                 match &self.auth {
                     Some(cur) if cur.generation == h.generation => {
                         if **cur != *h {
                             out.push(ProducerEffect::Dropped(Dropped::AuthorizationChanged));
                         }
-                        return out;
+                        return;
                     }
                     Some(cur) if h.generation < cur.generation => {
                         out.push(ProducerEffect::Dropped(Dropped::OlderHandshake {
                             got: h.generation,
                             current: cur.generation,
                         }));
-                        return out;
+                        return;
                     }
                     _ => {}
                 }
@@ -325,20 +338,20 @@ impl ProducerMachine {
                 self.deferred.clear();
                 let ready = self.ready.clone();
                 for (layer, blocks, after) in ready {
-                    self.submit(layer, blocks, after, &mut out);
+                    self.submit(layer, blocks, after, out);
                 }
                 if self.finished {
                     self.phase = ProducerPhase::Draining;
-                    self.settle(&mut out);
+                    self.settle(out);
                 }
             }
             ProducerEvent::LayerReady { layer, blocks, after } => {
                 if self.phase != ProducerPhase::Streaming || self.finished {
                     out.push(ProducerEffect::Dropped(Dropped::AfterTerminal));
-                    return out;
+                    return;
                 }
                 self.ready.push((layer, blocks.clone(), after));
-                self.submit(layer, blocks, after, &mut out);
+                self.submit(layer, blocks, after, out);
             }
             ProducerEvent::WriteDone {
                 write,
@@ -360,8 +373,8 @@ impl ProducerMachine {
                     }
                     None => out.push(ProducerEffect::Dropped(Dropped::UnknownWrite(write))),
                 }
-                self.submit_deferred(&mut out);
-                self.settle(&mut out);
+                self.submit_deferred(out);
+                self.settle(out);
             }
             ProducerEvent::WriteFailed {
                 write,
@@ -388,19 +401,19 @@ impl ProducerMachine {
                     }
                     None => out.push(ProducerEffect::Dropped(Dropped::UnknownWrite(write))),
                 }
-                self.submit_deferred(&mut out);
-                self.settle(&mut out);
+                self.submit_deferred(out);
+                self.settle(out);
             }
             ProducerEvent::Finish => {
                 self.finished = true;
                 if self.auth.is_some() {
                     self.phase = ProducerPhase::Draining;
                 }
-                self.settle(&mut out);
+                self.settle(out);
             }
             ProducerEvent::Abort { reason } => {
                 self.stop_with(Outcome::Aborted, reason);
-                self.settle(&mut out);
+                self.settle(out);
             }
             ProducerEvent::TimedOut => {
                 if self.auth.is_none() {
@@ -411,10 +424,9 @@ impl ProducerMachine {
                 } else {
                     self.stop_with(Outcome::Failed, "writes did not drain before the deadline".into());
                 }
-                self.settle(&mut out);
+                self.settle(out);
             }
         }
-        out
     }
 }
 

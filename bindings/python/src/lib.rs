@@ -58,6 +58,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     defaults.set_item("max_parked_bytes", d.max_parked_bytes)?;
     defaults.set_item("publish_timeout_s", d.publish_timeout.as_secs_f64())?;
     defaults.set_item("staging_min_ranges", d.staging_min_ranges)?;
+    defaults.set_item("inline_submit_max_ranges", d.inline_submit_max_ranges)?;
     m.add("RUNTIME_DEFAULTS", defaults)?;
     m.add_class::<context::ClosesOnExit>()?;
     m.add_class::<engine::PyEngine>()?;

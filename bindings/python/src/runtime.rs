@@ -301,7 +301,7 @@ impl PyRuntime {
         write_timeout_s=None, quarantine_s=None, max_bytes_in_flight_per_peer=None,
         max_ranges_in_flight_per_peer=None, writer_lanes_per_peer=None, notify_poll_ms=None, max_parked=None,
         max_parked_bytes=None, side_channel_key=None, publish_timeout_s=None, staging_region=None,
-        source_staging_region=None, staging_min_ranges=None))]
+        source_staging_region=None, staging_min_ranges=None, inline_submit_max_ranges=None))]
     fn new(
         py: Python<'_>,
         engine: &PyEngine,
@@ -321,6 +321,7 @@ impl PyRuntime {
         staging_region: Option<(u64, u64)>,
         source_staging_region: Option<(u64, u64)>,
         staging_min_ranges: Option<usize>,
+        inline_submit_max_ranges: Option<usize>,
     ) -> PyResult<Self> {
         let layout: KvLayout = serde_json::from_str(layout_json).map_err(|e| {
             runtime_error(
@@ -362,6 +363,7 @@ impl PyRuntime {
             staging_region,
             source_staging_region,
             staging_min_ranges: staging_min_ranges.unwrap_or(d.staging_min_ranges),
+            inline_submit_max_ranges: inline_submit_max_ranges.unwrap_or(d.inline_submit_max_ranges),
         };
         let transport = engine.transport(py)?;
         let endpoint = transport.endpoint().to_string();

@@ -56,6 +56,11 @@ def test_unknown_keys_are_errors() -> None:
         PdConfig.from_extra_config({"orbitkv.pd.allowed_prefil": ["x"]})
 
 
+def test_inline_submit_max_ranges() -> None:
+    assert PdConfig.from_extra_config({"orbitkv.pd.inline_submit_max_ranges": 0}).inline_submit_max_ranges == 0
+    assert PdConfig.from_extra_config({"orbitkv.pd.inline_submit_max_ranges": 8}).inline_submit_max_ranges == 8
+
+
 def test_writer_lanes() -> None:
     assert PdConfig.from_extra_config({}).writer_lanes == 4
     assert PdConfig.from_extra_config({"orbitkv.pd.writer_lanes": 1}).writer_lanes == 1
@@ -99,9 +104,10 @@ def test_the_connector_defaults_are_the_runtimes() -> None:
         rt["quarantine_s"],
     )
     assert c.max_inflight_mb << 20 == rt["max_bytes_in_flight_per_peer"]
-    assert (c.max_inflight_ranges, c.writer_lanes) == (
+    assert (c.max_inflight_ranges, c.writer_lanes, c.inline_submit_max_ranges) == (
         rt["max_ranges_in_flight_per_peer"],
         rt["writer_lanes_per_peer"],
+        rt["inline_submit_max_ranges"],
     )
     assert set(rt) >= {"notify_poll_ms", "max_parked", "max_parked_bytes", "publish_timeout_s"}
     assert all(isinstance(v, (int, float)) and v > 0 for v in rt.values())
@@ -133,6 +139,9 @@ def test_every_setting_is_documented() -> None:
         ("orbitkv.pd.staging_mb", None),
         ("orbitkv.pd.staging_min_ranges", 0),
         ("orbitkv.pd.staging_min_ranges", True),
+        ("orbitkv.pd.inline_submit_max_ranges", -1),
+        ("orbitkv.pd.inline_submit_max_ranges", True),
+        ("orbitkv.pd.inline_submit_max_ranges", 1.5),
         ("orbitkv.pd.mooncake.bind_host", ""),
         ("orbitkv.pd.mooncake.bind_host", "a host"),
         ("orbitkv.pd.mooncake.bind_host", None),

@@ -299,6 +299,7 @@ class Runtime:
         staging_region: tuple[int, int] | None = None,
         source_staging_region: tuple[int, int] | None = None,
         staging_min_ranges: int | None = None,
+        inline_submit_max_ranges: int | None = None,
     ) -> Self:
         """Each setting left out (None) is the Rust `RuntimeConfig::default()`'s
         (`RUNTIME_DEFAULTS`)."""

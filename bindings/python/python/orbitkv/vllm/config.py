@@ -68,6 +68,9 @@ class ExtraConfig(BaseModel):
     writer_lanes: Annotated[int, Field(ge=1, le=64, description="an integer in 1..64")] = Field(
         int(_RT["writer_lanes_per_peer"]), alias="orbitkv.pd.writer_lanes"
     )
+    inline_submit_max_ranges: Annotated[int, Field(ge=0, description="an integer >= 0 (0: off)")] = Field(
+        int(_RT["inline_submit_max_ranges"]), alias="orbitkv.pd.inline_submit_max_ranges"
+    )
     mooncake_submit_wait: Literal["layer", "device"] = Field(
         "layer", alias="orbitkv.pd.mooncake_submit_wait", description="'layer' or 'device'"
     )
@@ -170,6 +173,9 @@ class PdConfig:
     max_inflight_mb: int = ExtraConfig.model_fields["max_inflight_mb"].default
     max_inflight_ranges: int = ExtraConfig.model_fields["max_inflight_ranges"].default
     writer_lanes: int = ExtraConfig.model_fields["writer_lanes"].default
+    # A layer write of at most this many ranges, without a layer mark (CPU),
+    # is submitted on the worker's thread when its writer is idle (0: never).
+    inline_submit_max_ranges: int = ExtraConfig.model_fields["inline_submit_max_ranges"].default
     # On CUDA, what a Mooncake submit waits for before its copies: "layer",
     # only the layer's own event, which OrbitKV waited for already (Mooncake's
     # wait on the caller's default stream redirected); "device", as Mooncake
@@ -221,6 +227,7 @@ class PdConfig:
             max_inflight_mb=x.max_inflight_mb,
             max_inflight_ranges=x.max_inflight_ranges,
             writer_lanes=x.writer_lanes,
+            inline_submit_max_ranges=x.inline_submit_max_ranges,
             mooncake_submit_wait=x.mooncake_submit_wait,
             trace=x.trace,
             staging_mb=x.staging_mb,

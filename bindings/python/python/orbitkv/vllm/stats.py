@@ -119,6 +119,14 @@ _PROM = {
         "vllm:orbitkv_layers_staged",
         "Layer writes that went from source staging into a consumer's staging grant.",
     ),
+    "layers_ready_inline": (
+        "vllm:orbitkv_layers_ready_inline",
+        "Prefill layers handed to their producer on the worker's own thread (no message to the runtime's thread).",
+    ),
+    "writes_inline": (
+        "vllm:orbitkv_writes_inline",
+        "Prefill layer writes submitted to Mooncake on the worker's own thread (their writer lane was idle).",
+    ),
 }
 
 # Time sums the runtime keeps in microseconds, exported as seconds counters.

@@ -265,6 +265,7 @@ class PdWorker:
             max_bytes_in_flight_per_peer=self.config.max_inflight_mb << 20,
             max_ranges_in_flight_per_peer=self.config.max_inflight_ranges,
             writer_lanes_per_peer=self.config.writer_lanes,
+            inline_submit_max_ranges=self.config.inline_submit_max_ranges,
             side_channel_key=self.config.side_channel_key,
             publish_timeout_s=min(10.0, self.config.timeout_s),
             staging_region=grants,
