@@ -40,17 +40,20 @@ pub struct SourceBlocksAdded(pub Vec<u32>);
 #[derive(Message, Debug)]
 #[rtype(result = "()")]
 pub struct LayerWritten {
-    pub request: RequestId,
+    pub request: Arc<RequestId>,
     pub write: WriteId,
     pub generation: Generation,
     pub bytes: u64,
+    /// The write's range list, emptied, for the producer to plan into
+    /// again (the per-layer path then allocates none).
+    pub spare: Vec<WriteRange>,
 }
 
 /// A layer writer could not complete one admitted write.
 #[derive(Message, Debug)]
 #[rtype(result = "()")]
 pub struct LayerWriteFailed {
-    pub request: RequestId,
+    pub request: Arc<RequestId>,
     pub write: WriteId,
     pub generation: Generation,
     pub reason: String,
@@ -100,7 +103,7 @@ pub struct ReleaseRequest;
 #[derive(Message)]
 #[rtype(result = "()")]
 pub struct WriteLayer {
-    pub request: RequestId,
+    pub request: Arc<RequestId>,
     pub write: WriteId,
     pub generation: Generation,
     pub layer: u32,

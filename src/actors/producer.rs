@@ -88,6 +88,12 @@ struct ProducerCore {
     released: bool,
     /// The machine's effects, one event at a time (reused).
     effects: Vec<ProducerEffect>,
+    /// Range lists the writers gave back, to plan layers into.
+    spare: Vec<Vec<crate::transport::WriteRange>>,
+    /// The request ID as the writers carry it.
+    request: Arc<RequestId>,
+    /// The consumer's writers (its endpoint, the lanes), looked up once.
+    lanes: Option<(String, Vec<super::writer::LaneRef>)>,
 }
 
 /// Who carries out an effect: the actor on its thread, or the caller that
@@ -211,6 +217,9 @@ impl ProducerCore {
             me,
             released: false,
             effects: Vec::new(),
+            spare: Vec::new(),
+            request: Arc::new(request.clone()),
+            lanes: None,
             machine: ProducerMachine::new(request),
             rank: ProducerRank(shared.local.tp_rank),
             src_blocks,
@@ -321,13 +330,15 @@ impl ProducerCore {
                     "layer admitted"
                 );
                 let cap = self.planned.len();
+                let next = self.spare.pop().unwrap_or_else(|| Vec::with_capacity(cap));
                 let write = WriteLayer {
-                    request: self.machine.request.clone(),
+                    request: self.request.clone(),
                     write,
                     generation,
                     layer,
-                    // The next layer plans into a buffer of this size (no regrowth).
-                    ranges: std::mem::replace(&mut self.planned, Vec::with_capacity(cap)),
+                    // The next layer plans into a buffer a writer gave back,
+                    // or one of this size (no regrowth).
+                    ranges: std::mem::replace(&mut self.planned, next),
                     bytes,
                     after,
                     expires_unix_ms: auth.expires_unix_ms,
@@ -336,7 +347,16 @@ impl ProducerCore {
                 // Submitted here only on the caller's thread: the system
                 // thread never waits on Mooncake.
                 let inline = matches!(via, Via::Caller);
-                self.shared.writers.next(&auth.endpoint).write(write, inline);
+                if !self
+                    .lanes
+                    .as_ref()
+                    .is_some_and(|(peer, _)| *peer == auth.endpoint)
+                {
+                    let lanes = self.shared.writers.lanes(&auth.endpoint);
+                    self.lanes = Some((auth.endpoint.clone(), lanes));
+                }
+                let (_, lanes) = self.lanes.as_ref().expect("set above");
+                self.shared.writers.pick(lanes).write(write, inline);
                 None
             }
             ProducerEffect::Notify {
@@ -466,8 +486,26 @@ producer_handler!(true, HandshakeArrived, |m| ProducerEvent::Handshake(m.0);
     generation = m.0.generation.0, blocks = m.0.block_ids.len());
 producer_handler!(true, LayerReady, |m| ProducerEvent::LayerReady { layer: m.layer, blocks: m.blocks, after: m.after };
     layer = m.layer, blocks = ?m.blocks);
-producer_handler!(false, LayerWritten, |m| ProducerEvent::WriteDone { write: m.write, generation: m.generation, bytes: m.bytes };
-    write = m.write, bytes = m.bytes);
+impl Handler<LayerWritten> for ProducerActor {
+    type Result = ();
+    fn handle(&mut self, m: LayerWritten, ctx: &mut Context<Self>) {
+        self.handle_with(ctx, false, |core, via| {
+            let span = tracing::info_span!(parent: &core.span, "msg", kind = "LayerWritten",
+                write = m.write, bytes = m.bytes);
+            let _g = span.enter();
+            // A few in reserve: as many as writes are usually in flight.
+            if core.spare.len() < 8 && m.spare.capacity() > 0 {
+                core.spare.push(m.spare);
+            }
+            let ev = ProducerEvent::WriteDone {
+                write: m.write,
+                generation: m.generation,
+                bytes: m.bytes,
+            };
+            core.feed(ev, via);
+        });
+    }
+}
 producer_handler!(false, LayerWriteFailed,
     |m| ProducerEvent::WriteFailed { write: m.write, generation: m.generation, reason: m.reason };
     write = m.write, reason = %m.reason);

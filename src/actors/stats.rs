@@ -3,8 +3,11 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// A monotonically increasing counter.
+/// A monotonically increasing counter, on a cache line (two: adjacent-line
+/// prefetch) of its own: the per-layer path on the caller's thread and the
+/// writers' threads bump different counters, which must not share a line.
 #[derive(Debug, Default)]
+#[repr(align(128))]
 pub struct Counter(AtomicU64);
 
 impl Counter {

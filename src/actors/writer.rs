@@ -42,6 +42,13 @@ pub struct PollJob {
     pub warned: bool,
 }
 
+/// How long the completion poller keeps napping after the last batch in
+/// flight ended before it blocks on its queue; a batch handed over
+/// meanwhile is taken at the next nap's end, within [`LINGER_NAP`] (the
+/// steady state's polling interval).
+const LINGER: Duration = Duration::from_millis(20);
+const LINGER_NAP: Duration = Duration::from_micros(200);
+
 /// Polls every batch in flight; reports each once, when Mooncake ends it or
 /// its deadline passes. A late batch is not reported failed at
 /// `write_timeout`: Mooncake cannot cancel a transfer, and one queued behind
@@ -62,9 +69,24 @@ pub fn spawn_poller(
             let mut abandoned: Vec<BatchHandle> = Vec::new();
             // Naps at most 200 µs: a finished batch is reported within that.
             let mut backoff = crate::transport::PollBackoff::new(Duration::from_micros(200));
+            let mut last_busy = Instant::now();
             while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                // Take new jobs; block only when nothing is in flight.
-                if live.is_empty() && abandoned.is_empty() {
+                // Take new jobs; block only when nothing was in flight for
+                // a while (`LINGER`): until then nap, so that whoever hands
+                // over the next batch (a caller's thread, inline) does not
+                // pay a futex wake of this thread.
+                let idle = live.is_empty() && abandoned.is_empty();
+                if idle && last_busy.elapsed() < LINGER {
+                    match jobs.try_recv() {
+                        Ok(j) => live.push(j),
+                        Err(crossbeam_channel::TryRecvError::Empty) => {
+                            std::thread::sleep(LINGER_NAP);
+                            continue;
+                        }
+                        Err(crossbeam_channel::TryRecvError::Disconnected) => return,
+                    }
+                    backoff.reset();
+                } else if idle {
                     match jobs.recv_timeout(Duration::from_millis(100)) {
                         Ok(j) => live.push(j),
                         Err(RecvTimeoutError::Timeout) => continue,
@@ -117,6 +139,7 @@ pub fn spawn_poller(
                 if live.len() < before {
                     backoff.reset();
                 }
+                last_busy = Instant::now();
                 // Back off while nothing finishes: yield first, then nap.
                 backoff.pause(None);
             }
@@ -128,7 +151,7 @@ pub fn spawn_poller(
 /// ranges than the per-peer range budget goes out as several batches; it is
 /// reported once, when every batch ended (failed if any failed).
 struct Job {
-    request: crate::ids::RequestId,
+    request: Arc<crate::ids::RequestId>,
     write: u64,
     generation: crate::ids::Generation,
     ranges: Vec<crate::transport::WriteRange>,
@@ -365,11 +388,14 @@ impl LaneCell {
                 job.span.record("result", "ok");
                 self.lane.stats.bytes_written.add(job.written);
                 self.lane.stats.layers_written.inc();
+                let mut spare = job.ranges;
+                spare.clear();
                 job.reply_to.do_send(LayerWritten {
                     request: job.request,
                     write: job.write,
                     generation: job.generation,
                     bytes: job.written,
+                    spare,
                 });
             }
             Some(reason) => {
@@ -568,6 +594,19 @@ impl WriterPool {
     pub fn next(&self, peer: &str) -> LaneRef {
         let lane = self.next_lane.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.lane_of(peer, lane)
+    }
+
+    /// Every writer of `peer`, for a producer to keep ([`Self::pick`]).
+    pub fn lanes(&self, peer: &str) -> Vec<LaneRef> {
+        self.lane_of(peer, 0);
+        self.writers.lock()[peer].iter().map(|(_, l)| l.clone()).collect()
+    }
+
+    /// The writer for the next write among `lanes` (one peer's, from
+    /// [`Self::lanes`]): in turn, as [`Self::next`], without a lookup.
+    pub fn pick<'a>(&self, lanes: &'a [LaneRef]) -> &'a LaneRef {
+        let lane = self.next_lane.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        &lanes[lane % lanes.len()]
     }
 
     /// Stops every writer's arbiter.
