@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 pub use crate::transport::fake::{FakeEnd, FakeTransport};
 use crate::{
-    Capability, EngineConfig, KvLayout, MooncakeTransferEngine, Runtime, RuntimeConfig, RuntimeEvent,
+    Capability, EngineConfig, KvLayout, MooncakeTransferEngine, Outcome, RequestId, Runtime, RuntimeConfig,
+    RuntimeEvent,
 };
 
 /// The capability every request of a test shares (the proxy would give each
@@ -72,4 +73,18 @@ pub fn wait_for(rt: &Runtime, what: &str, pred: impl Fn(&RuntimeEvent) -> bool) 
         }
     }
     panic!("timed out waiting for {what}");
+}
+
+/// How `request`'s producer side on `rt` ended: waits for its
+/// `ProducerReleased` (other events are dropped; panics after 30 s).
+pub fn wait_released(rt: &Runtime, request: &RequestId) -> (Outcome, Option<String>) {
+    let ev = wait_for(
+        rt,
+        "the producer's release",
+        |e| matches!(e, RuntimeEvent::ProducerReleased { request: r, .. } if r == request),
+    );
+    match ev {
+        RuntimeEvent::ProducerReleased { outcome, reason, .. } => (outcome, reason),
+        other => unreachable!("wait_for returned {other:?}"),
+    }
 }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use orbitkv::actors::gate::{GateCall, Mark};
-use orbitkv::testing::{block, capability as cap, host_rank, wait_for, FakeTransport};
+use orbitkv::testing::{block, capability as cap, host_rank, wait_for, wait_released, FakeTransport};
 use orbitkv::{KvLayout, Outcome, RequestId, Runtime, RuntimeConfig, RuntimeEvent};
 
 const LAYERS: u32 = 2;
@@ -93,19 +93,8 @@ fn an_idle_runtime_submits_the_layer_before_layer_ready_returns() {
         d.producer.layer_ready(&req, layer, 0..4).unwrap();
     }
     d.producer.producer_finish(&req).unwrap();
-    let ev = wait_for(&d.producer, "release", |e| {
-        matches!(e, RuntimeEvent::ProducerReleased { .. })
-    });
-    assert!(
-        matches!(
-            ev,
-            RuntimeEvent::ProducerReleased {
-                outcome: Outcome::Done,
-                ..
-            }
-        ),
-        "{ev:?}"
-    );
+    let (done, why) = wait_released(&d.producer, &req);
+    assert_eq!(done, Outcome::Done, "{why:?}");
     assert_eq!(d.producer.live_requests(), (0, 0));
 }
 
@@ -178,17 +167,13 @@ fn a_layer_after_an_answered_finish_is_not_written() {
     // fails for the layer it never saved.
     d.producer.layer_ready(&req, 1, 0..4).unwrap();
     d.p_transport.hold(false);
-    let ev = wait_for(&d.producer, "release", |e| {
-        matches!(e, RuntimeEvent::ProducerReleased { .. })
-    });
-    match ev {
-        RuntimeEvent::ProducerReleased {
-            outcome: Outcome::Failed,
-            reason: Some(r),
-            ..
-        } => assert!(r.contains("without saving layer 1"), "{r}"),
-        other => panic!("{other:?}"),
-    }
+    let (outcome, why) = wait_released(&d.producer, &req);
+    assert_eq!(outcome, Outcome::Failed);
+    assert!(
+        why.as_deref()
+            .is_some_and(|r| r.contains("without saving layer 1")),
+        "{why:?}"
+    );
     assert_eq!(d.p_transport.submits(), 1, "layer 1 was not written");
 }
 
@@ -272,21 +257,8 @@ fn added_blocks_are_always_there_for_the_layers_after_them_and_the_bytes_land() 
             }
         }
         producer.runtime.producer_finish(&req).unwrap();
-        let ev = wait_for(
-            &producer.runtime,
-            "release",
-            |e| matches!(e, RuntimeEvent::ProducerReleased { request, .. } if *request == req),
-        );
-        assert!(
-            matches!(
-                ev,
-                RuntimeEvent::ProducerReleased {
-                    outcome: Outcome::Done,
-                    ..
-                }
-            ),
-            "{ev:?}"
-        );
+        let (done, why) = wait_released(&producer.runtime, &req);
+        assert_eq!(done, Outcome::Done, "{why:?}");
         wait_for(
             &consumer.runtime,
             "complete",

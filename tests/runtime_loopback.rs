@@ -11,7 +11,9 @@ use orbitkv::{
 
 const GUARD: u8 = 0xA5;
 
-use orbitkv::testing::{block, capability as cap, host_rank as rank, wait_for, HostRank as Rank};
+use orbitkv::testing::{
+    block, capability as cap, host_rank as rank, wait_for, wait_released, HostRank as Rank,
+};
 
 /// The consumer's verdict on a request: completed or failed.
 fn outcome(rt: &Runtime) -> RuntimeEvent {
@@ -61,19 +63,8 @@ fn one_producer_streams_layers_into_authorized_blocks_only() {
     producer.runtime.layer_ready(&req, 3, 0..5).unwrap();
     producer.runtime.producer_finish(&req).unwrap();
 
-    let ev = wait_for(&producer.runtime, "producer release", |e| {
-        matches!(e, RuntimeEvent::ProducerReleased { .. })
-    });
-    assert!(
-        matches!(
-            ev,
-            RuntimeEvent::ProducerReleased {
-                outcome: Outcome::Done,
-                ..
-            }
-        ),
-        "{ev:?}"
-    );
+    let (done, why) = wait_released(&producer.runtime, &req);
+    assert_eq!(done, Outcome::Done, "{why:?}");
     let ev = outcome(&consumer.runtime);
     let expected_bytes = layers as u64 * 5 * bb;
     assert_eq!(
@@ -583,19 +574,8 @@ fn a_rank_holding_only_replicas_is_released_at_once_and_refuses_handshakes() {
         .unwrap();
     assert_eq!(hs.expected_producers, 1);
     p1.runtime.producer_open(req.clone(), vec![0], cap(), 1).unwrap();
-    let ev = wait_for(&p1.runtime, "release", |e| {
-        matches!(e, RuntimeEvent::ProducerReleased { .. })
-    });
-    assert!(
-        matches!(
-            ev,
-            RuntimeEvent::ProducerReleased {
-                outcome: Outcome::Done,
-                ..
-            }
-        ),
-        "{ev:?}"
-    );
+    let (done, why) = wait_released(&p1.runtime, &req);
+    assert_eq!(done, Outcome::Done, "{why:?}");
     assert!(matches!(
         p1.runtime.producer_handshake(hs),
         Err(RuntimeError::Geometry(_))
