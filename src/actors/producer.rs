@@ -84,8 +84,6 @@ struct ProducerCore {
     staged: Option<(Generation, Option<Arc<StagedPlan>>)>,
     /// Where the writers report (this actor).
     me: Addr<ProducerActor>,
-    /// The machine released: the actor stops.
-    released: bool,
     /// The machine's effects, one event at a time (reused).
     effects: Vec<ProducerEffect>,
     /// Range lists the writers gave back, to plan layers into.
@@ -185,7 +183,10 @@ impl ProducerRef {
         // any wait, layers take the paced way there, so that a caller
         // rewriting the same blocks faster than they complete cannot grow
         // the held-back list without bound.
-        if cell.inbox.load(Ordering::SeqCst) != 0 || core.released || core.machine.held_back() > 0 {
+        if cell.inbox.load(Ordering::SeqCst) != 0
+            || core.machine.phase() == ProducerPhase::Released
+            || core.machine.held_back() > 0
+        {
             return false;
         }
         core.shared.stats.layers_ready_inline.inc();
@@ -215,7 +216,6 @@ impl ProducerCore {
             rank = shared.local.tp_rank, blocks = src_blocks.len());
         Self {
             me,
-            released: false,
             effects: Vec::new(),
             spare: Vec::new(),
             request: Arc::new(request.clone()),
@@ -389,7 +389,6 @@ impl ProducerCore {
                     outcome,
                     reason,
                 });
-                self.released = true;
                 match via {
                     Via::Actor(ctx) => ctx.stop(),
                     Via::Caller => self.me.do_send(Stop),

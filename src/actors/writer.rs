@@ -543,11 +543,11 @@ impl WriterPool {
         self
     }
 
-    fn lane_of(&self, peer: &str, lane: usize) -> LaneRef {
+    /// `f` over `peer`'s writers (started on first use), under the pool's lock.
+    fn with_lanes<R>(&self, peer: &str, f: impl FnOnce(&[Lane]) -> R) -> R {
         let mut writers = self.writers.lock();
         if let Some(lanes) = writers.get(peer) {
-            // The per-layer path: no key to allocate.
-            return lanes[lane % lanes.len()].1.clone();
+            return f(lanes);
         }
         let lanes = writers.entry(peer.to_string()).or_insert_with(|| {
             if System::try_current().is_none() {
@@ -582,28 +582,22 @@ impl WriterPool {
                 })
                 .collect()
         });
-        lanes[lane % lanes.len()].1.clone()
+        f(lanes)
     }
 
     /// The writer that sends `peer` its notices (lane 0).
     pub fn get(&self, peer: &str) -> LaneRef {
-        self.lane_of(peer, 0)
-    }
-
-    /// The writer for the next write to `peer` (the lanes in turn).
-    pub fn next(&self, peer: &str) -> LaneRef {
-        let lane = self.next_lane.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        self.lane_of(peer, lane)
+        self.with_lanes(peer, |lanes| lanes[0].1.clone())
     }
 
     /// Every writer of `peer`, for a producer to keep ([`Self::pick`]).
     pub fn lanes(&self, peer: &str) -> Vec<LaneRef> {
-        self.lane_of(peer, 0);
-        self.writers.lock()[peer].iter().map(|(_, l)| l.clone()).collect()
+        self.with_lanes(peer, |lanes| lanes.iter().map(|(_, l)| l.clone()).collect())
     }
 
     /// The writer for the next write among `lanes` (one peer's, from
-    /// [`Self::lanes`]): in turn, as [`Self::next`], without a lookup.
+    /// [`Self::lanes`]): the lanes in turn, counted over every producer of
+    /// the pool.
     pub fn pick<'a>(&self, lanes: &'a [LaneRef]) -> &'a LaneRef {
         let lane = self.next_lane.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         &lanes[lane % lanes.len()]
