@@ -162,3 +162,66 @@ def test_a_gather_past_the_capacity_is_refused_before_any_copy() -> None:
     with pytest.raises(ValueError, match="do not fit"):
         s.copier.gather(0, s.copier.index([1, 2, 3]), 2, s.stage.data_ptr(), 4, s.slots(4))
     assert snapshot(s.stage) == before
+
+
+def gapped(slots: list[list[list[int]]], gap: int) -> list[list[list[int]]]:
+    """`slots` with `gap` more bytes before every layer after the first: the
+    layers' staged copies no longer evenly spaced (the copier's per-layer
+    views, not its one view of all layers)."""
+    return [[[off + (gap * layer * (layer + 1)) // 2, ub] for off, ub in row] for layer, row in enumerate(slots)]
+
+
+@pytest.mark.parametrize("gap", [0, 64])
+def test_views_kept_per_region_follow_the_slots_given(gap: int) -> None:
+    """A region's views are built once and kept; a call with other slots for
+    the same base and capacity gets views of those slots, not the kept ones,
+    and unevenly spaced layers are copied as exactly as evenly spaced ones."""
+    s = Side("flashinfer", 2, torch.float16, 5)
+    capacity, blocks = 4, [3, 1, 10, 6]
+    base = s.stage.data_ptr() + 128
+    for slots in (s.slots(capacity), gapped(s.slots(capacity), gap), gapped(s.slots(capacity), gap + 32)):
+        s.stage.fill_(0xA5)
+        idx = s.copier.index(blocks)
+        for layer in range(LAYERS):
+            s.copier.gather(layer, idx, 0, base, capacity, slots)
+        expect = bytearray([0xA5]) * s.stage.numel()
+        for layer in range(LAYERS):
+            for p, (off, ub) in enumerate(slots[layer]):
+                for u in range(2):
+                    for i, b in enumerate(blocks):
+                        at = 128 + off + (u * capacity + i) * ub
+                        expect[at : at + ub] = s.page(layer, p, b, u)
+        assert snapshot(s.stage) == bytes(expect), slots
+
+
+def test_scatter_from_unevenly_spaced_layers_and_equal_slots_rebuilt() -> None:
+    """Scatter out of a grant laid out with gaps between layers, given slots
+    equal to (not the same object as) the ones of the gathers."""
+    p, c = Side("flash", HEADS, torch.float32, 6), Side("flash", HEADS, torch.float32, 7)
+    src, dst = [0, 5, 9], [11, 4, 2]
+    slots = gapped(p.slots(3), 16)
+    for layer in range(LAYERS):
+        p.copier.gather(layer, p.copier.index(src), 0, p.stage.data_ptr(), 3, slots)
+    c.stage.copy_(p.stage)
+    c.copier.scatter(c.copier.index(dst), c.stage.data_ptr(), [(1, 3)], [[list(x) for x in row] for row in slots])
+    for layer in range(LAYERS):
+        for q in range(2):
+            for i, b in enumerate(dst):
+                for u in range(HEADS):
+                    want = p.page(layer, q, src[i], u) if 1 <= u < 3 else None
+                    if want is not None:
+                        assert c.page(layer, q, b, u) == want, (layer, q, b, u)
+
+
+def test_scatter_of_units_outside_a_block_is_refused_before_any_copy() -> None:
+    s = Side("flash", HEADS, torch.float16, 8)
+    before = [snapshot(t) for t in s.kv]
+    with pytest.raises(ValueError, match="not within"):
+        s.copier.scatter(s.copier.index([1, 2]), s.stage.data_ptr(), [(0, 1), (2, HEADS + 1)], s.slots(2))
+    assert [snapshot(t) for t in s.kv] == before
+
+
+def test_slots_of_another_number_of_layers_are_refused() -> None:
+    s = Side("flash", HEADS, torch.float16, 9)
+    with pytest.raises(ValueError, match="layers"):
+        s.copier.gather(0, s.copier.index([1]), 0, s.stage.data_ptr(), 1, s.slots(1)[:-1])

@@ -19,6 +19,13 @@ scatter one ``index_copy_`` per range of units: one kernel a layer, one pass
 over the bytes, whatever the number of planes and heads. The block IDs go to
 the device once per `BlockIndex` (one step of one request, or one scatter),
 pinned and asynchronously.
+
+Host time: the staged views of one staging region (a request's source
+staging, a consumer's grant) are built once for every layer and kept (a
+few, keyed by base and capacity), so a layer's gather is one slice and one
+kernel launch, not a view built, checked and permuted per layer. When the
+layers' staged copies are evenly spaced (every model whose layers are alike)
+all layers' views are one ``as_strided`` of the region.
 """
 
 from __future__ import annotations
@@ -39,6 +46,41 @@ class _Group:
 
     planes: tuple[int, ...]
     view: torch.Tensor
+
+
+class _StagedRegion:
+    """The staged views of one staging region (``base``, ``capacity``
+    blocks, laid out as ``slots`` says), for every layer: built once, checked
+    once, used by every gather into it and every scatter out of it."""
+
+    def __init__(self, slots: Sequence[Sequence[Sequence[int]]], staged: list[list[torch.Tensor]],
+                 whole: list[torch.Tensor] | None) -> None:
+        self.slots = slots
+        # staged[layer][group]: (planes, units, capacity, unit elements)
+        self.staged = staged
+        # gather[layer][group]: the same, as (planes, capacity, units, unit elements)
+        self.gather = [[v.permute(0, 2, 1, 3) for v in row] for row in staged]
+        # whole[group]: every layer's staged copy of that group as one view
+        # (layers, planes, units, capacity, unit elements), when evenly spaced
+        self.whole = whole
+        # scatter sources per unit range: [layer][group] (planes, capacity, z - a, unit elements)
+        self.sources: dict[tuple[int, int], list[list[torch.Tensor]]] = {}
+
+    def source(self, a: int, z: int) -> list[list[torch.Tensor]]:
+        got = self.sources.get((a, z))
+        if got is None:
+            if self.whole is not None:
+                per_group = [w[:, :, a:z].permute(0, 1, 3, 2, 4).unbind(0) for w in self.whole]
+                got = [list(row) for row in zip(*per_group)]
+            else:
+                got = [[v[:, a:z].permute(0, 2, 1, 3) for v in row] for row in self.staged]
+            self.sources[(a, z)] = got
+        return got
+
+
+# Staging regions whose views a copier keeps (the source stagings of the
+# requests in flight and recent grants); the oldest goes first.
+_REGIONS_KEPT = 64
 
 
 class BlockIndex:
@@ -89,6 +131,9 @@ class StagingCopier:
         self.device = self._storages[0][3] if self._storages else torch.device("cpu")
         n = layout["num_blocks"]
         self._groups = [self._layer_groups(layer["planes"], n) for layer in layout["layers"]]
+        self._regions: dict[tuple[int, int], _StagedRegion] = {}
+        # KV views of a range of units, per (a, z): [layer][group]
+        self._unit_views: dict[tuple[int, int], list[list[torch.Tensor]]] = {}
 
     def _layer_groups(self, planes: Sequence[dict[str, int]], num_blocks: int) -> list[_Group]:
         """All planes of the layer in one view when they share stride and
@@ -129,20 +174,85 @@ class StagingCopier:
         request: make it once per step, use it for every layer) or `scatter`."""
         return BlockIndex(blocks, self.device)
 
+    def _staged_geometry(self, g: _Group, slots: Sequence[Sequence[int]]) -> tuple[int, int, int]:
+        """Group ``g``'s staged planes in ``slots`` (one layer's): the first
+        plane's offset, the planes' spacing and the unit bytes, checked
+        against the layer's planes."""
+        offs = [slots[p][0] for p in g.planes]
+        ub = slots[g.planes[0]][1]
+        delta = offs[1] - offs[0] if len(offs) > 1 else 0
+        if ub != g.view.shape[3] * self._es or any(slots[p][1] != ub or off != offs[0] + k * delta
+                                                    for k, (p, off) in enumerate(zip(g.planes, offs))):
+            raise ValueError(f"staged planes {offs} ({ub}-byte units) do not match the layer's planes")
+        return offs[0], delta, ub
+
     def _staged(self, g: _Group, base: int, slots: Sequence[Sequence[int]], capacity: int) -> torch.Tensor:
         """Group ``g``'s staged planes at ``base`` as ``(planes, units,
         capacity, unit elements)``."""
         es = self._es
-        offs = [slots[p][0] for p in g.planes]
-        ub = slots[g.planes[0]][1]
+        off, delta, ub = self._staged_geometry(g, slots)
         unit_elems = g.view.shape[3]
-        delta = offs[1] - offs[0] if len(offs) > 1 else 0
-        if ub != unit_elems * es or any(slots[p][1] != ub or off != offs[0] + k * delta
-                                         for k, (p, off) in enumerate(zip(g.planes, offs))):
-            raise ValueError(f"staged planes {offs} ({ub}-byte units) do not match the layer's planes")
-        span = (len(offs) - 1) * delta + self.units * capacity * ub
-        shape = (len(offs), self.units, capacity, unit_elems)
-        return self._view(base + offs[0], span, shape, (delta // es, capacity * unit_elems, unit_elems, 1))
+        span = (len(g.planes) - 1) * delta + self.units * capacity * ub
+        shape = (len(g.planes), self.units, capacity, unit_elems)
+        return self._view(base + off, span, shape, (delta // es, capacity * unit_elems, unit_elems, 1))
+
+    def _region(self, base: int, capacity: int, slots: Sequence[Sequence[Sequence[int]]]) -> _StagedRegion:
+        """The staged views of the region at ``base``: kept from an earlier
+        call with the same slots, else built (and checked) for every layer."""
+        key = (base, capacity)
+        got = self._regions.get(key)
+        if got is not None and (got.slots is slots or got.slots == slots):
+            return got
+        if len(slots) != len(self._groups):
+            raise ValueError(f"staged layout of {len(slots)} layers for a KV of {len(self._groups)}")
+        geo = [[self._staged_geometry(g, slots[layer]) for g in groups] for layer, groups in enumerate(self._groups)]
+        whole = self._whole(base, capacity, geo)
+        if whole is not None:
+            staged = [list(row) for row in zip(*(w.unbind(0) for w in whole))]
+        else:
+            staged = [[self._staged(g, base, slots[layer], capacity) for g in groups]
+                      for layer, groups in enumerate(self._groups)]
+        got = _StagedRegion(slots, staged, whole)
+        self._regions.pop(key, None)
+        if len(self._regions) >= _REGIONS_KEPT:
+            del self._regions[next(iter(self._regions))]
+        self._regions[key] = got
+        return got
+
+    def _whole(self, base: int, capacity: int, geo: list[list[tuple[int, int, int]]]) -> list[torch.Tensor] | None:
+        """Every layer's staged copy of each group as one view ``(layers,
+        planes, units, capacity, unit elements)``, when the layers have the
+        same groups and their staged copies are evenly spaced; else None."""
+        es, layers = self._es, len(geo)
+        if layers < 2 or any(len(row) != len(geo[0]) for row in geo):
+            return None
+        out = []
+        for gi, g in enumerate(self._groups[0]):
+            off, delta, ub = geo[0][gi]
+            step = geo[1][gi][0] - off
+            same = all(
+                len(self._groups[layer][gi].planes) == len(g.planes)
+                and geo[layer][gi] == (off + layer * step, delta, ub)
+                for layer in range(layers)
+            )
+            if not same or step <= 0 or step % es or delta % es:
+                return None
+            unit_elems = ub // es
+            one = (len(g.planes) - 1) * delta + self.units * capacity * ub
+            shape = (layers, len(g.planes), self.units, capacity, unit_elems)
+            stride = (step // es, delta // es, capacity * unit_elems, unit_elems, 1)
+            out.append(self._view(base + off, (layers - 1) * step + one, shape, stride))
+        return out
+
+    def _units_of(self, a: int, z: int) -> list[list[torch.Tensor]]:
+        """The KV views of units ``a .. z``: [layer][group]."""
+        got = self._unit_views.get((a, z))
+        if got is None:
+            if not 0 <= a < z <= self.units:
+                raise ValueError(f"units {a}..{z} are not within the {self.units} of a block")
+            got = [[g.view[:, :, a:z] for g in groups] for groups in self._groups]
+            self._unit_views[(a, z)] = got
+        return got
 
     def gather(
         self,
@@ -159,9 +269,10 @@ class StagingCopier:
         end = start + len(src_blocks)
         if end > capacity:
             raise ValueError(f"request blocks up to {end} do not fit a staging of {capacity}")
-        for g in self._groups[layer]:
-            out = self._staged(g, base, slots[layer], capacity)[:, :, start:end].permute(0, 2, 1, 3)
-            torch.index_select(g.view, 1, src_blocks.tensor, out=out)
+        outs = self._region(base, capacity, slots).gather[layer]
+        part = start or end != capacity
+        for g, out in zip(self._groups[layer], outs):
+            torch.index_select(g.view, 1, src_blocks.tensor, out=out[:, start:end] if part else out)
 
     def scatter(
         self,
@@ -173,12 +284,13 @@ class StagingCopier:
         """Copies ``units`` of every authorized block from the staging grant
         at ``base`` (``len(dst_blocks)`` blocks, ``slots`` for that many) into
         the pages ``dst_blocks``, every layer and plane."""
-        n = len(dst_blocks)
-        for layer, groups in enumerate(self._groups):
-            for g in groups:
-                src = self._staged(g, base, slots[layer], n)
-                for a, z in units:
-                    g.view[:, :, a:z].index_copy_(1, dst_blocks.tensor, src[:, a:z].permute(0, 2, 1, 3))
+        region = self._region(base, len(dst_blocks), slots)
+        # every range's views before the first copy: a bad range copies nothing
+        pairs = [(self._units_of(a, z), region.source(a, z)) for a, z in units]
+        for dst_rows, src_rows in pairs:
+            for dst_row, src_row in zip(dst_rows, src_rows):
+                for dst, src in zip(dst_row, src_row):
+                    dst.index_copy_(1, dst_blocks.tensor, src)
 
 
 def _size(dtype: torch.dtype) -> int:
