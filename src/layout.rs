@@ -16,7 +16,9 @@ use crate::error::GeometryError;
 use crate::wire::Handshake;
 
 /// One WRITE: `len` bytes from local `src` to the peer's virtual address
-/// `dst` (what a layer's plan is made of; the transport moves it).
+/// `dst` (what a layer's plan is made of; the transport moves it). Laid out
+/// as the FFI's `OkvRange`, so a plan goes to Mooncake without a copy.
+#[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct WriteRange {
     pub src: u64,

@@ -90,6 +90,7 @@ impl Rank {
             writers,
             handshake_timeout: cfg.handshake_timeout,
             stats: stats.clone(),
+            buffers: Default::default(),
         });
         let directory =
             RequestDirectory::new(shared, cfg, router, tx, Generation(1), Default::default()).start();

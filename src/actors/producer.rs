@@ -48,6 +48,52 @@ pub struct ProducerShared {
     /// How long a producer waits for its consumer's handshake.
     pub handshake_timeout: Duration,
     pub stats: Arc<Stats>,
+    /// Range lists the producers of this runtime plan into (given back with
+    /// each `LayerWritten`).
+    pub buffers: RangeBuffers,
+}
+
+/// Range lists kept for the next layers' plans, shared by the producers of
+/// a runtime: a producer keeps a few of its own, and the rest come back
+/// here instead of being freed (on the system thread) and allocated again
+/// (on the caller's) while many writes are in flight. Bounded: at most
+/// [`Self::KEPT`] lists of at most [`Self::MAX_RANGES`] ranges each.
+#[derive(Default)]
+pub struct RangeBuffers(Mutex<Vec<Vec<crate::transport::WriteRange>>>);
+
+impl RangeBuffers {
+    /// Lists kept at most (about 3 MiB with every list at its largest).
+    pub const KEPT: usize = 128;
+    /// A list that held more ranges than this is freed, not kept.
+    pub const MAX_RANGES: usize = 1024;
+
+    /// A kept list (empty), if any.
+    pub fn take(&self) -> Option<Vec<crate::transport::WriteRange>> {
+        self.0.lock().pop()
+    }
+
+    /// Keeps `list` (emptied) for a later plan, if there is room and it is
+    /// not too large.
+    pub fn give(&self, mut list: Vec<crate::transport::WriteRange>) {
+        if list.capacity() == 0 || list.capacity() > Self::MAX_RANGES {
+            return;
+        }
+        list.clear();
+        let mut kept = self.0.lock();
+        if kept.len() < Self::KEPT {
+            kept.push(list);
+        }
+    }
+
+    /// Lists kept now.
+    pub fn len(&self) -> usize {
+        self.0.lock().len()
+    }
+
+    /// Whether none is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 /// The prefill side of one request: an actor whose state is its
@@ -203,6 +249,16 @@ impl ProducerRef {
     }
 }
 
+impl Drop for ProducerCore {
+    /// The range lists go to the runtime's other producers.
+    fn drop(&mut self) {
+        for list in self.spare.drain(..) {
+            self.shared.buffers.give(list);
+        }
+        self.shared.buffers.give(std::mem::take(&mut self.planned));
+    }
+}
+
 impl ProducerCore {
     fn new(
         request: RequestId,
@@ -330,7 +386,11 @@ impl ProducerCore {
                     "layer admitted"
                 );
                 let cap = self.planned.len();
-                let next = self.spare.pop().unwrap_or_else(|| Vec::with_capacity(cap));
+                let next = self
+                    .spare
+                    .pop()
+                    .or_else(|| self.shared.buffers.take())
+                    .unwrap_or_else(|| Vec::with_capacity(cap));
                 let write = WriteLayer {
                     request: self.request.clone(),
                     write,
@@ -492,9 +552,12 @@ impl Handler<LayerWritten> for ProducerActor {
             let span = tracing::info_span!(parent: &core.span, "msg", kind = "LayerWritten",
                 write = m.write, bytes = m.bytes);
             let _g = span.enter();
-            // A few in reserve: as many as writes are usually in flight.
+            // A few in reserve: as many as writes are usually in flight;
+            // beyond that, for any producer of this runtime.
             if core.spare.len() < 8 && m.spare.capacity() > 0 {
                 core.spare.push(m.spare);
+            } else {
+                core.shared.buffers.give(m.spare);
             }
             let ev = ProducerEvent::WriteDone {
                 write: m.write,
@@ -510,3 +573,42 @@ producer_handler!(false, LayerWriteFailed,
     write = m.write, reason = %m.reason);
 producer_handler!(true, FinishRequest, |_m| ProducerEvent::Finish);
 producer_handler!(true, AbortRequest, |m| ProducerEvent::Abort { reason: m.reason }; reason = %m.reason);
+
+#[cfg(test)]
+mod tests {
+    use super::RangeBuffers;
+    use crate::transport::WriteRange;
+
+    fn list(capacity: usize, filled: usize) -> Vec<WriteRange> {
+        let mut v = Vec::with_capacity(capacity);
+        v.extend((0..filled as u64).map(|i| WriteRange {
+            src: i,
+            dst: i,
+            len: 1,
+        }));
+        v
+    }
+
+    #[test]
+    fn kept_lists_come_back_empty_and_bounded() {
+        let b = RangeBuffers::default();
+        assert!(b.take().is_none());
+        for _ in 0..RangeBuffers::KEPT + 10 {
+            b.give(list(64, 5));
+        }
+        assert_eq!(b.len(), RangeBuffers::KEPT, "more lists kept than the bound");
+        let got = b.take().expect("a kept list");
+        assert!(got.is_empty(), "a kept list must come back empty");
+        assert!(got.capacity() >= 64);
+    }
+
+    #[test]
+    fn large_and_unallocated_lists_are_not_kept() {
+        let b = RangeBuffers::default();
+        b.give(Vec::new());
+        b.give(list(RangeBuffers::MAX_RANGES + 1, 1));
+        assert!(b.is_empty());
+        b.give(list(RangeBuffers::MAX_RANGES, 0));
+        assert_eq!(b.len(), 1);
+    }
+}

@@ -223,6 +223,7 @@ impl Runtime {
             writers: writers.clone(),
             handshake_timeout: cfg.handshake_timeout,
             stats: stats.clone(),
+            buffers: Default::default(),
         });
         let producers = ProducerIndex::default();
         let directory = RequestDirectory::new(

@@ -333,17 +333,18 @@ impl LaneCell {
             let n = chunk.len();
             let submitting = Instant::now();
             let submitted = self.lane.transport.submit_write(&self.peer, chunk);
+            // One clock read for the submit's duration and the deadlines.
+            let now = Instant::now();
             self.lane
                 .stats
                 .write_submit_micros
-                .add(submitting.elapsed().as_micros() as u64);
+                .add(now.saturating_duration_since(submitting).as_micros() as u64);
             match submitted {
                 Ok(handle) => {
                     self.lane.stats.write_batches.inc();
                     self.lane.stats.write_ranges.add(n as u64);
                     let token = st.next_token;
                     st.next_token += 1;
-                    let now = Instant::now();
                     let poll = PollJob {
                         handle,
                         late_at: now + self.lane.write_timeout,

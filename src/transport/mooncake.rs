@@ -285,19 +285,15 @@ impl MooncakeTransferEngine {
             total += r.len;
         }
         let seg = self.segment(peer)?;
-        let raw: Vec<OkvRange> = ranges
-            .iter()
-            .map(|r| OkvRange {
-                src: r.src,
-                dst: r.dst,
-                len: r.len,
-            })
-            .collect();
+        // A plan is handed over as it is: `WriteRange` is `#[repr(C)]` with
+        // the fields of `OkvRange`, in the same order (checked at compile
+        // time below).
+        let raw = ranges.as_ptr().cast::<OkvRange>();
         let mut batch = 0u64;
-        // SAFETY: live engine; `raw` holds `raw.len()` ranges and outlives the
-        // call; the sources were checked to be registered local memory.
-        let rc =
-            unsafe { ffi::okv_submit_write(self.raw.as_ptr(), seg, raw.as_ptr(), raw.len(), &mut batch) };
+        // SAFETY: live engine; `raw` points at `ranges.len()` ranges of the
+        // FFI's layout that outlive the call (the shim copies them before it
+        // returns); the sources were checked to be registered local memory.
+        let rc = unsafe { ffi::okv_submit_write(self.raw.as_ptr(), seg, raw, ranges.len(), &mut batch) };
         if rc != 0 {
             return Err(submit_failure(peer, ranges, rc, ffi::last_error()));
         }
@@ -488,6 +484,16 @@ impl Drop for MooncakeTransferEngine {
         unsafe { ffi::okv_engine_free(self.raw.as_ptr()) };
     }
 }
+
+// `submit_write` hands a `&[WriteRange]` to the FFI as `OkvRange`s.
+const _: () = {
+    use std::mem::{align_of, offset_of, size_of};
+    assert!(size_of::<WriteRange>() == size_of::<OkvRange>());
+    assert!(align_of::<WriteRange>() == align_of::<OkvRange>());
+    assert!(offset_of!(WriteRange, src) == offset_of!(OkvRange, src));
+    assert!(offset_of!(WriteRange, dst) == offset_of!(OkvRange, dst));
+    assert!(offset_of!(WriteRange, len) == offset_of!(OkvRange, len));
+};
 
 #[cfg(test)]
 mod tests {
