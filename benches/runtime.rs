@@ -268,9 +268,31 @@ fn breakdown(p: &mut Producer) {
         out.len(),
         t0.elapsed().as_nanos() as f64 / m as f64 / 1e3
     );
+    // What the runtime's threads spend while nothing is handed over (their
+    // timers: the notification router's poll): the floor under the
+    // per-thread figures below, which include it.
+    {
+        let others = support::ThreadClocks::new(&["orbitkv-poller"]);
+        let before = others.each();
+        std::thread::sleep(Duration::from_millis(200));
+        let idle: Vec<String> = others
+            .names
+            .iter()
+            .zip(others.each().iter().zip(&before))
+            .filter(|(_, (a, b))| a > b)
+            .map(|(n, (a, b))| format!("{n} {:.2} µs/ms", (*a - *b).as_nanos() as f64 / 200.0 / 1e3))
+            .collect();
+        println!("runtime threads idle (200 ms): {}", idle.join(", "));
+    }
     for via in [Via::LayerReady, Via::Gate] {
+        let s0 = p.runtime.stats();
         let by_thread = p.forward_by_thread(m, via);
-        println!("forward path ({via:?}) by thread, {m} layers:");
+        let s1 = p.runtime.stats();
+        println!(
+            "forward path ({via:?}) by thread, {m} layers ({} handed over inline, {} submitted inline):",
+            s1.layers_ready_inline - s0.layers_ready_inline,
+            s1.writes_inline - s0.writes_inline
+        );
         for (name, d) in &by_thread {
             if !d.is_zero() {
                 println!(

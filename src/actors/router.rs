@@ -2,6 +2,13 @@
 //! notice by request ID and generation to the consumer request actor that
 //! authorized it. A notice for an unknown request or a stale generation is
 //! dropped and counted, never delivered (contract rule 2).
+//!
+//! Mooncake has no notification callback, so the router polls: every
+//! `notify_poll` while a consumer waits for a notice, every [`IDLE_POLL`]
+//! while none does (a prefill-only rank, an idle decode), so that a rank
+//! that expects no notice does not wake up a thousand times a second. A
+//! consumer registers before its handshake leaves, so no notice it waits
+//! for is ever polled at the idle pace.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -24,11 +31,17 @@ pub enum Route {
     Malformed,
 }
 
+/// How often the router drains notifications while no consumer is
+/// registered (stray notices are still drained and counted).
+pub const IDLE_POLL: Duration = Duration::from_millis(50);
+
 pub struct NotificationRouter {
     transport: Arc<dyn Transport>,
     poll_every: Duration,
     routes: HashMap<RequestId, BTreeMap<Generation, Recipient<NoticeArrived>>>,
     stats: Arc<Stats>,
+    /// The next poll, and whether it is at the waiting pace (`poll_every`).
+    next: Option<(SpawnHandle, bool)>,
 }
 
 impl NotificationRouter {
@@ -38,7 +51,28 @@ impl NotificationRouter {
             poll_every,
             routes: HashMap::new(),
             stats,
+            next: None,
         }
+    }
+
+    /// Schedules the next poll: at `poll_every` while a consumer waits,
+    /// else at [`IDLE_POLL`] (never faster than `poll_every`).
+    fn schedule(&mut self, ctx: &mut Context<Self>) {
+        let waiting = !self.routes.is_empty();
+        let after = if waiting {
+            self.poll_every
+        } else {
+            self.poll_every.max(IDLE_POLL)
+        };
+        let handle = ctx.run_later(after, |router, ctx| {
+            match router.transport.take_notifications() {
+                Ok(list) if !list.is_empty() => ctx.notify(NotificationsTaken(list)),
+                Ok(_) => {}
+                Err(e) => tracing::warn!(error = %e, "take_notifications failed"),
+            }
+            router.schedule(ctx);
+        });
+        self.next = Some((handle, waiting));
     }
 
     /// Routes one raw notification; returns where it went.
@@ -77,13 +111,7 @@ impl Actor for NotificationRouter {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        ctx.run_interval(self.poll_every, |router, ctx| {
-            match router.transport.take_notifications() {
-                Ok(list) if !list.is_empty() => ctx.notify(NotificationsTaken(list)),
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "take_notifications failed"),
-            }
-        });
+        self.schedule(ctx);
     }
 }
 
@@ -98,11 +126,16 @@ impl Handler<NotificationsTaken> for NotificationRouter {
 
 impl Handler<RegisterConsumer> for NotificationRouter {
     type Result = ();
-    fn handle(&mut self, msg: RegisterConsumer, _ctx: &mut Context<Self>) {
+    fn handle(&mut self, msg: RegisterConsumer, ctx: &mut Context<Self>) {
         self.routes
             .entry(msg.request)
             .or_default()
             .insert(msg.generation, msg.to);
+        // From the idle pace to the waiting one now, not at the idle poll.
+        if let Some((handle, false)) = self.next {
+            ctx.cancel_future(handle);
+            self.schedule(ctx);
+        }
     }
 }
 
@@ -133,6 +166,72 @@ mod tests {
         fn handle(&mut self, msg: NoticeArrived, _ctx: &mut Context<Self>) {
             self.0.lock().push(msg.0);
         }
+    }
+
+    fn raw(request: &str, generation: u64) -> crate::transport::Notification {
+        crate::transport::Notification {
+            name: NOTIFY_NAME.into(),
+            message: notice(request, generation),
+        }
+    }
+
+    /// Virtual time (paused clock) until `done`, in steps of 1 ms; at most `limit`.
+    async fn until(done: impl Fn() -> bool, limit: Duration) -> Duration {
+        let t0 = actix::clock::Instant::now();
+        while !done() && t0.elapsed() < limit {
+            actix::clock::sleep(Duration::from_millis(1)).await;
+        }
+        t0.elapsed()
+    }
+
+    // The poll's pace: idle while no consumer waits (a stray notice is still
+    // drained and counted, at the idle pace), at `poll_every` from the moment
+    // one registers (not at the next idle poll).
+    #[test]
+    fn polls_at_the_idle_pace_until_a_consumer_registers() {
+        System::new().block_on(async {
+            tokio::time::pause();
+            let stats = Arc::new(Stats::default());
+            let transport = Arc::new(FakeTransport::new("127.0.0.1:1"));
+            let router =
+                NotificationRouter::new(transport.clone(), Duration::from_millis(1), stats.clone()).start();
+            actix::clock::sleep(Duration::from_millis(3)).await;
+            transport.deliver([raw("stray", 1)]);
+            let s = stats.clone();
+            let took = until(
+                move || s.notices_unknown_request.get() == 1,
+                Duration::from_secs(1),
+            )
+            .await;
+            assert_eq!(
+                stats.notices_unknown_request.get(),
+                1,
+                "a stray notice was never drained"
+            );
+            assert!(
+                took > Duration::from_millis(10) && took <= IDLE_POLL + Duration::from_millis(2),
+                "idle: drained after {took:?}, not at the idle pace ({IDLE_POLL:?})"
+            );
+            let got = Arc::new(parking_lot::Mutex::new(Vec::new()));
+            router.do_send(RegisterConsumer {
+                request: RequestId::new("r"),
+                generation: Generation(7),
+                to: Recorder(got.clone()).start().recipient(),
+            });
+            actix::clock::sleep(Duration::from_millis(1)).await;
+            transport.deliver([raw("r", 7)]);
+            let g = got.clone();
+            let took = until(move || g.lock().len() == 1, Duration::from_secs(1)).await;
+            assert_eq!(
+                got.lock().len(),
+                1,
+                "the registered consumer's notice was not delivered"
+            );
+            assert!(
+                took <= Duration::from_millis(3),
+                "waiting: delivered after {took:?}, not within the 1 ms poll"
+            );
+        });
     }
 
     fn notice(request: &str, generation: u64) -> Vec<u8> {
