@@ -40,7 +40,7 @@ pub struct NotificationRouter {
     poll_every: Duration,
     routes: HashMap<RequestId, BTreeMap<Generation, Recipient<NoticeArrived>>>,
     stats: Arc<Stats>,
-    /// The next poll, and whether it is at the waiting pace (`poll_every`).
+    /// The polling interval, and whether it is at the waiting pace (`poll_every`).
     next: Option<(SpawnHandle, bool)>,
 }
 
@@ -55,22 +55,29 @@ impl NotificationRouter {
         }
     }
 
-    /// Schedules the next poll: at `poll_every` while a consumer waits,
-    /// else at [`IDLE_POLL`] (never faster than `poll_every`).
+    /// Polls at the pace the routes call for: every `poll_every` while a
+    /// consumer waits, else every [`IDLE_POLL`] (never faster than
+    /// `poll_every`). Each pace is a fixed-rate interval, not a timer re-armed
+    /// after each poll: tokio rounds a timer up to its next millisecond, so a
+    /// re-armed 1 ms timer polls every 1-2 ms and delays every transfer's
+    /// completion on decode by up to another millisecond.
     fn schedule(&mut self, ctx: &mut Context<Self>) {
         let waiting = !self.routes.is_empty();
-        let after = if waiting {
+        if let Some((handle, pace)) = self.next {
+            if pace == waiting {
+                return;
+            }
+            ctx.cancel_future(handle);
+        }
+        let every = if waiting {
             self.poll_every
         } else {
             self.poll_every.max(IDLE_POLL)
         };
-        let handle = ctx.run_later(after, |router, ctx| {
-            match router.transport.take_notifications() {
-                Ok(list) if !list.is_empty() => ctx.notify(NotificationsTaken(list)),
-                Ok(_) => {}
-                Err(e) => tracing::warn!(error = %e, "take_notifications failed"),
-            }
-            router.schedule(ctx);
+        let handle = ctx.run_interval(every, |router, ctx| match router.transport.take_notifications() {
+            Ok(list) if !list.is_empty() => ctx.notify(NotificationsTaken(list)),
+            Ok(_) => {}
+            Err(e) => tracing::warn!(error = %e, "take_notifications failed"),
         });
         self.next = Some((handle, waiting));
     }
@@ -132,22 +139,20 @@ impl Handler<RegisterConsumer> for NotificationRouter {
             .or_default()
             .insert(msg.generation, msg.to);
         // From the idle pace to the waiting one now, not at the idle poll.
-        if let Some((handle, false)) = self.next {
-            ctx.cancel_future(handle);
-            self.schedule(ctx);
-        }
+        self.schedule(ctx);
     }
 }
 
 impl Handler<UnregisterConsumer> for NotificationRouter {
     type Result = ();
-    fn handle(&mut self, msg: UnregisterConsumer, _ctx: &mut Context<Self>) {
+    fn handle(&mut self, msg: UnregisterConsumer, ctx: &mut Context<Self>) {
         if let Some(gens) = self.routes.get_mut(&msg.request) {
             gens.remove(&msg.generation);
             if gens.is_empty() {
                 self.routes.remove(&msg.request);
             }
         }
+        self.schedule(ctx);
     }
 }
 
@@ -230,6 +235,28 @@ mod tests {
             assert!(
                 took <= Duration::from_millis(3),
                 "waiting: delivered after {took:?}, not within the 1 ms poll"
+            );
+            // The last consumer gone: the idle pace again.
+            router.do_send(UnregisterConsumer {
+                request: RequestId::new("r"),
+                generation: Generation(7),
+            });
+            actix::clock::sleep(Duration::from_millis(1)).await;
+            transport.deliver([raw("r", 7)]);
+            let s = stats.clone();
+            let took = until(
+                move || s.notices_unknown_request.get() == 2,
+                Duration::from_secs(1),
+            )
+            .await;
+            assert_eq!(
+                stats.notices_unknown_request.get(),
+                2,
+                "a notice after the unregistration was never drained"
+            );
+            assert!(
+                took > Duration::from_millis(10) && took <= IDLE_POLL + Duration::from_millis(2),
+                "idle again: drained after {took:?}, not at the idle pace"
             );
         });
     }
