@@ -189,9 +189,37 @@ mod tests {
         t0.elapsed()
     }
 
+    /// Delivers a notice for no registered consumer and asserts it is drained
+    /// (the `count`-th unknown one) at the idle pace, not the 1 ms one.
+    async fn drained_at_the_idle_pace(
+        transport: &FakeTransport,
+        stats: &Arc<Stats>,
+        request: &str,
+        count: u64,
+    ) {
+        actix::clock::sleep(Duration::from_millis(1)).await;
+        transport.deliver([raw(request, 7)]);
+        let s = stats.clone();
+        let took = until(
+            move || s.notices_unknown_request.get() == count,
+            Duration::from_secs(1),
+        )
+        .await;
+        assert_eq!(
+            stats.notices_unknown_request.get(),
+            count,
+            "a notice for {request} was never drained"
+        );
+        assert!(
+            took > Duration::from_millis(10) && took <= IDLE_POLL + Duration::from_millis(2),
+            "idle: drained after {took:?}, not at the idle pace ({IDLE_POLL:?})"
+        );
+    }
+
     // The poll's pace: idle while no consumer waits (a stray notice is still
     // drained and counted, at the idle pace), at `poll_every` from the moment
-    // one registers (not at the next idle poll).
+    // one registers (not at the next idle poll), idle again once the last
+    // one is gone.
     #[test]
     fn polls_at_the_idle_pace_until_a_consumer_registers() {
         System::new().block_on(async {
@@ -200,23 +228,8 @@ mod tests {
             let transport = Arc::new(FakeTransport::new("127.0.0.1:1"));
             let router =
                 NotificationRouter::new(transport.clone(), Duration::from_millis(1), stats.clone()).start();
-            actix::clock::sleep(Duration::from_millis(3)).await;
-            transport.deliver([raw("stray", 1)]);
-            let s = stats.clone();
-            let took = until(
-                move || s.notices_unknown_request.get() == 1,
-                Duration::from_secs(1),
-            )
-            .await;
-            assert_eq!(
-                stats.notices_unknown_request.get(),
-                1,
-                "a stray notice was never drained"
-            );
-            assert!(
-                took > Duration::from_millis(10) && took <= IDLE_POLL + Duration::from_millis(2),
-                "idle: drained after {took:?}, not at the idle pace ({IDLE_POLL:?})"
-            );
+            actix::clock::sleep(Duration::from_millis(2)).await;
+            drained_at_the_idle_pace(&transport, &stats, "stray", 1).await;
             let got = Arc::new(parking_lot::Mutex::new(Vec::new()));
             router.do_send(RegisterConsumer {
                 request: RequestId::new("r"),
@@ -236,28 +249,11 @@ mod tests {
                 took <= Duration::from_millis(3),
                 "waiting: delivered after {took:?}, not within the 1 ms poll"
             );
-            // The last consumer gone: the idle pace again.
             router.do_send(UnregisterConsumer {
                 request: RequestId::new("r"),
                 generation: Generation(7),
             });
-            actix::clock::sleep(Duration::from_millis(1)).await;
-            transport.deliver([raw("r", 7)]);
-            let s = stats.clone();
-            let took = until(
-                move || s.notices_unknown_request.get() == 2,
-                Duration::from_secs(1),
-            )
-            .await;
-            assert_eq!(
-                stats.notices_unknown_request.get(),
-                2,
-                "a notice after the unregistration was never drained"
-            );
-            assert!(
-                took > Duration::from_millis(10) && took <= IDLE_POLL + Duration::from_millis(2),
-                "idle again: drained after {took:?}, not at the idle pace"
-            );
+            drained_at_the_idle_pace(&transport, &stats, "r", 2).await;
         });
     }
 
