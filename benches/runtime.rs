@@ -102,15 +102,7 @@ impl Producer {
     /// Finishes `req` and waits until the producer released it.
     fn close(&self, req: &RequestId) {
         self.runtime.producer_finish(req).expect("finish");
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if self.runtime.next_event(Duration::from_millis(100)).is_some_and(
-                |e| matches!(e, orbitkv::RuntimeEvent::ProducerReleased { request, .. } if &request == req),
-            ) {
-                return;
-            }
-        }
-        panic!("request {req} not released");
+        orbitkv::testing::wait_released(&self.runtime, req);
     }
 
     /// Streams `n` layers of a fresh request; returns (process CPU, wall)
