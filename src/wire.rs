@@ -105,6 +105,13 @@ impl Handshake {
             if g.base.checked_add(g.len).is_none() || g.base == 0 {
                 return Err(GeometryError::StagingOverflow.into());
             }
+            let units = crate::staging::units(&self.layout);
+            if g.group == 0 || units % g.group != 0 {
+                return Err(malformed(&format!(
+                    "staging grouped by {} units, which do not divide the {units} units of a block",
+                    g.group
+                )));
+            }
             if g.len < needed {
                 return Err(GeometryError::StagingTooSmall {
                     granted: g.len,
@@ -389,10 +396,25 @@ mod tests {
         h.staging = Some(StagingGrant {
             base: 0x100_0000,
             len: needed,
+            group: 1,
         });
         assert_eq!(Handshake::from_json(&h.to_json()).unwrap(), h);
-        // too small, at 0, overflowing, or not a {base, len} object
+        // unit-major (group 1) is what an older consumer sends: left out
+        assert!(!h.to_json().contains("group"));
+        // grouped by the block's two heads: sent and checked
+        h.staging = Some(StagingGrant {
+            base: 0x100_0000,
+            len: needed,
+            group: 2,
+        });
+        assert!(h.to_json().contains(r#""group":2"#));
+        assert_eq!(Handshake::from_json(&h.to_json()).unwrap(), h);
+        // too small, at 0, overflowing, not a {base, len} object, or a
+        // group that does not divide the block's units
         for bad in [
+            serde_json::json!({"base": 0x100_0000, "len": needed, "group": 0}),
+            serde_json::json!({"base": 0x100_0000, "len": needed, "group": 3}),
+            serde_json::json!({"base": 0x100_0000, "len": needed, "group": -1}),
             serde_json::json!({"base": 0x100_0000, "len": needed - 1}),
             serde_json::json!({"base": 0, "len": needed}),
             serde_json::json!({"base": u64::MAX - 8, "len": needed}),

@@ -47,7 +47,9 @@
 //!   `ProducerActor` does with `StagedPlan`), (a) reads: every staged range
 //!   lies inside its own generation's grant and in no other generation's
 //!   grant or blocks; the grant is freed with the blocks, so (f) and (g)
-//!   cover it too;
+//!   cover it too; a write from source staging straight into pages (a
+//!   producer of TP 1 staging grouped by the heads of a consumer that is
+//!   rank 0 of TP 2, whose blocks are one run) is checked as a page write;
 //! * stale, misrouted, foreign-rank and duplicate events change nothing.
 //!
 //! After the steps the model drains (writes complete, producers finish or
@@ -74,7 +76,7 @@ use orbitkv::fsm::{
     ProducerMachine, ProducerPhase, WriteId,
 };
 use orbitkv::layout::plan_write;
-use orbitkv::staging::{staged_bytes, SourceStaging, StagedPlan, StagingGrant};
+use orbitkv::staging::{grant_group, source_group, staged_bytes, SourceStaging, StagedPlan, StagingGrant};
 use orbitkv::testing::capability as cap;
 use orbitkv::wire::WIRE_VERSION;
 use orbitkv::{Generation, Handshake, KvLayout, Outcome, ProducerRank, RequestId, WriteRange};
@@ -93,6 +95,10 @@ const SRC_BLOCKS: [u32; REQ_BLOCKS as usize] = [4, 1, 2];
 /// Where generation `k`'s staging grant lies: `GRANT_BASE + k * GRANT_STRIDE`.
 const GRANT_BASE: u64 = 0xA000_0000;
 const GRANT_STRIDE: u64 = 0x10_0000;
+/// `staging_min_ranges` of the model's producers: a generation's blocks in
+/// one run (one range a layer: the model's layers have one plane) go into
+/// pages, rotated ones (two runs) into the grant.
+const MIN_RANGES: usize = 2;
 
 type Check = Result<(), String>;
 
@@ -201,6 +207,8 @@ enum Shape {
 #[derive(Clone)]
 struct Case {
     producers: usize,
+    /// The consumer is rank 0 of TP 2 (and the one producer of TP 1).
+    split: bool,
     staging: bool,
     steps: Vec<u64>,
 }
@@ -215,6 +223,7 @@ impl std::fmt::Debug for Case {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Case")
             .field("producers", &self.producers)
+            .field("split", &self.split)
             .field("staging", &self.staging)
             .field("ops", &self.ops())
             .finish()
@@ -306,12 +315,13 @@ fn decode(x: u64) -> Op {
 
 fn case() -> impl Strategy<Value = Case> {
     (
-        1..=2usize,
+        1..=3usize,
         any::<bool>(),
         prop::collection::vec(any::<u64>(), 0..64),
     )
-        .prop_map(|(producers, staging, steps)| Case {
-            producers,
+        .prop_map(|(shape, staging, steps)| Case {
+            producers: shape.min(2),
+            split: shape == 3,
             staging,
             steps,
         })
@@ -374,29 +384,44 @@ struct Prod {
 }
 
 impl Prod {
-    /// Plans a `Submit` exactly as `ProducerActor` does: into the grant
-    /// when both sides stage, else into the pages. Returns whether it staged.
+    /// Plans a `Submit` exactly as `ProducerActor` does: from the source
+    /// staging into the grant or the pages when it can, else from the
+    /// pages into the pages. Returns where it writes.
     fn plan(
         &self,
         auth: &Handshake,
         layer: u32,
         blocks: Range<u32>,
         out: &mut Vec<WriteRange>,
-    ) -> (Result<(), String>, bool) {
-        let staged = self
-            .source
-            .and_then(|src| StagedPlan::new(&self.layout, src, auth).ok().flatten());
+    ) -> (Result<(), String>, Into) {
+        let staged = self.source.and_then(|src| {
+            StagedPlan::new(&self.layout, src, auth, MIN_RANGES)
+                .ok()
+                .flatten()
+        });
         match staged {
             Some(plan) => (
                 plan.plan_layer(layer, blocks, out).map_err(|e| e.to_string()),
-                true,
+                if plan.into_grant() {
+                    Into::Grant
+                } else {
+                    Into::PagesFromStaging
+                },
             ),
             None => (
                 plan_write(&self.layout, &SRC_BLOCKS, auth, layer, blocks, out).map_err(|e| e.to_string()),
-                false,
+                Into::Pages,
             ),
         }
     }
+}
+
+/// Where a planned write goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Into {
+    Pages,
+    PagesFromStaging,
+    Grant,
 }
 
 struct Write {
@@ -445,6 +470,8 @@ struct Coverage {
     overlaps_while_in_flight: u64,
     /// Writes planned into a staging grant.
     staged_writes: u64,
+    /// Writes planned from source staging straight into pages.
+    staged_page_writes: u64,
 }
 
 struct Model {
@@ -463,7 +490,18 @@ struct Model {
 
 impl Model {
     fn new(producers: usize, mutation: Mutation, staging: bool) -> Self {
-        let consumer_layout = layout(0x9000_0000, REQ_BLOCKS * MAX_GENS as u32, C_BLOCK, (0, 1));
+        Self::shaped(producers, false, mutation, staging)
+    }
+
+    /// `split`: one producer of TP 1 and a consumer that is rank 0 of TP 2.
+    fn shaped(producers: usize, split: bool, mutation: Mutation, staging: bool) -> Self {
+        let producers = if split { 1 } else { producers };
+        let (ctp, cbb) = if split {
+            ((0, 2), C_BLOCK / 2)
+        } else {
+            ((0, 1), C_BLOCK)
+        };
+        let consumer_layout = layout(0x9000_0000, REQ_BLOCKS * MAX_GENS as u32, cbb, ctp);
         let prods = (0..producers as u32)
             .map(|rank| {
                 let (tp, bb) = if producers == 1 {
@@ -471,10 +509,12 @@ impl Model {
                 } else {
                     ((rank, 2), C_BLOCK / 2)
                 };
+                let local = layout(0x1000_0000 * (rank as u64 + 1), REQ_BLOCKS + 2, bb, tp);
+                let group = source_group(&local, ctp.1);
                 Prod {
                     rank,
                     machine: ProducerMachine::new(rid()),
-                    layout: layout(0x1000_0000 * (rank as u64 + 1), REQ_BLOCKS + 2, bb, tp),
+                    layout: local,
                     delivered: BTreeMap::new(),
                     in_flight: BTreeSet::new(),
                     notified: 0,
@@ -483,12 +523,13 @@ impl Model {
                     source: staging.then_some(SourceStaging {
                         base: 0x7000_0000 + 0x100_0000 * rank as u64,
                         capacity: REQ_BLOCKS,
+                        group,
                     }),
                 }
             })
             .collect();
         let expected =
-            ConsumerMachine::expected_ranks(consumer_layout.total_kv_heads, 0, 1, producers as u32);
+            ConsumerMachine::expected_ranks(consumer_layout.total_kv_heads, 0, ctp.1, producers as u32);
         let mut m = Self {
             mutation,
             consumer_layout,
@@ -530,6 +571,7 @@ impl Model {
             staging: self.staging.then(|| StagingGrant {
                 base: GRANT_BASE + k as u64 * GRANT_STRIDE,
                 len: staged_bytes(&self.consumer_layout, n).expect("small"),
+                group: grant_group(&self.consumer_layout, self.prods.len() as u32),
             }),
         });
         handshake.validate().expect("the model's handshake is valid");
@@ -723,7 +765,7 @@ impl Model {
                 let (planned, staged) = prod.plan(cur, w.layer, w.blocks.clone(), &mut out);
                 if planned.is_ok() {
                     w.ranges = out;
-                    w.staged = staged;
+                    w.staged = staged == Into::Grant;
                 }
             }
         }
@@ -911,9 +953,11 @@ impl Model {
                         reason: err,
                     }));
                 }
-                self.check_ranges(generation, layer, staged, &out)?;
-                if staged {
-                    self.cov.staged_writes += 1;
+                self.check_ranges(generation, layer, staged == Into::Grant, &out)?;
+                match staged {
+                    Into::Grant => self.cov.staged_writes += 1,
+                    Into::PagesFromStaging => self.cov.staged_page_writes += 1,
+                    Into::Pages => {}
                 }
                 if out.is_empty() {
                     return Ok(Some(ProducerEvent::WriteDone {
@@ -930,7 +974,7 @@ impl Model {
                     layer,
                     blocks,
                     ranges: out,
-                    staged,
+                    staged: staged == Into::Grant,
                     bytes,
                 });
                 Ok(None)
@@ -1249,7 +1293,7 @@ fn notice_event(n: &Note) -> ConsumerEvent {
 }
 
 fn run_case(c: &Case, mutation: Mutation) -> Result<Coverage, String> {
-    let mut m = Model::new(c.producers, mutation, c.staging);
+    let mut m = Model::shaped(c.producers, c.split, mutation, c.staging);
     for (i, op) in c.ops().iter().enumerate() {
         m.step(op).map_err(|e| format!("step {i} ({op:?}): {e}"))?;
     }
@@ -1292,6 +1336,7 @@ fn explore(cases: u32, mutation: Mutation) -> Result<(u64, Coverage), (String, C
         s.quiesced += cov.quiesced;
         s.overlaps_while_in_flight += cov.overlaps_while_in_flight;
         s.staged_writes += cov.staged_writes;
+        s.staged_page_writes += cov.staged_page_writes;
         Ok(())
     });
     match r {
@@ -1301,6 +1346,7 @@ fn explore(cases: u32, mutation: Mutation) -> Result<(u64, Coverage), (String, C
             format!("aborted: {why}"),
             Case {
                 producers: 0,
+                split: false,
                 staging: false,
                 steps: vec![],
             },
@@ -1346,6 +1392,7 @@ fn contract_holds_over_10000_interleavings() {
             cov.overlaps_while_in_flight,
         ),
         ("writes into a staging grant", cov.staged_writes),
+        ("writes from source staging into pages", cov.staged_page_writes),
     ];
     // Each run draws a fresh seed, so the counts vary: consumer completions,
     // the rarest, average about 110 per 10,000 interleavings and were seen

@@ -89,6 +89,7 @@ impl Rank {
             local: Arc::new(layout()),
             writers,
             handshake_timeout: cfg.handshake_timeout,
+            staging_min_ranges: cfg.staging_min_ranges,
             stats: stats.clone(),
             buffers: Default::default(),
         });
@@ -380,6 +381,7 @@ fn only_the_first_done_notice_of_an_expected_rank_says_what_to_scatter_and_the_g
         let grant = StagingGrant {
             base: arena.lock().alloc(len).unwrap(),
             len,
+            group: 1,
         };
         let staging = ConsumerStaging {
             grant,

@@ -40,7 +40,7 @@ use crate::fsm::ConsumerMachine;
 use crate::ids::{Capability, Generation, ProducerRank, RequestId};
 use crate::layout::KvLayout;
 use crate::staging::arena::StagingArena;
-use crate::staging::{staged_bytes, SharedArena, SourceStaging, StagingGrant};
+use crate::staging::{grant_group, staged_bytes, SharedArena, SourceStaging, StagingGrant};
 use crate::wire::{Cancel, Handshake, Outcome};
 
 /// Work for the directory, run on its thread in arrival order (the façade's
@@ -244,14 +244,17 @@ impl RequestDirectory {
     /// writing its pages directly would take at least `staging_min_ranges`
     /// ranges per layer: one per run of consecutive blocks and plane, or one
     /// per block and plane when a producer of another TP size writes head
-    /// slices. `None` when the arena is full (counted; the request is
-    /// written directly).
+    /// slices, unless each block is a whole group of one producer's source
+    /// staging ([`grant_group`]: that producer writes runs of whole blocks
+    /// from it). The grant is staged in [`grant_group`]'s order. `None`
+    /// when the arena is full (counted; the request is written directly).
     fn grant_staging(&self, handshake: &Handshake, producer_tp: u32) -> Option<(StagingGrant, SharedArena)> {
         let arena = self.staging.as_ref()?;
         let local = &self.shared.local;
         let ids = &handshake.block_ids;
         let planes = local.layers.first().map_or(1, |l| l.planes.len());
-        let pieces = if producer_tp != local.tp_size && local.head_major {
+        let group = grant_group(local, producer_tp);
+        let pieces = if producer_tp != local.tp_size && local.head_major && group == 1 {
             ids.len()
         } else {
             1 + ids.windows(2).filter(|w| w[1] != w[0].wrapping_add(1)).count()
@@ -263,7 +266,7 @@ impl RequestDirectory {
         match arena.lock().alloc(len) {
             Ok(base) => {
                 self.shared.stats.staging_granted.inc();
-                Some((StagingGrant { base, len }, arena.clone()))
+                Some((StagingGrant { base, len, group }, arena.clone()))
             }
             Err(e) => {
                 self.shared.stats.staging_exhausted.inc();

@@ -47,6 +47,9 @@ pub struct ProducerShared {
     pub writers: Arc<WriterPool>,
     /// How long a producer waits for its consumer's handshake.
     pub handshake_timeout: Duration,
+    /// Below this many ranges a layer, a write from source staging goes
+    /// straight into pages rather than into a grant (`StagedPlan::new`).
+    pub staging_min_ranges: usize,
     pub stats: Arc<Stats>,
     /// Range lists the producers of this runtime plan into (given back with
     /// each `LayerWritten`).
@@ -288,9 +291,10 @@ impl ProducerCore {
         }
     }
 
-    /// Where this producer writes under `auth`: the consumer's staging grant
-    /// when both sides stage in the same order (the plan), else the pages
-    /// (`None`). Fixed for an authorization, so its notice can say which;
+    /// How this producer writes under `auth`: from its source staging into
+    /// the consumer's staging grant or straight into its pages (the plan),
+    /// else from its pages (`None`). Fixed for an authorization, so its
+    /// notice can say whether it staged into the grant;
     /// planned once per generation. An authorization whose grant cannot be
     /// planned (its addresses overflow) is written into pages.
     fn staged_into(&mut self, auth: &Handshake) -> Option<Arc<StagedPlan>> {
@@ -300,7 +304,7 @@ impl ProducerCore {
             }
         }
         let plan = self.staging.and_then(|src| {
-            StagedPlan::new(&self.shared.local, src, auth)
+            StagedPlan::new(&self.shared.local, src, auth, self.shared.staging_min_ranges)
                 .inspect_err(|e| tracing::warn!(error = %e, "staging grant not usable: writing pages"))
                 .ok()
                 .flatten()
@@ -433,7 +437,7 @@ impl ProducerCore {
                     outcome,
                     reason,
                     bytes,
-                    staged: self.staged_into(&auth).is_some(),
+                    staged: self.staged_into(&auth).is_some_and(|p| p.into_grant()),
                 };
                 tracing::info!(?outcome, bytes, notice.staged, "notifying the consumer");
                 self.shared.writers.get(&auth.endpoint).notice(notice);

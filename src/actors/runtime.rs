@@ -24,7 +24,7 @@ use crate::ids::generation_seed;
 use crate::ids::{Capability, Generation, MarkSeq, RequestId};
 use crate::layout::KvLayout;
 use crate::side_channel::client::{HandshakeJob, Publisher};
-use crate::staging::{staged_bytes, SourceStaging};
+use crate::staging::{staged_bytes, SourceStaging, StagedOrder};
 use crate::transport::Transport;
 use crate::wire::{Cancel, Handshake, WIRE_VERSION};
 
@@ -222,6 +222,7 @@ impl Runtime {
             local: local.clone(),
             writers: writers.clone(),
             handshake_timeout: cfg.handshake_timeout,
+            staging_min_ranges: cfg.staging_min_ranges,
             stats: stats.clone(),
             buffers: Default::default(),
         });
@@ -447,8 +448,10 @@ impl Runtime {
 
     /// [`Self::producer_open`] with the request's source staging: the
     /// worker gathers each computed layer of request blocks
-    /// `0..staging.capacity` there (`crate::staging`), and the producers
-    /// write from it into consumers that granted staging. It must lie
+    /// `0..staging.capacity` there in the order grouped by `staging.group`
+    /// units (`crate::staging`; [`crate::staging::source_group`] of
+    /// `consumer_tp` is the one that lets it write pages), and the
+    /// producers write from it into consumers' grants or pages. It must lie
     /// inside `source_staging_region` and stay untouched by anything else
     /// until the request's `ProducerReleased`.
     pub fn producer_open_staged(
@@ -461,6 +464,13 @@ impl Runtime {
     ) -> Result<(), RuntimeError> {
         self.local.validate_blocks(&src_blocks)?;
         if let Some(s) = staging {
+            if StagedOrder::grouped(&self.local, 1, s.group).is_none() {
+                return Err(invalid_argument(format!(
+                    "a source staging grouped by {} units: the group must divide the {} units of a block",
+                    s.group,
+                    crate::staging::units(&self.local)
+                )));
+            }
             let len = staged_bytes(&self.local, s.capacity).ok_or(GeometryError::StagingOverflow)?;
             let inside = self.cfg.source_staging_region.is_some_and(|(base, rlen)| {
                 s.base >= base && s.base.checked_add(len).is_some_and(|end| end <= base + rlen)

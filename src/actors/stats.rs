@@ -80,8 +80,8 @@ pub struct Stats {
     /// Decode side: requests that would have been given a staging grant but
     /// found the staging region full (written directly instead).
     pub staging_exhausted: Counter,
-    /// Prefill side: layer writes that went from source staging into a
-    /// consumer's grant.
+    /// Prefill side: layer writes that went from source staging (into a
+    /// consumer's grant, or straight into its pages).
     pub layers_staged: Counter,
     /// Prefill side: layers whose `LayerReady` ran on the thread that
     /// handed them over (no message to the system thread).

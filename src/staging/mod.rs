@@ -50,6 +50,18 @@ use crate::wire::Handshake;
 pub struct StagingGrant {
     pub base: u64,
     pub len: u64,
+    /// The grant's staged order: units per group ([`StagedOrder`]); 1
+    /// (unit-major, what an older consumer grants) is left out on the wire.
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub group: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(g: &u32) -> bool {
+    *g == 1
 }
 
 /// A producer's source staging for one request: the staged copy of request
@@ -58,6 +70,8 @@ pub struct StagingGrant {
 pub struct SourceStaging {
     pub base: u64,
     pub capacity: u32,
+    /// Units per group of its staged order (1: unit-major; [`source_group`]).
+    pub group: u32,
 }
 
 /// What a consumer scatters once every producer reported done: its grant,
@@ -70,6 +84,44 @@ pub struct StagedKv {
     pub grant: StagingGrant,
     pub blocks: u32,
     pub units: Vec<Range<u32>>,
+}
+
+/// The group of the source staging a producer of layout `local` gathers
+/// for a consumer instance of TP size `consumer_tp`: the heads of one
+/// consumer rank when each consumer rank holds a whole, distinct part of
+/// this rank's heads (the consumer's TP size a multiple of this one's, head
+/// counts dividing evenly), else 1 (unit-major).
+pub fn source_group(local: &KvLayout, consumer_tp: u32) -> u32 {
+    let (tp, total) = (local.tp_size.max(1), local.total_kv_heads);
+    if !local.head_major || consumer_tp <= tp || consumer_tp % tp != 0 || total % consumer_tp != 0 {
+        return 1;
+    }
+    let per = total / consumer_tp;
+    if per >= 1 && units(local) % per == 0 {
+        per
+    } else {
+        1
+    }
+}
+
+/// The group of the staging grant a consumer of layout `local` gives a
+/// producer instance of TP size `producer_tp`: its whole block (every unit)
+/// when all its heads come from one producer rank of a smaller TP size
+/// (the producer then stages grouped by exactly these heads,
+/// [`source_group`]), else 1 (unit-major).
+pub fn grant_group(local: &KvLayout, producer_tp: u32) -> u32 {
+    let tp = local.tp_size.max(1);
+    let u = units(local);
+    if local.head_major
+        && producer_tp >= 1
+        && producer_tp < tp
+        && tp % producer_tp == 0
+        && local.total_kv_heads % tp == 0
+    {
+        u
+    } else {
+        1
+    }
 }
 
 /// A consumer's grant, shared with the arena it came from (the consumer
@@ -91,6 +143,8 @@ pub fn units(layout: &KvLayout) -> u32 {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StagedOrder {
     pub capacity: u32,
+    /// Units per group (1: unit-major).
+    pub group: u32,
     /// `slots[layer][plane]`: (offset, unit bytes).
     pub slots: Vec<Vec<(u64, u64)>>,
     /// Bytes of the whole staged copy.
@@ -98,8 +152,18 @@ pub struct StagedOrder {
 }
 
 impl StagedOrder {
-    /// `None` on overflow.
+    /// The unit-major order; `None` on overflow.
     pub fn new(layout: &KvLayout, capacity: u32) -> Option<Self> {
+        Self::grouped(layout, capacity, 1)
+    }
+
+    /// The order grouped by `group` units (which must divide the units per
+    /// block: `None` otherwise, or on overflow). The slots and the size do
+    /// not depend on the group, only where a unit lies inside a slot.
+    pub fn grouped(layout: &KvLayout, capacity: u32, group: u32) -> Option<Self> {
+        if group == 0 || units(layout) % group != 0 {
+            return None;
+        }
         let u = units(layout) as u64;
         let mut off: u64 = 0;
         let mut slots = Vec::with_capacity(layout.layers.len());
@@ -113,9 +177,22 @@ impl StagedOrder {
         }
         Some(Self {
             capacity,
+            group,
             slots,
             bytes: off,
         })
+    }
+
+    /// Offset of unit `unit` of block `block` of (`layer`, `plane`) from
+    /// the staged copy's base; `None` when any is out of range.
+    pub fn offset(&self, layer: usize, plane: usize, unit: u32, block: u32) -> Option<u64> {
+        let &(off, ub) = self.slots.get(layer)?.get(plane)?;
+        if block >= self.capacity {
+            return None;
+        }
+        let g = self.group as u64;
+        let (q, r) = (unit as u64 / g, unit as u64 % g);
+        off.checked_add(((q * self.capacity as u64 + block as u64) * g + r).checked_mul(ub)?)
     }
 }
 
@@ -163,15 +240,30 @@ pub fn staged_units(consumer: &KvLayout, producer_tp: u32, producer_rank: u32) -
     (s - c.start)..(e - c.start)
 }
 
-/// How one producer writes into one consumer's staging grant, fixed for an
+/// Where a [`StagedPlan`] writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Dest {
+    /// The consumer's staging grant, staged in `order`.
+    Grant { grant: StagingGrant, order: StagedOrder },
+    /// The consumer's pages (its authorized blocks, from the handshake),
+    /// each a whole group of the source staging: `planes[layer][plane]`.
+    Pages {
+        planes: Vec<Vec<crate::layout::Plane>>,
+        block_ids: Vec<u32>,
+    },
+}
+
+/// How one producer writes a layer from its source staging, fixed for an
 /// authorization: built when the handshake is known, then used for every
-/// layer write under it ([`StagedPlan::plan_layer`]).
+/// layer write under it ([`StagedPlan::plan_layer`]). Either into the
+/// consumer's staging grant (the consumer scatters it: [`Self::into_grant`])
+/// or, when the source staging holds the consumer's blocks in its page
+/// order, straight into the consumer's pages.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StagedPlan {
     src: SourceStaging,
     src_order: StagedOrder,
-    grant: StagingGrant,
-    dst_order: StagedOrder,
+    dest: Dest,
     first_block: u32,
     /// The sent units: the first in the producer's and in the consumer's
     /// order, and how many (0: this producer holds none of the consumer's heads).
@@ -181,18 +273,22 @@ pub struct StagedPlan {
 }
 
 impl StagedPlan {
-    /// The plan for writing from `src` into `auth`'s grant; `Ok(None)` when
-    /// `auth` has no grant or the two layouts stage in different orders
-    /// (the producer then writes pages directly).
+    /// The plan for writing from `src` under `auth`; `Ok(None)` when
+    /// neither the grant nor the pages can be written from this source
+    /// staging (no grant and another page order, or layouts staged in
+    /// different orders): the producer then writes from its pages.
+    ///
+    /// The pages are chosen when the consumer's block is exactly one group
+    /// of the source staging (its page order) and either there is no
+    /// usable grant or the pages take fewer than `min_ranges` ranges a
+    /// layer (one per run of consecutive blocks and plane): no scatter.
     pub fn new(
         local: &KvLayout,
         src: SourceStaging,
         auth: &Handshake,
+        min_ranges: usize,
     ) -> Result<Option<Self>, GeometryError> {
         let consumer = &auth.layout;
-        let Some(grant) = auth.staging else {
-            return Ok(None);
-        };
         if !staging_compatible(local, consumer) {
             return Ok(None);
         }
@@ -208,15 +304,38 @@ impl StagedPlan {
             (0, 0, 1)
         };
         let overflow = GeometryError::StagingOverflow;
-        let src_order = StagedOrder::new(local, src.capacity).ok_or(overflow.clone())?;
-        let dst_order = StagedOrder::new(consumer, auth.block_ids.len() as u32).ok_or(overflow.clone())?;
+        let g = src.group;
+        let src_order = StagedOrder::grouped(local, src.capacity, g).ok_or(overflow.clone())?;
         src.base.checked_add(src_order.bytes).ok_or(overflow.clone())?;
-        grant.base.checked_add(grant.len).ok_or(overflow)?;
+        // The sent units are whole in the source order: each unit a run of
+        // blocks (unit-major), or exactly one group.
+        let whole_group = g == count && src_unit % g == 0;
+        let grant = match auth.staging {
+            Some(grant)
+                if count == 0
+                    || (g == 1 && grant.group == 1)
+                    || (whole_group && grant.group == g && dst_unit % g == 0) =>
+            {
+                let order = StagedOrder::grouped(consumer, auth.block_ids.len() as u32, grant.group)
+                    .ok_or(overflow.clone())?;
+                grant.base.checked_add(grant.len).ok_or(overflow.clone())?;
+                Some(Dest::Grant { grant, order })
+            }
+            _ => None,
+        };
+        let pages = count > 0 && whole_group && dst_unit == 0 && count == units(consumer);
+        let dest = match grant {
+            Some(grant) if !pages || page_runs(consumer, &auth.block_ids) >= min_ranges => grant,
+            _ if pages => Dest::Pages {
+                planes: consumer.layers.iter().map(|l| l.planes.clone()).collect(),
+                block_ids: auth.block_ids.clone(),
+            },
+            _ => return Ok(None),
+        };
         Ok(Some(Self {
             src,
             src_order,
-            grant,
-            dst_order,
+            dest,
             first_block: auth.first_block,
             src_unit,
             dst_unit,
@@ -224,13 +343,21 @@ impl StagedPlan {
         }))
     }
 
+    /// Whether this plan writes into the consumer's staging grant (its
+    /// notice then says `staged` and the consumer scatters), not its pages.
+    pub fn into_grant(&self) -> bool {
+        matches!(self.dest, Dest::Grant { .. })
+    }
+
     /// The staged counterpart of [`crate::layout::plan_write`]: the ranges
     /// that write request blocks `blocks` of `layer` from the source staging
-    /// into the grant. Request blocks before the handshake's `first_block`
-    /// are skipped. One range per (plane, sent unit), merged where
-    /// consecutive: a whole request in one chunk is one range per plane.
-    /// Every destination lies inside the grant and every source inside the
-    /// source staging: anything else is an error, never a range.
+    /// into the grant or the pages. Request blocks before the handshake's
+    /// `first_block` are skipped. Into a grant: one range per (plane, sent
+    /// unit) per chunk (one per plane when the units are one group), merged
+    /// where consecutive; into pages: one per run of consecutive blocks and
+    /// plane. Every destination lies inside the grant or the authorized
+    /// blocks and every source inside the source staging: anything else is
+    /// an error, never a range.
     pub fn plan_layer(
         &self,
         layer: u32,
@@ -238,16 +365,23 @@ impl StagedPlan {
         out: &mut Vec<WriteRange>,
     ) -> Result<(), GeometryError> {
         out.clear();
-        let (Some(sl), Some(dl)) = (
-            self.src_order.slots.get(layer as usize),
-            self.dst_order.slots.get(layer as usize),
-        ) else {
+        let li = layer as usize;
+        let layers = self.src_order.slots.len();
+        let dest_layers = match &self.dest {
+            Dest::Grant { order, .. } => order.slots.len(),
+            Dest::Pages { planes, .. } => planes.len(),
+        };
+        if li >= layers || li >= dest_layers {
             return Err(GeometryError::LayerOutOfRange {
                 layer,
-                num_layers: self.src_order.slots.len(),
+                num_layers: layers,
             });
+        }
+        let (first, cap) = (self.first_block, self.src.capacity);
+        let n = match &self.dest {
+            Dest::Grant { order, .. } => order.capacity,
+            Dest::Pages { block_ids, .. } => block_ids.len() as u32,
         };
-        let (first, n, cap) = (self.first_block, self.dst_order.capacity, self.src.capacity);
         let (lo, hi) = (blocks.start.max(first), blocks.end);
         if lo >= hi {
             return Ok(());
@@ -264,56 +398,98 @@ impl StagedPlan {
                 available: cap as usize,
             });
         }
+        if self.count == 0 {
+            return Ok(());
+        }
         let inside = |at: u64, len: u64, base: u64, size: u64| {
             at >= base && at.checked_add(len).is_some_and(|end| end <= base + size)
         };
-        for (&(soff, unit), &(doff, dunit)) in sl.iter().zip(dl) {
-            debug_assert_eq!(unit, dunit);
-            let first_range = out.len();
-            for k in 0..self.count as u64 {
-                let at = |base: u64, off: u64, u: u64, cap: u64, i: u64| -> Option<u64> {
-                    base.checked_add(off)?
-                        .checked_add(u.checked_mul(cap)?.checked_add(i)?.checked_mul(unit)?)
-                };
-                let r = (|| {
-                    Some(WriteRange {
-                        src: at(
-                            self.src.base,
-                            soff,
-                            self.src_unit as u64 + k,
-                            cap as u64,
-                            lo as u64,
-                        )?,
-                        dst: at(
-                            self.grant.base,
-                            doff,
-                            self.dst_unit as u64 + k,
-                            n as u64,
-                            (lo - first) as u64,
-                        )?,
-                        len: ((hi - lo) as u64).checked_mul(unit)?,
-                    })
-                })()
-                .ok_or(GeometryError::StagingOverflow)?;
-                if !inside(r.dst, r.len, self.grant.base, self.grant.len) {
-                    return Err(GeometryError::OutsideStagingGrant {
-                        dst: r.dst,
-                        len: r.len,
-                        base: self.grant.base,
-                        grant: self.grant.len,
-                    });
+        let src_at = |plane: usize, unit: u32, block: u32| {
+            self.src_order
+                .offset(li, plane, unit, block)
+                .and_then(|o| self.src.base.checked_add(o))
+                .ok_or(GeometryError::StagingOverflow)
+        };
+        let src_inside = |r: &WriteRange| {
+            if inside(r.src, r.len, self.src.base, self.src_order.bytes) {
+                Ok(())
+            } else {
+                Err(GeometryError::OutsideSource {
+                    index: hi - 1,
+                    available: cap as usize,
+                })
+            }
+        };
+        // Units per range: each sent unit alone (unit-major), or the group.
+        let (reps, per) = if self.src.group == 1 {
+            (self.count, 1)
+        } else {
+            (1, self.count)
+        };
+        match &self.dest {
+            Dest::Grant { grant, order } => {
+                for (plane, &(_, unit)) in self.src_order.slots[li].iter().enumerate() {
+                    let first_range = out.len();
+                    for k in 0..reps {
+                        let dst = order
+                            .offset(li, plane, self.dst_unit + k, lo - first)
+                            .and_then(|o| grant.base.checked_add(o))
+                            .ok_or(GeometryError::StagingOverflow)?;
+                        let len = ((hi - lo) as u64 * per as u64)
+                            .checked_mul(unit)
+                            .ok_or(GeometryError::StagingOverflow)?;
+                        let r = WriteRange {
+                            src: src_at(plane, self.src_unit + k, lo)?,
+                            dst,
+                            len,
+                        };
+                        if !inside(r.dst, r.len, grant.base, grant.len) {
+                            return Err(GeometryError::OutsideStagingGrant {
+                                dst: r.dst,
+                                len: r.len,
+                                base: grant.base,
+                                grant: grant.len,
+                            });
+                        }
+                        src_inside(&r)?;
+                        push_merged(out, first_range, r);
+                    }
                 }
-                if !inside(r.src, r.len, self.src.base, self.src_order.bytes) {
-                    return Err(GeometryError::OutsideSource {
-                        index: hi - 1,
-                        available: cap as usize,
-                    });
+            }
+            Dest::Pages { planes, block_ids } => {
+                for (plane, dp) in planes[li].iter().enumerate() {
+                    let first_range = out.len();
+                    for i in lo..hi {
+                        let r = WriteRange {
+                            src: src_at(plane, self.src_unit, i)?,
+                            dst: dp.block_addr(block_ids[(i - first) as usize]),
+                            len: dp.block_bytes,
+                        };
+                        src_inside(&r)?;
+                        push_merged(out, first_range, r);
+                    }
                 }
-                push_merged(out, first_range, r);
             }
         }
         Ok(())
     }
+}
+
+/// Ranges a layer of `block_ids` takes in `layout`'s pages: one per run of
+/// blocks consecutive in memory, times the planes (of the first layer).
+fn page_runs(layout: &KvLayout, block_ids: &[u32]) -> usize {
+    let Some(l) = layout.layers.first() else {
+        return 0;
+    };
+    l.planes
+        .iter()
+        .map(|p| {
+            1 + block_ids
+                .windows(2)
+                .filter(|w| p.block_addr(w[1]) != p.block_addr(w[0]) + p.block_bytes)
+                .count()
+        })
+        .sum()
 }
 
 #[cfg(test)]

@@ -80,8 +80,10 @@ impl Mem {
     }
 }
 
-/// The worker's gather (what `orbitkv.vllm.staging` does with torch): unit
-/// `u` of request block `i` of each (layer, plane) into the staged order.
+/// The worker's gather (what `orbitkv.staging` does with torch): unit `u`
+/// of request block `i` of each (layer, plane) into the staged order
+/// grouped by `group` units.
+#[allow(clippy::too_many_arguments)] // the memory and the order, spelled out
 fn gather(
     local: &KvLayout,
     src_blocks: &[u32],
@@ -89,17 +91,18 @@ fn gather(
     stage: &mut Mem,
     at: u64,
     cap: u32,
+    group: u32,
     range: Range<u32>,
 ) {
-    let u = units(local);
+    let order = StagedOrder::grouped(local, cap, group).unwrap();
     for (li, l) in local.layers.iter().enumerate() {
         for (pi, p) in l.planes.iter().enumerate() {
-            let (off, ub) = StagedOrder::new(local, cap).unwrap().slots[li][pi];
-            for unit in 0..u {
+            let ub = order.slots[li][pi].1;
+            for unit in 0..units(local) {
                 for i in range.clone() {
                     let from = p.block_addr(src_blocks[i as usize]) + unit as u64 * ub;
                     let data = kv.at(from, ub).to_vec();
-                    let to = at + off + (unit as u64 * cap as u64 + i as u64) * ub;
+                    let to = at + order.offset(li, pi, unit, i).unwrap();
                     stage.at(to, ub).copy_from_slice(&data);
                 }
             }
@@ -108,16 +111,17 @@ fn gather(
 }
 
 /// The worker's scatter on decode: `units` of each authorized block back
-/// from the grant into the pages.
+/// from the grant (in its staged order) into the pages.
 fn scatter(consumer: &KvLayout, h: &Handshake, units_sent: Range<u32>, stage: &mut Mem, kv: &mut Mem) {
     let g = h.staging.unwrap();
     let n = h.block_ids.len() as u32;
+    let order = StagedOrder::grouped(consumer, n, g.group).unwrap();
     for (li, l) in consumer.layers.iter().enumerate() {
         for (pi, p) in l.planes.iter().enumerate() {
-            let (off, ub) = StagedOrder::new(consumer, n).unwrap().slots[li][pi];
+            let ub = order.slots[li][pi].1;
             for unit in units_sent.clone() {
                 for (i, &b) in h.block_ids.iter().enumerate() {
-                    let from = g.base + off + (unit as u64 * n as u64 + i as u64) * ub;
+                    let from = g.base + order.offset(li, pi, unit, i as u32).unwrap();
                     let data = stage.at(from, ub).to_vec();
                     kv.at(p.block_addr(b) + unit as u64 * ub, ub)
                         .copy_from_slice(&data);
@@ -127,7 +131,11 @@ fn scatter(consumer: &KvLayout, h: &Handshake, units_sent: Range<u32>, stage: &m
     }
 }
 
-/// The producer's plan under `h`, for one layer write.
+/// `staging_min_ranges`' default.
+const MIN_RANGES: usize = 16;
+
+/// The producer's plan under `h`, for one layer write, into the grant
+/// whenever one is usable (no minimum of page ranges).
 fn plan(
     local: &KvLayout,
     src: SourceStaging,
@@ -136,7 +144,8 @@ fn plan(
     blocks: Range<u32>,
     out: &mut Vec<WriteRange>,
 ) -> Result<(), GeometryError> {
-    let plan = StagedPlan::new(local, src, h)?.expect("both sides stage");
+    let plan = StagedPlan::new(local, src, h, 0)?.expect("both sides stage");
+    assert!(plan.into_grant(), "{plan:?} writes pages");
     plan.plan_layer(layer, blocks, out)
 }
 
@@ -188,6 +197,7 @@ fn check(
     let grant = StagingGrant {
         base: gat,
         len: gbytes,
+        group: 1,
     };
     let h = handshake(&consumer, first, ids.clone(), Some(grant));
     h.validate().unwrap();
@@ -197,6 +207,7 @@ fn check(
     let src = SourceStaging {
         base: sat,
         capacity: cap,
+        group: 1,
     };
     let mut max_ranges = 0;
     for c in chunks {
@@ -207,6 +218,7 @@ fn check(
             &mut pstage,
             sat,
             cap,
+            1,
             c.clone(),
         );
         for l in 0..layers {
@@ -287,12 +299,14 @@ fn one_chunk_of_a_whole_request_is_one_range_per_plane() {
     let grant = StagingGrant {
         base: 0x900_0000,
         len: gbytes,
+        group: 1,
     };
     let h = handshake(&c, 0, ids, Some(grant));
     let mut out = Vec::new();
     let src = SourceStaging {
         base: 0x500_0000,
         capacity: 20,
+        group: 1,
     };
     plan(&p, src, &h, 1, 0..20, &mut out).unwrap();
     assert_eq!(out.len(), 2, "{out:?}");
@@ -310,12 +324,14 @@ fn writes_outside_the_grant_or_the_source_are_errors() {
     let grant = StagingGrant {
         base: 0x900_0000,
         len: gbytes,
+        group: 1,
     };
     let h = handshake(&c, 0, vec![1, 2, 3, 4], Some(grant));
     let mut out = Vec::new();
     let src = SourceStaging {
         base: 0x500_0000,
         capacity: 8,
+        group: 1,
     };
     // beyond the authorized blocks
     assert!(matches!(
@@ -326,6 +342,7 @@ fn writes_outside_the_grant_or_the_source_are_errors() {
     let small = SourceStaging {
         base: 0x500_0000,
         capacity: 3,
+        group: 1,
     };
     assert!(matches!(
         plan(&p, small, &h, 0, 0..4, &mut out),
@@ -335,6 +352,7 @@ fn writes_outside_the_grant_or_the_source_are_errors() {
     let short = StagingGrant {
         base: 0x900_0000,
         len: gbytes - 1,
+        group: 1,
     };
     let bad = handshake(&c, 0, vec![1, 2, 3, 4], Some(short));
     assert!(bad.validate().is_err());
@@ -363,16 +381,18 @@ fn layouts_that_stage_in_different_orders_do_not_stage() {
     let grant = StagingGrant {
         base: 0x900_0000,
         len: staged_bytes(&c, n).unwrap(),
+        group: 1,
     };
     let src = SourceStaging {
         base: 0x500_0000,
         capacity: n,
+        group: 1,
     };
     let h = handshake(&c, 0, (0..n).collect(), Some(grant));
-    assert_eq!(StagedPlan::new(&p, src, &h), Ok(None));
+    assert_eq!(StagedPlan::new(&p, src, &h, MIN_RANGES), Ok(None));
     // nor does one whose consumer gave no grant
     let h = handshake(&p, 0, (0..n).collect(), None);
-    assert_eq!(StagedPlan::new(&p, src, &h), Ok(None));
+    assert_eq!(StagedPlan::new(&p, src, &h, MIN_RANGES), Ok(None));
 }
 
 #[test]
@@ -384,4 +404,238 @@ fn staged_units_name_the_heads_each_producer_sends() {
     assert_eq!(staged_units(&c1, 1, 0), 0..2);
     assert_eq!(staged_units(&c1, 4, 1), 0..0);
     assert_eq!(staged_units(&c1, 4, 2), 0..1);
+}
+
+/// A producer of TP `ptp` sending to a consumer of the larger TP `ctp`
+/// stages grouped by the consumer's heads: from it the layer goes straight
+/// into the consumer's pages when its blocks are consecutive (no grant
+/// used, no scatter), else into a grant in the same order, scattered as
+/// whole blocks. Either way the pages end as the direct plan leaves them.
+fn check_grouped(
+    total: u32,
+    (pr, ptp): (u32, u32),
+    (cr, ctp): (u32, u32),
+    first: u32,
+    chunks: &[Range<u32>],
+    consecutive: bool,
+) {
+    let (layers, blocks, hb) = (3u32, 24u32, 8u64);
+    let producer = kv(0x10_0000, layers, blocks, hb, (pr, ptp), total, true);
+    let consumer = kv(0x80_0000, layers, blocks, hb, (cr, ctp), total, true);
+    let group = source_group(&producer, ctp);
+    assert_eq!(group, units(&consumer), "the consumer's heads are one group");
+    assert!(group > 1 || units(&consumer) == 1);
+    assert_eq!(grant_group(&consumer, ptp), group);
+    let req: u32 = chunks.last().unwrap().end;
+    let src_blocks: Vec<u32> = (0..req).map(|i| (i * 7 + 3) % blocks).collect();
+    let ids: Vec<u32> = if consecutive {
+        (0..req - first).map(|i| i + 2).collect()
+    } else {
+        (0..req - first).map(|i| (i * 5 + 1) % blocks).collect()
+    };
+    let pbytes = 2 * (layers * blocks) as u64 * producer.layers[0].planes[0].block_bytes;
+    let cbytes = 2 * (layers * blocks) as u64 * consumer.layers[0].planes[0].block_bytes;
+    let mut psrc = Mem::new(0x10_0000, pbytes as usize, 1);
+    let mut direct = Mem::new(0x80_0000, cbytes as usize, 99);
+    let mut out = Vec::new();
+    let h_direct = handshake(&consumer, first, ids.clone(), None);
+    for c in chunks {
+        for l in 0..layers {
+            plan_write(&producer, &src_blocks, &h_direct, l, c.clone(), &mut out).unwrap();
+            apply(&out, &mut psrc, &mut direct);
+        }
+    }
+    let cap = req + 1;
+    let sbytes = staged_bytes(&producer, cap).unwrap();
+    let gbytes = staged_bytes(&consumer, ids.len() as u32).unwrap();
+    let (sat, gat) = (0x400_0000u64, 0x800_0000u64 + 256);
+    let mut pstage = Mem::new(sat, sbytes as usize, 3);
+    let mut cstage = Mem::new(gat - 256, gbytes as usize + 512, 5);
+    let untouched_stage = cstage.bytes.clone();
+    let grant = StagingGrant {
+        base: gat,
+        len: gbytes,
+        group,
+    };
+    let h = handshake(&consumer, first, ids.clone(), Some(grant));
+    h.validate().unwrap();
+    let src = SourceStaging {
+        base: sat,
+        capacity: cap,
+        group,
+    };
+    let plan = StagedPlan::new(&producer, src, &h, MIN_RANGES)
+        .unwrap()
+        .expect("stages");
+    assert_eq!(plan.into_grant(), !consecutive, "{plan:?}");
+    let mut pages = Mem::new(0x80_0000, cbytes as usize, 99);
+    let mut kvsrc = Mem::new(0x10_0000, pbytes as usize, 1);
+    for c in chunks {
+        gather(
+            &producer,
+            &src_blocks,
+            &mut kvsrc,
+            &mut pstage,
+            sat,
+            cap,
+            group,
+            c.clone(),
+        );
+        for l in 0..layers {
+            plan.plan_layer(l, c.clone(), &mut out).unwrap();
+            // one range per plane and chunk (the consecutive blocks are one
+            // run of pages, the grant one run of whole blocks)
+            assert!(out.len() <= 2, "{} ranges: {out:?}", out.len());
+            for r in &out {
+                assert!(
+                    r.src >= sat && r.src + r.len <= sat + sbytes,
+                    "{r:?} outside the source"
+                );
+            }
+            if consecutive {
+                apply(&out, &mut pstage, &mut pages);
+            } else {
+                for r in &out {
+                    assert!(
+                        r.dst >= gat && r.dst + r.len <= gat + gbytes,
+                        "{r:?} outside the grant"
+                    );
+                }
+                apply(&out, &mut pstage, &mut cstage);
+            }
+        }
+    }
+    if consecutive {
+        assert_eq!(
+            cstage.bytes, untouched_stage,
+            "a write into pages touched the grant"
+        );
+    } else {
+        scatter(
+            &consumer,
+            &h,
+            staged_units(&consumer, ptp, pr),
+            &mut cstage,
+            &mut pages,
+        );
+        assert_eq!(
+            &cstage.bytes[..256],
+            &untouched_stage[..256],
+            "bytes before the grant changed"
+        );
+        let end = 256 + gbytes as usize;
+        assert_eq!(
+            &cstage.bytes[end..],
+            &untouched_stage[end..],
+            "bytes after the grant changed"
+        );
+    }
+    assert_ne!(
+        direct.bytes,
+        Mem::new(0x80_0000, cbytes as usize, 99).bytes,
+        "the direct plan wrote nothing"
+    );
+    assert_eq!(
+        pages.bytes, direct.bytes,
+        "grouped staging != direct: tp {ptp}->{ctp} rank {pr}->{cr}, first {first}, {chunks:?}, consecutive {consecutive}"
+    );
+}
+
+#[test]
+fn grouped_staging_writes_pages_or_a_whole_block_grant_like_direct() {
+    for consecutive in [true, false] {
+        for cr in 0..2 {
+            check_grouped(8, (0, 1), (cr, 2), 0, &[0..12], consecutive);
+            check_grouped(8, (0, 1), (cr, 2), 2, &[0..5, 5..9, 9..12], consecutive);
+        }
+        for cr in 0..4 {
+            check_grouped(8, (0, 1), (cr, 4), 1, &[0..7, 7..12], consecutive);
+        }
+        // TP 2 -> 4: each producer rank's heads are two consumer ranks' groups
+        check_grouped(8, (1, 2), (3, 4), 0, &[0..12], consecutive);
+        check_grouped(8, (0, 2), (1, 4), 0, &[0..6, 6..12], consecutive);
+    }
+}
+
+#[test]
+fn groups_are_chosen_only_where_a_consumer_block_is_one_group() {
+    let l = |tp: (u32, u32), total, hm| kv(0x10_0000, 1, 8, 8, tp, total, hm);
+    // larger consumer TP, heads dividing: the consumer rank's heads
+    assert_eq!(source_group(&l((0, 1), 8, true), 2), 4);
+    assert_eq!(source_group(&l((0, 2), 8, true), 8), 1);
+    assert_eq!(source_group(&l((0, 1), 8, true), 8), 1);
+    // the same or a smaller TP, replicated heads, token-major: unit-major
+    assert_eq!(source_group(&l((0, 2), 8, true), 2), 1);
+    assert_eq!(source_group(&l((0, 2), 8, true), 1), 1);
+    assert_eq!(source_group(&l((0, 1), 2, true), 4), 1);
+    assert_eq!(source_group(&l((0, 1), 8, false), 2), 1);
+    assert_eq!(source_group(&l((0, 2), 8, true), 3), 1);
+    // the consumer's side of the same pairs
+    assert_eq!(grant_group(&l((1, 2), 8, true), 1), 4);
+    assert_eq!(grant_group(&l((3, 4), 8, true), 2), 2);
+    assert_eq!(grant_group(&l((0, 1), 8, true), 2), 1);
+    assert_eq!(grant_group(&l((1, 2), 8, true), 2), 1);
+    assert_eq!(grant_group(&l((3, 4), 2, true), 1), 1);
+    assert_eq!(grant_group(&l((1, 2), 8, false), 1), 1);
+    // an order's group must divide the block's units
+    assert!(StagedOrder::grouped(&l((0, 1), 8, true), 4, 3).is_none());
+    assert!(StagedOrder::grouped(&l((0, 1), 8, true), 4, 0).is_none());
+    let o = StagedOrder::grouped(&l((0, 1), 8, true), 4, 4).unwrap();
+    // unit 5 of block 2: group 1, fifth block of it, second unit
+    assert_eq!(o.offset(0, 0, 5, 2), Some(((4 + 2) * 4 + 1) * 8));
+    assert_eq!(o.offset(0, 0, 0, 4), None, "past the capacity");
+    assert_eq!(o.bytes, StagedOrder::new(&l((0, 1), 8, true), 4).unwrap().bytes);
+}
+
+#[test]
+fn a_grouped_source_never_writes_a_grant_of_another_order() {
+    // TP 1 -> 2, source grouped by 4 heads; the consumer's grant says
+    // unit-major (an older consumer, or a stranger's handshake)
+    let p = kv(0x10_0000, 2, 32, 8, (0, 1), 8, true);
+    let c = kv(0x80_0000, 2, 32, 8, (1, 2), 8, true);
+    let n = 12;
+    let grant = StagingGrant {
+        base: 0x900_0000,
+        len: staged_bytes(&c, n).unwrap(),
+        group: 1,
+    };
+    let src = SourceStaging {
+        base: 0x500_0000,
+        capacity: n,
+        group: 4,
+    };
+    let scattered: Vec<u32> = (0..n).map(|i| 2 * i).collect();
+    let h = handshake(&c, 0, scattered.clone(), Some(grant));
+    h.validate().unwrap();
+    // its pages then, one range per block and plane (never the grant)
+    let plan = StagedPlan::new(&p, src, &h, MIN_RANGES).unwrap().unwrap();
+    assert!(!plan.into_grant());
+    let mut out = Vec::new();
+    plan.plan_layer(1, 0..n, &mut out).unwrap();
+    assert_eq!(out.len(), 2 * n as usize);
+    for (r, &b) in out.iter().zip(scattered.iter().chain(&scattered)) {
+        let plane = if r.dst >= c.layers[1].planes[1].base { 1 } else { 0 };
+        assert_eq!(r.dst, c.layers[1].planes[plane].block_addr(b));
+        assert_eq!(r.len, 4 * 8);
+    }
+    // a source not grouped by the consumer's heads cannot write its pages
+    let unit_major = SourceStaging { group: 1, ..src };
+    assert_eq!(
+        StagedPlan::new(&p, unit_major, &handshake(&c, 0, scattered, None), MIN_RANGES),
+        Ok(None)
+    );
+    // and a grouped source planned past its authorization or capacity is refused
+    let h = handshake(&c, 0, (0..n).collect(), None);
+    let plan = StagedPlan::new(&p, src, &h, MIN_RANGES).unwrap().unwrap();
+    assert!(matches!(
+        plan.plan_layer(0, 0..n + 1, &mut out),
+        Err(GeometryError::OutsideAuthorization { .. })
+    ));
+    let small = StagedPlan::new(&p, SourceStaging { capacity: 3, ..src }, &h, MIN_RANGES)
+        .unwrap()
+        .unwrap();
+    assert!(matches!(
+        small.plan_layer(0, 0..4, &mut out),
+        Err(GeometryError::OutsideSource { .. })
+    ));
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use orbitkv::actors::directory::check_layer;
 use orbitkv::actors::gate::{GateCall, Mark};
-use orbitkv::staging::{units as staging_units, SourceStaging, StagedOrder};
+use orbitkv::staging::{source_group, units as staging_units, SourceStaging, StagedOrder};
 use orbitkv::transport::cuda::CudaEvents;
 use orbitkv::{
     Cancel, Capability, KvLayout, Outcome, RequestId, Runtime, RuntimeConfig, RuntimeError, RuntimeEvent,
@@ -142,8 +142,8 @@ pub(crate) fn seconds(py: Python<'_>, name: &str, s: f64) -> PyResult<Duration> 
     Duration::try_from_secs_f64(s).map_err(|e| invalid_argument(py, format!("{name}: {e}")))
 }
 
-/// `(grant address, authorized blocks, [(first unit, end unit), ...])`.
-type StagedTuple = (u64, u32, Vec<(u32, u32)>);
+/// `(grant address, authorized blocks, [(first unit, end unit), ...], group)`.
+type StagedTuple = (u64, u32, Vec<(u32, u32)>, u32);
 
 /// Something the runtime reports: a decode request's KV arrived
 /// (`"consumer_completed"`) or will not (`"consumer_failed"`), no producer is
@@ -173,8 +173,9 @@ pub struct PyRuntimeEvent {
     held: Option<bool>,
     /// `consumer_completed` only, when producers wrote into the request's
     /// staging grant: `(grant address, authorized blocks, [(first unit, end
-    /// unit), ...])`. The worker scatters those units of every authorized
-    /// block from the grant into its pages before the KV is used.
+    /// unit), ...], group)`. The worker scatters those units of every
+    /// authorized block from the grant (staged grouped by `group` units)
+    /// into its pages before the KV is used.
     staged: Option<StagedTuple>,
 }
 
@@ -222,6 +223,7 @@ impl From<RuntimeEvent> for PyRuntimeEvent {
                         s.grant.base,
                         s.blocks,
                         s.units.iter().map(|u| (u.start, u.end)).collect(),
+                        s.grant.group,
                     )
                 }),
                 ..base("consumer_completed", request)
@@ -483,8 +485,11 @@ impl PyRuntime {
     /// request blocks `0..staging_blocks` there in the staged order
     /// (`staged_layout`) before it reports the layer ready, and keeps that
     /// memory for the request until its `producer_released` event; the
-    /// runtime then writes from it into consumers that granted staging.
-    #[pyo3(signature = (request_id, block_ids, capability_hex, consumer_tp=1, *, staging_base=None, staging_blocks=0))]
+    /// runtime then writes from it into consumers' staging grants or
+    /// pages. `staging_group`: the units per group of its staged order
+    /// (default: `staging_group(consumer_tp)`, the one that lets it write
+    /// a consumer of a larger TP size straight into its pages).
+    #[pyo3(signature = (request_id, block_ids, capability_hex, consumer_tp=1, *, staging_base=None, staging_blocks=0, staging_group=None))]
     #[allow(clippy::too_many_arguments)] // mirrors the Python signature
     fn producer_open(
         &self,
@@ -495,22 +500,36 @@ impl PyRuntime {
         consumer_tp: u32,
         staging_base: Option<u64>,
         staging_blocks: u32,
+        staging_group: Option<u32>,
     ) -> PyResult<()> {
         let cap = capability(py, capability_hex)?;
+        let rt = self.rt(py)?;
+        let rt = rt.as_ref();
+        let group = staging_group.unwrap_or_else(|| source_group(rt.layout(), consumer_tp));
         let staging = staging_base.map(|base| SourceStaging {
             base,
             capacity: staging_blocks,
+            group,
         });
-        self.rt(py)?
-            .producer_open_staged(RequestId::new(request_id), block_ids, cap, consumer_tp, staging)
+        rt.producer_open_staged(RequestId::new(request_id), block_ids, cap, consumer_tp, staging)
             .map_err(|e| runtime_error(py, e))
+    }
+
+    /// The units per group of the source staging a request for a decode of
+    /// TP size `consumer_tp` gathers (`orbitkv.staging`'s `group`): the
+    /// heads of one decode rank when that rank's blocks are whole groups of
+    /// this rank's heads (written straight into its pages), else 1.
+    fn staging_group(&self, py: Python<'_>, consumer_tp: u32) -> PyResult<u32> {
+        Ok(source_group(self.rt(py)?.layout(), consumer_tp))
     }
 
     /// Where each (layer, plane) of `capacity` request blocks lies in this
     /// rank's staged order: `{"units": units per block, "bytes": total,
     /// "slots": [[(offset, unit bytes) per plane] per layer]}`. Unit `u` of
-    /// request block `i` of (layer, plane) is at `offset + (u * capacity +
-    /// i) * unit_bytes` (`orbitkv.vllm.staging` gathers and scatters so).
+    /// request block `i` of (layer, plane) is at `offset + ((u / G *
+    /// capacity + i) * G + u % G) * unit_bytes`, `G` the order's group (1:
+    /// `offset + (u * capacity + i) * unit_bytes`); the slots do not depend
+    /// on `G` (`orbitkv.staging` gathers and scatters so).
     fn staged_layout<'py>(&self, py: Python<'py>, capacity: u32) -> PyResult<Bound<'py, PyDict>> {
         let rt = self.rt(py)?;
         let layout = rt.layout();
