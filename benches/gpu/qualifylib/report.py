@@ -156,7 +156,8 @@ def hetero_goals(goals: list[dict[str, Any]], mc: dict[str, Any], mcs: list[dict
             r = sk["gbps_median"] / rk["gbps_median"]
             ok = bool(sk.get("ok")) and bool(rk.get("ok"))
             goals.append({"where": where, "transport": transport, "tokens": tokens,
-                          "pattern": f"head slices, {pattern} blocks, staged", "runtime_gbps": sk["gbps_median"],
+                          "pattern": f"head slices, {pattern} blocks, staged into {sk.get('staged_into', 'grant')}",
+                          "runtime_gbps": sk["gbps_median"],
                           "us_per_range": None, "reference": "TP 1 → 1 contiguous, same run",
                           "reference_gbps": rk["gbps_median"], "ratio": r, "goal": ">= 0.5", "bytes_ok": ok,
                           "met": r >= 0.5 and ok})

@@ -437,17 +437,19 @@ class MooncakeSide(Side):
         return super().cmd_corrupt(what, ranges, ids, rows)
 
     def cmd_stage_untouched(self, req: str) -> dict[str, Any]:
-        """Consumer: staging bytes outside `req`'s grant that are no longer
-        guard bytes (nothing but the grant may be written)."""
+        """Consumer: staging bytes outside `req`'s grant (all of them when
+        it got none: a producer writing pages from its source staging) that
+        are no longer guard bytes (nothing but the grant may be written)."""
         g = self.grants.get(req)
         if g is None:
-            raise RuntimeError(f"{req} got no staging grant")
-        off = g["base"] - self.stage.data_ptr()
-        outside = [self.stage[:off], self.stage[off + g["len"]:]]
+            outside = [self.stage]
+        else:
+            off = g["base"] - self.stage.data_ptr()
+            outside = [self.stage[:off], self.stage[off + g["len"]:]]
         step = 256 * MiB
         bad = sum(int((x[i:i + step] != GUARD).sum()) for x in outside for i in range(0, x.numel(), step))
         return {"bytes_checked": sum(x.numel() for x in outside), "bytes_modified": bad, "ok": bad == 0,
-                "grant": dict(g)}
+                "grant": None if g is None else dict(g)}
 
     def cmd_submit_wait(self) -> dict[str, Any]:
         redirected, passed = self.engine.submit_wait_counts()
@@ -511,13 +513,14 @@ class MooncakeSide(Side):
         t = time.monotonic_ns()
         out = {"kind": ev.kind, "t_ns": t, "bytes": ev.bytes, "reason": ev.reason, "staged": None}
         if scatter is not None and ev.kind == "consumer_completed" and ev.staged is not None:
-            base, n, units = ev.staged
+            base, n, units, group = ev.staged
             if n != len(scatter):
                 raise RuntimeError(f"{req}: {n} blocks staged, {len(scatter)} authorized")
-            self.copier.scatter(self.copier.index(scatter), base, units, self.runtime.staged_layout(n)["slots"])
+            self.copier.scatter(self.copier.index(scatter), base, units, self.runtime.staged_layout(n)["slots"],
+                                group)
             self.stream_sync()
             out["t_ns"] = time.monotonic_ns()
-            out["staged"] = {"base": base, "blocks": n, "units": [list(u) for u in units],
+            out["staged"] = {"base": base, "blocks": n, "units": [list(u) for u in units], "group": group,
                              "scatter_s": (out["t_ns"] - t) / 1e9}
         return out
 
@@ -536,6 +539,7 @@ class MooncakeSide(Side):
         n = len(src)
         before = rt.stats()
         piece = slots = None
+        group = 1
         if staged:
             sl = rt.staged_layout(n)
             piece, slots = self.arena.alloc(sl["bytes"]), sl["slots"]
@@ -545,9 +549,10 @@ class MooncakeSide(Side):
             off = piece - self.stage.data_ptr()
             self.stage[off:off + sl["bytes"]].zero_()
             self.sync()
+            group = rt.staging_group(self.opts.get("consumer_tp", 1))
             try:
                 rt.producer_open(req, src, BENCH_CAPABILITY, self.opts.get("consumer_tp", 1),
-                                 staging_base=piece, staging_blocks=n)
+                                 staging_base=piece, staging_blocks=n, staging_group=group)
             except BaseException:
                 self.arena.free(piece)
                 raise
@@ -566,7 +571,7 @@ class MooncakeSide(Side):
             idx = self.copier.index(src)
             for layer in range(self.layers):
                 g0 = time.monotonic_ns()
-                self.copier.gather(layer, idx, 0, piece, n, slots)
+                self.copier.gather(layer, idx, 0, piece, n, slots, group)
                 if stream is None:
                     self.stream_sync()
                     gather_ns += time.monotonic_ns() - g0
@@ -589,7 +594,7 @@ class MooncakeSide(Side):
         after = dict(rt.stats())
         delta = {k: after[k] - before.get(k, 0) for k in STAT_DELTAS}
         return {"t0_ns": t0, "calls_s": (t1 - t0) / 1e9, "released_s": (t2 - t0) / 1e9,
-                "gather_s": gather_ns / 1e9 if staged else None,
+                "gather_s": gather_ns / 1e9 if staged else None, "group": group,
                 "outcome": ev.outcome, "reason": ev.reason, "stats": after, "delta": delta}
 
     # -- raw writes ---------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing as mp
 import os
 import sys
@@ -65,7 +66,7 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
             prod.send("producer_stream", req=req, src=src, handshake=hs, staged=staged)
             p = prod.recv(st + 10)
             c = cons.recv(st + 10)
-            return {"req": req, "p": p, "c": c}
+            return {"req": req, "p": p, "c": c, "granted": json.loads(hs).get("staging") is not None}
 
         def warm() -> dict[str, Any]:
             s, d = block_ids(a.tokens[0], "contiguous", opts["num_blocks"])
@@ -113,6 +114,7 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                 def kv(src: list[int] = src, dst: list[int] = dst, reps: int = reps,
                        nbytes: int = nbytes, staged: bool = False) -> dict[str, Any]:
                     secs, prods, checks, scatters = [], [], [], []
+                    modes: set[str] = set()
                     # Every repetition writes into guard bytes and is checked
                     # on its own (a later one cannot hide an earlier one's
                     # wrong or stray bytes); the checks are outside the timing.
@@ -122,7 +124,10 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                     release: Any = None
                     for _ in range(reps):
                         r = stream(src, dst, staged)
-                        if r["c"]["kind"] != "consumer_completed" or (staged and not r["c"]["staged"]):
+                        # staged: into the grant (the consumer scatters) or,
+                        # without one, from source staging into the pages
+                        grant_unused = staged and not r["c"]["staged"] and r["granted"]
+                        if r["c"]["kind"] != "consumer_completed" or grant_unused:
                             try:
                                 cons.call("consumer_release", 15, req=r["req"])
                             except Exception:  # noqa: BLE001
@@ -132,7 +137,7 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                         if r["c"]["bytes"] != nbytes:
                             raise RuntimeError(f"consumer got {r['c']['bytes']} bytes, expected {nbytes}")
                         secs.append((r["c"]["t_ns"] - r["p"]["t0_ns"]) / 1e9)
-                        prods.append({k: r["p"][k] for k in ("calls_s", "gather_s", "released_s", "outcome", "delta")})
+                        prods.append({k: r["p"][k] for k in ("calls_s", "gather_s", "released_s", "outcome", "delta", "group")})
                         if a.corrupt:
                             cons.call("corrupt", st, what="kv", ids=dst)
                             if staged:
@@ -143,7 +148,8 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                         checks.append({"bytes_check": bc, "untouched": ut})
                         if staged:
                             checks[-1]["stage"] = cons.call("stage_untouched", st * 2, req=r["req"])
-                            scatters.append(r["c"]["staged"]["scatter_s"])
+                            scatters.append(r["c"]["staged"]["scatter_s"] if r["c"]["staged"] else 0.0)
+                            modes.add("grant" if r["c"]["staged"] else "pages")
                         release = cons.call("consumer_release", st, req=r["req"])
                         cons.call("kv_reset", st)
                     out = summarize(nbytes, secs)
@@ -174,6 +180,10 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                         out["stage_untouched"] = max((c["stage"] for c in checks),
                                                      key=lambda u: (not u["ok"], u["bytes_modified"]))
                         out["grant"] = out["stage_untouched"].pop("grant")
+                        # into the consumer's grant and scattered, or from
+                        # source staging straight into its pages
+                        out["staged_into"] = "/".join(sorted(modes))
+                        out["source_group"] = max(p_["group"] for p_ in prods)
                         if out["layers_staged"] != a.layers:  # bytes right, but not all of them staged
                             out["ok"] = False
                             out["staging_problem"] = f"{out['layers_staged']} of {a.layers} layers staged"

@@ -71,14 +71,17 @@ class Rank:
         self.copier = StagingCopier(self.layout, units, [*self.caches, self.grants, self.sources])
         self.arena = orbitkv.StagingArena(*region(self.sources))
 
-    def open_staged(self, rid: str, src: list[int], consumer_tp: int = 1) -> tuple[int, int, list]:
-        """`producer_open` with a source staging for `len(src)` blocks."""
+    def open_staged(self, rid: str, src: list[int], consumer_tp: int = 1) -> tuple[int, int, list, int]:
+        """`producer_open` with a source staging for `len(src)` blocks, in the
+        order the runtime picks for `consumer_tp` (its `staging_group`)."""
         cap = len(src)
         sl = self.runtime.staged_layout(cap)
         base = self.arena.alloc(sl["bytes"])
         assert base is not None
-        self.runtime.producer_open(rid, src, CAP, consumer_tp, staging_base=base, staging_blocks=cap)
-        return base, cap, sl["slots"]
+        group = self.runtime.staging_group(consumer_tp)
+        self.runtime.producer_open(rid, src, CAP, consumer_tp, staging_base=base, staging_blocks=cap,
+                                   staging_group=group)
+        return base, cap, sl["slots"], group
 
     def close(self) -> None:
         self.runtime.shutdown()
@@ -96,10 +99,10 @@ def pair() -> Iterator[tuple[Rank, Rank]]:
 def scatter_completed(c: Rank, ev: orbitkv.RuntimeEvent, dst: list[int]) -> None:
     assert ev.kind == "consumer_completed", ev
     if ev.staged is not None:
-        base, n, units = ev.staged
+        base, n, units, group = ev.staged
         assert n == len(dst)
         slots = c.runtime.staged_layout(n)["slots"]
-        c.copier.scatter(c.copier.index(dst), base, units, slots)
+        c.copier.scatter(c.copier.index(dst), base, units, slots, group)
 
 
 def check_pages(p: Rank, c: Rank, src: list[int], dst: list[int], heads: slice = slice(None)) -> None:
@@ -117,7 +120,8 @@ def test_scattered_blocks_go_through_staging_as_few_ranges(pair: tuple[Rank, Ran
     hs = c.runtime.consumer_open("st", CAP, 0, dst, 1)
     grant = json.loads(hs)["staging"]
     assert grant is not None and grant["len"] >= 2 * LAYERS * len(dst) * HEADS * BLOCK * HEAD_DIM * 4
-    base, cap, slots = p.open_staged("st", src)
+    base, cap, slots, group = p.open_staged("st", src)
+    assert group == 1
     p.runtime.producer_handshake(hs)
     # two chunks, as chunked prefill computes them
     for lo, hi in ((0, 6), (6, 10)):
@@ -181,7 +185,7 @@ def test_contiguous_blocks_get_no_grant_and_a_consumer_without_staging_gets_page
         src, dst = [2, 11, 6], [7, 0, 14]
         hs2 = c2.runtime.consumer_open("nogrant", CAP, 0, dst, 1)
         assert json.loads(hs2).get("staging") is None
-        base, cap, slots = p.open_staged("nogrant", src)
+        base, cap, slots, _ = p.open_staged("nogrant", src)
         p.runtime.producer_handshake(hs2)
         idx = p.copier.index(src)
         for layer in range(LAYERS):
@@ -215,8 +219,8 @@ def test_tp2_to_tp1_scatters_only_the_heads_of_producers_that_staged(staging_ran
             idx = p.copier.index(src)
             for layer in range(LAYERS):
                 if r in bases:
-                    base, cap, slots = bases[r]
-                    p.copier.gather(layer, idx, 0, base, cap, slots)
+                    base, cap, slots, group = bases[r]
+                    p.copier.gather(layer, idx, 0, base, cap, slots, group)
                 p.runtime.layer_ready("tp", layer, 0, len(src))
             p.runtime.producer_finish("tp")
         ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
@@ -236,6 +240,63 @@ def test_tp2_to_tp1_scatters_only_the_heads_of_producers_that_staged(staging_ran
         c.close()
 
 
+def test_tp1_to_tp2_stages_by_decode_heads_into_pages_or_a_whole_block_grant() -> None:
+    """A TP 1 prefill gathers grouped by the heads of a decode rank (2 of
+    4): to the rank whose blocks are consecutive (it takes no grant: one run
+    of whole blocks is two ranges a layer) it writes straight into the
+    pages, no scatter; to the one whose blocks are scattered into a grant of
+    whole blocks, which that rank scatters."""
+    p = Rank(None, grants=False, sources=True)
+    cs = [Rank(GUARD, (r, 2), grants=True, sources=False) for r in range(2)]
+    try:
+        src = [5, 0, 13, 8, 19, 2, 11, 22, 16, 7]
+        dsts = [list(range(6, 16)), [21, 3, 10, 17, 6, 12, 0, 14, 8, 19]]
+        hss = [c.runtime.consumer_open("g", CAP, 0, dst, 1) for c, dst in zip(cs, dsts)]
+        grants = [json.loads(h).get("staging") for h in hss]
+        assert grants[0] is None and grants[1] is not None and grants[1].get("group") == HEADS // 2, grants
+        base, cap, slots, group = p.open_staged("g", src, consumer_tp=2)
+        assert group == HEADS // 2
+        for h in hss:
+            p.runtime.producer_handshake(h)
+        for lo, hi in ((0, 4), (4, 10)):
+            idx = p.copier.index(src[lo:hi])
+            for layer in range(LAYERS):
+                p.copier.gather(layer, idx, lo, base, cap, slots, group)
+                assert p.runtime.layers_ready(layer, [("g", lo, hi)]) == []
+        p.runtime.producer_finish("g")
+        assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
+        evs = [wait_event(c.runtime, {"consumer_completed", "consumer_failed"}) for c in cs]
+        assert evs[0].kind == "consumer_completed" and evs[0].staged is None, evs[0]
+        assert evs[1].staged == (grants[1]["base"], len(src), [(0, HEADS // 2)], HEADS // 2), evs[1]
+        scatter_completed(cs[1], evs[1], dsts[1])
+        half = HEADS // 2
+        for r, (c, dst) in enumerate(zip(cs, dsts)):
+            for layer in range(LAYERS):
+                for s_, d in zip(src, dst):
+                    want = p.caches[layer][:, s_, r * half : (r + 1) * half]
+                    assert torch.equal(c.caches[layer][:, d], want), (r, layer, s_, d)
+                untouched = [b for b in range(BLOCKS) if b not in dst]
+                assert bool((c.caches[layer][:, untouched] == GUARD).all()), f"rank {r}: unauthorized block written"
+        # rank 0's staging was never written; rank 1's outside its grant neither
+        assert bool((cs[0].grants == STAGE_GUARD).all())
+        g0 = (grants[1]["base"] - cs[1].grants.data_ptr()) // 4
+        g1 = g0 + grants[1]["len"] // 4
+        assert bool((cs[1].grants[:g0] == STAGE_GUARD).all()) and bool((cs[1].grants[g1:] == STAGE_GUARD).all())
+        stats = p.runtime.stats()
+        assert stats["layers_staged"] == 2 * 2 * LAYERS
+        # one range per plane, chunk and layer to each rank
+        assert stats["write_ranges"] == 2 * 2 * 2 * LAYERS, stats
+        for c in cs:
+            c.runtime.consumer_release("g")
+            wait_event(c.runtime, {"consumer_released"})
+            assert c.runtime.staging_in_use() == (0, 0)
+        p.arena.free(base)
+    finally:
+        p.close()
+        for c in cs:
+            c.close()
+
+
 def test_bad_staging_is_refused_and_changes_nothing(pair: tuple[Rank, Rank]) -> None:
     p, c = pair
     # source staging outside the region
@@ -244,6 +305,10 @@ def test_bad_staging_is_refused_and_changes_nothing(pair: tuple[Rank, Rank]) -> 
     # capacity beyond the region
     with pytest.raises(orbitkv.InvalidArgumentError):
         p.runtime.producer_open("bad", [1, 2], CAP, staging_base=p.sources.data_ptr(), staging_blocks=10_000)
+    # a group that does not divide the block's heads
+    with pytest.raises(orbitkv.InvalidArgumentError, match="group"):
+        p.runtime.producer_open("bad", [1, 2], CAP, 2, staging_base=p.sources.data_ptr(), staging_blocks=2,
+                                staging_group=3)
     assert p.runtime.live_requests() == (0, 0)
     # a grant shorter than its blocks stage to: the producer refuses the handshake
     hs = json.loads(c.runtime.consumer_open("short", CAP, 0, [1, 9, 3, 20, 7], 1))
@@ -255,6 +320,9 @@ def test_bad_staging_is_refused_and_changes_nothing(pair: tuple[Rank, Rank]) -> 
         p.runtime.producer_handshake(json.dumps(hs))
     hs["staging"] = {"base": 1, "len": 1 << 20, "extra": 1}
     with pytest.raises(orbitkv.HandshakeError):
+        p.runtime.producer_handshake(json.dumps(hs))
+    hs["staging"] = {"base": 1, "len": 1 << 20, "group": 3}
+    with pytest.raises(orbitkv.HandshakeError, match="group"):
         p.runtime.producer_handshake(json.dumps(hs))
     # released by vLLM, but no producer ended: like its pages, the grant
     # stays held (until the quarantine after the deadline)

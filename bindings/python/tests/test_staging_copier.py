@@ -225,3 +225,69 @@ def test_slots_of_another_number_of_layers_are_refused() -> None:
     s = Side("flash", HEADS, torch.float16, 9)
     with pytest.raises(ValueError, match="layers"):
         s.copier.gather(0, s.copier.index([1]), 0, s.stage.data_ptr(), 1, s.slots(1)[:-1])
+
+
+GROUPED = [("flash", HEADS, 2, torch.float16), ("flash", HEADS, HEADS, torch.bfloat16),
+           ("flashinfer", HEADS, 2, torch.float32), ("flashinfer", 2, 2, torch.float16)]
+
+
+@pytest.mark.parametrize(("kind", "units", "group", "dtype"), GROUPED)
+def test_grouped_gather_lays_each_group_out_block_by_block(kind: str, units: int, group: int,
+                                                           dtype: torch.dtype) -> None:
+    """Grouped by ``group`` units: unit ``u`` of block ``i`` at ``((u // G *
+    capacity + i) * G + u % G) * unit_bytes`` (the layout a decode rank of
+    ``G`` heads has in its pages), and nothing else written."""
+    s = Side(kind, units, dtype, 3)
+    capacity, start = 7, 2
+    blocks = [9, 1, 4, 10, 0]
+    slots = s.slots(capacity)
+    base = s.stage.data_ptr() + 128
+    for layer in range(LAYERS):
+        s.copier.gather(layer, s.copier.index(blocks), start, base, capacity, slots, group)
+    expect = bytearray([0xA5]) * s.stage.numel()
+    for layer in range(LAYERS):
+        for p, (off, ub) in enumerate(slots[layer]):
+            for u in range(units):
+                for i, b in enumerate(blocks):
+                    at = 128 + off + ((u // group * capacity + start + i) * group + u % group) * ub
+                    expect[at : at + ub] = s.page(layer, p, b, u)
+    assert snapshot(s.stage) == bytes(expect)
+    # one group of consecutive blocks is the decode rank's pages, in order
+    off, ub = slots[0][0]
+    g1 = 128 + off + ((units // group - 1) * capacity + start) * group * ub
+    run = bytes(snapshot(s.stage)[g1 : g1 + len(blocks) * group * ub])
+    want = b"".join(s.page(0, 0, b, u) for b in blocks for u in range(units - group, units))
+    assert run == want
+
+
+@pytest.mark.parametrize(("kind", "units", "group", "dtype"), GROUPED)
+def test_grouped_scatter_copies_whole_groups_and_refuses_part_of_one(kind: str, units: int, group: int,
+                                                                     dtype: torch.dtype) -> None:
+    p, c = Side(kind, units, dtype, 4), Side(kind, units, dtype, 5)
+    src, dst = [3, 8, 0, 6], [11, 2, 7, 5]
+    n = len(src)
+    slots = p.slots(n)
+    base = p.stage.data_ptr() + 64
+    for layer in range(LAYERS):
+        p.copier.gather(layer, p.copier.index(src), 0, base, n, slots, group)
+    c.stage.copy_(p.stage)
+    before = [snapshot(t) for t in c.kv]
+    with pytest.raises(ValueError, match="whole groups"):
+        c.copier.scatter(c.copier.index(dst), c.stage.data_ptr() + 64, [(0, group), (1, 2)], slots, group)
+    assert [snapshot(t) for t in c.kv] == before, "a refused scatter copied something"
+    named = range(units - group, units)
+    c.copier.scatter(c.copier.index(dst), c.stage.data_ptr() + 64, [(units - group, units)], slots, group)
+    for layer in range(LAYERS):
+        for q in range(len(slots[layer])):
+            for b in range(BLOCKS):
+                for u in range(units):
+                    now = c.page(layer, q, b, u)
+                    if b in dst and u in named:
+                        assert now == p.page(layer, q, src[dst.index(b)], u), (layer, q, b, u)
+                    else:  # outside the named units and blocks: as before
+                        plane = c.layout["layers"][layer]["planes"][q]
+                        ub = plane["block_bytes"] // units
+                        at = plane["base"] + b * plane["block_stride"] + u * ub - c.kv[layer].data_ptr()
+                        assert now == before[layer][at : at + ub], (layer, q, b, u)
+    with pytest.raises(ValueError, match="grouped by 3"):
+        c.copier.gather(0, c.copier.index(src), 0, c.stage.data_ptr(), n, slots, 3)

@@ -260,11 +260,12 @@ class RuntimeEvent:
         """Why (failures, aborts)."""
 
     @property
-    def staged(self) -> tuple[int, int, list[tuple[int, int]]] | None:
+    def staged(self) -> tuple[int, int, list[tuple[int, int]], int] | None:
         """`consumer_completed` only, when producers wrote into the request's
         staging grant: `(grant address, authorized blocks, [(first unit, end
-        unit), ...])`. The worker scatters those units of every authorized
-        block from the grant into its pages before the KV is used."""
+        unit), ...], group)`. The worker scatters those units of every
+        authorized block from the grant (staged grouped by `group` units)
+        into its pages before the KV is used."""
 
 @final
 class Runtime:
@@ -348,6 +349,7 @@ class Runtime:
         *,
         staging_base: int | None = None,
         staging_blocks: int = 0,
+        staging_group: int | None = None,
     ) -> None:
         """Prefill side: opens the request with its source blocks (request
         order) for a decode instance of TP size `consumer_tp`; only
@@ -358,14 +360,25 @@ class Runtime:
         request blocks `0..staging_blocks` there in the staged order
         (`staged_layout`) before it reports the layer ready, and keeps that
         memory for the request until its `producer_released` event; the
-        runtime then writes from it into consumers that granted staging."""
+        runtime then writes from it into consumers' staging grants or
+        pages. `staging_group`: the units per group of its staged order
+        (default: `staging_group(consumer_tp)`, the one that lets it write
+        a consumer of a larger TP size straight into its pages)."""
+
+    def staging_group(self, consumer_tp: int) -> int:
+        """The units per group of the source staging a request for a decode of
+        TP size `consumer_tp` gathers (`orbitkv.staging`'s `group`): the
+        heads of one decode rank when that rank's blocks are whole groups of
+        this rank's heads (written straight into its pages), else 1."""
 
     def staged_layout(self, capacity: int) -> dict[str, Any]:
         """Where each (layer, plane) of `capacity` request blocks lies in this
         rank's staged order: `{"units": units per block, "bytes": total,
         "slots": [[(offset, unit bytes) per plane] per layer]}`. Unit `u` of
-        request block `i` of (layer, plane) is at `offset + (u * capacity +
-        i) * unit_bytes` (`orbitkv.vllm.staging` gathers and scatters so)."""
+        request block `i` of (layer, plane) is at `offset + ((u / G *
+        capacity + i) * G + u % G) * unit_bytes`, `G` the order's group (1:
+        `offset + (u * capacity + i) * unit_bytes`); the slots do not depend
+        on `G` (`orbitkv.staging` gathers and scatters so)."""
 
     def staging_in_use(self) -> tuple[int, int]:
         """Decode side: `(bytes, grants)` of staging given out now (each grant

@@ -8,7 +8,11 @@ Staged order (the core's ``staging`` module, read through
 ``Runtime.staged_layout``): unit ``u`` of request block ``i`` of
 (layer ``l``, plane ``p``) is at ``offset(l, p) + (u * capacity + i) *
 unit_bytes(l, p)``; a unit is one KV head of a head-major layout, else the
-whole block.
+whole block. A staging may instead be *grouped* by ``G`` units (``group``;
+1 is the order above): unit ``u`` of block ``i`` is then at ``offset(l, p) +
+((u // G * capacity + i) * G + u % G) * unit_bytes(l, p)``, so that the
+``G`` heads of one decode rank lie block by block as its pages do (written
+straight into them, or scattered as whole blocks).
 
 How a layer is copied: the planes of a layer (K and V) that share their
 block stride and block size, at evenly spaced bases, are one strided view
@@ -48,32 +52,46 @@ class _Group:
     view: torch.Tensor
 
 
+def _flat_units(v: torch.Tensor, group: int) -> torch.Tensor:
+    """``(..., unit groups, group, unit elements)`` as ``(..., units, unit
+    elements)`` when ``group`` is 1 (a view, no copy); else unchanged."""
+    return v.select(-2, 0) if group == 1 else v
+
+
 class _StagedRegion:
     """The staged views of one staging region (``base``, ``capacity``
-    blocks, laid out as ``slots`` says), for every layer: built once, checked
-    once, used by every gather into it and every scatter out of it."""
+    blocks, grouped by ``group`` units, laid out as ``slots`` says), for
+    every layer: built once, checked once, used by every gather into it and
+    every scatter out of it."""
 
-    def __init__(self, slots: Sequence[Sequence[Sequence[int]]], staged: list[list[torch.Tensor]],
+    def __init__(self, slots: Sequence[Sequence[Sequence[int]]], group: int, staged: list[list[torch.Tensor]],
                  whole: list[torch.Tensor] | None) -> None:
         self.slots = slots
-        # staged[layer][group]: (planes, units, capacity, unit elements)
+        self.group = group
+        # staged[layer][plane group]: (planes, unit groups, group, capacity, unit elements)
         self.staged = staged
-        # gather[layer][group]: the same, as (planes, capacity, units, unit elements)
-        self.gather = [[v.permute(0, 2, 1, 3) for v in row] for row in staged]
-        # whole[group]: every layer's staged copy of that group as one view
-        # (layers, planes, units, capacity, unit elements), when evenly spaced
+        # gather[layer][plane group]: the same as (planes, capacity, unit
+        # groups, group, unit elements); with group 1 (planes, capacity,
+        # units, unit elements)
+        self.gather = [[_flat_units(v.permute(0, 3, 1, 2, 4), group) for v in row] for row in staged]
+        # whole[plane group]: every layer's staged copy of it as one view
+        # (layers, planes, unit groups, group, capacity, unit elements), when evenly spaced
         self.whole = whole
-        # scatter sources per unit range: [layer][group] (planes, capacity, z - a, unit elements)
+        # scatter sources per unit range: [layer][plane group], shaped as gather
         self.sources: dict[tuple[int, int], list[list[torch.Tensor]]] = {}
 
     def source(self, a: int, z: int) -> list[list[torch.Tensor]]:
         got = self.sources.get((a, z))
         if got is None:
+            k = self.group
+            if a % k or z % k:
+                raise ValueError(f"units {a}..{z} are not whole groups of {k} in this staging")
             if self.whole is not None:
-                per_group = [w[:, :, a:z].permute(0, 1, 3, 2, 4).unbind(0) for w in self.whole]
-                got = [list(row) for row in zip(*per_group)]
+                per_group = [w[:, :, a // k : z // k].permute(0, 1, 4, 2, 3, 5).unbind(0) for w in self.whole]
+                got = [[_flat_units(v, k) for v in row] for row in zip(*per_group)]
             else:
-                got = [[v[:, a:z].permute(0, 2, 1, 3) for v in row] for row in self.staged]
+                got = [[_flat_units(v[:, a // k : z // k].permute(0, 3, 1, 2, 4), k) for v in row]
+                       for row in self.staged]
             self.sources[(a, z)] = got
         return got
 
@@ -131,9 +149,9 @@ class StagingCopier:
         self.device = self._storages[0][3] if self._storages else torch.device("cpu")
         n = layout["num_blocks"]
         self._groups = [self._layer_groups(layer["planes"], n) for layer in layout["layers"]]
-        self._regions: dict[tuple[int, int], _StagedRegion] = {}
-        # KV views of a range of units, per (a, z): [layer][group]
-        self._unit_views: dict[tuple[int, int], list[list[torch.Tensor]]] = {}
+        self._regions: dict[tuple[int, int, int], _StagedRegion] = {}
+        # KV views of a range of units, per (a, z, group): [layer][plane group]
+        self._unit_views: dict[tuple[int, int, int], list[list[torch.Tensor]]] = {}
 
     def _layer_groups(self, planes: Sequence[dict[str, int]], num_blocks: int) -> list[_Group]:
         """All planes of the layer in one view when they share stride and
@@ -186,43 +204,49 @@ class StagingCopier:
             raise ValueError(f"staged planes {offs} ({ub}-byte units) do not match the layer's planes")
         return offs[0], delta, ub
 
-    def _staged(self, g: _Group, base: int, slots: Sequence[Sequence[int]], capacity: int) -> torch.Tensor:
-        """Group ``g``'s staged planes at ``base`` as ``(planes, units,
-        capacity, unit elements)``."""
+    def _staged(self, g: _Group, base: int, slots: Sequence[Sequence[int]], capacity: int, k: int) -> torch.Tensor:
+        """Group ``g``'s staged planes at ``base``, grouped by ``k`` units, as
+        ``(planes, unit groups, k, capacity, unit elements)``."""
         es = self._es
         off, delta, ub = self._staged_geometry(g, slots)
-        unit_elems = g.view.shape[3]
+        ue = g.view.shape[3]
         span = (len(g.planes) - 1) * delta + self.units * capacity * ub
-        shape = (len(g.planes), self.units, capacity, unit_elems)
-        return self._view(base + off, span, shape, (delta // es, capacity * unit_elems, unit_elems, 1))
+        shape = (len(g.planes), self.units // k, k, capacity, ue)
+        return self._view(base + off, span, shape, (delta // es, capacity * k * ue, ue, k * ue, 1))
 
-    def _region(self, base: int, capacity: int, slots: Sequence[Sequence[Sequence[int]]]) -> _StagedRegion:
-        """The staged views of the region at ``base``: kept from an earlier
-        call with the same slots, else built (and checked) for every layer."""
-        key = (base, capacity)
+    def _region(self, base: int, capacity: int, slots: Sequence[Sequence[Sequence[int]]],
+                group: int = 1) -> _StagedRegion:
+        """The staged views of the region at ``base`` (grouped by ``group``
+        units): kept from an earlier call with the same slots, else built
+        (and checked) for every layer."""
+        key = (base, capacity, group)
         got = self._regions.get(key)
         if got is not None and (got.slots is slots or got.slots == slots):
             return got
+        if group < 1 or self.units % group:
+            raise ValueError(f"a staging grouped by {group} units for blocks of {self.units}")
         if len(slots) != len(self._groups):
             raise ValueError(f"staged layout of {len(slots)} layers for a KV of {len(self._groups)}")
         geo = [[self._staged_geometry(g, slots[layer]) for g in groups] for layer, groups in enumerate(self._groups)]
-        whole = self._whole(base, capacity, geo)
+        whole = self._whole(base, capacity, geo, group)
         if whole is not None:
             staged = [list(row) for row in zip(*(w.unbind(0) for w in whole))]
         else:
-            staged = [[self._staged(g, base, slots[layer], capacity) for g in groups]
+            staged = [[self._staged(g, base, slots[layer], capacity, group) for g in groups]
                       for layer, groups in enumerate(self._groups)]
-        got = _StagedRegion(slots, staged, whole)
+        got = _StagedRegion(slots, group, staged, whole)
         self._regions.pop(key, None)
         if len(self._regions) >= _REGIONS_KEPT:
             del self._regions[next(iter(self._regions))]
         self._regions[key] = got
         return got
 
-    def _whole(self, base: int, capacity: int, geo: list[list[tuple[int, int, int]]]) -> list[torch.Tensor] | None:
-        """Every layer's staged copy of each group as one view ``(layers,
-        planes, units, capacity, unit elements)``, when the layers have the
-        same groups and their staged copies are evenly spaced; else None."""
+    def _whole(self, base: int, capacity: int, geo: list[list[tuple[int, int, int]]],
+               k: int) -> list[torch.Tensor] | None:
+        """Every layer's staged copy of each plane group as one view
+        ``(layers, planes, unit groups, k, capacity, unit elements)``, when
+        the layers have the same groups and their staged copies are evenly
+        spaced; else None."""
         es, layers = self._es, len(geo)
         if layers < 2 or any(len(row) != len(geo[0]) for row in geo):
             return None
@@ -237,21 +261,26 @@ class StagingCopier:
             )
             if not same or step <= 0 or step % es or delta % es:
                 return None
-            unit_elems = ub // es
+            ue = ub // es
             one = (len(g.planes) - 1) * delta + self.units * capacity * ub
-            shape = (layers, len(g.planes), self.units, capacity, unit_elems)
-            stride = (step // es, delta // es, capacity * unit_elems, unit_elems, 1)
+            shape = (layers, len(g.planes), self.units // k, k, capacity, ue)
+            stride = (step // es, delta // es, capacity * k * ue, ue, k * ue, 1)
             out.append(self._view(base + off, (layers - 1) * step + one, shape, stride))
         return out
 
-    def _units_of(self, a: int, z: int) -> list[list[torch.Tensor]]:
-        """The KV views of units ``a .. z``: [layer][group]."""
-        got = self._unit_views.get((a, z))
+    def _units_of(self, a: int, z: int, k: int = 1) -> list[list[torch.Tensor]]:
+        """The KV views of units ``a .. z``: [layer][plane group], ``(planes,
+        blocks, z - a, unit elements)``, or with ``k`` > 1 ``(planes, blocks,
+        (z - a) // k, k, unit elements)``."""
+        got = self._unit_views.get((a, z, k))
         if got is None:
             if not 0 <= a < z <= self.units:
                 raise ValueError(f"units {a}..{z} are not within the {self.units} of a block")
-            got = [[g.view[:, :, a:z] for g in groups] for groups in self._groups]
-            self._unit_views[(a, z)] = got
+            if (z - a) % k:
+                raise ValueError(f"units {a}..{z} are not whole groups of {k}")
+            got = [[g.view[:, :, a:z] if k == 1 else g.view[:, :, a:z].unflatten(2, ((z - a) // k, k))
+                    for g in groups] for groups in self._groups]
+            self._unit_views[(a, z, k)] = got
         return got
 
     def gather(
@@ -262,17 +291,20 @@ class StagingCopier:
         base: int,
         capacity: int,
         slots: Sequence[Sequence[Sequence[int]]],
+        group: int = 1,
     ) -> None:
         """Copies request blocks ``start .. start + len(src_blocks)`` of
         ``layer`` (their block IDs in ``src_blocks``) into the source staging
-        at ``base`` of ``capacity`` blocks (``slots``: ``staged_layout``'s)."""
+        at ``base`` of ``capacity`` blocks (``slots``: ``staged_layout``'s),
+        grouped by ``group`` units (``Runtime.staging_group``)."""
         end = start + len(src_blocks)
         if end > capacity:
             raise ValueError(f"request blocks up to {end} do not fit a staging of {capacity}")
-        outs = self._region(base, capacity, slots).gather[layer]
+        outs = self._region(base, capacity, slots, group).gather[layer]
+        kv = self._units_of(0, self.units, group)[layer]
         part = start or end != capacity
-        for g, out in zip(self._groups[layer], outs):
-            torch.index_select(g.view, 1, src_blocks.tensor, out=out[:, start:end] if part else out)
+        for src, out in zip(kv, outs):
+            torch.index_select(src, 1, src_blocks.tensor, out=out[:, start:end] if part else out)
 
     def scatter(
         self,
@@ -280,13 +312,15 @@ class StagingCopier:
         base: int,
         units: Sequence[tuple[int, int]],
         slots: Sequence[Sequence[Sequence[int]]],
+        group: int = 1,
     ) -> None:
         """Copies ``units`` of every authorized block from the staging grant
-        at ``base`` (``len(dst_blocks)`` blocks, ``slots`` for that many) into
-        the pages ``dst_blocks``, every layer and plane."""
-        region = self._region(base, len(dst_blocks), slots)
+        at ``base`` (``len(dst_blocks)`` blocks, ``slots`` for that many,
+        grouped by ``group`` units: the ``RuntimeEvent``'s) into the pages
+        ``dst_blocks``, every layer and plane."""
+        region = self._region(base, len(dst_blocks), slots, group)
         # every range's views before the first copy: a bad range copies nothing
-        pairs = [(self._units_of(a, z), region.source(a, z)) for a, z in units]
+        pairs = [(self._units_of(a, z, group), region.source(a, z)) for a, z in units]
         for dst_rows, src_rows in pairs:
             for dst_row, src_row in zip(dst_rows, src_rows):
                 for dst, src in zip(dst_row, src_row):

@@ -100,9 +100,9 @@ class ProducerRecord:
     # producer_finish (or an abort) was called.
     finished: bool = False
     # Source staging (orbitkv.staging): (address, capacity in blocks, the
-    # staged layout's slots), freed once the runtime released the request
-    # and vLLM no longer schedules it (nothing reads or gathers into it).
-    staging: tuple[int, int, list[Any]] | None = None
+    # staged layout's slots, its group), freed once the runtime released the
+    # request and vLLM no longer schedules it (nothing reads or gathers into it).
+    staging: tuple[int, int, list[Any], int] | None = None
     # A staging request's source blocks so far, in request order (gathered from).
     blocks: list[int] = field(default_factory=list)
     # vLLM ended or aborted it: no chunk of it will be computed any more.

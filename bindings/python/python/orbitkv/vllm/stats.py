@@ -117,7 +117,7 @@ _PROM = {
     ),
     "layers_staged": (
         "vllm:orbitkv_layers_staged",
-        "Layer writes that went from source staging into a consumer's staging grant.",
+        "Layer writes that went from source staging (into a consumer's staging grant, or straight into its pages).",
     ),
     "layers_ready_inline": (
         "vllm:orbitkv_layers_ready_inline",

@@ -405,12 +405,15 @@ class PdWorker:
             sl = rt.staged_layout(cap)
             base = arena.alloc(sl["bytes"])
             if base is not None:
+                # grouped by a decode rank's heads when decode's TP is larger:
+                # then written straight into its pages, or a whole-block grant
+                group = rt.staging_group(ch.consumer_tp)
                 ok = self._producer_call(
                     rt.producer_open, ch.pd_id, ch.new_block_ids, ch.capability, ch.consumer_tp,
-                    staging_base=base, staging_blocks=cap,
+                    staging_base=base, staging_blocks=cap, staging_group=group,
                 )
                 if ok:
-                    self.ledger.producers.get(ch.pd_id).staging = (base, cap, sl["slots"])
+                    self.ledger.producers.get(ch.pd_id).staging = (base, cap, sl["slots"], group)
                 else:
                     arena.free(base)
                 return ok
@@ -435,9 +438,9 @@ class PdWorker:
             staging = self.ledger.producers.peek(ch.pd_id).staging
             if blocks is None or staging is None:
                 continue
-            base, cap, slots = staging
+            base, cap, slots, group = staging
             try:
-                copier.gather(idx, blocks, ch.start_block, base, cap, slots)
+                copier.gather(idx, blocks, ch.start_block, base, cap, slots, group)
             except Exception as e:  # noqa: BLE001 - nothing may escape vLLM's hook
                 # This request's staged copy is incomplete: fail it alone
                 # (decode recomputes), gather nothing more for it.
@@ -446,16 +449,16 @@ class PdWorker:
                 assert self.runtime is not None
                 self._producer_call(self.runtime.producer_abort, ch.pd_id, f"staging gather failed: {e}")
 
-    def _scatter(self, pd: str, staged: tuple[int, int, list[tuple[int, int]]], blocks: list[int]) -> None:
+    def _scatter(self, pd: str, staged: tuple[int, int, list[tuple[int, int]], int], blocks: list[int]) -> None:
         """Copies a completed request's staging grant into its pages (before
         vLLM is told the KV arrived; on CUDA ordered before the next forward
         on the same stream)."""
         copier, rt = self._copier, self.runtime
         assert copier is not None and rt is not None
-        base, n, units = staged
+        base, n, units, group = staged
         if n != len(blocks):
             raise ValueError(f"staging of {pd}: {n} blocks staged, {len(blocks)} authorized")
-        copier.scatter(copier.index(blocks), base, units, rt.staged_layout(n)["slots"])
+        copier.scatter(copier.index(blocks), base, units, rt.staged_layout(n)["slots"], group)
         if self.is_cuda:
             ev = torch.cuda.Event()
             ev.record()
