@@ -10,12 +10,20 @@ on any rank; no request waits out a deadline. One pair runs a model with a
 single KV head, which vLLM replicates on every rank of TP 2: exactly one
 prefill rank sends it.
 
+With ``ORBITKV_TEST_STAGING=1`` (``scripts/test.sh`` on vLLM 0.26) the TP 1
+-> 2 pair stages: the prefill gathers each layer grouped by a decode rank's
+heads and writes it from there straight into that rank's pages when its
+blocks are one run, or into its staging grant (scattered on decode) when
+they are not (``orbitkv.pd.staging_min_ranges`` 4: two runs and more); the
+other pairs write pages directly.
+
 On the 2-core CI machine a TP 2 instance binds its ranks to cores 0 and 1
 (``VLLM_CPU_OMP_THREADS_BIND="0|1"``); the tiny model keeps it fast.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 
@@ -45,11 +53,18 @@ MAX_BATCHED_TOKENS = 600
 
 # (prefill TP, decode TP, KV heads)
 PAIRS = [(2, 1, 2), (1, 2, 2), (2, 2, 2), (2, 1, 1)]
+# The pair that stages under ORBITKV_TEST_STAGING=1 (module docstring).
+STAGED_PAIR = (1, 2, 2)
+STAGING = os.environ.get("ORBITKV_TEST_STAGING", "0") == "1"
+STAGING_CONFIG = {"orbitkv.pd.staging_mb": 64, "orbitkv.pd.staging_min_ranges": 4}
+LAYERS_STAGED = "vllm:orbitkv_layers_staged_total"
 
 
 @pytest.fixture(scope="module", params=PAIRS, ids=[f"prefill-tp{p}-decode-tp{d}-kvheads{h}" for p, d, h in PAIRS])
 def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     ptp, dtp, heads = request.param
+    staged = STAGING and request.param == STAGED_PAIR
+    staging = STAGING_CONFIG if staged else {}
     model = make_tiny_model(tmp_path_factory.mktemp(f"model-kv{heads}") / "tiny", TinyModelSpec(num_kv_heads=heads))
     run = tmp_path_factory.mktemp(f"tp-{ptp}-{dtp}-{heads}")
     c = Cluster(
@@ -60,13 +75,14 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         decode_tp=dtp,
         # A short quarantine, so a failed request's blocks come back within
         # the idle waits (docs/architecture.md, held failures).
-        prefill_config={"orbitkv.pd.handshake_timeout_s": PD_TIMEOUT_S, "orbitkv.pd.quarantine_s": 5.0},
-        decode_config={"orbitkv.pd.quarantine_s": 5.0},
+        prefill_config={"orbitkv.pd.handshake_timeout_s": PD_TIMEOUT_S, "orbitkv.pd.quarantine_s": 5.0, **staging},
+        decode_config={"orbitkv.pd.quarantine_s": 5.0, **staging},
         prefill_env={"ORBITKV_TESTING_WRITE_DELAY": str(run / "write-delay")},
         vllm_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--no-enable-prefix-caching"],
         kv_load_failure_policy="fail",
     )
     c.kv_heads = heads  # type: ignore[attr-defined]
+    c.staged = staged  # type: ignore[attr-defined]
     with c:  # started here, stopped after the module
         yield c
     print(f"\ncluster logs: {run}")
@@ -106,6 +122,10 @@ def test_pd_equals_single_engine_of_the_decode_tp(cluster: Cluster) -> None:
         len(producer_ranks(_heads(cluster), c, cluster.decode.tp, cluster.prefill.tp)) for c in range(cluster.decode.tp)
     )
     assert p1[Metric.RELEASED] - p0[Metric.RELEASED] == len(LENGTHS) * pairs
+    if cluster.staged:  # type: ignore[attr-defined]
+        # every layer of every request went out of the source staging (into
+        # pages or a grant); the output equality above checks its bytes
+        assert p1.get(LAYERS_STAGED, 0) > p0.get(LAYERS_STAGED, 0), "no layer went through staging"
     cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
 
 
