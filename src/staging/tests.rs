@@ -156,6 +156,61 @@ fn apply(ranges: &[WriteRange], src: &mut Mem, dst: &mut Mem) {
     }
 }
 
+/// The memory sizes of `producer` and `consumer` (K and V planes of
+/// `num_blocks` blocks at 0x10_0000 and 0x80_0000), and the consumer's
+/// pages as the direct plan of `chunks` leaves them.
+fn direct_pages(
+    producer: &KvLayout,
+    consumer: &KvLayout,
+    src_blocks: &[u32],
+    first: u32,
+    ids: &[u32],
+    chunks: &[Range<u32>],
+) -> (u64, u64, Mem) {
+    let (layers, blocks) = (producer.layers.len() as u64, producer.num_blocks as u64);
+    let pbytes = 2 * layers * blocks * producer.layers[0].planes[0].block_bytes;
+    let cbytes = 2 * layers * blocks * consumer.layers[0].planes[0].block_bytes;
+    let mut psrc = Mem::new(0x10_0000, pbytes as usize, 1);
+    let mut direct = Mem::new(0x80_0000, cbytes as usize, 99);
+    let h_direct = handshake(consumer, first, ids.to_vec(), None);
+    let mut out = Vec::new();
+    for c in chunks {
+        for l in 0..layers as u32 {
+            plan_write(producer, src_blocks, &h_direct, l, c.clone(), &mut out).unwrap();
+            apply(&out, &mut psrc, &mut direct);
+        }
+    }
+    (pbytes, cbytes, direct)
+}
+
+/// A producer's source staging of `cap` blocks at `sat` and a consumer's
+/// grant for `n` blocks at `gat`, inside a region with 256 guard bytes on
+/// either side whose bytes must stay as they were.
+struct Stages {
+    sat: u64,
+    gat: u64,
+    sbytes: u64,
+    gbytes: u64,
+    pstage: Mem,
+    cstage: Mem,
+}
+
+impl Stages {
+    fn new(producer: &KvLayout, consumer: &KvLayout, cap: u32, n: u32) -> Self {
+        let sbytes = staged_bytes(producer, cap).unwrap();
+        let gbytes = staged_bytes(consumer, n).unwrap();
+        let (sat, gat) = (0x400_0000u64, 0x800_0000u64 + 256);
+        Self {
+            sat,
+            gat,
+            sbytes,
+            gbytes,
+            pstage: Mem::new(sat, sbytes as usize, 3),
+            cstage: Mem::new(gat - 256, gbytes as usize + 512, 5),
+        }
+    }
+}
+
 /// One case: producer of TP `ptp` rank `pr`, consumer of TP `ctp` rank
 /// `cr`, `total` heads, the request's blocks computed in `chunks`.
 fn check(
@@ -172,27 +227,18 @@ fn check(
     let req: u32 = chunks.last().unwrap().end;
     let src_blocks: Vec<u32> = (0..req).map(|i| (i * 7 + 3) % blocks).collect();
     let ids: Vec<u32> = (0..req - first).map(|i| (i * 5 + 1) % blocks).collect();
-    let pbytes = 2 * (layers * blocks) as u64 * producer.layers[0].planes[0].block_bytes;
-    let cbytes = 2 * (layers * blocks) as u64 * consumer.layers[0].planes[0].block_bytes;
-    // direct
-    let mut psrc = Mem::new(0x10_0000, pbytes as usize, 1);
-    let mut direct = Mem::new(0x80_0000, cbytes as usize, 99);
-    let h_direct = handshake(&consumer, first, ids.clone(), None);
+    let (pbytes, cbytes, direct) = direct_pages(&producer, &consumer, &src_blocks, first, &ids, chunks);
     let mut out = Vec::new();
-    for c in chunks {
-        for l in 0..layers {
-            plan_write(&producer, &src_blocks, &h_direct, l, c.clone(), &mut out).unwrap();
-            apply(&out, &mut psrc, &mut direct);
-        }
-    }
     // staged
     let cap = req + 2; // capacity may exceed what is computed
-    let sbytes = staged_bytes(&producer, cap).unwrap();
-    let gbytes = staged_bytes(&consumer, ids.len() as u32).unwrap();
-    let (sat, gat) = (0x400_0000u64, 0x800_0000u64 + 256);
-    let mut pstage = Mem::new(sat, sbytes as usize, 3);
-    // the grant sits inside a larger region whose other bytes must stay
-    let mut cstage = Mem::new(gat - 256, gbytes as usize + 512, 5);
+    let Stages {
+        sat,
+        gat,
+        sbytes,
+        gbytes,
+        mut pstage,
+        mut cstage,
+    } = Stages::new(&producer, &consumer, cap, ids.len() as u32);
     let guard: Vec<u8> = cstage.bytes.clone();
     let grant = StagingGrant {
         base: gat,
@@ -433,24 +479,17 @@ fn check_grouped(
     } else {
         (0..req - first).map(|i| (i * 5 + 1) % blocks).collect()
     };
-    let pbytes = 2 * (layers * blocks) as u64 * producer.layers[0].planes[0].block_bytes;
-    let cbytes = 2 * (layers * blocks) as u64 * consumer.layers[0].planes[0].block_bytes;
-    let mut psrc = Mem::new(0x10_0000, pbytes as usize, 1);
-    let mut direct = Mem::new(0x80_0000, cbytes as usize, 99);
+    let (pbytes, cbytes, direct) = direct_pages(&producer, &consumer, &src_blocks, first, &ids, chunks);
     let mut out = Vec::new();
-    let h_direct = handshake(&consumer, first, ids.clone(), None);
-    for c in chunks {
-        for l in 0..layers {
-            plan_write(&producer, &src_blocks, &h_direct, l, c.clone(), &mut out).unwrap();
-            apply(&out, &mut psrc, &mut direct);
-        }
-    }
     let cap = req + 1;
-    let sbytes = staged_bytes(&producer, cap).unwrap();
-    let gbytes = staged_bytes(&consumer, ids.len() as u32).unwrap();
-    let (sat, gat) = (0x400_0000u64, 0x800_0000u64 + 256);
-    let mut pstage = Mem::new(sat, sbytes as usize, 3);
-    let mut cstage = Mem::new(gat - 256, gbytes as usize + 512, 5);
+    let Stages {
+        sat,
+        gat,
+        sbytes,
+        gbytes,
+        mut pstage,
+        mut cstage,
+    } = Stages::new(&producer, &consumer, cap, ids.len() as u32);
     let untouched_stage = cstage.bytes.clone();
     let grant = StagingGrant {
         base: gat,
