@@ -378,8 +378,11 @@ impl ProducerCore {
                     });
                 }
                 let bytes = self.planned.iter().map(|r| r.len).sum();
-                if staged.is_some() {
+                if let Some(plan) = &staged {
                     self.shared.stats.layers_staged.inc();
+                    if !plan.into_grant() {
+                        self.shared.stats.layers_staged_to_pages.inc();
+                    }
                 }
                 tracing::debug!(
                     write,

@@ -83,6 +83,9 @@ pub struct Stats {
     /// Prefill side: layer writes that went from source staging (into a
     /// consumer's grant, or straight into its pages).
     pub layers_staged: Counter,
+    /// Prefill side: of those, the ones written straight into the
+    /// consumer's pages (no grant, no scatter on decode).
+    pub layers_staged_to_pages: Counter,
     /// Prefill side: layers whose `LayerReady` ran on the thread that
     /// handed them over (no message to the system thread).
     pub layers_ready_inline: Counter,
@@ -125,6 +128,7 @@ pub struct StatsSnapshot {
     pub staging_granted: u64,
     pub staging_exhausted: u64,
     pub layers_staged: u64,
+    pub layers_staged_to_pages: u64,
     pub layers_ready_inline: u64,
     pub writes_inline: u64,
 }
@@ -163,6 +167,7 @@ impl Stats {
             staging_granted: self.staging_granted.get(),
             staging_exhausted: self.staging_exhausted.get(),
             layers_staged: self.layers_staged.get(),
+            layers_staged_to_pages: self.layers_staged_to_pages.get(),
             layers_ready_inline: self.layers_ready_inline.get(),
             writes_inline: self.writes_inline.get(),
         }

@@ -312,7 +312,7 @@ class Side:
 
 
 # What a request changed of the producer's counters (`Runtime.stats()`).
-STAT_DELTAS = ("write_ranges", "write_batches", "layers_written", "layers_staged", "bytes_written")
+STAT_DELTAS = ("write_ranges", "write_batches", "layers_written", "layers_staged", "layers_staged_to_pages", "bytes_written")
 STAGE_SLACK = 64 << 10  # staging beyond the largest request: alignment, and bytes no grant covers
 
 

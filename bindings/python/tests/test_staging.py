@@ -140,6 +140,7 @@ def test_scattered_blocks_go_through_staging_as_few_ranges(pair: tuple[Rank, Ran
     check_pages(p, c, src, dst)
     stats = p.runtime.stats()
     assert stats["layers_staged"] == 2 * LAYERS
+    assert stats["layers_staged_to_pages"] == 0
     # per chunk and layer: one range per (plane, head) at most, against 2 x blocks direct
     assert stats["write_ranges"] <= 2 * LAYERS * 2 * HEADS
     # staging outside the grant untouched
@@ -284,6 +285,8 @@ def test_tp1_to_tp2_stages_by_decode_heads_into_pages_or_a_whole_block_grant() -
         assert bool((cs[1].grants[:g0] == STAGE_GUARD).all()) and bool((cs[1].grants[g1:] == STAGE_GUARD).all())
         stats = p.runtime.stats()
         assert stats["layers_staged"] == 2 * 2 * LAYERS
+        # rank 0's (consecutive blocks) went into its pages, rank 1's into its grant
+        assert stats["layers_staged_to_pages"] == 2 * LAYERS
         # one range per plane, chunk and layer to each rank
         assert stats["write_ranges"] == 2 * 2 * 2 * LAYERS, stats
         for c in cs:

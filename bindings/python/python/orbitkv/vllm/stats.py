@@ -119,6 +119,10 @@ _PROM = {
         "vllm:orbitkv_layers_staged",
         "Layer writes that went from source staging (into a consumer's staging grant, or straight into its pages).",
     ),
+    "layers_staged_to_pages": (
+        "vllm:orbitkv_layers_staged_to_pages",
+        "Of the staged layer writes, those written straight into the consumer's pages (no grant, no scatter).",
+    ),
     "layers_ready_inline": (
         "vllm:orbitkv_layers_ready_inline",
         "Prefill layers handed to their producer on the worker's own thread (no message to the runtime's thread).",
