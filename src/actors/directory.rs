@@ -40,7 +40,7 @@ use crate::fsm::ConsumerMachine;
 use crate::ids::{Capability, Generation, ProducerRank, RequestId};
 use crate::layout::KvLayout;
 use crate::staging::arena::StagingArena;
-use crate::staging::{grant_group, staged_bytes, SharedArena, SourceStaging, StagingGrant};
+use crate::staging::{grant_group, page_runs, staged_bytes, SharedArena, SourceStaging, StagingGrant};
 use crate::wire::{Cancel, Handshake, Outcome};
 
 /// Work for the directory, run on its thread in arrival order (the façade's
@@ -242,8 +242,10 @@ impl RequestDirectory {
 
     /// A staging grant for `handshake`'s blocks, when this rank stages and
     /// writing its pages directly would take at least `staging_min_ranges`
-    /// ranges per layer: one per run of consecutive blocks and plane, or one
-    /// per block and plane when a producer of another TP size writes head
+    /// ranges per layer: one per run of blocks consecutive in memory and
+    /// plane ([`page_runs`]: blocks whose K and V interleave are never
+    /// consecutive), or one per block and plane when a producer of another
+    /// TP size writes head
     /// slices, unless each block is a whole group of one producer's source
     /// staging ([`grant_group`]: that producer writes runs of whole blocks
     /// from it). The grant is staged in [`grant_group`]'s order. `None`
@@ -254,12 +256,12 @@ impl RequestDirectory {
         let ids = &handshake.block_ids;
         let planes = local.layers.first().map_or(1, |l| l.planes.len());
         let group = grant_group(local, producer_tp);
-        let pieces = if producer_tp != local.tp_size && local.head_major && group == 1 {
-            ids.len()
+        let ranges = if producer_tp != local.tp_size && local.head_major && group == 1 {
+            ids.len() * planes
         } else {
-            1 + ids.windows(2).filter(|w| w[1] != w[0].wrapping_add(1)).count()
+            page_runs(local, ids)
         };
-        if pieces * planes < self.cfg.staging_min_ranges {
+        if ranges < self.cfg.staging_min_ranges {
             return None;
         }
         let len = staged_bytes(local, ids.len() as u32)?;

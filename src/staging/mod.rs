@@ -476,8 +476,10 @@ impl StagedPlan {
 }
 
 /// Ranges a layer of `block_ids` takes in `layout`'s pages: one per run of
-/// blocks consecutive in memory, times the planes (of the first layer).
-fn page_runs(layout: &KvLayout, block_ids: &[u32]) -> usize {
+/// blocks consecutive in memory, summed over the planes (of the first
+/// layer). Blocks whose planes interleave (K and V of a block side by side)
+/// are each a run of their own.
+pub fn page_runs(layout: &KvLayout, block_ids: &[u32]) -> usize {
     let Some(l) = layout.layers.first() else {
         return 0;
     };

@@ -678,3 +678,23 @@ fn a_grouped_source_never_writes_a_grant_of_another_order() {
         Err(GeometryError::OutsideSource { .. })
     ));
 }
+
+#[test]
+fn page_runs_count_blocks_consecutive_in_memory() {
+    // K and V planes apart: consecutive IDs are one run per plane
+    let apart = kv(0x10_0000, 1, 16, 8, (0, 1), 2, true);
+    assert_eq!(page_runs(&apart, &[3, 4, 5, 6]), 2);
+    assert_eq!(page_runs(&apart, &[3, 4, 9, 10, 2]), 6);
+    // K and V of a block side by side (FlashInfer's [blocks, 2, ...]): each
+    // block is a run of its own, whatever its ID
+    let mut inter = apart.clone();
+    let bb = inter.layers[0].planes[0].block_bytes;
+    inter.layers[0].planes = (0..2)
+        .map(|p| Plane {
+            base: 0x10_0000 + p * bb,
+            block_stride: 2 * bb,
+            block_bytes: bb,
+        })
+        .collect();
+    assert_eq!(page_runs(&inter, &[3, 4, 5, 6]), 8);
+}
