@@ -105,11 +105,11 @@ impl Handshake {
             if g.base.checked_add(g.len).is_none() || g.base == 0 {
                 return Err(GeometryError::StagingOverflow.into());
             }
-            let units = crate::staging::units(&self.layout);
-            if g.group == 0 || units % g.group != 0 {
+            if !crate::staging::group_fits(&self.layout, g.group) {
                 return Err(malformed(&format!(
-                    "staging grouped by {} units, which do not divide the {units} units of a block",
-                    g.group
+                    "staging grouped by {} units, which do not divide the {} units of a block",
+                    g.group,
+                    crate::staging::units(&self.layout)
                 )));
             }
             if g.len < needed {

@@ -243,9 +243,8 @@ impl RequestDirectory {
     /// A staging grant for `handshake`'s blocks, when this rank stages and
     /// writing its pages directly would take at least `staging_min_ranges`
     /// ranges per layer: one per run of blocks consecutive in memory and
-    /// plane ([`page_runs`]: blocks whose K and V interleave are never
-    /// consecutive), or one per block and plane when a producer of another
-    /// TP size writes head
+    /// plane ([`page_runs`]: padded blocks are never consecutive), or one
+    /// per block and plane when a producer of another TP size writes head
     /// slices, unless each block is a whole group of one producer's source
     /// staging ([`grant_group`]: that producer writes runs of whole blocks
     /// from it). The grant is staged in [`grant_group`]'s order. `None`

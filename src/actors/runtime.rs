@@ -24,7 +24,7 @@ use crate::ids::generation_seed;
 use crate::ids::{Capability, Generation, MarkSeq, RequestId};
 use crate::layout::KvLayout;
 use crate::side_channel::client::{HandshakeJob, Publisher};
-use crate::staging::{staged_bytes, SourceStaging, StagedOrder};
+use crate::staging::{group_fits, staged_bytes, SourceStaging};
 use crate::transport::Transport;
 use crate::wire::{Cancel, Handshake, WIRE_VERSION};
 
@@ -464,7 +464,7 @@ impl Runtime {
     ) -> Result<(), RuntimeError> {
         self.local.validate_blocks(&src_blocks)?;
         if let Some(s) = staging {
-            if StagedOrder::grouped(&self.local, 1, s.group).is_none() {
+            if !group_fits(&self.local, s.group) {
                 return Err(invalid_argument(format!(
                     "a source staging grouped by {} units: the group must divide the {} units of a block",
                     s.group,

@@ -137,6 +137,12 @@ pub fn units(layout: &KvLayout) -> u32 {
     }
 }
 
+/// Whether a staged order of `layout` may be grouped by `group` units: it
+/// must divide the units of a block (1 always does).
+pub fn group_fits(layout: &KvLayout, group: u32) -> bool {
+    group != 0 && units(layout) % group == 0
+}
+
 /// A rank's staged order for `capacity` blocks: where each (layer, plane)
 /// starts and the bytes of one unit there. Built once per request (a
 /// producer's per authorization), so no layer write walks the layout.
@@ -161,7 +167,7 @@ impl StagedOrder {
     /// block: `None` otherwise, or on overflow). The slots and the size do
     /// not depend on the group, only where a unit lies inside a slot.
     pub fn grouped(layout: &KvLayout, capacity: u32, group: u32) -> Option<Self> {
-        if group == 0 || units(layout) % group != 0 {
+        if !group_fits(layout, group) {
             return None;
         }
         let u = units(layout) as u64;
@@ -246,10 +252,13 @@ enum Dest {
     /// The consumer's staging grant, staged in `order`.
     Grant { grant: StagingGrant, order: StagedOrder },
     /// The consumer's pages (its authorized blocks, from the handshake),
-    /// each a whole group of the source staging: `planes[layer][plane]`.
+    /// each a whole group of the source staging: `planes[layer][plane]`,
+    /// and the runs of consecutive block IDs ([`id_runs`], made once per
+    /// authorization).
     Pages {
         planes: Vec<Vec<crate::layout::Plane>>,
         block_ids: Vec<u32>,
+        runs: Vec<(u32, u32)>,
     },
 }
 
@@ -323,12 +332,24 @@ impl StagedPlan {
             }
             _ => None,
         };
-        let pages = count > 0 && whole_group && dst_unit == 0 && count == units(consumer);
+        // A consumer block is exactly the sent group, in every layer and plane.
+        let same_blocks = || {
+            consumer.layers.len() == src_order.slots.len()
+                && consumer.layers.iter().zip(&src_order.slots).all(|(l, s)| {
+                    l.planes.len() == s.len()
+                        && l.planes
+                            .iter()
+                            .zip(s)
+                            .all(|(p, &(_, ub))| Some(p.block_bytes) == ub.checked_mul(count as u64))
+                })
+        };
+        let pages = count > 0 && whole_group && dst_unit == 0 && count == units(consumer) && same_blocks();
         let dest = match grant {
             Some(grant) if !pages || page_runs(consumer, &auth.block_ids) >= min_ranges => grant,
             _ if pages => Dest::Pages {
                 planes: consumer.layers.iter().map(|l| l.planes.clone()).collect(),
                 block_ids: auth.block_ids.clone(),
+                runs: id_runs(&auth.block_ids),
             },
             _ => return Ok(None),
         };
@@ -456,17 +477,35 @@ impl StagedPlan {
                     }
                 }
             }
-            Dest::Pages { planes, block_ids } => {
+            Dest::Pages {
+                planes,
+                block_ids,
+                runs,
+            } => {
+                // The sent group of consecutive request blocks is contiguous
+                // in the source staging, as their pages are when the IDs are
+                // consecutive and the plane's blocks packed: one range per
+                // run then, else one per block.
+                let (a, z) = (lo - first, hi - first);
+                let from = runs.partition_point(|&(s, n)| s + n <= a);
                 for (plane, dp) in planes[li].iter().enumerate() {
                     let first_range = out.len();
-                    for i in lo..hi {
-                        let r = WriteRange {
-                            src: src_at(plane, self.src_unit, i)?,
-                            dst: dp.block_addr(block_ids[(i - first) as usize]),
-                            len: dp.block_bytes,
-                        };
-                        src_inside(&r)?;
-                        push_merged(out, first_range, r);
+                    let packed = dp.block_stride == dp.block_bytes;
+                    for &(s, n) in runs[from..].iter().take_while(|&&(s, _)| s < z) {
+                        let (mut i, e) = (s.max(a), (s + n).min(z));
+                        while i < e {
+                            let blocks = if packed { e - i } else { 1 };
+                            let r = WriteRange {
+                                src: src_at(plane, self.src_unit, i + first)?,
+                                dst: dp.block_addr(block_ids[i as usize]),
+                                len: (blocks as u64)
+                                    .checked_mul(dp.block_bytes)
+                                    .ok_or(GeometryError::StagingOverflow)?,
+                            };
+                            src_inside(&r)?;
+                            push_merged(out, first_range, r);
+                            i += blocks;
+                        }
                     }
                 }
             }
@@ -477,21 +516,35 @@ impl StagedPlan {
 
 /// Ranges a layer of `block_ids` takes in `layout`'s pages: one per run of
 /// blocks consecutive in memory, summed over the planes (of the first
-/// layer). Blocks whose planes interleave (K and V of a block side by side)
-/// are each a run of their own.
+/// layer). Padded blocks (a stride past the block's bytes) are each a run
+/// of their own.
 pub fn page_runs(layout: &KvLayout, block_ids: &[u32]) -> usize {
     let Some(l) = layout.layers.first() else {
         return 0;
     };
+    let runs = id_runs(block_ids).len();
     l.planes
         .iter()
         .map(|p| {
-            1 + block_ids
-                .windows(2)
-                .filter(|w| p.block_addr(w[1]) != p.block_addr(w[0]) + p.block_bytes)
-                .count()
+            if p.block_stride == p.block_bytes {
+                runs
+            } else {
+                block_ids.len()
+            }
         })
         .sum()
+}
+
+/// The runs of consecutive IDs in `block_ids`: (first index, length).
+fn id_runs(block_ids: &[u32]) -> Vec<(u32, u32)> {
+    let mut runs: Vec<(u32, u32)> = Vec::new();
+    for (i, &b) in block_ids.iter().enumerate() {
+        match runs.last_mut() {
+            Some((s, n)) if block_ids[(*s + *n - 1) as usize].checked_add(1) == Some(b) => *n += 1,
+            _ => runs.push((i as u32, 1)),
+        }
+    }
+    runs
 }
 
 #[cfg(test)]

@@ -211,6 +211,16 @@ impl Stages {
     }
 }
 
+/// A producer of TP rank `p` and a consumer of TP rank `c` (3 layers of
+/// `blocks` blocks, 8-byte heads) of a model of `total` KV heads, at the
+/// bases [`direct_pages`] and [`Stages`] expect.
+fn pair(total: u32, p: (u32, u32), c: (u32, u32), blocks: u32, head_major: bool) -> (KvLayout, KvLayout) {
+    (
+        kv(0x10_0000, 3, blocks, 8, p, total, head_major),
+        kv(0x80_0000, 3, blocks, 8, c, total, head_major),
+    )
+}
+
 /// One case: producer of TP `ptp` rank `pr`, consumer of TP `ctp` rank
 /// `cr`, `total` heads, the request's blocks computed in `chunks`.
 fn check(
@@ -221,9 +231,8 @@ fn check(
     chunks: &[Range<u32>],
     head_major: bool,
 ) {
-    let (layers, blocks, hb) = (3u32, 16u32, 8u64);
-    let producer = kv(0x10_0000, layers, blocks, hb, (pr, ptp), total, head_major);
-    let consumer = kv(0x80_0000, layers, blocks, hb, (cr, ctp), total, head_major);
+    let blocks = 16;
+    let (producer, consumer) = pair(total, (pr, ptp), (cr, ctp), blocks, head_major);
     let req: u32 = chunks.last().unwrap().end;
     let src_blocks: Vec<u32> = (0..req).map(|i| (i * 7 + 3) % blocks).collect();
     let ids: Vec<u32> = (0..req - first).map(|i| (i * 5 + 1) % blocks).collect();
@@ -267,7 +276,7 @@ fn check(
             1,
             c.clone(),
         );
-        for l in 0..layers {
+        for l in 0..producer.layers.len() as u32 {
             plan(&producer, src, &h, l, c.clone(), &mut out).unwrap();
             for r in &out {
                 assert!(
@@ -465,9 +474,8 @@ fn check_grouped(
     chunks: &[Range<u32>],
     consecutive: bool,
 ) {
-    let (layers, blocks, hb) = (3u32, 24u32, 8u64);
-    let producer = kv(0x10_0000, layers, blocks, hb, (pr, ptp), total, true);
-    let consumer = kv(0x80_0000, layers, blocks, hb, (cr, ctp), total, true);
+    let blocks = 24;
+    let (producer, consumer) = pair(total, (pr, ptp), (cr, ctp), blocks, true);
     let group = source_group(&producer, ctp);
     assert_eq!(group, units(&consumer), "the consumer's heads are one group");
     assert!(group > 1 || units(&consumer) == 1);
@@ -520,7 +528,7 @@ fn check_grouped(
             group,
             c.clone(),
         );
-        for l in 0..layers {
+        for l in 0..producer.layers.len() as u32 {
             plan.plan_layer(l, c.clone(), &mut out).unwrap();
             // one range per plane and chunk (the consecutive blocks are one
             // run of pages, the grant one run of whole blocks)
@@ -685,16 +693,67 @@ fn page_runs_count_blocks_consecutive_in_memory() {
     let apart = kv(0x10_0000, 1, 16, 8, (0, 1), 2, true);
     assert_eq!(page_runs(&apart, &[3, 4, 5, 6]), 2);
     assert_eq!(page_runs(&apart, &[3, 4, 9, 10, 2]), 6);
-    // K and V of a block side by side (FlashInfer's [blocks, 2, ...]): each
-    // block is a run of its own, whatever its ID
-    let mut inter = apart.clone();
-    let bb = inter.layers[0].planes[0].block_bytes;
-    inter.layers[0].planes = (0..2)
+    // padded blocks (a stride past the block's bytes): each block is a run
+    // of its own, whatever its ID
+    let mut padded = apart.clone();
+    let bb = padded.layers[0].planes[0].block_bytes;
+    padded.layers[0].planes = (0..2)
         .map(|p| Plane {
-            base: 0x10_0000 + p * bb,
-            block_stride: 2 * bb,
+            base: 0x10_0000 + p * (bb + 64) * 16,
+            block_stride: bb + 64,
             block_bytes: bb,
         })
         .collect();
-    assert_eq!(page_runs(&inter, &[3, 4, 5, 6]), 8);
+    padded.validate().unwrap();
+    assert_eq!(page_runs(&padded, &[3, 4, 5, 6]), 8);
+}
+
+#[test]
+fn pages_from_a_grouped_source_follow_the_planes_and_the_block_size() {
+    // TP 1 -> rank 1 of TP 2, source grouped by the rank's 4 heads, no grant
+    let p = kv(0x10_0000, 2, 32, 8, (0, 1), 8, true);
+    let mut c = kv(0x80_0000, 2, 32, 8, (1, 2), 8, true);
+    let src = SourceStaging {
+        base: 0x500_0000,
+        capacity: 12,
+        group: 4,
+    };
+    let ids: Vec<u32> = (4..12).collect();
+    // padded blocks (a stride past the block's bytes): consecutive IDs are
+    // not consecutive pages, so one range per block and plane, each at its block
+    let bb = c.layers[0].planes[0].block_bytes;
+    let stride = bb + 64;
+    for (li, l) in c.layers.iter_mut().enumerate() {
+        l.planes = (0..2u64)
+            .map(|k| Plane {
+                base: 0x80_0000 + (li as u64 * 2 + k) * stride * 32,
+                block_stride: stride,
+                block_bytes: bb,
+            })
+            .collect();
+    }
+    c.validate().unwrap();
+    let h = handshake(&c, 2, ids.clone(), None);
+    h.validate().unwrap();
+    let plan = StagedPlan::new(&p, src, &h, MIN_RANGES).unwrap().expect("pages");
+    assert!(!plan.into_grant());
+    let mut out = Vec::new();
+    plan.plan_layer(1, 0..10, &mut out).unwrap();
+    assert_eq!(out.len(), 2 * ids.len());
+    for (k, plane) in c.layers[1].planes.iter().enumerate() {
+        for (j, &b) in ids.iter().enumerate() {
+            let r = out[k * ids.len() + j];
+            assert_eq!((r.dst, r.len), (plane.block_addr(b), bb));
+        }
+    }
+    // a consumer whose blocks are not the sent group's size gets no page
+    // writes from this staging (it would read across groups)
+    let mut odd = kv(0x80_0000, 2, 32, 8, (1, 2), 8, true);
+    for l in &mut odd.layers {
+        for pl in &mut l.planes {
+            pl.block_bytes -= 8;
+        }
+    }
+    let h = handshake(&odd, 0, ids, None);
+    assert_eq!(StagedPlan::new(&p, src, &h, MIN_RANGES), Ok(None));
 }

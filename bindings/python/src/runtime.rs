@@ -504,7 +504,6 @@ impl PyRuntime {
     ) -> PyResult<()> {
         let cap = capability(py, capability_hex)?;
         let rt = self.rt(py)?;
-        let rt = rt.as_ref();
         let group = staging_group.unwrap_or_else(|| source_group(rt.layout(), consumer_tp));
         let staging = staging_base.map(|base| SourceStaging {
             base,
