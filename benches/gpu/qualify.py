@@ -38,7 +38,12 @@ Suites:
             producer without source staging ignores), (d) raw `engine.write`
             anchors (1, 16, 256 MiB; 1024 x 64 KiB in one batch and in 8
             batches) and the runtime's own ranges written directly (one batch
-            per layer, all submitted at once).
+            per layer, all submitted at once). With `--head-major --consumer-tp 2`
+            every write is a heterogeneous-TP head slice: to decode rank 0
+            alone (`--consumer-ranks 0`, the other half never asked for), or
+            to both ranks, a consumer process each (`--consumer-ranks both`:
+            the whole TP 1 -> 2 request, timed to the later rank's end, every
+            rank's bytes, guards and staging checked).
   nixl      two processes, one NIXL agent each (UCX backend): the same anchors
             and the same KV ranges, one transfer per layer, all posted at once.
   torch     one process: `dst.copy_(src)` from the source device to the
@@ -107,6 +112,10 @@ def main() -> int:
     r.add_argument("--consumer-tp", type=int, choices=(1, 2), default=1,
                    help="2: the consumer is TP rank 0 of 2 (heads 0-3; needs --head-major): every write is a "
                         "heterogeneous-TP head slice (16 KiB of each 32 KiB block); raw-write steps are skipped")
+    r.add_argument("--consumer-ranks", choices=("0", "both"), default="0",
+                   help="with --consumer-tp 2: '0' only decode rank 0 takes part (the other rank's half is never "
+                        "asked for); 'both': ranks 0 and 1, one process each, in every request (the whole TP 1 -> 2 "
+                        "request: timed to the later rank's completion, both checked)")
     r.add_argument("--corrupt", action="store_true",
                    help="self-test of the checks: damage one written byte and one guard byte before every "
                         "check of the mooncake suite; every check must then report it")
@@ -123,6 +132,8 @@ def main() -> int:
         if args.consumer_tp > 1 and not (args.head_major and args.suite == "mooncake"):
             ap.error("--consumer-tp 2 needs --head-major and --suite mooncake (a token-major head slice "
                      "is not one range per block, and only the runtime writes slices)")
+        if args.consumer_ranks == "both" and args.consumer_tp < 2:
+            ap.error("--consumer-ranks both needs --consumer-tp 2")
         return cmd_run(args)
     return cmd_report(args)
 

@@ -24,10 +24,10 @@ class ChildDied(Exception):
 
 
 class Child:
-    def __init__(self, ctx: Any, kind: str, role: str, opts: dict[str, Any]) -> None:
-        self.role = role
+    def __init__(self, ctx: Any, kind: str, role: str, opts: dict[str, Any], name: str | None = None) -> None:
+        self.role = name or role
         self.conn, theirs = ctx.Pipe()
-        self.proc = ctx.Process(target=child_main, args=(kind, role, theirs, opts), daemon=True, name=role)
+        self.proc = ctx.Process(target=child_main, args=(kind, role, theirs, opts), daemon=True, name=self.role)
         self.proc.start()
         theirs.close()
 
@@ -83,7 +83,10 @@ class Run:
                          "num_blocks": num_blocks_for(max(args.tokens)),
                          "layout": "[2, num_blocks, 8, 16, 128] (head-major, HND)" if getattr(args, "head_major", False)
                          else "[2, num_blocks, 16, 8, 128]",
-                         "consumer_tp": getattr(args, "consumer_tp", 1)},
+                         "consumer_tp": getattr(args, "consumer_tp", 1),
+                         # decode ranks taking part: 1 (rank 0 alone) or all of consumer_tp
+                         "consumer_ranks": getattr(args, "consumer_tp", 1)
+                         if getattr(args, "consumer_ranks", "0") == "both" else 1},
             "tokens": args.tokens,
             "raw_mib": args.raw_mib,
             "runtime": {"max_bytes_in_flight_per_peer": args.max_in_flight,

@@ -35,8 +35,10 @@ class Side:
     """One process: its device, its KV cache (one tensor per layer, FlashAttention
     layout [2, num_blocks, 16, 8, 128] bf16, or head-major [2, num_blocks, 8, 16,
     128] with --head-major), a raw buffer and a guard buffer. With --consumer-tp
-    2 the consumer is TP rank 0 of 2 (heads 0-3: head-major blocks of 16 KiB,
-    the first half of each producer block), so every write is a head slice."""
+    2 a consumer is TP rank ``opts["tp_rank"]`` (0 unless --consumer-ranks
+    both starts a second one) of 2: heads 0-3 or 4-7, head-major blocks of 16
+    KiB, the first or second half of each producer block, so every write is a
+    head slice."""
 
     def __init__(self, role: str, opts: dict[str, Any]) -> None:
         import torch
@@ -56,6 +58,7 @@ class Side:
         self.nb = opts["num_blocks"]
         self.head_major = bool(opts.get("head_major"))
         self.tp_size = opts.get("consumer_tp", 1) if role == "consumer" else 1
+        self.tp_rank = opts.get("tp_rank", 0) if role == "consumer" else 0
         self.heads = KV_HEADS // self.tp_size
         self.block_bytes = BLOCK_BYTES // self.tp_size
         shape = (2, self.nb, self.heads, BLOCK_TOKENS, HEAD_DIM) if self.head_major else \
@@ -87,8 +90,9 @@ class Side:
             for _ in self.kv:
                 r = torch.empty((2, self.nb, BLOCK_BYTES), dtype=torch.uint8, device=self.dev)
                 r.random_(0, 256, generator=ref_gen)
-                # rank 0 of 2, head-major: heads 0-3 are each block's first half
-                self.ref.append(r[:, :, :self.block_bytes].contiguous() if self.tp_size > 1 else r)
+                # rank k of 2, head-major: heads 4k..4k+3 are each block's k-th half
+                lo = self.tp_rank * self.block_bytes
+                self.ref.append(r[:, :, lo:lo + self.block_bytes].contiguous() if self.tp_size > 1 else r)
         self.sync()
         self.alloc_s = time.monotonic() - t0
         w = (torch.arange(1, 32769, dtype=torch.int64) * 2654435761) % 2147483647 + 1
@@ -178,7 +182,7 @@ class Side:
             "num_blocks": self.nb,
             "block_size": BLOCK_TOKENS,
             "total_kv_heads": KV_HEADS,
-            "tp_rank": 0,
+            "tp_rank": self.tp_rank,
             "tp_size": self.tp_size,
             # FlashAttention blocks are [16 tokens, 8 heads, 128]: token-major
             # (vLLM's HND layout: [8 heads, 16 tokens, 128], head-major)
@@ -381,10 +385,12 @@ class MooncakeSide(Side):
         self.runtime = orbitkv.Runtime(
             self.engine, self.layout_json(),
             consumer_timeout_s=opts["step_timeout"],
-            # --consumer-tp 2: only decode rank 0 exists; the producer's rank-1
-            # half waits this long for a handshake that never comes (after the
-            # timed part: the clock stops at rank 0's completion)
-            handshake_timeout_s=3.0 if opts.get("consumer_tp", 1) > 1 else opts["step_timeout"],
+            # --consumer-tp 2 with --consumer-ranks 0: only decode rank 0
+            # exists; the producer's rank-1 half waits this long for a
+            # handshake that never comes (after the timed part: the clock
+            # stops at rank 0's completion)
+            handshake_timeout_s=(3.0 if opts.get("consumer_ranks", 1) < opts.get("consumer_tp", 1)
+                                 else opts["step_timeout"]),
             write_timeout_s=opts["step_timeout"],
             max_bytes_in_flight_per_peer=opts["max_in_flight"],
             max_ranges_in_flight_per_peer=opts["max_ranges_in_flight"],
@@ -460,6 +466,7 @@ class MooncakeSide(Side):
         torch = self.torch
         return {
             "role": self.role,
+            "tp_rank": self.tp_rank,
             "pid": os.getpid(),
             "endpoint": self.engine.endpoint,
             "orbitkv": self.orbitkv.__version__,
@@ -530,8 +537,10 @@ class MooncakeSide(Side):
         self.grants.pop(req, None)
         return {"live": self.runtime.live_requests()}
 
-    def cmd_producer_stream(self, req: str, src: list[int], handshake: str, staged: bool = False) -> dict[str, Any]:
-        """Streams every layer of `req`. `staged`: with a source staging from
+    def cmd_producer_stream(self, req: str, src: list[int], handshakes: list[str],
+                            staged: bool = False) -> dict[str, Any]:
+        """Streams every layer of `req` to the consumers whose `handshakes`
+        it admits (one per decode rank that takes part). `staged`: with a source staging from
         the arena, each layer gathered there (and the stream synchronized)
         before its `layer_ready`, inside the timing; the piece goes back on
         `producer_released`."""
@@ -558,7 +567,8 @@ class MooncakeSide(Side):
                 raise
         else:
             rt.producer_open(req, src, BENCH_CAPABILITY, self.opts.get("consumer_tp", 1))
-        rt.producer_handshake(handshake)
+        for hs in handshakes:
+            rt.producer_handshake(hs)
         # --gather event (CUDA): as the connector does, each layer's gather is
         # queued on the stream and the layer handed over with a CUDA event
         # (`layers_ready_after`); its writer waits for the event, the host

@@ -19,21 +19,27 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
     a = run.args
     st = a.step_timeout
     prod = Child(ctx, "mooncake", "producer", opts)
-    cons = Child(ctx, "mooncake", "consumer", opts)
+    # --consumer-ranks both: decode ranks 0 and 1 of TP 2, a process each;
+    # else rank 0 alone. `cons` (rank 0) also takes the raw writes.
+    conss = [Child(ctx, "mooncake", "consumer", {**opts, "tp_rank": rank}, name=f"consumer{rank or ''}")
+             for rank in range(opts.get("consumer_ranks", 1))]
+    cons = conss[0]
     try:
         hp = hc = None
 
         def hello() -> dict[str, Any]:
             nonlocal hp, hc
-            hp, hc = prod.recv(a.start_timeout), cons.recv(a.start_timeout)
-            return {"producer": dict(hp), "consumer": dict(hc)}
+            hp = prod.recv(a.start_timeout)
+            hcs = [c.recv(a.start_timeout) for c in conss]
+            hc = hcs[0]
+            return {"producer": dict(hp), **{c.role: dict(h) for c, h in zip(conss, hcs)}}
 
         run.step("start_and_register", hello)
         if hp is None or hc is None:
             raise ChildDied("a process did not start")
-        for h in (run.data["steps"]["start_and_register"].get("producer"),
-                  run.data["steps"]["start_and_register"].get("consumer")):
-            h.pop("plane_bases", None)
+        for h in run.data["steps"]["start_and_register"].values():
+            if isinstance(h, dict):
+                h.pop("plane_bases", None)
         run.save()
         peer = hc["endpoint"]
         cbases = hc["plane_bases"]
@@ -59,21 +65,26 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
         seq = [0]
 
         def stream(src: list[int], dst: list[int], staged: bool = False) -> dict[str, Any]:
+            """One request to every consumer (each decode rank's blocks
+            `dst` in its own memory): `cs` its end on each, in rank order."""
             seq[0] += 1
             req = f"q{seq[0]}"
-            hs = cons.call("consumer_open", st, req=req, dst=dst)
-            cons.send("consumer_wait", req=req, scatter=dst if staged else None)
-            prod.send("producer_stream", req=req, src=src, handshake=hs, staged=staged)
+            hss = [c.call("consumer_open", st, req=req, dst=dst) for c in conss]
+            for c in conss:
+                c.send("consumer_wait", req=req, scatter=dst if staged else None)
+            prod.send("producer_stream", req=req, src=src, handshakes=hss, staged=staged)
             p = prod.recv(st + 10)
-            c = cons.recv(st + 10)
-            return {"req": req, "p": p, "c": c, "granted": json.loads(hs).get("staging") is not None}
+            cs = [c.recv(st + 10) for c in conss]
+            return {"req": req, "p": p, "cs": cs,
+                    "granted": [json.loads(hs).get("staging") is not None for hs in hss]}
 
         def warm() -> dict[str, Any]:
             s, d = block_ids(a.tokens[0], "contiguous", opts["num_blocks"])
             r = stream(s, d)
-            cons.call("consumer_release", st, req=r["req"])
-            cons.call("kv_reset", st)
-            return {"consumer": r["c"]["kind"], "producer": r["p"]["outcome"]}
+            for c in conss:
+                c.call("consumer_release", st, req=r["req"])
+                c.call("kv_reset", st)
+            return {"consumer": [c["kind"] for c in r["cs"]], "producer": r["p"]["outcome"]}
 
         run.step("warmup", warm)
 
@@ -106,13 +117,14 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
         for tokens in a.tokens:
             for pattern in ("contiguous", "scattered"):
                 src, dst = block_ids(tokens, pattern, opts["num_blocks"])
-                # --consumer-tp 2: the consumer takes its head slice of each block
-                nbytes = a.layers * 2 * len(src) * BLOCK_BYTES // a.consumer_tp
+                # --consumer-tp 2: each consumer takes its head slice of each block
+                per_rank = a.layers * 2 * len(src) * BLOCK_BYTES // a.consumer_tp
+                nbytes = per_rank * len(conss)
                 reps = a.kv_reps if tokens <= 8192 or a.transport != "tcp" else max(1, a.kv_reps // 2)
                 est = nbytes / (1.0e9 if a.transport == "tcp" else 50e9) * (reps + 1) + 3
 
                 def kv(src: list[int] = src, dst: list[int] = dst, reps: int = reps,
-                       nbytes: int = nbytes, staged: bool = False) -> dict[str, Any]:
+                       nbytes: int = nbytes, per_rank: int = per_rank, staged: bool = False) -> dict[str, Any]:
                     secs, prods, checks, scatters = [], [], [], []
                     modes: set[str] = set()
                     # Every repetition writes into guard bytes and is checked
@@ -120,38 +132,48 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                     # wrong or stray bytes); the checks are outside the timing.
                     # Staged: the clock runs from before the producer's first
                     # gather to the consumer's scatter done (synchronized).
-                    cons.call("kv_reset", st)
+                    # With both decode ranks: to the later rank's end, each
+                    # rank checked.
+                    for c in conss:
+                        c.call("kv_reset", st)
                     release: Any = None
                     for _ in range(reps):
                         r = stream(src, dst, staged)
                         # staged: into the grant (the consumer scatters) or,
                         # without one, from source staging into the pages
-                        grant_unused = staged and not r["c"]["staged"] and r["granted"]
-                        if r["c"]["kind"] != "consumer_completed" or grant_unused:
-                            try:
-                                cons.call("consumer_release", 15, req=r["req"])
-                            except Exception:  # noqa: BLE001
-                                pass
-                            why = "" if r["c"]["kind"] != "consumer_completed" else "not staged: "
-                            raise RuntimeError(f"consumer: {why}{r['c']}; producer: {r['p']['delta']}")
-                        if r["c"]["bytes"] != nbytes:
-                            raise RuntimeError(f"consumer got {r['c']['bytes']} bytes, expected {nbytes}")
-                        secs.append((r["c"]["t_ns"] - r["p"]["t0_ns"]) / 1e9)
+                        bad = [(rank, c) for rank, c in enumerate(r["cs"])
+                               if c["kind"] != "consumer_completed" or (staged and not c["staged"] and r["granted"][rank])]
+                        if bad:
+                            for c in conss:
+                                try:
+                                    c.call("consumer_release", 15, req=r["req"])
+                                except Exception:  # noqa: BLE001
+                                    pass
+                            rank, c = bad[0]
+                            why = "" if c["kind"] != "consumer_completed" else "not staged: "
+                            raise RuntimeError(f"consumer (rank {rank}): {why}{c}; producer: {r['p']['delta']}")
+                        for rank, c in enumerate(r["cs"]):
+                            if c["bytes"] != per_rank:
+                                raise RuntimeError(f"consumer (rank {rank}) got {c['bytes']} bytes, expected {per_rank}")
+                        secs.append((max(c["t_ns"] for c in r["cs"]) - r["p"]["t0_ns"]) / 1e9)
                         prods.append({k: r["p"][k] for k in ("calls_s", "gather_s", "released_s", "outcome", "delta", "group")})
-                        if a.corrupt:
-                            cons.call("corrupt", st, what="kv", ids=dst)
+                        for rank, (cc, c) in enumerate(zip(conss, r["cs"])):
+                            if a.corrupt:
+                                cc.call("corrupt", st, what="kv", ids=dst)
+                                if staged:
+                                    cc.call("corrupt", st, what="stage")
+                            bc = cc.call("kv_equal", st * 2, src=src, dst=dst)
+                            ut = cc.call("kv_untouched", st * 2, ids=dst)
+                            ut["ok"] = ut["blocks_touched"] == 0
+                            checks.append({"rank": rank, "bytes_check": bc, "untouched": ut})
                             if staged:
-                                cons.call("corrupt", st, what="stage")
-                        bc = cons.call("kv_equal", st * 2, src=src, dst=dst)
-                        ut = cons.call("kv_untouched", st * 2, ids=dst)
-                        ut["ok"] = ut["blocks_touched"] == 0
-                        checks.append({"bytes_check": bc, "untouched": ut})
-                        if staged:
-                            checks[-1]["stage"] = cons.call("stage_untouched", st * 2, req=r["req"])
-                            scatters.append(r["c"]["staged"]["scatter_s"] if r["c"]["staged"] else 0.0)
-                            modes.add("grant" if r["c"]["staged"] else "pages")
-                        release = cons.call("consumer_release", st, req=r["req"])
-                        cons.call("kv_reset", st)
+                                checks[-1]["stage"] = cc.call("stage_untouched", st * 2, req=r["req"])
+                                scatters.append(c["staged"]["scatter_s"] if c["staged"] else 0.0)
+                                modes.add("grant" if c["staged"] else "pages")
+                        releases = [cc.call("consumer_release", st, req=r["req"]) for cc in conss]
+                        release = releases[0] if len(releases) == 1 else releases
+                        for cc in conss:
+                            cc.call("kv_reset", st)
                     out = summarize(nbytes, secs)
                     out["producer"] = prods
                     out["stats"] = r["p"]["stats"]
@@ -160,12 +182,14 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                                              key=lambda b: (not b["ok"], b["mismatched"]))
                     out["untouched"] = max((c["untouched"] for c in checks),
                                            key=lambda u: (not u["ok"], u["blocks_touched"]))
-                    out["checked_repetitions"] = len(checks)
+                    out["checked_repetitions"] = len(checks) // len(conss)
+                    out["checked_ranks"] = len(conss)
                     out["ok"] = all(c["bytes_check"]["ok"] and c["untouched"]["ok"]
                                     and c.get("stage", {"ok": True})["ok"] for c in checks)
                     out["release"] = release
                     out["blocks"] = len(src)
-                    # What the runtime submitted (producer counters), the most of any repetition.
+                    # What the runtime submitted (producer counters), the most of
+                    # any repetition; with both decode ranks, to both.
                     deltas = [p_["delta"] for p_ in prods]
                     out["ranges_per_layer_submitted"] = max(d["write_ranges"] for d in deltas) / a.layers
                     out["batches_per_layer_submitted"] = max(d["write_batches"] for d in deltas) / a.layers
@@ -184,9 +208,11 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                         # source staging straight into its pages
                         out["staged_into"] = "/".join(sorted(modes))
                         out["source_group"] = max(p_["group"] for p_ in prods)
-                        if out["layers_staged"] != a.layers:  # bytes right, but not all of them staged
+                        # a layer write per decode rank
+                        if out["layers_staged"] != a.layers * len(conss):  # bytes right, but not all staged
                             out["ok"] = False
-                            out["staging_problem"] = f"{out['layers_staged']} of {a.layers} layers staged"
+                            out["staging_problem"] = (f"{out['layers_staged']} of {a.layers * len(conss)} "
+                                                      "layer writes staged")
                     return out
 
                 run.step(f"kv_{tokens}_{pattern}", kv, need_s=min(est, 60))
@@ -208,7 +234,8 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
         run.step("submit_wait", lambda: {"producer": prod.call("submit_wait", st)})
     finally:
         prod.stop()
-        cons.stop()
+        for c in conss:
+            c.stop()
 
 
 def suite_nixl(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
@@ -339,6 +366,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "staging_min_ranges": args.staging_min_ranges,
         "head_major": args.head_major,
         "consumer_tp": args.consumer_tp,
+        "consumer_ranks": args.consumer_tp if args.consumer_ranks == "both" else 1,
         "gather": args.gather,
     }
     run = Run(args)
