@@ -388,8 +388,9 @@ class MooncakeSide(Side):
             # --consumer-tp 2 with --consumer-ranks 0: only decode rank 0
             # exists; the producer's rank-1 half waits this long for a
             # handshake that never comes (after the timed part: the clock
-            # stops at rank 0's completion)
-            handshake_timeout_s=(3.0 if opts.get("consumer_ranks", 1) < opts.get("consumer_tp", 1)
+            # stops at rank 0's completion; every handshake that comes is
+            # admitted before the first layer)
+            handshake_timeout_s=(1.0 if opts.get("consumer_ranks", 1) < opts.get("consumer_tp", 1)
                                  else opts["step_timeout"]),
             write_timeout_s=opts["step_timeout"],
             max_bytes_in_flight_per_peer=opts["max_in_flight"],
