@@ -116,6 +116,10 @@ def main() -> int:
                    help="with --consumer-tp 2: '0' only decode rank 0 takes part (the other rank's half is never "
                         "asked for); 'both': ranks 0 and 1, one process each, in every request (the whole TP 1 -> 2 "
                         "request: timed to the later rank's completion, both checked)")
+    r.add_argument("--trace", action="store_true",
+                   help="mooncake suite: each process writes its OrbitKV actor trace (Chrome format, "
+                        "docs/tracing.md) to $OUT/traces/ (a timeline of where a layer's time goes; it costs "
+                        "some host time, so its figures are not the qualification's)")
     r.add_argument("--corrupt", action="store_true",
                    help="self-test of the checks: damage one written byte and one guard byte before every "
                         "check of the mooncake suite; every check must then report it")

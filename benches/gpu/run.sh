@@ -209,6 +209,11 @@ EOF
 say "report"
 "$PY" benches/gpu/qualify.py report --dir "$W/results" --meta "$W/meta.json" \
   --out-json "$OUT/results.json" --out-md "$OUT/results.md" >/dev/null || say "FAILED: report"
+# qualify.py --trace writes a trace per process into $OUT/traces: one archive
+# (the device tool brings back at most 8 files)
+if [ -d "$OUT/traces" ]; then
+  tar -cJf "$OUT/traces.tar.xz" -C "$OUT" traces && rm -rf "$OUT/traces" || say "FAILED: packing the traces"
+fi
 say "done in $(elapsed)s; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 echo "================ results.md ================"
 cat "$OUT/results.md" 2>/dev/null

@@ -382,6 +382,13 @@ class MooncakeSide(Side):
             self.reg_s.append(time.monotonic() - t1)
         self.registered_ok = all(self.engine.is_registered(t.data_ptr(), t.numel() * t.element_size())
                                  for t in self.buffers())
+        if opts.get("trace"):
+            # --trace: this process's actor trace (docs/tracing.md), one file
+            # per process under $OUT/traces, written when the runtime shuts down
+            where = os.path.join(os.environ.get("OUT", "."), "traces")
+            os.makedirs(where, exist_ok=True)
+            orbitkv.install_trace(os.path.join(where, f"{role}{self.tp_rank if role == 'consumer' else ''}-"
+                                                     f"{os.getpid()}.json"), max_events=400_000)
         self.runtime = orbitkv.Runtime(
             self.engine, self.layout_json(),
             consumer_timeout_s=opts["step_timeout"],
@@ -576,13 +583,23 @@ class MooncakeSide(Side):
         # never does. --gather sync: the host waits for each gather.
         stream = (self.torch.cuda.current_stream().cuda_stream
                   if staged and self.cuda and self.opts.get("gather", "event") == "event" else None)
+        # --trace: when each layer's gather ran on the GPU (CUDA events, ms
+        # after one recorded at t0), to lay beside the actor trace's writes
+        marks: list[Any] | None = [] if self.opts.get("trace") and stream is not None else None
         t0 = time.monotonic_ns()
+        t0_unix_ns = time.time_ns()
+        if marks is not None:
+            marks.append(self.torch.cuda.Event(enable_timing=True))
+            marks[0].record()
         gather_ns = 0
         if staged:
             idx = self.copier.index(src)
             for layer in range(self.layers):
                 g0 = time.monotonic_ns()
                 self.copier.gather(layer, idx, 0, piece, n, slots, group)
+                if marks is not None:
+                    marks.append(self.torch.cuda.Event(enable_timing=True))
+                    marks[-1].record()
                 if stream is None:
                     self.stream_sync()
                     gather_ns += time.monotonic_ns() - g0
@@ -604,7 +621,11 @@ class MooncakeSide(Side):
             self.arena.free(piece)
         after = dict(rt.stats())
         delta = {k: after[k] - before.get(k, 0) for k in STAT_DELTAS}
-        return {"t0_ns": t0, "calls_s": (t1 - t0) / 1e9, "released_s": (t2 - t0) / 1e9,
+        gpu = None
+        if marks is not None:
+            marks[-1].synchronize()
+            gpu = {"t0_unix_ns": t0_unix_ns, "gather_done_ms": [round(marks[0].elapsed_time(m), 4) for m in marks[1:]]}
+        return {"t0_ns": t0, "gpu_trace": gpu, "calls_s": (t1 - t0) / 1e9, "released_s": (t2 - t0) / 1e9,
                 "gather_s": gather_ns / 1e9 if staged else None, "group": group,
                 "outcome": ev.outcome, "reason": ev.reason, "stats": after, "delta": delta}
 

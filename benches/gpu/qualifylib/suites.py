@@ -170,7 +170,10 @@ def suite_mooncake(run: Run, ctx: Any, opts: dict[str, Any]) -> None:
                             if c["bytes"] != per_rank:
                                 raise RuntimeError(f"consumer (rank {rank}) got {c['bytes']} bytes, expected {per_rank}")
                         secs.append((max(c["t_ns"] for c in r["cs"]) - r["p"]["t0_ns"]) / 1e9)
-                        prods.append({k: r["p"][k] for k in ("calls_s", "gather_s", "released_s", "outcome", "delta", "group")})
+                        prods.append({k: r["p"].get(k) for k in ("calls_s", "gather_s", "released_s", "outcome", "delta",
+                                                                  "group", "gpu_trace", "t0_ns")})
+                        prods[-1]["req"] = r["req"]
+                        prods[-1]["done_ns"] = [c["t_ns"] for c in r["cs"]]
                         for rank, (cc, c) in enumerate(zip(conss, r["cs"])):
                             if a.corrupt:
                                 cc.call("corrupt", st, what="kv", ids=dst)
@@ -382,6 +385,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "consumer_tp": args.consumer_tp,
         "consumer_ranks": args.consumer_tp if args.consumer_ranks == "both" else 1,
         "gather": args.gather,
+        "trace": args.trace,
     }
     run = Run(args)
 
