@@ -400,6 +400,22 @@ fn notification_router(c: &mut Criterion) {
         let s = rt.stats();
         (s.notices_routed, s.consumers_completed + s.events_dropped)
     };
+    if support::measuring() {
+        notice_latency(&pair, &notices, "default");
+        // The pace before 2026-12-02, side by side.
+        let old = support::pair_with(Duration::from_millis(1));
+        let _keep = old
+            .consumer
+            .consumer_open(
+                RequestId::new("waits"),
+                cap(),
+                0,
+                scattered_blocks(0, 4, 0x9E37_79B1),
+                1,
+            )
+            .expect("consumer_open");
+        notice_latency(&old, &notices, "1 ms");
+    }
     let mut g = c.benchmark_group("notification_router");
     g.throughput(Throughput::Elements(1));
     g.bench_function("delivered", |b| {
@@ -420,6 +436,49 @@ fn notification_router(c: &mut Criterion) {
         })
     });
     g.finish();
+}
+
+/// With consumers waiting: one notice's latency from its arrival in the
+/// transport's inbox to the router having routed it (the poll's pace:
+/// spin-waited, medians of 300), and the CPU the router's threads spend
+/// meanwhile per millisecond. Printed once.
+fn notice_latency(pair: &support::Pair, notices: &[Notification], label: &str) {
+    let routed = || pair.consumer.stats().notices_routed + pair.consumer.stats().notices_unknown_request;
+    let clocks = support::ThreadClocks::new(&["orbitkv-poller", "actix-rt"]);
+    let before = clocks.each();
+    std::thread::sleep(Duration::from_millis(200));
+    let cpu: Vec<String> = clocks
+        .names
+        .iter()
+        .zip(clocks.each().iter().zip(&before))
+        .filter(|(_, (a, b))| a > b)
+        .map(|(n, (a, b))| format!("{n} {:.2} µs/ms", (*a - *b).as_nanos() as f64 / 200.0 / 1e3))
+        .collect();
+    let mut lat: Vec<f64> = (0..300)
+        .map(|k| {
+            let r0 = routed();
+            // a pseudo-random phase against the poll's
+            std::thread::sleep(Duration::from_micros(50 + (k * 7919 % 1000) as u64));
+            let t0 = Instant::now();
+            pair.c_transport.deliver([notices[k % notices.len()].clone()]);
+            let deadline = t0 + Duration::from_secs(10);
+            while routed() <= r0 {
+                assert!(Instant::now() < deadline, "notice never routed");
+                std::hint::spin_loop();
+            }
+            t0.elapsed().as_nanos() as f64 / 1e3
+        })
+        .collect();
+    pair.consumer.poll_events();
+    lat.sort_by(f64::total_cmp);
+    println!(
+        "notice routed after (notify_poll {label}, consumers waiting): median {:.0} µs, p90 {:.0} µs, max {:.0} µs; \
+         threads while waiting (200 ms): {}",
+        lat[150],
+        lat[270],
+        lat[299],
+        cpu.join(", ")
+    );
 }
 
 fn config() -> Criterion {

@@ -72,11 +72,18 @@ pub struct Pair {
 }
 
 pub fn pair() -> Pair {
+    pair_with(RuntimeConfig::default().notify_poll)
+}
+
+/// [`pair`] with the routers draining notifications every `notify_poll`
+/// while a consumer waits.
+pub fn pair_with(notify_poll: Duration) -> Pair {
     let p_transport = Arc::new(InstantTransport::new("127.0.0.1:10001"));
     let c_transport = Arc::new(InstantTransport::new("127.0.0.1:10002"));
     let cfg = RuntimeConfig {
         consumer_timeout: Duration::from_secs(3600),
         handshake_timeout: Duration::from_secs(3600),
+        notify_poll,
         ..RuntimeConfig::default()
     };
     let producer = Runtime::start(

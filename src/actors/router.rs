@@ -6,15 +6,24 @@
 //! Mooncake has no notification callback, so the router polls: every
 //! `notify_poll` while a consumer waits for a notice, every [`IDLE_POLL`]
 //! while none does (a prefill-only rank, an idle decode), so that a rank
-//! that expects no notice does not wake up a thousand times a second. A
+//! that expects no notice does not wake up thousands of times a second. A
 //! consumer registers before its handshake leaves, so no notice it waits
 //! for is ever polled at the idle pace.
+//!
+//! The actor's timers tick in whole milliseconds (tokio's), so a waiting
+//! pace shorter than [`TIMER_TICK`] (the default, 100 µs: the notice is
+//! the last step of every transfer, and a 1 ms pace put half a millisecond
+//! on average under each) is kept by a thread of the router's own
+//! ([`FastPoller`]) that drains notifications while a consumer waits and
+//! parks while none does; the idle pace stays on the actor.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use actix::prelude::*;
+use actix::WeakAddr;
 
 use super::messages::{NoticeArrived, NotificationsTaken, RegisterConsumer, UnregisterConsumer};
 use super::stats::Stats;
@@ -35,13 +44,122 @@ pub enum Route {
 /// registered (stray notices are still drained and counted).
 pub const IDLE_POLL: Duration = Duration::from_millis(50);
 
+/// The actor's timer resolution: a waiting pace shorter than this is kept by
+/// a [`FastPoller`] thread (tokio rounds a timer up to its next millisecond
+/// and fires an interval's missed ticks in a burst there).
+pub const TIMER_TICK: Duration = Duration::from_millis(1);
+
+/// The shortest waiting pace a [`FastPoller`] keeps (a zero one would spin).
+pub const MIN_POLL: Duration = Duration::from_micros(10);
+
+/// What the router and its fast poller share.
+#[derive(Debug, Default)]
+struct FastShared {
+    /// A consumer waits: poll at the fast pace.
+    waiting: AtomicBool,
+    /// The router is gone: the thread ends.
+    stop: AtomicBool,
+}
+
+/// The waiting pace on a thread (`orbitkv-notify`), for a `notify_poll`
+/// below [`TIMER_TICK`]: while a consumer waits it drains
+/// `take_notifications` every `every` and hands what it took to the router;
+/// while none does it parks (no wake-ups). Started at the first wait; ends
+/// when the router is dropped.
+struct FastPoller {
+    every: Duration,
+    shared: Arc<FastShared>,
+    thread: Option<std::thread::Thread>,
+}
+
+impl FastPoller {
+    fn new(every: Duration) -> Self {
+        Self {
+            every: every.max(MIN_POLL),
+            shared: Arc::default(),
+            thread: None,
+        }
+    }
+
+    /// Polls at the fast pace from now on (the thread started if need be).
+    fn wait(&mut self, transport: &Arc<dyn Transport>, router: WeakAddr<NotificationRouter>) {
+        self.shared.waiting.store(true, Ordering::SeqCst);
+        if let Some(t) = &self.thread {
+            t.unpark();
+            return;
+        }
+        let (transport, shared, every) = (transport.clone(), self.shared.clone(), self.every);
+        match std::thread::Builder::new()
+            .name("orbitkv-notify".into())
+            .spawn(move || fast_poll(&*transport, &router, &shared, every))
+        {
+            Ok(handle) => self.thread = Some(handle.thread().clone()),
+            // Without the thread the actor keeps the pace (at its timer's).
+            Err(e) => tracing::warn!(error = %e, "the notification poll thread did not start"),
+        }
+    }
+
+    /// Parks the thread until the next [`FastPoller::wait`].
+    fn idle(&self) {
+        self.shared.waiting.store(false, Ordering::SeqCst);
+    }
+
+    fn running(&self) -> bool {
+        self.thread.is_some()
+    }
+}
+
+impl Drop for FastPoller {
+    fn drop(&mut self) {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = &self.thread {
+            t.unpark();
+        }
+    }
+}
+
+/// The fast poller's loop (see [`FastPoller`]).
+fn fast_poll(
+    transport: &dyn Transport,
+    router: &WeakAddr<NotificationRouter>,
+    shared: &FastShared,
+    every: Duration,
+) {
+    let mut failing = false;
+    while !shared.stop.load(Ordering::SeqCst) {
+        if !shared.waiting.load(Ordering::SeqCst) {
+            // An unpark between the load and here makes park return at once.
+            std::thread::park();
+            continue;
+        }
+        match transport.take_notifications() {
+            Ok(list) => {
+                failing = false;
+                if !list.is_empty() {
+                    let Some(to) = router.upgrade() else { return }; // the router stopped
+                    to.do_send(NotificationsTaken(list));
+                }
+            }
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(error = %e, "take_notifications failed");
+                }
+                failing = true;
+            }
+        }
+        std::thread::sleep(every);
+    }
+}
+
 pub struct NotificationRouter {
     transport: Arc<dyn Transport>,
     poll_every: Duration,
     routes: HashMap<RequestId, BTreeMap<Generation, Recipient<NoticeArrived>>>,
     stats: Arc<Stats>,
-    /// The polling interval, and whether it is at the waiting pace (`poll_every`).
+    /// The actor's polling interval, and whether it is at the waiting pace (`poll_every`).
     next: Option<(SpawnHandle, bool)>,
+    /// The waiting pace's thread, for a `poll_every` below [`TIMER_TICK`].
+    fast: Option<FastPoller>,
 }
 
 impl NotificationRouter {
@@ -52,6 +170,7 @@ impl NotificationRouter {
             routes: HashMap::new(),
             stats,
             next: None,
+            fast: (poll_every < TIMER_TICK).then(|| FastPoller::new(poll_every)),
         }
     }
 
@@ -61,13 +180,28 @@ impl NotificationRouter {
     /// after each poll: tokio rounds a timer up to its next millisecond, so a
     /// re-armed 1 ms timer polls every 1-2 ms and delays every transfer's
     /// completion on decode by up to another millisecond.
+    /// A waiting pace below [`TIMER_TICK`] is the [`FastPoller`]'s; the
+    /// actor's interval then runs only at the idle pace.
     fn schedule(&mut self, ctx: &mut Context<Self>) {
         let waiting = !self.routes.is_empty();
+        let mut on_thread = false;
+        if let Some(fast) = &mut self.fast {
+            if waiting {
+                fast.wait(&self.transport, ctx.address().downgrade());
+                on_thread = fast.running();
+            } else {
+                fast.idle();
+            }
+        }
         if let Some((handle, pace)) = self.next {
-            if pace == waiting {
+            if pace == waiting && !on_thread {
                 return;
             }
             ctx.cancel_future(handle);
+            self.next = None;
+        }
+        if on_thread {
+            return;
         }
         let every = if waiting {
             self.poll_every
@@ -255,6 +389,94 @@ mod tests {
             });
             drained_at_the_idle_pace(&transport, &stats, "r", 2).await;
         });
+    }
+
+    /// Real time until `done`, polled every 100 µs; at most `limit`.
+    async fn until_real(done: impl Fn() -> bool, limit: Duration) -> Duration {
+        let t0 = std::time::Instant::now();
+        while !done() && t0.elapsed() < limit {
+            std::thread::sleep(Duration::from_micros(100));
+            actix::clock::sleep(Duration::ZERO).await;
+        }
+        t0.elapsed()
+    }
+
+    // A waiting pace below the timer's tick (the default, 100 µs) is kept by
+    // the `orbitkv-notify` thread: while a consumer waits every poll comes
+    // from it (none from the actor's thread), it delivers, it parks (no
+    // polls) once no consumer waits while the actor keeps the idle pace, it
+    // wakes for the next registration, and it ends with the router (its
+    // hold on the transport goes).
+    #[test]
+    fn a_pace_below_the_timer_tick_polls_on_its_own_thread_and_parks_when_idle() {
+        const FAST: &str = "orbitkv-notify";
+        let transport = Arc::new(FakeTransport::new("127.0.0.1:1"));
+        let stats = Arc::new(Stats::default());
+        let t = transport.clone();
+        std::thread::Builder::new()
+            .name("router-test".into())
+            .spawn(move || {
+                System::new().block_on(async move {
+                    let router =
+                        NotificationRouter::new(t.clone(), Duration::from_micros(100), stats.clone()).start();
+                    actix::clock::sleep(Duration::from_millis(5)).await;
+                    assert_eq!(t.polls_by(FAST), 0, "no thread polls while no consumer waits");
+                    for round in 0..2u64 {
+                        let got = Arc::new(parking_lot::Mutex::new(Vec::new()));
+                        router.do_send(RegisterConsumer {
+                            request: RequestId::new("r"),
+                            generation: Generation(7),
+                            to: Recorder(got.clone()).start().recipient(),
+                        });
+                        let (tt, before) = (t.clone(), t.polls_by(FAST));
+                        until_real(move || tt.polls_by(FAST) > before + 20, Duration::from_secs(10)).await;
+                        let actor_polls = t.polls_by("router-test");
+                        t.deliver([raw("r", 7)]);
+                        let g = got.clone();
+                        until_real(move || g.lock().len() == 1, Duration::from_secs(10)).await;
+                        assert_eq!(got.lock().len(), 1, "round {round}: the notice was not delivered");
+                        assert_eq!(
+                            t.polls_by("router-test"),
+                            actor_polls,
+                            "round {round}: the actor polled while the thread keeps the waiting pace"
+                        );
+                        router.do_send(UnregisterConsumer {
+                            request: RequestId::new("r"),
+                            generation: Generation(7),
+                        });
+                        actix::clock::sleep(Duration::from_millis(5)).await;
+                        let parked = t.polls_by(FAST);
+                        std::thread::sleep(Duration::from_millis(30));
+                        actix::clock::sleep(Duration::ZERO).await;
+                        assert!(
+                            t.polls_by(FAST) <= parked + 1,
+                            "round {round}: the thread kept polling with no consumer waiting"
+                        );
+                    }
+                    // A stray notice is still drained, at the idle pace, by the actor.
+                    t.deliver([raw("stray", 1)]);
+                    let s = stats.clone();
+                    until_real(
+                        move || s.notices_unknown_request.get() == 1,
+                        Duration::from_secs(10),
+                    )
+                    .await;
+                    assert_eq!(stats.notices_unknown_request.get(), 1, "the idle pace stopped");
+                    System::current().stop();
+                });
+            })
+            .expect("spawn")
+            .join()
+            .expect("the router test thread panicked");
+        let t0 = std::time::Instant::now();
+        while Arc::strong_count(&transport) > 1 && t0.elapsed() < Duration::from_secs(10) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(
+            Arc::strong_count(&transport),
+            1,
+            "the poll thread outlived its router"
+        );
     }
 
     fn notice(request: &str, generation: u64) -> Vec<u8> {

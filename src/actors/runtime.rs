@@ -56,7 +56,9 @@ pub struct RuntimeConfig {
     /// layer mark, is submitted on the thread that called `layer_ready`
     /// when its writer is idle (0: always on the writer's thread).
     pub inline_submit_max_ranges: usize,
-    /// How often the router drains Mooncake's notifications.
+    /// How often the router drains Mooncake's notifications while a
+    /// consumer waits for one (below 1 ms on a thread of its own, which
+    /// parks while none waits; see [`super::router`]).
     pub notify_poll: Duration,
     /// Handshakes parked and cancels remembered before their request opened
     /// on this (prefill) side, all requests together; more are refused.
@@ -92,7 +94,7 @@ impl Default for RuntimeConfig {
             max_ranges_in_flight_per_peer: 768,
             writer_lanes_per_peer: 4,
             inline_submit_max_ranges: 64,
-            notify_poll: Duration::from_millis(1),
+            notify_poll: Duration::from_micros(250),
             max_parked: 4096,
             max_parked_bytes: 64 << 20,
             side_channel_key: None,

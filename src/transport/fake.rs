@@ -38,6 +38,8 @@ pub struct FakeTransport {
     last_submit_ns: AtomicU64,
     notices_sent: AtomicU64,
     inbox: Mutex<Vec<Notification>>,
+    /// `take_notifications` calls by the calling thread's name.
+    polls: Mutex<std::collections::HashMap<String, u64>>,
 }
 
 impl FakeTransport {
@@ -55,7 +57,13 @@ impl FakeTransport {
             last_submit_ns: AtomicU64::new(0),
             notices_sent: AtomicU64::new(0),
             inbox: Mutex::new(Vec::new()),
+            polls: Mutex::new(std::collections::HashMap::new()),
         }
+    }
+
+    /// How many times threads named `thread` called `take_notifications`.
+    pub fn polls_by(&self, thread: &str) -> u64 {
+        self.polls.lock().get(thread).copied().unwrap_or(0)
     }
 
     /// While `on`, every batch stays in flight.
@@ -149,6 +157,8 @@ impl Transport for FakeTransport {
     }
 
     fn take_notifications(&self) -> TransportResult<Vec<Notification>> {
+        let name = std::thread::current().name().unwrap_or("").to_string();
+        *self.polls.lock().entry(name).or_insert(0) += 1;
         Ok(std::mem::take(&mut *self.inbox.lock()))
     }
 }
