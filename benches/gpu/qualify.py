@@ -116,6 +116,9 @@ def main() -> int:
                    help="with --consumer-tp 2: '0' only decode rank 0 takes part (the other rank's half is never "
                         "asked for); 'both': ranks 0 and 1, one process each, in every request (the whole TP 1 -> 2 "
                         "request: timed to the later rank's completion, both checked)")
+    r.add_argument("--notify-poll-ms", type=float, default=None,
+                   help="Runtime notify_poll_ms on both sides (how often decode drains Mooncake's notifications "
+                        "while it waits; default: the runtime's, 0.25)")
     r.add_argument("--trace", action="store_true",
                    help="mooncake suite: each process writes its OrbitKV actor trace (Chrome format, "
                         "docs/tracing.md) to $OUT/traces/ (a timeline of where a layer's time goes; it costs "

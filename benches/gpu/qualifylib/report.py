@@ -156,7 +156,9 @@ def hetero_goals(goals: list[dict[str, Any]], mc: dict[str, Any], mcs: list[dict
     whole = (geo.get("consumer_ranks") or 1) > 1
     ref = next((c for c in mcs if c.get("transport") == mc.get("transport")
                 and (c.get("geometry") or {}).get("layout") == geo.get("layout")
-                and ((c.get("geometry") or {}).get("consumer_tp") or 1) == 1), None)
+                and ((c.get("geometry") or {}).get("consumer_tp") or 1) == 1
+                and (c.get("runtime") or {}).get("notify_poll_ms") == (mc.get("runtime") or {}).get("notify_poll_ms")),
+               None)
     if ref is None:
         return
     for tokens in mc.get("tokens", []):
@@ -228,6 +230,8 @@ def cmd_report(args: argparse.Namespace) -> int:
                 variant += (f", to both decode ranks of TP {geo['consumer_tp']} (head slices, the whole request)"
                             if (geo.get("consumer_ranks") or 1) > 1
                             else f", to decode rank 0 of TP {geo['consumer_tp']} (head slices)")
+            if (mc.get("runtime") or {}).get("notify_poll_ms") is not None:
+                variant += f", notify_poll {mc['runtime']['notify_poll_ms']:g} ms"
             plain = (geo.get("consumer_tp") or 1) == 1
             nixl, tch = (o if o is not None and plain and (o.get("geometry") or {}).get("layout") == geo.get("layout")
                          else None for o in (find("nixl", None, s, d), find("torch", None, s, d)))

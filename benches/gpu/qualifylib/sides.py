@@ -403,6 +403,7 @@ class MooncakeSide(Side):
             max_bytes_in_flight_per_peer=opts["max_in_flight"],
             max_ranges_in_flight_per_peer=opts["max_ranges_in_flight"],
             writer_lanes_per_peer=opts["writer_lanes"],
+            notify_poll_ms=opts.get("notify_poll_ms"),
             staging_region=self.stage_region() if role == "consumer" else None,
             source_staging_region=self.stage_region() if role == "producer" else None,
             staging_min_ranges=opts.get("staging_min_ranges") if self.stage is not None else None,

@@ -386,6 +386,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "consumer_ranks": args.consumer_tp if args.consumer_ranks == "both" else 1,
         "gather": args.gather,
         "trace": args.trace,
+        "notify_poll_ms": args.notify_poll_ms,
     }
     run = Run(args)
 
