@@ -140,6 +140,9 @@ def _equal_one_engine(cluster: Cluster, prompts: list[list[int]], got: list[Comp
 
 
 def test_requests_spread_over_both_prefills_and_equal_one_engine(cluster: Cluster) -> None:
+    # Both prefills in the proxy's rotation: the test before stops one and
+    # resumes it, and the proxy leaves it out until it next checks it.
+    cluster.wait_proxy_sees_healthy()
     released = {n: cluster.metrics(n)[Metric.RELEASED] for n in ("prefill", "prefill2")}
     completed = cluster.metrics("decode")[Metric.COMPLETED]
     prompts = [fresh_prompt(700) for _ in range(6)]

@@ -429,6 +429,21 @@ class Cluster:
                 every_s=0.5,
             )
 
+    def wait_proxy_sees_healthy(self, timeout_s: float = 30.0) -> None:
+        """Until the proxy counts every instance it fronts healthy (its
+        ``/health`` checks them all; between its own checks it keeps leaving
+        out an instance it found unhealthy, e.g. a prefill stopped and
+        resumed a moment ago)."""
+
+        def all_healthy() -> bool:
+            status, body = http_get(self.proxy_url, "/health", timeout_s=5.0)
+            states = json.loads(body or b"{}")
+            # one prefill and one decode: {role: health}, 200 only when both are
+            return status == 200 and all(v.get("healthy") for v in states.values() if isinstance(v, dict))
+
+        wait_until(all_healthy, timeout_s, "the proxy to count every instance healthy",
+                   [self.procs[n] for n in ("proxy", *self.servers) if n in self.procs], every_s=0.5)
+
     def check_alive(self, names: Sequence[str] = ("prefill", "decode", "proxy")) -> None:
         for n in names:
             if n in self.procs:
