@@ -65,16 +65,7 @@ impl Producer {
         let pair = support::pair();
         // One consumer handshake as a template (request ID and generation are
         // rewritten per request); the consumer runtime is not needed after.
-        let template = pair
-            .consumer
-            .consumer_open(
-                RequestId::new("template"),
-                cap(),
-                0,
-                scattered_blocks(0, 4, 0x9E37_79B1),
-                1,
-            )
-            .expect("consumer_open");
+        let template = support::open_consumer(&pair.consumer, "template", 0);
         drop(pair.consumer);
         let runtime = std::sync::Arc::new(pair.producer);
         Self {
@@ -263,19 +254,10 @@ fn breakdown(p: &mut Producer) {
     // What the runtime's threads spend while nothing is handed over (their
     // timers: the notification router's poll): the floor under the
     // per-thread figures below, which include it.
-    {
-        let others = support::ThreadClocks::new(&["orbitkv-poller"]);
-        let before = others.each();
-        std::thread::sleep(Duration::from_millis(200));
-        let idle: Vec<String> = others
-            .names
-            .iter()
-            .zip(others.each().iter().zip(&before))
-            .filter(|(_, (a, b))| a > b)
-            .map(|(n, (a, b))| format!("{n} {:.2} µs/ms", (*a - *b).as_nanos() as f64 / 200.0 / 1e3))
-            .collect();
-        println!("runtime threads idle (200 ms): {}", idle.join(", "));
-    }
+    println!(
+        "runtime threads idle (200 ms): {}",
+        support::cpu_per_ms(&["orbitkv-poller"], Duration::from_millis(200))
+    );
     for via in [Via::LayerReady, Via::Gate] {
         let s0 = p.runtime.stats();
         let by_thread = p.forward_by_thread(m, via);
@@ -375,11 +357,8 @@ fn notification_router(c: &mut Criterion) {
     let consumers = if support::measuring() { CONSUMERS } else { 100 };
     let notices: Vec<Notification> = (0..consumers)
         .map(|i| {
-            let req = RequestId::new(format!("route-{i}"));
-            let hs = pair
-                .consumer
-                .consumer_open(req.clone(), cap(), 0, scattered_blocks(i, 4, 0x9E37_79B1), 1)
-                .expect("consumer_open");
+            let hs = support::open_consumer(&pair.consumer, "route", i);
+            let req = hs.request_id.clone();
             let n = Notice {
                 version: hs.version,
                 request_id: req,
@@ -404,16 +383,7 @@ fn notification_router(c: &mut Criterion) {
         notice_latency(&pair, &notices, "default");
         // The pace before 2026-12-02, side by side.
         let old = support::pair_with(Duration::from_millis(1));
-        let _keep = old
-            .consumer
-            .consumer_open(
-                RequestId::new("waits"),
-                cap(),
-                0,
-                scattered_blocks(0, 4, 0x9E37_79B1),
-                1,
-            )
-            .expect("consumer_open");
+        let _keep = support::open_consumer(&old.consumer, "waits", 0);
         notice_latency(&old, &notices, "1 ms");
     }
     let mut g = c.benchmark_group("notification_router");
@@ -444,16 +414,7 @@ fn notification_router(c: &mut Criterion) {
 /// meanwhile per millisecond. Printed once.
 fn notice_latency(pair: &support::Pair, notices: &[Notification], label: &str) {
     let routed = || pair.consumer.stats().notices_routed + pair.consumer.stats().notices_unknown_request;
-    let clocks = support::ThreadClocks::new(&["orbitkv-poller", "actix-rt"]);
-    let before = clocks.each();
-    std::thread::sleep(Duration::from_millis(200));
-    let cpu: Vec<String> = clocks
-        .names
-        .iter()
-        .zip(clocks.each().iter().zip(&before))
-        .filter(|(_, (a, b))| a > b)
-        .map(|(n, (a, b))| format!("{n} {:.2} µs/ms", (*a - *b).as_nanos() as f64 / 200.0 / 1e3))
-        .collect();
+    let cpu = support::cpu_per_ms(&["orbitkv-poller", "actix-rt"], Duration::from_millis(200));
     let mut lat: Vec<f64> = (0..300)
         .map(|k| {
             let r0 = routed();
@@ -477,7 +438,7 @@ fn notice_latency(pair: &support::Pair, notices: &[Notification], label: &str) {
         lat[150],
         lat[270],
         lat[299],
-        cpu.join(", ")
+        cpu
     );
 }
 

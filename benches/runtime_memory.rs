@@ -12,8 +12,8 @@ mod support;
 
 use std::time::{Duration, Instant};
 
-use orbitkv::{RequestId, Runtime};
-use support::{cap, rss_bytes, scattered_blocks};
+use orbitkv::RequestId;
+use support::{cap, open_consumer, rss_bytes, scattered_blocks};
 
 /// Waits until RSS stops growing (the actors are started on their thread).
 fn settled_rss() -> u64 {
@@ -31,17 +31,6 @@ fn settled_rss() -> u64 {
 
 fn mb(b: u64) -> f64 {
     b as f64 / 1e6
-}
-
-fn open_consumer(rt: &Runtime, prefix: &str, i: u32) -> orbitkv::Handshake {
-    rt.consumer_open(
-        RequestId::new(format!("{prefix}-{i}")),
-        cap(),
-        0,
-        scattered_blocks(i, 4, 0x9E37_79B1),
-        1,
-    )
-    .expect("consumer_open")
 }
 
 fn main() {

@@ -239,3 +239,34 @@ pub fn thread_cpu() -> std::collections::BTreeMap<String, (u64, u64, u64)> {
 
 /// The capability every request shares (the proxy would give each its own).
 pub use orbitkv::testing::capability as cap;
+
+/// A consumer request `{prefix}-{i}` authorized on `rt` (four-block runs
+/// of scattered blocks, a TP-1 producer), as every benchmark opens them.
+pub fn open_consumer(rt: &Runtime, prefix: &str, i: u32) -> orbitkv::Handshake {
+    rt.consumer_open(
+        orbitkv::RequestId::new(format!("{prefix}-{i}")),
+        cap(),
+        0,
+        scattered_blocks(i, 4, 0x9E37_79B1),
+        1,
+    )
+    .expect("consumer_open")
+}
+
+/// The CPU this process's threads (but the calling one and those named
+/// with a prefix in `exclude`) spend per millisecond over `window`, as
+/// `name X µs/ms` for each that spent any.
+pub fn cpu_per_ms(exclude: &[&str], window: Duration) -> String {
+    let clocks = ThreadClocks::new(exclude);
+    let before = clocks.each();
+    std::thread::sleep(window);
+    let ms = window.as_secs_f64() * 1e3;
+    let spent: Vec<String> = clocks
+        .names
+        .iter()
+        .zip(clocks.each().iter().zip(&before))
+        .filter(|(_, (a, b))| a > b)
+        .map(|(n, (a, b))| format!("{n} {:.2} µs/ms", (*a - *b).as_nanos() as f64 / ms / 1e3))
+        .collect();
+    spent.join(", ")
+}

@@ -11,7 +11,7 @@
 //! for is ever polled at the idle pace.
 //!
 //! The actor's timers tick in whole milliseconds (tokio's), so a waiting
-//! pace shorter than [`TIMER_TICK`] (the default, 100 µs: the notice is
+//! pace shorter than [`TIMER_TICK`] (the default, 250 µs: the notice is
 //! the last step of every transfer, and a 1 ms pace put half a millisecond
 //! on average under each) is kept by a thread of the router's own
 //! ([`FastPoller`]) that drains notifications while a consumer waits and
@@ -401,7 +401,7 @@ mod tests {
         t0.elapsed()
     }
 
-    // A waiting pace below the timer's tick (the default, 100 µs) is kept by
+    // A waiting pace below the timer's tick (here 100 µs) is kept by
     // the `orbitkv-notify` thread: while a consumer waits every poll comes
     // from it (none from the actor's thread), it delivers, it parks (no
     // polls) once no consumer waits while the actor keeps the idle pace, it

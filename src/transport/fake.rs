@@ -157,8 +157,16 @@ impl Transport for FakeTransport {
     }
 
     fn take_notifications(&self) -> TransportResult<Vec<Notification>> {
-        let name = std::thread::current().name().unwrap_or("").to_string();
-        *self.polls.lock().entry(name).or_insert(0) += 1;
+        let thread = std::thread::current();
+        let name = thread.name().unwrap_or("");
+        let mut polls = self.polls.lock();
+        match polls.get_mut(name) {
+            Some(n) => *n += 1,
+            None => {
+                polls.insert(name.to_string(), 1);
+            }
+        }
+        drop(polls);
         Ok(std::mem::take(&mut *self.inbox.lock()))
     }
 }
