@@ -368,7 +368,9 @@ fn notification_router(c: &mut Criterion) {
                 reason: None,
                 bytes: 1 << 20,
                 staged: false,
-            };
+                mac: None,
+            }
+            .sign(&hs.capability);
             Notification {
                 name: "orbitkv".into(),
                 message: n.to_json(),

@@ -120,22 +120,62 @@ impl std::fmt::Debug for Capability {
     }
 }
 
-/// A fresh generation seed: clock-based high bits, so a restarted consumer
-/// starts above its predecessor, and random low bits.
-pub fn generation_seed() -> Generation {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(1);
-    // High bits from the clock (later runtimes start higher, to within ~4 s),
-    // low 32 bits random: a notice's generation cannot be guessed blindly.
-    let random = uuid::Uuid::new_v4().as_u64_pair().0 & 0xFFFF_FFFF;
-    Generation((nanos & !0xFFFF_FFFF) | random)
+impl Generation {
+    /// Random low bits of every generation.
+    pub const RANDOM_BITS: u32 = 24;
+    /// Where the clock part of a generation counts from: 2024-01-01 UTC, in
+    /// milliseconds since the Unix epoch (40 bits of milliseconds last until
+    /// 2058).
+    const EPOCH_MS: u64 = 1_704_067_200_000;
+
+    /// The generation a consumer gives its next authorization, after `prev`
+    /// (its last one; `Generation(0)` for none). Its high 40 bits are a
+    /// millisecond clock, strictly increasing (`prev`'s plus one when the
+    /// clock has not moved on), so a generation is newer than every earlier
+    /// one of this runtime and, unless that runtime authorized more than one
+    /// request a millisecond, of a runtime it replaced; its low
+    /// [`Self::RANDOM_BITS`] bits are fresh from the operating system's
+    /// random source, so the next request's generation cannot be read off
+    /// an earlier one (defence in depth: a notice is believed only with its
+    /// request's tag, `crate::wire::Notice::authentic`).
+    pub fn next_after(prev: Generation) -> Generation {
+        let now_ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let ticks = now_ms
+            .saturating_sub(Self::EPOCH_MS)
+            .max((prev.0 >> Self::RANDOM_BITS) + 1);
+        let random = uuid::Uuid::new_v4().as_u64_pair().0 & ((1 << Self::RANDOM_BITS) - 1);
+        Generation((ticks << Self::RANDOM_BITS) | random)
+    }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::Capability;
+    use super::{Capability, Generation};
+
+    #[test]
+    fn generations_increase_and_their_low_bits_are_random() {
+        let mut prev = Generation(0);
+        let mut lows = std::collections::BTreeSet::new();
+        for _ in 0..1000 {
+            let g = Generation::next_after(prev);
+            assert!(g > prev, "{g} not after {prev}");
+            lows.insert(g.0 & ((1 << Generation::RANDOM_BITS) - 1));
+            prev = g;
+        }
+        // 1000 draws of 24 random bits: a counter would give 1000 values in
+        // a row, a constant one; collisions among random ones are rare.
+        assert!(lows.len() > 990, "{} distinct low parts", lows.len());
+        let sorted: Vec<u64> = lows.iter().copied().collect();
+        assert!(sorted.windows(2).filter(|w| w[1] == w[0] + 1).count() < 10);
+        // A runtime that starts later starts above an earlier one's (the
+        // clock part), and a runtime that ran ahead of the clock still
+        // counts up.
+        let ahead = Generation(u64::MAX >> 1);
+        assert!(Generation::next_after(ahead) > ahead);
+    }
 
     #[test]
     fn capability_parses_hex_of_128_bits_or_more() {

@@ -11,6 +11,7 @@
 //! * [`actors`]: the request runtime (actix) that carries out their effects.
 //! * [`side_channel`]: the HTTP server decode ranks POST handshakes and cancels to (actix-web).
 //! * [`error`]: typed errors.
+//! * [`mac`]: HMAC-SHA256 tags (the deployment key's signature, a notice's tag).
 //! * [`trace`]: Chrome trace (Perfetto) export of the actors' spans (`ORBITKV_TRACE=path`).
 
 pub mod actors;
@@ -18,6 +19,7 @@ pub mod error;
 pub mod fsm;
 pub mod ids;
 pub mod layout;
+pub mod mac;
 pub mod side_channel;
 pub mod staging;
 #[cfg(feature = "testing")]

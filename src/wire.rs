@@ -16,8 +16,10 @@ use crate::staging::StagingGrant;
 use crate::transport::parse_endpoint;
 
 /// The wire version this build speaks. Version 2 added the request's
-/// capability to the handshake and the cancel message to the wire.
-pub const WIRE_VERSION: u32 = 2;
+/// capability to the handshake and the cancel message to the wire; version
+/// 3 the notice's tag ([`Notice::sign`]) and the cancel's fence
+/// ([`Cancel::generation`], [`Fence`]).
+pub const WIRE_VERSION: u32 = 3;
 
 /// Mooncake notification name under which OrbitKV notices travel.
 pub const NOTIFY_NAME: &str = "orbitkv";
@@ -147,6 +149,47 @@ pub struct Cancel {
     /// Why (informative, at most [`Cancel::MAX_REASON`] bytes).
     #[serde(default)]
     pub reason: String,
+    /// The fence: the consumer authorized this generation (and rank
+    /// `consumer_rank` of its instance) and wants to know whether anything
+    /// can still be written into it ([`Fence`], the producer's answer).
+    /// Absent: it authorized nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<Generation>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub consumer_rank: Option<u32>,
+}
+
+/// A prefill rank's answer to a [`Cancel`] with a generation: what may still
+/// be written into that generation's blocks from this rank (the body of the
+/// side channel's `200`, `{"ok":true,"fence":"…"}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Fence {
+    /// Nothing: no producer of this rank holds the generation, none has a
+    /// write of it in flight, and none will take it up (the request was
+    /// aborted here, and the cancel is remembered against a later open).
+    /// The consumer counts this rank as ended at once.
+    Fenced,
+    /// A producer that holds the generation is aborting: its notice follows
+    /// once its admitted writes drained (or was sent already).
+    NoticeFollows,
+    /// Writes of the generation may still be in flight under an
+    /// authorization that was superseded, and no notice will name it: the
+    /// consumer keeps its deadline and quarantine.
+    Held,
+}
+
+impl Fence {
+    /// The side channel's reply body for this answer.
+    pub fn reply(self) -> String {
+        serde_json::json!({"ok": true, "fence": self}).to_string()
+    }
+
+    /// The answer in a side-channel reply body, if it holds one.
+    pub fn from_reply(body: &str) -> Option<Fence> {
+        let v: serde_json::Value = serde_json::from_str(body.trim()).ok()?;
+        serde_json::from_value(v.get("fence")?.clone()).ok()
+    }
 }
 
 impl Cancel {
@@ -166,7 +209,17 @@ impl Cancel {
             request_id,
             capability,
             reason,
+            generation: None,
+            consumer_rank: None,
         }
+    }
+
+    /// The cancel of an authorization: `generation` of consumer rank
+    /// `consumer_rank`, to be fenced ([`Fence`]).
+    pub fn fencing(mut self, generation: Generation, consumer_rank: u32) -> Self {
+        self.generation = Some(generation);
+        self.consumer_rank = Some(consumer_rank);
+        self
     }
 
     pub fn from_json(text: &str) -> Result<Self, ProtocolError> {
@@ -180,6 +233,9 @@ impl Cancel {
         }
         if c.reason.len() > Self::MAX_REASON {
             return Err(malformed("reason longer than 1024 bytes"));
+        }
+        if c.generation.is_some() != c.consumer_rank.is_some() {
+            return Err(malformed("generation and consumer_rank come together"));
         }
         Ok(c)
     }
@@ -215,30 +271,57 @@ pub struct Notice {
     /// instead of the pages (the consumer then scatters its heads).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub staged: bool,
+    /// The producer's tag over every other field, keyed by the request's
+    /// capability ([`Notice::sign`]): only the holder of the capability —
+    /// the request's producer, which got it from the router and in the
+    /// handshake — can make one. A consumer believes no notice without it
+    /// ([`Notice::authentic`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mac: Option<String>,
 }
 
 impl Notice {
-    /// What a consumer counts when producer rank `producer_rank` refused its
-    /// handshake of `generation` (or nobody received it): that rank failed,
-    /// nothing from it can land.
-    pub fn handshake_refused(
-        request_id: RequestId,
-        generation: Generation,
-        producer_rank: u32,
-        reason: &str,
-    ) -> Self {
-        Self {
-            version: WIRE_VERSION,
-            request_id,
-            generation,
-            producer_rank: ProducerRank(producer_rank),
-            outcome: Outcome::Failed,
-            reason: Some(format!(
-                "producer rank {producer_rank} refused the handshake: {reason}"
-            )),
-            bytes: 0,
-            staged: false,
+    /// What the tag covers: every field but the tag, each of variable length
+    /// prefixed by its length, after a domain string (no other message of
+    /// OrbitKV's is tagged with the capability as key).
+    fn tagged_fields(&self, out: &mut Vec<u8>) {
+        out.extend_from_slice(b"orbitkv-notice-v3\0");
+        let id = self.request_id.as_str().as_bytes();
+        out.extend_from_slice(&(id.len() as u64).to_le_bytes());
+        out.extend_from_slice(id);
+        out.extend_from_slice(&self.generation.0.to_le_bytes());
+        out.extend_from_slice(&self.producer_rank.0.to_le_bytes());
+        out.push(match self.outcome {
+            Outcome::Done => 0,
+            Outcome::Failed => 1,
+            Outcome::Aborted => 2,
+        });
+        out.extend_from_slice(&self.bytes.to_le_bytes());
+        out.push(u8::from(self.staged));
+        match &self.reason {
+            None => out.extend_from_slice(&u64::MAX.to_le_bytes()),
+            Some(r) => {
+                out.extend_from_slice(&(r.len() as u64).to_le_bytes());
+                out.extend_from_slice(r.as_bytes());
+            }
         }
+    }
+
+    /// Tags the notice with `capability` (the producer's last step before
+    /// sending it).
+    pub fn sign(mut self, capability: &Capability) -> Self {
+        let mut msg = Vec::with_capacity(96 + self.request_id.as_str().len());
+        self.tagged_fields(&mut msg);
+        self.mac = Some(crate::mac::tag_hex(capability.as_str().as_bytes(), &[&msg]));
+        self
+    }
+
+    /// Whether the notice carries its tag under `capability` (constant time).
+    pub fn authentic(&self, capability: &Capability) -> bool {
+        let Some(mac) = &self.mac else { return false };
+        let mut msg = Vec::with_capacity(96 + self.request_id.as_str().len());
+        self.tagged_fields(&mut msg);
+        crate::mac::verify_hex(capability.as_str().as_bytes(), &[&msg], mac.as_bytes())
     }
 
     pub fn from_json(text: &[u8]) -> Result<Self, ProtocolError> {
@@ -364,8 +447,24 @@ mod tests {
             reason: Some("x".into()),
             bytes: 5,
             staged: false,
+            mac: None,
         };
         assert_eq!(Notice::from_json(&n.to_json()).unwrap(), n);
+        // The tag travels, and covers every field (the reason too).
+        let signed = n.clone().sign(&cap());
+        let back = Notice::from_json(&signed.to_json()).unwrap();
+        assert_eq!(back, signed);
+        assert!(back.authentic(&cap()) && !n.authentic(&cap()));
+        assert!(!Notice {
+            reason: Some("y".into()),
+            ..signed.clone()
+        }
+        .authentic(&cap()));
+        assert!(!Notice {
+            reason: None,
+            ..signed.clone()
+        }
+        .authentic(&cap()));
         // `staged` is left out when false (what an older producer sends)...
         assert!(!String::from_utf8_lossy(&n.to_json()).contains("staged"));
         let staged = Notice { staged: true, ..n };
@@ -436,13 +535,13 @@ mod tests {
     #[test]
     fn unknown_version_is_typed() {
         let mut v: serde_json::Value = serde_json::from_str(&handshake().to_json()).unwrap();
-        v["version"] = 3.into();
+        v["version"] = 4.into();
         v["something_new"] = 1.into();
         let err = Handshake::from_json(&v.to_string()).unwrap_err();
         assert_eq!(
             err,
             ProtocolError::Version {
-                found: 3,
+                found: 4,
                 supported: WIRE_VERSION
             }
         );
@@ -538,18 +637,48 @@ mod tests {
     }
 
     #[test]
+    fn a_fence_travels_in_the_cancel_and_its_answer_in_the_reply() {
+        let c = Cancel::new(RequestId::new("r"), cap(), "x").fencing(Generation(9), 1);
+        let back = Cancel::from_json(&c.to_json()).unwrap();
+        assert_eq!(
+            (back.generation, back.consumer_rank),
+            (Some(Generation(9)), Some(1))
+        );
+        // A cancel without them (what a consumer that authorized nothing sends).
+        assert!(!Cancel::new(RequestId::new("r"), cap(), "x")
+            .to_json()
+            .contains("generation"));
+        for half in [
+            r#"{"version":3,"request_id":"r","capability":"cccccccccccccccccccccccccccccccc","generation":9}"#,
+            r#"{"version":3,"request_id":"r","capability":"cccccccccccccccccccccccccccccccc","consumer_rank":0}"#,
+            r#"{"version":3,"request_id":"r","capability":"cccccccccccccccccccccccccccccccc","generation":-1,"consumer_rank":0}"#,
+        ] {
+            assert!(
+                matches!(Cancel::from_json(half), Err(ProtocolError::Malformed { .. })),
+                "{half}"
+            );
+        }
+        for f in [Fence::Fenced, Fence::NoticeFollows, Fence::Held] {
+            assert_eq!(Fence::from_reply(&f.reply()), Some(f));
+        }
+        assert_eq!(Fence::from_reply(r#"{"ok":true}"#), None);
+        assert_eq!(Fence::from_reply(r#"{"ok":true,"fence":"maybe"}"#), None);
+        assert_eq!(Fence::from_reply("not json"), None);
+    }
+
+    #[test]
     fn cancel_round_trip_and_strict_parsing() {
         let c = Cancel::new(RequestId::new("r"), cap(), &"é".repeat(2000));
         assert!(c.reason.len() <= Cancel::MAX_REASON);
         assert_eq!(Cancel::from_json(&c.to_json()).unwrap(), c);
         for bad in [
-            r#"{"version":2,"request_id":"r"}"#.to_string(),
-            r#"{"version":2,"request_id":"","capability":"cccccccccccccccccccccccccccccccc"}"#.to_string(),
-            r#"{"version":2,"request_id":"r","capability":"cccccccccccccccccccccccccccccccc","x":1}"#
+            r#"{"version":3,"request_id":"r"}"#.to_string(),
+            r#"{"version":3,"request_id":"","capability":"cccccccccccccccccccccccccccccccc"}"#.to_string(),
+            r#"{"version":3,"request_id":"r","capability":"cccccccccccccccccccccccccccccccc","x":1}"#
                 .to_string(),
-            r#"{"version":2,"request_id":7,"capability":"cccccccccccccccccccccccccccccccc"}"#.to_string(),
+            r#"{"version":3,"request_id":7,"capability":"cccccccccccccccccccccccccccccccc"}"#.to_string(),
             format!(
-                r#"{{"version":2,"request_id":"r","capability":"{}","reason":"{}"}}"#,
+                r#"{{"version":3,"request_id":"r","capability":"{}","reason":"{}"}}"#,
                 "c".repeat(32),
                 "x".repeat(1025)
             ),

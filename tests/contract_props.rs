@@ -50,7 +50,14 @@
 //!   cover it too; a write from source staging straight into pages (a
 //!   producer of TP 1 staging grouped by the heads of a consumer that is
 //!   rank 0 of TP 2, whose blocks are one run) is checked as a page write;
-//! * stale, misrouted, foreign-rank and duplicate events change nothing.
+//! * stale, misrouted, foreign-rank and duplicate events change nothing, and
+//!   neither does a forged notice (rule 2a: the right request ID, generation
+//!   and rank, without the tag of the request's capability);
+//! * (j) no write of a generation is submitted after its consumer freed its
+//!   blocks, unless the quarantine passed;
+//! * the fence (rule 10): a consumer that vLLM released asks a producer
+//!   (aborted by the same cancel) what may still be written; only its
+//!   `Fenced` ends the rank early, and (f) and (j) must hold after it.
 //!
 //! After the steps the model drains (writes complete, producers finish or
 //! time out, notices are delivered, consumers are released and time out) and
@@ -79,7 +86,7 @@ use orbitkv::layout::plan_write;
 use orbitkv::staging::{grant_group, source_group, staged_bytes, SourceStaging, StagedPlan, StagingGrant};
 use orbitkv::testing::capability as cap;
 use orbitkv::wire::WIRE_VERSION;
-use orbitkv::{Generation, Handshake, KvLayout, Outcome, ProducerRank, RequestId, WriteRange};
+use orbitkv::{Generation, Handshake, KvLayout, Notice, Outcome, ProducerRank, RequestId, WriteRange};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
 
@@ -187,6 +194,19 @@ enum Op {
     ConsumerTimeout {
         which: usize,
     },
+    /// An untagged notice (a forgery) for generation `which`, from expected
+    /// rank `rank` (mod the expected count), right request ID.
+    Forge {
+        which: usize,
+        rank: usize,
+        outcome: u8,
+    },
+    /// The fence: vLLM released consumer generation `which`; its cancel
+    /// aborts producer `p`, which answers what may still be written.
+    Fence {
+        which: usize,
+        p: usize,
+    },
 }
 
 /// How a generation's authorization covers the request's blocks.
@@ -250,7 +270,7 @@ impl Bits {
 
 /// A step from its bits. The weights set how often each kind comes up.
 fn decode(x: u64) -> Op {
-    const WEIGHTS: [u64; 13] = [4, 6, 8, 1, 2, 1, 1, 3, 1, 7, 1, 1, 1];
+    const WEIGHTS: [u64; 15] = [4, 6, 8, 1, 2, 1, 1, 3, 1, 7, 1, 1, 1, 1, 2];
     let mut b = Bits(x);
     let mut k = b.take(WEIGHTS.iter().sum());
     let kind = WEIGHTS
@@ -309,7 +329,16 @@ fn decode(x: u64) -> Op {
             rank_off: b.take(3) as u32,
             outcome: b.take(3) as u8,
         },
-        _ => Op::ConsumerTimeout { which: b.index() },
+        12 => Op::ConsumerTimeout { which: b.index() },
+        13 => Op::Forge {
+            which: b.index(),
+            rank: b.index(),
+            outcome: b.take(3) as u8,
+        },
+        _ => Op::Fence {
+            which: b.index(),
+            p: b.index(),
+        },
     }
 }
 
@@ -347,6 +376,11 @@ enum Mutation {
     /// The producer reports done although a layer of the authorization was
     /// never reported (no rule 7).
     DoneWithGaps,
+    /// The consumer believes a notice without checking its tag (no rule 2a).
+    AcceptUnauthenticated,
+    /// The producer answers a fence `Fenced` whatever it still holds (no
+    /// rule 10).
+    FenceEarly,
 }
 
 struct Gen {
@@ -472,6 +506,10 @@ struct Coverage {
     staged_writes: u64,
     /// Writes planned from source staging straight into pages.
     staged_page_writes: u64,
+    /// Forged notices offered to a registered consumer.
+    forged: u64,
+    /// Fences answered `Fenced` (the rank ended early).
+    fenced: u64,
 }
 
 struct Model {
@@ -577,7 +615,12 @@ impl Model {
         handshake.validate().expect("the model's handshake is valid");
         self.gens.push(Gen {
             handshake,
-            consumer: Some(ConsumerMachine::new(rid(), generation, self.expected.clone())),
+            consumer: Some(ConsumerMachine::new(
+                rid(),
+                generation,
+                self.expected.clone(),
+                cap(),
+            )),
             vllm_released: false,
             timed_out: false,
             quarantine_over: false,
@@ -712,6 +755,82 @@ impl Model {
                     "rule 3: a notice from unexpected rank {rank} was acted on: {fx:?}"
                 );
                 Ok(())
+            }
+            Op::Forge { which, rank, outcome } => {
+                let gi = which % self.gens.len();
+                let Some(c) = self.gens[gi].consumer.as_ref() else {
+                    return Ok(());
+                };
+                let rank = *self
+                    .expected
+                    .iter()
+                    .nth(rank % self.expected.len())
+                    .expect("non-empty");
+                let forged = Note {
+                    generation: c.generation,
+                    rank: rank.0,
+                    outcome: [Outcome::Done, Outcome::Failed, Outcome::Aborted][outcome as usize % 3],
+                    reason: Some("forged".into()),
+                    bytes: 1,
+                }
+                .unsigned();
+                self.cov.forged += 1;
+                if self.mutation == Mutation::AcceptUnauthenticated {
+                    // The broken actor takes the notice as its own side
+                    // channel's word, unchecked.
+                    return self.feed_consumer(
+                        gi,
+                        ConsumerEvent::RankEnded {
+                            generation: forged.generation,
+                            rank,
+                            outcome: forged.outcome,
+                            reason: "forged".into(),
+                        },
+                    );
+                }
+                let fx = self.gens[gi]
+                    .consumer
+                    .as_mut()
+                    .expect("checked above")
+                    .on_event(ConsumerEvent::Notice(forged));
+                ensure!(
+                    fx == vec![ConsumerEffect::Dropped(Dropped::Unauthenticated(rank))],
+                    "rule 2a: a notice without the request's tag was acted on: {fx:?}"
+                );
+                Ok(())
+            }
+            Op::Fence { which, p } => {
+                let (gi, p) = (which % self.gens.len(), p % np);
+                let g = &self.gens[gi];
+                if g.consumer.is_none() || !g.vllm_released {
+                    return Ok(());
+                }
+                let generation = g.handshake.generation;
+                // The cancel aborts the producer, then asks it.
+                self.feed_producer(
+                    p,
+                    ProducerEvent::Abort {
+                        reason: "cancelled by the consumer".into(),
+                    },
+                )?;
+                let mut answer = self.prods[p].machine.fence(generation);
+                if self.mutation == Mutation::FenceEarly {
+                    answer = orbitkv::wire::Fence::Fenced;
+                }
+                if answer != orbitkv::wire::Fence::Fenced || self.gens[gi].consumer.is_none() {
+                    return Ok(());
+                }
+                self.cov.fenced += 1;
+                let rank = ProducerRank(self.prods[p].rank);
+                self.feed_consumer(
+                    gi,
+                    ConsumerEvent::RankEnded {
+                        generation,
+                        rank,
+                        outcome: Outcome::Aborted,
+                        reason: "fenced".into(),
+                    },
+                )
             }
             Op::ConsumerTimeout { which } => {
                 let gi = which % self.gens.len();
@@ -920,6 +1039,10 @@ impl Model {
                     "(a) write {write} of {generation} does not carry that generation's authorization"
                 );
                 ensure!(
+                    self.gens[gi].released == 0 || self.gens[gi].quarantine_over,
+                    "(j) write {write} of {generation} submitted after its consumer freed the blocks"
+                );
+                ensure!(
                     self.prods[p].in_flight.insert(write),
                     "producer {p} reused write id {write}"
                 );
@@ -1123,22 +1246,24 @@ impl Model {
 
     fn feed_consumer(&mut self, gi: usize, ev: ConsumerEvent) -> Check {
         let gen = self.gens[gi].handshake.generation;
-        let (bad_notice, done_notice) = match &ev {
-            ConsumerEvent::Notice {
+        // What reached the consumer, as its producers sent it (a forgery
+        // never counts as delivered).
+        let (bad_notice, done_rank) = match &ev {
+            ConsumerEvent::Notice(n) if n.generation == gen && n.authentic(&cap()) => (
+                n.outcome != Outcome::Done,
+                (n.outcome == Outcome::Done).then_some(n.producer_rank),
+            ),
+            ConsumerEvent::RankEnded {
                 generation, outcome, ..
-            } if *generation == gen => (*outcome != Outcome::Done, *outcome == Outcome::Done),
-            _ => (false, false),
+            } if *generation == gen => (*outcome != Outcome::Done, None),
+            _ => (false, None),
         };
+        let done_notice = done_rank.is_some();
         if bad_notice {
             self.gens[gi].failure_delivered = true;
         }
-        if let ConsumerEvent::Notice {
-            rank,
-            outcome: Outcome::Done,
-            ..
-        } = &ev
-        {
-            if done_notice && self.expected.contains(rank) {
+        if let Some(rank) = done_rank {
+            if self.expected.contains(&rank) {
                 self.gens[gi].done_delivered.insert(rank.0);
             }
         }
@@ -1223,7 +1348,7 @@ impl Model {
                         self.cov.released_by_deadline_with_writes_in_flight += 1;
                     }
                 }
-                ConsumerEffect::Dropped(_) => {}
+                ConsumerEffect::Dropped(_) | ConsumerEffect::Fence { .. } => {}
             }
         }
         Ok(())
@@ -1282,14 +1407,27 @@ impl Model {
     }
 }
 
-fn notice_event(n: &Note) -> ConsumerEvent {
-    ConsumerEvent::Notice {
-        generation: n.generation,
-        rank: ProducerRank(n.rank),
-        outcome: n.outcome,
-        reason: n.reason.clone(),
-        bytes: n.bytes,
+impl Note {
+    /// The notice on the wire, before the producer tags it.
+    fn unsigned(&self) -> Notice {
+        Notice {
+            version: WIRE_VERSION,
+            request_id: rid(),
+            generation: self.generation,
+            producer_rank: ProducerRank(self.rank),
+            outcome: self.outcome,
+            reason: self.reason.clone(),
+            bytes: self.bytes,
+            staged: false,
+            mac: None,
+        }
     }
+}
+
+/// A notice as the producer sends it: tagged with the request's capability
+/// (`ProducerActor::apply`).
+fn notice_event(n: &Note) -> ConsumerEvent {
+    ConsumerEvent::Notice(n.unsigned().sign(&cap()))
 }
 
 fn run_case(c: &Case, mutation: Mutation) -> Result<Coverage, String> {
@@ -1337,6 +1475,8 @@ fn explore(cases: u32, mutation: Mutation) -> Result<(u64, Coverage), (String, C
         s.overlaps_while_in_flight += cov.overlaps_while_in_flight;
         s.staged_writes += cov.staged_writes;
         s.staged_page_writes += cov.staged_page_writes;
+        s.forged += cov.forged;
+        s.fenced += cov.fenced;
         Ok(())
     });
     match r {
@@ -1393,6 +1533,8 @@ fn contract_holds_over_10000_interleavings() {
         ),
         ("writes into a staging grant", cov.staged_writes),
         ("writes from source staging into pages", cov.staged_page_writes),
+        ("forged notices", cov.forged),
+        ("fences answered fenced", cov.fenced),
     ];
     // Each run draws a fresh seed, so the counts vary: consumer completions,
     // the rarest, average about 110 per 10,000 interleavings and were seen
@@ -1408,17 +1550,23 @@ fn contract_holds_over_10000_interleavings() {
 
 // ------------------------------------------------------ the checker bites
 
-fn expect_caught(mutation: Mutation, rule: &str) {
+/// Runs `mutation` and asserts the checker reports a violation of one of
+/// `rules` (each run draws a fresh seed, so which one it meets first varies).
+fn expect_caught_any(mutation: Mutation, rules: &[&str]) {
     match explore(3_000, mutation) {
         Ok((n, _)) => panic!("{mutation:?}: {n} interleavings and the checker saw nothing"),
         Err((why, c)) => {
             println!("{mutation:?} caught: {why}\nminimal interleaving: {c:?}");
             assert!(
-                why.contains(rule),
-                "{mutation:?}: expected a {rule} violation, got: {why}"
+                rules.iter().any(|r| why.contains(r)),
+                "{mutation:?}: expected a violation of {rules:?}, got: {why}"
             );
         }
     }
+}
+
+fn expect_caught(mutation: Mutation, rule: &str) {
+    expect_caught_any(mutation, &[rule]);
 }
 
 #[test]
@@ -1443,7 +1591,23 @@ fn broken_consumer_that_completes_on_first_done_is_caught() {
 
 #[test]
 fn broken_consumer_that_frees_at_the_deadline_is_caught() {
-    expect_caught(Mutation::FreeAtDeadline, "(f)");
+    // Freed with a write in flight (f), or a write submitted into the
+    // freed blocks afterwards (j).
+    expect_caught_any(Mutation::FreeAtDeadline, &["(f)", "(j)"]);
+}
+
+#[test]
+fn broken_consumer_that_believes_an_untagged_notice_is_caught() {
+    // A forged `done` completes a consumer whose KV never arrived (b), or a
+    // forged failure frees blocks a producer still writes into (f)/(g)/(j).
+    expect_caught_any(Mutation::AcceptUnauthenticated, &["(b)", "(f)", "(g)", "(j)"]);
+}
+
+#[test]
+fn broken_producer_that_fences_while_it_may_still_write_is_caught() {
+    // Freed while a write of the generation is in flight (f), or a write
+    // submitted after the free (j).
+    expect_caught_any(Mutation::FenceEarly, &["(f)", "(j)"]);
 }
 
 /// Fabricated effects, one per invariant, fed straight to the checker.

@@ -6,7 +6,6 @@
 //! tested against real Mooncake with short timeouts elsewhere
 //! (`tests/runtime_loopback.rs`, `tests/parked_handshake.rs`).
 
-use std::collections::BTreeSet;
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,7 +13,7 @@ use std::time::Duration;
 use actix::clock::Instant;
 use actix::prelude::*;
 use crossbeam_channel::Receiver;
-use orbitkv::actors::consumer::ConsumerActor;
+use orbitkv::actors::consumer::{ConsumerActor, FenceTargets};
 use orbitkv::actors::directory::{Call, RequestDirectory};
 use orbitkv::actors::messages::{ProducerEnded, ReleaseRequest};
 use orbitkv::actors::producer::ProducerShared;
@@ -22,6 +21,7 @@ use orbitkv::actors::router::NotificationRouter;
 use orbitkv::actors::stats::Stats;
 use orbitkv::actors::writer::{spawn_poller, WriterPool};
 use orbitkv::fsm::ConsumerMachine;
+use orbitkv::side_channel::client::Publisher;
 use orbitkv::testing::capability as cap;
 use orbitkv::transport::fake::FakeTransport;
 use orbitkv::{Generation, Handshake, KvLayout, ProducerRank, RequestId, RuntimeConfig, RuntimeEvent};
@@ -93,8 +93,8 @@ impl Rank {
             stats: stats.clone(),
             buffers: Default::default(),
         });
-        let directory =
-            RequestDirectory::new(shared, cfg, router, tx, Generation(1), Default::default()).start();
+        let publisher = Arc::new(Publisher::new(1, None, Duration::from_secs(1), stats.clone()));
+        let directory = RequestDirectory::new(shared, cfg, router, tx, Default::default(), publisher).start();
         Self {
             directory,
             events,
@@ -136,15 +136,22 @@ fn start_consumer(
         RequestId::new(request),
         Generation(7),
         ranks.iter().map(|&r| ProducerRank(r)).collect(),
+        cap(),
     );
+    let fence = FenceTargets {
+        publisher: Arc::new(Publisher::new(1, None, Duration::from_secs(1), stats.clone())),
+        capability: cap(),
+        consumer_rank: 0,
+        targets: Vec::new(),
+    };
     let consumer = ConsumerActor::new(
         machine,
-        cfg.consumer_timeout,
-        cfg.quarantine,
+        (cfg.consumer_timeout, cfg.quarantine),
         router,
         tx,
         stats.clone(),
         staging,
+        fence,
     )
     .start();
     (consumer, stats, rx)
@@ -362,7 +369,9 @@ fn done_notice(rank: u32, generation: u64, staged: bool) -> orbitkv::Notice {
         reason: None,
         bytes: 1,
         staged,
+        mac: None,
     }
+    .sign(&cap())
 }
 
 #[test]
@@ -389,7 +398,6 @@ fn only_the_first_done_notice_of_an_expected_rank_says_what_to_scatter_and_the_g
             blocks: 4,
             producer_tp: 2,
             layout: local,
-            staged: BTreeSet::new(),
         };
         let (consumer, _stats, rx) = start_consumer("staged", &[0, 1], Some(staging));
         // rank 0 wrote pages directly; its duplicate "staged" notice, a

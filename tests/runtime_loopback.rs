@@ -196,6 +196,7 @@ fn notices_for_unknown_requests_or_stale_generations_are_dropped_and_counted() {
         reason: None,
         bytes: 0,
         staged: false,
+        mac: None,
     };
     let ep = consumer.runtime.endpoint().to_string();
     sender

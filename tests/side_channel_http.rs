@@ -204,7 +204,7 @@ fn malformed_input_is_400_with_its_error_and_changes_nothing() {
         ),
         (
             CANCEL_PATH,
-            br#"{"version": 2, "request_id": ""}"#.to_vec(),
+            br#"{"version": 3, "request_id": ""}"#.to_vec(),
             "HandshakeError",
         ),
     ];

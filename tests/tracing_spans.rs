@@ -93,6 +93,7 @@ fn a_request_is_a_lane_per_actor_with_a_span_per_message() {
         reason: None,
         bytes: 0,
         staged: false,
+        mac: None,
     };
     sender
         .send_notification(consumer.runtime.endpoint(), "orbitkv", &stale.to_json())

@@ -15,7 +15,10 @@ use super::messages::*;
 use super::router::NotificationRouter;
 use super::stats::Stats;
 use crate::fsm::*;
+use crate::ids::{Capability, ProducerRank};
+use crate::side_channel::client::{FenceJob, Publisher};
 use crate::staging::{staged_units, SharedArena, StagedKv, StagingGrant};
+use crate::wire::Cancel;
 use std::collections::BTreeSet;
 
 /// The decode side of one request.
@@ -32,6 +35,20 @@ pub struct ConsumerActor {
     /// The request's staging grant, if it has one (returned to its arena on
     /// release, never before).
     staging: Option<ConsumerStaging>,
+    /// Where a fence goes: the side channels this rank's handshake was
+    /// published to (`(host:port, producer rank)`, [`Published`]), and who
+    /// sends it.
+    fence: FenceTargets,
+}
+
+/// What a consumer needs to fence its generation ([`ConsumerEffect::Fence`]).
+pub struct FenceTargets {
+    pub publisher: Arc<Publisher>,
+    pub capability: Capability,
+    /// This consumer's TP rank on its instance.
+    pub consumer_rank: u32,
+    /// Set when the handshake is published.
+    pub targets: Vec<(String, u32)>,
 }
 
 /// A consumer's staging grant and what it needs to tell the worker what to
@@ -42,19 +59,18 @@ pub struct ConsumerStaging {
     pub blocks: u32,
     pub producer_tp: u32,
     pub layout: Arc<crate::layout::KvLayout>,
-    /// Producer ranks of this generation that said they staged.
-    pub staged: BTreeSet<u32>,
 }
 
 impl ConsumerStaging {
-    fn staged_kv(&self) -> Option<StagedKv> {
-        if self.staged.is_empty() {
+    /// What the worker scatters: the heads of the producer ranks whose
+    /// counted done notice said they staged (`ConsumerMachine::staged_ranks`).
+    fn staged_kv(&self, staged: &BTreeSet<ProducerRank>) -> Option<StagedKv> {
+        if staged.is_empty() {
             return None;
         }
-        let mut units: Vec<std::ops::Range<u32>> = self
-            .staged
+        let mut units: Vec<std::ops::Range<u32>> = staged
             .iter()
-            .map(|&r| staged_units(&self.layout, self.producer_tp, r))
+            .map(|&r| staged_units(&self.layout, self.producer_tp, r.0))
             .filter(|u| !u.is_empty())
             .collect();
         units.sort_by_key(|u| u.start);
@@ -74,14 +90,15 @@ impl ConsumerStaging {
 }
 
 impl ConsumerActor {
+    /// `deadlines`: the consumer timeout and the quarantine after it.
     pub fn new(
         machine: ConsumerMachine,
-        timeout: Duration,
-        quarantine: Duration,
+        (timeout, quarantine): (Duration, Duration),
         router: Addr<NotificationRouter>,
         events: Sender<RuntimeEvent>,
         stats: Arc<Stats>,
         staging: Option<ConsumerStaging>,
+        fence: FenceTargets,
     ) -> Self {
         let span = tracing::info_span!("request", side = "consumer", request = %machine.request,
             generation = machine.generation.0, expected = machine.expected_count());
@@ -95,6 +112,34 @@ impl ConsumerActor {
             stats,
             span,
             staging,
+            fence,
+        }
+    }
+
+    /// Asks producer ranks `ranks` to fence this generation (rule 10): a
+    /// cancel carrying it to each one's side channel; a rank that answers
+    /// `fenced` comes back as [`RankEnded`]. Ranks whose side channel is not
+    /// known (the handshake was never published) are waited for as before.
+    fn send_fences(&self, ranks: &[ProducerRank], ctx: &mut Context<Self>) {
+        let f = &self.fence;
+        let body: Arc<str> = Cancel::new(
+            self.machine.request.clone(),
+            f.capability.clone(),
+            "the consumer was released before the transfer ended",
+        )
+        .fencing(self.machine.generation, f.consumer_rank)
+        .to_json()
+        .into();
+        for rank in ranks {
+            for (addr, _) in f.targets.iter().filter(|(_, r)| *r == rank.0) {
+                f.publisher.fence(FenceJob {
+                    addr: addr.clone(),
+                    body: body.clone(),
+                    generation: self.machine.generation,
+                    producer_rank: rank.0,
+                    consumer: ctx.address(),
+                });
+            }
         }
     }
 
@@ -112,7 +157,10 @@ impl ConsumerActor {
                         request: request.clone(),
                         generation,
                         bytes,
-                        staged: self.staging.as_ref().and_then(ConsumerStaging::staged_kv),
+                        staged: self
+                            .staging
+                            .as_ref()
+                            .and_then(|s| s.staged_kv(self.machine.staged_ranks())),
                     });
                 }
                 ConsumerEffect::Failed { reason, held } => {
@@ -134,7 +182,16 @@ impl ConsumerActor {
                 }
                 ConsumerEffect::Dropped(why) => {
                     self.stats.events_dropped.inc();
-                    tracing::info!(?why, "event dropped");
+                    if matches!(why, Dropped::Unauthenticated(_)) {
+                        self.stats.notices_unauthenticated.inc();
+                        tracing::warn!(?why, "notice without the request's tag dropped");
+                    } else {
+                        tracing::info!(?why, "event dropped");
+                    }
+                }
+                ConsumerEffect::Fence { ranks } => {
+                    tracing::info!(?ranks, "released while producers may write: fencing");
+                    self.send_fences(&ranks, ctx);
                 }
                 ConsumerEffect::Released => {
                     tracing::info!("released: no producer can write into the blocks any more");
@@ -191,32 +248,38 @@ impl Handler<NoticeArrived> for ConsumerActor {
         let span = tracing::info_span!(parent: &self.span, "msg", kind = "NoticeArrived",
             rank = n.producer_rank.0, outcome = ?n.outcome, generation = n.generation.0);
         let _g = span.enter();
-        if n.request_id != self.machine.request {
-            self.stats.events_dropped.inc();
-            return;
-        }
-        if n.staged
-            && n.outcome == crate::wire::Outcome::Done
-            && n.generation == self.machine.generation
-            && self.machine.would_count(n.producer_rank)
-        {
-            // Only the first done notice of an expected rank of this
-            // generation: a duplicate or a stranger's never makes the
-            // worker scatter over heads written directly.
-            if let Some(s) = self.staging.as_mut() {
-                s.staged.insert(n.producer_rank.0);
-            }
-        }
+        self.feed(ConsumerEvent::Notice(n), ctx);
+    }
+}
+
+impl Handler<RankEnded> for ConsumerActor {
+    type Result = ();
+    fn handle(&mut self, m: RankEnded, ctx: &mut Context<Self>) {
+        let span = tracing::info_span!(parent: &self.span, "msg", kind = "RankEnded",
+            rank = m.rank.0, outcome = ?m.outcome, generation = m.generation.0);
+        let _g = span.enter();
         self.feed(
-            ConsumerEvent::Notice {
-                generation: n.generation,
-                rank: n.producer_rank,
-                outcome: n.outcome,
-                reason: n.reason,
-                bytes: n.bytes,
+            ConsumerEvent::RankEnded {
+                generation: m.generation,
+                rank: m.rank,
+                outcome: m.outcome,
+                reason: m.reason,
             },
             ctx,
         );
+    }
+}
+
+/// The handshake of this consumer was published to `targets`
+/// (`(host:port, producer rank)`): where its fence goes.
+#[derive(Message, Debug)]
+#[rtype(result = "()")]
+pub struct Published(pub Vec<(String, u32)>);
+
+impl Handler<Published> for ConsumerActor {
+    type Result = ();
+    fn handle(&mut self, m: Published, _ctx: &mut Context<Self>) {
+        self.fence.targets = m.0;
     }
 }
 

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use actix::prelude::*;
 use crossbeam_channel::Sender;
 
-use super::consumer::{ConsumerActor, ConsumerStaging};
+use super::consumer::{ConsumerActor, ConsumerStaging, FenceTargets, Published};
 use super::messages::*;
 use super::preopen::{Parked, PreOpen, PreOpenLimits};
 use super::producer::{ProducerActor, ProducerRef, ProducerShared};
@@ -39,9 +39,10 @@ use crate::error::{GeometryError, RuntimeError};
 use crate::fsm::ConsumerMachine;
 use crate::ids::{Capability, Generation, ProducerRank, RequestId};
 use crate::layout::KvLayout;
+use crate::side_channel::client::Publisher;
 use crate::staging::arena::StagingArena;
 use crate::staging::{grant_group, page_runs, staged_bytes, SharedArena, SourceStaging, StagingGrant};
-use crate::wire::{Cancel, Handshake, Outcome};
+use crate::wire::{Cancel, Fence, Handshake, Outcome};
 
 /// Work for the directory, run on its thread in arrival order (the façade's
 /// calls; see [`super::runtime::Runtime`]). A call that answers carries its
@@ -135,7 +136,8 @@ pub struct RequestDirectory {
     cfg: RuntimeConfig,
     router: Addr<NotificationRouter>,
     events: Sender<RuntimeEvent>,
-    next_generation: u64,
+    /// The last generation given (see [`Generation::next_after`]).
+    last_generation: Generation,
     next_group: u64,
     consumers: HashMap<RequestId, (Generation, Addr<ConsumerActor>)>,
     producers: HashMap<RequestId, ProducerGroup>,
@@ -147,18 +149,38 @@ pub struct RequestDirectory {
     pre_open: PreOpen,
     /// Decode side: where staging grants come from (`cfg.staging_region`).
     staging: Option<SharedArena>,
+    /// Decode side: sends a consumer's fences (its actor holds it).
+    publisher: Arc<Publisher>,
+    /// Prefill side: requests whose producer group ended here lately, with
+    /// their capability (at most [`RECENT`], oldest forgotten first): a
+    /// cancel for one is answered (fenced, or `403` without its capability)
+    /// rather than remembered for an open that will not come.
+    recent: HashMap<RequestId, Capability>,
+    recent_order: std::collections::VecDeque<RequestId>,
+}
+
+/// How many ended requests the directory remembers (see `recent`).
+pub const RECENT: usize = 4096;
+
+/// What a cancel gets from the directory: the answer, or the producer that
+/// will give it once it handled the abort.
+pub enum CancelReply {
+    Now(Option<Fence>),
+    /// The producer of the consumer's rank answers (dropped unanswered: it
+    /// was released, so nothing of it can land any more).
+    Later(crossbeam_channel::Receiver<Fence>),
 }
 
 impl RequestDirectory {
     /// The directory of a rank whose producers share `shared`, sending its
-    /// events to `events`; generations count up from `first_generation`.
+    /// events to `events`.
     pub fn new(
         shared: Arc<ProducerShared>,
         cfg: RuntimeConfig,
         router: Addr<NotificationRouter>,
         events: Sender<RuntimeEvent>,
-        first_generation: Generation,
         index: ProducerIndex,
+        publisher: Arc<Publisher>,
     ) -> Self {
         let pre_open = PreOpen::new(PreOpenLimits {
             ttl: cfg.handshake_timeout,
@@ -178,13 +200,16 @@ impl RequestDirectory {
             cfg,
             router,
             events,
-            next_generation: first_generation.0,
+            last_generation: Generation(0),
             next_group: 1,
             consumers: HashMap::new(),
             producers: HashMap::new(),
             index,
             ending: HashMap::new(),
             pre_open,
+            publisher,
+            recent: HashMap::new(),
+            recent_order: Default::default(),
         }
     }
 
@@ -204,8 +229,8 @@ impl RequestDirectory {
         if self.consumers.get(&request).is_some_and(|(_, a)| a.connected()) {
             return Err(RuntimeError::DuplicateRequest(request.0));
         }
-        let generation = Generation(self.next_generation);
-        self.next_generation += 1;
+        let generation = Generation::next_after(self.last_generation);
+        self.last_generation = generation;
         handshake.generation = generation;
         let staging = self.grant_staging(&handshake, producer_tp).map(|(grant, arena)| {
             handshake.staging = Some(grant);
@@ -215,18 +240,23 @@ impl RequestDirectory {
                 blocks: handshake.block_ids.len() as u32,
                 producer_tp,
                 layout: self.shared.local.clone(),
-                staged: BTreeSet::new(),
             }
         });
-        let machine = ConsumerMachine::new(request.clone(), generation, expected);
+        let capability = handshake.capability.clone();
+        let machine = ConsumerMachine::new(request.clone(), generation, expected, capability.clone());
         let actor = ConsumerActor::new(
             machine,
-            self.cfg.consumer_timeout,
-            self.cfg.quarantine,
+            (self.cfg.consumer_timeout, self.cfg.quarantine),
             self.router.clone(),
             self.events.clone(),
             self.shared.stats.clone(),
             staging,
+            FenceTargets {
+                publisher: self.publisher.clone(),
+                capability,
+                consumer_rank: self.shared.local.tp_rank,
+                targets: Vec::new(),
+            },
         );
         let addr = actor.start();
         // Registered before the handshake leaves the runtime, so no notice
@@ -300,6 +330,19 @@ impl RequestDirectory {
             }),
             None => Err(RuntimeError::UnknownRequest(request.0.clone())),
         }
+    }
+
+    /// The consumer of `request`'s `generation`, told where its handshake
+    /// was published (where its fence would go).
+    pub fn consumer_published(
+        &self,
+        request: &RequestId,
+        generation: Generation,
+        targets: Vec<(String, u32)>,
+    ) -> Result<Addr<ConsumerActor>, RuntimeError> {
+        let addr = self.consumer(request, generation)?;
+        addr.do_send(Published(targets));
+        Ok(addr)
     }
 
     /// [`super::runtime::Runtime::consumer_release`].
@@ -407,20 +450,69 @@ impl RequestDirectory {
         )
     }
 
-    /// [`super::runtime::Runtime::producer_cancel`].
-    pub fn producer_cancel(&mut self, cancel: &Cancel) -> Result<(), RuntimeError> {
+    /// [`super::runtime::Runtime::producer_cancel`]. With a generation the
+    /// cancel is a fence (rule 10), answered for that generation and the
+    /// consumer's rank; without one it answers nothing.
+    pub fn producer_cancel(&mut self, cancel: &Cancel) -> Result<CancelReply, RuntimeError> {
         let request = &cancel.request_id;
         let reason = format!("cancelled by the consumer: {}", cancel.reason);
+        let fenced = cancel.generation.map(|_| Fence::Fenced);
         match self.producers.get(request) {
             Some(group) if group.live() => {
                 check_capability(&self.shared.stats, request, &group.capability, &cancel.capability)?;
-                group.send(AbortRequest { reason });
-                Ok(())
+                group.send(AbortRequest {
+                    reason: reason.clone(),
+                });
+                // Refuses a later open of the request under this capability
+                // (and a handshake parked for it), so that nothing takes up
+                // the fenced generation after this answer.
+                let remembered = self.pre_open.cancel(request, &cancel.capability, reason);
+                let (Some(generation), Some(rank)) = (cancel.generation, cancel.consumer_rank) else {
+                    return Ok(CancelReply::Now(None));
+                };
+                if remembered.is_err() {
+                    self.shared.stats.side_channel_overloaded.inc();
+                    return Ok(CancelReply::Now(Some(Fence::Held)));
+                }
+                match group.member(rank) {
+                    // This rank sends nothing to that consumer rank.
+                    None => Ok(CancelReply::Now(fenced)),
+                    Some(member) => {
+                        let (tx, rx) = crossbeam_channel::bounded(1);
+                        member.send(FenceQuery {
+                            generation,
+                            reply: tx,
+                        });
+                        Ok(CancelReply::Later(rx))
+                    }
+                }
             }
-            _ => self
-                .pre_open
-                .cancel(request, &cancel.capability, reason)
-                .inspect_err(|_| self.shared.stats.side_channel_overloaded.inc()),
+            _ => {
+                if let Some(own) = self.recent.get(request) {
+                    // Ended here: every producer released, every write drained.
+                    check_capability(&self.shared.stats, request, own, &cancel.capability)?;
+                    return Ok(CancelReply::Now(fenced));
+                }
+                // Not open yet: remembered, so the open is aborted at once
+                // and a handshake parked or arriving under this capability
+                // is answered `aborted`.
+                self.pre_open
+                    .cancel(request, &cancel.capability, reason)
+                    .inspect_err(|_| self.shared.stats.side_channel_overloaded.inc())?;
+                Ok(CancelReply::Now(fenced))
+            }
+        }
+    }
+
+    /// Remembers that `request`'s producer group (under `capability`) ended.
+    fn remember_ended(&mut self, request: RequestId, capability: Capability) {
+        if self.recent.insert(request.clone(), capability).is_none() {
+            self.recent_order.push_back(request);
+            while self.recent_order.len() > RECENT {
+                if let Some(old) = self.recent_order.pop_front() {
+                    self.recent.remove(&old);
+                }
+            }
         }
     }
 
@@ -604,7 +696,9 @@ impl Handler<ProducerEnded> for RequestDirectory {
                 None => return,
                 Some(last) => {
                     if current {
-                        self.producers.remove(&request);
+                        if let Some(g) = self.producers.remove(&request) {
+                            self.remember_ended(request.clone(), g.capability);
+                        }
                         self.index.write().remove(&request);
                     } else {
                         self.ending.remove(&group);

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use actix::prelude::*;
 
-use crate::ids::{Generation, RequestId};
+use crate::ids::{Generation, ProducerRank, RequestId};
 use crate::transport::WriteRange;
 use crate::wire::{Handshake, Notice, Outcome};
 
@@ -91,6 +91,45 @@ pub struct ProducerEnded {
 #[derive(Message, Debug)]
 #[rtype(result = "()")]
 pub struct NoticeArrived(pub Notice);
+
+/// What this (decode) rank learnt over its own side channel: producer rank
+/// `rank` writes nothing (more) into `generation`'s blocks — it refused the
+/// handshake or could not be reached, or it fenced the generation. Fed to
+/// the machine as [`crate::fsm::ConsumerEvent::RankEnded`]; never made from
+/// anything that arrives on Mooncake's port.
+#[derive(Message, Debug, Clone)]
+#[rtype(result = "()")]
+pub struct RankEnded {
+    pub generation: Generation,
+    pub rank: ProducerRank,
+    pub outcome: Outcome,
+    pub reason: String,
+}
+
+impl RankEnded {
+    /// Producer rank `rank` refused the handshake of `generation` (or
+    /// nobody received it): that rank failed, nothing from it can land.
+    pub fn handshake_refused(generation: Generation, rank: u32, reason: &str) -> Self {
+        Self {
+            generation,
+            rank: ProducerRank(rank),
+            outcome: Outcome::Failed,
+            reason: format!("producer rank {rank} refused the handshake: {reason}"),
+        }
+    }
+}
+
+/// A cancel's fence (rule 10): what may still be written into
+/// `generation`'s blocks by this producer (`ProducerMachine::fence`), sent
+/// to it after the cancel's `AbortRequest`; the answer goes to `reply`
+/// (dropped unanswered when the producer was released already: then
+/// nothing of it can land).
+#[derive(Message, Debug, Clone)]
+#[rtype(result = "()")]
+pub struct FenceQuery {
+    pub generation: Generation,
+    pub reply: crossbeam_channel::Sender<crate::wire::Fence>,
+}
 
 /// vLLM is done with the request on the decode side.
 #[derive(Message, Debug)]

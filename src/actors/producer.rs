@@ -441,7 +441,9 @@ impl ProducerCore {
                     reason,
                     bytes,
                     staged: self.staged_into(&auth).is_some_and(|p| p.into_grant()),
-                };
+                    mac: None,
+                }
+                .sign(&auth.capability);
                 tracing::info!(?outcome, bytes, notice.staged, "notifying the consumer");
                 self.shared.writers.get(&auth.endpoint).notice(notice);
                 None
@@ -580,6 +582,18 @@ producer_handler!(false, LayerWriteFailed,
     write = m.write, reason = %m.reason);
 producer_handler!(true, FinishRequest, |_m| ProducerEvent::Finish);
 producer_handler!(true, AbortRequest, |m| ProducerEvent::Abort { reason: m.reason }; reason = %m.reason);
+impl Handler<FenceQuery> for ProducerActor {
+    type Result = ();
+    fn handle(&mut self, m: FenceQuery, ctx: &mut Context<Self>) {
+        self.handle_with(ctx, true, |core, _| {
+            let answer = core.machine.fence(m.generation);
+            let span = tracing::info_span!(parent: &core.span, "msg", kind = "FenceQuery",
+                generation = m.generation.0, answer = ?answer);
+            let _g = span.enter();
+            let _ = m.reply.send(answer);
+        });
+    }
+}
 
 #[cfg(test)]
 mod tests {

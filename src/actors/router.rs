@@ -480,7 +480,18 @@ mod tests {
     }
 
     fn notice(request: &str, generation: u64) -> Vec<u8> {
-        Notice::handshake_refused(RequestId::new(request), Generation(generation), 0, "x").to_json()
+        Notice {
+            version: crate::wire::WIRE_VERSION,
+            request_id: RequestId::new(request),
+            generation: Generation(generation),
+            producer_rank: crate::ids::ProducerRank(0),
+            outcome: crate::wire::Outcome::Failed,
+            reason: Some("x".into()),
+            bytes: 0,
+            staged: false,
+            mac: None,
+        }
+        .to_json()
     }
 
     #[test]

@@ -9,9 +9,8 @@ use std::time::Duration;
 
 use actix::prelude::*;
 use crossbeam_channel::{Receiver, Sender};
-use parking_lot::Mutex;
 
-use super::directory::{check_layer, Call, ProducerIndex, RequestDirectory};
+use super::directory::{check_layer, Call, CancelReply, ProducerIndex, RequestDirectory};
 use super::gate::LayerMarks;
 use super::messages::*;
 use super::producer::{ProducerActor, ProducerRef, ProducerShared};
@@ -20,13 +19,16 @@ use super::stats::{Stats, StatsSnapshot};
 use super::writer::{spawn_poller, PollJob, WriterPool};
 use crate::error::{GeometryError, RuntimeError};
 use crate::fsm::ConsumerMachine;
-use crate::ids::generation_seed;
 use crate::ids::{Capability, Generation, MarkSeq, RequestId};
 use crate::layout::KvLayout;
 use crate::side_channel::client::{HandshakeJob, Publisher};
 use crate::staging::{group_fits, staged_bytes, SourceStaging};
 use crate::transport::Transport;
-use crate::wire::{Cancel, Handshake, WIRE_VERSION};
+use crate::wire::{Cancel, Fence, Handshake, WIRE_VERSION};
+
+/// How long a fence waits for the producer's answer (it answers once it
+/// handled the abort queued before it; past this: `Held`).
+const FENCE_WAIT: Duration = Duration::from_secs(2);
 
 /// Runtime settings. Defaults suit a CPU or GPU P/D pair on one network.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,6 +140,10 @@ fn check_staging_regions(cfg: &RuntimeConfig) -> Result<(), RuntimeError> {
     Ok(())
 }
 
+/// Threads that send a decode rank's handshakes, cancels and fences (a
+/// handshake refused `503` holds its thread while it waits to try again).
+const PUBLISH_THREADS: usize = 8;
+
 /// The request runtime of one rank.
 pub struct Runtime {
     transport: Arc<dyn Transport>,
@@ -156,8 +162,8 @@ pub struct Runtime {
     poller_stop: Arc<AtomicBool>,
     poller_thread: Option<std::thread::JoinHandle<()>>,
     events_rx: Receiver<RuntimeEvent>,
-    /// Sends this (decode) rank's handshakes and cancels, off any GIL.
-    publisher: Mutex<Publisher>,
+    /// Sends this (decode) rank's handshakes, cancels and fences, off any GIL.
+    publisher: Arc<Publisher>,
     stats: Arc<Stats>,
 }
 
@@ -218,7 +224,12 @@ impl Runtime {
             .in_system(system.clone()),
         );
         let (events_tx, events_rx) = crossbeam_channel::unbounded();
-        let publisher = Publisher::new(4, cfg.side_channel_key.clone(), cfg.publish_timeout);
+        let publisher = Arc::new(Publisher::new(
+            PUBLISH_THREADS,
+            cfg.side_channel_key.clone(),
+            cfg.publish_timeout,
+            stats.clone(),
+        ));
         let local = Arc::new(local);
         let shared = Arc::new(ProducerShared {
             local: local.clone(),
@@ -234,8 +245,8 @@ impl Runtime {
             cfg.clone(),
             router,
             events_tx,
-            generation_seed(),
             producers.clone(),
+            publisher.clone(),
         );
         let directory = RequestDirectory::start_in_arbiter(&arbiter, move |_| directory);
         Ok(Self {
@@ -252,7 +263,7 @@ impl Runtime {
             poller_stop,
             poller_thread: Some(poller_thread),
             events_rx,
-            publisher: Mutex::new(publisher),
+            publisher,
             stats,
         })
     }
@@ -374,17 +385,20 @@ impl Runtime {
         targets: Vec<(String, u32)>,
     ) -> Result<(), RuntimeError> {
         let (request, generation) = (handshake.request_id.clone(), handshake.generation);
-        let consumer = self.ask(move |d, _| d.consumer(&request, generation))?;
+        let published = targets.clone();
+        let consumer = self.ask(move |d, _| d.consumer_published(&request, generation, published))?;
         let body: Arc<str> = handshake.to_json().into();
-        let publisher = self.publisher.lock();
+        // A busy prefill (503) is tried again until the consumer's deadline.
+        let retry_until = std::time::Instant::now() + self.cfg.consumer_timeout;
         for (addr, producer_rank) in targets {
-            publisher.handshake(HandshakeJob {
+            self.publisher.handshake(HandshakeJob {
                 addr,
                 body: body.clone(),
                 request: handshake.request_id.clone(),
                 generation: handshake.generation,
                 producer_rank,
                 consumer: consumer.clone(),
+                retry_until,
             });
         }
         Ok(())
@@ -393,9 +407,8 @@ impl Runtime {
     /// Sends `cancel` to the prefill side channels `addrs` (fire and forget).
     pub fn consumer_send_cancel(&self, cancel: &Cancel, addrs: Vec<String>) {
         let body: Arc<str> = cancel.to_json().into();
-        let publisher = self.publisher.lock();
         for addr in addrs {
-            publisher.cancel(addr, body.clone());
+            self.publisher.cancel(addr, body.clone());
         }
     }
 
@@ -410,11 +423,10 @@ impl Runtime {
         producer_rank: u32,
         reason: &str,
     ) -> Result<(), RuntimeError> {
-        let notice =
-            crate::wire::Notice::handshake_refused(request.clone(), generation, producer_rank, reason);
+        let ended = RankEnded::handshake_refused(generation, producer_rank, reason);
         let request = request.clone();
         self.ask(move |d, _| {
-            d.consumer(&request, generation)?.do_send(NoticeArrived(notice));
+            d.consumer(&request, generation)?.do_send(ended);
             Ok(())
         })
     }
@@ -501,13 +513,35 @@ impl Runtime {
     /// any, still drain); one not yet open is aborted as soon as it opens
     /// (remembered up to the handshake timeout), and a handshake parked for it
     /// under that capability is dropped.
-    pub fn producer_cancel(&self, cancel: &Cancel) -> Result<(), RuntimeError> {
-        let cancel = cancel.clone();
-        self.ask(move |d, _| d.producer_cancel(&cancel))
+    ///
+    /// A cancel that carries the consumer's generation is a fence (rule 10,
+    /// `docs/architecture.md`): the answer says what may still be written
+    /// into that generation's blocks from this rank — [`Fence::Fenced`]
+    /// (nothing: no producer holds it, none has a write of it in flight,
+    /// none will take it up), [`Fence::NoticeFollows`] (the producer that
+    /// holds it is aborting; its notice follows its drain) or
+    /// [`Fence::Held`]. A cancel for a request that ended here is answered
+    /// `Fenced` (or `Forbidden` without its capability). Without a
+    /// generation the answer is `None`.
+    pub fn producer_cancel(&self, cancel: &Cancel) -> Result<Option<Fence>, RuntimeError> {
+        let c = cancel.clone();
+        match self.ask(move |d, _| d.producer_cancel(&c))? {
+            CancelReply::Now(answer) => Ok(answer),
+            CancelReply::Later(rx) => match rx.recv_timeout(FENCE_WAIT) {
+                Ok(answer) => Ok(Some(answer)),
+                // The producer stopped before it answered: it was released,
+                // so every write it admitted ended (unless the system stopped).
+                Err(crossbeam_channel::RecvTimeoutError::Disconnected) => {
+                    self.ask(|_, _| Ok(()))?;
+                    Ok(Some(Fence::Fenced))
+                }
+                Err(crossbeam_channel::RecvTimeoutError::Timeout) => Ok(Some(Fence::Held)),
+            },
+        }
     }
 
     /// [`Self::producer_cancel`] from the JSON the consumer sent.
-    pub fn producer_cancel_json(&self, json: &str) -> Result<(), RuntimeError> {
+    pub fn producer_cancel_json(&self, json: &str) -> Result<Option<Fence>, RuntimeError> {
         self.producer_cancel(&Cancel::from_json(json)?)
     }
 
@@ -778,7 +812,7 @@ impl Runtime {
         // Layers handed over from now on find no group: the directory,
         // stopped, answers `Stopped`.
         self.producers.write().clear();
-        self.publisher.lock().stop();
+        self.publisher.stop();
         self.writers.stop();
         self.system.stop();
         if let Some(t) = self.system_thread.take() {

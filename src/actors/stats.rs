@@ -34,6 +34,9 @@ pub struct Stats {
     pub notices_unknown_request: Counter,
     pub notices_stale_generation: Counter,
     pub notices_malformed: Counter,
+    /// Notices dropped for a missing or wrong tag (not made by the holder
+    /// of the request's capability: forged, or from a stranger).
+    pub notices_unauthenticated: Counter,
     pub events_dropped: Counter,
     pub consumers_completed: Counter,
     pub consumers_failed: Counter,
@@ -71,6 +74,12 @@ pub struct Stats {
     /// Consumers whose blocks were freed by the quarantine with a producer
     /// that never ended.
     pub consumers_quarantine_expired: Counter,
+    /// Decode side: producer ranks a fence ended (they answered that
+    /// nothing more can be written), freeing the blocks before a notice.
+    pub ranks_fenced: Counter,
+    /// Decode side: cancels sent as fences (vLLM released a request whose
+    /// producers had not all ended), one per producer rank asked.
+    pub fences_sent: Counter,
     /// Layers the vLLM worker sent at `wait_for_save` because vLLM never
     /// called `save_kv_layer` for them (a model path without the per-layer
     /// hook): correct, but not overlapped with the forward.
@@ -106,6 +115,7 @@ pub struct StatsSnapshot {
     pub notices_unknown_request: u64,
     pub notices_stale_generation: u64,
     pub notices_malformed: u64,
+    pub notices_unauthenticated: u64,
     pub events_dropped: u64,
     pub consumers_completed: u64,
     pub consumers_failed: u64,
@@ -124,6 +134,8 @@ pub struct StatsSnapshot {
     pub writes_late: u64,
     pub writes_abandoned: u64,
     pub consumers_quarantine_expired: u64,
+    pub ranks_fenced: u64,
+    pub fences_sent: u64,
     pub layers_saved_at_wait: u64,
     pub staging_granted: u64,
     pub staging_exhausted: u64,
@@ -145,6 +157,7 @@ impl Stats {
             notices_unknown_request: self.notices_unknown_request.get(),
             notices_stale_generation: self.notices_stale_generation.get(),
             notices_malformed: self.notices_malformed.get(),
+            notices_unauthenticated: self.notices_unauthenticated.get(),
             events_dropped: self.events_dropped.get(),
             consumers_completed: self.consumers_completed.get(),
             consumers_failed: self.consumers_failed.get(),
@@ -163,6 +176,8 @@ impl Stats {
             writes_late: self.writes_late.get(),
             writes_abandoned: self.writes_abandoned.get(),
             consumers_quarantine_expired: self.consumers_quarantine_expired.get(),
+            ranks_fenced: self.ranks_fenced.get(),
+            fences_sent: self.fences_sent.get(),
             layers_saved_at_wait: self.layers_saved_at_wait.get(),
             staging_granted: self.staging_granted.get(),
             staging_exhausted: self.staging_exhausted.get(),

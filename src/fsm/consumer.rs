@@ -5,19 +5,26 @@
 use std::collections::BTreeSet;
 
 use super::Dropped;
-use crate::ids::{Generation, ProducerRank, RequestId};
-use crate::wire::Outcome;
+use crate::ids::{Capability, Generation, ProducerRank, RequestId};
+use crate::wire::{Notice, Outcome};
 
 /// Events of a consumer request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ConsumerEvent {
-    /// A producer's notice, routed here by request ID.
-    Notice {
+    /// A producer's notice as it came off the network (Mooncake), routed
+    /// here by request ID and generation. Believed only with its tag under
+    /// the request's capability (rule 2a).
+    Notice(Notice),
+    /// What this rank learnt over its own side channel, not from a notice:
+    /// producer rank `rank` will write nothing (more) into `generation`'s
+    /// blocks — it refused the handshake or could not be reached
+    /// (`Failed`), or it answered a cancel with [`crate::wire::Fence::Fenced`]
+    /// (`Aborted`). The rank counts as ended.
+    RankEnded {
         generation: Generation,
         rank: ProducerRank,
         outcome: Outcome,
-        reason: Option<String>,
-        bytes: u64,
+        reason: String,
     },
     /// The wait for producers exceeded its deadline.
     TimedOut,
@@ -48,6 +55,12 @@ pub enum ConsumerEffect {
     Dropped(Dropped),
     /// No producer can write into the blocks any more: they may be freed.
     Released,
+    /// vLLM released the request while these producer ranks had not ended:
+    /// ask each (a cancel carrying the generation) whether anything can
+    /// still be written, so that the blocks go back as soon as nothing can
+    /// (a [`ConsumerEvent::RankEnded`] per rank that answers
+    /// [`crate::wire::Fence::Fenced`]), not at the quarantine.
+    Fence { ranks: Vec<ProducerRank> },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -78,7 +91,11 @@ impl ConsumerPhase {
 pub struct ConsumerMachine {
     pub request: RequestId,
     pub generation: Generation,
+    /// The request's capability: the key of its notices' tags.
+    capability: Capability,
     expected: BTreeSet<ProducerRank>,
+    /// Ranks whose counted done notice said they wrote into the staging grant.
+    staged: BTreeSet<ProducerRank>,
     done: BTreeSet<ProducerRank>,
     /// Producers that reported anything terminal (done, failed, aborted).
     ended: BTreeSet<ProducerRank>,
@@ -92,13 +109,21 @@ pub struct ConsumerMachine {
 }
 
 impl ConsumerMachine {
-    /// `expected`: the producer ranks that hold heads of this consumer rank.
-    pub fn new(request: RequestId, generation: Generation, expected: BTreeSet<ProducerRank>) -> Self {
+    /// `expected`: the producer ranks that hold heads of this consumer rank;
+    /// `capability`: the request's, which keys its notices' tags.
+    pub fn new(
+        request: RequestId,
+        generation: Generation,
+        expected: BTreeSet<ProducerRank>,
+        capability: Capability,
+    ) -> Self {
         assert!(!expected.is_empty(), "a consumer expects at least one producer");
         Self {
             request,
             generation,
+            capability,
             expected,
+            staged: BTreeSet::new(),
             done: BTreeSet::new(),
             ended: BTreeSet::new(),
             phase: ConsumerPhase::Waiting,
@@ -135,12 +160,15 @@ impl ConsumerMachine {
         self.done.len()
     }
 
-    /// Whether a notice from `rank` now would be that rank's first terminal
-    /// notice of an expected rank while the request still waits (what a
-    /// staged-done notice needs to count: a duplicate, a stranger or a late
-    /// one changes nothing).
-    pub fn would_count(&self, rank: ProducerRank) -> bool {
-        self.phase == ConsumerPhase::Waiting && self.expected.contains(&rank) && !self.ended.contains(&rank)
+    /// The producer ranks whose counted `done` notice said they wrote into
+    /// the staging grant (the worker scatters their heads).
+    pub fn staged_ranks(&self) -> &BTreeSet<ProducerRank> {
+        &self.staged
+    }
+
+    /// The expected ranks that have not ended yet.
+    fn pending(&self) -> Vec<ProducerRank> {
+        self.expected.difference(&self.ended).copied().collect()
     }
 
     pub fn expected_count(&self) -> usize {
@@ -151,89 +179,124 @@ impl ConsumerMachine {
         self.ended.len() == self.expected.len()
     }
 
+    /// Rank `rank` ended its part of `generation` with `outcome` (a notice
+    /// that passed its tag, or what the side channel told this rank).
+    fn rank_ended(
+        &mut self,
+        generation: Generation,
+        rank: ProducerRank,
+        outcome: Outcome,
+        reason: Option<String>,
+        bytes: u64,
+        staged: bool,
+    ) -> Vec<ConsumerEffect> {
+        use ConsumerEffect as E;
+        use ConsumerPhase as P;
+        if generation != self.generation {
+            return vec![E::Dropped(Dropped::StaleGeneration {
+                got: generation,
+                current: self.generation,
+            })];
+        }
+        if !self.expected.contains(&rank) {
+            return vec![E::Dropped(Dropped::UnexpectedRank(rank))];
+        }
+        if !self.ended.insert(rank) {
+            return vec![E::Dropped(Dropped::Duplicate(rank))];
+        }
+        match self.phase {
+            P::Released => vec![E::Dropped(Dropped::AfterTerminal)],
+            P::Releasing => {
+                if self.all_ended() {
+                    self.phase = P::Released;
+                    vec![E::Released]
+                } else {
+                    vec![]
+                }
+            }
+            P::Complete => vec![E::Dropped(Dropped::AfterTerminal)],
+            // Failed at the deadline: the notice no longer changes
+            // the outcome, but it accounts for that producer (its
+            // writes ended); once all did, nothing is waited for.
+            P::Failed if self.held && self.all_ended() => {
+                self.held = false;
+                vec![E::Quiesced]
+            }
+            P::Failed => vec![],
+            P::Waiting => {
+                match outcome {
+                    Outcome::Done => {
+                        self.done.insert(rank);
+                        self.bytes += bytes;
+                        if staged {
+                            self.staged.insert(rank);
+                        }
+                    }
+                    Outcome::Failed | Outcome::Aborted => {
+                        let why = reason.unwrap_or_else(|| "no reason given".into());
+                        let what = if outcome == Outcome::Failed {
+                            "failure"
+                        } else {
+                            "abort"
+                        };
+                        if self.reason.is_none() {
+                            self.reason = Some(format!("producer rank {} reported {what}: {why}", rank.0));
+                        }
+                    }
+                }
+                if !self.all_ended() {
+                    // A failure is published only once every producer
+                    // ended, so no write can land after vLLM reuses
+                    // or recomputes the blocks.
+                    return vec![];
+                }
+                match &self.reason {
+                    None => {
+                        self.phase = P::Complete;
+                        vec![E::Completed { bytes: self.bytes }]
+                    }
+                    Some(r) => {
+                        self.phase = P::Failed;
+                        vec![E::Failed {
+                            reason: r.clone(),
+                            held: false,
+                        }]
+                    }
+                }
+            }
+        }
+    }
+
     pub fn on_event(&mut self, ev: ConsumerEvent) -> Vec<ConsumerEffect> {
         use ConsumerEffect as E;
         use ConsumerPhase as P;
         match ev {
-            ConsumerEvent::Notice {
+            ConsumerEvent::Notice(n) => {
+                // Rule 2a: a notice is believed only with its tag under the
+                // request's capability, whatever its request ID and
+                // generation say (both can be learnt or guessed).
+                if n.request_id != self.request {
+                    return vec![E::Dropped(Dropped::OtherRequest)];
+                }
+                if !n.authentic(&self.capability) {
+                    return vec![E::Dropped(Dropped::Unauthenticated(n.producer_rank))];
+                }
+                let staged = n.staged && n.outcome == Outcome::Done;
+                self.rank_ended(
+                    n.generation,
+                    n.producer_rank,
+                    n.outcome,
+                    n.reason,
+                    n.bytes,
+                    staged,
+                )
+            }
+            ConsumerEvent::RankEnded {
                 generation,
                 rank,
                 outcome,
                 reason,
-                bytes,
-            } => {
-                if generation != self.generation {
-                    return vec![E::Dropped(Dropped::StaleGeneration {
-                        got: generation,
-                        current: self.generation,
-                    })];
-                }
-                if !self.expected.contains(&rank) {
-                    return vec![E::Dropped(Dropped::UnexpectedRank(rank))];
-                }
-                if !self.ended.insert(rank) {
-                    return vec![E::Dropped(Dropped::Duplicate(rank))];
-                }
-                match self.phase {
-                    P::Released => vec![E::Dropped(Dropped::AfterTerminal)],
-                    P::Releasing => {
-                        if self.all_ended() {
-                            self.phase = P::Released;
-                            vec![E::Released]
-                        } else {
-                            vec![]
-                        }
-                    }
-                    P::Complete => vec![E::Dropped(Dropped::AfterTerminal)],
-                    // Failed at the deadline: the notice no longer changes
-                    // the outcome, but it accounts for that producer (its
-                    // writes ended); once all did, nothing is waited for.
-                    P::Failed if self.held && self.all_ended() => {
-                        self.held = false;
-                        vec![E::Quiesced]
-                    }
-                    P::Failed => vec![],
-                    P::Waiting => {
-                        match outcome {
-                            Outcome::Done => {
-                                self.done.insert(rank);
-                                self.bytes += bytes;
-                            }
-                            Outcome::Failed | Outcome::Aborted => {
-                                let why = reason.unwrap_or_else(|| "no reason given".into());
-                                let what = if outcome == Outcome::Failed {
-                                    "failure"
-                                } else {
-                                    "abort"
-                                };
-                                if self.reason.is_none() {
-                                    self.reason =
-                                        Some(format!("producer rank {} reported {what}: {why}", rank.0));
-                                }
-                            }
-                        }
-                        if !self.all_ended() {
-                            // A failure is published only once every producer
-                            // ended, so no write can land after vLLM reuses
-                            // or recomputes the blocks.
-                            return vec![];
-                        }
-                        match &self.reason {
-                            None => {
-                                self.phase = P::Complete;
-                                vec![E::Completed { bytes: self.bytes }]
-                            }
-                            Some(r) => {
-                                self.phase = P::Failed;
-                                vec![E::Failed {
-                                    reason: r.clone(),
-                                    held: false,
-                                }]
-                            }
-                        }
-                    }
-                }
-            }
+            } => self.rank_ended(generation, rank, outcome, Some(reason), 0, false),
             ConsumerEvent::TimedOut => match self.phase {
                 P::Waiting => {
                     let mut reason = format!(
@@ -280,9 +343,14 @@ impl ConsumerMachine {
                     self.phase = P::Released;
                     vec![E::Released]
                 }
+                // Producers may still write: the blocks stay held, and each
+                // producer not yet ended is asked whether it still can
+                // (the cancel is a fence).
                 P::Complete | P::Failed | P::Waiting => {
                     self.phase = P::Releasing;
-                    vec![]
+                    vec![E::Fence {
+                        ranks: self.pending(),
+                    }]
                 }
             },
         }
@@ -294,18 +362,148 @@ mod tests {
     use super::*;
     use crate::fsm::test_support::*;
 
-    fn notice(g: u64, rank: u32, outcome: Outcome) -> ConsumerEvent {
-        ConsumerEvent::Notice {
+    fn cap() -> Capability {
+        Capability::parse(&"c".repeat(32)).unwrap()
+    }
+
+    fn unsigned(g: u64, rank: u32, outcome: Outcome) -> Notice {
+        Notice {
+            version: crate::wire::WIRE_VERSION,
+            request_id: rid(),
             generation: Generation(g),
-            rank: ProducerRank(rank),
+            producer_rank: ProducerRank(rank),
             outcome,
             reason: None,
             bytes: 10,
+            staged: false,
+            mac: None,
         }
     }
 
+    /// A notice as the request's producer sends it (tagged).
+    fn notice(g: u64, rank: u32, outcome: Outcome) -> ConsumerEvent {
+        ConsumerEvent::Notice(unsigned(g, rank, outcome).sign(&cap()))
+    }
+
     fn consumer(expected: u32) -> ConsumerMachine {
-        ConsumerMachine::new(rid(), Generation(1), (0..expected).map(ProducerRank).collect())
+        ConsumerMachine::new(
+            rid(),
+            Generation(1),
+            (0..expected).map(ProducerRank).collect(),
+            cap(),
+        )
+    }
+
+    // Rule 2a: a notice without its request's tag is dropped whatever it
+    // names: no tag, another capability's tag, a tag over other fields.
+    #[test]
+    fn rule2a_a_notice_is_believed_only_with_its_tag() {
+        let mut c = consumer(1);
+        let other = Capability::parse(&"d".repeat(32)).unwrap();
+        let mut tampered = unsigned(1, 0, Outcome::Done).sign(&cap());
+        tampered.bytes = 11;
+        let mut restaged = unsigned(1, 0, Outcome::Done).sign(&cap());
+        restaged.staged = true;
+        for forged in [
+            unsigned(1, 0, Outcome::Done),
+            unsigned(1, 0, Outcome::Done).sign(&other),
+            tampered,
+            restaged,
+            Notice {
+                mac: Some("zz".into()),
+                ..unsigned(1, 0, Outcome::Done)
+            },
+        ] {
+            assert_eq!(
+                c.on_event(ConsumerEvent::Notice(forged)),
+                vec![ConsumerEffect::Dropped(Dropped::Unauthenticated(ProducerRank(0)))]
+            );
+            assert_eq!(c.phase(), ConsumerPhase::Waiting);
+        }
+        // Another request's notice, even tagged right, is not this one's.
+        let mut elsewhere = unsigned(1, 0, Outcome::Done);
+        elsewhere.request_id = RequestId::new("r2");
+        assert_eq!(
+            c.on_event(ConsumerEvent::Notice(elsewhere.sign(&cap()))),
+            vec![ConsumerEffect::Dropped(Dropped::OtherRequest)]
+        );
+        // The real one still counts after the forgeries.
+        assert_eq!(
+            c.on_event(notice(1, 0, Outcome::Done)),
+            vec![ConsumerEffect::Completed { bytes: 10 }]
+        );
+    }
+
+    // Rule 10: vLLM releases a consumer while producers have not ended: it
+    // asks those ranks to fence; a rank that answers fenced ends, and the
+    // blocks go back once every rank ended, before any deadline.
+    #[test]
+    fn rule10_a_release_fences_the_pending_ranks_and_a_fenced_rank_ends() {
+        let mut c = consumer(3);
+        assert!(c.on_event(notice(1, 0, Outcome::Done)).is_empty());
+        assert_eq!(
+            c.on_event(ConsumerEvent::Release),
+            vec![ConsumerEffect::Fence {
+                ranks: vec![ProducerRank(1), ProducerRank(2)]
+            }]
+        );
+        let fenced = |rank: u32| ConsumerEvent::RankEnded {
+            generation: Generation(1),
+            rank: ProducerRank(rank),
+            outcome: Outcome::Aborted,
+            reason: "fenced".into(),
+        };
+        assert!(c.on_event(fenced(1)).is_empty());
+        assert_eq!(c.phase(), ConsumerPhase::Releasing);
+        // A fence of another generation or a repeated one changes nothing.
+        assert!(matches!(
+            c.on_event(ConsumerEvent::RankEnded {
+                generation: Generation(2),
+                rank: ProducerRank(2),
+                outcome: Outcome::Aborted,
+                reason: "x".into()
+            })[..],
+            [ConsumerEffect::Dropped(Dropped::StaleGeneration { .. })]
+        ));
+        assert!(matches!(
+            c.on_event(fenced(1))[..],
+            [ConsumerEffect::Dropped(Dropped::Duplicate(_))]
+        ));
+        assert_eq!(c.on_event(fenced(2)), vec![ConsumerEffect::Released]);
+
+        // A held failure (the deadline) released by vLLM fences too.
+        let mut c = consumer(1);
+        c.on_event(ConsumerEvent::TimedOut);
+        assert_eq!(
+            c.on_event(ConsumerEvent::Release),
+            vec![ConsumerEffect::Fence {
+                ranks: vec![ProducerRank(0)]
+            }]
+        );
+        assert_eq!(c.on_event(fenced(0)), vec![ConsumerEffect::Released]);
+
+        // A complete consumer frees at once: nothing to fence.
+        let mut c = consumer(1);
+        c.on_event(notice(1, 0, Outcome::Done));
+        assert_eq!(c.on_event(ConsumerEvent::Release), vec![ConsumerEffect::Released]);
+    }
+
+    // Only a counted done notice that says `staged` makes its rank's heads
+    // be scattered (a duplicate, a forgery or a late one never does).
+    #[test]
+    fn only_a_counted_staged_done_notice_says_what_to_scatter() {
+        let mut c = consumer(2);
+        let staged = |rank: u32| {
+            let mut n = unsigned(1, rank, Outcome::Done);
+            n.staged = true;
+            n
+        };
+        c.on_event(ConsumerEvent::Notice(staged(0)));
+        assert!(c.staged_ranks().is_empty(), "an untagged staged notice counted");
+        c.on_event(ConsumerEvent::Notice(staged(0).sign(&cap())));
+        c.on_event(ConsumerEvent::Notice(staged(0).sign(&cap())));
+        c.on_event(notice(1, 1, Outcome::Done));
+        assert_eq!(c.staged_ranks().iter().map(|r| r.0).collect::<Vec<_>>(), vec![0]);
     }
 
     // Rule 2: notices of another generation are dropped, never delivered.
@@ -397,7 +595,10 @@ mod tests {
             c.on_event(ConsumerEvent::TimedOut)[..],
             [ConsumerEffect::Failed { .. }]
         ));
-        assert!(c.on_event(ConsumerEvent::Release).is_empty());
+        assert!(matches!(
+            c.on_event(ConsumerEvent::Release)[..],
+            [ConsumerEffect::Fence { .. }]
+        ));
         assert_eq!(c.phase(), ConsumerPhase::Releasing);
         // rank 1's late notice: its writes ended, the blocks are free.
         assert_eq!(
@@ -423,7 +624,10 @@ mod tests {
         // or after vLLM's release.
         let mut c = consumer(1);
         c.on_event(ConsumerEvent::TimedOut);
-        assert!(c.on_event(ConsumerEvent::Release).is_empty());
+        assert!(matches!(
+            c.on_event(ConsumerEvent::Release)[..],
+            [ConsumerEffect::Fence { .. }]
+        ));
         assert_eq!(
             c.on_event(ConsumerEvent::QuarantineOver),
             vec![ConsumerEffect::Released]
@@ -441,7 +645,10 @@ mod tests {
     #[test]
     fn release_while_writes_may_land_waits_for_producers() {
         let mut c = consumer(2);
-        assert!(c.on_event(ConsumerEvent::Release).is_empty());
+        assert!(matches!(
+            c.on_event(ConsumerEvent::Release)[..],
+            [ConsumerEffect::Fence { .. }]
+        ));
         assert_eq!(c.phase(), ConsumerPhase::Releasing);
         assert!(c.on_event(notice(1, 0, Outcome::Done)).is_empty());
         assert_eq!(

@@ -8,6 +8,9 @@
 //!    into that handshake's authorized blocks.
 //! 2. A transfer notification is accepted only for the matching request ID
 //!    (and generation): others are dropped and counted, never delivered.
+//!    And (2a) only with its tag under the request's capability
+//!    (`Notice::authentic`): a notice anyone else made is dropped and
+//!    counted, whatever request ID and generation it names.
 //! 3. The decode side waits for the expected number of producer notifications.
 //! 4. Failure/abort notifications never publish the destination as complete.
 //! 5. Queued writes carry the generation and the captured authorization;
@@ -18,6 +21,11 @@
 //!    another write reported an error.
 //! 7. A producer says `done` only when every layer of every authorized
 //!    request block was reported.
+//! 10. The cancel is a fence: a consumer released by vLLM while producers
+//!     had not ended asks each one (`ConsumerEffect::Fence`); a producer
+//!     answers `Fenced` only when nothing can be written into that
+//!     generation's blocks any more (`ProducerMachine::fence`), and only
+//!     that answer ends the rank before its notice or the quarantine.
 //!
 //! [`consumer`] holds the decode side's machine (rules 2, 3, 4 and the
 //! release half of 6), [`producer`] the prefill side's (rules 1, 5, 6, 7).
@@ -47,6 +55,11 @@ pub enum Dropped {
     AuthorizationChanged,
     /// A handshake whose generation is older than the captured one.
     OlderHandshake { got: Generation, current: Generation },
+    /// A notice without the tag of the request's capability (forged, or
+    /// from a peer that does not hold the capability).
+    Unauthenticated(ProducerRank),
+    /// A notice that names another request.
+    OtherRequest,
 }
 
 /// What the machines' unit tests share.

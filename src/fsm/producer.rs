@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use super::Dropped;
 use crate::ids::{Generation, MarkSeq, RequestId};
-use crate::wire::{Handshake, Outcome};
+use crate::wire::{Fence, Handshake, Outcome};
 
 /// Identity of one admitted write (a layer's chunk under one generation).
 pub type WriteId = u64;
@@ -212,6 +212,25 @@ impl ProducerMachine {
             after,
             auth: auth.clone(),
         });
+    }
+
+    /// Rule 10, the fence: what may still be written into `generation`'s
+    /// blocks by this producer (asked once it was aborted). It holds that
+    /// generation: its notice follows once its writes drained (or was
+    /// sent). Else a write admitted under that generation (superseded
+    /// since) may still be in flight and no notice will name it, or it
+    /// still streams and could take that generation's handshake: held.
+    /// Else nothing can: fenced.
+    pub fn fence(&self, generation: Generation) -> Fence {
+        if self.generation() == Some(generation) {
+            Fence::NoticeFollows
+        } else if self.phase == ProducerPhase::Streaming
+            || self.in_flight.values().any(|(g, _, _)| *g == generation)
+        {
+            Fence::Held
+        } else {
+            Fence::Fenced
+        }
     }
 
     /// Once stopping and drained: notify (when a consumer is known) and release.
@@ -434,6 +453,60 @@ impl ProducerMachine {
 mod tests {
     use super::*;
     use crate::fsm::test_support::*;
+
+    // Rule 10: a producer answers a cancel's fence `Fenced` only when
+    // nothing can be written into that generation any more.
+    #[test]
+    fn rule10_the_fence_says_fenced_only_when_nothing_can_land() {
+        // Never got the generation, aborted: fenced. Before the abort it
+        // could still take the handshake: held.
+        let mut p = ProducerMachine::new(rid());
+        p.on_event(layer_ready(0, 0..2));
+        assert_eq!(p.fence(Generation(1)), Fence::Held);
+        p.on_event(ProducerEvent::Abort {
+            reason: "cancel".into(),
+        });
+        assert_eq!(p.fence(Generation(1)), Fence::Fenced);
+        // ...and it stays so: a late handshake of it is dropped.
+        assert!(matches!(
+            p.on_event(ProducerEvent::Handshake(hs(1, vec![4, 5])))[..],
+            [ProducerEffect::Dropped(_)]
+        ));
+        assert_eq!(p.fence(Generation(1)), Fence::Fenced);
+
+        // Holds the generation: its notice follows (after the drain).
+        let mut p = ProducerMachine::new(rid());
+        p.on_event(ProducerEvent::Handshake(hs(1, vec![4, 5])));
+        let w = submits(&p.on_event(layer_ready(0, 0..2)))[0].0;
+        p.on_event(ProducerEvent::Abort {
+            reason: "cancel".into(),
+        });
+        assert_eq!(p.fence(Generation(1)), Fence::NoticeFollows);
+        let fx = p.on_event(ProducerEvent::WriteDone {
+            write: w,
+            generation: Generation(1),
+            bytes: 1,
+        });
+        assert!(fx.iter().any(|e| matches!(e, ProducerEffect::Notify { auth, outcome: Outcome::Aborted, .. } if auth.generation == Generation(1))));
+        assert_eq!(p.fence(Generation(1)), Fence::NoticeFollows);
+
+        // A write of an older generation still in flight after a newer
+        // handshake: the old generation is held until it drained.
+        let mut p = ProducerMachine::new(rid());
+        p.on_event(ProducerEvent::Handshake(hs(1, vec![4, 5])));
+        let old = submits(&p.on_event(layer_ready(0, 0..2)))[0].0;
+        p.on_event(ProducerEvent::Handshake(hs(2, vec![6, 7])));
+        p.on_event(ProducerEvent::Abort {
+            reason: "cancel".into(),
+        });
+        assert_eq!(p.fence(Generation(1)), Fence::Held);
+        p.on_event(ProducerEvent::WriteDone {
+            write: old,
+            generation: Generation(1),
+            bytes: 1,
+        });
+        assert_eq!(p.fence(Generation(1)), Fence::Fenced);
+    }
 
     /// `LayerReady` of a written layer (no mark to wait for).
     fn layer_ready(layer: u32, blocks: Range<u32>) -> ProducerEvent {

@@ -17,6 +17,7 @@ use super::signature::{verify, SIGNATURE_HEADER};
 use super::{Counters, CANCEL_PATH, HANDSHAKE_PATH, HEALTH_PATH};
 use crate::actors::Runtime;
 use crate::error::{ProtocolError, RuntimeError};
+use crate::wire::Fence;
 
 /// What every worker's handlers share.
 pub(crate) struct Shared {
@@ -85,7 +86,7 @@ pub(crate) fn status_of(err: &RuntimeError) -> StatusCode {
 impl Shared {
     /// Checks the signature, then hands the body to the runtime. Runs on a
     /// blocking thread.
-    fn admit(&self, route: Route, signature: Option<&[u8]>, body: &[u8]) -> Result<(), Refusal> {
+    fn admit(&self, route: Route, signature: Option<&[u8]>, body: &[u8]) -> Result<Option<Fence>, Refusal> {
         if let Some(key) = &self.key {
             if !verify(key, signature, body) {
                 self.refused.signature.inc();
@@ -105,7 +106,7 @@ impl Shared {
                 }
                 .into()),
                 Ok(text) => match route {
-                    Route::Handshake => rt.producer_handshake_json(text),
+                    Route::Handshake => rt.producer_handshake_json(text).map(|()| None),
                     Route::Cancel => rt.producer_cancel_json(text),
                 },
             },
@@ -200,7 +201,10 @@ async fn serve(route: Route, req: HttpRequest, payload: web::Payload, st: web::D
     let signature = req.headers().get(SIGNATURE_HEADER).map(|v| v.as_bytes().to_vec());
     let shared = st.into_inner();
     match web::block(move || shared.admit(route, signature.as_deref(), &body)).await {
-        Ok(Ok(())) => ok(),
+        Ok(Ok(None)) => ok(),
+        Ok(Ok(Some(fence))) => HttpResponse::Ok()
+            .content_type("application/json")
+            .body(fence.reply()),
         Ok(Err(refusal)) => refusal.response(),
         // The worker's blocking pool is gone: the server is stopping.
         Err(_) => Refusal::new(

@@ -2,63 +2,23 @@
 //! HMAC-SHA256(key, body)>` on every handshake and cancel, checked in
 //! constant time before the body is parsed.
 
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
-
 /// The header that carries the signature.
 pub const SIGNATURE_HEADER: &str = "X-OrbitKV-Signature";
 
 const PREFIX: &[u8] = b"sha256=";
 
-fn mac(key: &[u8]) -> Hmac<Sha256> {
-    // HMAC takes a key of any length (longer ones are hashed first).
-    <Hmac<Sha256> as Mac>::new_from_slice(key).unwrap_or_else(|_| unreachable!("HMAC accepts any key"))
-}
-
 /// The header value for `body` under `key` (what a sender puts in
 /// [`SIGNATURE_HEADER`]).
 pub fn sign(key: &[u8], body: &[u8]) -> String {
-    let mut m = mac(key);
-    m.update(body);
-    let tag = m.finalize().into_bytes();
-    let mut out = String::with_capacity(7 + 64);
-    out.push_str("sha256=");
-    for b in tag {
-        out.push(char::from(b"0123456789abcdef"[(b >> 4) as usize]));
-        out.push(char::from(b"0123456789abcdef"[(b & 15) as usize]));
-    }
-    out
+    format!("sha256={}", crate::mac::tag_hex(key, &[body]))
 }
 
 /// Whether `header` (the raw value of [`SIGNATURE_HEADER`], if any) is
 /// `body`'s signature under `key`. The tag is compared in constant time.
 pub fn verify(key: &[u8], header: Option<&[u8]>, body: &[u8]) -> bool {
-    let Some(hex) = header.and_then(|h| h.strip_prefix(PREFIX)) else {
-        return false;
-    };
-    let Some(tag) = decode_hex32(hex) else {
-        return false;
-    };
-    let mut m = mac(key);
-    m.update(body);
-    m.verify_slice(&tag).is_ok()
-}
-
-fn decode_hex32(hex: &[u8]) -> Option<[u8; 32]> {
-    if hex.len() != 64 {
-        return None;
-    }
-    let nibble = |c: u8| match c {
-        b'0'..=b'9' => Some(c - b'0'),
-        b'a'..=b'f' => Some(c - b'a' + 10),
-        b'A'..=b'F' => Some(c - b'A' + 10),
-        _ => None,
-    };
-    let mut out = [0u8; 32];
-    for (o, pair) in out.iter_mut().zip(hex.chunks_exact(2)) {
-        *o = (nibble(pair[0])? << 4) | nibble(pair[1])?;
-    }
-    Some(out)
+    header
+        .and_then(|h| h.strip_prefix(PREFIX))
+        .is_some_and(|hex| crate::mac::verify_hex(key, &[body], hex))
 }
 
 #[cfg(test)]

@@ -113,22 +113,37 @@ pub fn new_capability() -> String {
 }
 
 /// The cancel message (wire JSON) a consumer sends to a producer rank's
-/// side channel when it gives `request_id` up before authorizing anything.
+/// side channel when it gives `request_id` up before authorizing anything,
+/// or, with `generation` and `consumer_rank`, the fence of an authorization
+/// it released.
 #[pyfunction]
+#[pyo3(signature = (request_id, capability_hex, reason, generation=None, consumer_rank=None))]
 pub fn cancel_message(
     py: Python<'_>,
     request_id: &str,
     capability_hex: &str,
     reason: &str,
+    generation: Option<u64>,
+    consumer_rank: Option<u32>,
 ) -> PyResult<String> {
     if request_id.is_empty() {
         return Err(invalid_argument(py, "request_id is empty".to_string()));
     }
-    Ok(Cancel::new(
+    let cancel = Cancel::new(
         RequestId::new(request_id),
         capability(py, capability_hex)?,
         reason,
-    )
+    );
+    Ok(match (generation, consumer_rank) {
+        (Some(g), Some(r)) => cancel.fencing(orbitkv::Generation(g), r),
+        (None, None) => cancel,
+        _ => {
+            return Err(invalid_argument(
+                py,
+                "generation and consumer_rank come together".to_string(),
+            ))
+        }
+    }
     .to_json())
 }
 
@@ -676,15 +691,25 @@ impl PyRuntime {
             .map_err(|e| runtime_error(py, e))
     }
 
-    /// Prefill side: the consumer gave the request up before authorizing
-    /// anything (no handshake will come); `cancel_json` is the wire message
-    /// (`cancel_message`). An open producer is aborted; one not yet open is
-    /// aborted as soon as it opens. Without the request's capability:
-    /// `ForbiddenError`, and nothing changes.
-    fn producer_cancel(&self, py: Python<'_>, cancel_json: &str) -> PyResult<()> {
-        self.rt(py)?
+    /// Prefill side: the consumer gave the request up (no handshake will
+    /// come, or it released an authorization); `cancel_json` is the wire
+    /// message (`cancel_message`). An open producer is aborted; one not yet
+    /// open is aborted as soon as it opens. Without the request's
+    /// capability: `ForbiddenError`, and nothing changes. A cancel carrying
+    /// a generation is a fence: returns what may still be written into it
+    /// from this rank, `"fenced"`, `"notice_follows"` or `"held"`; else
+    /// `None`.
+    fn producer_cancel(&self, py: Python<'_>, cancel_json: &str) -> PyResult<Option<String>> {
+        let answer = self
+            .rt(py)?
             .producer_cancel_json(cancel_json)
-            .map_err(|e| runtime_error(py, e))
+            .map_err(|e| runtime_error(py, e))?;
+        Ok(answer.map(|f| {
+            serde_json::to_value(f)
+                .ok()
+                .and_then(|v| v.as_str().map(str::to_string))
+                .unwrap_or_default()
+        }))
     }
 
     /// Prefill side: vLLM finished the request before it was ever scheduled

@@ -78,7 +78,7 @@ def test_cancel_releases_the_producer_at_once(served) -> None:
     assert "cancelled by the consumer" in (ev.reason or "")
     assert time.monotonic() - start < 5.0  # not the 120 s handshake deadline
     with pytest.raises(HandshakeRejected) as e:
-        post_cancel(addr, '{"version": 2, "request_id": ""}')  # malformed: refused, nothing changes
+        post_cancel(addr, '{"version": 3, "request_id": ""}')  # malformed: refused, nothing changes
     assert e.value.status == 400
 
 

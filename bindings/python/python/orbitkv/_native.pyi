@@ -421,12 +421,15 @@ class Runtime:
         """Prefill side: stop; writes in flight still drain, then the consumer is
         told the request was aborted."""
 
-    def producer_cancel(self, cancel_json: str) -> None:
-        """Prefill side: the consumer gave the request up before authorizing
-        anything (no handshake will come); `cancel_json` is the wire message
-        (`cancel_message`). An open producer is aborted; one not yet open is
-        aborted as soon as it opens. Without the request's capability:
-        `ForbiddenError`, and nothing changes."""
+    def producer_cancel(self, cancel_json: str) -> str | None:
+        """Prefill side: the consumer gave the request up (no handshake will
+        come, or it released an authorization); `cancel_json` is the wire
+        message (`cancel_message`). An open producer is aborted; one not yet
+        open is aborted as soon as it opens. Without the request's
+        capability: `ForbiddenError`, and nothing changes. A cancel carrying
+        a generation is a fence: returns what may still be written into it
+        from this rank, `"fenced"`, `"notice_follows"` or `"held"`; else
+        `None`."""
 
     def producer_discard(self, request_id: str, capability_hex: str, reason: str) -> None:
         """Prefill side: vLLM finished the request before it was ever scheduled
@@ -540,9 +543,17 @@ def new_capability() -> str:
     """A fresh random capability (256 bits from the OS's cryptographic
     source) for one request, as a router hands it to both halves."""
 
-def cancel_message(request_id: str, capability_hex: str, reason: str) -> str:
+def cancel_message(
+    request_id: str,
+    capability_hex: str,
+    reason: str,
+    generation: int | None = None,
+    consumer_rank: int | None = None,
+) -> str:
     """The cancel message (wire JSON) a consumer sends to a producer rank's
-    side channel when it gives `request_id` up before authorizing anything."""
+    side channel when it gives `request_id` up before authorizing anything,
+    or, with `generation` and `consumer_rank`, the fence of an authorization
+    it released."""
 
 def producer_ranks(total_kv_heads: int, consumer_rank: int, consumer_tp: int, producer_tp: int) -> list[int]:
     """The prefill ranks (TP size `producer_tp`) that send to decode rank

@@ -73,6 +73,10 @@ _PROM = {
         "vllm:orbitkv_notices_stale_generation",
         "Notices dropped because they carried a stale generation.",
     ),
+    "notices_unauthenticated": (
+        "vllm:orbitkv_notices_unauthenticated",
+        "Notices dropped because they lacked the tag of their request's capability (forged, or a stranger's).",
+    ),
     "consumers_completed": ("vllm:orbitkv_transfers_completed", "P/D requests whose KV arrived complete."),
     "consumers_failed": ("vllm:orbitkv_transfers_failed", "P/D requests whose KV did not arrive complete."),
     "producers_released": ("vllm:orbitkv_producers_released", "Prefill requests whose source blocks were released."),
@@ -105,6 +109,14 @@ _PROM = {
     "consumers_quarantine_expired": (
         "vllm:orbitkv_consumers_quarantine_expired",
         "Decode requests whose blocks the quarantine freed while a producer had never ended.",
+    ),
+    "ranks_fenced": (
+        "vllm:orbitkv_ranks_fenced",
+        "Producer ranks a cancel's fence ended: released decode requests whose blocks went back at once.",
+    ),
+    "fences_sent": (
+        "vllm:orbitkv_fences_sent",
+        "Cancels sent as fences (vLLM released a decode request before its producers ended), one per rank.",
     ),
     "layers_saved_at_wait": (
         "vllm:orbitkv_layers_saved_at_wait",
