@@ -1,54 +1,169 @@
 //! Per-connection bounds that actix-web does not give as such:
 //!
-//! * [`Gate`]: at most `max_connections` connections are served at once; one
-//!   more is answered `503` at once and closed (actix-server's own limit
-//!   would stop accepting instead, leaving the client waiting in the
-//!   kernel's backlog with no answer).
+//! * [`Gate`]: at most `max_connections` connections are served at once.
+//!   One more arriving at the limit sheds (closes) the oldest served
+//!   connection that has been open for at least the grace and has still not
+//!   delivered a complete request head (a slowloris: a real client writes
+//!   its whole request at once, its head is parsed within a millisecond of
+//!   its arrival) and takes its place; when no connection is sheddable (every
+//!   head is in, or the connections are younger than the grace) it is
+//!   answered `503` at once and closed (actix-server's own limit would stop
+//!   accepting instead, leaving the client waiting in the kernel's backlog
+//!   with no answer).
 //! * [`Conn`]: the served connection's socket, holding its [`Slot`]; a write
 //!   that makes no progress for the read timeout (a peer that stopped
 //!   reading its replies) fails the connection, so no connection can hold
-//!   its slot forever.
+//!   its slot forever; a shed connection fails its next read or write.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
-use std::time::Duration;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::time::Sleep;
 
-/// Counts the connections being served.
+/// How long a served connection may go without a complete request head
+/// before a newcomer at the limit may shed it. A real client's head arrives
+/// with its connection; the grace keeps a burst of real clients, whose heads
+/// the worker has not parsed yet, from shedding each other.
+pub(crate) const SHED_GRACE: Duration = Duration::from_millis(50);
+
+/// The connections being served, in the order they opened.
 #[derive(Debug)]
 pub(crate) struct Gate {
-    open: AtomicUsize,
     limit: usize,
+    grace: Duration,
+    served: Mutex<Served>,
 }
 
-impl Gate {
-    pub(crate) fn new(limit: usize) -> Self {
-        Self {
-            open: AtomicUsize::new(0),
-            limit,
+#[derive(Debug, Default)]
+struct Served {
+    next: u64,
+    /// By id, which grows with each connection: the first is the oldest.
+    conns: BTreeMap<u64, Arc<ConnState>>,
+}
+
+/// What a served connection shares with the gate and with its handlers.
+#[derive(Debug)]
+pub(crate) struct ConnState {
+    id: u64,
+    opened: Instant,
+    /// Its request head was parsed (set by the app, before routing).
+    head: AtomicBool,
+    /// The gate shed it: its next read or write fails.
+    shed: AtomicBool,
+    /// The task to wake when it is shed.
+    waker: Mutex<Option<Waker>>,
+}
+
+impl ConnState {
+    /// Its request head is complete: it is no longer sheddable.
+    pub(crate) fn head_complete(&self) {
+        self.head.store(true, Ordering::Release);
+    }
+
+    fn shed(&self) {
+        self.shed.store(true, Ordering::Release);
+        if let Some(w) = self.waker.lock().take() {
+            w.wake();
         }
     }
 
-    /// A slot for one more connection, or `None` at the limit.
-    pub(crate) fn enter(self: &Arc<Self>) -> Option<Slot> {
-        self.open
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.limit).then_some(n + 1)
-            })
-            .ok()
-            .map(|_| Slot(self.clone()))
+    /// Whether it was shed; if not, `cx` is woken when it is.
+    fn poll_shed(&self, cx: &Context<'_>) -> bool {
+        if self.shed.load(Ordering::Acquire) {
+            return true;
+        }
+        {
+            let mut w = self.waker.lock();
+            match w.as_ref() {
+                Some(old) if old.will_wake(cx.waker()) => {}
+                _ => *w = Some(cx.waker().clone()),
+            }
+        }
+        // A shed between the first check and the registration took no waker.
+        self.shed.load(Ordering::Acquire)
+    }
+}
+
+/// What [`Gate::enter`] gives a new connection.
+#[derive(Debug)]
+pub(crate) enum Admission {
+    /// A free place.
+    Open(Slot),
+    /// The place of a connection it shed.
+    Shed(Slot),
+    /// No place: every served connection has its head, or is within the grace.
+    Full,
+}
+
+impl Gate {
+    pub(crate) fn new(limit: usize, grace: Duration) -> Self {
+        Self {
+            limit,
+            grace,
+            served: Mutex::new(Served::default()),
+        }
     }
 
-    /// Connections being served now.
+    /// A place for one more connection: a free one, else that of the oldest
+    /// connection open for at least the grace without a complete head (shed
+    /// now: its place is freed at once, its socket fails at its next poll),
+    /// else none.
+    pub(crate) fn enter(self: &Arc<Self>) -> Admission {
+        self.enter_at(Instant::now())
+    }
+
+    fn enter_at(self: &Arc<Self>, now: Instant) -> Admission {
+        let mut served = self.served.lock();
+        let mut shed = false;
+        if served.conns.len() >= self.limit {
+            let victim = served
+                .conns
+                .values()
+                .find(|c| {
+                    !c.head.load(Ordering::Acquire) && now.saturating_duration_since(c.opened) >= self.grace
+                })
+                .map(|c| c.id);
+            let Some(victim) = victim else {
+                return Admission::Full;
+            };
+            if let Some(c) = served.conns.remove(&victim) {
+                c.shed();
+            }
+            shed = true;
+        }
+        let id = served.next;
+        served.next += 1;
+        let state = Arc::new(ConnState {
+            id,
+            opened: now,
+            head: AtomicBool::new(false),
+            shed: AtomicBool::new(false),
+            waker: Mutex::new(None),
+        });
+        served.conns.insert(id, state.clone());
+        let slot = Slot {
+            gate: self.clone(),
+            state,
+        };
+        if shed {
+            Admission::Shed(slot)
+        } else {
+            Admission::Open(slot)
+        }
+    }
+
+    /// Connections being served now (a shed one no longer counts).
     pub(crate) fn open(&self) -> usize {
-        self.open.load(Ordering::Acquire)
+        self.served.lock().conns.len()
     }
 
     pub(crate) fn limit(&self) -> usize {
@@ -56,14 +171,31 @@ impl Gate {
     }
 }
 
-/// One served connection's place under the limit; freed on drop.
+/// One served connection's place under the limit; freed on drop (or when
+/// the connection is shed).
 #[derive(Debug)]
-pub(crate) struct Slot(Arc<Gate>);
+pub(crate) struct Slot {
+    gate: Arc<Gate>,
+    state: Arc<ConnState>,
+}
+
+impl Slot {
+    pub(crate) fn state(&self) -> &Arc<ConnState> {
+        &self.state
+    }
+}
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.0.open.fetch_sub(1, Ordering::AcqRel);
+        self.gate.served.lock().conns.remove(&self.state.id);
     }
+}
+
+fn shed_error() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::ConnectionAborted,
+        "shed: no complete request head while another connection waited",
+    )
 }
 
 /// How long a refused connection may take to read its `503`.
@@ -93,7 +225,7 @@ pub(crate) async fn refuse(mut io: TcpStream, limit: usize) {
 /// A served connection: the socket, its slot, and the write-stall bound.
 pub(crate) struct Conn<T = TcpStream> {
     io: T,
-    _slot: Slot,
+    slot: Slot,
     stall_limit: Duration,
     stalled: Option<Pin<Box<Sleep>>>,
 }
@@ -102,10 +234,15 @@ impl<T: AsyncWrite + Unpin> Conn<T> {
     pub(crate) fn new(io: T, slot: Slot, stall_limit: Duration) -> Self {
         Self {
             io,
-            _slot: slot,
+            slot,
             stall_limit,
             stalled: None,
         }
+    }
+
+    /// What it shares with the gate and its handlers.
+    pub(crate) fn state(&self) -> &Arc<ConnState> {
+        self.slot.state()
     }
 
     /// A write-side poll: progress clears the stall timer; `Pending` arms it,
@@ -135,13 +272,20 @@ impl<T: AsyncWrite + Unpin> Conn<T> {
 
 impl<T: AsyncRead + AsyncWrite + Unpin> AsyncRead for Conn<T> {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+        let this = self.get_mut();
+        if this.slot.state.poll_shed(cx) {
+            return Poll::Ready(Err(shed_error()));
+        }
+        Pin::new(&mut this.io).poll_read(cx, buf)
     }
 }
 
 impl<T: AsyncWrite + Unpin> AsyncWrite for Conn<T> {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        if this.slot.state.poll_shed(cx) {
+            return Poll::Ready(Err(shed_error()));
+        }
         let r = Pin::new(&mut this.io).poll_write(cx, buf);
         this.bound(cx, r)
     }
@@ -152,6 +296,9 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Conn<T> {
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
         let this = self.get_mut();
+        if this.slot.state.poll_shed(cx) {
+            return Poll::Ready(Err(shed_error()));
+        }
         let r = Pin::new(&mut this.io).poll_write_vectored(cx, bufs);
         this.bound(cx, r)
     }
@@ -162,6 +309,9 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Conn<T> {
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if this.slot.state.poll_shed(cx) {
+            return Poll::Ready(Err(shed_error()));
+        }
         let r = Pin::new(&mut this.io).poll_flush(cx);
         this.bound(cx, r)
     }
@@ -177,17 +327,76 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Conn<T> {
 mod tests {
     use super::*;
 
+    impl Admission {
+        fn slot(self) -> Slot {
+            match self {
+                Admission::Open(s) => s,
+                other => panic!("not a free place: {other:?}"),
+            }
+        }
+
+        fn shed(self) -> Slot {
+            match self {
+                Admission::Shed(s) => s,
+                other => panic!("not a shedding: {other:?}"),
+            }
+        }
+
+        fn is_full(&self) -> bool {
+            matches!(self, Admission::Full)
+        }
+    }
+
+    const GRACE: Duration = Duration::from_millis(50);
+
     #[test]
     fn the_gate_counts_slots_up_to_its_limit() {
-        let g = Arc::new(Gate::new(2));
-        let a = g.enter().unwrap();
-        let b = g.enter().unwrap();
-        assert!(g.enter().is_none());
+        let g = Arc::new(Gate::new(2, GRACE));
+        let now = Instant::now();
+        let a = g.enter_at(now).slot();
+        let b = g.enter_at(now).slot();
+        assert!(g.enter_at(now).is_full());
         assert_eq!(g.open(), 2);
         drop(a);
-        let c = g.enter().unwrap();
-        assert!(g.enter().is_none());
+        let c = g.enter_at(now).slot();
+        assert!(g.enter_at(now).is_full());
         drop((b, c));
+        assert_eq!(g.open(), 0);
+    }
+
+    /// At the limit a newcomer sheds the oldest connection without a
+    /// complete head once it is past the grace; never one whose head is in,
+    /// never one within the grace; with none sheddable it is refused.
+    #[test]
+    fn the_gate_sheds_the_oldest_headless_connection_past_the_grace() {
+        let g = Arc::new(Gate::new(3, GRACE));
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let done = g.enter_at(ms(0)).slot(); // the oldest, but its head is in
+        done.state().head_complete();
+        let old = g.enter_at(ms(10)).slot();
+        let young = g.enter_at(ms(40)).slot();
+        // Within the grace of both headless ones: refused.
+        assert!(g.enter_at(ms(55)).is_full());
+        // Past `old`'s grace only: `old` goes (not `done`, older but headed).
+        let first = g.enter_at(ms(60)).shed();
+        assert!(old.state().shed.load(Ordering::Acquire));
+        assert!(!done.state().shed.load(Ordering::Acquire));
+        assert!(!young.state().shed.load(Ordering::Acquire));
+        assert_eq!(g.open(), 3, "the shed one's place went to the newcomer");
+        // `young` (40) is now past its grace, `first` (60) is not.
+        let second = g.enter_at(ms(95)).shed();
+        assert!(young.state().shed.load(Ordering::Acquire));
+        assert!(!first.state().shed.load(Ordering::Acquire));
+        // Only headed or young connections left: refused.
+        first.state().head_complete();
+        assert!(g.enter_at(ms(100)).is_full());
+        second.state().head_complete();
+        assert!(g.enter_at(ms(10_000)).is_full(), "every head is in");
+        // A shed connection's slot, dropped later, frees nothing twice.
+        drop((old, young));
+        assert_eq!(g.open(), 3);
+        drop((done, first, second));
         assert_eq!(g.open(), 0);
     }
 
@@ -195,10 +404,10 @@ mod tests {
     /// instead of holding the connection (and its slot) forever.
     #[test]
     fn a_write_the_peer_never_reads_fails_at_the_bound() {
-        let gate = Arc::new(Gate::new(1));
+        let gate = Arc::new(Gate::new(1, GRACE));
         actix_web::rt::System::new().block_on(async {
             let (near, _far) = tokio::io::duplex(64); // `_far` is never read
-            let mut conn = Conn::new(near, gate.enter().unwrap(), Duration::from_millis(100));
+            let mut conn = Conn::new(near, gate.enter().slot(), Duration::from_millis(100));
             let start = std::time::Instant::now();
             let err = conn.write_all(&[0u8; 4096]).await.unwrap_err();
             assert_eq!(err.kind(), io::ErrorKind::TimedOut);
@@ -209,7 +418,7 @@ mod tests {
             // Progress resets the bound: a slow reader that keeps reading
             // (64 bytes every 20 ms, 320 ms in all) never trips it.
             let (near, mut far) = tokio::io::duplex(64);
-            let mut conn = Conn::new(near, gate.enter().unwrap(), Duration::from_millis(100));
+            let mut conn = Conn::new(near, gate.enter().slot(), Duration::from_millis(100));
             let reader = actix_web::rt::spawn(async move {
                 let mut buf = [0u8; 64];
                 let mut got = 0;
@@ -222,5 +431,37 @@ mod tests {
             reader.await.unwrap();
         });
         assert_eq!(gate.open(), 0, "the slot is freed with the connection");
+    }
+
+    /// A shed connection's pending read fails at once (its task is woken),
+    /// and so does its next write.
+    #[test]
+    fn a_shed_connection_fails_its_read() {
+        let gate = Arc::new(Gate::new(1, Duration::ZERO));
+        actix_web::rt::System::new().block_on(async {
+            let (near, _far) = tokio::io::duplex(64); // `_far` never sends
+            let mut conn = Conn::new(near, gate.enter().slot(), Duration::from_secs(10));
+            let reader = actix_web::rt::spawn(async move {
+                let mut buf = [0u8; 16];
+                let err = conn.read(&mut buf).await.unwrap_err();
+                let again = conn.write(b"x").await.unwrap_err();
+                (err.kind(), again.kind())
+            });
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            let start = std::time::Instant::now();
+            let newcomer = gate.enter().shed();
+            let kinds = tokio::time::timeout(Duration::from_secs(2), reader)
+                .await
+                .expect("the read ends once shed")
+                .unwrap();
+            assert_eq!(
+                kinds,
+                (io::ErrorKind::ConnectionAborted, io::ErrorKind::ConnectionAborted)
+            );
+            assert!(start.elapsed() < Duration::from_secs(1));
+            assert_eq!(gate.open(), 1);
+            drop(newcomer);
+        });
+        assert_eq!(gate.open(), 0);
     }
 }

@@ -18,8 +18,9 @@
 //! `X-OrbitKV-Signature: sha256=<hex HMAC-SHA256(key, body)>`, checked in
 //! constant time before parsing), `413 BadLength` (a body over `max_body`),
 //! `408 Timeout` (the body did not arrive within `read_timeout`), `503 Busy`
-//! (more than `max_connections` connections). Every refusal closes the
-//! connection.
+//! (more than `max_connections` connections and none of them sheddable).
+//! Every refusal closes the connection; a shed connection is closed
+//! unanswered.
 //!
 //! Bounds: request heads within `read_timeout` (actix-http's
 //! `client_request_timeout`, `408`); bodies within `read_timeout` and
@@ -27,9 +28,16 @@
 //! opens a connection per POST, and an idle connection never holds a slot);
 //! a reply that the peer does not read within `read_timeout` ends the
 //! connection ([`conn::Conn`]); at most `max_connections` connections served
-//! at once, the next ones answered `503` at once and closed
-//! ([`conn::Gate`]; actix-server's own limit only stops accepting, which
-//! would leave a client hanging in the kernel's backlog), and at most as many
+//! at once ([`conn::Gate`]). One more arriving at the limit sheds the oldest
+//! served connection that has been open for [`conn::SHED_GRACE`] (50 ms)
+//! without a complete request head (a slowloris: a flood trickling header
+//! bytes never sends a body a deployment key could sign, while decode
+//! writes its whole request at once) and takes its place: a flood of such
+//! connections does not keep real handshakes out. Only when none is
+//! sheddable (every head is in, or every connection is younger than the
+//! grace) is it answered `503` at once and closed (actix-server's own limit
+//! only stops accepting, which would leave a client hanging in the kernel's
+//! backlog); and at most as many
 //! again being refused at a time (actix-server's `max_concurrent_connections`;
 //! beyond that the kernel's listen backlog of 128 holds them briefly). One
 //! worker thread, one accept thread, at most two blocking threads for parsing
@@ -70,7 +78,7 @@ pub use signature::{sign, verify, SIGNATURE_HEADER};
 use crate::actors::stats::Counter;
 use crate::actors::Runtime;
 pub use crate::error::SideChannelError;
-use conn::{Conn, Gate};
+use conn::{Admission, Conn, Gate};
 use routes::Shared;
 
 pub const HEALTH_PATH: &str = "/orbitkv/v1/health";
@@ -95,7 +103,9 @@ pub struct SideChannelConfig {
     /// How long a request's head, then its body, may take to arrive (`408`
     /// after), and how long a reply may wait for the peer to read it.
     pub read_timeout: Duration,
-    /// Connections served at once; more are answered `503` and closed.
+    /// Connections served at once; one more sheds the oldest connection
+    /// without a complete request head after the grace, else is answered
+    /// `503` and closed.
     pub max_connections: usize,
     /// How long [`SideChannel::stop`] lets requests in progress finish
     /// (whole seconds, at least 1); it returns within this plus 2 s.
@@ -139,6 +149,7 @@ pub(crate) struct Counters {
     busy: Counter,
     too_large: Counter,
     timed_out: Counter,
+    shed: Counter,
 }
 
 /// What the side channel refused, by cause, since it started.
@@ -157,6 +168,10 @@ pub struct Refused {
     /// `408`: a body that did not arrive within `read_timeout` (a request
     /// head that did not is answered by actix-http and not counted).
     pub timed_out: u64,
+    /// Closed without an answer: a connection that had not sent a complete
+    /// request head after the grace, shed to serve one more connection at
+    /// `max_connections`.
+    pub shed: u64,
 }
 
 impl Counters {
@@ -168,6 +183,7 @@ impl Counters {
             busy: self.busy.get(),
             too_large: self.too_large.get(),
             timed_out: self.timed_out.get(),
+            shed: self.shed.get(),
         }
     }
 }
@@ -237,7 +253,7 @@ impl SideChannel {
             reason: e.to_string(),
         })?;
         let refused = Arc::new(Counters::default());
-        let gate = Arc::new(Gate::new(cfg.max_connections));
+        let gate = Arc::new(Gate::new(cfg.max_connections, conn::SHED_GRACE));
         let shared = Arc::new(Shared {
             runtime: Arc::downgrade(&runtime),
             key: cfg.key.as_deref().map(Arc::from),
@@ -389,17 +405,29 @@ fn server(
                 .client_request_timeout(read_timeout)
                 .client_disconnect_timeout(Duration::ZERO)
                 .local_addr(addr)
+                // The handlers' way to the connection's state (`routes::app`
+                // marks its head complete).
+                .on_connect_ext(|io: &Conn, ext: &mut actix_http::Extensions| {
+                    ext.insert(io.state().clone());
+                })
                 .finish(map_config(routes::app(shared.clone()), |_| AppConfig::default()));
             let (gate, refused) = (gate.clone(), refused.clone());
             fn_service(move |io: TcpStream| {
                 let (gate, refused) = (gate.clone(), refused.clone());
                 async move {
-                    let Some(slot) = gate.enter() else {
-                        refused.busy.inc();
-                        conn::refuse(io, gate.limit()).await;
-                        return Err(DispatchError::Io(std::io::Error::other(
-                            "over the connection limit",
-                        )));
+                    let slot = match gate.enter() {
+                        Admission::Open(slot) => slot,
+                        Admission::Shed(slot) => {
+                            refused.shed.inc();
+                            slot
+                        }
+                        Admission::Full => {
+                            refused.busy.inc();
+                            conn::refuse(io, gate.limit()).await;
+                            return Err(DispatchError::Io(std::io::Error::other(
+                                "over the connection limit",
+                            )));
+                        }
                     };
                     let _ = io.set_nodelay(true);
                     let peer = io.peer_addr().ok();

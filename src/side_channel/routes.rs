@@ -8,11 +8,13 @@
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use actix_web::dev::Service;
 use actix_web::http::header::CONTENT_LENGTH;
 use actix_web::http::StatusCode;
 use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpRequest, HttpResponse};
 
+use super::conn::ConnState;
 use super::signature::{verify, SIGNATURE_HEADER};
 use super::{Counters, CANCEL_PATH, HANDSHAKE_PATH, HEALTH_PATH};
 use crate::actors::Runtime;
@@ -230,6 +232,14 @@ pub(crate) fn app(
 > {
     App::new()
         .app_data(web::Data::from(shared))
+        // Called as soon as actix-http has parsed a request head, before
+        // routing: the connection is no longer one the gate may shed.
+        .wrap_fn(|req, srv| {
+            if let Some(conn) = req.conn_data::<Arc<ConnState>>() {
+                conn.head_complete();
+            }
+            srv.call(req)
+        })
         .service(
             web::resource(HEALTH_PATH)
                 .route(web::get().to(health))
