@@ -2,8 +2,9 @@
 //! real `Runtime` on the real Mooncake engine (127.0.0.1): each answer the
 //! vLLM connector's decode side can get, and the bounds.
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::sync::{RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
 use orbitkv::side_channel::{sign, CANCEL_PATH, HANDSHAKE_PATH, HEALTH_PATH, SIGNATURE_HEADER};
@@ -27,8 +28,30 @@ fn stranger() -> Capability {
     Capability::parse(&"f".repeat(64)).expect("a valid capability")
 }
 
-fn serve(r: &Rank, cfg: SideChannelConfig) -> SideChannel {
-    SideChannel::start(cfg, r.runtime.clone()).expect("side channel")
+/// Held shared by every side channel these tests start, and exclusively by
+/// the flood test, which counts the side channel's threads by name.
+static ONE_SIDE_CHANNEL: RwLock<()> = RwLock::new(());
+
+/// A side channel that holds [`ONE_SIDE_CHANNEL`] shared until it is dropped
+/// (stopped first: the fields drop in order).
+struct Served {
+    sc: SideChannel,
+    _shared: RwLockReadGuard<'static, ()>,
+}
+
+impl std::ops::Deref for Served {
+    type Target = SideChannel;
+    fn deref(&self) -> &SideChannel {
+        &self.sc
+    }
+}
+
+fn serve(r: &Rank, cfg: SideChannelConfig) -> Served {
+    let shared = ONE_SIDE_CHANNEL.read().unwrap_or_else(|e| e.into_inner());
+    Served {
+        sc: SideChannel::start(cfg, r.runtime.clone()).expect("side channel"),
+        _shared: shared,
+    }
 }
 
 /// A reply: status and body.
@@ -360,6 +383,9 @@ fn excess_connections_are_answered_503_at_once_and_service_resumes() {
         })
         .collect();
     assert!(soon(|| sc.connections() == 2));
+    // Past the shedding grace: connections whose heads are in (slow bodies)
+    // are not shed for a newcomer.
+    std::thread::sleep(Duration::from_millis(100));
     let start = Instant::now();
     let extra = connect(addr); // sends nothing: the answer comes anyway
     let r = read_reply(extra);
@@ -369,7 +395,7 @@ fn excess_connections_are_answered_503_at_once_and_service_resumes() {
         "{:?}",
         start.elapsed()
     );
-    assert_eq!(sc.refused().busy, 1);
+    assert_eq!((sc.refused().busy, sc.refused().shed), (1, 0));
     for s in slow {
         assert_eq!(read_reply(s).status, 408);
     }
@@ -489,4 +515,211 @@ fn stop_is_bounded_and_a_gone_runtime_is_503() {
     assert!(!sc.is_running());
     assert!(TcpStream::connect(addr).is_err(), "still listening after stop");
     sc.stop(); // idempotent
+}
+
+/// The process's threads: id and name (`/proc/self/task/*/comm`, names
+/// cut at 15 bytes).
+fn threads() -> Vec<(u64, String)> {
+    std::fs::read_dir("/proc/self/task")
+        .expect("/proc/self/task")
+        .filter_map(|t| {
+            let t = t.ok()?;
+            let tid = t.file_name().to_str()?.parse().ok()?;
+            let name = std::fs::read_to_string(t.path().join("comm")).ok()?;
+            Some((tid, name.trim().to_string()))
+        })
+        .collect()
+}
+
+/// Threads of the names the side channel's are: its own
+/// (`orbitkv-side-channel`), actix-server's acceptor (`actix-server
+/// acceptor`), its worker (`actix-rt|system:…`, a name the runtime's actix
+/// arbiters share) and the worker's blocking pool (`tokio-rt-worker`, at
+/// most 2, started when first needed).
+fn side_channel_like() -> std::collections::BTreeMap<u64, String> {
+    threads()
+        .into_iter()
+        .filter(|(_, n)| {
+            ["orbitkv-side", "actix-", "tokio-"]
+                .iter()
+                .any(|p| n.starts_with(p))
+        })
+        .collect()
+}
+
+/// What the flood saw.
+#[derive(Debug, Default)]
+struct Flood {
+    /// Connections opened.
+    opened: usize,
+    /// Closed by the server with no answer (shed).
+    closed_silently: usize,
+    /// Answered (`503` at once, or `408` at the head deadline) and closed.
+    answered: Vec<u16>,
+}
+
+/// Holds up to `at_once` connections to `addr` until `until`, opening one
+/// every 10 ms while fewer are open, each sending a request head one byte
+/// every 150 ms and never finishing it (a slowloris); a connection the
+/// server closes is replaced. One thread, non-blocking sockets.
+fn flood(addr: SocketAddr, at_once: usize, until: Instant) -> Flood {
+    const HEAD: &[u8] = b"POST /orbitkv/v1/handshake HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+    struct Slow {
+        s: TcpStream,
+        sent: usize,
+        next: Instant,
+        got: Vec<u8>,
+    }
+    let mut seen = Flood::default();
+    let mut open: Vec<Slow> = Vec::new();
+    let mut next_open = Instant::now();
+    while Instant::now() < until {
+        let now = Instant::now();
+        if open.len() < at_once && now >= next_open {
+            next_open = now + Duration::from_millis(10);
+            if let Ok(s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+                s.set_nonblocking(true).unwrap();
+                seen.opened += 1;
+                open.push(Slow {
+                    s,
+                    sent: 0,
+                    next: now,
+                    got: Vec::new(),
+                });
+            }
+        }
+        open.retain_mut(|c| {
+            let mut buf = [0u8; 512];
+            loop {
+                match c.s.read(&mut buf) {
+                    Ok(0) => break,
+                    Ok(n) => c.got.extend_from_slice(&buf[..n]),
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => {
+                        if now >= c.next {
+                            let byte = HEAD.get(c.sent).copied().unwrap_or(b'a');
+                            if c.s.write(&[byte]).is_ok() {
+                                c.sent += 1;
+                            }
+                            c.next = now + Duration::from_millis(150);
+                        }
+                        return true;
+                    }
+                    Err(_) => break, // reset
+                }
+            }
+            // Closed by the server.
+            let text = String::from_utf8_lossy(&c.got);
+            match text.strip_prefix("HTTP/1.1 ").and_then(|t| t.get(..3)) {
+                Some(code) => seen.answered.push(code.parse().unwrap_or(0)),
+                None => seen.closed_silently += 1,
+            }
+            false
+        });
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    seen
+}
+
+/// Issue 31: slowloris connections hold every place in the gate, yet a real
+/// P/D request made during the flood is served: the newcomer sheds the
+/// oldest connection that has sent no complete head, and the flood's
+/// connections are closed. No thread is added.
+#[test]
+fn a_slow_header_flood_is_shed_and_real_requests_keep_getting_through() {
+    let _alone = ONE_SIDE_CHANNEL.write().unwrap_or_else(|e| e.into_inner());
+    let p = rank(|i| (i % 251) as u8);
+    let c = rank(|_| GUARD);
+    let max = 16;
+    let sc = SideChannel::start(
+        SideChannelConfig {
+            max_connections: max,
+            ..SideChannelConfig::default() // the head deadline: 10 s
+        },
+        p.runtime.clone(),
+    )
+    .expect("side channel");
+    let addr = sc.address();
+    // Warm: one request through the blocking pool first.
+    assert_eq!(get(addr, HEALTH_PATH).status, 200);
+    assert_eq!(post(addr, HANDSHAKE_PATH, br#"{"version": 9}"#, &[]).status, 400);
+    // Before any transfer the runtimes have no actix thread yet: these are
+    // the side channel's (its thread, acceptor, worker, a blocking thread).
+    let before = side_channel_like();
+    assert!((4..=5).contains(&before.len()), "{before:?}");
+    // During the flood: the same threads, and at most a second blocking one.
+    let side_channel_threads = || {
+        let now = side_channel_like();
+        let kept = before.keys().filter(|t| now.contains_key(t)).count();
+        let pool = now
+            .iter()
+            .filter(|(t, n)| !before.contains_key(t) && n.starts_with("tokio-"))
+            .count();
+        (kept, pool)
+    };
+
+    let flood_ends = Instant::now() + Duration::from_secs(5);
+    let flooder = std::thread::spawn(move || flood(addr, 300, flood_ends));
+    // Every place is held by the flood before the first request.
+    assert!(
+        soon(|| sc.connections() == max),
+        "{} connections",
+        sc.connections()
+    );
+    std::thread::sleep(Duration::from_millis(500));
+
+    let mut served = 0;
+    let mut most_blocking = 0;
+    while Instant::now() + Duration::from_millis(800) < flood_ends {
+        let req = RequestId::new(format!("req-flood-{served}"));
+        let hs = c
+            .runtime
+            .consumer_open(req.clone(), cap(), 0, vec![3, 4], 1)
+            .unwrap();
+        p.runtime
+            .producer_open(req.clone(), vec![0, 1], cap(), 1)
+            .unwrap();
+        let start = Instant::now();
+        let r = post(addr, HANDSHAKE_PATH, hs.to_json().as_bytes(), &[]);
+        assert_eq!(
+            (r.status, r.body.as_str()),
+            (200, r#"{"ok":true}"#),
+            "request {served} during the flood, after {:?}: {r:?} (refused {:?})",
+            start.elapsed(),
+            sc.refused()
+        );
+        for layer in 0..LAYERS {
+            p.runtime.layer_ready(&req, layer, 0..2).unwrap();
+        }
+        p.runtime.producer_finish(&req).unwrap();
+        let ev = wait_for(&c.runtime, "the consumer's outcome", |e| {
+            matches!(
+                e,
+                RuntimeEvent::ConsumerCompleted { .. } | RuntimeEvent::ConsumerFailed { .. }
+            )
+        });
+        assert!(matches!(ev, RuntimeEvent::ConsumerCompleted { .. }), "{ev:?}");
+        assert_eq!(block(&c, 1, 4), block(&p, 1, 1));
+        assert_eq!(get(addr, HEALTH_PATH).status, 200);
+        served += 1;
+        assert!(sc.connections() <= max);
+        let (kept, added) = side_channel_threads();
+        assert_eq!(kept, before.len(), "{before:?} {:?}", threads());
+        most_blocking = most_blocking.max(added);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let seen = flooder.join().unwrap();
+    assert!(served >= 10, "{served} requests in the flood");
+    let refused = sc.refused();
+    // The flood's connections were shed (the flood saw them closed without
+    // an answer); at most a few came while every place was within the grace
+    // and were answered 503.
+    assert!(refused.shed > 100, "{refused:?} {seen:?}");
+    assert!(seen.closed_silently > 100, "{seen:?}");
+    assert!(seen.opened >= 300, "{seen:?}");
+    assert!(seen.answered.iter().all(|&s| s == 503), "{seen:?}");
+    assert_eq!(refused.busy as usize, seen.answered.len(), "{refused:?} {seen:?}");
+    // No thread added but (perhaps) the blocking pool's second.
+    let blocking_before = before.values().filter(|n| n.starts_with("tokio-")).count();
+    assert!(blocking_before + most_blocking <= 2, "{before:?} {:?}", threads());
+    drop(sc);
 }
