@@ -74,7 +74,9 @@ impl PySideChannel {
     /// What was refused since the start, by cause: `signature` (401),
     /// `forbidden` (403), `malformed` (400), `busy` (503: a runtime budget
     /// full, the runtime stopped, or too many connections), `too_large`
-    /// (413), `timed_out` (408).
+    /// (413), `timed_out` (408), `shed` (closed unanswered: a connection
+    /// with no complete request head, to serve a newcomer at
+    /// `max_connections`).
     #[getter]
     fn refused<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let r = self.inner.refused();
@@ -86,6 +88,7 @@ impl PySideChannel {
             ("busy", r.busy),
             ("too_large", r.too_large),
             ("timed_out", r.timed_out),
+            ("shed", r.shed),
         ] {
             d.set_item(k, v)?;
         }

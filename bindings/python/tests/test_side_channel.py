@@ -249,6 +249,7 @@ def test_a_taken_port_is_a_typed_error_and_close_is_idempotent() -> None:
                 "busy": 0,
                 "too_large": 0,
                 "timed_out": 0,
+                "shed": 0,
             }
         assert server.closed
         server.close()  # again: nothing happens

@@ -518,7 +518,9 @@ class SideChannel(_ClosesOnExit):
         """What was refused since the start, by cause: `signature` (401),
         `forbidden` (403), `malformed` (400), `busy` (503: a runtime budget
         full, the runtime stopped, or too many connections), `too_large`
-        (413), `timed_out` (408)."""
+        (413), `timed_out` (408), `shed` (closed unanswered: a connection
+        with no complete request head, to serve a newcomer at
+        `max_connections`)."""
 
     @property
     def connections(self) -> int:
