@@ -6,7 +6,8 @@
 //! By default a batch completes at its first poll. [`FakeTransport::hold`]
 //! keeps every batch in flight (a cut link: Mooncake's queue holds them);
 //! [`FakeTransport::end_with`] chooses how held or later batches end;
-//! [`FakeTransport::refuse_submits`] makes `submit_write` fail.
+//! [`FakeTransport::refuse_submits`] makes `submit_write` fail;
+//! [`FakeTransport::forgotten`] lists the peers it was told to forget.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -37,6 +38,8 @@ pub struct FakeTransport {
     ranges: AtomicU64,
     last_submit_ns: AtomicU64,
     notices_sent: AtomicU64,
+    /// `forget_peer` calls, by peer.
+    forgotten: Mutex<Vec<String>>,
     inbox: Mutex<Vec<Notification>>,
     /// `take_notifications` calls by the calling thread's name.
     polls: Mutex<std::collections::HashMap<String, u64>>,
@@ -56,6 +59,7 @@ impl FakeTransport {
             ranges: AtomicU64::new(0),
             last_submit_ns: AtomicU64::new(0),
             notices_sent: AtomicU64::new(0),
+            forgotten: Mutex::new(Vec::new()),
             inbox: Mutex::new(Vec::new()),
             polls: Mutex::new(std::collections::HashMap::new()),
         }
@@ -94,6 +98,16 @@ impl FakeTransport {
     /// Notifications sent so far.
     pub fn notices_sent(&self) -> u64 {
         self.notices_sent.load(Ordering::Acquire)
+    }
+
+    /// `forget_peer` calls so far.
+    pub fn forgets(&self) -> usize {
+        self.forgotten.lock().len()
+    }
+
+    /// The peers `forget_peer` was called for, in order (once per call).
+    pub fn forgotten(&self) -> Vec<String> {
+        self.forgotten.lock().clone()
     }
 
     /// When the latest accepted `submit_write` was called.
@@ -154,6 +168,10 @@ impl Transport for FakeTransport {
     fn send_notification(&self, _peer: &str, _name: &str, _message: &[u8]) -> TransportResult<()> {
         self.notices_sent.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    fn forget_peer(&self, peer: &str) {
+        self.forgotten.lock().push(peer.to_string());
     }
 
     fn take_notifications(&self) -> TransportResult<Vec<Notification>> {

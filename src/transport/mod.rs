@@ -134,6 +134,10 @@ pub trait Transport: Send + Sync + 'static {
     fn send_notification(&self, peer: &str, name: &str, message: &[u8]) -> crate::TransportResult<()>;
     /// Drains the notifications that arrived.
     fn take_notifications(&self) -> crate::TransportResult<Vec<Notification>>;
+    /// Drops what the transport keeps for `peer` (an open segment): the
+    /// writers of this process no longer write to it. The next write to it
+    /// opens it again. Default: nothing is kept.
+    fn forget_peer(&self, _peer: &str) {}
 }
 
 impl Transport for MooncakeTransferEngine {
@@ -151,6 +155,9 @@ impl Transport for MooncakeTransferEngine {
     }
     fn take_notifications(&self) -> crate::TransportResult<Vec<Notification>> {
         MooncakeTransferEngine::take_notifications(self)
+    }
+    fn forget_peer(&self, peer: &str) {
+        MooncakeTransferEngine::forget_peer(self, peer)
     }
 }
 

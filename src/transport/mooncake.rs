@@ -254,7 +254,14 @@ impl MooncakeTransferEngine {
         Ok(seg)
     }
 
-    /// Forgets a peer's cached segment (after it restarted, say).
+    /// Peer segments open now (one per peer written to and not forgotten).
+    pub fn open_segments(&self) -> usize {
+        self.segments.lock().len()
+    }
+
+    /// Forgets a peer's cached segment (after it restarted, say, or once
+    /// the runtime's writers reclaimed it as idle) and closes it. Call it
+    /// only with no batch to `peer` in flight.
     pub fn forget_peer(&self, peer: &str) {
         if let Some(seg) = self.segments.lock().remove(peer) {
             // SAFETY: live engine; `seg` came from openSegment.

@@ -221,6 +221,13 @@ impl Transport for SharedTransport {
     fn take_notifications(&self) -> Result<Vec<orbitkv::Notification>, TransportError> {
         self.with(|e| e.take_notifications())
     }
+    fn forget_peer(&self, peer: &str) {
+        // A closed engine kept nothing.
+        let _ = self.with(|e| {
+            e.forget_peer(peer);
+            Ok(())
+        });
+    }
 }
 
 impl PyEngine {
