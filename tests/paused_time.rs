@@ -82,6 +82,7 @@ impl Rank {
             cfg.max_ranges_in_flight_per_peer,
             1,
             cfg.inline_submit_max_ranges,
+            cfg.peer_idle_reclaim,
             stats.clone(),
         ));
         let (tx, events) = crossbeam_channel::unbounded();

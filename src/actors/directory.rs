@@ -666,6 +666,15 @@ impl Actor for RequestDirectory {
             let n = d.pre_open.expire(actix::clock::Instant::now());
             d.shared.stats.parked_expired.add(n as u64);
         });
+        // Idle peers' writer lanes and segments are reclaimed on a timer
+        // too: a prefill no decode endpoint writes to any more keeps none.
+        let every = (self.cfg.peer_idle_reclaim / 4).clamp(
+            std::time::Duration::from_millis(10),
+            std::time::Duration::from_secs(1),
+        );
+        ctx.run_interval(every, |d, _| {
+            d.shared.writers.reclaim_idle(std::time::Instant::now());
+        });
     }
 }
 

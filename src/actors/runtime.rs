@@ -54,6 +54,12 @@ pub struct RuntimeConfig {
     /// Writers per peer (threads that submit to Mooncake in turn, sharing
     /// the per-peer budgets).
     pub writer_lanes_per_peer: usize,
+    /// Prefill side: a peer (decode endpoint) whose writers had nothing to
+    /// do and no request held them for this long has its writer lanes
+    /// (threads) stopped and its Mooncake segment closed; a later request
+    /// to it starts them again. Checked every quarter of it (at least every
+    /// 10 ms, at most every second) and whenever a new peer is seen.
+    pub peer_idle_reclaim: Duration,
     /// A layer write of at most this many ranges, handed over without a
     /// layer mark, is submitted on the thread that called `layer_ready`
     /// when its writer is idle (0: always on the writer's thread).
@@ -95,6 +101,7 @@ impl Default for RuntimeConfig {
             max_bytes_in_flight_per_peer: 1 << 30,
             max_ranges_in_flight_per_peer: 768,
             writer_lanes_per_peer: 4,
+            peer_idle_reclaim: Duration::from_secs(60),
             inline_submit_max_ranges: 64,
             notify_poll: Duration::from_micros(250),
             max_parked: 4096,
@@ -219,6 +226,7 @@ impl Runtime {
                 cfg.max_ranges_in_flight_per_peer,
                 cfg.writer_lanes_per_peer,
                 cfg.inline_submit_max_ranges,
+                cfg.peer_idle_reclaim,
                 stats.clone(),
             )
             .in_system(system.clone()),
@@ -799,6 +807,13 @@ impl Runtime {
     /// Waits up to `timeout` for the next event.
     pub fn next_event(&self, timeout: Duration) -> Option<RuntimeEvent> {
         self.events_rx.recv_timeout(timeout).ok()
+    }
+
+    /// Peers (decode endpoints) this rank has writer lanes for now,
+    /// `writer_lanes_per_peer` threads each (for leak checks; idle ones are
+    /// reclaimed after `peer_idle_reclaim`).
+    pub fn writer_peers(&self) -> usize {
+        self.writers.peers()
     }
 
     /// Requests with a live actor on either side (for leak checks).

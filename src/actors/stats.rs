@@ -101,6 +101,9 @@ pub struct Stats {
     /// Prefill side: layer writes submitted to Mooncake on that thread
     /// (their writer was idle; no message to its thread).
     pub writes_inline: Counter,
+    /// Prefill side: peers whose writer lanes and segment were reclaimed
+    /// after `peer_idle_reclaim` idle.
+    pub peers_reclaimed: Counter,
 }
 
 /// A point-in-time copy of [`Stats`].
@@ -143,6 +146,7 @@ pub struct StatsSnapshot {
     pub layers_staged_to_pages: u64,
     pub layers_ready_inline: u64,
     pub writes_inline: u64,
+    pub peers_reclaimed: u64,
 }
 
 impl Stats {
@@ -185,6 +189,7 @@ impl Stats {
             layers_staged_to_pages: self.layers_staged_to_pages.get(),
             layers_ready_inline: self.layers_ready_inline.get(),
             writes_inline: self.writes_inline.get(),
+            peers_reclaimed: self.peers_reclaimed.get(),
         }
     }
 }

@@ -189,6 +189,9 @@ pub struct LaneCell {
     /// `WriteLayer`s sent to the actor and not yet queued: while any is, a
     /// write is not submitted inline ahead of it.
     inbox: AtomicUsize,
+    /// `SendNotice`s sent to the actor and not yet sent on: while any is,
+    /// the lane is not idle (its peer is not reclaimed).
+    notices: AtomicUsize,
     /// The actor (set once it started, before anyone can reach the cell).
     addr: std::sync::OnceLock<Addr<LayerWriter>>,
 }
@@ -251,6 +254,9 @@ impl LaneRef {
 
     /// Sends `notice` from this writer's thread.
     pub fn notice(&self, notice: Notice) {
+        // Counted before this reference can be dropped: a reclaim that sees
+        // no reference but the pool's sees the notice too.
+        self.0.notices.fetch_add(1, Ordering::SeqCst);
         self.0.addr().do_send(SendNotice(notice));
     }
 }
@@ -258,6 +264,21 @@ impl LaneRef {
 impl LaneCell {
     fn addr(&self) -> &Addr<LayerWriter> {
         self.addr.get().expect("a lane's address is set when it starts")
+    }
+
+    /// Nothing on its way to this lane, queued, or in flight (its lock
+    /// taken by someone else counts as busy).
+    fn idle(&self) -> bool {
+        if self.inbox.load(Ordering::SeqCst) != 0 || self.notices.load(Ordering::SeqCst) != 0 {
+            return false;
+        }
+        self.state.try_lock().is_some_and(|st| {
+            st.queue.is_empty()
+                && st.jobs.is_empty()
+                && st.pending.is_empty()
+                && st.in_flight == 0
+                && st.in_flight_ranges == 0
+        })
     }
 
     /// Takes a write into the queue.
@@ -477,6 +498,7 @@ impl Handler<SendNotice> for LayerWriter {
                 tracing::warn!(peer = %cell.peer, request = %n.request_id, error = %e, "notice not sent");
             }
         }
+        cell.notices.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -489,11 +511,32 @@ impl Handler<SendNotice> for LayerWriter {
 /// done only when its stream is idle). Notices go to lane 0; a producer
 /// sends its notice only after every write it admitted ended, whatever lane
 /// carried them.
+///
+/// A peer idle for `idle_reclaim` is reclaimed ([`Self::reclaim_idle`]):
+/// its arbiters stop, its entry goes, and the transport forgets it (closes
+/// its segment), so that decode endpoints coming and going (rollouts,
+/// autoscaling, restarts on new ports) leave no threads or segments behind.
+/// The rule, checked under the pool's lock (the only place a [`LaneRef`] is
+/// handed out): a peer is reclaimed only when
+/// * no [`LaneRef`] of it is alive but the pool's own (each lane's
+///   [`LaneCell`] is then held by the pool and by its actor only): no
+///   producer keeps its lanes, and none can get them without this lock;
+/// * every lane is idle: nothing queued, admitted, in flight or pending,
+///   and no `WriteLayer` or `SendNotice` sent to it and not yet handled
+///   ([`LaneCell`]'s counters, raised before the sender's reference can
+///   go); and
+/// * it was last looked up, or last found held or busy by a sweep, at least
+///   `idle_reclaim` ago.
+///
+/// A write to a reclaimed peer later starts its lanes (and opens its
+/// segment) again, as the first one did.
 pub struct WriterPool {
     lane: LaneSettings,
     lanes: usize,
     next_lane: std::sync::atomic::AtomicUsize,
-    writers: Mutex<HashMap<String, Vec<Lane>>>,
+    writers: Mutex<HashMap<String, Peer>>,
+    /// How long a peer stays idle before it is reclaimed.
+    idle_reclaim: Duration,
     /// The actor system the lanes' arbiters belong to, for a lane first
     /// needed on a thread outside it (a write handed over inline).
     system: Option<System>,
@@ -502,11 +545,37 @@ pub struct WriterPool {
 /// One writer of a peer and the arbiter (thread) it runs on.
 type Lane = (Arbiter, LaneRef);
 
+/// A peer's writers and when it was last seen in use.
+struct Peer {
+    lanes: Vec<Lane>,
+    /// The last lookup, or the last sweep that found it held or busy.
+    used: Instant,
+}
+
+/// References to a lane's cell while no producer holds it: the pool's
+/// [`LaneRef`] and its [`LayerWriter`] actor (or the closure that starts it).
+const LANE_OWN_REFS: usize = 2;
+
+impl Peer {
+    /// No producer holds its lanes and none has anything on them.
+    fn reclaimable(&self) -> bool {
+        let held = self
+            .lanes
+            .iter()
+            .any(|(_, l)| Arc::strong_count(&l.0) > LANE_OWN_REFS);
+        // Pairs with the release of the last producer reference: whatever
+        // that holder sent before it let go (counted in `inbox` or
+        // `notices`) is seen below.
+        std::sync::atomic::fence(Ordering::Acquire);
+        !held && self.lanes.iter().all(|(_, l)| l.0.idle())
+    }
+}
+
 impl WriterPool {
     /// `max_in_flight` and `max_ranges` bound each peer, all its lanes
     /// together; `marks` are the layer marks writes wait for; a write of at
     /// most `inline_max_ranges` ranges may be submitted on the thread that
-    /// computed its layer.
+    /// computed its layer; a peer idle for `idle_reclaim` is reclaimed.
     #[allow(clippy::too_many_arguments)]
     pub fn new(
         transport: Arc<dyn Transport>,
@@ -516,6 +585,7 @@ impl WriterPool {
         max_ranges: usize,
         lanes: usize,
         inline_max_ranges: usize,
+        idle_reclaim: Duration,
         stats: Arc<Stats>,
     ) -> Self {
         let lanes = lanes.clamp(1, max_ranges.max(1));
@@ -534,6 +604,7 @@ impl WriterPool {
             lanes,
             next_lane: std::sync::atomic::AtomicUsize::new(0),
             writers: Mutex::new(HashMap::new()),
+            idle_reclaim,
             system: System::try_current(),
         }
     }
@@ -547,43 +618,50 @@ impl WriterPool {
     /// `f` over `peer`'s writers (started on first use), under the pool's lock.
     fn with_lanes<R>(&self, peer: &str, f: impl FnOnce(&[Lane]) -> R) -> R {
         let mut writers = self.writers.lock();
-        if let Some(lanes) = writers.get(peer) {
-            return f(lanes);
+        let now = Instant::now();
+        if let Some(p) = writers.get_mut(peer) {
+            p.used = now;
+            return f(&p.lanes);
         }
-        let lanes = writers.entry(peer.to_string()).or_insert_with(|| {
-            if System::try_current().is_none() {
-                // A thread outside the actor system (the caller of an
-                // inline hand-over): its arbiters still belong to it.
-                if let Some(sys) = &self.system {
-                    System::set_current(sys.clone());
-                }
+        // A new peer: reclaim the idle ones first, so that peers seen once
+        // do not pile up between two ticks of the directory's sweep.
+        self.reclaim_locked(&mut writers, now);
+        if System::try_current().is_none() {
+            // A thread outside the actor system (the caller of an inline
+            // hand-over): its arbiters still belong to it.
+            if let Some(sys) = &self.system {
+                System::set_current(sys.clone());
             }
-            (0..self.lanes)
-                .map(|_| {
-                    let arbiter = Arbiter::new();
-                    let cell = Arc::new(LaneCell {
-                        peer: peer.into(),
-                        lane: self.lane.clone(),
-                        state: Mutex::new(LaneState {
-                            in_flight: 0,
-                            in_flight_ranges: 0,
-                            jobs: HashMap::new(),
-                            queue: VecDeque::new(),
-                            pending: HashMap::new(),
-                            next_token: 1,
-                            next_job: 1,
-                        }),
-                        inbox: AtomicUsize::new(0),
-                        addr: std::sync::OnceLock::new(),
-                    });
-                    let writer = LayerWriter { cell: cell.clone() };
-                    let addr = LayerWriter::start_in_arbiter(&arbiter.handle(), move |_| writer);
-                    let _ = cell.addr.set(addr);
-                    (arbiter, LaneRef(cell))
-                })
-                .collect()
-        });
-        f(lanes)
+        }
+        let lanes = (0..self.lanes)
+            .map(|_| {
+                let arbiter = Arbiter::new();
+                let cell = Arc::new(LaneCell {
+                    peer: peer.into(),
+                    lane: self.lane.clone(),
+                    state: Mutex::new(LaneState {
+                        in_flight: 0,
+                        in_flight_ranges: 0,
+                        jobs: HashMap::new(),
+                        queue: VecDeque::new(),
+                        pending: HashMap::new(),
+                        next_token: 1,
+                        next_job: 1,
+                    }),
+                    inbox: AtomicUsize::new(0),
+                    notices: AtomicUsize::new(0),
+                    addr: std::sync::OnceLock::new(),
+                });
+                let writer = LayerWriter { cell: cell.clone() };
+                let addr = LayerWriter::start_in_arbiter(&arbiter.handle(), move |_| writer);
+                let _ = cell.addr.set(addr);
+                (arbiter, LaneRef(cell))
+            })
+            .collect();
+        let p = writers
+            .entry(peer.to_string())
+            .or_insert(Peer { lanes, used: now });
+        f(&p.lanes)
     }
 
     /// The writer that sends `peer` its notices (lane 0).
@@ -604,10 +682,45 @@ impl WriterPool {
         &lanes[lane % lanes.len()]
     }
 
+    /// Reclaims every peer idle since `now - idle_reclaim` (the rule is the
+    /// type's); returns how many. The request directory calls it on a timer.
+    pub fn reclaim_idle(&self, now: Instant) -> usize {
+        self.reclaim_locked(&mut self.writers.lock(), now)
+    }
+
+    fn reclaim_locked(&self, writers: &mut HashMap<String, Peer>, now: Instant) -> usize {
+        let mut gone = 0;
+        writers.retain(|peer, p| {
+            if !p.reclaimable() {
+                p.used = now;
+                return true;
+            }
+            if now.saturating_duration_since(p.used) < self.idle_reclaim {
+                return true;
+            }
+            for (arbiter, _) in &p.lanes {
+                arbiter.stop();
+            }
+            // Under the pool's lock: the peer's next lanes (and so its next
+            // write, which opens the segment again) come after this.
+            self.lane.transport.forget_peer(peer);
+            self.lane.stats.peers_reclaimed.inc();
+            tracing::debug!(%peer, "idle peer reclaimed: its writer lanes stopped, its segment closed");
+            gone += 1;
+            false
+        });
+        gone
+    }
+
+    /// Peers with writers now.
+    pub fn peers(&self) -> usize {
+        self.writers.lock().len()
+    }
+
     /// Stops every writer's arbiter.
     pub fn stop(&self) {
-        for (_, lanes) in self.writers.lock().drain() {
-            for (arbiter, _) in lanes {
+        for (_, p) in self.writers.lock().drain() {
+            for (arbiter, _) in p.lanes {
                 arbiter.stop();
             }
         }

@@ -53,6 +53,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     defaults.set_item("max_bytes_in_flight_per_peer", d.max_bytes_in_flight_per_peer)?;
     defaults.set_item("max_ranges_in_flight_per_peer", d.max_ranges_in_flight_per_peer)?;
     defaults.set_item("writer_lanes_per_peer", d.writer_lanes_per_peer)?;
+    defaults.set_item("peer_idle_reclaim_s", d.peer_idle_reclaim.as_secs_f64())?;
     defaults.set_item("notify_poll_ms", d.notify_poll.as_secs_f64() * 1000.0)?;
     defaults.set_item("max_parked", d.max_parked)?;
     defaults.set_item("max_parked_bytes", d.max_parked_bytes)?;

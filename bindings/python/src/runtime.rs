@@ -318,7 +318,8 @@ impl PyRuntime {
         write_timeout_s=None, quarantine_s=None, max_bytes_in_flight_per_peer=None,
         max_ranges_in_flight_per_peer=None, writer_lanes_per_peer=None, notify_poll_ms=None, max_parked=None,
         max_parked_bytes=None, side_channel_key=None, publish_timeout_s=None, staging_region=None,
-        source_staging_region=None, staging_min_ranges=None, inline_submit_max_ranges=None))]
+        source_staging_region=None, staging_min_ranges=None, inline_submit_max_ranges=None,
+        peer_idle_reclaim_s=None))]
     fn new(
         py: Python<'_>,
         engine: &PyEngine,
@@ -339,6 +340,7 @@ impl PyRuntime {
         source_staging_region: Option<(u64, u64)>,
         staging_min_ranges: Option<usize>,
         inline_submit_max_ranges: Option<usize>,
+        peer_idle_reclaim_s: Option<f64>,
     ) -> PyResult<Self> {
         let layout: KvLayout = serde_json::from_str(layout_json).map_err(|e| {
             runtime_error(
@@ -368,6 +370,7 @@ impl PyRuntime {
             writer_lanes_per_peer: writer_lanes_per_peer
                 .unwrap_or(d.writer_lanes_per_peer)
                 .clamp(1, 64),
+            peer_idle_reclaim: secs("peer_idle_reclaim_s", peer_idle_reclaim_s, d.peer_idle_reclaim)?,
             notify_poll: secs(
                 "notify_poll_ms",
                 notify_poll_ms.map(|ms| ms / 1000.0),

@@ -301,6 +301,7 @@ class Runtime:
         source_staging_region: tuple[int, int] | None = None,
         staging_min_ranges: int | None = None,
         inline_submit_max_ranges: int | None = None,
+        peer_idle_reclaim_s: float | None = None,
     ) -> Self:
         """Each setting left out (None) is the Rust `RuntimeConfig::default()`'s
         (`RUNTIME_DEFAULTS`)."""

@@ -143,6 +143,10 @@ _PROM = {
         "vllm:orbitkv_writes_inline",
         "Prefill layer writes submitted to Mooncake on the worker's own thread (their writer lane was idle).",
     ),
+    "peers_reclaimed": (
+        "vllm:orbitkv_peers_reclaimed",
+        "Decode endpoints whose writer lanes (threads) and Mooncake segment the prefill reclaimed after they sat idle.",
+    ),
 }
 
 # Time sums the runtime keeps in microseconds, exported as seconds counters.
