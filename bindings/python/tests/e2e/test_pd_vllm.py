@@ -312,6 +312,64 @@ def test_abort_during_transfer(cluster: Cluster) -> None:
     assert_serves_correctly(cluster)
 
 
+STORM_REQUESTS = 16
+STORM_IN_FLIGHT = 4  # what two cores carry with both engines busy
+QUARANTINE_EXPIRED = "vllm:orbitkv_consumers_quarantine_expired_total"
+FENCES_SENT = "vllm:orbitkv_fences_sent_total"
+
+
+def test_a_storm_of_early_cancels_leaves_both_instances_idle_within_2s(cluster: Cluster) -> None:
+    """Issue 32's reproduction: streamed requests of 300-1500 tokens, four in
+    flight, each dropped by its client 0-300 ms after sending (some before
+    prefill scheduled them, some while prefill computed, some while their KV
+    moved, some after it arrived). Decode's consumers that vLLM released
+    while their producers had not ended fence them (the cancel carries the
+    generation; the prefill answers whether anything can still land), so
+    both instances hold no request and no KV block within 2 s of the last
+    cancel, not at timeout + quarantine (here 15 + 5 s; on b985850 decode
+    held its blocks that long); every request was answered or cancelled; no
+    quarantine expired; the next request equals one engine."""
+    import random
+
+    rng = random.Random(32)
+    d0 = snapshot(cluster, "decode")
+    lock = threading.Lock()
+    drops: list[float] = []
+    queue = list(range(STORM_REQUESTS))
+
+    def client() -> None:
+        while True:
+            with lock:
+                if not queue:
+                    return
+                i = queue.pop()
+                wait_s = rng.uniform(0.0, 0.3)
+                n = rng.randint(300, 1500)
+            req = Abandoned(cluster.proxy_url, fresh_prompt(n), GEN, stream=True)
+            time.sleep(max(0.0, req.sent + wait_s - time.monotonic()))
+            req.drop()
+            with lock:
+                drops.append(time.monotonic())
+
+    threads = [threading.Thread(target=client) for _ in range(STORM_IN_FLIGHT)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(tc.REQ_TIMEOUT_S)
+    assert len(drops) == STORM_REQUESTS, f"{len(drops)} of {STORM_REQUESTS} requests sent and dropped"
+    last = max(drops)
+    cluster.wait_idle(timeout_s=max(0.1, last + 2.0 - time.monotonic()))
+    idle_s = time.monotonic() - last
+    d1 = snapshot(cluster, "decode")
+    print(
+        f"cancel storm: {STORM_REQUESTS} requests, both instances idle {idle_s:.2f}s after the last cancel; "
+        f"decode sent {d1.get(FENCES_SENT, 0) - d0.get(FENCES_SENT, 0):.0f} fences"
+    )
+    assert d1.get(QUARANTINE_EXPIRED, 0) == d0.get(QUARANTINE_EXPIRED, 0), "a consumer waited out its quarantine"
+    cluster.check_alive()
+    assert_serves_correctly(cluster)
+
+
 # ---- (c2) hostile input and dead peers: no engine exits ----------------------
 
 
