@@ -25,6 +25,8 @@ pub struct HostRank {
     pub mem: Vec<u8>,
     pub layout: KvLayout,
     pub runtime: Arc<Runtime>,
+    /// The runtime's transport (its open segments, say).
+    pub engine: Arc<MooncakeTransferEngine>,
 }
 
 /// `layers` × `blocks` blocks of `block_bytes` (the `(tp_rank, tp_size)`
@@ -38,6 +40,23 @@ pub fn host_rank(
     heads: u32,
     fill: impl Fn(usize) -> u8,
 ) -> HostRank {
+    let cfg = RuntimeConfig {
+        consumer_timeout: Duration::from_secs(20),
+        ..RuntimeConfig::default()
+    };
+    host_rank_with(layers, blocks, block_bytes, tp, heads, fill, cfg)
+}
+
+/// [`host_rank`] with the runtime settings `cfg`.
+pub fn host_rank_with(
+    layers: u32,
+    blocks: u32,
+    block_bytes: u64,
+    tp: (u32, u32),
+    heads: u32,
+    fill: impl Fn(usize) -> u8,
+    cfg: RuntimeConfig,
+) -> HostRank {
     let size = (layers as u64 * blocks as u64 * block_bytes) as usize;
     let mut mem: Vec<u8> = (0..size).map(fill).collect();
     let base = mem.as_mut_ptr() as u64;
@@ -46,12 +65,13 @@ pub fn host_rank(
     engine
         .register_memory(base, size as u64, "cpu:0")
         .expect("register");
-    let cfg = RuntimeConfig {
-        consumer_timeout: Duration::from_secs(20),
-        ..RuntimeConfig::default()
-    };
-    let runtime = Arc::new(Runtime::start(engine, layout.clone(), cfg).expect("runtime"));
-    HostRank { mem, layout, runtime }
+    let runtime = Arc::new(Runtime::start(engine.clone(), layout.clone(), cfg).expect("runtime"));
+    HostRank {
+        mem,
+        layout,
+        runtime,
+        engine,
+    }
 }
 
 /// The bytes of `layer`'s block `b` on `r`.
