@@ -261,7 +261,9 @@ impl MooncakeTransferEngine {
 
     /// Forgets a peer's cached segment (after it restarted, say, or once
     /// the runtime's writers reclaimed it as idle) and closes it. Call it
-    /// only with no batch to `peer` in flight.
+    /// only with no batch to `peer` in flight. (Mooncake's `closeSegment`
+    /// is a no-op upstream: its own metadata cache of the peer stays; the
+    /// next write to `peer` opens it again through that cache.)
     pub fn forget_peer(&self, peer: &str) {
         if let Some(seg) = self.segments.lock().remove(peer) {
             // SAFETY: live engine; `seg` came from openSegment.
