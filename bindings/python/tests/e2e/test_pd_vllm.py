@@ -370,6 +370,23 @@ def test_a_storm_of_early_cancels_leaves_both_instances_idle_within_2s(cluster: 
     assert_serves_correctly(cluster)
 
 
+def test_a_request_decode_rejects_before_admission_leaves_both_idle_at_once(cluster: Cluster) -> None:
+    """An early end of issue 32's list: vLLM on decode refuses the request
+    before admitting it (its prompt plus max_tokens exceed the model's 4096
+    positions; the prefill half, with one output token, fits). Decode never
+    allocates a block; the proxy cancels the prefill half, whose producer
+    (no handshake will come) is aborted and released. Both instances hold
+    nothing within 2 s of the answer."""
+    prompt = fresh_prompt(4096 - 4)
+    c = complete(cluster.proxy_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S)
+    answered = time.monotonic()
+    assert c.status == 400, f"decode accepted a request past the model's length: HTTP {c.status}"
+    cluster.wait_idle(timeout_s=2.0)
+    print(f"decode rejected it: both instances idle {time.monotonic() - answered:.2f}s after the answer")
+    cluster.check_alive()
+    assert_serves_correctly(cluster)
+
+
 # ---- (c2) hostile input and dead peers: no engine exits ----------------------
 
 
