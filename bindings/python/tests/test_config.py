@@ -16,23 +16,80 @@ def test_defaults_and_per_rank_helpers() -> None:
     assert c.nics_for(0) == [] and c.nics_for(1) == ["mlx5_1"]
     assert c.side_channel_port_for(3) == 17503
     assert c.side_channel_key is None
-    # Loopback only, unless configured.
-    assert c.prefill_allowed("127.0.0.1", 17500) and c.prefill_allowed("localhost", 1)
-    assert c.prefill_allowed("[::1]", 1)
+    # Loopback's default side channel ports (a TP <= 64 prefill), unless configured.
+    assert c.prefill_allowed("127.0.0.1", 17500) and c.prefill_allowed("localhost", 17563)
+    assert c.prefill_allowed("[::1]", 17500) and c.prefill_allowed("127.0.0.1", 17500, tp=64)
+    assert not c.prefill_allowed("127.0.0.1", 17500, tp=65)  # rank 64 listens on 17564
+    assert not c.prefill_allowed("127.0.0.1", 1) and not c.prefill_allowed("localhost", 17499)
     assert not c.prefill_allowed("127.0.0.2", 17500) and not c.prefill_allowed("10.0.0.2", 17500)
+    assert c.prefill_host_allowed("LOCALHOST") and not c.prefill_host_allowed("10.0.0.2")
 
 
-def test_allowed_prefill_entries() -> None:
+def test_allowed_prefill_entries_name_endpoints() -> None:
     c = PdConfig.from_extra_config(
-        {"orbitkv.pd.allowed_prefill": ["10.0.0.2:17500", "[fd00::1]:9000", "P1.example", "fd00::2"]}
+        {"orbitkv.pd.allowed_prefill": ["10.0.0.2:17500", "[fd00::1]:9000-9003", "P1.example:17600-17601"]}
     )
     assert c.prefill_allowed("10.0.0.2", 17500) and not c.prefill_allowed("10.0.0.2", 17501)
-    assert c.prefill_allowed("fd00::1", 9000) and not c.prefill_allowed("fd00::1", 9001)
-    assert c.prefill_allowed("p1.example", 1) and c.prefill_allowed("fd00::2", 5)
-    assert PdConfig.from_extra_config({"orbitkv.pd.allowed_prefill": "*"}).prefill_allowed("10.9.9.9", 1)
-    for bad in (["10.0.0.2:0"], ["a b"], [""], [7], ["h:x"], ["[::1"], {"h": 1}):
-        with pytest.raises(ConfigError, match="allowed_prefill"):
-            PdConfig.from_extra_config({"orbitkv.pd.allowed_prefill": bad})
+    assert not c.prefill_allowed("10.0.0.2", 17500, tp=2)  # rank 1's port is not declared
+    assert c.prefill_allowed("fd00::1", 9000, tp=4) and c.prefill_allowed("[FD00::1]", 9003)
+    assert not c.prefill_allowed("fd00::1", 8999) and not c.prefill_allowed("fd00::1", 9001, tp=4)
+    assert c.prefill_allowed("p1.example", 17601) and not c.prefill_allowed("p1.example", 17602)
+    assert not c.prefill_allowed("127.0.0.1", 17500)  # a list given replaces the loopback default
+    assert c.prefill_host_allowed("p1.example") and not c.prefill_host_allowed("10.0.0.3")
+    # A TP 2 prefill may be declared as two entries.
+    two = PdConfig.from_extra_config({"orbitkv.pd.allowed_prefill": ["[::1]:17500", "[::1]:17501"]})
+    assert two.prefill_allowed("::1", 17500, tp=2) and not two.prefill_allowed("::1", 17500, tp=3)
+    # "*" allows every side channel (unsafe: trusts whoever reaches decode's API).
+    for star in ("*", ["*"], ["10.0.0.2:1", "*"]):
+        anyc = PdConfig.from_extra_config({"orbitkv.pd.allowed_prefill": star})
+        assert anyc.prefill_allowed("10.9.9.9", 1, tp=1024) and anyc.prefill_host_allowed("10.9.9.9")
+    # Ranges: inclusive, at most 1024 ports.
+    wide = PdConfig.from_extra_config({"orbitkv.pd.allowed_prefill": ["h:1000-2023"]})
+    assert wide.prefill_allowed("h", 1000, tp=1024) and not wide.prefill_allowed("h", 2024)
+
+
+@pytest.mark.parametrize(
+    ("entry", "why"),
+    [
+        ("10.0.0.2", "names no port"),  # the old host-only form: every port of the host
+        ("p1.example", "names no port"),
+        ("[fd00::1]", "names no port"),
+        ("fd00::2", "takes brackets and a port"),
+        ("::1", "takes brackets and a port"),
+        ("10.0.0.2:0", "ports must be in 1..65535"),
+        ("10.0.0.2:65536", "ports must be in 1..65535"),
+        ("h:x", "ports must be in 1..65535"),
+        ("h:\u00b9", "ports must be in 1..65535"),  # a digit to isdigit(), not to int()
+        ("h:", "ports must be in 1..65535"),
+        ("h:1-", "ports must be in 1..65535"),
+        ("h:-5", "ports must be in 1..65535"),
+        ("h:1-2-3", "ports must be in 1..65535"),
+        ("h:17505-17500", "first port is above its last"),
+        ("h:1000-2024", "at most 1024 ports"),
+        ("[::1", "entries are 'host:port'"),
+        ("[::1]17500", "entries are 'host:port'"),
+        ("[]:17500", "entries are 'host:port'"),
+        (":17500", "entries are 'host:port'"),
+        ("a/b:17500", "entries are 'host:port'"),
+        ("*:17500", "entries are 'host:port'"),
+        ("a b:1", "entries are 'host:port'"),
+        ("", "entries are 'host:port'"),
+        (7, "entries are 'host:port'"),
+    ],
+)
+def test_a_bad_allowed_prefill_entry_is_refused_at_load(entry: object, why: str) -> None:
+    with pytest.raises(ConfigError, match=r"orbitkv\.pd\.allowed_prefill") as e:
+        PdConfig.from_extra_config({"orbitkv.pd.allowed_prefill": ["127.0.0.1:17500", entry]})
+    assert why in str(e.value)
+
+
+def test_a_host_only_entry_says_how_to_name_the_ports() -> None:
+    with pytest.raises(ConfigError) as e:
+        PdConfig.from_extra_config({"orbitkv.pd.allowed_prefill": ["10.0.0.2"]})
+    msg = str(e.value)
+    assert "'10.0.0.2' names no port" in msg and "'10.0.0.2:17500'" in msg and "'10.0.0.2:17500-17507'" in msg
+    with pytest.raises(ConfigError, match="must be a list"):
+        PdConfig.from_extra_config({"orbitkv.pd.allowed_prefill": {"h": 1}})
 
 
 def test_deployment_key_from_file_or_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,12 +11,14 @@ never while vLLM still runs the request.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
+from orbitkv.vllm import params as kvp
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.metadata import ConsumerOpen, PdConnectorMetadata, ProducerChunk, RequestEnd
 from orbitkv.vllm.scheduler import PdScheduler
@@ -502,14 +504,152 @@ def test_malformed_params_serve_the_request_plainly(params: dict[str, Any]) -> N
     assert s.get_num_new_matched_tokens(ok, 0) == (40, True)
 
 
-def test_the_allow_list_decides_where_decode_may_send_a_handshake() -> None:
+def keyed_scheduler(allowed: list[str] | None = None, key: bytes | None = None) -> PdScheduler:
     cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS))
-    s = PdScheduler(cfg, PdConfig.from_extra_config({"orbitkv.pd.allowed_prefill": ["10.0.0.7:17500"]}))  # type: ignore[arg-type]
-    r = consumer("d1", 40)  # names 127.0.0.1:17500, not on this list
+    extra = {} if allowed is None else {"orbitkv.pd.allowed_prefill": allowed}
+    pd_config = dataclasses.replace(PdConfig.from_extra_config(extra), side_channel_key=key)
+    return PdScheduler(cfg, pd_config)  # type: ignore[arg-type]
+
+
+def with_params(r: FakeRequest, **changes: Any) -> FakeRequest:
+    r.kv_transfer_params = dict(r.kv_transfer_params or {}, **changes)
+    return r
+
+
+def signed(r: FakeRequest, key: bytes) -> FakeRequest:
+    params = dict(r.kv_transfer_params or {})
+    params.pop(kvp.SIGNATURE, None)
+    r.kv_transfer_params = dict(params, **{kvp.SIGNATURE: kvp.sign(params, key)})
+    return r
+
+
+def assert_served_plainly(s: PdScheduler, r: FakeRequest, refused: int) -> None:
+    """``r``'s params were refused: counted, and the request runs as a plain
+    one through every hook, nothing sent anywhere (no handshake, no cancel,
+    no producer)."""
+    assert s.params_of(r) is None
+    assert s.refused == refused
     assert s.get_num_new_matched_tokens(r, 0) == (0, False)
-    r2 = consumer("d2", 40, pd="pd-2")
-    r2.kv_transfer_params = dict(r2.kv_transfer_params or {}, orbitkv_prefill_kv="10.0.0.7:17500")
-    assert s.get_num_new_matched_tokens(r2, 0) == (40, True)
+    s.update_state_after_alloc(r, FakeBlocks([1, 2, 3]), 0)
+    rid = r.request_id
+    meta = s.build_connector_meta(sched_output([FakeNewReq(rid, ([1, 2, 3],), 0)], scheduled={rid: 40}))
+    assert (meta.consumers_open, meta.producer_chunks) == ([], [])
+    r.status = "FINISHED_STOPPED"
+    assert s.request_finished(r, [1, 2, 3]) == (False, None)
+    after = s.build_connector_meta(sched_output())
+    assert (after.consumers_cancel, after.producers_discard, after.producers_end) == ([], [], [])
+    assert s.refused == refused  # decided once per request
+    assert not s.has_pending_push_work()
+
+
+def assert_accepted(s: PdScheduler, r: FakeRequest) -> None:
+    p = s.params_of(r)
+    assert p is not None and p.role == (r.kv_transfer_params or {})[kvp.ROLE]
+    if p.role == kvp.CONSUMER:
+        assert s.get_num_new_matched_tokens(r, 0) == (40, True)
+
+
+def test_the_allow_list_decides_where_decode_may_send_a_handshake() -> None:
+    s = keyed_scheduler(["10.0.0.7:17500"])
+    r = consumer("d1", 40)  # names 127.0.0.1:17500, not on this list
+    assert_served_plainly(s, r, 1)
+    assert_accepted(s, with_params(consumer("d2", 40, pd="pd-2"), orbitkv_prefill_kv="10.0.0.7:17500"))
+    assert s.refused == 1
+
+
+def test_an_undeclared_port_on_an_allowed_host_is_served_plainly() -> None:
+    """Issue 31, item 2: `127.0.0.1:<any port>` made decode post its whole
+    handshake to a listener the sender owned. Loopback's default entries
+    name the default side channel ports only."""
+    s = scheduler()
+    for i, kv in enumerate(("127.0.0.1:9999", "localhost:17564", "[::1]:17499", "127.0.0.1:1"), start=1):
+        assert_served_plainly(s, with_params(consumer(f"d{i}", 40, pd=f"pd-{i}"), orbitkv_prefill_kv=kv), i)
+    assert_accepted(s, with_params(consumer("ok", 40, pd="pd-ok"), orbitkv_prefill_kv="[::1]:17563"))
+    declared = keyed_scheduler(["10.0.0.7:17500-17503"])
+    assert_served_plainly(declared, with_params(consumer("d1", 40), orbitkv_prefill_kv="10.0.0.7:17504"), 1)
+    assert_accepted(declared, with_params(consumer("d2", 40, pd="pd-2"), orbitkv_prefill_kv="10.0.0.7:17503"))
+
+
+def test_every_prefill_ranks_port_must_be_declared() -> None:
+    """Decode posts to rank 0's port + r for every prefill rank r: a TP 2
+    prefill whose rank 1 port is outside the list is refused whole."""
+    s = keyed_scheduler(["10.0.0.7:17500-17501"])
+    tp2 = {"orbitkv_prefill_kv": "10.0.0.7:17500", "orbitkv_prefill_tp": 2}
+    assert_accepted(s, with_params(consumer("ok", 40, pd="pd-ok"), **tp2))
+    shifted = {"orbitkv_prefill_kv": "10.0.0.7:17501", "orbitkv_prefill_tp": 2}  # rank 1 on 17502
+    assert_served_plainly(s, with_params(consumer("d1", 40), **shifted), 1)
+    assert_served_plainly(s, with_params(consumer("d2", 40, pd="pd-2"), **{**tp2, "orbitkv_prefill_tp": 3}), 2)
+    # The default: loopback, ranks 0..63 of a prefill on port 17500.
+    d = scheduler()
+    assert_accepted(d, with_params(consumer("ok", 40), orbitkv_prefill_tp=64))
+    assert_served_plainly(d, with_params(consumer("d1", 40, pd="pd-2"), orbitkv_prefill_kv="127.0.0.1:17563",
+                                         orbitkv_prefill_tp=2), 1)
+
+
+KEY = b"deployment-key-0123456789"
+
+
+def test_with_a_key_params_are_accepted_only_signed() -> None:
+    s = keyed_scheduler(["10.0.0.7:17500"], KEY)
+    n = 0
+
+    def refused(r: FakeRequest) -> None:
+        nonlocal n
+        n += 1
+        assert_served_plainly(s, r, n)
+
+    at = {"orbitkv_prefill_kv": "10.0.0.7:17500"}
+    refused(with_params(consumer("unsigned", 40, pd="pd-1"), **at))  # a declared endpoint, but unsigned
+    refused(with_params(consumer("zeros", 40, pd="pd-2"), **at, orbitkv_signature="0" * 64))
+    refused(signed(with_params(consumer("other-key", 40, pd="pd-3"), **at), b"another-key-0123456789"))
+    # Signed over other values: the proxy's params, then the prefill moved to
+    # a listener of the sender's (or the TP changed, or the role).
+    tampered = signed(with_params(consumer("tampered", 40, pd="pd-4"), **at), KEY)
+    refused(with_params(tampered, orbitkv_prefill_kv="10.0.0.7:31337"))
+    refused(with_params(signed(with_params(consumer("tp", 40, pd="pd-5"), **at), KEY), orbitkv_prefill_tp=2))
+    # A signature that is not 64 lowercase hex digits is malformed.
+    refused(with_params(consumer("short", 40, pd="pd-6"), **at, orbitkv_signature="abc"))
+    refused(with_params(consumer("upper", 40, pd="pd-7"), **at, orbitkv_signature=kvp.sign(at, KEY).upper()))
+    refused(with_params(consumer("number", 40, pd="pd-8"), **at, orbitkv_signature=7))
+    # Signed, but on a host the list does not name.
+    refused(signed(with_params(consumer("host", 40, pd="pd-9"), orbitkv_prefill_kv="10.0.0.9:17500"), KEY))
+    # A producer request, unsigned or wrongly signed.
+    refused(producer("p-unsigned", 40, pd="pd-10"))
+    refused(with_params(signed(producer("p-tampered", 40, pd="pd-11"), KEY), orbitkv_decode_tp=2))
+    assert n == 11
+    # Signed by the proxy: accepted, on any port of a declared host (the
+    # proxy learned the ports from the prefill's side channels).
+    assert_accepted(s, signed(with_params(consumer("ok", 40, pd="pd-ok"), **at), KEY))
+    far = {"orbitkv_prefill_kv": "10.0.0.7:20000", "orbitkv_prefill_tp": 4}
+    assert_accepted(s, signed(with_params(consumer("far", 40, pd="pd-far"), **far), KEY))
+    assert_accepted(s, signed(producer("p-ok", 40, pd="pd-p"), KEY))
+    # Keys of other connectors in the same dict are not signed and do not matter.
+    assert_accepted(s, with_params(signed(producer("p-other", 40, pd="pd-q"), KEY), do_remote_decode=True))
+    assert s.refused == n
+
+
+def test_a_refusal_names_its_reason_never_the_key_or_the_capability(caplog: pytest.LogCaptureFixture) -> None:
+    s = keyed_scheduler(None, KEY)
+    with caplog.at_level("WARNING", logger="orbitkv.vllm.scheduler"):
+        s.params_of(consumer("unsigned", 40, pd="pd-1"))
+        s.params_of(with_params(consumer("bad", 40, pd="pd-2"), orbitkv_signature="f" * 64))
+    first, second = (r.getMessage() for r in caplog.records)
+    assert "unsigned" in first and "does not match" in second
+    for message in (first, second):
+        assert CAP not in message and KEY.decode() not in message and KEY.hex() not in message
+    unkeyed = scheduler()
+    with caplog.at_level("WARNING", logger="orbitkv.vllm.scheduler"):
+        unkeyed.params_of(with_params(consumer("port", 40), orbitkv_prefill_kv="127.0.0.1:9999"))
+    assert "'127.0.0.1:9999' is not an allowed prefill side channel" in caplog.records[-1].getMessage()
+
+
+def test_without_a_key_a_signature_vouches_for_nothing() -> None:
+    """A decode without the key ignores a (well-formed) signature: only
+    declared endpoints, as for any unsigned request."""
+    s = scheduler()
+    assert_accepted(s, signed(consumer("ok", 40), KEY))
+    far = signed(with_params(consumer("far", 40, pd="pd-2"), orbitkv_prefill_kv="127.0.0.1:9999"), KEY)
+    assert_served_plainly(s, far, 1)
 
 
 def test_a_duplicate_request_id_is_served_plainly_and_the_first_keeps_its_transfer() -> None:

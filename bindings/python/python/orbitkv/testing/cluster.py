@@ -147,6 +147,10 @@ def vllm_env(omp_bind: str, extra: dict[str, str] | None = None) -> dict[str, st
     return env
 
 
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
 @dataclass
 class InstanceSpec:
     """One vLLM instance of the cluster."""
@@ -264,7 +268,12 @@ class Cluster:
             self.prefill.netns = ns
             self.prefill.host, self.prefill.data_host = ns.ctl_inside, ns.data_inside
             self.decode.data_host = ns.data_outside
-            self.decode.extra_config.setdefault("orbitkv.pd.allowed_prefill", [ns.data_inside])
+        # Decode may post only to declared side channels: every prefill rank's.
+        self.decode.extra_config.setdefault(
+            "orbitkv.pd.allowed_prefill",
+            [f"{_bracket(sp.data_host)}:{sp.side_channel_port}-{sp.side_channel_port + sp.tp - 1}"
+             for sp in self.prefills],
+        )
         self.proxy_port = xp
         self.procs: dict[str, Proc] = {}
 

@@ -8,9 +8,10 @@ from vLLM (pydantic is one of vLLM's own dependencies).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -18,8 +19,6 @@ from orbitkv._native import RUNTIME_DEFAULTS as _RT
 
 PREFIX = "orbitkv.pd."
 
-# Where decode may send handshakes when `orbitkv.pd.allowed_prefill` is unset.
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 # The deployment key, when it is not in a file (`side_channel_key_file`).
 KEY_ENV = "ORBITKV_SIDE_CHANNEL_KEY"
 MIN_KEY_BYTES = 16
@@ -28,6 +27,28 @@ MIN_KEY_BYTES = 16
 # Where a prefill rank 0's side channel listens unless configured (rank r:
 # this + r); the proxy assumes it for a prefill given without --prefill-kv.
 DEFAULT_SIDE_CHANNEL_PORT = 17500
+# Ports an `orbitkv.pd.allowed_prefill` range entry may span at most.
+MAX_ALLOWED_SPAN = 1024
+
+
+class Endpoints(NamedTuple):
+    """One `orbitkv.pd.allowed_prefill` entry: side channels on ``host``
+    with a port in ``lo..hi`` (inclusive); host ``"*"``: any side channel."""
+
+    host: str
+    lo: int
+    hi: int
+
+
+ANY = Endpoints("*", 1, 65535)
+# Where decode may send handshakes when `orbitkv.pd.allowed_prefill` is
+# unset: the loopback hosts, on the default side channel ports of a prefill
+# of TP up to 64 (a loopback deployment on default ports works as is; any
+# other prefill side channel must be declared).
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+DEFAULT_ALLOWED_PREFILL = tuple(
+    Endpoints(h, DEFAULT_SIDE_CHANNEL_PORT, DEFAULT_SIDE_CHANNEL_PORT + 63) for h in LOOPBACK
+)
 
 
 class ConfigError(ValueError):
@@ -79,9 +100,7 @@ class ExtraConfig(BaseModel):
         0, alias="orbitkv.pd.staging_mb"
     )
     staging_min_ranges: Positive = Field(int(_RT["staging_min_ranges"]), alias="orbitkv.pd.staging_min_ranges")
-    allowed_prefill: tuple[tuple[str, int | None], ...] = Field(
-        tuple((h, None) for h in LOOPBACK), alias="orbitkv.pd.allowed_prefill"
-    )
+    allowed_prefill: tuple[Endpoints, ...] = Field(DEFAULT_ALLOWED_PREFILL, alias="orbitkv.pd.allowed_prefill")
     side_channel_key_file: Text | None = Field(
         None, alias="orbitkv.pd.side_channel_key_file", description="a file path"
     )
@@ -121,12 +140,12 @@ class ExtraConfig(BaseModel):
 
     @field_validator("allowed_prefill", mode="before")
     @classmethod
-    def _allowed(cls, v: Any) -> tuple[tuple[str, int | None], ...]:
-        """``"*"``, or a list of ``"host"`` / ``"host:port"`` entries."""
+    def _allowed(cls, v: Any) -> tuple[Endpoints, ...]:
+        """``"*"``, or a list of ``"host:port"`` / ``"host:lo-hi"`` entries."""
         if isinstance(v, str):
             v = [v]
         if not isinstance(v, (list, tuple)):
-            raise ValueError("must be a list of 'host' or 'host:port'")
+            raise ValueError("must be a list of 'host:port' or 'host:lo-hi' entries (or '*')")
         return tuple(_allow_entry(a) for a in v)
 
     @staticmethod
@@ -185,15 +204,27 @@ class PdConfig:
     # Staging memory per rank, MiB, on the KV device (0: off; docs/configuration.md).
     staging_mb: int = 0
     staging_min_ranges: int = ExtraConfig.model_fields["staging_min_ranges"].default
-    # (host, port or None) pairs; ("*", None) allows any (trusts the network).
-    allowed_prefill: tuple[tuple[str, int | None], ...] = ExtraConfig.model_fields["allowed_prefill"].default
+    # The side channels decode may post to; ANY ("*") allows every one
+    # (trusts whoever reaches decode's API).
+    allowed_prefill: tuple[Endpoints, ...] = DEFAULT_ALLOWED_PREFILL
     side_channel_key: bytes | None = field(default=None, repr=False)
 
-    def prefill_allowed(self, host: str, port: int) -> bool:
-        """Whether decode may send this request's handshake to the side
-        channel ``host:port`` (a client names it in ``kv_transfer_params``)."""
-        h = host.strip("[]").lower()
-        return any(e == "*" or (e == h and p in (None, port)) for e, p in self.allowed_prefill)
+    def prefill_allowed(self, host: str, port: int, tp: int = 1) -> bool:
+        """Whether decode may send a request's handshakes and cancels to the
+        side channels of a prefill of TP ``tp`` whose rank 0 is ``host:port``
+        (a client names them in ``kv_transfer_params``): every rank's port,
+        ``port .. port + tp - 1``, must be declared for that host."""
+        h = _norm_host(host)
+        mine = [e for e in self.allowed_prefill if e.host in ("*", h)]
+        return all(any(e.lo <= q <= e.hi for e in mine) for q in range(port, port + tp))
+
+    def prefill_host_allowed(self, host: str) -> bool:
+        """Whether some entry names ``host`` (or is ``"*"``): with a
+        deployment key, the proxy's signed ``orbitkv_prefill_kv`` on such a
+        host is accepted on any port (the proxy learned the ports from the
+        prefill's side channels)."""
+        h = _norm_host(host)
+        return any(e.host in ("*", h) for e in self.allowed_prefill)
 
     def nics_for(self, rank: int) -> list[str]:
         return list(self.rank_nics.get(rank, []))
@@ -233,36 +264,62 @@ class PdConfig:
             staging_mb=x.staging_mb,
             staging_min_ranges=x.staging_min_ranges,
             allowed_prefill=x.allowed_prefill,
-            side_channel_key=_side_channel_key(x.side_channel_key_file),
+            side_channel_key=read_side_channel_key(x.side_channel_key_file),
         )
 
 
-def _allow_entry(a: Any) -> tuple[str, int | None]:
-    """``"*"``, ``"host"``, ``"host:port"``, ``"::1"`` or ``"[::1]:port"``."""
-    bad = ValueError(f"entries are 'host' or 'host:port' (or '*' for any), not {a!r}")
+_NAME = re.compile(r"[A-Za-z0-9.\-]+")  # a host name or IPv4 address
+_V6 = re.compile(r"[0-9A-Fa-f:.]+")
+
+
+def _norm_host(host: str) -> str:
+    return host.strip("[]").lower()
+
+
+def _allow_entry(a: Any) -> Endpoints:
+    """``"*"``, ``"host:port"``, ``"host:lo-hi"``, ``"[v6]:port"`` or
+    ``"[v6]:lo-hi"``. A host without a port (the old form) is refused: an
+    entry names side channels, not every port of a host."""
+    form = "entries are 'host:port' or 'host:lo-hi' ('[v6]:port' for IPv6; '*' allows any)"
     if not isinstance(a, str) or not a or any(c.isspace() for c in a):
-        raise bad
+        raise ValueError(f"{form}, not {a!r}")
     if a == "*":
-        return ("*", None)
+        return ANY
     if a.startswith("["):
         host, bracket, rest = a[1:].partition("]")
-        if not bracket:
-            raise bad
-        port = rest[1:] if rest.startswith(":") else None
-        if not host or (rest and port is None):
-            raise bad
-    elif a.count(":") == 1:
-        host, _, port = a.partition(":")
+        if not bracket or not _V6.fullmatch(host) or (rest and not rest.startswith(":")):
+            raise ValueError(f"{form}, not {a!r}")
+        ports = rest[1:] if rest else None
+    elif a.count(":") > 1:
+        raise ValueError(f"entry {a!r}: an IPv6 address takes brackets and a port, '[{a}]:17500'")
     else:
-        host, port = a, None  # a host name, or a bare IPv6 address
-    if port is not None and not (port.isdigit() and 1 <= int(port) <= 65535):
-        raise bad
-    return (host.lower(), int(port) if port is not None else None)
+        host, colon, ports_s = a.partition(":")
+        if not _NAME.fullmatch(host):
+            raise ValueError(f"{form}, not {a!r}")
+        ports = ports_s if colon else None
+    if ports is None:
+        raise ValueError(
+            f"entry {a!r} names no port: name the prefill side channel's port or ports, '{a}:17500' or "
+            f"'{a}:17500-17507' (a prefill of TP n listens on port .. port + n - 1)"
+        )
+    lo_s, dash, hi_s = ports.partition("-")
+    if not dash:
+        hi_s = lo_s
+    digits = all(x.isascii() and x.isdigit() and len(x) <= 5 for x in (lo_s, hi_s))
+    if not (digits and 1 <= int(lo_s) <= 65535 and 1 <= int(hi_s) <= 65535):
+        raise ValueError(f"entry {a!r}: ports must be in 1..65535 ('host:port' or 'host:lo-hi')")
+    lo, hi = int(lo_s), int(hi_s)
+    if lo > hi:
+        raise ValueError(f"entry {a!r}: the range's first port is above its last")
+    if hi - lo + 1 > MAX_ALLOWED_SPAN:
+        raise ValueError(f"entry {a!r}: a range spans at most {MAX_ALLOWED_SPAN} ports")
+    return Endpoints(_norm_host(host), lo, hi)
 
 
-def _side_channel_key(path: str | None) -> bytes | None:
+def read_side_channel_key(path: str | None) -> bytes | None:
     """The deployment key: the file `side_channel_key_file` names, else the
-    environment variable ORBITKV_SIDE_CHANNEL_KEY, else none."""
+    environment variable ORBITKV_SIDE_CHANNEL_KEY, else none (the proxy's
+    ``--side-channel-key-file`` reads it the same way)."""
     if path is not None:
         try:
             with open(path, "rb") as f:

@@ -5,10 +5,18 @@ directly can set them too, so every one of them is client input: parsed
 strictly here, and a request whose OrbitKV keys are malformed is served as
 a plain request (computed locally, nothing transferred) with a warning —
 never an error inside vLLM's scheduler. Imports nothing from vLLM.
+
+With a deployment key, the proxy signs them (``orbitkv_signature``,
+:func:`sign`) and an instance accepts them only with a valid signature
+(:func:`check_signature`): a client that reaches an engine's API directly
+cannot make up its own.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -20,7 +28,8 @@ CAPABILITY = "orbitkv_capability"
 PREFILL_KV = "orbitkv_prefill_kv"
 PREFILL_TP = "orbitkv_prefill_tp"
 DECODE_TP = "orbitkv_decode_tp"
-KEYS = (ROLE, REQUEST, CAPABILITY, PREFILL_KV, PREFILL_TP, DECODE_TP)
+SIGNATURE = "orbitkv_signature"
+KEYS = (ROLE, REQUEST, CAPABILITY, PREFILL_KV, PREFILL_TP, DECODE_TP, SIGNATURE)
 
 PRODUCER = "producer"
 CONSUMER = "consumer"
@@ -30,6 +39,10 @@ MAX_TP = 1024
 _CAPABILITY = re.compile(r"[0-9a-fA-F]{32,128}")
 _REQUEST = re.compile(r"[\x21-\x7e]+")  # printable ASCII, no spaces
 _HOST = re.compile(r"[A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]")
+_SIGNATURE = re.compile(r"[0-9a-f]{64}")
+# Prefixed to the signed bytes: a signature over kv_transfer_params can never
+# pass for one over a side channel body, signed with the same key.
+_SIGNED_DOMAIN = b"orbitkv kv_transfer_params v1\n"
 
 
 class RequestParamsError(ValueError):
@@ -41,7 +54,10 @@ def split_host_port(value: Any, what: str) -> tuple[str, int]:
     if not isinstance(value, str) or ":" not in value:
         raise RequestParamsError(f"{what} must be 'host:port', got {value!r}")
     host, _, port_s = value.rpartition(":")
-    if not _HOST.fullmatch(host) or not port_s.isdigit() or not 1 <= int(port_s) <= 65535:
+    # isdigit() passes digits int() refuses (superscripts), and int() refuses
+    # strings of thousands of digits: both would escape as a plain ValueError.
+    digits = port_s.isascii() and port_s.isdigit() and len(port_s) <= 5
+    if not _HOST.fullmatch(host) or not digits or not 1 <= int(port_s) <= 65535:
         raise RequestParamsError(f"{what} must be 'host:port' with a port in 1..65535, got {value!r}")
     return host.strip("[]"), int(port_s)
 
@@ -85,6 +101,9 @@ class PdParams:
             raise RequestParamsError(
                 f"{CAPABILITY} must be the request's secret, 32..128 hex digits (the router sets it)"
             )
+        signature = params.get(SIGNATURE)
+        if signature is not None and (not isinstance(signature, str) or not _SIGNATURE.fullmatch(signature)):
+            raise RequestParamsError(f"{SIGNATURE} must be 64 lowercase hex digits (HMAC-SHA256)")
         prefill_kv = params.get(PREFILL_KV)
         tp, dtp = params.get(PREFILL_TP, 1), params.get(DECODE_TP, 1)
         if role == CONSUMER:
@@ -113,6 +132,38 @@ class PdParams:
         else:
             out[DECODE_TP] = self.decode_tp
         return out
+
+
+def signed_bytes(params: Mapping[str, Any]) -> bytes:
+    """What :func:`sign` signs: a domain prefix, then the ``orbitkv_*`` keys
+    present (but the signature) with their values, as compact JSON with
+    sorted keys. Raises :class:`RequestParamsError` for values JSON cannot
+    hold."""
+    mine = {k: v for k, v in params.items() if isinstance(k, str) and k.startswith("orbitkv_") and k != SIGNATURE}
+    try:
+        body = json.dumps(mine, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+    except (TypeError, ValueError):
+        raise RequestParamsError("OrbitKV params that cannot be signed (not JSON values)") from None
+    return _SIGNED_DOMAIN + body.encode()
+
+
+def sign(params: Mapping[str, Any], key: bytes) -> str:
+    """``orbitkv_signature`` for ``params``: hex HMAC-SHA256 under the
+    deployment key over :func:`signed_bytes`."""
+    return hmac.new(key, signed_bytes(params), hashlib.sha256).hexdigest()
+
+
+def check_signature(params: Mapping[str, Any], key: bytes) -> None:
+    """Raises :class:`RequestParamsError` unless ``params`` carry a valid
+    ``orbitkv_signature`` under ``key`` (compared in constant time). The
+    reason names neither the key nor the expected signature."""
+    got = params.get(SIGNATURE)
+    if got is None:
+        raise RequestParamsError(
+            f"unsigned: a deployment key is set, and OrbitKV params are accepted only with the proxy's {SIGNATURE}"
+        )
+    if not isinstance(got, str) or not hmac.compare_digest(got.encode(), sign(params, key).encode()):
+        raise RequestParamsError(f"{SIGNATURE} does not match these params under the deployment key")
 
 
 def _check_tp(key: str, tp: Any) -> None:

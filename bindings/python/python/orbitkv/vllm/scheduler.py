@@ -7,9 +7,10 @@ by layer; the blocks are held (``request_finished`` delays the free) until
 every admitted write drained.
 
 Every request's ``kv_transfer_params`` are client input: a request whose
-OrbitKV keys are malformed, whose ``orbitkv_request`` is already live on
-this instance, or whose prefill side channel the configuration does not
-allow (``orbitkv.pd.allowed_prefill``) is served as a plain request
+OrbitKV keys are malformed, unsigned or wrongly signed when a deployment
+key is set, whose ``orbitkv_request`` is already live on this instance, or
+whose prefill side channels the configuration does not allow
+(``orbitkv.pd.allowed_prefill``) is served as a plain request
 (computed here, nothing transferred) with a warning naming the reason.
 Nothing such a request carries can stop the engine.
 
@@ -35,7 +36,7 @@ from orbitkv.vllm.metadata import (
     ProducerDiscard,
     RequestEnd,
 )
-from orbitkv.vllm.params import CONSUMER, PRODUCER, PdParams, RequestParamsError
+from orbitkv.vllm.params import CONSUMER, PRODUCER, PdParams, RequestParamsError, check_signature
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -98,18 +99,17 @@ class PdScheduler:
         if rid in self._params:
             return self._params[rid]
         try:
-            p = PdParams.parse(getattr(request, "kv_transfer_params", None))
+            raw = getattr(request, "kv_transfer_params", None)
+            p = PdParams.parse(raw)
             if p is not None:
+                key = self.config.side_channel_key
+                if key is not None:
+                    check_signature(raw or {}, key)
                 holder = self._live.get(p.request)
                 if holder is not None and holder != rid:
                     raise RequestParamsError(f"orbitkv_request {p.request!r} is already live on this instance")
                 if p.role == CONSUMER:
-                    host, port = p.prefill_host_port
-                    if not self.config.prefill_allowed(host, port):
-                        raise RequestParamsError(
-                            f"orbitkv_prefill_kv {p.prefill_kv!r} is not an allowed prefill side channel "
-                            "(set orbitkv.pd.allowed_prefill)"
-                        )
+                    self._check_prefill(p, signed=key is not None)
         except RequestParamsError as e:
             self.refused += 1
             logger.warning("request %s is served without P/D transfer: %s", rid, e)
@@ -118,6 +118,27 @@ class PdScheduler:
             self._live[p.request] = rid
         self._params[rid] = p
         return p
+
+    def _check_prefill(self, p: PdParams, signed: bool) -> None:
+        """Decode posts its handshakes and cancels (its Mooncake endpoint and
+        every layer's address) to the side channels of every prefill rank,
+        ``port + r``: each must be declared in ``orbitkv.pd.allowed_prefill``.
+        With a deployment key the params are the proxy's (signed), and the
+        proxy learned the ports from the prefill's own side channels: then
+        the host must be declared, any port."""
+        host, port = p.prefill_host_port
+        if signed:
+            if not self.config.prefill_host_allowed(host):
+                raise RequestParamsError(
+                    f"orbitkv_prefill_kv {p.prefill_kv!r}: host {host!r} is not in orbitkv.pd.allowed_prefill"
+                )
+        elif not self.config.prefill_allowed(host, port, p.prefill_tp):
+            last = port + p.prefill_tp - 1
+            ranks = f" (its {p.prefill_tp} ranks: ports {port}..{last})" if p.prefill_tp > 1 else ""
+            raise RequestParamsError(
+                f"orbitkv_prefill_kv {p.prefill_kv!r}{ranks} is not an allowed prefill side channel "
+                "(declare it in orbitkv.pd.allowed_prefill)"
+            )
 
     def _forget(self, rid: str) -> None:
         p = self._params.pop(rid, None)
