@@ -26,6 +26,7 @@ from aiohttp import web
 import orbitkv
 from orbitkv import proxy
 from orbitkv.vllm import params as kvp
+from orbitkv.vllm.config import KEY_ENV
 
 WAIT_S = 5.0
 DECODE_JSON = {
@@ -118,7 +119,7 @@ async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
 
 
 class Setup:
-    def __init__(self, lt: LoopThread) -> None:
+    def __init__(self, lt: LoopThread, key: bytes | None = None) -> None:
         self.lt = lt
         self.prefill, self.decode = Backend("prefill"), Backend("decode")
         self.prefill.other, self.decode.other = self.decode, self.prefill
@@ -131,7 +132,7 @@ class Setup:
         self.prefill_url = f"http://127.0.0.1:{ports[0]}"
         self.decode_url = f"http://127.0.0.1:{ports[1]}"
         self.prefill_kv = f"127.0.0.1:{ports[0]}"
-        self.cfg = proxy.ProxyConfig.make(self.prefill_url, self.decode_url, prefill_kv=self.prefill_kv)
+        self.cfg = proxy.ProxyConfig.make(self.prefill_url, self.decode_url, prefill_kv=self.prefill_kv, key=key)
         runner, self.port = lt.run(_serve(proxy.make_app(self.cfg)))
         self.runners.append(runner)
 
@@ -493,14 +494,60 @@ def test_body_prefill_and_decode_helpers() -> None:
     assert proxy.KV_PARAMS_FIELD not in body  # the client's dict is left alone
 
 
-def test_cli_serves(pd: Setup) -> None:
-    pd.prefill.reply, pd.decode.reply = prefill_ok, decode_json
+KEY = b"deployment-key-0123456789"
+
+
+def test_keyed_params_carry_a_valid_signature() -> None:
+    """With the deployment key, both halves' params are signed over every
+    orbitkv_* key: an instance holding the key accepts them, and the decode
+    side vouches for the prefill side channel the proxy names."""
+    cfg = proxy.ProxyConfig.make("http://10.0.0.2:8100", "http://10.0.0.3:8200", "10.0.0.2:23000", key=KEY)
+    assert "deployment-key" not in repr(cfg)
+    cap = "ab" * 32
+    pk = cfg.params(kvp.PRODUCER, "rid-1", cap)
+    dk = cfg.params(kvp.CONSUMER, "rid-1", cap, cfg.prefills[0], 2)
+    for got in (pk, dk):
+        kvp.check_signature(got, KEY)  # raises when wrong
+        assert kvp.PdParams.parse(got) is not None
+        assert got[kvp.SIGNATURE] == kvp.sign({k: v for k, v in got.items() if k != kvp.SIGNATURE}, KEY)
+        with pytest.raises(kvp.RequestParamsError, match="does not match"):
+            kvp.check_signature(got, b"another-key-0123456789")
+    assert (dk[kvp.PREFILL_KV], dk[kvp.PREFILL_TP]) == ("10.0.0.2:23000", 2)
+    with pytest.raises(kvp.RequestParamsError, match="does not match"):
+        kvp.check_signature(dict(dk, **{kvp.PREFILL_KV: "10.0.0.2:23001"}), KEY)
+    # Unkeyed: no signature.
+    plain = proxy.ProxyConfig.make("http://10.0.0.2:8100", "http://10.0.0.3:8200")
+    assert kvp.SIGNATURE not in plain.params(kvp.CONSUMER, "rid-2", cap)
+    assert kvp.SIGNATURE not in plain.params(kvp.PRODUCER, "rid-2", cap)
+
+
+def test_a_keyed_proxy_signs_both_halves(loop_thread: LoopThread) -> None:
+    s = Setup(loop_thread, key=KEY)
+    try:
+        s.prefill.reply, s.decode.reply = prefill_ok, decode_json
+        client = {"model": "tiny", "prompt": "x", "max_tokens": 2,
+                  proxy.KV_PARAMS_FIELD: {kvp.ROLE: kvp.CONSUMER, kvp.SIGNATURE: "0" * 64}}
+        status, _, body = s.post(client)
+        assert status == 200, body
+        for b in (s.prefill, s.decode):
+            got = b.seen[0]["body"][proxy.KV_PARAMS_FIELD]
+            kvp.check_signature(got, KEY)
+            assert got[kvp.SIGNATURE] != "0" * 64
+    finally:
+        s.close()
+
+
+def _run_cli(pd: Setup, *extra: str, env_extra: dict[str, str] | None = None) -> str:
+    """Runs ``python -m orbitkv.proxy`` in front of ``pd``'s fakes, posts one
+    request through it; its "listening" line."""
     env = dict(os.environ)
+    env.pop(KEY_ENV, None)
+    env.update(env_extra or {})
     pkg_root = str(Path(orbitkv.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (pkg_root, env.get("PYTHONPATH")) if p)
     proc = subprocess.Popen(
         [sys.executable, "-m", "orbitkv.proxy", "--prefill", pd.prefill_url, "--decode", pd.decode_url,
-         "--port", "0", "--prefill-kv", pd.prefill_kv, "--log-level", "WARNING"],
+         "--port", "0", "--prefill-kv", pd.prefill_kv, "--log-level", "WARNING", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     try:
@@ -514,6 +561,7 @@ def test_cli_serves(pd: Setup) -> None:
         assert m, f"proxy did not start: {line!r}"
         status, _, body = pd.post({"model": "tiny", "prompt": "x", "max_tokens": 2}, port=int(m.group(1)))
         assert status == 200 and json.loads(body) == DECODE_JSON
+        return line
     finally:
         proc.terminate()
         try:
@@ -521,6 +569,34 @@ def test_cli_serves(pd: Setup) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+def test_cli_serves(pd: Setup) -> None:
+    pd.prefill.reply, pd.decode.reply = prefill_ok, decode_json
+    assert "kv_transfer_params unsigned" in _run_cli(pd)
+    assert kvp.SIGNATURE not in pd.decode.seen[0]["body"][proxy.KV_PARAMS_FIELD]
+
+
+def test_cli_signs_with_the_key_file_or_the_environment(pd: Setup, tmp_path: Path) -> None:
+    pd.prefill.reply, pd.decode.reply = prefill_ok, decode_json
+    f = tmp_path / "key"
+    f.write_bytes(KEY + b"\n")
+    assert "kv_transfer_params signed" in _run_cli(pd, "--side-channel-key-file", str(f))
+    assert "kv_transfer_params signed" in _run_cli(pd, env_extra={KEY_ENV: KEY.decode()})
+    for b in (pd.prefill, pd.decode):
+        assert len(b.seen) == 2
+        for seen in b.seen:
+            kvp.check_signature(seen["body"][proxy.KV_PARAMS_FIELD], KEY)
+
+
+def test_cli_refuses_a_short_or_missing_key_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    short = tmp_path / "short"
+    short.write_bytes(b"short")
+    for path, why in ((short, "at least 16 bytes"), (tmp_path / "missing", "cannot read")):
+        with pytest.raises(SystemExit) as e:
+            proxy.main(["--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2",
+                        "--side-channel-key-file", str(path)])
+        assert e.value.code == 2 and why in capsys.readouterr().err
 
 
 # ---- the prefill's TP size, learned from its side channels ---------------------

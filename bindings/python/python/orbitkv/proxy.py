@@ -21,6 +21,11 @@ dropped. A client that disconnects drops both, unless decode already
 answered in full: the prefill's reply (which comes right after its last
 layer, often a few ms after decode's answer) is then let land, so that the
 prefill request is not aborted after the fact.
+
+With a deployment key (``--side-channel-key-file``, else
+``$ORBITKV_SIDE_CHANNEL_KEY``: the instances' key), each half's
+``kv_transfer_params`` carry ``orbitkv_signature``, which the instances
+require (docs/security.md).
 """
 
 from __future__ import annotations
@@ -35,15 +40,15 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
 
-from orbitkv.vllm.config import DEFAULT_SIDE_CHANNEL_PORT
-from orbitkv.vllm.params import CONSUMER, PRODUCER, PdParams
+from orbitkv.vllm.config import DEFAULT_SIDE_CHANNEL_PORT, KEY_ENV, read_side_channel_key
+from orbitkv.vllm.params import CONSUMER, PRODUCER, SIGNATURE, PdParams, sign
 
 __all__ = ["ProxyConfig", "decode_body", "main", "make_app", "prefill_body"]
 
@@ -75,7 +80,8 @@ class ProxyConfig:
     """Where the instances are. ``prefill``/``prefill_kv``/``prefill_tp`` and
     ``decode`` are the first of each side; ``more_prefills`` and
     ``more_decodes`` the others (every instance of a side is used in turn:
-    least outstanding requests first, unhealthy ones left out)."""
+    least outstanding requests first, unhealthy ones left out). ``key``: the
+    deployment key, which signs every ``kv_transfer_params`` (None: unsigned)."""
 
     prefill: str
     decode: str
@@ -85,6 +91,7 @@ class ProxyConfig:
     decode_tp: int = 1
     more_prefills: tuple[Prefill, ...] = ()
     more_decodes: tuple[str, ...] = ()
+    key: bytes | None = field(default=None, repr=False)
 
     @property
     def prefills(self) -> tuple[Prefill, ...]:
@@ -104,6 +111,7 @@ class ProxyConfig:
         decode_tp: int = 1,
         more_prefills: Sequence[tuple[str, str | None]] = (),
         more_decodes: Sequence[str] = (),
+        key: bytes | None = None,
     ) -> ProxyConfig:
         """``more_prefills``: (URL, side channel or None) of further prefill
         instances (same TP size); ``more_decodes``: further decode URLs."""
@@ -128,7 +136,7 @@ class ProxyConfig:
         if len(set(urls)) != len(urls):
             raise ValueError(f"an instance is named twice: {urls}")
         return ProxyConfig(
-            prefill, decode, kv_of(prefill, prefill_kv), prefill_tp, timeout_s, decode_tp, extra_p, extra_d
+            prefill, decode, kv_of(prefill, prefill_kv), prefill_tp, timeout_s, decode_tp, extra_p, extra_d, key
         )
 
     def params(
@@ -144,19 +152,24 @@ class ProxyConfig:
         accepts the decode's handshake and cancel only with it. ``prefill``:
         the instance that runs the request's prefill (default: the first);
         ``prefill_tp``: its TP size as learned (default: as configured, else
-        1; a wrong one makes the prefill refuse decode's handshake at once)."""
+        1; a wrong one makes the prefill refuse decode's handshake at once).
+        With a key, they carry ``orbitkv_signature`` over all of them: an
+        instance with the key accepts only such params, and a decode then
+        trusts the side channel port the proxy learned."""
         if role == PRODUCER:
-            return PdParams(
-                role=PRODUCER, request=request_id, capability=capability, decode_tp=self.decode_tp
+            out = PdParams(role=PRODUCER, request=request_id, capability=capability, decode_tp=self.decode_tp).to_dict()
+        else:
+            p = prefill or self.prefills[0]
+            out = PdParams(
+                role=CONSUMER,
+                request=request_id,
+                capability=capability,
+                prefill_kv=p.kv,
+                prefill_tp=prefill_tp or p.tp or 1,
             ).to_dict()
-        p = prefill or self.prefills[0]
-        return PdParams(
-            role=CONSUMER,
-            request=request_id,
-            capability=capability,
-            prefill_kv=p.kv,
-            prefill_tp=prefill_tp or p.tp or 1,
-        ).to_dict()
+        if self.key is not None:
+            out[SIGNATURE] = sign(out, self.key)
+        return out
 
 
 class Pool:
@@ -637,7 +650,7 @@ async def _serve(cfg: ProxyConfig, host: str, port: int) -> None:
     bound = runner.addresses[0][1] if runner.addresses else port
     print(f"orbitkv.proxy: listening on http://{host}:{bound} "
           f"(prefill {', '.join(f'{p.url} [side channel {p.kv}]' for p in cfg.prefills)}; "
-          f"decode {', '.join(cfg.decodes)})", flush=True)
+          f"decode {', '.join(cfg.decodes)}; kv_transfer_params {'signed' if cfg.key else 'unsigned'})", flush=True)
     try:
         await asyncio.Event().wait()
     finally:
@@ -660,6 +673,9 @@ def main(argv: list[str] | None = None) -> int:
                    "given, a prefill that runs another size is left out with the reason in /health)")
     p.add_argument("--decode-tp", type=int, default=1, help="decode tensor-parallel size")
     p.add_argument("--timeout-s", type=float, default=None, help="limit for one backend call")
+    p.add_argument("--side-channel-key-file", default=None,
+                   help="the deployment key (the instances' orbitkv.pd.side_channel_key_file): signs every "
+                   f"request's kv_transfer_params (default: ${KEY_ENV}, else unsigned)")
     p.add_argument("--log-level", default="INFO")
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -670,6 +686,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = ProxyConfig.make(
             args.prefill[0], args.decode[0], kvs[0], args.prefill_tp, args.timeout_s, args.decode_tp,
             more_prefills=list(zip(args.prefill[1:], kvs[1:])), more_decodes=args.decode[1:],
+            key=read_side_channel_key(args.side_channel_key_file),
         )
     except ValueError as e:
         p.error(str(e))
