@@ -342,7 +342,7 @@ def test_a_storm_of_early_cancels_leaves_both_instances_idle_within_2s(cluster: 
             with lock:
                 if not queue:
                     return
-                i = queue.pop()
+                queue.pop()
                 wait_s = rng.uniform(0.0, 0.3)
                 n = rng.randint(300, 1500)
             req = Abandoned(cluster.proxy_url, fresh_prompt(n), GEN, stream=True)

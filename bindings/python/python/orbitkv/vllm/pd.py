@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["PdConnector", "PdConnectorMetadata"]
+__all__ = ["OrbitKVConnector", "PdConnector", "PdConnectorMetadata"]
 
 logger = logging.getLogger("orbitkv.vllm.pd")
 
@@ -201,3 +201,11 @@ class PdConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+
+
+class OrbitKVConnector(PdConnector):
+    """The same connector under a name no other project uses: select it with
+    ``"kv_connector": "OrbitKVConnector", "kv_connector_module_path":
+    "orbitkv.vllm.pd"``. NVIDIA Dynamo treats a connector named
+    ``PdConnector`` as its own KVBM wrapper (docs/routers.md); everything
+    else accepts either name."""
