@@ -175,18 +175,7 @@ fn run(job: Job, key: Option<&[u8]>, timeout: Duration, stats: &Stats) {
             }
         }
         Job::Handshake(j) => {
-            let mut pause = RETRY_FIRST_PAUSE;
-            let answer = loop {
-                let answer = post(&j.addr, HANDSHAKE_PATH, &j.body, key, timeout);
-                // Busy (a full connection gate or parking budget): nothing
-                // was admitted, so the same handshake may go again.
-                if !matches!(answer, Ok((503, _))) || Instant::now() + pause >= j.retry_until {
-                    break answer;
-                }
-                tracing::debug!(addr = %j.addr, request = %j.request, "handshake answered 503: trying again");
-                std::thread::sleep(pause);
-                pause = (pause * 2).min(RETRY_MAX_PAUSE);
-            };
+            let answer = post_while_busy(&j.addr, HANDSHAKE_PATH, &j.body, key, timeout, j.retry_until);
             let refused = match answer {
                 Ok((200, _)) => None,
                 Ok((status, reply)) => Some(format!("{} answered {status}: {}", j.addr, reply.trim())),
@@ -208,6 +197,30 @@ fn run(job: Job, key: Option<&[u8]>, timeout: Duration, stats: &Stats) {
                 ));
             }
         }
+    }
+}
+
+/// [`post`], again after a growing pause while the answer is `503` (the
+/// side channel's connection gate or parking budget was full: nothing was
+/// admitted, so the same body may go again), until `until`. Returns the last
+/// answer.
+pub fn post_while_busy(
+    addr: &str,
+    path: &str,
+    body: &str,
+    key: Option<&[u8]>,
+    timeout: Duration,
+    until: Instant,
+) -> std::io::Result<(u16, String)> {
+    let mut pause = RETRY_FIRST_PAUSE;
+    loop {
+        let answer = post(addr, path, body, key, timeout);
+        if !matches!(answer, Ok((503, _))) || Instant::now() + pause >= until {
+            return answer;
+        }
+        tracing::debug!(%addr, path, "answered 503: trying again in {pause:?}");
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(RETRY_MAX_PAUSE);
     }
 }
 
@@ -251,4 +264,52 @@ pub fn post(
         .map(|(_, b)| b.to_string())
         .unwrap_or_default();
     Ok((status, body))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    /// A server that answers each connection with the next status of
+    /// `answers` (then closes); returns its address and how many it served.
+    fn server(answers: Vec<u16>) -> (String, std::thread::JoinHandle<usize>) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap().to_string();
+        let t = std::thread::spawn(move || {
+            let mut served = 0;
+            for status in answers {
+                let (mut s, _) = l.accept().unwrap();
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf);
+                let reply =
+                    format!("HTTP/1.1 {status} X\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{{}}");
+                s.write_all(reply.as_bytes()).unwrap();
+                served += 1;
+            }
+            served
+        });
+        (addr, t)
+    }
+
+    #[test]
+    fn a_busy_answer_is_tried_again_until_it_is_not_or_the_deadline() {
+        let t = Duration::from_secs(2);
+        // Busy twice, then admitted: the third answer is the one returned.
+        let (addr, srv) = server(vec![503, 503, 200]);
+        let until = Instant::now() + Duration::from_secs(10);
+        let got = post_while_busy(&addr, HANDSHAKE_PATH, "{}", None, t, until).unwrap();
+        assert_eq!(got.0, 200);
+        assert_eq!(srv.join().unwrap(), 3);
+        // Any other refusal is final at once.
+        let (addr, srv) = server(vec![403]);
+        let got = post_while_busy(&addr, HANDSHAKE_PATH, "{}", None, t, until).unwrap();
+        assert_eq!(got.0, 403);
+        assert_eq!(srv.join().unwrap(), 1);
+        // Busy past the deadline: the last 503 is returned, no later try.
+        let (addr, srv) = server(vec![503]);
+        let got = post_while_busy(&addr, HANDSHAKE_PATH, "{}", None, t, Instant::now()).unwrap();
+        assert_eq!(got.0, 503);
+        assert_eq!(srv.join().unwrap(), 1);
+    }
 }
