@@ -163,9 +163,23 @@ case "$mode" in
       sha256sum "$MAN" | cut -c1-64 >"$E2E_ROOT/ASSEMBLED"
       say "assembled: site $(du -sh "$E2E_ROOT/site" | cut -f1)"
     fi
+    # vLLM's MooncakeConnector does `from mooncake.engine import TransferEngine`;
+    # the bundle's slimmed mooncake/__init__.py imports mooncake.buffer_pool,
+    # which the slimming dropped, so that import fails ("Mooncake is not
+    # available"). The MC instances get a `mooncake` package of their own, first
+    # on their PYTHONPATH (driver.py --mc-pythonpath, from E2E_MC_PYTHONPATH):
+    # an empty __init__.py and the same engine.so and libraries (hard links),
+    # its .libs folder beside it (engine.so's RPATH: $ORIGIN/../<dist>.libs).
+    rm -rf "$E2E_ROOT/mcpy"; mkdir -p "$E2E_ROOT/mcpy/mooncake"
+    for f in "$E2E_ROOT"/mooncake/mooncake/*.so; do
+      [ -f "$f" ] && { ln -f "$f" "$E2E_ROOT/mcpy/mooncake/" 2>/dev/null || cp "$f" "$E2E_ROOT/mcpy/mooncake/"; }
+    done
+    : >"$E2E_ROOT/mcpy/mooncake/__init__.py"
+    for d in "$E2E_ROOT"/mooncake/*.libs; do [ -d "$d" ] && ln -sfn "$d" "$E2E_ROOT/mcpy/"; done
     {
       echo "export PYTHONPATH=$E2E_ROOT/site:$E2E_ROOT/nixl"
       echo "export ORBITKV_MOONCAKE_LIB=$E2E_ROOT/mooncake/mooncake/engine.so"
+      echo "export E2E_MC_PYTHONPATH=$E2E_ROOT/mcpy"
       LDP=
       for lib in libibverbs.so.1 libnuma.so.1 libmlx5.so.1; do
         ldconfig -p 2>/dev/null | grep -q "$lib" || LDP=$E2E_ROOT/sys/usr/lib/x86_64-linux-gnu
@@ -211,6 +225,14 @@ try:
 except Exception as e: print("NIXL IMPORT FAILED:", type(e).__name__, e)
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector  # noqa
 print(f"imports {time.time() - t:.1f}s")
+EOF
+    say "pre-flight: vLLM's MooncakeConnector with E2E_MC_PYTHONPATH ($E2E_MC_PYTHONPATH)"
+    PYTHONPATH=$E2E_MC_PYTHONPATH:$PYTHONPATH timeout 180 "$PY" - <<'EOF' 2>&1 | grep -v '^I[0-9]' | tail -6 | tee -a "$E2E_ROOT/env.txt"
+import mooncake
+from mooncake.engine import TransferEngine
+print("mooncake for vLLM:", mooncake.__file__, TransferEngine)
+from vllm.distributed.kv_transfer.kv_connector.v1.mooncake import mooncake_connector as m
+print("vLLM MooncakeConnector sees TransferEngine:", m.TransferEngine is not None)
 EOF
     # start the driver in its own session ---------------------------------------------
     rm -rf "$E2E_ROOT/results" "$E2E_ROOT/work/logs" "$E2E_ROOT/work/bench"   # (the models are kept)
