@@ -90,6 +90,7 @@ class Ctx:
         self._log = open(self.out / "progress.log", "a", buffering=1)
         self.rng = random.Random(args.seed)
         self.used_ports: set[int] = set()
+        self.plan: dict[str, Any] = {}
 
     def log(self, msg: str) -> None:
         line = f"[{time.strftime('%H:%M:%S', time.gmtime())} +{time.monotonic() - T0:6.1f}s] {msg}"
@@ -239,6 +240,7 @@ def big_spec(ctx: Ctx) -> ModelSpec:
 # ---- processes ------------------------------------------------------------------------------
 
 from orbitkv.testing.cluster import (  # noqa: E402  (after the docstring on purpose)
+    Abandoned,
     ClusterError,
     Proc,
     complete,
@@ -255,7 +257,7 @@ class Server:
     model: str
     spec: ModelSpec
     gpu: int
-    connector: str  # none | orbit | nixl
+    connector: str  # none | orbit | nixl | mc
     eager: bool
     kv_bytes: int
     max_model_len: int
@@ -264,6 +266,7 @@ class Server:
     extra_env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     orbit_cfg: dict[str, Any] = field(default_factory=dict)  # more kv_connector_extra_config
+    mc_role: str = ""  # MooncakeConnector: kv_producer (prefill) | kv_consumer (decode)
     proc: Proc | None = None
     log: Path | None = None
     started_s: float | None = None
@@ -308,7 +311,24 @@ def server_argv(ctx: Ctx, s: Server) -> list[str]:
         argv += ["--kv-transfer-config", json.dumps(cfg)]
     elif s.connector == "nixl" and not ctx.args.nixl_mock:
         argv += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_both"})]
+    elif s.connector == "mc" and not ctx.args.mc_mock:
+        argv += ["--kv-transfer-config", json.dumps(mc_transfer_config(ctx, s))]
     return argv + s.extra_args
+
+
+def mc_transfer_config(ctx: Ctx, s: Server) -> dict[str, Any]:
+    """vLLM's MooncakeConnector: the prefill is ``kv_producer`` (it runs the
+    bootstrap server on VLLM_MOONCAKE_BOOTSTRAP_PORT), decode ``kv_consumer``;
+    ``engine_id`` is what the proxy names as ``remote_engine_id`` (it also asks
+    the bootstrap server). Mooncake picks its transport itself (topology
+    auto-discovery; MC_INTRANODE_NVLINK set: the intra-node NVLink transport);
+    ``mooncake_protocol`` only chooses the allocator of Mooncake's own buffers
+    (unused by vLLM), so it is left to vLLM's default unless --mc-protocol."""
+    extra: dict[str, Any] = {}
+    if ctx.args.mc_protocol:
+        extra["mooncake_protocol"] = ctx.args.mc_protocol
+    return {"kv_connector": "MooncakeConnector", "kv_role": s.mc_role, "engine_id": s.name,
+            "kv_connector_extra_config": extra}
 
 
 def server_env(ctx: Ctx, s: Server) -> dict[str, str]:
@@ -333,6 +353,19 @@ def server_env(ctx: Ctx, s: Server) -> dict[str, str]:
     if s.connector == "nixl":
         env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = HOST
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(s.side_port)
+    if s.connector == "mc":
+        # each instance its own bootstrap port (only the producer serves one)
+        env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(s.side_port)
+        if ctx.cuda:
+            env["MC_INTRANODE_NVLINK"] = "1"
+            # Mooncake says at INFO which transport it installed: keep that line
+            env["GLOG_minloglevel"] = "0"
+        if ctx.args.mc_pythonpath:
+            # a `mooncake` package of its own (empty __init__.py, the bundle's
+            # engine.so and libraries): the bundle's slimmed __init__.py imports
+            # a module the slimming dropped (run.sh builds it)
+            env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (ctx.args.mc_pythonpath, env.get("PYTHONPATH", "")) if p)
     env.update(s.extra_env)
     return env
 
@@ -360,7 +393,8 @@ def start_server(ctx: Ctx, s: Server) -> None:
     s.started_s = time.monotonic() - T0
     s.ready_s = None
     s.error = None
-    shown = {k: env[k] for k in sorted(env) if k.startswith(("CUDA_VISIBLE", "MC_", "VLLM_", "ORBITKV_"))}
+    shown = {k: env[k] for k in sorted(env) if k.startswith(("CUDA_VISIBLE", "MC_", "VLLM_", "ORBITKV_"))
+             or (s.connector == "mc" and k in ("GLOG_minloglevel", "PYTHONPATH"))}
     ctx.log(f"start {s.name} (pid {s.proc.pid}, port {s.port}, GPU {s.gpu}) env {shown}")
 
 
@@ -419,6 +453,12 @@ def start_proxy(ctx: Ctx, kind: str, name: str, pre: Server, dec: Server) -> tup
     if kind == "orbit":
         argv = [ctx.args.python, "-m", "orbitkv.proxy", "--prefill", pre.url, "--decode", dec.url,
                 "--prefill-kv", f"{HOST}:{pre.side_port}", "--host", HOST, "--port", str(port)]
+    elif kind == "mc":
+        # both halves at once, transfer_id minted there; the prefill's engine id
+        # from its bootstrap server's /query, else its kv_transfer_config.engine_id
+        argv = [ctx.args.python, str(HERE / "mc_proxy.py"), "--prefill", pre.url, "--decode", dec.url,
+                "--bootstrap", f"http://{HOST}:{pre.side_port}", "--prefill-engine-id", pre.name,
+                "--query-timeout-s", "1" if ctx.args.mc_mock else "20", "--host", HOST, "--port", str(port)]
     else:
         argv = [ctx.args.python, str(HERE / "nixl_proxy.py"), "--prefill", pre.url, "--decode", dec.url,
                 "--host", HOST, "--port", str(port)]
@@ -476,7 +516,7 @@ def wait_idle(servers: list[Server], timeout_s: float) -> dict[str, Any]:
 FACT_PATTERNS = (r"[Aa]sync[ _]schedul", r"Using \S+ (attention )?backend", r"[Aa]ttention backend", r"cudagraph_mode",
                  r"CUDA graph", r"KV cache layout|kv_cache_layout|VLLM_KV_CACHE_LAYOUT| HND| NHD",
                  r"max_num_batched_tokens", r"GPU KV cache size", r"Maximum concurrency", r"OrbitKV|orbitkv",
-                 r"NIXL|Nixl", r"torch.compile takes|Compil(ing|ation) .* took|init engine .* took",
+                 r"NIXL|Nixl", r"Mooncake|[Tt]ransport", r"torch.compile takes|Compil(ing|ation) .* took|init engine .* took",
                  r"Model loading took", r"Memory profiling takes|Available KV cache memory")
 
 
@@ -745,24 +785,118 @@ def stage_a(ctx: Ctx, models: dict[str, tuple[ModelSpec, str]], eager: bool, on_
 # ---- the Llama-3-8B-shaped instances (stages b and c) -------------------------------------------
 
 
-class Fleet:
-    """single (GPU 0), OrbitKV prefill (GPU 0) + decode (GPU 1) + proxy,
-    NIXL prefill (GPU 0) + decode (GPU 1) + proxy."""
+PD_SYSTEMS = ("orbit", "mc", "nixl")  # besides the A/B pair "orbit-<ab>"
 
-    def __init__(self, ctx: Ctx, spec: ModelSpec, model: str, eager: bool, orbit_env: dict[str, str]):
-        self.ctx, self.spec, self.eager = ctx, spec, eager
-        tag = "big-eager" if eager else "big"
-        kv_single = ctx.args.big_kv_gib * GIB
+
+def weights_gib(spec: ModelSpec) -> float:
+    """The model's weights in GiB (bf16 on GPU), from its shape."""
+    attn = spec.hidden * spec.heads * spec.head_dim * 2 + spec.hidden * spec.kv_heads * spec.head_dim * 2
+    params = 2 * spec.vocab * spec.hidden + spec.layers * (attn + 3 * spec.hidden * spec.inter + 2 * spec.hidden)
+    return params * (4 if spec.dtype == "float32" else 2) / GIB
+
+
+def kv_token_bytes(spec: ModelSpec) -> int:
+    return spec.layers * 2 * spec.kv_heads * spec.head_dim * (4 if spec.dtype == "float32" else 2)
+
+
+def wanted_systems(ctx: Ctx) -> list[str]:
+    a = ctx.args
+    out = ["single", "orbit"]
+    if a.ab != "none":
+        out.append(f"orbit-{a.ab}")
+    if a.mc:
+        out.append("mc")
+    if a.nixl == "yes" or (a.nixl == "auto" and not (a.one_gpu and ctx.cuda)):
+        out.append("nixl")
+    return out
+
+
+def plan_big(ctx: Ctx, spec: ModelSpec) -> dict[str, Any]:
+    """How the Llama-3-8B-shaped instances fit the GPUs: the KV size of each
+    instance (``--big-kv-gib``, or 0: the most that fits, at most
+    ``--big-kv-cap-gib``) and the groups of systems that run together. The
+    first group is one engine, OrbitKV and MooncakeConnector (the comparison
+    of issue 33); the other P/D systems join it while every instance still gets
+    at least the KV of the longest TTFT prompt and ``--min-kv-gib`` (else
+    they run after it, in a later group of instances started once the first
+    group is stopped: systems one after another, with the single engine of
+    the first group as their reference)."""
+    a = ctx.args
+    systems = wanted_systems(ctx)
+    w = weights_gib(spec) + a.instance_overhead_gib
+    tok = kv_token_bytes(spec)
+    widest = max((int(r.split(":")[1]) for r in a.bench_runs.split(",") if r), default=1)
+    # the floor: the longest TTFT prompt must fit (a load level wider than the KV
+    # only makes requests wait for KV on decode: recorded, not avoided)
+    need_tokens = max(a.ttft_lengths, default=0) + a.ttft_gen + 64
+    floor_gib = max(a.min_kv_gib, need_tokens * tok / GIB)
+
+    def count(grp: list[str]) -> int:
+        """Instances on the fullest GPU: GPU 0 holds the single engine and every prefill."""
+        pd = [x for x in grp if x != "single"]
+        return (2 if a.one_gpu else 1) * len(pd) + (1 if "single" in grp else 0)
+
+    def fit(grp: list[str]) -> float:
+        if not ctx.cuda:
+            return a.big_kv_gib or 0.25
+        n = count(grp)
+        return max(0.0, (a.gpu_gib - a.gpu_reserve_gib - n * w) / n)
+
+    first = [x for x in systems if x in ("single", "orbit", "mc")]
+    rest = [x for x in systems if x not in first]
+    groups = [first]
+    for x in rest:
+        if fit(groups[-1] + [x]) >= floor_gib:
+            groups[-1].append(x)
+        else:
+            groups.append([x])
+    caps = [fit(g) for g in groups]
+    if a.big_kv_gib:
+        kv = a.big_kv_gib
+    else:
+        kv = min([a.big_kv_cap_gib] + caps)
+        kv = max(0.25, int(kv * 4) / 4)  # quarter GiB steps
+    plan = {"systems": systems, "groups": groups, "kv_gib": kv, "fit_kv_gib_per_group": [round(c, 2) for c in caps],
+            "floor_kv_gib": round(floor_gib, 2), "weights_gib": round(weights_gib(spec), 2),
+            "instance_overhead_gib": a.instance_overhead_gib, "gpu_gib": a.gpu_gib,
+            "kv_tokens_per_instance": int(kv * GIB // tok), "kv_token_bytes": tok,
+            "widest_level_tokens": int(widest * (a.bench_input_len + a.bench_output_len)),
+            "one_gpu": bool(a.one_gpu)}
+    if ctx.cuda and a.big_kv_gib and any(c < a.big_kv_gib for c in caps):
+        plan["warning"] = f"--big-kv-gib {a.big_kv_gib} is more than fits by the estimate ({plan['fit_kv_gib_per_group']})"
+    if plan["kv_tokens_per_instance"] < plan["widest_level_tokens"]:
+        plan["kv_bound_levels"] = (f"a decode instance holds {plan['kv_tokens_per_instance']} tokens of KV, less than "
+                                   f"the widest load level's in-flight requests on average ({plan['widest_level_tokens']}): "
+                                   "there, requests wait for KV (see 'decode waiting peak')")
+    return plan
+
+
+class Fleet:
+    """The Llama-3-8B-shaped instances of one group of systems: single
+    (GPU 0); OrbitKV prefill (GPU 0) + decode (GPU 1) + orbitkv.proxy (and the
+    A/B pair); MooncakeConnector prefill (GPU 0) + decode (GPU 1) + mc_proxy.py;
+    NIXL prefill (GPU 0) + decode (GPU 1) + nixl_proxy.py. With --one-gpu every
+    instance is on GPU 0."""
+
+    def __init__(self, ctx: Ctx, spec: ModelSpec, model: str, eager: bool, orbit_env: dict[str, str],
+                 systems: list[str] | None = None, kv_gib: float | None = None, group: int = 0):
+        self.ctx, self.spec, self.eager, self.model = ctx, spec, eager, model
+        systems = systems or wanted_systems(ctx)
+        self.group = group
+        tag = ("big-eager" if eager else "big") + (f"-g{group + 1}" if group else "")
+        kv_single = (kv_gib or ctx.args.big_kv_gib or 12) * GIB
         mml = ctx.args.big_max_model_len
         mk = lambda name, gpu, conn, env=None: Server(  # noqa: E731
             f"{tag}-{name}", model, spec, gpu, conn, eager, kv_single, mml, ctx.port(), ctx.port(), dict(env or {}))
-        self.single = mk("single", 0, "none")
-        self.opre = mk("orbit-prefill", 0, "orbit", orbit_env)
-        self.odec = mk("orbit-decode", 1, "orbit", orbit_env)
-        self.npre = mk("nixl-prefill", 0, "nixl")
-        self.ndec = mk("nixl-decode", 1, "nixl")
+        self.single = mk("single", 0, "none") if "single" in systems else None
         self.orbit_env = orbit_env
-        self.servers = [self.single, self.opre, self.odec, self.npre, self.ndec]
+        self.pairs: dict[str, list[Server]] = {}
+        if self.single is not None:
+            self.pairs["single"] = [self.single]
+        if "orbit" in systems:
+            self.opre = mk("orbit-prefill", 0, "orbit", orbit_env)
+            self.odec = mk("orbit-decode", 1, "orbit", orbit_env)
+            self.pairs["orbit"] = [self.opre, self.odec]
         # A/B: a second OrbitKV pair with one setting changed (--ab):
         #   python-gate  GPU writes ordered by the older Python thread (ORBITKV_LAYER_GATE=python)
         #   one-lane     one writer per peer (orbitkv.pd.writer_lanes = 1), as before lanes
@@ -773,10 +907,8 @@ class Fleet:
         #   staging      every request through staging (orbitkv.pd.staging_mb 8192 on both
         #                instances, staging_min_ranges 1): gathered on prefill, written into
         #                decode's grant, scattered into decode's pages
-        self.pairs: dict[str, list[Server]] = {"single": [self.single], "orbit": [self.opre, self.odec],
-                                                "nixl": [self.npre, self.ndec]}
         ab = ctx.args.ab
-        if ab != "none":
+        if ab != "none" and f"orbit-{ab}" in systems:
             env = dict(orbit_env, ORBITKV_LAYER_GATE="python") if ab == "python-gate" else dict(orbit_env)
             self.opre_ab = mk("orbitab-prefill", 0, "orbit", env)
             self.odec_ab = mk("orbitab-decode", 1, "orbit", env)
@@ -790,13 +922,25 @@ class Fleet:
                 for s in (self.opre_ab, self.odec_ab):
                     s.orbit_cfg["orbitkv.pd.staging_mb"] = 8192
                     s.orbit_cfg["orbitkv.pd.staging_min_ranges"] = 1
-            self.servers += [self.opre_ab, self.odec_ab]
             self.pairs[f"orbit-{ab}"] = [self.opre_ab, self.odec_ab]
-        self.systems = ["single", "orbit"] + [k for k in self.pairs if k.startswith("orbit-")] + ["nixl"]
+        if "mc" in systems:
+            self.mpre = mk("mc-prefill", 0, "mc")
+            self.mpre.mc_role = "kv_producer"
+            self.mdec = mk("mc-decode", 1, "mc")
+            self.mdec.mc_role = "kv_consumer"
+            self.pairs["mc"] = [self.mpre, self.mdec]
+        if "nixl" in systems:
+            self.npre = mk("nixl-prefill", 0, "nixl")
+            self.ndec = mk("nixl-decode", 1, "nixl")
+            self.pairs["nixl"] = [self.npre, self.ndec]
+        self.servers = [s for p in self.pairs.values() for s in p]
+        self.systems = [x for x in ["single", "orbit", *(k for k in self.pairs if k.startswith("orbit-")), "mc", "nixl"]
+                        if x in self.pairs]
         self.proxies: list[Proc] = []
         self.proxy_logs: dict[str, Path] = {}
         self.urls: dict[str, str] = {}
         self.failed: dict[str, str] = {}
+        self.mc_info: dict[str, Any] = {}
 
     def start(self) -> None:
         for s in self.servers:
@@ -804,10 +948,10 @@ class Fleet:
 
     def wait(self, timeout_s: float) -> dict[str, str]:
         self.failed = wait_ready(self.ctx, self.servers, timeout_s)
-        if self.single.ready_s:
+        if self.single is not None and self.single.ready_s:
             self.urls["single"] = self.single.url
         for system, (pre, dec) in ((k, v) for k, v in self.pairs.items() if k != "single"):
-            kind = "nixl" if system == "nixl" else "orbit"
+            kind = system if system in ("nixl", "mc") else "orbit"
             if pre.ready_s and dec.ready_s:
                 try:
                     pname = f"{pre.name.rsplit('-', 1)[0]}-proxy"
@@ -815,16 +959,30 @@ class Fleet:
                     self.proxies.append(p)
                     self.urls[system] = url
                     self.proxy_logs[system] = self.ctx.work / "logs" / f"{pname}.log"
+                    if kind == "mc":
+                        with contextlib.suppress(Exception):
+                            import urllib.request
+
+                            with urllib.request.urlopen(url + "/mc_info", timeout=5) as r:
+                                self.mc_info = json.loads(r.read())
+                            self.ctx.log(f"  mc proxy: prefill engine id {self.mc_info.get('engine_id')!r} from "
+                                         f"{str(self.mc_info.get('engine_id_source'))[:200]}")
                 except Exception as e:  # noqa: BLE001
                     self.failed[f"{kind}-proxy"] = f"{type(e).__name__}: {e}"
         return self.failed
 
     def startup(self) -> dict[str, Any]:
-        return {s.name: {"ready_after_s": None if s.ready_s is None else round(s.ready_s - s.started_s, 1),
-                         "error": s.error, "argv": server_argv(self.ctx, s), "log_facts": log_facts(s.log)}
-                for s in self.servers} | {
-            "orbit_env": self.orbit_env, "urls": self.urls, "proxy_errors": {
-                k: v for k, v in self.failed.items() if k.endswith("proxy")}}
+        out: dict[str, Any] = {
+            s.name: {"ready_after_s": None if s.ready_s is None else round(s.ready_s - s.started_s, 1),
+                     "error": s.error, "argv": server_argv(self.ctx, s), "log_facts": log_facts(s.log),
+                     **({"mooncake_transport": mooncake_lines(s.log)} if s.connector in ("mc", "orbit") else {}),
+                     **({"mc_env": {k: v for k, v in server_env(self.ctx, s).items()
+                                    if k.startswith(("MC_", "VLLM_MOONCAKE", "GLOG", "PYTHONPATH"))}}
+                        if s.connector == "mc" else {})}
+            for s in self.servers}
+        return out | {"orbit_env": self.orbit_env, "urls": self.urls, "group": self.group, "systems": self.systems,
+                      "mc_proxy": self.mc_info, "proxy_errors": {
+                          k: v for k, v in self.failed.items() if k.endswith("proxy")}}
 
     def pair(self, system: str) -> list[Server]:
         return self.pairs[system]
@@ -832,6 +990,28 @@ class Fleet:
     def stop(self) -> None:
         stop(self.ctx, self.proxies + self.servers)
         self.proxies = []
+
+
+MOONCAKE_LINE = re.compile(r"Using .*[Tt]ransport|[Ii]nstall(ing|ed)? .*[Tt]ransport|Topology discovery complete|"
+                           r"Mooncake Transfer Engine is using|Selected .*allocator|malloc/free for protocol|"
+                           r"Mooncake is not available|Transfer Engine initialization failed|MC_INTRANODE_NVLINK")
+
+
+def mooncake_lines(log: Path | None, limit: int = 12) -> list[str]:
+    """The lines where Mooncake (through vLLM's connector or OrbitKV) says
+    which transport it installed."""
+    out: list[str] = []
+    if log is None:
+        return out
+    with contextlib.suppress(OSError):
+        for line in log.read_text(errors="replace").splitlines():
+            if MOONCAKE_LINE.search(line) and not line.startswith("# "):
+                t = line.strip()[:300]
+                if t not in out:
+                    out.append(t)
+            if len(out) >= limit:
+                break
+    return out
 
 
 class Sampler(threading.Thread):
@@ -914,12 +1094,24 @@ def proxy_breakdown(log: Path, t0: float, t1: float) -> dict[str, Any]:
             "first_byte_minus_prefill_ms": stat(gap)}
 
 
-def stage_b(ctx: Ctx, fleet: Fleet, name: str) -> dict[str, Any]:
-    ctx.log(f"stage {name}: start")
-    out: dict[str, Any] = {"stage": name, "started": time.time(), "eager": fleet.eager, "startup": fleet.startup(),
-                           "config": {"input_len": ctx.args.bench_input_len, "input_range": ctx.args.bench_input_range,
-                                      "output_len": ctx.args.bench_output_len, "runs": ctx.args.bench_runs,
-                                      "warmup": ctx.args.bench_warmup}, "systems": {}}
+def group_record(fleet: Fleet) -> dict[str, Any]:
+    return {"group": fleet.group + 1, "systems": fleet.systems, "urls": dict(fleet.urls), "mc_proxy": fleet.mc_info,
+            "started": time.time()}
+
+
+def stage_b(ctx: Ctx, fleet: Fleet, name: str, acc: dict[str, Any] | None = None) -> dict[str, Any]:
+    """vllm bench serve against each system of the fleet, one system after
+    another; ``acc``: the stage's result of an earlier group, extended."""
+    ctx.log(f"stage {name}: start (group {fleet.group + 1}: {fleet.systems})")
+    out: dict[str, Any] = acc or {
+        "stage": name, "started": time.time(), "eager": fleet.eager, "startup": {},
+        "config": {"input_len": ctx.args.bench_input_len, "input_range": ctx.args.bench_input_range,
+                   "output_len": ctx.args.bench_output_len, "runs": ctx.args.bench_runs,
+                   "warmup": ctx.args.bench_warmup}, "systems": {}, "groups": []}
+    out["startup"].update(fleet.startup())
+    out["groups"].append(group_record(fleet))
+    if ctx.plan:
+        out["plan"] = ctx.plan
     bdir = ctx.work / "bench" / name
     bdir.mkdir(parents=True, exist_ok=True)
     order = [s for s in fleet.systems if s in fleet.urls]
@@ -938,7 +1130,7 @@ def stage_b(ctx: Ctx, fleet: Fleet, name: str) -> dict[str, Any]:
         sampler.start()
         runs = ctx.args.bench_warmup + "," + ctx.args.bench_runs
         argv = [ctx.args.python, str(HERE / "bench_client.py"), "--base-url", fleet.urls[system],
-                "--model", fleet.spec.name, "--tokenizer", fleet.single.model, "--out", str(bdir),
+                "--model", fleet.spec.name, "--tokenizer", fleet.model, "--out", str(bdir),
                 "--label", system, "--runs", runs, "--input-len", str(ctx.args.bench_input_len),
                 "--input-range", str(ctx.args.bench_input_range), "--output-len", str(ctx.args.bench_output_len)]
         log = ctx.work / "logs" / f"{name}-{system}-client.log"
@@ -986,16 +1178,22 @@ def stage_b(ctx: Ctx, fleet: Fleet, name: str) -> dict[str, Any]:
     return out
 
 
-def stage_c(ctx: Ctx, fleet: Fleet, name: str) -> dict[str, Any]:
-    ctx.log(f"stage {name}: start")
+def stage_c(ctx: Ctx, fleet: Fleet, name: str, acc: dict[str, Any] | None = None) -> dict[str, Any]:
+    """TTFT, the fleet's systems in rotating order; ``acc``: the stage's
+    result of an earlier group, extended (its systems were measured then)."""
+    ctx.log(f"stage {name}: start (group {fleet.group + 1}: {fleet.systems})")
     lengths = ctx.args.ttft_lengths
     systems = [s for s in fleet.systems if s in fleet.urls]
-    out: dict[str, Any] = {"stage": name, "started": time.time(), "eager": fleet.eager, "startup": fleet.startup(),
-                           "lengths": lengths, "systems": systems, "reps": ctx.args.ttft_reps,
-                           "warmup_rounds": ctx.args.ttft_warmup, "gen_tokens": ctx.args.ttft_gen,
-                           "ttft_s": {s: {str(n): [] for n in lengths} for s in systems}, "errors": [],
-                           "metrics_delta": {}}
-    rng = random.Random(ctx.args.seed + (100 if fleet.eager else 0))
+    out: dict[str, Any] = acc or {"stage": name, "started": time.time(), "eager": fleet.eager, "startup": {},
+                                  "lengths": lengths, "systems": [], "reps": ctx.args.ttft_reps,
+                                  "warmup_rounds": ctx.args.ttft_warmup, "gen_tokens": ctx.args.ttft_gen,
+                                  "ttft_s": {}, "errors": [], "metrics_delta": {}, "groups": []}
+    out["startup"].update(fleet.startup())
+    out["groups"].append(group_record(fleet))
+    out["systems"] += [s for s in systems if s not in out["systems"]]
+    for s in systems:
+        out["ttft_s"][s] = {str(n): [] for n in lengths}
+    rng = random.Random(ctx.args.seed + (100 if fleet.eager else 0) + 1000 * fleet.group)
     V = fleet.spec.vocab
 
     def one(system: str, n: int) -> float | None:
@@ -1030,9 +1228,9 @@ def stage_c(ctx: Ctx, fleet: Fleet, name: str) -> dict[str, Any]:
                     out["ttft_s"][system][str(n)].append(round(t, 5))
         ctx.save(name, out)
     after = {s.name: snapshot(s.url) for s in watched}
-    out["metrics_delta"] = {s.name: delta(before[s.name], after[s.name]) for s in watched}
+    out["metrics_delta"].update({s.name: delta(before[s.name], after[s.name]) for s in watched})
     med: dict[str, dict[str, Any]] = {}
-    for system in systems:
+    for system in out["systems"]:
         for n in lengths:
             xs = out["ttft_s"][system][str(n)]
             if xs:
@@ -1043,7 +1241,142 @@ def stage_c(ctx: Ctx, fleet: Fleet, name: str) -> dict[str, Any]:
     out["ended"] = time.time()
     ctx.save(name, out)
     ctx.log(f"stage {name}: done: " + "; ".join(
-        f"{s} " + "/".join(f"{v['median_ms']:.0f}" for v in med.get(s, {}).values()) for s in systems))
+        f"{s} " + "/".join(f"{v['median_ms']:.0f}" for v in med.get(s, {}).values()) for s in out["systems"]))
+    return out
+
+
+# ---- stage s-storm: a cancel storm through orbitkv.proxy ---------------------------------------------
+
+STORM_COUNTERS = ("vllm:orbitkv_fences_sent_total", "vllm:orbitkv_ranks_fenced_total",
+                  "vllm:orbitkv_consumers_quarantine_expired_total")
+
+
+def stage_storm(ctx: Ctx, fleet: Fleet, name: str = "s-storm") -> dict[str, Any]:
+    """``--storm-requests`` streamed requests of fresh random prompts
+    (``--storm-min-tokens`` .. ``--storm-max-tokens``), ``--storm-in-flight``
+    at a time, through orbitkv.proxy in front of the fleet's OrbitKV pair;
+    half of them (chosen at random) dropped by the client (RST) 0 ..
+    ``--storm-drop-ms`` after sending. Then: how long after the last drop
+    until both instances show 0 running, 0 waiting and KV usage 0 (polled
+    every 50 ms, given up after ``--storm-idle-timeout-s``), the decode's fence
+    and quarantine counters' changes, errors, and whether the next plain
+    request equals the single engine's answer (greedy token ids)."""
+    a = ctx.args
+    ctx.log(f"stage {name}: start")
+    out: dict[str, Any] = {"stage": name, "started": time.time(), "eager": fleet.eager,
+                           "config": {"requests": a.storm_requests, "in_flight": a.storm_in_flight,
+                                      "tokens": [a.storm_min_tokens, a.storm_max_tokens], "drop_ms": a.storm_drop_ms,
+                                      "gen": a.storm_gen, "idle_timeout_s": a.storm_idle_timeout_s}}
+    url = fleet.urls.get("orbit")
+    if not url or "orbit" not in fleet.pairs:
+        out["error"] = "the OrbitKV pair or its proxy is not running: " + "; ".join(
+            f"{s.name}: {(s.error or '')[:2000]}" for s in fleet.pairs.get("orbit", []) if s.error)
+        ctx.save(name, out)
+        ctx.log(f"stage {name}: {out['error'][:200]}")
+        return out
+    pre, dec = fleet.pair("orbit")
+    out["servers"] = {"prefill": pre.name, "decode": dec.name, "proxy": url}
+    rng = random.Random(a.seed + 777 + (100 if fleet.eager else 0))
+    V = fleet.spec.vocab
+    n = a.storm_requests
+    dropped = set(rng.sample(range(n), n // 2))
+    plan = [(i, [rng.randrange(len(SPECIALS), V) for _ in range(rng.randint(a.storm_min_tokens, a.storm_max_tokens))],
+             i in dropped, rng.uniform(0, a.storm_drop_ms / 1e3)) for i in range(n)]
+    lock = threading.Lock()
+    last_drop = [0.0]
+    before = {s.name: snapshot(s.url) for s in (pre, dec)}
+
+    def one(item: tuple[int, list[int], bool, float]) -> dict[str, Any]:
+        i, ids, drop, delay = item
+        t0 = time.monotonic()
+        r: dict[str, Any] = {"i": i, "tokens": len(ids)}
+        if drop:
+            r["drop_after_ms"] = round(delay * 1e3, 1)
+            try:
+                req = Abandoned(url, ids, a.storm_gen, stream=True, model=fleet.spec.name)
+                time.sleep(max(0.0, delay - (time.monotonic() - req.sent)))
+                req.drop()
+                with lock:
+                    last_drop[0] = max(last_drop[0], time.monotonic())
+                r["kind"] = "dropped"
+            except OSError as e:
+                r["kind"] = "error"
+                r["error"] = f"{type(e).__name__}: {e}"
+        else:
+            c = complete(url, ids, a.storm_gen, stream=True, timeout_s=a.storm_request_timeout_s, model=fleet.spec.name)
+            ok = c.status == 200 and len(c.token_ids) == a.storm_gen
+            r["kind"] = "answered" if ok else "failed"
+            r["status"] = c.status
+            if not ok:
+                r["error"] = str(c.error)[:500]
+                r["got_tokens"] = len(c.token_ids)
+        r["s"] = round(time.monotonic() - t0, 3)
+        return r
+
+    t_start = time.monotonic()
+    with cf.ThreadPoolExecutor(a.storm_in_flight) as ex:
+        results = list(ex.map(one, plan))
+    t_end = time.monotonic()
+    out["requests"] = results
+    kinds = [r["kind"] for r in results]
+    out["counts"] = {k: kinds.count(k) for k in sorted(set(kinds))}
+    out["storm_s"] = round(t_end - t_start, 2)
+    out["errors"] = [r for r in results if r["kind"] in ("error", "failed")]
+    ctx.log(f"  storm: {out['counts']} in {out['storm_s']}s; waiting for both instances to be idle")
+    # idle: 0 running, 0 waiting, KV usage 0 on both, polled every 50 ms
+    t_last = last_drop[0] or t_end
+    deadline = time.monotonic() + a.storm_idle_timeout_s
+    last: dict[str, dict[str, float]] = {}
+    t_idle = None
+    while time.monotonic() < deadline:
+        ok = True
+        for s in (pre, dec):
+            try:
+                m = metrics(s.url, timeout_s=2)
+            except Exception as e:  # noqa: BLE001
+                last[s.name] = {"error": str(e)}  # type: ignore[dict-item]
+                ok = False
+                continue
+            last[s.name] = {k: m.get(k, -1) for k in ("vllm:num_requests_running", "vllm:num_requests_waiting",
+                                                      "vllm:kv_cache_usage_perc")}
+            ok = ok and all(v == 0 for v in last[s.name].values())
+        if ok:
+            t_idle = time.monotonic()
+            break
+        time.sleep(0.05)
+    out["idle"] = t_idle is not None
+    out["idle_after_last_drop_s"] = None if t_idle is None else round(t_idle - t_last, 3)
+    out["idle_after_storm_end_s"] = None if t_idle is None else round(t_idle - t_end, 3)
+    out["last_drop_before_storm_end_s"] = round(t_end - t_last, 3)
+    out["state_at_end_of_wait"] = last
+    after = {s.name: snapshot(s.url) for s in (pre, dec)}
+    out["metrics_delta"] = {s.name: delta(before[s.name], after[s.name]) for s in (pre, dec)}
+    dd = out["metrics_delta"][dec.name]
+    out["decode_counters"] = {k.removeprefix("vllm:orbitkv_"): dd.get(k) for k in STORM_COUNTERS}
+    out["servers_alive"] = {s.name: bool(s.proc and s.proc.alive()) for s in (pre, dec)}
+    ctx.log(f"  idle: {out['idle']} ({out['idle_after_last_drop_s']}s after the last drop); "
+            f"decode counters {out['decode_counters']}")
+    # the next plain request, against one engine
+    ids = [rng.randrange(len(SPECIALS), V) for _ in range(a.storm_min_tokens)]
+    got = ask(url, ids, a.gen, fleet.spec.name)
+    nxt: dict[str, Any] = {"prompt_tokens": len(ids), "status": got.status, "tokens": len(got.ids)}
+    if got.status != 200:
+        nxt["error"] = str(got.error)[:800]
+    if fleet.single is not None and fleet.single.ready_s:
+        ref = ask(fleet.single.url, ids, a.gen, fleet.spec.name)
+        tol = a.tol_fp32 if (fleet.spec.dtype == "float32" or not ctx.cuda) else a.tol_bf16
+        nxt.update(compare(ref, got, tol))
+        nxt["equal_token_ids"] = ref.status == 200 and ref.ids == got.ids
+    else:
+        nxt["verdict"] = "no single engine to compare with" if got.status == 200 else "error"
+    out["next_request"] = nxt
+    ctx.log(f"  next plain request: {nxt.get('verdict')}")
+    out["pass"] = bool(out["idle"] and not out["errors"] and got.status == 200
+                       and nxt.get("verdict") in ("equal", "near-tie", "no single engine to compare with")
+                       and all(out["servers_alive"].values()))
+    out["ended"] = time.time()
+    ctx.save(name, out)
+    ctx.log(f"stage {name}: done, pass {out['pass']}")
     return out
 
 
@@ -1083,16 +1416,25 @@ def run(ctx: Ctx) -> int:
     bpath = make_model(bspec, ctx.work / "models")
     ctx.log(f"models made in {time.monotonic() - t:.1f}s: {[m[1] for m in models.values()]} {bpath}")
 
-    fleet: Fleet | None = None
+    plan = plan_big(ctx, bspec)
+    ctx.plan = plan
+    ctx.save("plan", plan)
+    groups = plan["groups"]
+    ctx.log(f"Llama-3-8B-shaped instances: {plan['kv_gib']} GiB of KV each ({plan['kv_tokens_per_instance']} tokens), "
+            f"groups run one after another: {groups}" + (f"; {plan['warning']}" if plan.get("warning") else "")
+            + (f"; {plan['kv_bound_levels']}" if plan.get("kv_bound_levels") else ""))
+
+    fleet: Fleet | None = None  # the group being measured (stopped on the way out)
     fleet_state: dict[str, Any] = {}
+    default_big = [s for s in ("s-storm", "b-default", "c-default") if s in stages]
 
     def start_big(failed_small: dict[str, str]) -> None:
         """Called once the small default-mode instances are up (or failed):
-        start the Llama-3-8B-shaped instances meanwhile. If OrbitKV could not
-        start under vLLM's defaults, its big pair gets VLLM_KV_CACHE_LAYOUT=HND
-        (labelled so), so load and TTFT are still measured."""
+        start the first group of Llama-3-8B-shaped instances meanwhile. If
+        OrbitKV could not start under vLLM's defaults, its big pair gets
+        VLLM_KV_CACHE_LAYOUT=HND (labelled so), so load and TTFT are still measured."""
         nonlocal fleet
-        if not any(s in stages for s in ("b-default", "c-default")) or fleet is not None:
+        if not default_big or fleet is not None:
             return
         orbit_failed = [k for k in failed_small if "prefill" in k or "decode" in k]
         orbit_env = {}
@@ -1100,8 +1442,39 @@ def run(ctx: Ctx) -> int:
             orbit_env = {"VLLM_KV_CACHE_LAYOUT": "HND"}
             ctx.log(f"OrbitKV instances failed under defaults ({orbit_failed}): big OrbitKV pair gets HND by hand")
         fleet_state["orbit_env"] = orbit_env
-        fleet = Fleet(ctx, bspec, bpath, eager=False, orbit_env=orbit_env)
+        fleet = Fleet(ctx, bspec, bpath, eager=False, orbit_env=orbit_env, systems=groups[0], kv_gib=plan["kv_gib"])
         fleet.start()
+
+    def run_groups(eager: bool) -> None:
+        """Each group of systems in turn: its instances started (the first
+        group's default-mode ones already are), the stages, stopped."""
+        nonlocal fleet
+        bname, cname = ("b-eager", "c-eager") if eager else ("b-default", "c-default")
+        order = [x for x in ((cname, bname) if eager else ("s-storm", bname, cname)) if x in stages]
+        acc: dict[str, dict[str, Any] | None] = {bname: None, cname: None}
+        for gi, grp in enumerate(groups):
+            if gi and ctx.left() < 240:
+                ctx.log(f"group {gi + 1} {grp}: skipped, out of time")
+                break
+            if fleet is None:
+                fleet = Fleet(ctx, bspec, bpath, eager=eager, orbit_env=fleet_state.get("orbit_env", {}),
+                              systems=grp, kv_gib=plan["kv_gib"], group=gi)
+                fleet.start()
+            try:
+                failed = fleet.wait(max(60, min(a.start_timeout_s, ctx.left() - 60)))
+                if failed:
+                    ctx.log(f"big instances failed: {list(failed)}")
+                for st in order:
+                    if st == "s-storm":
+                        if gi == 0 and ctx.left() > 90:
+                            stage_storm(ctx, fleet, "s-storm")
+                    elif st == bname and ctx.left() > 120:
+                        acc[st] = stage_b(ctx, fleet, st, acc[st])
+                    elif st == cname and ctx.left() > (60 if eager else 90):
+                        acc[st] = stage_c(ctx, fleet, st, acc[st])
+            finally:
+                fleet.stop()
+                fleet = None
 
     try:
         if "a-default" in stages:
@@ -1111,26 +1484,9 @@ def run(ctx: Ctx) -> int:
         if "a-eager" in stages and ctx.left() > 120:
             stage_a(ctx, models, eager=True, on_ready=None)
         if fleet is not None:
-            failed = fleet.wait(max(60, min(a.start_timeout_s, ctx.left() - 60)))
-            if failed:
-                ctx.log(f"big instances failed: {list(failed)}")
-            if "b-default" in stages and ctx.left() > 120:
-                stage_b(ctx, fleet, "b-default")
-            if "c-default" in stages and ctx.left() > 90:
-                stage_c(ctx, fleet, "c-default")
-            fleet.stop()
-            fleet = None
+            run_groups(eager=False)
         if any(s in stages for s in ("c-eager", "b-eager")) and ctx.left() > 150:
-            fe = Fleet(ctx, bspec, bpath, eager=True, orbit_env=fleet_state.get("orbit_env", {}))
-            fe.start()
-            try:
-                fe.wait(max(60, min(a.start_timeout_s, ctx.left() - 60)))
-                if "c-eager" in stages and ctx.left() > 60:
-                    stage_c(ctx, fe, "c-eager")
-                if "b-eager" in stages and ctx.left() > 120:
-                    stage_b(ctx, fe, "b-eager")
-            finally:
-                fe.stop()
+            run_groups(eager=True)
     except BaseException as e:
         ctx.log(f"driver: ERROR {type(e).__name__}: {e}")
         ctx.save("driver-error", {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
@@ -1153,6 +1509,35 @@ def _load(d: Path, name: str) -> dict[str, Any] | None:
     return None
 
 
+def ratio_rows(r: dict[str, Any]) -> list[str]:
+    """OrbitKV ÷ MooncakeConnector (and ÷ NIXL) per in-flight level: TTFT p50
+    and p99 (below 1: OrbitKV faster) and output tok/s (above 1: OrbitKV
+    more), with each system's prefill KV usage peak."""
+    systems = r.get("systems", {})
+    if "runs" not in systems.get("orbit", {}):
+        return []
+    out: list[str] = []
+    for peer, label in (("mc", "MooncakeConnector"), ("nixl", "NIXL")):
+        if "runs" not in systems.get(peer, {}):
+            continue
+        rows = []
+        for tag, o in systems["orbit"]["runs"].items():
+            p = systems[peer]["runs"].get(tag)
+            if tag.startswith("warm") or not p:
+                continue
+            rat = lambda k, o=o, p=p: (f"{o[k] / p[k]:.2f}" if isinstance(o.get(k), (int, float))  # noqa: E731
+                                       and isinstance(p.get(k), (int, float)) and p[k] else "-")
+            peak = lambda x: next((f"{v.get('kv_usage_peak', float('nan')):.1%}"  # noqa: E731
+                                   for k, v in x.get("servers", {}).items() if "prefill" in k), "-")
+            rows.append(f"| {o.get('concurrency')} | {rat('p50_ttft_ms')} | {rat('p99_ttft_ms')} | "
+                        f"{rat('output_throughput')} | {peak(o)} | {peak(p)} |")
+        if rows:
+            out += [f"OrbitKV ÷ {label}, same prompts (TTFT below 1 and tok/s above 1: OrbitKV ahead):", "",
+                    f"| in flight | TTFT p50 | TTFT p99 | output tok/s | OrbitKV prefill KV peak | {label} prefill KV peak |",
+                    "|---|---|---|---|---|---|"] + rows + [""]
+    return out
+
+
 def report(d: Path) -> str:
     """summary.md from the stage files in ``d``."""
     d = Path(d)
@@ -1162,6 +1547,32 @@ def report(d: Path) -> str:
         lines += [f"- date: {env.get('date')}; host: {env.get('host')}; GPUs: {env.get('gpus')}",
                   f"- torch {env.get('torch')}; vllm {env.get('vllm')}; orbitkv {env.get('orbitkv')}; "
                   f"nixl {env.get('nixl')}", ""]
+    plan = _load(d, "plan")
+    if plan:
+        lines += [f"- Llama-3-8B-shaped instances ({'one GPU' if plan.get('one_gpu') else 'two GPUs'}): "
+                  f"{plan.get('kv_gib')} GiB of KV each ({plan.get('kv_tokens_per_instance')} tokens), weights "
+                  f"{plan.get('weights_gib')} GiB; systems in groups run one after another: {plan.get('groups')}"
+                  + (f"; {plan['warning']}" if plan.get("warning") else "")
+                  + (f"; {plan['kv_bound_levels']}" if plan.get("kv_bound_levels") else ""), ""]
+    r = _load(d, "s-storm")
+    if r:
+        c = r.get("config", {})
+        lines += [f"## s-storm: cancel storm through orbitkv.proxy ({c.get('requests')} streamed requests of "
+                  f"{c.get('tokens')} fresh tokens, {c.get('in_flight')} in flight, half dropped (RST) 0-"
+                  f"{c.get('drop_ms')} ms after sending)", ""]
+        if r.get("error"):
+            lines += [f"error: {str(r['error'])[:500]}", ""]
+        else:
+            nx = r.get("next_request", {})
+            lines += ["| requests | both idle after the last drop | decode fences sent / ranks fenced / "
+                      "quarantines expired | errors | next request vs one engine | pass |", "|---|---|---|---|---|---|",
+                      f"| {r.get('counts')} | {'yes' if r.get('idle') else '**NO**'}, "
+                      f"{r.get('idle_after_last_drop_s')} s | "
+                      + " / ".join(str(v) for v in r.get("decode_counters", {}).values())
+                      + f" | {len(r.get('errors', []))} | {nx.get('verdict')} | "
+                      f"{'yes' if r.get('pass') else '**no**'} |", ""]
+            if not r.get("idle"):
+                lines += [f"State when the wait gave up: {json.dumps(r.get('state_at_end_of_wait'))}", ""]
     for st in ("a-default", "a-eager"):
         r = _load(d, st)
         if not r:
@@ -1219,6 +1630,7 @@ def report(d: Path) -> str:
                     f"{f('mean_tpot_ms')} | {f('output_throughput')} | "
                     f"{pre.get('kv_usage_peak', float('nan')):.1%} | {dec.get('waiting_peak', '-')} |")
         lines.append("")
+        lines += ratio_rows(r)
         # where the time goes: the proxies' per-request lines, OrbitKV's counters
         rows = []
         for system, sr in r.get("systems", {}).items():
@@ -1268,17 +1680,21 @@ def report(d: Path) -> str:
                  "orbit-one-lane": "OrbitKV P/D, one writer per peer",
                  "orbit-device-wait": "OrbitKV P/D, Mooncake's submit wait",
                  "orbit-wide-ranges": "OrbitKV P/D, 8192 ranges in flight",
-                 "orbit-staging": "OrbitKV P/D, every request staged", "nixl": "NIXL P/D"}
+                 "orbit-staging": "OrbitKV P/D, every request staged", "nixl": "NIXL P/D",
+                 "mc": "MooncakeConnector P/D"}
+        peers = [x for x in ("mc", "nixl") if x in others and "orbit" in others]
         lines += [f"## {st}: TTFT, medians of {r['reps']} (fresh prompt per request), ms", "",
                   "| prompt tokens | one engine | " + " | ".join(names.get(x, x) for x in others) + " | "
-                  + " | ".join(f"{names.get(x, x)} ÷ one" for x in others) + " |",
-                  "|---|---|" + "---|" * (2 * len(others))]
+                  + " | ".join(f"{names.get(x, x)} ÷ one" for x in others)
+                  + "".join(f" | OrbitKV ÷ {names.get(x, x)}" for x in peers) + " |",
+                  "|---|---|" + "---|" * (2 * len(others) + len(peers))]
         for n in r["lengths"]:
             g = lambda sysn, n=n, s=s: s.get(sysn, {}).get(str(n), {}).get("median_ms")  # noqa: E731
             one = g("single")
             rat = lambda v, one=one: f"{v / one:.2f}" if (v and one) else "-"  # noqa: E731
+            vs = lambda x, g=g: (f"{g('orbit') / g(x):.2f}" if (g("orbit") and g(x)) else "-")  # noqa: E731
             lines.append(f"| {n} | {one} | " + " | ".join(str(g(x)) for x in others) + " | "
-                         + " | ".join(rat(g(x)) for x in others) + " |")
+                         + " | ".join(rat(g(x)) for x in others) + "".join(f" | {vs(x)}" for x in peers) + " |")
         if r.get("errors"):
             lines.append(f"\nerrors: {len(r['errors'])}, first: {json.dumps(r['errors'][0])[:400]}")
         lines.append("")
@@ -1303,16 +1719,38 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="e2e-results")
     p.add_argument("--work", default="/tmp/orbitkv-e2e-work")
     p.add_argument("--deadline-s", type=float, default=1200)
-    p.add_argument("--stages", default="a-default,a-eager,b-default,c-default,c-eager,b-eager")
+    p.add_argument("--stages", default="a-default,a-eager,s-storm,b-default,c-default,c-eager,b-eager")
     p.add_argument("--python", default=sys.executable)
     p.add_argument("--seed", type=int, default=9)
     p.add_argument("--report", metavar="DIR", help="only (re)write DIR/summary.md and print it")
     p.add_argument("--nixl-mock", action="store_true", help="NIXL instances without a connector (CPU dry run)")
+    p.add_argument("--nixl", choices=("auto", "yes", "no"), default="auto",
+                   help="the NIXL P/D system in stages b and c (auto: yes on two GPUs, no with --one-gpu)")
+    p.add_argument("--no-mc", dest="mc", action="store_false",
+                   help="leave vLLM's MooncakeConnector P/D system out of stages b and c")
+    p.add_argument("--mc-mock", action="store_true",
+                   help="MooncakeConnector instances without a connector (CPU dry run: mc_proxy.py's flow only)")
+    p.add_argument("--mc-protocol", default="",
+                   help="kv_connector_extra_config.mooncake_protocol (default: vLLM's; Mooncake picks its transport "
+                        "by auto-discovery and MC_INTRANODE_NVLINK either way)")
+    p.add_argument("--mc-pythonpath", default=os.environ.get("E2E_MC_PYTHONPATH", ""),
+                   help="a folder holding a `mooncake` package for vLLM's MooncakeConnector, first on the MC "
+                        "instances' PYTHONPATH (run.sh: $E2E_ROOT/mcpy)")
     p.add_argument("--no-hnd-fallback", dest="hnd_fallback", action="store_false")
     p.add_argument("--start-timeout-s", type=float, default=480)
     p.add_argument("--gpu-mem-util", type=float, default=0.04)
     p.add_argument("--small-kv-gib", type=float, default=2)
-    p.add_argument("--big-kv-gib", type=float, default=12)
+    p.add_argument("--big-kv-gib", type=float, default=0,
+                   help="KV of each Llama-3-8B-shaped instance (0: the most that fits the GPU by the estimate, "
+                        "at most --big-kv-cap-gib)")
+    p.add_argument("--big-kv-cap-gib", type=float, default=12)
+    p.add_argument("--min-kv-gib", type=float, default=4,
+                   help="systems that would leave less KV than this (or than the longest TTFT prompt) per instance "
+                        "run in a later group, after the first group's instances are stopped")
+    p.add_argument("--gpu-gib", type=float, default=139.0, help="memory of one GPU (H200: ~139.8 GiB)")
+    p.add_argument("--gpu-reserve-gib", type=float, default=2.0)
+    p.add_argument("--instance-overhead-gib", type=float, default=4.0,
+                   help="per instance besides weights and KV: CUDA context, activations, CUDA graphs")
     p.add_argument("--big-layers", type=int, default=32,
                    help="layers of the Llama-3-8B-shaped model (fewer: more instances fit one GPU)")
     p.add_argument("--staging", action="store_true",
@@ -1323,12 +1761,14 @@ def main(argv: list[str] | None = None) -> int:
                         "per-layer connector hooks (every layer then goes at wait_for_save; counted)")
     p.add_argument("--one-gpu", action="store_true",
                    help="every instance on GPU 0 (a one-GPU machine; the transfer stays on one device)")
-    p.add_argument("--ab", choices=("none", "one-lane", "python-gate", "device-wait", "wide-ranges", "staging"),
-                   default="device-wait",
+    p.add_argument("--ab", choices=("auto", "none", "one-lane", "python-gate", "device-wait", "wide-ranges",
+                                    "staging"),
+                   default="auto",
                    help="a second OrbitKV pair with one setting changed: one writer per peer, the Python "
                         "layer-ordering thread (ORBITKV_LAYER_GATE=python), or Mooncake's own submit-time "
                         "stream wait (orbitkv.pd.mooncake_submit_wait = device), or 8192 ranges in flight per "
-                        "peer instead of 768 (orbitkv.pd.max_inflight_ranges)")
+                        "peer instead of 768 (orbitkv.pd.max_inflight_ranges); auto: device-wait on two GPUs, "
+                        "none with --one-gpu")
     p.add_argument("--big-max-model-len", type=int, default=36864)
     p.add_argument("--gen", type=int, default=12, help="tokens generated per correctness request")
     p.add_argument("--tol-fp32", type=float, default=0.01)
@@ -1344,12 +1784,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bench-input-range", type=float, default=0.7777)
     p.add_argument("--bench-output-len", type=int, default=64)
     p.add_argument("--bench-warmup", default="warmup:4:8:1000")
-    p.add_argument("--bench-runs", default="c1:1:12:11,c4:4:32:12,c16:16:64:13")
-    p.add_argument("--bench-system-timeout-s", type=float, default=240)
+    p.add_argument("--bench-runs", default="c1:1:12:11,c4:4:32:12,c8:8:32:14,c16:16:64:13,c32:32:96:15",
+                   help="TAG:IN_FLIGHT:PROMPTS:SEED,... (issue 33's levels 1, 4, 8, 16, 32)")
+    p.add_argument("--bench-system-timeout-s", type=float, default=360)
     p.add_argument("--ttft-lengths", default="1024,8192,32768")
     p.add_argument("--ttft-reps", type=int, default=7)
     p.add_argument("--ttft-warmup", type=int, default=2)
     p.add_argument("--ttft-gen", type=int, default=2)
+    p.add_argument("--storm-requests", type=int, default=48)
+    p.add_argument("--storm-in-flight", type=int, default=16)
+    p.add_argument("--storm-min-tokens", type=int, default=1536)
+    p.add_argument("--storm-max-tokens", type=int, default=6144)
+    p.add_argument("--storm-drop-ms", type=float, default=400, help="dropped requests go 0 .. this after sending")
+    p.add_argument("--storm-gen", type=int, default=32, help="tokens each streamed storm request asks for")
+    p.add_argument("--storm-idle-timeout-s", type=float, default=200)
+    p.add_argument("--storm-request-timeout-s", type=float, default=180)
     a = p.parse_args(argv)
     if a.report:
         print(report(Path(a.report)))
@@ -1357,6 +1806,8 @@ def main(argv: list[str] | None = None) -> int:
     a.boundary_lengths = [int(x) for x in a.boundary_lengths.split(",") if x]
     a.long_lengths = [int(x) for x in a.long_lengths.split(",") if x]
     a.ttft_lengths = [int(x) for x in a.ttft_lengths.split(",") if x]
+    if a.ab == "auto":
+        a.ab = "none" if (a.one_gpu and a.device == "cuda") else "device-wait"
     return run(Ctx(a))
 
 
