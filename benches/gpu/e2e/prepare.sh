@@ -208,7 +208,7 @@ UNTRACKED=$( (git ls-files -z --others --exclude-standard | xargs -0 -r du -cb 2
 UNTRACKED=${UNTRACKED:-0}
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
 {
-  echo "# Device calls for the GPU end-to-end run (kind nvidia-h200-x2), back to back"
+  echo "# Device calls for the GPU end-to-end run (kind nvidia-h200-x2, or nvidia-h200: see the end), back to back"
   echo
   echo "Bundle of commit $SHA. Make the calls one right after the other: the machine"
   echo "is given back after about 30 s idle, and the stashed parts with it."
@@ -224,6 +224,10 @@ mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
     [ "$tot" -le $((64 * 1048576)) ] || { say "call $i would move $(mib "$tot"): TOO BIG"; exit 1; }
   done
   echo "$((NPARTS + 1)). \`bash benches/gpu/e2e/run.sh watch --watch 560\`, timeout_s 600, no carry (repeat while the driver runs)"
+  echo
+  echo "One GPU (kind nvidia-h200: one engine, OrbitKV and vLLM's MooncakeConnector, five instances on GPU 0,"
+  echo "the cancel storm first): the same calls, the last one as"
+  echo "\`E2E_DRIVER_ARGS=\"--one-gpu --big-layers 16 --stages s-storm,b-default,c-default\" bash benches/gpu/e2e/run.sh start --deadline 1200 --watch 470\`"
 } >"$OUT/CALLS.md"
 cat "$OUT/p$NPARTS/BUILD_INFO" | head -4
 cat "$E2E_CACHE/MANIFEST"
