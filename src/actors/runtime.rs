@@ -333,6 +333,12 @@ impl Runtime {
         self.stats.layers_saved_at_wait.add(layers);
     }
 
+    /// Counts `requests` the embedding connector served plainly because
+    /// their P/D parameters were refused (`params_refused`).
+    pub fn note_params_refused(&self, requests: u64) {
+        self.stats.params_refused.add(requests);
+    }
+
     // ---- decode side ----------------------------------------------------
 
     /// Authorizes `block_ids` of this rank for request blocks

@@ -84,6 +84,11 @@ pub struct Stats {
     /// called `save_kv_layer` for them (a model path without the per-layer
     /// hook): correct, but not overlapped with the forward.
     pub layers_saved_at_wait: Counter,
+    /// Requests the vLLM connector served plainly (no transfer) because
+    /// their `kv_transfer_params` were refused: malformed, a duplicate
+    /// request ID, an undeclared prefill, a missing or wrong signature, or
+    /// a P/D dialect OrbitKV does not serve (the log says which).
+    pub params_refused: Counter,
     /// Decode side: requests given a staging grant.
     pub staging_granted: Counter,
     /// Decode side: requests that would have been given a staging grant but
@@ -140,6 +145,7 @@ pub struct StatsSnapshot {
     pub ranks_fenced: u64,
     pub fences_sent: u64,
     pub layers_saved_at_wait: u64,
+    pub params_refused: u64,
     pub staging_granted: u64,
     pub staging_exhausted: u64,
     pub layers_staged: u64,
@@ -183,6 +189,7 @@ impl Stats {
             ranks_fenced: self.ranks_fenced.get(),
             fences_sent: self.fences_sent.get(),
             layers_saved_at_wait: self.layers_saved_at_wait.get(),
+            params_refused: self.params_refused.get(),
             staging_granted: self.staging_granted.get(),
             staging_exhausted: self.staging_exhausted.get(),
             layers_staged: self.layers_staged.get(),

@@ -756,6 +756,13 @@ impl PyRuntime {
         Ok(())
     }
 
+    /// Counts `requests` served plainly because their P/D parameters were
+    /// refused (`params_refused`).
+    fn note_params_refused(&self, py: Python<'_>, requests: u64) -> PyResult<()> {
+        self.rt(py)?.note_params_refused(requests);
+        Ok(())
+    }
+
     /// The runtime's counters.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.rt(py)?.stats();

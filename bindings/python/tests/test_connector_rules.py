@@ -76,7 +76,7 @@ def sched_output(new=(), cached: FakeCached | None = None, scheduled: dict[str, 
 
 
 def scheduler() -> PdScheduler:
-    cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS))
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS), parallel_config=SimpleNamespace(tensor_parallel_size=1))
     return PdScheduler(cfg, PdConfig())  # type: ignore[arg-type]
 
 
@@ -505,7 +505,7 @@ def test_malformed_params_serve_the_request_plainly(params: dict[str, Any]) -> N
 
 
 def keyed_scheduler(allowed: list[str] | None = None, key: bytes | None = None) -> PdScheduler:
-    cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS))
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS), parallel_config=SimpleNamespace(tensor_parallel_size=1))
     extra = {} if allowed is None else {"orbitkv.pd.allowed_prefill": allowed}
     pd_config = dataclasses.replace(PdConfig.from_extra_config(extra), side_channel_key=key)
     return PdScheduler(cfg, pd_config)  # type: ignore[arg-type]
@@ -830,3 +830,108 @@ def test_a_gate_that_fails_after_taking_layers_aborts_that_steps_requests(
     names = [c[0] for c in w.runtime.calls]  # type: ignore[attr-defined]
     assert names == ["producer_open", "layers_ready_after", "producer_abort"]
     assert not w._rust_gate
+
+
+# ---- vLLM's two-stage flow (vllm-router's nixl mode), and dialects OrbitKV does not serve ----
+
+# What vllm-router 0.1.17 sends the prefill half (shared/notes/routers.md).
+ROUTER_PREFILL = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+
+def two_stage(cfg: PdConfig, tp: int = 1) -> tuple[PdScheduler, FakeRequest, dict[str, Any] | None]:
+    """A two-stage prefill request scheduled in one step and finished; the
+    scheduler and what its response carries."""
+    vc = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=BS), parallel_config=SimpleNamespace(tensor_parallel_size=tp)
+    )
+    s = PdScheduler(vc, cfg)  # type: ignore[arg-type]
+    r = FakeRequest("p1", list(range(20)), dict(ROUTER_PREFILL))
+    s.update_state_after_alloc(r, FakeBlocks([]), 0)
+    (chunk,) = s.build_connector_meta(
+        sched_output([FakeNewReq("p1", ([1, 2],), 0)], scheduled={"p1": 20})
+    ).producer_chunks
+    assert chunk.opens and chunk.last
+    r.status = "FINISHED_LENGTH_CAPPED"
+    delay, answer = s.request_finished(r, [1, 2])
+    assert delay, "the two-stage prefill's blocks must be held for the decode that comes next"
+    return s, r, answer
+
+
+def test_a_two_stage_prefill_mints_its_identity_and_answers_the_decode_half() -> None:
+    cfg = PdConfig(side_channel_host="10.0.0.2", side_channel_port=17500)
+    s, r, answer = two_stage(cfg, tp=2)
+    p = s.params_of(r)
+    assert p is not None and p.role == kvp.PRODUCER and p.answer
+    assert p.decode_tp == 2, "decode's TP defaults to this instance's"
+    assert answer is not None
+    # decode parses the answer as its own params: a consumer of this request
+    d = kvp.PdParams.parse(answer)
+    assert d is not None and d.role == kvp.CONSUMER
+    assert (d.request, d.capability, d.prefill_kv, d.prefill_tp) == (p.request, p.capability, "10.0.0.2:17500", 2)
+    assert answer["do_remote_prefill"] is True and kvp.SIGNATURE not in answer
+    # every request gets its own identity and capability (never a client's)
+    _, _, answer2 = two_stage(cfg)
+    assert answer2 is not None and (answer2[kvp.REQUEST], answer2[kvp.CAPABILITY]) != (d.request, d.capability)
+    assert len(answer2[kvp.CAPABILITY]) >= 32
+
+
+def test_a_two_stage_answer_is_signed_with_the_deployment_key_and_names_decode_tp() -> None:
+    key = b"k" * 32
+    cfg = PdConfig(side_channel_host="10.0.0.2", side_channel_key=key, decode_tp=4)
+    s, r, answer = two_stage(cfg)
+    assert answer is not None
+    kvp.check_signature(answer, key)  # decode accepts it
+    p = s.params_of(r)
+    assert p is not None and p.decode_tp == 4
+
+
+def test_a_two_stage_prefill_that_did_not_complete_answers_nothing() -> None:
+    s = scheduler()
+    r = FakeRequest("p1", list(range(20)), dict(ROUTER_PREFILL))
+    s.update_state_after_alloc(r, FakeBlocks([]), 0)
+    s.build_connector_meta(sched_output([FakeNewReq("p1", ([1, 2],), 0)], scheduled={"p1": 20}))
+    r.status = "FINISHED_ABORTED"
+    assert s.request_finished(r, [1, 2]) == (True, None)
+    # never scheduled: discarded, nothing held, nothing answered
+    s = scheduler()
+    r = FakeRequest("p2", list(range(20)), dict(ROUTER_PREFILL))
+    s.update_state_after_alloc(r, FakeBlocks([]), 0)
+    r.status = "FINISHED_ABORTED"
+    assert s.request_finished(r, []) == (False, None)
+    assert len(s.build_connector_meta(sched_output()).producers_discard) == 1
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        # a decode half whose prefill answered no OrbitKV params
+        {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1], "remote_host": "h"},
+        # the mooncake dialect (vllm-router / llm-d --kv-connector mooncake), either half
+        {"do_remote_prefill": True, "transfer_id": "t", "remote_bootstrap_addr": "http://h:1", "remote_engine_id": "e"},
+        {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "t"},
+        # llm-d's offloading dialect
+        {"do_remote_prefill": True, "remote_prefiller": {"kv_request_id": "x", "remote_host": "h", "remote_port": 1}},
+    ],
+    ids=["remote-prefill-without-orbitkv", "mooncake-decode", "mooncake-prefill", "offloading"],
+)
+def test_a_dialect_orbitkv_does_not_serve_is_served_plainly_and_counted(params: dict[str, Any]) -> None:
+    s = scheduler()
+    r = FakeRequest("x1", list(range(20)), params)
+    assert s.params_of(r) is None
+    assert s.refused == 1
+    assert s.build_connector_meta(sched_output()).refused == 1, "the worker is told to count it"
+    assert s.build_connector_meta(sched_output()).refused == 0, "counted once"
+
+
+def test_plain_requests_and_other_connectors_fields_are_not_counted() -> None:
+    s = scheduler()
+    for i, params in enumerate([None, {}, {"do_remote_decode": False}, {"some_other": 1}]):
+        assert s.params_of(FakeRequest(f"x{i}", list(range(4)), params)) is None  # type: ignore[arg-type]
+    assert s.refused == 0

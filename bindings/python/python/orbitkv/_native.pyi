@@ -451,6 +451,10 @@ class Runtime:
         """Counts request-layers admitted at `wait_for_save` because vLLM
         skipped `save_kv_layer` for them (`layers_saved_at_wait`)."""
 
+    def note_params_refused(self, requests: int) -> None:
+        """Counts `requests` served plainly because their P/D parameters were
+        refused (`params_refused`)."""
+
     def stats(self) -> dict[str, int]:
         """The runtime's counters."""
 

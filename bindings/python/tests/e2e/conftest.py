@@ -85,6 +85,7 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         vllm_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)],
         kv_load_failure_policy="fail",
         trace=True,  # each worker's Chrome trace (orbitkv trace merges them)
+        vllm_router=True,  # vllm-router in front of the same pair, beside the proxy
     )
     with c:  # started here, stopped after the module
         yield c

@@ -31,6 +31,9 @@ STAGING = os.environ.get("ORBITKV_TEST_STAGING", "0") == "1"  # conftest.STAGING
 fresh_prompt = prompt_source(1000)
 
 GEN = 16  # tokens generated per request
+# conftest.PD_TIMEOUT_S: the prefill's handshake timeout, how long a producer
+# of the two-stage flow waits for a decode that never comes.
+PD_HANDSHAKE_TIMEOUT_S = 15.0
 
 
 def ok(c: Completion, what: str) -> Completion:
@@ -130,6 +133,115 @@ def test_pd_concurrent_requests(cluster: Cluster) -> None:
     for i, prompt in enumerate(prompts):
         assert ok(results[i], f"concurrent #{i}").token_ids == baseline(cluster, prompt), f"request #{i}"
     cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
+
+
+# ---- (a2) the same P/D through vllm-router --------------------------------------
+#
+# vllm-router (pinned 0.1.17, --vllm-pd-disaggregation, its default `nixl`
+# mode) in front of the same prefill and decode: it sends the prefill half
+# with `do_remote_decode` and one output token, then the decode half with the
+# `kv_transfer_params` the prefill's response carried. OrbitKV serves that
+# two-stage flow: the prefill mints the request's identity and capability and
+# holds its blocks; decode authorizes its blocks and handshakes; the prefill
+# then writes every layer from the held blocks (the transfer follows the
+# prefill instead of overlapping it: docs/routers.md).
+
+
+def via_router(cluster: Cluster, prompt: list[int] | str, stream: bool = False) -> Completion:
+    return ok(complete(cluster.router_url, prompt, GEN, stream=stream, timeout_s=tc.REQ_TIMEOUT_S), "vllm-router")
+
+
+def assert_kv_moved(before_p: dict[str, float], before_d: dict[str, float], cluster: Cluster, n: int) -> None:
+    """Each of ``n`` requests moved its KV: decode counted ``n`` more complete
+    transfers, prefill ``n`` more released producers, and bytes moved."""
+    p1, d1 = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
+    assert d1[Metric.COMPLETED] - before_d[Metric.COMPLETED] == n, "decode did not receive the KV: a double prefill"
+    assert p1[Metric.RELEASED] - before_p[Metric.RELEASED] == n
+    assert p1[Metric.BYTES] > before_p[Metric.BYTES]
+
+
+@pytest.mark.parametrize("n", list(LENGTHS.values()), ids=list(LENGTHS))
+def test_through_vllm_router_equals_single_engine(cluster: Cluster, n: int) -> None:
+    before_p, before_d = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
+    prompt = fresh_prompt(n)
+    got = via_router(cluster, prompt).token_ids
+    assert_kv_moved(before_p, before_d, cluster, 1)
+    assert got == baseline(cluster, prompt), f"{n} tokens through vllm-router differ from one engine"
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
+
+
+def test_through_vllm_router_streaming_and_concurrency(cluster: Cluster) -> None:
+    before_p, before_d = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
+    prompts = [fresh_prompt(n) for n in (40, 128, 700, 1500)]
+    results: dict[int, Completion] = {}
+
+    def run(i: int) -> None:
+        results[i] = complete(cluster.router_url, prompts[i], GEN, stream=i % 2 == 0, timeout_s=tc.REQ_TIMEOUT_S)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(tc.REQ_TIMEOUT_S + 10)
+    assert sorted(results) == list(range(len(prompts)))
+    assert_kv_moved(before_p, before_d, cluster, len(prompts))
+    for i, prompt in enumerate(prompts):
+        assert ok(results[i], f"through vllm-router #{i}").token_ids == baseline(cluster, prompt), f"request #{i}"
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
+
+
+def test_through_vllm_router_an_abort_leaves_both_instances_idle(cluster: Cluster) -> None:
+    """The client goes away while the router waits for the prefill half; then
+    while decode waits. Both instances hold nothing soon after (the prefill's
+    producer is aborted, or waits for a decode that never comes only until
+    the handshake timeout; decode's consumer is fenced)."""
+    for wait_s in (0.05, 0.6):
+        req = Abandoned(cluster.router_url, fresh_prompt(2500), GEN, stream=True)
+        time.sleep(wait_s)
+        req.drop()
+        t0 = time.monotonic()
+        cluster.wait_idle(timeout_s=PD_HANDSHAKE_TIMEOUT_S + 10)
+        print(f"vllm-router abort after {wait_s}s: both instances idle {time.monotonic() - t0:.2f}s later")
+    cluster.check_alive(("prefill", "decode", "vllm-router"))
+    got = via_router(cluster, prompt := fresh_prompt(300)).token_ids
+    assert got == baseline(cluster, prompt)
+
+
+def test_through_vllm_router_a_clients_params_steer_nothing(cluster: Cluster) -> None:
+    """vllm-router drops a client's own kv_transfer_params: hostile OrbitKV
+    keys sent through it change nothing, and the request is served as P/D."""
+    before_p, before_d = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
+    for name, params in _bad_params(cluster.prefill_kv).items():
+        prompt = fresh_prompt(200)
+        c = complete(cluster.router_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S, kv_transfer_params=params)
+        assert ok(c, name).token_ids == baseline(cluster, prompt), name
+    assert_kv_moved(before_p, before_d, cluster, len(_bad_params(cluster.prefill_kv)))
+    cluster.check_alive(("prefill", "decode", "vllm-router"))
+
+
+def test_a_dialect_orbitkv_does_not_serve_is_counted_not_silently_recomputed(cluster: Cluster) -> None:
+    """A decode half in vLLM's own fields that no OrbitKV prefill answered
+    (`do_remote_prefill` without OrbitKV's keys), and the `mooncake` dialect's
+    fields: each served plainly, logged, and counted in
+    `vllm:orbitkv_params_refused`."""
+    refused = "vllm:orbitkv_params_refused_total"
+    before = snapshot(cluster, "decode").get(refused, 0)
+    shapes = [
+        {"do_remote_prefill": True, "remote_engine_id": "x", "remote_block_ids": [1], "remote_host": "127.0.0.1"},
+        {"do_remote_prefill": True, "transfer_id": "t1", "remote_bootstrap_addr": "http://127.0.0.1:1",
+         "remote_engine_id": "e"},
+    ]
+    for params in shapes:
+        prompt = fresh_prompt(150)
+        c = complete(cluster.decode_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S, kv_transfer_params=params)
+        assert ok(c, "foreign dialect").token_ids == baseline(cluster, prompt)
+    wait_until(
+        lambda: snapshot(cluster, "decode").get(refused, 0) - before >= len(shapes),
+        30,
+        "decode to count the refused dialects",
+        [cluster.procs["decode"]],
+    )
+    assert "dialect OrbitKV does not serve" in cluster.log("decode").read_text(errors="replace")
 
 
 # ---- (b) a corrupted block changes decode's output ---------------------------

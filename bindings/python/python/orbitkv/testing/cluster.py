@@ -217,6 +217,7 @@ class Cluster:
         decode_tp: int = 1,
         prefill_netns: Any = None,
         more_prefills: int = 0,
+        vllm_router: bool = False,
     ):
         self.model = str(model)
         self.run_dir = Path(run_dir).resolve()
@@ -275,6 +276,10 @@ class Cluster:
              for sp in self.prefills],
         )
         self.proxy_port = xp
+        # vllm-router (vLLM's own router, --vllm-pd-disaggregation: the
+        # two-stage nixl flow) in front of the same instances, beside the
+        # proxy; its Prometheus port must be free too.
+        self.router_ports = (free_port(), free_port()) if vllm_router else None
         self.procs: dict[str, Proc] = {}
 
     # ---- addresses ---------------------------------------------------------
@@ -290,6 +295,12 @@ class Cluster:
     @property
     def proxy_url(self) -> str:
         return f"http://{HOST}:{self.proxy_port}"
+
+    @property
+    def router_url(self) -> str:
+        """vllm-router's address (a cluster started with ``vllm_router=True``)."""
+        assert self.router_ports is not None, "no vllm-router in this cluster"
+        return f"http://{HOST}:{self.router_ports[0]}"
 
     @property
     def prefill_kv(self) -> str:
@@ -394,6 +405,31 @@ class Cluster:
             str(self.proxy_port),
         ]
 
+    def router_argv(self) -> list[str]:
+        """vllm-router in its P/D mode (``--kv-connector nixl``, the default:
+        the two-stage flow every vLLM connector understands)."""
+        assert self.router_ports is not None
+        prefills: list[str] = []
+        for sp in self.prefills:
+            prefills += ["--prefill", sp.url]
+        return [
+            sys.executable,
+            "-m",
+            "vllm_router.launch_router",
+            "--vllm-pd-disaggregation",
+            *prefills,
+            "--decode",
+            self.decode_url,
+            "--host",
+            HOST,
+            "--port",
+            str(self.router_ports[0]),
+            "--prometheus-host",
+            HOST,
+            "--prometheus-port",
+            str(self.router_ports[1]),
+        ]
+
     # ---- life --------------------------------------------------------------
 
     def start(self) -> Cluster:
@@ -407,6 +443,10 @@ class Cluster:
                 env = dict(os.environ, PYTHONUNBUFFERED="1")
                 self.procs["proxy"] = Proc("proxy", self.proxy_argv(), env, self.log("proxy"))
                 self.wait_healthy(("proxy",), timeout_s=60)
+            if self.router_ports is not None:
+                env = dict(os.environ, PYTHONUNBUFFERED="1")
+                self.procs["vllm-router"] = Proc("vllm-router", self.router_argv(), env, self.log("vllm-router"))
+                self.wait_healthy(("vllm-router",), timeout_s=60)
         except BaseException:
             self.stop()
             raise
@@ -425,6 +465,8 @@ class Cluster:
         return p
 
     def url_of(self, name: str) -> str:
+        if name == "vllm-router":
+            return self.router_url
         return self.proxy_url if name == "proxy" else self.spec(name).url
 
     def wait_healthy(self, names: Sequence[str], timeout_s: float | None = None) -> None:
@@ -515,7 +557,7 @@ class Cluster:
         return time.monotonic()
 
     def stop(self) -> None:
-        for name in ("proxy", *reversed(self.servers)):
+        for name in ("vllm-router", "proxy", *reversed(self.servers)):
             p = self.procs.get(name)
             if p is not None:
                 p.stop()

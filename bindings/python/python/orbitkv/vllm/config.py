@@ -76,6 +76,9 @@ class ExtraConfig(BaseModel):
     library: str | None = Field(None, alias="orbitkv.pd.mooncake.library", description="a path")
     side_channel_host: Text | None = Field(None, alias="orbitkv.pd.side_channel_host", description="a host")
     side_channel_port: Port = Field(DEFAULT_SIDE_CHANNEL_PORT, alias="orbitkv.pd.side_channel_port")
+    decode_tp: Annotated[int, Field(ge=1, le=1024, description="an integer in 1..1024")] | None = Field(
+        None, alias="orbitkv.pd.decode_tp"
+    )
     # The runtime's settings default to the runtime's own defaults (Rust's
     # RuntimeConfig::default(), the one place they are written).
     timeout_s: Seconds = Field(float(_RT["consumer_timeout_s"]), alias="orbitkv.pd.timeout_s")
@@ -185,6 +188,9 @@ class PdConfig:
     library: str | None = None
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
+    # A two-stage prefill's decode TP size (the router names no decode before
+    # the prefill answered); None: this instance's own TP size.
+    decode_tp: int | None = None
     timeout_s: float = ExtraConfig.model_fields["timeout_s"].default
     handshake_timeout_s: float = ExtraConfig.model_fields["handshake_timeout_s"].default
     write_timeout_s: float = ExtraConfig.model_fields["write_timeout_s"].default
@@ -251,6 +257,7 @@ class PdConfig:
             library=x.library,
             side_channel_host=x.side_channel_host or bind_host,
             side_channel_port=x.side_channel_port,
+            decode_tp=x.decode_tp,
             timeout_s=x.timeout_s,
             handshake_timeout_s=x.handshake_timeout_s,
             write_timeout_s=x.write_timeout_s,

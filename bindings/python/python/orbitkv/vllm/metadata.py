@@ -87,3 +87,6 @@ class PdConnectorMetadata(KVConnectorMetadata):
     producers_end: list[RequestEnd] = field(default_factory=list)
     consumers_cancel: list[ConsumerCancel] = field(default_factory=list)
     producers_discard: list[ProducerDiscard] = field(default_factory=list)
+    # Requests served plainly since the last step because their params were
+    # refused (the worker counts them: `params_refused`).
+    refused: int = 0

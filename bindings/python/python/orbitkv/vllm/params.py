@@ -34,6 +34,17 @@ KEYS = (ROLE, REQUEST, CAPABILITY, PREFILL_KV, PREFILL_TP, DECODE_TP, SIGNATURE)
 PRODUCER = "producer"
 CONSUMER = "consumer"
 
+# vLLM's own P/D fields, as NixlConnector's routers send them (vllm-router's
+# default `nixl` mode, vLLM's toy proxy, llm-d's `nixlv2`): the prefill half
+# carries `do_remote_decode: true` and one output token; the decode half the
+# `kv_transfer_params` the prefill's response carried.
+DO_REMOTE_DECODE = "do_remote_decode"
+DO_REMOTE_PREFILL = "do_remote_prefill"
+# Fields of P/D dialects OrbitKV does not serve (vllm-router's and llm-d's
+# `mooncake` modes, llm-d's `offloading`): a request that carries one asks
+# for a transfer this connector cannot make.
+FOREIGN_KEYS = ("transfer_id", "remote_bootstrap_addr", "remote_engine_id", "remote_prefiller", "remote_decoder")
+
 MAX_REQUEST_LEN = 256
 MAX_TP = 1024
 _CAPABILITY = re.compile(r"[0-9a-fA-F]{32,128}")
@@ -72,6 +83,10 @@ class PdParams:
     prefill_kv: str | None = None
     prefill_tp: int = 1
     decode_tp: int = 1
+    # A two-stage prefill (vLLM's `do_remote_decode`, no OrbitKV keys): the
+    # request ID and capability were minted here, and the response carries
+    # the decode half's params (`PdScheduler.request_finished`).
+    answer: bool = False
 
     @property
     def prefill_host_port(self) -> tuple[str, int]:
@@ -132,6 +147,38 @@ class PdParams:
         else:
             out[DECODE_TP] = self.decode_tp
         return out
+
+
+def asks_two_stage(params: Mapping[str, Any] | None) -> bool:
+    """Whether ``params`` are the prefill half of vLLM's two-stage P/D flow
+    (``do_remote_decode: true``) without OrbitKV's own keys: OrbitKV serves
+    it by minting the decode half's params (:attr:`PdParams.answer`)."""
+    return (
+        isinstance(params, Mapping)
+        and ROLE not in params
+        and params.get(DO_REMOTE_DECODE) is True
+        and not any(params.get(k) not in (None, "") for k in FOREIGN_KEYS)
+    )
+
+
+def unserved_dialect(params: Mapping[str, Any] | None) -> str | None:
+    """Why a request that asks for P/D in a dialect OrbitKV does not serve
+    cannot be (``None``: it asks for nothing OrbitKV cannot do). It is then
+    served plainly, logged and counted: never a silent recompute."""
+    if not isinstance(params, Mapping) or ROLE in params:
+        return None
+    foreign = sorted(k for k in FOREIGN_KEYS if params.get(k) not in (None, ""))
+    if foreign and (params.get(DO_REMOTE_DECODE) is True or params.get(DO_REMOTE_PREFILL) is True):
+        return (
+            f"kv_transfer_params ask for P/D in a dialect OrbitKV does not serve (fields {foreign}: "
+            "a router's mooncake or offloading mode); run the router in its nixl (two-stage) mode, or orbitkv.proxy"
+        )
+    if params.get(DO_REMOTE_PREFILL) is True:
+        return (
+            "kv_transfer_params ask for the KV of a remote prefill (do_remote_prefill) without OrbitKV's keys: "
+            "the prefill instance did not answer as an OrbitKV producer (is it running this connector?)"
+        )
+    return None
 
 
 def signed_bytes(params: Mapping[str, Any]) -> bytes:

@@ -24,9 +24,11 @@ A request's blocks are reported back to vLLM exactly once:
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from orbitkv._native import new_capability
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.metadata import (
     ConsumerCancel,
@@ -36,7 +38,24 @@ from orbitkv.vllm.metadata import (
     ProducerDiscard,
     RequestEnd,
 )
-from orbitkv.vllm.params import CONSUMER, PRODUCER, PdParams, RequestParamsError, check_signature
+from orbitkv.vllm.params import (
+    CAPABILITY,
+    CONSUMER,
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
+    PREFILL_KV,
+    PREFILL_TP,
+    PRODUCER,
+    REQUEST,
+    ROLE,
+    SIGNATURE,
+    PdParams,
+    RequestParamsError,
+    asks_two_stage,
+    check_signature,
+    sign,
+    unserved_dialect,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -77,6 +96,7 @@ class PdScheduler:
     def __init__(self, vllm_config: VllmConfig, config: PdConfig):
         self.config = config
         self.block_size = vllm_config.cache_config.block_size
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._producers: dict[str, _Producer] = {}
         self._consumers: dict[str, _Consumer] = {}
         # What the next step's metadata tells the workers (its producer
@@ -101,7 +121,22 @@ class PdScheduler:
         try:
             raw = getattr(request, "kv_transfer_params", None)
             p = PdParams.parse(raw)
-            if p is not None:
+            if p is None and asks_two_stage(raw):
+                # vLLM's two-stage flow (vllm-router's nixl mode): this
+                # prefill mints the request's identity and capability and
+                # answers the decode half's params (request_finished).
+                p = PdParams(
+                    role=PRODUCER,
+                    request=uuid.uuid4().hex,
+                    capability=new_capability(),
+                    decode_tp=self.config.decode_tp or self.tp_size,
+                    answer=True,
+                )
+            elif p is None:
+                dialect = unserved_dialect(raw)
+                if dialect is not None:
+                    raise RequestParamsError(dialect)
+            else:
                 key = self.config.side_channel_key
                 if key is not None:
                     check_signature(raw or {}, key)
@@ -112,6 +147,7 @@ class PdScheduler:
                     self._check_prefill(p, signed=key is not None)
         except RequestParamsError as e:
             self.refused += 1
+            self._next.refused += 1
             logger.warning("request %s is served without P/D transfer: %s", rid, e)
             p = None
         if p is not None:
@@ -247,7 +283,8 @@ class PdScheduler:
             complete = p.last_sent and not aborted
             self._next.producers_end.append(RequestEnd(rid, p.pd_id, not complete, status, report=True))
             self._delayed.add(rid)
-            return True, None
+            params = self._params.get(rid)
+            return True, (self._answer(p) if complete and params is not None and params.answer else None)
         if rid in self._consumers:
             c = self._consumers[rid]
             pending = next((o for o in self._next.consumers_open if o.req_id == rid), None)
@@ -285,6 +322,32 @@ class PdScheduler:
                 ConsumerCancel(params.request, params.capability, params.prefill_kv, params.prefill_tp, status)
             )
         return False, None
+
+    def _answer(self, p: _Producer) -> dict[str, Any]:
+        """The decode half's ``kv_transfer_params`` for a two-stage prefill
+        (vLLM returns them in this request's response, and the router hands
+        them to decode verbatim): this request's identity and capability,
+        rank 0's side channel and this instance's TP size; signed with the
+        deployment key when one is set. The prefill holds the blocks (its
+        producer waits for decode's handshake up to the handshake timeout)."""
+        host = self.config.side_channel_host
+        if host in ("0.0.0.0", "::", ""):
+            host = self.config.bind_host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        out: dict[str, Any] = {
+            ROLE: CONSUMER,
+            REQUEST: p.pd_id,
+            CAPABILITY: p.capability,
+            PREFILL_KV: f"{host}:{self.config.side_channel_port}",
+            PREFILL_TP: self.tp_size,
+        }
+        if self.config.side_channel_key is not None:
+            out[SIGNATURE] = sign(out, self.config.side_channel_key)
+        # What routers and vLLM read of a prefill's answer.
+        out[DO_REMOTE_PREFILL] = True
+        out[DO_REMOTE_DECODE] = False
+        return out
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         failed_blocks = getattr(out, "invalid_block_ids", None) or ()

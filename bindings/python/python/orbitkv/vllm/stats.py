@@ -110,6 +110,11 @@ _PROM = {
         "vllm:orbitkv_consumers_quarantine_expired",
         "Decode requests whose blocks the quarantine freed while a producer had never ended.",
     ),
+    "params_refused": (
+        "vllm:orbitkv_params_refused",
+        "Requests served plainly (no transfer) because their kv_transfer_params were refused: malformed, "
+        "undeclared prefill, unsigned, or a P/D dialect OrbitKV does not serve (the log says which).",
+    ),
     "ranks_fenced": (
         "vllm:orbitkv_ranks_fenced",
         "Producer ranks a cancel's fence ended: released decode requests whose blocks went back at once.",

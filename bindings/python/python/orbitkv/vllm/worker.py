@@ -318,6 +318,8 @@ class PdWorker:
         rt = self.runtime
         assert rt is not None, "register_kv_caches was not called"
         led = self.ledger
+        if meta.refused and self.tp_rank == 0:
+            rt.note_params_refused(meta.refused)
         for end in meta.producers_end:
             prod = led.producers.get(end.pd_id)
             prod.vllm_done = True
