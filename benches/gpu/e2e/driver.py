@@ -1,10 +1,12 @@
 """OrbitKV end to end on GPUs with real vLLM: correctness, load and TTFT,
-side by side with one engine and with vLLM's NixlConnector, in one run.
+side by side with one engine, with vLLM's MooncakeConnector and with vLLM's
+NixlConnector, in one run.
 
 Run by ``benches/gpu/e2e/run.sh`` on the device machine (two H200s: GPU 0
-prefill and the single engine, GPU 1 decode), or on CPU as a dry run of its
-logic (``--device cpu``, tiny sizes, no NIXL: the NIXL proxy flow then runs
-against two connector-less servers)::
+prefill and the single engine, GPU 1 decode; or one H200 with ``--one-gpu``),
+or on CPU as a dry run of its logic (``--device cpu``, tiny sizes, no NIXL and
+no MooncakeConnector, which needs CUDA: with ``--nixl-mock --mc-mock`` the
+NIXL proxy's and mc_proxy.py's flows run against connector-less servers)::
 
     python benches/gpu/e2e/driver.py --device cuda --work /root/orbitkv-e2e/work \
         --out /root/orbitkv-e2e/results --deadline-s 1200
@@ -26,20 +28,33 @@ says what happened when):
     request and 16 concurrent requests; then both instances must hold no KV
     block (``vllm:kv_cache_usage_perc`` back to 0), and OrbitKV's counters
     (``vllm:orbitkv_*``) must show the transfers.
+``s-storm``
+    A cancel storm through orbitkv.proxy in front of the Llama-3-8B-shaped
+    OrbitKV pair: 48 streamed requests of 1.5k-6k fresh tokens, 16 in flight,
+    half dropped by the client (RST) 0-400 ms after sending; then the time
+    until both instances are idle (0 running, 0 waiting, KV usage 0; /metrics
+    every 50 ms, 200 s at most), decode's fence and quarantine counters, and
+    the next plain request against one engine. Cheap: run it first.
 ``b-default``
     Under load: ``vllm bench serve`` (random prompts of 1k-8k tokens, 64
-    output tokens) at 1, 4 and 16 in flight against one engine, OrbitKV P/D
-    and NixlConnector P/D; Llama-3-8B shape (32 layers, 32 heads, 8 KV heads,
+    output tokens) at 1, 4, 8, 16 and 32 in flight against one engine, OrbitKV
+    P/D, MooncakeConnector P/D (mc_proxy.py: both halves at once) and
+    NixlConnector P/D (two GPUs); Llama-3-8B shape (32 layers, 32 heads, 8 KV heads,
     head_dim 128, hidden 4096, MLP 14336, vocabulary 128256, bf16, random
     weights: ``--load-format dummy``). The instances' KV usage and queues are
     sampled during each run.
 ``c-default``, ``c-eager``
     TTFT at 1k / 8k / 32k prompt tokens, a fresh random prompt for every
-    request, medians after warm-up, one engine vs OrbitKV vs NIXL; vLLM's
+    request, medians after warm-up, one engine vs OrbitKV vs MooncakeConnector
+    vs NIXL; vLLM's
     default mode, then ``--enforce-eager`` (the Llama-3-8B-shaped instances
     restarted).
 ``b-eager``
     The load runs again in eager mode, if time is left.
+
+The Llama-3-8B-shaped instances get the KV that fits the fullest GPU
+(``plan_big``); systems that would not fit beside one engine, OrbitKV and
+MooncakeConnector run in a later group, after those are stopped (``plan.json``).
 
 Also ``--report DIR``: (re)writes ``DIR/summary.md`` from the stage files.
 """
@@ -612,12 +627,22 @@ def small_trio(ctx: Ctx, spec: ModelSpec, model: str, eager: bool, tag: str) -> 
     mk = lambda name, gpu, conn: Server(  # noqa: E731
         f"{tag}-{name}", model, spec, gpu, conn, eager, kv, mml, ctx.port(), ctx.port(), {}, list(extra))
     trio = [mk("single", 0, "none"), mk("prefill", 0, "orbit"), mk("decode", 1, "orbit")]
+    allow_prefill(trio[1], trio[2])
     if ctx.args.staging:
         # every request through staging (orbitkv.pd.staging_mb), gathered on
         # prefill, scattered on decode; the stage then requires it happened
         for s in trio[1:]:
             s.orbit_cfg.update(STAGING_CFG)
     return trio
+
+
+def allow_prefill(pre: Server, dec: Server) -> None:
+    """OrbitKV's decode posts handshakes only to declared prefill side
+    channels (``orbitkv.pd.allowed_prefill``; the default names only the
+    default ports 17500-17563, and the driver's ports are random): without
+    this every request would be served as a plain request on decode, and the
+    prefill would hold its KV until the handshake deadline."""
+    dec.orbit_cfg["orbitkv.pd.allowed_prefill"] = [f"{HOST}:{pre.side_port}"]
 
 
 # --staging: staging memory on both OrbitKV instances, and a threshold of one
@@ -896,6 +921,7 @@ class Fleet:
         if "orbit" in systems:
             self.opre = mk("orbit-prefill", 0, "orbit", orbit_env)
             self.odec = mk("orbit-decode", 1, "orbit", orbit_env)
+            allow_prefill(self.opre, self.odec)
             self.pairs["orbit"] = [self.opre, self.odec]
         # A/B: a second OrbitKV pair with one setting changed (--ab):
         #   python-gate  GPU writes ordered by the older Python thread (ORBITKV_LAYER_GATE=python)
@@ -922,6 +948,7 @@ class Fleet:
                 for s in (self.opre_ab, self.odec_ab):
                     s.orbit_cfg["orbitkv.pd.staging_mb"] = 8192
                     s.orbit_cfg["orbitkv.pd.staging_min_ranges"] = 1
+            allow_prefill(self.opre_ab, self.odec_ab)
             self.pairs[f"orbit-{ab}"] = [self.opre_ab, self.odec_ab]
         if "mc" in systems:
             self.mpre = mk("mc-prefill", 0, "mc")
@@ -1327,6 +1354,7 @@ def stage_storm(ctx: Ctx, fleet: Fleet, name: str = "s-storm") -> dict[str, Any]
     t_last = last_drop[0] or t_end
     deadline = time.monotonic() + a.storm_idle_timeout_s
     last: dict[str, dict[str, float]] = {}
+    first_idle: dict[str, float] = {}
     t_idle = None
     while time.monotonic() < deadline:
         ok = True
@@ -1339,7 +1367,10 @@ def stage_storm(ctx: Ctx, fleet: Fleet, name: str = "s-storm") -> dict[str, Any]
                 continue
             last[s.name] = {k: m.get(k, -1) for k in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                                                       "vllm:kv_cache_usage_perc")}
-            ok = ok and all(v == 0 for v in last[s.name].values())
+            this = all(v == 0 for v in last[s.name].values())
+            if this:
+                first_idle.setdefault(s.name, round(time.monotonic() - t_last, 3))
+            ok = ok and this
         if ok:
             t_idle = time.monotonic()
             break
@@ -1349,6 +1380,7 @@ def stage_storm(ctx: Ctx, fleet: Fleet, name: str = "s-storm") -> dict[str, Any]
     out["idle_after_storm_end_s"] = None if t_idle is None else round(t_idle - t_end, 3)
     out["last_drop_before_storm_end_s"] = round(t_end - t_last, 3)
     out["state_at_end_of_wait"] = last
+    out["first_idle_after_last_drop_s"] = first_idle  # per instance (it may get busy again)
     after = {s.name: snapshot(s.url) for s in (pre, dec)}
     out["metrics_delta"] = {s.name: delta(before[s.name], after[s.name]) for s in (pre, dec)}
     dd = out["metrics_delta"][dec.name]
