@@ -36,6 +36,25 @@ fn serve(r: &Rank) -> SideChannel {
     SideChannel::start(SideChannelConfig::default(), r.runtime.clone()).expect("side channel")
 }
 
+/// Authorizes `blocks` of `consumer` for `req` and publishes the handshake to
+/// prefill rank 0's side channel `side`.
+fn open_and_publish(
+    consumer: &Rank,
+    side: &SideChannel,
+    req: &RequestId,
+    blocks: Vec<u32>,
+) -> orbitkv::Handshake {
+    let hs = consumer
+        .runtime
+        .consumer_open(req.clone(), cap(), 0, blocks, 1)
+        .unwrap();
+    consumer
+        .runtime
+        .consumer_publish(&hs, vec![(side.address().to_string(), 0)])
+        .unwrap();
+    hs
+}
+
 /// The consumer's release of `req` (other events dropped), and when it came.
 fn released(r: &Rank, req: &RequestId) -> Instant {
     wait_for(
@@ -164,14 +183,7 @@ fn a_consumer_released_before_its_producer_opened_is_fenced_at_once() {
     let consumer = rank(|_| GUARD);
     let side = serve(&producer);
     let req = RequestId::new("req-cancelled-early");
-    let hs = consumer
-        .runtime
-        .consumer_open(req.clone(), cap(), 0, vec![1, 2], 1)
-        .unwrap();
-    consumer
-        .runtime
-        .consumer_publish(&hs, vec![(side.address().to_string(), 0)])
-        .unwrap();
+    open_and_publish(&consumer, &side, &req, vec![1, 2]);
     // The handshake is parked on prefill (nothing opened there yet).
     std::thread::sleep(Duration::from_millis(100));
     let t0 = Instant::now();
@@ -211,14 +223,7 @@ fn a_fence_of_a_producer_holding_the_generation_frees_at_its_notice() {
         .runtime
         .producer_open(req.clone(), vec![0, 1], cap(), 1)
         .unwrap();
-    let hs = consumer
-        .runtime
-        .consumer_open(req.clone(), cap(), 0, vec![4, 5], 1)
-        .unwrap();
-    consumer
-        .runtime
-        .consumer_publish(&hs, vec![(side.address().to_string(), 0)])
-        .unwrap();
+    open_and_publish(&consumer, &side, &req, vec![4, 5]);
     producer.runtime.layer_ready(&req, 0, 0..2).unwrap();
     eventually("layer 0 landed", || {
         block(&consumer, 0, 4) == block(&producer, 0, 0) && block(&consumer, 0, 5) == block(&producer, 0, 1)

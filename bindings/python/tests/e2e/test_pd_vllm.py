@@ -50,6 +50,29 @@ def pd(cluster: Cluster, prompt: list[int] | str, stream: bool = False) -> Compl
     return ok(complete(cluster.proxy_url, prompt, GEN, stream=stream, timeout_s=tc.REQ_TIMEOUT_S), "P/D")
 
 
+def run_concurrently(cluster: Cluster, url: str, what: str, stream_every: int = 0) -> int:
+    """Four P/D requests of 40 to 1500 tokens at once through ``url`` (every
+    ``stream_every``-th streamed); each must equal one engine. Returns how
+    many ran."""
+    prompts = [fresh_prompt(n) for n in (40, 128, 700, 1500)]
+    results: dict[int, Completion] = {}
+
+    def run(i: int) -> None:
+        stream = bool(stream_every) and i % stream_every == 0
+        results[i] = complete(url, prompts[i], GEN, stream=stream, timeout_s=tc.REQ_TIMEOUT_S)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(tc.REQ_TIMEOUT_S + 10)
+    assert sorted(results) == list(range(len(prompts)))
+    for i, prompt in enumerate(prompts):
+        assert ok(results[i], f"{what} #{i}").token_ids == baseline(cluster, prompt), f"request #{i}"
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
+    return len(prompts)
+
+
 def snapshot(cluster: Cluster, name: str) -> dict[str, float]:
     return cluster.metrics(name)
 
@@ -118,21 +141,7 @@ def test_pd_text_prompts_and_streaming(cluster: Cluster) -> None:
 
 def test_pd_concurrent_requests(cluster: Cluster) -> None:
     """Several P/D requests at once (batched on both instances)."""
-    prompts = [fresh_prompt(n) for n in (40, 128, 700, 1500)]
-    results: dict[int, Completion] = {}
-
-    def run(i: int) -> None:
-        results[i] = complete(cluster.proxy_url, prompts[i], GEN, timeout_s=tc.REQ_TIMEOUT_S)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(tc.REQ_TIMEOUT_S + 10)
-    assert sorted(results) == list(range(len(prompts)))
-    for i, prompt in enumerate(prompts):
-        assert ok(results[i], f"concurrent #{i}").token_ids == baseline(cluster, prompt), f"request #{i}"
-    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
+    run_concurrently(cluster, cluster.proxy_url, "concurrent")
 
 
 # ---- (a2) the same P/D through vllm-router --------------------------------------
@@ -172,22 +181,8 @@ def test_through_vllm_router_equals_single_engine(cluster: Cluster, n: int) -> N
 
 def test_through_vllm_router_streaming_and_concurrency(cluster: Cluster) -> None:
     before_p, before_d = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
-    prompts = [fresh_prompt(n) for n in (40, 128, 700, 1500)]
-    results: dict[int, Completion] = {}
-
-    def run(i: int) -> None:
-        results[i] = complete(cluster.router_url, prompts[i], GEN, stream=i % 2 == 0, timeout_s=tc.REQ_TIMEOUT_S)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(tc.REQ_TIMEOUT_S + 10)
-    assert sorted(results) == list(range(len(prompts)))
-    assert_kv_moved(before_p, before_d, cluster, len(prompts))
-    for i, prompt in enumerate(prompts):
-        assert ok(results[i], f"through vllm-router #{i}").token_ids == baseline(cluster, prompt), f"request #{i}"
-    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
+    n = run_concurrently(cluster, cluster.router_url, "through vllm-router", stream_every=2)
+    assert_kv_moved(before_p, before_d, cluster, n)
 
 
 def test_through_vllm_router_an_abort_leaves_both_instances_idle(cluster: Cluster) -> None:
