@@ -107,7 +107,8 @@ def main() -> None:
             if paused.is_set():
                 time.sleep(0.05)
                 continue
-            prompt = [r.randrange(10, 30000) for _ in range(r.randint(200, 1500))]
+            # the tiny model's vocabulary: 1024 ids (orbitkv.testing.tiny_model)
+            prompt = [r.randrange(3, 1024) for _ in range(r.randint(200, 1500))]
             t0 = time.monotonic()
             if r.random() < a.cancel:
                 try:
@@ -213,9 +214,17 @@ def main() -> None:
     for s in samples:
         p, d = s.get("prefill", (0, 0)), s.get("decode", (0, 0))
         lines.append(f"| {s['t']} | {p[0]} | {p[1] // 1024} | {d[0]} | {d[1] // 1024} |")
+    answered_s = sorted(float(e["s"]) for e in ends if e["kind"] == "answered")
+    if answered_s:
+        lines.append(
+            f"\nanswered requests took median {statistics.median(answered_s):.2f}s, "
+            f"p99 {answered_s[int(0.99 * (len(answered_s) - 1))]:.2f}s, max {answered_s[-1]:.2f}s"
+        )
     failed_s = [e["s"] for e in ends if e["kind"] == "failed"]
     if failed_s:
         lines.append(f"\nfailed requests ended after median {statistics.median(failed_s):.2f}s, max {max(failed_s):.2f}s")
+    if kinds["answered"] == 0:
+        lines.append("\n**No request was answered: this run measured nothing (see the proxy's log).**")
     (out / "summary.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     print(f"results in {out}")
