@@ -827,6 +827,14 @@ impl Runtime {
         self.ask(|d, _| Ok(d.live_requests())).unwrap_or((0, 0))
     }
 
+    /// For tests of the callers: keeps the request directory busy for `d`
+    /// (a sleep on its thread), from now, without waiting. Every call that
+    /// needs the directory waits behind it, as behind a long queue.
+    #[doc(hidden)]
+    pub fn stall_directory(&self, d: Duration) {
+        self.tell(move |_, _| std::thread::sleep(d));
+    }
+
     /// Stops the actors and threads. Writes in flight are abandoned.
     pub fn shutdown(&mut self) {
         let was_running = self.system_thread.is_some();

@@ -428,20 +428,15 @@ impl PyRuntime {
     ) -> PyResult<String> {
         let cap = capability(py, capability_hex)?;
         let rt = self.rt(py)?;
-        let h = rt
-            .consumer_open(
-                RequestId::new(request_id),
-                cap,
-                first_block,
-                block_ids,
-                producer_tp,
-            )
-            .map_err(|e| runtime_error(py, e))?;
-        if let Some(targets) = publish_to {
-            rt.consumer_publish(&h, targets)
-                .map_err(|e| runtime_error(py, e))?;
-        }
-        Ok(h.to_json())
+        let request = RequestId::new(request_id);
+        py.detach(move || {
+            let h = rt.consumer_open(request, cap, first_block, block_ids, producer_tp)?;
+            if let Some(targets) = publish_to {
+                rt.consumer_publish(&h, targets)?;
+            }
+            Ok(h.to_json())
+        })
+        .map_err(|e| runtime_error(py, e))
     }
 
     /// Decode side: sends the cancel of `request_id` (it gave the request up
@@ -476,21 +471,20 @@ impl PyRuntime {
         producer_rank: u32,
         reason: &str,
     ) -> PyResult<()> {
-        self.rt(py)?
-            .consumer_handshake_refused(
-                &RequestId::new(request_id),
-                orbitkv::Generation(generation),
-                producer_rank,
-                reason,
-            )
-            .map_err(|e| runtime_error(py, e))
+        let rt = self.rt(py)?;
+        let (request, reason) = (RequestId::new(request_id), reason.to_owned());
+        py.detach(move || {
+            rt.consumer_handshake_refused(&request, orbitkv::Generation(generation), producer_rank, &reason)
+        })
+        .map_err(|e| runtime_error(py, e))
     }
 
     /// Decode side: vLLM is done with the request; a `consumer_released`
     /// event follows once no producer can write into its blocks.
     fn consumer_release(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
-        self.rt(py)?
-            .consumer_release(&RequestId::new(request_id))
+        let rt = self.rt(py)?;
+        let request = RequestId::new(request_id);
+        py.detach(move || rt.consumer_release(&request))
             .map_err(|e| runtime_error(py, e))
     }
 
@@ -528,7 +522,8 @@ impl PyRuntime {
             capacity: staging_blocks,
             group,
         });
-        rt.producer_open_staged(RequestId::new(request_id), block_ids, cap, consumer_tp, staging)
+        let request = RequestId::new(request_id);
+        py.detach(move || rt.producer_open_staged(request, block_ids, cap, consumer_tp, staging))
             .map_err(|e| runtime_error(py, e))
     }
 
@@ -569,8 +564,9 @@ impl PyRuntime {
 
     /// Prefill side: appends source blocks (chunked prefill).
     fn producer_add_blocks(&self, py: Python<'_>, request_id: &str, block_ids: Vec<u32>) -> PyResult<()> {
-        self.rt(py)?
-            .producer_add_blocks(&RequestId::new(request_id), block_ids)
+        let rt = self.rt(py)?;
+        let request = RequestId::new(request_id);
+        py.detach(move || rt.producer_add_blocks(&request, block_ids))
             .map_err(|e| runtime_error(py, e))
     }
 
@@ -598,8 +594,9 @@ impl PyRuntime {
         end: u32,
     ) -> PyResult<()> {
         let blocks = block_range(py, start, end)?;
-        self.rt(py)?
-            .layer_ready(&RequestId::new(request_id), layer, blocks)
+        let rt = self.rt(py)?;
+        let request = RequestId::new(request_id);
+        py.detach(move || rt.layer_ready(&request, layer, blocks))
             .map_err(|e| runtime_error(py, e))
     }
 
@@ -614,9 +611,10 @@ impl PyRuntime {
         layer: u32,
         chunks: Vec<(String, u32, u32)>,
     ) -> PyResult<Vec<(String, Py<PyAny>)>> {
-        let refused = self
-            .rt(py)?
-            .layers_ready(layer, block_ranges(py, chunks)?)
+        let rt = self.rt(py)?;
+        let chunks = block_ranges(py, chunks)?;
+        let refused = py
+            .detach(move || rt.layers_ready(layer, chunks))
             .map_err(|e| runtime_error(py, e))?;
         Ok(refused
             .into_iter()
@@ -673,7 +671,9 @@ impl PyRuntime {
         let rt = self.rt(py)?;
         let request = RequestId::new(request_id);
         if self.events.lock().is_none() {
-            return rt.producer_finish(&request).map_err(|e| runtime_error(py, e));
+            return py
+                .detach(move || rt.producer_finish(&request))
+                .map_err(|e| runtime_error(py, e));
         }
         rt.layers_ready_after(None, vec![GateCall::Finish { request }]);
         Ok(())
@@ -681,16 +681,18 @@ impl PyRuntime {
 
     /// Prefill side: no more layers come; notify the consumer once drained.
     fn producer_finish(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
-        self.rt(py)?
-            .producer_finish(&RequestId::new(request_id))
+        let rt = self.rt(py)?;
+        let request = RequestId::new(request_id);
+        py.detach(move || rt.producer_finish(&request))
             .map_err(|e| runtime_error(py, e))
     }
 
     /// Prefill side: stop; writes in flight still drain, then the consumer is
     /// told the request was aborted.
     fn producer_abort(&self, py: Python<'_>, request_id: &str, reason: &str) -> PyResult<()> {
-        self.rt(py)?
-            .producer_abort(&RequestId::new(request_id), reason)
+        let rt = self.rt(py)?;
+        let (request, reason) = (RequestId::new(request_id), reason.to_owned());
+        py.detach(move || rt.producer_abort(&request, &reason))
             .map_err(|e| runtime_error(py, e))
     }
 
@@ -703,9 +705,11 @@ impl PyRuntime {
     /// from this rank, `"fenced"`, `"notice_follows"` or `"held"`; else
     /// `None`.
     fn producer_cancel(&self, py: Python<'_>, cancel_json: &str) -> PyResult<Option<String>> {
-        let answer = self
-            .rt(py)?
-            .producer_cancel_json(cancel_json)
+        let rt = self.rt(py)?;
+        let json = cancel_json.to_owned();
+        // A fence waits for the producer's answer (up to 2 s).
+        let answer = py
+            .detach(move || rt.producer_cancel_json(&json))
             .map_err(|e| runtime_error(py, e))?;
         Ok(answer.map(|f| {
             serde_json::to_value(f)
@@ -727,8 +731,9 @@ impl PyRuntime {
         reason: &str,
     ) -> PyResult<()> {
         let cap = capability(py, capability_hex)?;
-        self.rt(py)?
-            .producer_discard(&RequestId::new(request_id), &cap, reason)
+        let rt = self.rt(py)?;
+        let (request, reason) = (RequestId::new(request_id), reason.to_owned());
+        py.detach(move || rt.producer_discard(&request, &cap, &reason))
             .map_err(|e| runtime_error(py, e))
     }
 
@@ -746,7 +751,18 @@ impl PyRuntime {
 
     /// `(consumers, producers)` with a live request actor (leak checks).
     fn live_requests(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
-        Ok(self.rt(py)?.live_requests())
+        let rt = self.rt(py)?;
+        Ok(py.detach(move || rt.live_requests()))
+    }
+
+    /// For tests: occupies the runtime's request directory (the actor every
+    /// open, release, cancel and finish goes through) for `seconds`, from
+    /// now, without waiting; calls made meanwhile wait for it, the GIL
+    /// released.
+    fn _stall_directory(&self, py: Python<'_>, for_s: f64) -> PyResult<()> {
+        let d = seconds(py, "for_s", for_s)?;
+        self.rt(py)?.stall_directory(d);
+        Ok(())
     }
 
     /// Counts `layers` request-layers admitted at `wait_for_save` because

@@ -174,6 +174,55 @@ def test_a_bad_notify_poll_is_refused_before_anything_starts(ranks: tuple[Rank, 
     assert p.runtime.live_requests()[1] == 1
 
 
+@pytest.mark.parametrize(
+    "call",
+    ["consumer_release", "producer_open", "layer_ready", "producer_finish", "producer_abort", "live_requests"],
+)
+def test_a_call_that_waits_for_the_directory_releases_the_gil(ranks: tuple[Rank, Rank], call: str) -> None:
+    """Issue 35: every binding call that waits for the runtime's request
+    directory waits with the GIL released, so vLLM's other Python threads
+    (the model runner, the API server) keep running meanwhile. The directory
+    is kept busy for 0.4 s; while a call waits behind it, another Python
+    thread counts. A call that held the GIL would let it count nothing."""
+    import threading
+    import time
+
+    p, c = ranks
+    rt = p.runtime if call != "consumer_release" else c.runtime
+    args = {
+        "consumer_release": ("nobody",),
+        "producer_open": ("gil-open", [0], CAP, 1),
+        "layer_ready": ("nobody", 0, 0, 1),
+        "producer_finish": ("nobody",),
+        "producer_abort": ("nobody", "x"),
+        "live_requests": (),
+    }[call]
+    counted = 0
+    stop = threading.Event()
+
+    def count() -> None:
+        nonlocal counted
+        while not stop.is_set():
+            counted += 1
+            time.sleep(0.001)
+
+    t = threading.Thread(target=count)
+    t.start()
+    time.sleep(0.05)
+    rt._stall_directory(0.4)
+    before, t0 = counted, time.monotonic()
+    try:
+        getattr(rt, call)(*args)
+    except orbitkv.OrbitKVError:
+        pass  # an unknown request's refusal: what matters is how it waited
+    waited = time.monotonic() - t0
+    during = counted - before
+    stop.set()
+    t.join()
+    assert waited >= 0.3, f"{call} did not wait for the stalled directory ({waited:.3f}s)"
+    assert during >= 20, f"{call} held the GIL while it waited: the other thread ran {during} times in {waited:.2f}s"
+
+
 def test_shutdown_is_idempotent_and_later_calls_raise(ranks: tuple[Rank, Rank]) -> None:
     p, _ = ranks
     p.runtime.shutdown()

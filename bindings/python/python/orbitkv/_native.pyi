@@ -447,6 +447,11 @@ class Runtime:
     def live_requests(self) -> tuple[int, int]:
         """`(consumers, producers)` with a live request actor (leak checks)."""
 
+    def _stall_directory(self, for_s: float) -> None:
+        """For tests: occupies the runtime's request directory for `for_s` seconds,
+        from now, without waiting; calls made meanwhile wait for it, the GIL
+        released."""
+
     def note_layers_saved_at_wait(self, layers: int) -> None:
         """Counts request-layers admitted at `wait_for_save` because vLLM
         skipped `save_kv_layer` for them (`layers_saved_at_wait`)."""
