@@ -442,6 +442,44 @@ def test_a_withheld_report_is_made_again_once_released_and_only_then(worker: PdW
     assert [c for c in rt.calls if c[0] == "consumer_release"] == [("consumer_release", "pd-1")]
 
 
+def test_a_report_withheld_after_a_release_in_the_same_step_is_made_again(worker: PdWorker) -> None:
+    """The decode KV leak the 30-minute soak found (3.9 % of decode's KV held
+    with nothing running): the client aborted (vLLM's RequestEnd, report)
+    while the producer's `aborted` notice was on its way, so the runtime
+    emitted `consumer_failed` and `consumer_released` in one poll. The worker
+    reported the request (with its failed blocks); the scheduler withheld that
+    report (a failed load seen after vLLM ended the request) and asked again
+    (RequestEnd, after_load). The runtime no longer knows the consumer
+    (released), and the ledger had tidied it: the report must still be made,
+    or vLLM holds the blocks forever."""
+    import orbitkv
+
+    class Released(RecordingRuntime):
+        """The runtime after the consumer was released: a second release is unknown."""
+
+        def consumer_release(self, pd: str) -> None:
+            self.calls.append(("consumer_release", pd))
+            if sum(1 for c in self.calls if c[0] == "consumer_release") > 1:
+                raise orbitkv.UnknownRequestError("released", kind="UnknownRequest", request_id=pd)
+
+    rt = Released()
+    worker.runtime = rt  # type: ignore[assignment]
+    worker.start_load_kv(PdConnectorMetadata(consumers_open=[ConsumerOpen("d1", "pd-1", CAP, 0, [3, 4], "127.0.0.1:1", 1)]))
+    worker.start_load_kv(PdConnectorMetadata(consumers_end=[RequestEnd("d1", "pd-1", True, "aborted", report=True)]))
+    rt.events += [
+        SimpleNamespace(kind="consumer_failed", request_id="pd-1", reason="aborted", outcome=None, held=False),
+        ev("consumer_released", "pd-1"),
+    ]
+    assert worker.get_finished() == (None, {"d1"})
+    assert worker.get_block_ids_with_load_errors() == {3, 4}
+    # the scheduler withheld it and asks again
+    worker.start_load_kv(
+        PdConnectorMetadata(consumers_end=[RequestEnd("d1", "pd-1", True, "", report=True, after_load=True)])
+    )
+    assert worker.get_finished() == (None, {"d1"}), "the re-armed report was never made: vLLM holds the blocks"
+    assert worker.get_finished() == (None, None)
+
+
 def test_release_the_runtime_refuses_is_reported_at_once(worker: PdWorker) -> None:
     class Refusing(RecordingRuntime):
         def consumer_release(self, pd: str) -> None:

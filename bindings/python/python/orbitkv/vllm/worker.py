@@ -354,9 +354,16 @@ class PdWorker:
             try:
                 self._release_consumer(end.pd_id)
             except Exception as e:  # noqa: BLE001 - nothing may escape vLLM's hook
-                # The runtime no longer knows it: nothing can be waited for.
+                # The runtime no longer knows it (released already, or never
+                # opened): nothing can write into its blocks. vLLM waits for
+                # this report (its blocks are held until it comes), so make
+                # it now, also when the ledger forgot the request: a release
+                # reported in the same step as the failed load it followed
+                # is withheld by the scheduler and asked again here
+                # (after_load), after the ledger tidied the record.
                 logger.warning("consumer release %s: %s", end.pd_id, e)
-                if end.report and cons.req_id is not None:
+                if end.report:
+                    cons.req_id = cons.req_id or end.req_id
                     cons.release_now = True
         for c in meta.consumers_open:
             self._open_consumer(c)
