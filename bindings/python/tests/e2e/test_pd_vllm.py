@@ -518,6 +518,12 @@ def _bad_params(prefill_kv: str) -> dict[str, dict[str, object]]:
             "orbitkv_capability": _cap(),
             "orbitkv_prefill_kv": "127.0.0.2:17500",
         },
+        "undeclared port of an allowed host": {  # issue 31's SSRF: a listener the client owns
+            "orbitkv_role": "consumer",
+            "orbitkv_request": "x",
+            "orbitkv_capability": _cap(),
+            "orbitkv_prefill_kv": "127.0.0.1:9",
+        },
         "role a number": {"orbitkv_role": 7, "orbitkv_request": "x", "orbitkv_capability": _cap()},
         "not a mapping": {"orbitkv_role": "producer", "orbitkv_request": {"a": 1}, "orbitkv_capability": _cap()},
     }
@@ -538,6 +544,39 @@ def test_hostile_params_fail_that_request_alone(cluster: Cluster) -> None:
             cluster.check_alive()
     cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
     assert_serves_correctly(cluster)
+
+
+def test_decode_posts_no_handshake_to_an_undeclared_port_of_an_allowed_host(cluster: Cluster) -> None:
+    """Issue 31's SSRF: a client that reaches decode's API names a listener
+    it owns on loopback (an allowed host) as the prefill side channel. On
+    b985850 decode posted its whole handshake there (capability, generation,
+    Mooncake endpoint, every layer's address). Now the allow-list names
+    endpoints: the request is served plainly, counted, and nothing connects
+    to the listener."""
+    import socket
+
+    refused = "vllm:orbitkv_params_refused_total"
+    before = snapshot(cluster, "decode").get(refused, 0)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.settimeout(0.2)
+        port = listener.getsockname()[1]
+        params = {"orbitkv_role": "consumer", "orbitkv_request": "ssrf", "orbitkv_capability": _cap(),
+                  "orbitkv_prefill_kv": f"127.0.0.1:{port}"}
+        prompt = fresh_prompt(200)
+        c = complete(cluster.decode_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S, kv_transfer_params=params)
+        assert ok(c, "undeclared side channel").token_ids == baseline(cluster, prompt)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.close()
+            raise AssertionError(f"decode connected to 127.0.0.1:{port}, which no deployment declared")
+    wait_until(lambda: snapshot(cluster, "decode").get(refused, 0) > before, 30, "decode to count the refusal",
+               [cluster.procs["decode"]])
 
 
 def test_duplicate_request_ids_fail_alone(cluster: Cluster) -> None:
