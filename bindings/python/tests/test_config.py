@@ -185,6 +185,9 @@ def test_every_setting_is_documented() -> None:
     ("key", "bad"),
     [
         ("orbitkv.pd.side_channel_port", 0),
+        ("orbitkv.pd.decode_tp", 0),
+        ("orbitkv.pd.decode_tp", "2"),
+        ("orbitkv.pd.decode_tp", 2000),
         ("orbitkv.pd.side_channel_port", 65536),
         ("orbitkv.pd.side_channel_port", "17500"),
         ("orbitkv.pd.side_channel_port", True),

@@ -970,6 +970,8 @@ def test_a_dialect_orbitkv_does_not_serve_is_served_plainly_and_counted(params: 
 
 def test_plain_requests_and_other_connectors_fields_are_not_counted() -> None:
     s = scheduler()
-    for i, params in enumerate([None, {}, {"do_remote_decode": False}, {"some_other": 1}]):
+    for i, params in enumerate(
+        [None, {}, {"do_remote_decode": False}, {"do_remote_decode": "true"}, {"do_remote_decode": 1}, {"some_other": 1}]
+    ):
         assert s.params_of(FakeRequest(f"x{i}", list(range(4)), params)) is None  # type: ignore[arg-type]
     assert s.refused == 0

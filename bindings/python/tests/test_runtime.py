@@ -161,13 +161,15 @@ def test_runtime_errors_are_typed_and_change_nothing(ranks: tuple[Rank, Rank]) -
     assert bool(all((t == GUARD).all() for t in c.caches))
 
 
+@pytest.mark.parametrize("key", ["notify_poll_ms", "peer_idle_reclaim_s"])
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
-def test_a_bad_notify_poll_is_refused_before_anything_starts(ranks: tuple[Rank, Rank], bad: float) -> None:
+def test_a_bad_notify_poll_is_refused_before_anything_starts(ranks: tuple[Rank, Rank], bad: float, key: str) -> None:
     # the notification poll's pace (250 µs by default, below 1 ms on a thread
-    # of the router's own): refused with its name, the rank's own runtime untouched
+    # of the router's own), and how long an idle peer keeps its writer lanes:
+    # refused with its name, the rank's own runtime untouched
     p, c = ranks
-    with pytest.raises(orbitkv.InvalidArgumentError, match="notify_poll_ms"):
-        orbitkv.Runtime(p.engine, p.layout_json, notify_poll_ms=bad)
+    with pytest.raises(orbitkv.InvalidArgumentError, match=key):
+        orbitkv.Runtime(p.engine, p.layout_json, **{key: bad})
     hs = c.runtime.consumer_open("after", CAP, 0, [1], 1)
     p.runtime.producer_open("after", [0], CAP)
     p.runtime.producer_handshake(hs)
