@@ -453,16 +453,33 @@ impl KvLayout {
 }
 
 /// Appends `r` to `out`, merged into the last range when both its source
-/// and its destination continue it (never into a range before `first`).
+/// and its destination continue it, or both end right where it starts
+/// (never into a range before `first`). The merged range covers exactly the
+/// bytes of the two.
+///
+/// The second case matters under vLLM: its block pool frees a request's
+/// blocks in reverse order and hands them out again from the front of its
+/// free queue, so once the pool has been cycled a request's blocks come in
+/// *descending* runs, on prefill and on decode alike. Pairs of blocks that
+/// both step down by one are as contiguous as pairs that both step up: the
+/// run is one range, not one range per block.
 pub(crate) fn push_merged(out: &mut Vec<WriteRange>, first: usize, r: WriteRange) {
-    let can_merge = out.len() > first
-        && out
-            .last()
-            .is_some_and(|l| l.src + l.len == r.src && l.dst + l.len == r.dst);
-    match out.last_mut() {
-        Some(last) if can_merge => last.len += r.len,
-        _ => out.push(r),
+    if out.len() > first {
+        if let Some(last) = out.last_mut() {
+            if last.src.checked_add(last.len) == Some(r.src) && last.dst.checked_add(last.len) == Some(r.dst)
+            {
+                last.len += r.len;
+                return;
+            }
+            if r.src.checked_add(r.len) == Some(last.src) && r.dst.checked_add(r.len) == Some(last.dst) {
+                last.src = r.src;
+                last.dst = r.dst;
+                last.len += r.len;
+                return;
+            }
+        }
     }
+    out.push(r);
 }
 
 /// Turns an admitted write (a `Submit`) into byte ranges inside `auth`, as
@@ -677,6 +694,104 @@ pub(crate) mod tests {
                 },
             ]
         );
+    }
+
+    #[test]
+    fn blocks_descending_on_both_sides_coalesce_like_ascending_ones() {
+        // vLLM hands a cycled pool's blocks out in descending runs.
+        let p = layout(0x10_0000, 1, 16, 256, (0, 1), 2);
+        let c = layout(0x90_0000, 1, 16, 256, (0, 1), 2);
+        let mut out = Vec::new();
+        p.plan_layer(
+            &c,
+            0,
+            &[9, 8, 7, 6, 2, 3],
+            &[13, 12, 11, 10, 0, 1],
+            0..6,
+            &mut out,
+        )
+        .unwrap();
+        let (pb, cb) = (0x10_0000u64, 0x90_0000u64);
+        assert_eq!(
+            out,
+            vec![
+                WriteRange {
+                    src: pb + 6 * 256,
+                    dst: cb + 10 * 256,
+                    len: 4 * 256
+                },
+                WriteRange {
+                    src: pb + 2 * 256,
+                    dst: cb,
+                    len: 2 * 256
+                },
+            ]
+        );
+        // One side up, the other down: no two blocks are contiguous on both.
+        p.plan_layer(&c, 0, &[3, 2, 1], &[4, 5, 6], 0..3, &mut out)
+            .unwrap();
+        assert_eq!(out.len(), 2 + 3);
+    }
+
+    #[test]
+    fn head_slices_of_descending_blocks_are_not_merged() {
+        // Consumer TP 1 holds 4 heads, the producer (rank 0 of 2) 2: each
+        // range is half a destination block, so neighbours are never adjacent.
+        let p = layout(0x10_0000, 1, 8, 128, (0, 2), 4);
+        let c = layout(0x90_0000, 1, 8, 256, (0, 1), 4);
+        let mut out = Vec::new();
+        p.plan_layer(&c, 0, &[5, 4, 3], &[7, 6, 5], 0..3, &mut out)
+            .unwrap();
+        assert_eq!(out.len(), 3);
+        assert!(out.iter().all(|r| r.len == 128));
+    }
+
+    /// Every byte a block-by-block plan writes, as (dst byte, src byte) pairs.
+    fn byte_map(ranges: &[WriteRange]) -> Vec<(u64, u64)> {
+        let mut m: Vec<(u64, u64)> = ranges
+            .iter()
+            .flat_map(|r| (0..r.len).map(move |i| (r.dst + i, r.src + i)))
+            .collect();
+        m.sort_unstable();
+        m
+    }
+
+    #[test]
+    fn coalescing_never_changes_which_byte_goes_where() {
+        use proptest::prelude::*;
+        let p = layout(0x10_0000, 1, 64, 16, (0, 1), 1);
+        let c = layout(0x90_0000, 1, 64, 16, (0, 1), 1);
+        let blocks = proptest::sample::subsequence((0u32..64).collect::<Vec<_>>(), 1..40)
+            .prop_flat_map(|dst| {
+                let n = dst.len();
+                (
+                    Just(dst),
+                    proptest::sample::subsequence((0u32..64).collect::<Vec<_>>(), n),
+                )
+            })
+            .prop_flat_map(|(dst, src)| (Just(dst).prop_shuffle(), Just(src).prop_shuffle(), any::<bool>()));
+        proptest!(|((dst, src, rev) in blocks)| {
+            let (mut src, mut dst) = (src, dst);
+            if rev {
+                // Runs in both directions, as a cycled vLLM pool gives them.
+                src.sort_unstable_by(|a, b| b.cmp(a));
+                dst.sort_unstable_by(|a, b| b.cmp(a));
+            }
+            let n = src.len() as u32;
+            let mut merged = Vec::new();
+            p.plan_layer(&c, 0, &src, &dst, 0..n, &mut merged).unwrap();
+            let one_by_one: Vec<WriteRange> = src
+                .iter()
+                .zip(&dst)
+                .map(|(&s, &d)| WriteRange { src: 0x10_0000 + s as u64 * 16, dst: 0x90_0000 + d as u64 * 16, len: 16 })
+                .collect();
+            prop_assert_eq!(byte_map(&merged), byte_map(&one_by_one));
+            prop_assert!(merged.len() <= src.len());
+            if rev {
+                prop_assert_eq!(merged.len(), 1 + src.windows(2).zip(dst.windows(2))
+                    .filter(|(s, d)| !(s[0] == s[1] + 1 && d[0] == d[1] + 1)).count());
+            }
+        });
     }
 
     #[test]

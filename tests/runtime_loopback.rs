@@ -367,6 +367,54 @@ fn blocks_the_consumer_already_holds_are_not_written() {
 }
 
 #[test]
+fn blocks_descending_on_both_sides_go_as_one_range_per_run_and_land_byte_for_byte() {
+    // What a cycled vLLM block pool hands out: runs of descending IDs on
+    // both instances (it frees a request's blocks in reverse order).
+    let (layers, blocks, bb) = (3, 32, 4096);
+    let producer = rank(layers, blocks, bb, (0, 1), 2, src_pattern);
+    let consumer = rank(layers, blocks, bb, (0, 1), 2, |_| GUARD);
+    let req = RequestId::new("req-descending");
+    let src_blocks = vec![20, 19, 18, 17, 16, 3, 4, 30, 29];
+    let dst_blocks = vec![11, 10, 9, 8, 7, 25, 26, 1, 0];
+    let n = src_blocks.len() as u32;
+    let hs = consumer
+        .runtime
+        .consumer_open(req.clone(), cap(), 0, dst_blocks.clone(), 1)
+        .unwrap();
+    producer
+        .runtime
+        .producer_open(req.clone(), src_blocks.clone(), cap(), 1)
+        .unwrap();
+    producer.runtime.producer_handshake(hs).unwrap();
+    for l in 0..layers {
+        producer.runtime.layer_ready(&req, l, 0..n).unwrap();
+    }
+    producer.runtime.producer_finish(&req).unwrap();
+    let ev = outcome(&consumer.runtime);
+    assert!(
+        matches!(ev, RuntimeEvent::ConsumerCompleted { bytes, .. } if bytes == layers as u64 * n as u64 * bb),
+        "{ev:?}"
+    );
+    for l in 0..layers {
+        for b in 0..blocks {
+            match dst_blocks.iter().position(|&d| d == b) {
+                Some(i) => assert_eq!(
+                    block(&consumer, l, b),
+                    block(&producer, l, src_blocks[i]),
+                    "layer {l} block {b}"
+                ),
+                None => assert_untouched(&consumer, l, b),
+            }
+        }
+    }
+    // Three runs per layer (20..16 -> 11..7 down, 3..4 -> 25..26 up,
+    // 30..29 -> 1..0 down), not nine blocks.
+    let s = producer.runtime.stats();
+    assert_eq!(s.write_ranges, 3 * layers as u64);
+    assert_eq!(s.bytes_written, layers as u64 * n as u64 * bb);
+}
+
+#[test]
 fn a_layer_with_thousands_of_scattered_blocks_goes_out_in_several_batches() {
     // 4096 blocks that cannot be coalesced: one range each. Mooncake's TCP
     // transport refuses more than 1024 queued transfers per peer, so the
