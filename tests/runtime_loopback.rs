@@ -415,6 +415,76 @@ fn blocks_descending_on_both_sides_go_as_one_range_per_run_and_land_byte_for_byt
 }
 
 #[test]
+fn many_requests_streamed_at_once_land_byte_for_byte_in_grouped_batches() {
+    // One writer lane: while its batch is in flight, the other requests'
+    // layer writes queue and go out together (group commit). Whatever the
+    // grouping, every request's bytes land in its own blocks only.
+    let (layers, blocks, bb) = (4, 64, 2048);
+    let cfg = orbitkv::RuntimeConfig {
+        writer_lanes_per_peer: 1,
+        consumer_timeout: Duration::from_secs(20),
+        ..orbitkv::RuntimeConfig::default()
+    };
+    let producer = orbitkv::testing::host_rank_with(layers, blocks, bb, (0, 1), 2, src_pattern, cfg.clone());
+    let consumer = orbitkv::testing::host_rank_with(layers, blocks, bb, (0, 1), 2, |_| GUARD, cfg);
+    // Six requests of five blocks: sources 0.., destinations scattered
+    // (every other block, descending), so each layer write is 3-5 ranges.
+    let reqs: Vec<(RequestId, Vec<u32>, Vec<u32>)> = (0..6u32)
+        .map(|r| {
+            let src: Vec<u32> = (r * 5..r * 5 + 5).collect();
+            let dst: Vec<u32> = (0..5).map(|i| 62 - 2 * (r * 5 + i)).collect();
+            (RequestId::new(format!("req-grouped-{r}")), src, dst)
+        })
+        .collect();
+    for (req, src, dst) in &reqs {
+        let hs = consumer
+            .runtime
+            .consumer_open(req.clone(), cap(), 0, dst.clone(), 1)
+            .unwrap();
+        producer
+            .runtime
+            .producer_open(req.clone(), src.clone(), cap(), 1)
+            .unwrap();
+        producer.runtime.producer_handshake(hs).unwrap();
+    }
+    for l in 0..layers {
+        for (req, _, _) in &reqs {
+            producer.runtime.layer_ready(req, l, 0..5).unwrap();
+        }
+    }
+    for (req, _, _) in &reqs {
+        producer.runtime.producer_finish(req).unwrap();
+    }
+    for _ in &reqs {
+        assert!(matches!(
+            outcome(&consumer.runtime),
+            RuntimeEvent::ConsumerCompleted { .. }
+        ));
+    }
+    for l in 0..layers {
+        let mut written = std::collections::HashSet::new();
+        for (_, src, dst) in &reqs {
+            for (s, d) in src.iter().zip(dst) {
+                assert_eq!(
+                    block(&consumer, l, *d),
+                    block(&producer, l, *s),
+                    "layer {l} block {d}"
+                );
+                written.insert(*d);
+            }
+        }
+        for b in (0..blocks).filter(|b| !written.contains(b)) {
+            assert_untouched(&consumer, l, b);
+        }
+    }
+    let s = producer.runtime.stats();
+    assert_eq!(s.layers_written, layers as u64 * 6);
+    // Every write either began a batch or rode in one.
+    assert_eq!(s.write_batches + s.writes_grouped, layers as u64 * 6);
+    assert_eq!(producer.runtime.writes_queued(), 0);
+}
+
+#[test]
 fn a_layer_with_thousands_of_scattered_blocks_goes_out_in_several_batches() {
     // 4096 blocks that cannot be coalesced: one range each. Mooncake's TCP
     // transport refuses more than 1024 queued transfers per peer, so the

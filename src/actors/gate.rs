@@ -185,6 +185,24 @@ impl LayerMarks {
         self.failure(seq)
     }
 
+    /// Without blocking: `Some` once mark `seq` (and every mark before it)
+    /// was reached — with the error of mark `seq` itself if its wait failed
+    /// — judging marks whose GPU work already ran; `None` while any of them
+    /// still runs, or while another thread is waiting for a mark.
+    pub fn try_reached(&self, seq: MarkSeq) -> Option<Result<(), String>> {
+        if self.reached() < seq {
+            let _w = self.waiter.try_lock()?;
+            while self.reached() < seq {
+                match self.take_oldest(|m| m.poll()) {
+                    Oldest::Judged => {}
+                    Oldest::NotYet => return None,
+                    Oldest::None => break,
+                }
+            }
+        }
+        Some(self.failure(seq))
+    }
+
     /// Judges the oldest mark with `judge` (the waiter lock held); `judge`
     /// says `None` when it cannot tell yet (the mark stays).
     fn take_oldest(&self, judge: impl FnOnce(&mut dyn Mark) -> Option<Result<(), String>>) -> Oldest {
@@ -318,6 +336,30 @@ mod tests {
         assert_eq!(marks.outstanding(), PRUNE_AT + 1 - 10);
         assert_eq!(marks.reached(), 10);
         assert_eq!(waits.load(Ordering::Relaxed), 0, "pruning never blocks");
+    }
+
+    #[test]
+    fn try_reached_judges_what_already_ran_and_never_blocks() {
+        let marks = LayerMarks::new(Arc::new(Stats::default()));
+        let waits = Arc::new(AtomicU64::new(0));
+        let (ca, a) = fake(&waits, None);
+        let (cb, b) = fake(&waits, None);
+        let (a, b) = (marks.push(a), marks.push(b));
+        assert_eq!(marks.try_reached(0), Some(Ok(())), "no mark: reached");
+        assert_eq!(marks.try_reached(a), None, "its GPU work still runs");
+        *cb.0.lock() = Some(Err("CUDA error 700".into()));
+        assert_eq!(marks.try_reached(b), None, "a mark before it still runs");
+        *ca.0.lock() = Some(Ok(()));
+        assert_eq!(marks.try_reached(a), Some(Ok(())));
+        assert_eq!(marks.reached(), a, "judged no further than asked");
+        assert_eq!(marks.try_reached(b), Some(Err("CUDA error 700".into())));
+        assert_eq!((marks.reached(), marks.outstanding()), (b, 0));
+        assert_eq!(waits.load(Ordering::Relaxed), 0, "polled, never waited");
+        // While another thread waits for a mark, it does not judge.
+        let (_cc, c) = fake(&waits, None);
+        let c = marks.push(c);
+        let _w = marks.waiter.lock();
+        assert_eq!(marks.try_reached(c), None);
     }
 
     #[test]

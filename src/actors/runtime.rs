@@ -822,6 +822,12 @@ impl Runtime {
         self.writers.peers()
     }
 
+    /// Layer writes handed to this rank's writer lanes and not yet
+    /// submitted to Mooncake, over every peer: the prefill's write backlog.
+    pub fn writes_queued(&self) -> usize {
+        self.writers.queued()
+    }
+
     /// Requests with a live actor on either side (for leak checks).
     pub fn live_requests(&self) -> (usize, usize) {
         self.ask(|d, _| Ok(d.live_requests())).unwrap_or((0, 0))

@@ -58,6 +58,9 @@ pub struct Stats {
     pub write_batches: Counter,
     /// Ranges (Mooncake transfer requests) in them.
     pub write_ranges: Counter,
+    /// Layer writes that rode in a batch begun by an earlier write to the
+    /// same peer (group commit).
+    pub writes_grouped: Counter,
     /// Sum of the time spent inside Mooncake's submit call, in µs.
     pub write_submit_micros: Counter,
     /// Sum over batches of submitted → seen ended, in µs.
@@ -136,6 +139,7 @@ pub struct StatsSnapshot {
     pub ready_lag_micros: u64,
     pub write_batches: u64,
     pub write_ranges: u64,
+    pub writes_grouped: u64,
     pub write_submit_micros: u64,
     pub write_batch_micros: u64,
     pub layer_write_micros: u64,
@@ -180,6 +184,7 @@ impl Stats {
             ready_lag_micros: self.ready_lag_micros.get(),
             write_batches: self.write_batches.get(),
             write_ranges: self.write_ranges.get(),
+            writes_grouped: self.writes_grouped.get(),
             write_submit_micros: self.write_submit_micros.get(),
             write_batch_micros: self.write_batch_micros.get(),
             layer_write_micros: self.layer_write_micros.get(),

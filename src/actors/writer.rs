@@ -172,6 +172,26 @@ struct Job {
     admitted: Instant,
 }
 
+/// Batches a lane keeps in flight. One: Mooncake's NVLink transport runs a
+/// submitting thread's batches on one CUDA stream and ends each only when
+/// that stream is idle, so a second batch of the lane adds no parallelism
+/// (the lanes give that) and delays the first; writes handed to a busy lane
+/// wait in its queue and then go as one batch, so the number of batches
+/// (submit calls, CUDA batch copies) per step stops growing with the
+/// number of requests in flight. Mooncake's TCP transport spreads one
+/// batch's ranges over its own worker threads.
+const BATCHES_PER_LANE: usize = 1;
+
+/// A batch in Mooncake: the writes it carries (job, its bytes in it; the
+/// first may be a chunk of a larger write, the others are whole), its size
+/// and when it was submitted.
+struct Batch {
+    parts: Vec<(u64, u64)>,
+    bytes: u64,
+    ranges: usize,
+    submitted: Instant,
+}
+
 /// Writes to one peer. Bounds the bytes and the ranges it has in flight
 /// (Mooncake's TCP transport refuses more than about a thousand queued
 /// transfers per peer); queues the rest, splitting a layer with more ranges
@@ -206,8 +226,10 @@ struct LaneState {
     in_flight_ranges: usize,
     jobs: HashMap<u64, Job>,
     queue: VecDeque<u64>,
-    /// Batch token -> (job, bytes, ranges, submitted at).
-    pending: HashMap<u64, (u64, u64, usize, Instant)>,
+    /// Batch token -> the batch in flight.
+    pending: HashMap<u64, Batch>,
+    /// The ranges of a batch that carries several writes (reused).
+    grouped: Vec<crate::transport::WriteRange>,
     next_token: u64,
     next_job: u64,
 }
@@ -264,6 +286,17 @@ impl LaneRef {
 impl LaneCell {
     fn addr(&self) -> &Addr<LayerWriter> {
         self.addr.get().expect("a lane's address is set when it starts")
+    }
+
+    /// No batch in flight and nothing queued or on its way: a write handed
+    /// over now goes out at once (its lock taken by someone else counts as
+    /// not free).
+    fn free(&self) -> bool {
+        self.inbox.load(Ordering::SeqCst) == 0
+            && self
+                .state
+                .try_lock()
+                .is_some_and(|st| st.pending.is_empty() && st.queue.is_empty())
     }
 
     /// Nothing on its way to this lane, queued, or in flight (its lock
@@ -323,6 +356,11 @@ impl LaneCell {
                 // and may reuse the blocks once its quarantine passes.
                 job.failed = Some(super::producer::EXPIRED.into());
             }
+            if job.failed.is_none() && job.next < job.ranges.len() && st.pending.len() >= BATCHES_PER_LANE {
+                // One batch at a time per lane: what queues meanwhile goes
+                // out together in the next (group commit, below).
+                break;
+            }
             if job.failed.is_none() && job.next == 0 && job.after != 0 {
                 // On a GPU: not before the kernels that wrote the layer ran
                 // (this lane waits; later writes to this peer on this lane
@@ -340,56 +378,120 @@ impl LaneCell {
             let end = (job.next + self.lane.max_ranges).min(job.ranges.len());
             let chunk = &job.ranges[job.next..end];
             let bytes: u64 = chunk.iter().map(|r| r.len).sum();
+            let (n, last_chunk) = (chunk.len(), end == job.ranges.len());
             let busy = st.in_flight > 0 || st.in_flight_ranges > 0;
             if busy
                 && (st.in_flight + bytes > self.lane.max_in_flight
-                    || st.in_flight_ranges + chunk.len() > self.lane.max_ranges)
+                    || st.in_flight_ranges + n > self.lane.max_ranges)
             {
                 break;
             }
+            // Group commit: the writes queued behind this one whose layers
+            // the GPU already wrote ride in the same batch, whole, while the
+            // budgets allow, so batches (Mooncake submits, and on the NVLink
+            // transport CUDA batch copies) do not grow with the number of
+            // requests in flight. In queue order, stopping at the first that
+            // cannot come: nothing overtakes a write.
+            let mut parts = vec![(id, bytes)];
+            let (mut total_n, mut total_bytes) = (n, bytes);
+            if last_chunk {
+                let now_ms = crate::wire::unix_ms_now();
+                for &other in st.queue.iter().skip(1) {
+                    let o = &st.jobs[&other];
+                    let (on, ob) = (o.ranges.len(), o.ranges.iter().map(|r| r.len).sum::<u64>());
+                    let fits = st.in_flight_ranges + total_n + on <= self.lane.max_ranges
+                        && st.in_flight + total_bytes + ob <= self.lane.max_in_flight;
+                    let ready = o.failed.is_none()
+                        && o.next == 0
+                        && on > 0
+                        && (o.expires_unix_ms == 0 || now_ms <= o.expires_unix_ms)
+                        && (o.after == 0 || matches!(self.lane.marks.try_reached(o.after), Some(Ok(()))));
+                    if !(fits && ready) {
+                        break;
+                    }
+                    parts.push((other, ob));
+                    total_n += on;
+                    total_bytes += ob;
+                }
+            }
+            let job = st.jobs.get_mut(&id).expect("queued job exists");
             let _g =
                 tracing::debug_span!(parent: None, "write_layer", request = %job.request, write = job.write,
-                generation = job.generation.0, peer = %self.peer, ranges = chunk.len(), bytes)
+                generation = job.generation.0, peer = %self.peer, ranges = total_n, bytes = total_bytes,
+                writes = parts.len())
                 .entered();
-            let n = chunk.len();
             let submitting = Instant::now();
-            let submitted = self.lane.transport.submit_write(&self.peer, chunk);
+            let submitted = if parts.len() == 1 {
+                self.lane
+                    .transport
+                    .submit_write(&self.peer, &job.ranges[job.next..end])
+            } else {
+                let mut grouped = std::mem::take(&mut st.grouped);
+                grouped.clear();
+                for &(j, _) in &parts {
+                    let o = &st.jobs[&j];
+                    let from = if j == id { o.next } else { 0 };
+                    grouped.extend_from_slice(&o.ranges[from..]);
+                }
+                let r = self.lane.transport.submit_write(&self.peer, &grouped);
+                st.grouped = grouped;
+                r
+            };
             // One clock read for the submit's duration and the deadlines.
             let now = Instant::now();
             self.lane
                 .stats
                 .write_submit_micros
                 .add(now.saturating_duration_since(submitting).as_micros() as u64);
-            match submitted {
-                Ok(handle) => {
-                    self.lane.stats.write_batches.inc();
-                    self.lane.stats.write_ranges.add(n as u64);
-                    let token = st.next_token;
-                    st.next_token += 1;
-                    let poll = PollJob {
-                        handle,
-                        late_at: now + self.lane.write_timeout,
-                        deadline: now + self.lane.write_timeout + self.lane.quarantine,
-                        token,
-                        reply: self.addr().clone(),
-                        peer: self.peer.clone(),
-                        warned: false,
-                    };
-                    if self.lane.poller.send(poll).is_err() {
-                        job.failed = Some("the runtime is shutting down".into());
-                        continue;
-                    }
-                    job.next = end;
-                    job.outstanding += 1;
-                    st.in_flight += bytes;
-                    st.in_flight_ranges += n;
-                    st.pending.insert(token, (id, bytes, n, submitting));
-                }
+            let handle = match submitted {
+                Ok(handle) => handle,
                 Err(e) => {
                     tracing::warn!(peer = %self.peer, error = %e, "submit failed");
-                    job.failed = Some(e.to_string());
+                    for &(j, _) in &parts {
+                        let o = st.jobs.get_mut(&j).expect("queued job exists");
+                        o.failed = Some(e.to_string());
+                    }
+                    continue;
                 }
+            };
+            self.lane.stats.write_batches.inc();
+            self.lane.stats.write_ranges.add(total_n as u64);
+            self.lane.stats.writes_grouped.add(parts.len() as u64 - 1);
+            let token = st.next_token;
+            st.next_token += 1;
+            let poll = PollJob {
+                handle,
+                late_at: now + self.lane.write_timeout,
+                deadline: now + self.lane.write_timeout + self.lane.quarantine,
+                token,
+                reply: self.addr().clone(),
+                peer: self.peer.clone(),
+                warned: false,
+            };
+            if self.lane.poller.send(poll).is_err() {
+                for &(j, _) in &parts {
+                    let o = st.jobs.get_mut(&j).expect("queued job exists");
+                    o.failed = Some("the runtime is shutting down".into());
+                }
+                continue;
             }
+            for &(j, _) in &parts {
+                let o = st.jobs.get_mut(&j).expect("queued job exists");
+                o.next = if j == id { end } else { o.ranges.len() };
+                o.after = 0;
+                o.outstanding += 1;
+            }
+            st.in_flight += total_bytes;
+            st.in_flight_ranges += total_n;
+            st.pending.insert(
+                token,
+                Batch {
+                    parts,
+                    bytes: total_bytes,
+                    ranges: total_n,
+                    submitted: submitting,
+                },
+            );
         }
     }
 
@@ -456,25 +558,30 @@ impl Handler<BatchFinished> for LayerWriter {
     fn handle(&mut self, msg: BatchFinished, _ctx: &mut Context<Self>) {
         let cell = &self.cell;
         let mut st = cell.state.lock();
-        let Some((id, bytes, n, submitted)) = st.pending.remove(&msg.token) else {
+        let Some(batch) = st.pending.remove(&msg.token) else {
             return;
         };
         cell.lane
             .stats
             .write_batch_micros
-            .add(submitted.elapsed().as_micros() as u64);
-        st.in_flight -= bytes;
-        st.in_flight_ranges -= n;
-        if let Some(job) = st.jobs.get_mut(&id) {
-            job.outstanding -= 1;
-            match msg.result {
-                Ok(written) => job.written += written,
-                Err(reason) => {
-                    job.failed.get_or_insert(reason);
+            .add(batch.submitted.elapsed().as_micros() as u64);
+        st.in_flight -= batch.bytes;
+        st.in_flight_ranges -= batch.ranges;
+        let alone = batch.parts.len() == 1;
+        for (id, bytes) in batch.parts {
+            if let Some(job) = st.jobs.get_mut(&id) {
+                job.outstanding -= 1;
+                match &msg.result {
+                    // Mooncake reports a batch's bytes; a write that shared
+                    // it is credited with its own ranges' bytes.
+                    Ok(written) => job.written += if alone { *written } else { bytes },
+                    Err(reason) => {
+                        job.failed.get_or_insert_with(|| reason.clone());
+                    }
                 }
             }
+            cell.maybe_finish(&mut st, id);
         }
-        cell.maybe_finish(&mut st, id);
         cell.pump(&mut st);
     }
 }
@@ -645,6 +752,7 @@ impl WriterPool {
                         jobs: HashMap::new(),
                         queue: VecDeque::new(),
                         pending: HashMap::new(),
+                        grouped: Vec::new(),
                         next_token: 1,
                         next_job: 1,
                     }),
@@ -675,11 +783,16 @@ impl WriterPool {
     }
 
     /// The writer for the next write among `lanes` (one peer's, from
-    /// [`Self::lanes`]): the lanes in turn, counted over every producer of
-    /// the pool.
+    /// [`Self::lanes`]): the first free one (no batch in flight, nothing
+    /// queued or on its way) from the lanes in turn, counted over every
+    /// producer of the pool; when none is free, the next in turn.
     pub fn pick<'a>(&self, lanes: &'a [LaneRef]) -> &'a LaneRef {
-        let lane = self.next_lane.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        &lanes[lane % lanes.len()]
+        let start = self.next_lane.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let n = lanes.len();
+        (0..n)
+            .map(|k| &lanes[(start + k) % n])
+            .find(|l| l.0.free())
+            .unwrap_or(&lanes[start % n])
     }
 
     /// Reclaims every peer idle since `now - idle_reclaim` (the rule is the
@@ -710,6 +823,20 @@ impl WriterPool {
             false
         });
         gone
+    }
+
+    /// Writes handed to any lane and not yet submitted (on their way to a
+    /// lane's thread, or queued there).
+    pub fn queued(&self) -> usize {
+        let writers = self.writers.lock();
+        writers
+            .values()
+            .flat_map(|p| &p.lanes)
+            .map(|(_, l)| {
+                let st = l.0.state.lock();
+                l.0.inbox.load(Ordering::SeqCst) + st.queue.iter().filter(|id| st.jobs[id].next == 0).count()
+            })
+            .sum()
     }
 
     /// Peers with writers now.

@@ -98,6 +98,10 @@ _PROM = {
     ),
     "write_batches": ("vllm:orbitkv_write_batches", "Write batches submitted to Mooncake."),
     "write_ranges": ("vllm:orbitkv_write_ranges", "Ranges (Mooncake transfer requests) in the write batches."),
+    "writes_grouped": (
+        "vllm:orbitkv_writes_grouped",
+        "Layer writes sent in a batch begun by an earlier write to the same peer (group commit).",
+    ),
     "writes_late": (
         "vllm:orbitkv_writes_late",
         "Write batches still in Mooncake at the write timeout (held on: their bytes may still move).",
