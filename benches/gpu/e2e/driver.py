@@ -52,6 +52,13 @@ says what happened when):
 ``b-eager``
     The load runs again in eager mode, if time is left.
 
+With ``--router`` the systems of stages b and c gain ``orbit-router``: the
+same OrbitKV prefill + decode pair as ``orbit`` (no other instances), fronted
+by vllm-router (``--vllm-pd-disaggregation``, its default ``nixl`` mode: the
+two-stage flow, the prefill half with ``do_remote_decode`` and one output
+token, then the decode half with the prefill's ``kv_transfer_params``)
+instead of orbitkv.proxy.
+
 The Llama-3-8B-shaped instances get the KV that fits the fullest GPU
 (``plan_big``); systems that would not fit beside one engine, OrbitKV and
 MooncakeConnector run in a later group, after those are stopped (``plan.json``).
@@ -69,6 +76,7 @@ import os
 import platform
 import random
 import re
+import shlex
 import shutil
 import socket
 import statistics
@@ -77,6 +85,7 @@ import sys
 import threading
 import time
 import traceback
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +115,7 @@ class Ctx:
         self.rng = random.Random(args.seed)
         self.used_ports: set[int] = set()
         self.plan: dict[str, Any] = {}
+        self.router_info: dict[str, Any] | None = None  # how vllm-router runs here (find_router)
 
     def log(self, msg: str) -> None:
         line = f"[{time.strftime('%H:%M:%S', time.gmtime())} +{time.monotonic() - T0:6.1f}s] {msg}"
@@ -484,6 +494,114 @@ def start_proxy(ctx: Ctx, kind: str, name: str, pre: Server, dec: Server) -> tup
     return p, url
 
 
+# What the router's Python package says of itself, run by --python (the
+# interpreter and PYTHONPATH the instances get: on the device, the bundle's
+# site folder, where prepare.sh unpacked the vllm-router wheel).
+ROUTER_PROBE = """
+import json
+import vllm_router, vllm_router.launch_router, vllm_router_rs
+try:
+    from importlib.metadata import version
+    v = version("vllm-router")
+except Exception:
+    v = getattr(vllm_router, "__version__", "?")
+print(json.dumps({"version": v, "package": vllm_router.__file__, "core": vllm_router_rs.__file__}))
+"""
+
+
+def find_router(ctx: Ctx) -> dict[str, Any]:
+    """How to run vllm-router (once per run): ``--router-bin`` if given, else
+    ``--python -m vllm_router.launch_router`` (what its ``vllm-router``
+    console script runs; the wheel's Rust core is the module
+    ``vllm_router_rs``, an abi3 extension, so the package on ``PYTHONPATH`` is
+    all it needs, and the console script, whose first line names the
+    interpreter that installed it, is not used), else ``vllm-router`` on
+    ``PATH``. ``argv`` is None when none is found (``error`` says why)."""
+    if ctx.router_info is not None:
+        return ctx.router_info
+    info: dict[str, Any] = {"argv": None}
+    if ctx.args.router_bin:
+        info.update(argv=[ctx.args.router_bin], how="--router-bin")
+    else:
+        try:
+            r = subprocess.run([ctx.args.python, "-c", ROUTER_PROBE], capture_output=True, text=True, timeout=120)
+            if r.returncode == 0:
+                info.update(json.loads(r.stdout.strip().splitlines()[-1]))
+                info.update(argv=[ctx.args.python, "-m", "vllm_router.launch_router"],
+                            how=f"{ctx.args.python} -m vllm_router.launch_router")
+            else:
+                info["probe_error"] = r.stderr.strip()[-1500:]
+        except (OSError, subprocess.TimeoutExpired, ValueError, IndexError) as e:
+            info["probe_error"] = f"{type(e).__name__}: {e}"
+        if info["argv"] is None:
+            exe = shutil.which("vllm-router")
+            if exe:
+                info.update(argv=[exe], how="vllm-router on PATH")
+    if info["argv"] is None:
+        info["error"] = ("vllm-router not found: the package vllm_router (and its core vllm_router_rs) is not "
+                         f"importable by {ctx.args.python}, and no vllm-router on PATH: "
+                         + str(info.get("probe_error", ""))[-800:])
+    ctx.router_info = info
+    ctx.log(f"vllm-router: {info.get('how') or info.get('error')}"
+            + (f", version {info['version']} ({info.get('core')})" if info.get("version") else ""))
+    return info
+
+
+def start_router(ctx: Ctx, name: str, pre: Server, dec: Server) -> tuple[Proc, str, dict[str, Any]]:
+    """vllm-router in its P/D mode in front of an OrbitKV pair: its default
+    ``--kv-connector nixl``, the two-stage flow (the prefill half with
+    ``do_remote_decode: true`` and ``max_tokens: 1``, not streamed; once it
+    answered, the decode half with the ``kv_transfer_params`` of the prefill's
+    response, verbatim). Its Prometheus port gets a free port of its own;
+    ``--router-args`` adds flags. Returns the process, its URL and what it
+    ran (for the startup record)."""
+    info = find_router(ctx)
+    if info["argv"] is None:
+        raise ClusterError(info["error"])
+    port, prom = ctx.port(), ctx.port()
+    log = ctx.work / "logs" / f"{name}.log"
+    argv = [*info["argv"], "--vllm-pd-disaggregation", "--prefill", pre.url, "--decode", dec.url,
+            "--host", HOST, "--port", str(port), "--prometheus-host", HOST, "--prometheus-port", str(prom),
+            *shlex.split(ctx.args.router_args)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    rec = {"argv": argv, "log": str(log), "version": info.get("version"), "package": info.get("package"),
+           "core": info.get("core"), "how": info.get("how")}
+    p = Proc(name, argv, env, log)
+    url = f"http://{HOST}:{port}"
+    t0 = time.monotonic()
+    wait_until(lambda: healthy(url), ctx.args.router_start_timeout_s, f"{name} at {url}", [p], every_s=0.2)
+    rec["ready_after_s"] = round(time.monotonic() - t0, 1)
+    ctx.log(f"router {name} (vllm-router {info.get('version')}) up at {url} after {rec['ready_after_s']}s")
+    return p, url, rec
+
+
+def reset_prefix_cache(ctx: Ctx, servers: list[Server], timeout_s: float = 60) -> dict[str, Any]:
+    """Empties the instances' prefix caches (vLLM's ``POST /reset_prefix_cache``,
+    served with ``VLLM_SERVER_DEV_MODE=1``), retrying while it answers
+    ``success: false`` (blocks still held, e.g. by a transfer that is ending).
+    Used where two systems share instances (``orbit`` and ``orbit-router``):
+    each system's load runs see the same prompts, which the earlier system
+    would otherwise have left cached on both instances."""
+    out: dict[str, Any] = {}
+    for s in servers:
+        t0 = time.monotonic()
+        res: Any = None
+        while True:
+            try:
+                req = urllib.request.Request(s.url + "/reset_prefix_cache", data=b"", method="POST")
+                with urllib.request.urlopen(req, timeout=30) as r:
+                    res = json.loads(r.read() or b"{}")
+            except Exception as e:  # noqa: BLE001 - not served (no dev mode) or not answering: a few tries only
+                res = {"error": f"{type(e).__name__}: {e}"}
+            spent = time.monotonic() - t0
+            if (isinstance(res, dict) and res.get("success")) or spent > timeout_s or ("error" in res and spent > 5):
+                break
+            time.sleep(0.5)
+        out[s.name] = {"result": res, "after_s": round(time.monotonic() - t0, 2)}
+    ctx.log(f"  prefix caches reset: {json.dumps(out)[:300]}")
+    return out
+
+
 def snapshot(url: str) -> dict[str, float]:
     try:
         return metrics(url)
@@ -811,6 +929,9 @@ def stage_a(ctx: Ctx, models: dict[str, tuple[ModelSpec, str]], eager: bool, on_
 
 
 PD_SYSTEMS = ("orbit", "mc", "nixl")  # besides the A/B pair "orbit-<ab>"
+# Systems that are another front on a pair of instances of another system
+# (no instances of their own): orbit-router is the orbit pair behind vllm-router.
+FRONTS = {"orbit-router": "orbit"}
 
 
 def weights_gib(spec: ModelSpec) -> float:
@@ -827,6 +948,8 @@ def kv_token_bytes(spec: ModelSpec) -> int:
 def wanted_systems(ctx: Ctx) -> list[str]:
     a = ctx.args
     out = ["single", "orbit"]
+    if a.router:
+        out.append("orbit-router")  # the orbit pair again, behind vllm-router
     if a.ab != "none":
         out.append(f"orbit-{a.ab}")
     if a.mc:
@@ -858,7 +981,7 @@ def plan_big(ctx: Ctx, spec: ModelSpec) -> dict[str, Any]:
 
     def count(grp: list[str]) -> int:
         """Instances on the fullest GPU: GPU 0 holds the single engine and every prefill."""
-        pd = [x for x in grp if x != "single"]
+        pd = [x for x in grp if x not in ("single", *FRONTS)]  # a front has no instances of its own
         return (2 if a.one_gpu else 1) * len(pd) + (1 if "single" in grp else 0)
 
     def fit(grp: list[str]) -> float:
@@ -867,7 +990,7 @@ def plan_big(ctx: Ctx, spec: ModelSpec) -> dict[str, Any]:
         n = count(grp)
         return max(0.0, (a.gpu_gib - a.gpu_reserve_gib - n * w) / n)
 
-    first = [x for x in systems if x in ("single", "orbit", "mc")]
+    first = [x for x in systems if x in ("single", "orbit", *FRONTS, "mc")]
     rest = [x for x in systems if x not in first]
     groups = [first]
     for x in rest:
@@ -899,9 +1022,10 @@ def plan_big(ctx: Ctx, spec: ModelSpec) -> dict[str, Any]:
 class Fleet:
     """The Llama-3-8B-shaped instances of one group of systems: single
     (GPU 0); OrbitKV prefill (GPU 0) + decode (GPU 1) + orbitkv.proxy (and the
-    A/B pair); MooncakeConnector prefill (GPU 0) + decode (GPU 1) + mc_proxy.py;
-    NIXL prefill (GPU 0) + decode (GPU 1) + nixl_proxy.py. With --one-gpu every
-    instance is on GPU 0."""
+    A/B pair; with --router, vllm-router in front of the same OrbitKV pair:
+    the system ``orbit-router``); MooncakeConnector prefill (GPU 0) + decode
+    (GPU 1) + mc_proxy.py; NIXL prefill (GPU 0) + decode (GPU 1) +
+    nixl_proxy.py. With --one-gpu every instance is on GPU 0."""
 
     def __init__(self, ctx: Ctx, spec: ModelSpec, model: str, eager: bool, orbit_env: dict[str, str],
                  systems: list[str] | None = None, kv_gib: float | None = None, group: int = 0):
@@ -923,6 +1047,14 @@ class Fleet:
             self.odec = mk("orbit-decode", 1, "orbit", orbit_env)
             allow_prefill(self.opre, self.odec)
             self.pairs["orbit"] = [self.opre, self.odec]
+        # fronts: another router in front of a pair above (its system's
+        # servers are that pair's: pair(), metrics and peaks)
+        self.fronts = {f: base for f, base in FRONTS.items() if f in systems and base in self.pairs}
+        for base in set(self.fronts.values()):
+            # the shared pair's prefix caches are emptied before each of its
+            # systems' load runs (the same prompts for every system)
+            for s in self.pairs[base]:
+                s.extra_env["VLLM_SERVER_DEV_MODE"] = "1"
         # A/B: a second OrbitKV pair with one setting changed (--ab):
         #   python-gate  GPU writes ordered by the older Python thread (ORBITKV_LAYER_GATE=python)
         #   one-lane     one writer per peer (orbitkv.pd.writer_lanes = 1), as before lanes
@@ -961,10 +1093,12 @@ class Fleet:
             self.ndec = mk("nixl-decode", 1, "nixl")
             self.pairs["nixl"] = [self.npre, self.ndec]
         self.servers = [s for p in self.pairs.values() for s in p]
-        self.systems = [x for x in ["single", "orbit", *(k for k in self.pairs if k.startswith("orbit-")), "mc", "nixl"]
-                        if x in self.pairs]
+        self.systems = [x for x in ["single", "orbit", *self.fronts,
+                                    *(k for k in self.pairs if k.startswith("orbit-")), "mc", "nixl"]
+                        if x in self.pairs or x in self.fronts]
         self.proxies: list[Proc] = []
         self.proxy_logs: dict[str, Path] = {}
+        self.routers: dict[str, dict[str, Any]] = {}  # front -> what it ran (argv, version, log, ...)
         self.urls: dict[str, str] = {}
         self.failed: dict[str, str] = {}
         self.mc_info: dict[str, Any] = {}
@@ -996,7 +1130,26 @@ class Fleet:
                                          f"{str(self.mc_info.get('engine_id_source'))[:200]}")
                 except Exception as e:  # noqa: BLE001
                     self.failed[f"{kind}-proxy"] = f"{type(e).__name__}: {e}"
+        for front, base in self.fronts.items():
+            pre, dec = self.pairs[base]
+            if not (pre.ready_s and dec.ready_s):
+                continue
+            name = f"{pre.name.rsplit('-', 1)[0]}-vllm-router"
+            try:
+                p, url, rec = start_router(self.ctx, name, pre, dec)
+                self.proxies.append(p)
+                self.urls[front] = url
+                self.routers[front] = rec
+            except Exception as e:  # noqa: BLE001
+                self.failed[front] = f"{type(e).__name__}: {e}"
+                self.routers[front] = {"error": self.failed[front], "log": str(self.ctx.work / "logs" / f"{name}.log"),
+                                       "found": self.ctx.router_info}
+                self.ctx.log(f"FAILED to start vllm-router for {front}: {self.failed[front][:300]}")
         return self.failed
+
+    def shares_instances(self, system: str) -> bool:
+        """Whether another system of this fleet runs on the same instances."""
+        return system in self.fronts or system in self.fronts.values()
 
     def startup(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -1009,10 +1162,11 @@ class Fleet:
             for s in self.servers}
         return out | {"orbit_env": self.orbit_env, "urls": self.urls, "group": self.group, "systems": self.systems,
                       "mc_proxy": self.mc_info, "proxy_errors": {
-                          k: v for k, v in self.failed.items() if k.endswith("proxy")}}
+                          k: v for k, v in self.failed.items() if k.endswith("proxy")},
+                      "routers": {f: {"in_front_of": b, **self.routers.get(f, {})} for f, b in self.fronts.items()}}
 
     def pair(self, system: str) -> list[Server]:
-        return self.pairs[system]
+        return self.pairs[self.fronts.get(system, system)]
 
     def stop(self) -> None:
         stop(self.ctx, self.proxies + self.servers)
@@ -1144,14 +1298,16 @@ def stage_b(ctx: Ctx, fleet: Fleet, name: str, acc: dict[str, Any] | None = None
     order = [s for s in fleet.systems if s in fleet.urls]
     for system in fleet.systems:
         if system not in fleet.urls:
-            out["systems"][system] = {"error": "not running: " + "; ".join(
-                f"{s.name}: {(s.error or '')[:3000]}" for s in fleet.pair(system) if s.error) or "proxy failed"}
+            out["systems"][system] = {"error": "not running: " + ("; ".join(
+                f"{s.name}: {(s.error or '')[:3000]}" for s in fleet.pair(system) if s.error)
+                or str(fleet.failed.get(system, "proxy failed"))[:3000])}
     for system in order:
         per_run_s = ctx.args.bench_system_timeout_s
         if ctx.left() < 90:
             out["systems"][system] = {"error": "skipped: out of time"}
             continue
         servers = fleet.pair(system)
+        reset = reset_prefix_cache(ctx, servers) if fleet.shares_instances(system) else None
         before = {s.name: snapshot(s.url) for s in servers}
         sampler = Sampler(servers)
         sampler.start()
@@ -1173,6 +1329,10 @@ def stage_b(ctx: Ctx, fleet: Fleet, name: str, acc: dict[str, Any] | None = None
         sampler.finish()
         after = {s.name: snapshot(s.url) for s in servers}
         sysres: dict[str, Any] = {"rc": rc, "client_s": round(time.time() - t0, 1), "runs": {}}
+        if reset is not None:
+            sysres["prefix_cache_reset"] = reset
+        if system in fleet.fronts:
+            sysres["front"] = {"in_front_of": fleet.fronts[system], **fleet.routers.get(system, {})}
         with contextlib.suppress(OSError, ValueError):
             for entry in json.loads((bdir / f"{system}-runs.json").read_text()):
                 r = {"status": entry["status"], "concurrency": entry["concurrency"],
@@ -1418,7 +1578,7 @@ def stage_storm(ctx: Ctx, fleet: Fleet, name: str = "s-storm") -> dict[str, Any]
 def environment(ctx: Ctx) -> dict[str, Any]:
     env: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": platform.node(),
                            "python": sys.version.split()[0], "device": ctx.args.device, "args": vars(ctx.args)}
-    for mod in ("torch", "vllm", "orbitkv", "transformers", "nixl"):
+    for mod in ("torch", "vllm", "orbitkv", "transformers", "nixl", "vllm_router"):
         try:
             m = __import__(mod)
             env[mod] = getattr(m, "__version__", "?") + " " + os.path.dirname(m.__file__ or "")
@@ -1541,20 +1701,29 @@ def _load(d: Path, name: str) -> dict[str, Any] | None:
     return None
 
 
+# The ratio tables of stage b: (numerator system, denominator system, their
+# labels, the sentence under which the table goes).
+RATIOS = (
+    ("orbit", "mc", "OrbitKV", "MooncakeConnector", "OrbitKV ÷ MooncakeConnector"),
+    ("orbit", "nixl", "OrbitKV", "NIXL", "OrbitKV ÷ NIXL"),
+    ("orbit-router", "orbit", "via vllm-router", "via orbitkv.proxy",
+     "OrbitKV through vllm-router ÷ through orbitkv.proxy (the same instances; vllm-router's two-stage flow)"),
+)
+
+
 def ratio_rows(r: dict[str, Any]) -> list[str]:
-    """OrbitKV ÷ MooncakeConnector (and ÷ NIXL) per in-flight level: TTFT p50
-    and p99 (below 1: OrbitKV faster) and output tok/s (above 1: OrbitKV
-    more), with each system's prefill KV usage peak."""
+    """Per in-flight level, OrbitKV ÷ MooncakeConnector (and ÷ NIXL), and
+    OrbitKV through vllm-router ÷ through orbitkv.proxy: TTFT p50 and p99
+    (below 1: the first faster) and output tok/s (above 1: the first more),
+    with each system's prefill KV usage peak."""
     systems = r.get("systems", {})
-    if "runs" not in systems.get("orbit", {}):
-        return []
     out: list[str] = []
-    for peer, label in (("mc", "MooncakeConnector"), ("nixl", "NIXL")):
-        if "runs" not in systems.get(peer, {}):
+    for num, den, num_label, den_label, title in RATIOS:
+        if "runs" not in systems.get(num, {}) or "runs" not in systems.get(den, {}):
             continue
         rows = []
-        for tag, o in systems["orbit"]["runs"].items():
-            p = systems[peer]["runs"].get(tag)
+        for tag, o in systems[num]["runs"].items():
+            p = systems[den]["runs"].get(tag)
             if tag.startswith("warm") or not p:
                 continue
             rat = lambda k, o=o, p=p: (f"{o[k] / p[k]:.2f}" if isinstance(o.get(k), (int, float))  # noqa: E731
@@ -1564,8 +1733,9 @@ def ratio_rows(r: dict[str, Any]) -> list[str]:
             rows.append(f"| {o.get('concurrency')} | {rat('p50_ttft_ms')} | {rat('p99_ttft_ms')} | "
                         f"{rat('output_throughput')} | {peak(o)} | {peak(p)} |")
         if rows:
-            out += [f"OrbitKV ÷ {label}, same prompts (TTFT below 1 and tok/s above 1: OrbitKV ahead):", "",
-                    f"| in flight | TTFT p50 | TTFT p99 | output tok/s | OrbitKV prefill KV peak | {label} prefill KV peak |",
+            out += [f"{title}, same prompts (TTFT below 1 and tok/s above 1: {num_label} ahead):", "",
+                    f"| in flight | TTFT p50 | TTFT p99 | output tok/s | {num_label} prefill KV peak | "
+                    f"{den_label} prefill KV peak |",
                     "|---|---|---|---|---|---|"] + rows + [""]
     return out
 
@@ -1690,7 +1860,9 @@ def report(d: Path) -> str:
             items, batches, lw = c(pre, "ready_layers"), c(pre, "write_batches"), c(pre, "layer_writes")
             ranges, nbytes = c(pre, "write_ranges"), c(pre, "bytes_written")
             done = c(dec or {}, "transfers_completed")
+            grouped = c(pre, "writes_grouped")
             rows.append(f"| {system} | {items:.0f} | {per(c(pre, 'ready_lag_seconds'), items)} | {batches:.0f} | "
+                        f"{grouped:.0f} | "
                         f"{(ranges / batches if batches else 0):.0f} | {(nbytes / ranges / 1024 if ranges else 0):.0f} | "
                         f"{per(c(pre, 'write_submit_seconds'), batches)} | {per(c(pre, 'write_batch_seconds'), batches)} | "
                         f"{lw:.0f} | {per(c(pre, 'layer_write_seconds'), lw)} | {done:.0f} | "
@@ -1699,9 +1871,10 @@ def report(d: Path) -> str:
             lines += ["OrbitKV's counters over the whole system run (mean ms): a step's layer launched → admitted "
                       "(GPU lag + gate), Mooncake submit call, batch submitted → ended, layer write admitted → "
                       "written, decode's authorization → KV complete.", "",
-                      "| system | layers admitted | launched → admitted | batches | ranges per batch | KiB per range | "
-                      "submit call | batch | layer writes | layer write | transfers | authorized → complete |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
+                      "| system | layers admitted | launched → admitted | batches | writes grouped | ranges per batch "
+                      "| KiB per range | submit call | batch | layer writes | layer write | transfers | "
+                      "authorized → complete |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
     for st in ("c-default", "c-eager"):
         r = _load(d, st)
         if not r or "summary" not in r:
@@ -1713,20 +1886,25 @@ def report(d: Path) -> str:
                  "orbit-device-wait": "OrbitKV P/D, Mooncake's submit wait",
                  "orbit-wide-ranges": "OrbitKV P/D, 8192 ranges in flight",
                  "orbit-staging": "OrbitKV P/D, every request staged", "nixl": "NIXL P/D",
-                 "mc": "MooncakeConnector P/D"}
+                 "mc": "MooncakeConnector P/D", "orbit-router": "OrbitKV P/D via vllm-router"}
         peers = [x for x in ("mc", "nixl") if x in others and "orbit" in others]
+        router = "orbit-router" in others and "orbit" in others
         lines += [f"## {st}: TTFT, medians of {r['reps']} (fresh prompt per request), ms", "",
                   "| prompt tokens | one engine | " + " | ".join(names.get(x, x) for x in others) + " | "
                   + " | ".join(f"{names.get(x, x)} ÷ one" for x in others)
-                  + "".join(f" | OrbitKV ÷ {names.get(x, x)}" for x in peers) + " |",
-                  "|---|---|" + "---|" * (2 * len(others) + len(peers))]
+                  + "".join(f" | OrbitKV ÷ {names.get(x, x)}" for x in peers)
+                  + (" | OrbitKV via vllm-router ÷ via orbitkv.proxy" if router else "") + " |",
+                  "|---|---|" + "---|" * (2 * len(others) + len(peers) + router)]
         for n in r["lengths"]:
             g = lambda sysn, n=n, s=s: s.get(sysn, {}).get(str(n), {}).get("median_ms")  # noqa: E731
             one = g("single")
             rat = lambda v, one=one: f"{v / one:.2f}" if (v and one) else "-"  # noqa: E731
             vs = lambda x, g=g: (f"{g('orbit') / g(x):.2f}" if (g("orbit") and g(x)) else "-")  # noqa: E731
+            via = lambda g=g: (f"{g('orbit-router') / g('orbit'):.2f}"  # noqa: E731
+                               if (g("orbit-router") and g("orbit")) else "-")
             lines.append(f"| {n} | {one} | " + " | ".join(str(g(x)) for x in others) + " | "
-                         + " | ".join(rat(g(x)) for x in others) + "".join(f" | {vs(x)}" for x in peers) + " |")
+                         + " | ".join(rat(g(x)) for x in others) + "".join(f" | {vs(x)}" for x in peers)
+                         + (f" | {via()}" if router else "") + " |")
         if r.get("errors"):
             lines.append(f"\nerrors: {len(r['errors'])}, first: {json.dumps(r['errors'][0])[:400]}")
         lines.append("")
@@ -1768,6 +1946,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mc-pythonpath", default=os.environ.get("E2E_MC_PYTHONPATH", ""),
                    help="a folder holding a `mooncake` package for vLLM's MooncakeConnector, first on the MC "
                         "instances' PYTHONPATH (run.sh: $E2E_ROOT/mcpy)")
+    p.add_argument("--router", action="store_true",
+                   help="stages b and c also measure orbit-router: the orbit pair (no other instances) behind "
+                        "vllm-router --vllm-pd-disaggregation (its default nixl mode: the two-stage flow) "
+                        "instead of orbitkv.proxy")
+    p.add_argument("--router-bin", default="",
+                   help="an executable to run as vllm-router (default: --python -m vllm_router.launch_router, "
+                        "else vllm-router on PATH)")
+    p.add_argument("--router-args", default="", help="more vllm-router flags (one string, split like a shell)")
+    p.add_argument("--router-start-timeout-s", type=float, default=120)
     p.add_argument("--no-hnd-fallback", dest="hnd_fallback", action="store_false")
     p.add_argument("--start-timeout-s", type=float, default=480)
     p.add_argument("--gpu-mem-util", type=float, default=0.04)
