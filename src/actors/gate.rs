@@ -58,8 +58,7 @@ impl Mark for crate::transport::cuda::GpuMark {
     }
 }
 
-/// A mark's number; 0 is "no mark" (nothing to wait for).
-pub type MarkSeq = u64;
+pub use crate::ids::MarkSeq;
 
 /// What is done for a request once the directory takes a step's calls.
 #[derive(Debug, Clone, PartialEq, Eq)]
