@@ -151,6 +151,32 @@ impl Generation {
     }
 }
 
+/// Splits and checks a peer's endpoint, `host:port` (`[v6]:port`): the
+/// Mooncake endpoints and side channels that handshakes name.
+pub fn parse_endpoint(endpoint: &str) -> crate::error::TransportResult<(String, u16)> {
+    let bad = |reason: &str| crate::error::TransportError::BadEndpoint {
+        endpoint: endpoint.to_string(),
+        reason: reason.into(),
+    };
+    let (host, port) = endpoint
+        .rsplit_once(':')
+        .ok_or_else(|| bad("expected host:port"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        return Err(bad("empty host"));
+    }
+    if host.chars().any(|c| c.is_whitespace() || c == '/' || c == '\0') {
+        return Err(bad("host contains whitespace, '/' or NUL"));
+    }
+    let port: u16 = port
+        .parse()
+        .map_err(|_| bad("port is not a number in 1..=65535"))?;
+    if port == 0 {
+        return Err(bad("port 0"));
+    }
+    Ok((host.to_string(), port))
+}
+
 #[cfg(test)]
 mod tests {
     use super::{Capability, Generation};

@@ -13,7 +13,6 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 
 use crate::error::GeometryError;
-use crate::wire::Handshake;
 
 /// One WRITE: `len` bytes from local `src` to the peer's virtual address
 /// `dst` (what a layer's plan is made of; the transport moves it). Laid out
@@ -482,6 +481,17 @@ pub(crate) fn push_merged(out: &mut Vec<WriteRange>, first: usize, r: WriteRange
     out.push(r);
 }
 
+/// Where an authorization lets a producer write: the consumer's layout and
+/// its blocks for request blocks `first_block..` (the fields of a
+/// `wire::Handshake` the planners need, so that planning does not depend on
+/// the wire format: `Handshake::target`).
+#[derive(Debug, Clone, Copy)]
+pub struct Target<'a> {
+    pub layout: &'a KvLayout,
+    pub block_ids: &'a [u32],
+    pub first_block: u32,
+}
+
 /// Turns an admitted write (a `Submit`) into byte ranges inside `auth`, as
 /// the producer actor does before handing them to a layer writer. Pure, so
 /// the property test (`tests/contract_props.rs`) plans exactly as the actor
@@ -492,7 +502,7 @@ pub(crate) fn push_merged(out: &mut Vec<WriteRange>, first: usize, r: WriteRange
 pub fn plan_write(
     local: &KvLayout,
     src_blocks: &[u32],
-    auth: &Handshake,
+    auth: Target<'_>,
     layer: u32,
     blocks: Range<u32>,
     out: &mut Vec<WriteRange>,
@@ -505,10 +515,10 @@ pub fn plan_write(
     }
     let src = src_blocks.get(first as usize..).unwrap_or(&[]);
     local.plan_layer(
-        &auth.layout,
+        auth.layout,
         layer,
         src,
-        &auth.block_ids,
+        auth.block_ids,
         (lo - first)..(hi - first),
         out,
     )

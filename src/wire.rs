@@ -10,10 +10,9 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{GeometryError, ProtocolError};
-use crate::ids::{Capability, Generation, ProducerRank, RequestId};
-use crate::layout::KvLayout;
+use crate::ids::{parse_endpoint, Capability, Generation, ProducerRank, RequestId};
+use crate::layout::{KvLayout, Target};
 use crate::staging::StagingGrant;
-use crate::transport::parse_endpoint;
 
 /// The wire version this build speaks. Version 2 added the request's
 /// capability to the handshake and the cancel message to the wire; version
@@ -72,6 +71,15 @@ pub fn unix_ms_now() -> u64 {
 }
 
 impl Handshake {
+    /// Where this authorization lets a producer write (what the planners need).
+    pub fn target(&self) -> Target<'_> {
+        Target {
+            layout: &self.layout,
+            block_ids: &self.block_ids,
+            first_block: self.first_block,
+        }
+    }
+
     /// Whether the consumer's deadline has passed on this host's clock.
     pub fn expired(&self) -> bool {
         self.expires_unix_ms != 0 && unix_ms_now() > self.expires_unix_ms

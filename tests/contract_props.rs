@@ -429,7 +429,7 @@ impl Prod {
         out: &mut Vec<WriteRange>,
     ) -> (Result<(), String>, Into) {
         let staged = self.source.and_then(|src| {
-            StagedPlan::new(&self.layout, src, auth, MIN_RANGES)
+            StagedPlan::new(&self.layout, src, auth.target(), auth.staging, MIN_RANGES)
                 .ok()
                 .flatten()
         });
@@ -443,7 +443,8 @@ impl Prod {
                 },
             ),
             None => (
-                plan_write(&self.layout, &SRC_BLOCKS, auth, layer, blocks, out).map_err(|e| e.to_string()),
+                plan_write(&self.layout, &SRC_BLOCKS, auth.target(), layer, blocks, out)
+                    .map_err(|e| e.to_string()),
                 Into::Pages,
             ),
         }

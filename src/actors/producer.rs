@@ -304,11 +304,17 @@ impl ProducerCore {
             }
         }
         let plan = self.staging.and_then(|src| {
-            StagedPlan::new(&self.shared.local, src, auth, self.shared.staging_min_ranges)
-                .inspect_err(|e| tracing::warn!(error = %e, "staging grant not usable: writing pages"))
-                .ok()
-                .flatten()
-                .map(Arc::new)
+            StagedPlan::new(
+                &self.shared.local,
+                src,
+                auth.target(),
+                auth.staging,
+                self.shared.staging_min_ranges,
+            )
+            .inspect_err(|e| tracing::warn!(error = %e, "staging grant not usable: writing pages"))
+            .ok()
+            .flatten()
+            .map(Arc::new)
         });
         self.staged = Some((auth.generation, plan.clone()));
         plan
@@ -356,7 +362,7 @@ impl ProducerCore {
                     None => plan_write(
                         &self.shared.local,
                         &self.src_blocks,
-                        &auth,
+                        auth.target(),
                         layer,
                         blocks.clone(),
                         &mut self.planned,

@@ -40,8 +40,7 @@ use std::ops::Range;
 use serde::{Deserialize, Serialize};
 
 use crate::error::GeometryError;
-use crate::layout::{push_merged, KvLayout, WriteRange};
-use crate::wire::Handshake;
+use crate::layout::{push_merged, KvLayout, Target, WriteRange};
 
 /// A consumer's staging grant for one request: `len` bytes at the consumer's
 /// virtual address `base`, inside its registered staging region.
@@ -294,10 +293,11 @@ impl StagedPlan {
     pub fn new(
         local: &KvLayout,
         src: SourceStaging,
-        auth: &Handshake,
+        auth: Target<'_>,
+        staging: Option<StagingGrant>,
         min_ranges: usize,
     ) -> Result<Option<Self>, GeometryError> {
-        let consumer = &auth.layout;
+        let consumer = auth.layout;
         if !staging_compatible(local, consumer) {
             return Ok(None);
         }
@@ -319,7 +319,7 @@ impl StagedPlan {
         // The sent units are whole in the source order: each unit a run of
         // blocks (unit-major), or exactly one group.
         let whole_group = g == count && src_unit % g == 0;
-        let grant = match auth.staging {
+        let grant = match staging {
             Some(grant)
                 if count == 0
                     || (g == 1 && grant.group == 1)
@@ -345,11 +345,11 @@ impl StagedPlan {
         };
         let pages = count > 0 && whole_group && dst_unit == 0 && count == units(consumer) && same_blocks();
         let dest = match grant {
-            Some(grant) if !pages || page_runs(consumer, &auth.block_ids) >= min_ranges => grant,
+            Some(grant) if !pages || page_runs(consumer, auth.block_ids) >= min_ranges => grant,
             _ if pages => Dest::Pages {
                 planes: consumer.layers.iter().map(|l| l.planes.clone()).collect(),
-                block_ids: auth.block_ids.clone(),
-                runs: id_runs(&auth.block_ids),
+                block_ids: auth.block_ids.to_vec(),
+                runs: id_runs(auth.block_ids),
             },
             _ => return Ok(None),
         };

@@ -144,7 +144,7 @@ fn plan(
     blocks: Range<u32>,
     out: &mut Vec<WriteRange>,
 ) -> Result<(), GeometryError> {
-    let plan = StagedPlan::new(local, src, h, 0)?.expect("both sides stage");
+    let plan = plan_for(local, src, h, 0)?.expect("both sides stage");
     assert!(plan.into_grant(), "{plan:?} writes pages");
     plan.plan_layer(layer, blocks, out)
 }
@@ -176,7 +176,7 @@ fn direct_pages(
     let mut out = Vec::new();
     for c in chunks {
         for l in 0..layers as u32 {
-            plan_write(producer, src_blocks, &h_direct, l, c.clone(), &mut out).unwrap();
+            plan_write(producer, src_blocks, h_direct.target(), l, c.clone(), &mut out).unwrap();
             apply(&out, &mut psrc, &mut direct);
         }
     }
@@ -367,7 +367,7 @@ fn one_chunk_of_a_whole_request_is_one_range_per_plane() {
     assert_eq!(out.len(), 2, "{out:?}");
     assert_eq!(out.iter().map(|r| r.len).sum::<u64>(), 2 * 20 * 8 * 64);
     // the same blocks direct: one range per block and plane
-    plan_write(&p, &(0..20).collect::<Vec<_>>(), &h, 1, 0..20, &mut out).unwrap();
+    plan_write(&p, &(0..20).collect::<Vec<_>>(), h.target(), 1, 0..20, &mut out).unwrap();
     assert_eq!(out.len(), 40);
 }
 
@@ -444,10 +444,10 @@ fn layouts_that_stage_in_different_orders_do_not_stage() {
         group: 1,
     };
     let h = handshake(&c, 0, (0..n).collect(), Some(grant));
-    assert_eq!(StagedPlan::new(&p, src, &h, MIN_RANGES), Ok(None));
+    assert_eq!(plan_for(&p, src, &h, MIN_RANGES), Ok(None));
     // nor does one whose consumer gave no grant
     let h = handshake(&p, 0, (0..n).collect(), None);
-    assert_eq!(StagedPlan::new(&p, src, &h, MIN_RANGES), Ok(None));
+    assert_eq!(plan_for(&p, src, &h, MIN_RANGES), Ok(None));
 }
 
 #[test]
@@ -511,9 +511,7 @@ fn check_grouped(
         capacity: cap,
         group,
     };
-    let plan = StagedPlan::new(&producer, src, &h, MIN_RANGES)
-        .unwrap()
-        .expect("stages");
+    let plan = plan_for(&producer, src, &h, MIN_RANGES).unwrap().expect("stages");
     assert_eq!(plan.into_grant(), !consecutive, "{plan:?}");
     let mut pages = Mem::new(0x80_0000, cbytes as usize, 99);
     let mut kvsrc = Mem::new(0x10_0000, pbytes as usize, 1);
@@ -655,7 +653,7 @@ fn a_grouped_source_never_writes_a_grant_of_another_order() {
     let h = handshake(&c, 0, scattered.clone(), Some(grant));
     h.validate().unwrap();
     // its pages then, one range per block and plane (never the grant)
-    let plan = StagedPlan::new(&p, src, &h, MIN_RANGES).unwrap().unwrap();
+    let plan = plan_for(&p, src, &h, MIN_RANGES).unwrap().unwrap();
     assert!(!plan.into_grant());
     let mut out = Vec::new();
     plan.plan_layer(1, 0..n, &mut out).unwrap();
@@ -668,17 +666,17 @@ fn a_grouped_source_never_writes_a_grant_of_another_order() {
     // a source not grouped by the consumer's heads cannot write its pages
     let unit_major = SourceStaging { group: 1, ..src };
     assert_eq!(
-        StagedPlan::new(&p, unit_major, &handshake(&c, 0, scattered, None), MIN_RANGES),
+        plan_for(&p, unit_major, &handshake(&c, 0, scattered, None), MIN_RANGES),
         Ok(None)
     );
     // and a grouped source planned past its authorization or capacity is refused
     let h = handshake(&c, 0, (0..n).collect(), None);
-    let plan = StagedPlan::new(&p, src, &h, MIN_RANGES).unwrap().unwrap();
+    let plan = plan_for(&p, src, &h, MIN_RANGES).unwrap().unwrap();
     assert!(matches!(
         plan.plan_layer(0, 0..n + 1, &mut out),
         Err(GeometryError::OutsideAuthorization { .. })
     ));
-    let small = StagedPlan::new(&p, SourceStaging { capacity: 3, ..src }, &h, MIN_RANGES)
+    let small = plan_for(&p, SourceStaging { capacity: 3, ..src }, &h, MIN_RANGES)
         .unwrap()
         .unwrap();
     assert!(matches!(
@@ -735,7 +733,7 @@ fn pages_from_a_grouped_source_follow_the_planes_and_the_block_size() {
     c.validate().unwrap();
     let h = handshake(&c, 2, ids.clone(), None);
     h.validate().unwrap();
-    let plan = StagedPlan::new(&p, src, &h, MIN_RANGES).unwrap().expect("pages");
+    let plan = plan_for(&p, src, &h, MIN_RANGES).unwrap().expect("pages");
     assert!(!plan.into_grant());
     let mut out = Vec::new();
     plan.plan_layer(1, 0..10, &mut out).unwrap();
@@ -755,5 +753,15 @@ fn pages_from_a_grouped_source_follow_the_planes_and_the_block_size() {
         }
     }
     let h = handshake(&odd, 0, ids, None);
-    assert_eq!(StagedPlan::new(&p, src, &h, MIN_RANGES), Ok(None));
+    assert_eq!(plan_for(&p, src, &h, MIN_RANGES), Ok(None));
+}
+
+/// `StagedPlan::new` under the authorization `h` (its target and grant).
+fn plan_for(
+    local: &KvLayout,
+    src: SourceStaging,
+    h: &Handshake,
+    min_ranges: usize,
+) -> Result<Option<StagedPlan>, GeometryError> {
+    StagedPlan::new(local, src, h.target(), h.staging, min_ranges)
 }

@@ -45,30 +45,7 @@ fn cstring(s: &str, what: &str) -> TransportResult<CString> {
     CString::new(s).map_err(|_| TransportError::InvalidArgument(format!("{what} contains a NUL byte")))
 }
 
-/// Splits and checks `host:port`.
-pub fn parse_endpoint(endpoint: &str) -> TransportResult<(String, u16)> {
-    let bad = |reason: &str| TransportError::BadEndpoint {
-        endpoint: endpoint.to_string(),
-        reason: reason.into(),
-    };
-    let (host, port) = endpoint
-        .rsplit_once(':')
-        .ok_or_else(|| bad("expected host:port"))?;
-    let host = host.trim_start_matches('[').trim_end_matches(']');
-    if host.is_empty() {
-        return Err(bad("empty host"));
-    }
-    if host.chars().any(|c| c.is_whitespace() || c == '/' || c == '\0') {
-        return Err(bad("host contains whitespace, '/' or NUL"));
-    }
-    let port: u16 = port
-        .parse()
-        .map_err(|_| bad("port is not a number in 1..=65535"))?;
-    if port == 0 {
-        return Err(bad("port 0"));
-    }
-    Ok((host.to_string(), port))
-}
+pub use crate::ids::parse_endpoint;
 
 /// A Mooncake Transfer Engine: P2PHANDSHAKE, no metadata service, no Store.
 ///
