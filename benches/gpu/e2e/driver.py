@@ -947,7 +947,7 @@ def kv_token_bytes(spec: ModelSpec) -> int:
 
 def wanted_systems(ctx: Ctx) -> list[str]:
     a = ctx.args
-    out = ["single", "orbit"]
+    out = ["single", "orbit"] if a.single else ["orbit"]
     if a.router:
         out.append("orbit-router")  # the orbit pair again, behind vllm-router
     if a.ab != "none":
@@ -1072,6 +1072,8 @@ class Fleet:
             self.odec_ab = mk("orbitab-decode", 1, "orbit", env)
             if ab == "one-lane":
                 self.opre_ab.orbit_cfg["orbitkv.pd.writer_lanes"] = 1
+            if ab == "lanes-16":
+                self.opre_ab.orbit_cfg["orbitkv.pd.writer_lanes"] = 16
             if ab == "device-wait":
                 self.opre_ab.orbit_cfg["orbitkv.pd.mooncake_submit_wait"] = "device"
             if ab == "wide-ranges":
@@ -1708,6 +1710,8 @@ RATIOS = (
     ("orbit", "nixl", "OrbitKV", "NIXL", "OrbitKV ÷ NIXL"),
     ("orbit-router", "orbit", "via vllm-router", "via orbitkv.proxy",
      "OrbitKV through vllm-router ÷ through orbitkv.proxy (the same instances; vllm-router's two-stage flow)"),
+    ("orbit-lanes-16", "mc", "OrbitKV, 16 writers", "MooncakeConnector", "OrbitKV with 16 writers per peer ÷ MooncakeConnector"),
+    ("orbit-lanes-16", "orbit", "16 writers", "4 writers", "OrbitKV, 16 writers per peer ÷ 4 (the A/B pair)"),
 )
 
 
@@ -1883,6 +1887,7 @@ def report(d: Path) -> str:
         others = [x for x in r.get("systems", ["single", "orbit", "nixl"]) if x != "single"]
         names = {"orbit": "OrbitKV P/D", "orbit-python-gate": "OrbitKV P/D, Python gate", "orbit-py": "OrbitKV P/D, Python gate",
                  "orbit-one-lane": "OrbitKV P/D, one writer per peer",
+                 "orbit-lanes-16": "OrbitKV P/D, 16 writers per peer",
                  "orbit-device-wait": "OrbitKV P/D, Mooncake's submit wait",
                  "orbit-wide-ranges": "OrbitKV P/D, 8192 ranges in flight",
                  "orbit-staging": "OrbitKV P/D, every request staged", "nixl": "NIXL P/D",
@@ -1936,6 +1941,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nixl-mock", action="store_true", help="NIXL instances without a connector (CPU dry run)")
     p.add_argument("--nixl", choices=("auto", "yes", "no"), default="auto",
                    help="the NIXL P/D system in stages b and c (auto: yes on two GPUs, no with --one-gpu)")
+    p.add_argument("--no-single", dest="single", action="store_false",
+                   help="leave the one-engine reference out of stages b and c (GPU memory for an A/B pair)")
     p.add_argument("--no-mc", dest="mc", action="store_false",
                    help="leave vLLM's MooncakeConnector P/D system out of stages b and c")
     p.add_argument("--mc-mock", action="store_true",
@@ -1980,7 +1987,7 @@ def main(argv: list[str] | None = None) -> int:
                         "per-layer connector hooks (every layer then goes at wait_for_save; counted)")
     p.add_argument("--one-gpu", action="store_true",
                    help="every instance on GPU 0 (a one-GPU machine; the transfer stays on one device)")
-    p.add_argument("--ab", choices=("auto", "none", "one-lane", "python-gate", "device-wait", "wide-ranges",
+    p.add_argument("--ab", choices=("auto", "none", "one-lane", "python-gate", "device-wait", "wide-ranges", "lanes-16",
                                     "staging"),
                    default="auto",
                    help="a second OrbitKV pair with one setting changed: one writer per peer, the Python "
