@@ -34,7 +34,7 @@ pub use error::{
 };
 pub use ids::{Capability, Generation, ProducerRank, RequestId};
 pub use layout::{KvLayout, LayerGeometry, Plane};
-pub use side_channel::{Refused, SideChannel, SideChannelConfig};
+pub use side_channel::{MooncakeBootstrap, Refused, SideChannel, SideChannelConfig};
 pub use transport::{
     BatchHandle, BatchState, EngineConfig, MooncakeTransferEngine, Notification, Transport, WriteRange,
 };

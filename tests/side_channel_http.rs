@@ -7,9 +7,10 @@ use std::net::{SocketAddr, TcpStream};
 use std::sync::{RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
-use orbitkv::side_channel::{sign, CANCEL_PATH, HANDSHAKE_PATH, HEALTH_PATH, SIGNATURE_HEADER};
+use orbitkv::side_channel::{sign, CANCEL_PATH, HANDSHAKE_PATH, HEALTH_PATH, QUERY_PATH, SIGNATURE_HEADER};
 use orbitkv::{
-    Cancel, Capability, RequestId, RuntimeEvent, SideChannel, SideChannelConfig, SideChannelError,
+    Cancel, Capability, MooncakeBootstrap, RequestId, RuntimeEvent, SideChannel, SideChannelConfig,
+    SideChannelError,
 };
 
 const GUARD: u8 = 0xA5;
@@ -361,6 +362,62 @@ fn an_unknown_path_or_method_is_404() {
         post(addr, "/orbitkv/v2/handshake", b"{}", &[]),
     ] {
         assert_eq!((r.status, r.error().as_str()), (404, "NotFound"), "{r:?}");
+    }
+}
+
+#[test]
+fn get_query_answers_as_a_mooncake_bootstrap_server_only_when_configured() {
+    let p = rank(|_| 1);
+    // Without a bootstrap (the dialect off, or a rank other than 0): 404.
+    let plain = serve(&p, SideChannelConfig::default());
+    let r = get(plain.address(), QUERY_PATH);
+    assert_eq!((r.status, r.error().as_str()), (404, "NotFound"), "{r:?}");
+    drop(plain);
+    // With one, and a deployment key: answered unsigned (routers do not
+    // sign), in the shape of vLLM's MooncakeBootstrapServer.
+    let cfg = SideChannelConfig {
+        key: Some(KEY.to_vec()),
+        mooncake_bootstrap: Some(MooncakeBootstrap {
+            engine_id: "prefill".into(),
+            worker_addrs: vec!["127.0.0.1:17500".into(), "127.0.0.1:17501".into()],
+        }),
+        ..SideChannelConfig::default()
+    };
+    let sc = serve(&p, cfg);
+    let addr = sc.address();
+    let r = get(addr, QUERY_PATH);
+    assert_eq!(r.status, 200, "{r:?}");
+    let v: serde_json::Value = serde_json::from_str(&r.body).expect("JSON");
+    assert_eq!(
+        v,
+        serde_json::json!({"0": {"engine_id": "prefill", "worker_addr": {
+            "0": {"0": "127.0.0.1:17500"}, "1": {"0": "127.0.0.1:17501"}}}})
+    );
+    // Read only: vLLM's POST /register and any other method are 404.
+    for r in [
+        post(addr, QUERY_PATH, b"{}", &[]),
+        post(addr, "/register", b"{}", &[]),
+    ] {
+        assert_eq!((r.status, r.error().as_str()), (404, "NotFound"), "{r:?}");
+    }
+    assert_eq!(sc.refused(), orbitkv::Refused::default());
+    drop(sc);
+    // A bootstrap that names nothing, or what a JSON answer must not hold.
+    for (engine_id, addrs) in [
+        ("", vec!["h:1"]),
+        ("a b", vec!["h:1"]),
+        ("e", vec![]),
+        ("e", vec!["h\n1"]),
+    ] {
+        let cfg = SideChannelConfig {
+            mooncake_bootstrap: Some(MooncakeBootstrap {
+                engine_id: engine_id.into(),
+                worker_addrs: addrs.into_iter().map(String::from).collect(),
+            }),
+            ..SideChannelConfig::default()
+        };
+        let err = SideChannel::start(cfg, p.runtime.clone()).expect_err("refused");
+        assert!(matches!(err, SideChannelError::InvalidArgument(_)), "{err:?}");
     }
 }
 

@@ -6,6 +6,7 @@
 //! | `GET /orbitkv/v1/health` | `200 {"ok":true}` |
 //! | `POST /orbitkv/v1/handshake` | [`Runtime::producer_handshake_json`]: `200 {"ok":true}`, or the refusal |
 //! | `POST /orbitkv/v1/cancel` | [`Runtime::producer_cancel_json`]: the same |
+//! | `GET /query` | only when [`SideChannelConfig::mooncake_bootstrap`] is set (a prefill's rank 0 with the `mooncake` dialect on): the instance's engine ID and its ranks' side channels, as a Mooncake bootstrap server answers it ([`MooncakeBootstrap`]); `404` otherwise |
 //! | anything else | `404` |
 //!
 //! A refusal is `{"error": NAME, "message": TEXT}` with `NAME` the Python
@@ -84,6 +85,63 @@ use routes::Shared;
 pub const HEALTH_PATH: &str = "/orbitkv/v1/health";
 pub const HANDSHAKE_PATH: &str = "/orbitkv/v1/handshake";
 pub const CANCEL_PATH: &str = "/orbitkv/v1/cancel";
+/// Where a Mooncake bootstrap server answers a router's query (vLLM's
+/// `MooncakeBootstrapServer`); served only with a [`MooncakeBootstrap`].
+pub const QUERY_PATH: &str = "/query";
+
+/// The longest engine ID and side channel address `GET /query` names.
+const MAX_BOOTSTRAP_FIELD: usize = 256;
+/// The most TP ranks `GET /query` names.
+const MAX_BOOTSTRAP_RANKS: usize = 1024;
+
+/// What a prefill's rank 0 answers on `GET /query`, in the shape of vLLM's
+/// `MooncakeBootstrapServer` (`mooncake_utils.py`: data-parallel rank →
+/// `{"engine_id": E, "worker_addr": {tp_rank: {pp_rank: addr}}}`), so a
+/// router in its `mooncake` mode (vllm-router, llm-d) learns the engine ID
+/// it puts in the decode half. One data-parallel rank (`"0"`), one pipeline
+/// rank (`"0"`); each TP rank's address is its OrbitKV side channel. Read
+/// only, and nothing in it is a secret: the engine ID and addresses that
+/// `/orbitkv/v1/health` and the instance's configuration already tell.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct MooncakeBootstrap {
+    /// The instance's vLLM engine ID (`kv_transfer_config.engine_id`).
+    pub engine_id: String,
+    /// The side channel `host:port` of each TP rank, in rank order.
+    pub worker_addrs: Vec<String>,
+}
+
+impl MooncakeBootstrap {
+    /// The JSON `GET /query` answers; refuses an engine ID or an address
+    /// that is empty, longer than 256 bytes or holds a control character
+    /// or a space, and no ranks or more than 1024.
+    pub fn body(&self) -> Result<String, SideChannelError> {
+        let bad = |s: &str| {
+            s.is_empty()
+                || s.len() > MAX_BOOTSTRAP_FIELD
+                || s.chars().any(|c| c.is_control() || c.is_whitespace())
+        };
+        if bad(&self.engine_id) {
+            return Err(invalid(
+                "the Mooncake bootstrap's engine_id must be 1..256 bytes without spaces",
+            ));
+        }
+        if self.worker_addrs.is_empty() || self.worker_addrs.len() > MAX_BOOTSTRAP_RANKS {
+            return Err(invalid("the Mooncake bootstrap names 1..1024 TP ranks"));
+        }
+        if self.worker_addrs.iter().any(|a| bad(a)) {
+            return Err(invalid(
+                "a Mooncake bootstrap worker address must be 1..256 bytes without spaces",
+            ));
+        }
+        let ranks: serde_json::Map<String, serde_json::Value> = self
+            .worker_addrs
+            .iter()
+            .enumerate()
+            .map(|(r, a)| (r.to_string(), serde_json::json!({"0": a})))
+            .collect();
+        Ok(serde_json::json!({"0": {"engine_id": self.engine_id, "worker_addr": ranks}}).to_string())
+    }
+}
 
 /// The longest timeout accepted (deadlines are instants: far larger ones
 /// would overflow).
@@ -110,6 +168,9 @@ pub struct SideChannelConfig {
     /// How long [`SideChannel::stop`] lets requests in progress finish
     /// (whole seconds, at least 1); it returns within this plus 2 s.
     pub stop_timeout: Duration,
+    /// What `GET /query` answers (a prefill's rank 0 with the `mooncake`
+    /// dialect on); `None`: `404`.
+    pub mooncake_bootstrap: Option<MooncakeBootstrap>,
 }
 
 impl Default for SideChannelConfig {
@@ -122,6 +183,7 @@ impl Default for SideChannelConfig {
             read_timeout: Duration::from_secs(10),
             max_connections: 64,
             stop_timeout: Duration::from_secs(1),
+            mooncake_bootstrap: None,
         }
     }
 }
@@ -136,6 +198,7 @@ impl std::fmt::Debug for SideChannelConfig {
             .field("read_timeout", &self.read_timeout)
             .field("max_connections", &self.max_connections)
             .field("stop_timeout", &self.stop_timeout)
+            .field("mooncake_bootstrap", &self.mooncake_bootstrap)
             .finish()
     }
 }
@@ -235,6 +298,11 @@ impl SideChannel {
         if cfg.key.as_ref().is_some_and(|k| k.is_empty()) {
             return Err(invalid("the deployment key is empty"));
         }
+        let query = cfg
+            .mooncake_bootstrap
+            .as_ref()
+            .map(MooncakeBootstrap::body)
+            .transpose()?;
         let address = format!("{}:{}", cfg.host, cfg.port);
         let listener = TcpListener::bind((cfg.host.as_str(), cfg.port)).map_err(|e| {
             if e.kind() == std::io::ErrorKind::AddrInUse {
@@ -260,6 +328,7 @@ impl SideChannel {
             max_body: cfg.max_body,
             read_timeout: cfg.read_timeout,
             refused: refused.clone(),
+            query,
         });
         let stop_secs = cfg.stop_timeout.as_secs().max(1);
         let builder = server(listener, shared, gate.clone(), refused.clone(), &cfg, stop_secs)

@@ -16,7 +16,7 @@ use actix_web::{App, HttpRequest, HttpResponse};
 
 use super::conn::ConnState;
 use super::signature::{verify, SIGNATURE_HEADER};
-use super::{Counters, CANCEL_PATH, HANDSHAKE_PATH, HEALTH_PATH};
+use super::{Counters, CANCEL_PATH, HANDSHAKE_PATH, HEALTH_PATH, QUERY_PATH};
 use crate::actors::Runtime;
 use crate::error::{ProtocolError, RuntimeError};
 use crate::wire::Fence;
@@ -30,6 +30,8 @@ pub(crate) struct Shared {
     pub(crate) max_body: usize,
     pub(crate) read_timeout: Duration,
     pub(crate) refused: Arc<Counters>,
+    /// What `GET /query` answers (`MooncakeBootstrap::body`); `None`: `404`.
+    pub(crate) query: Option<String>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -157,6 +159,25 @@ async fn health(st: web::Data<Shared>) -> HttpResponse {
     }
 }
 
+/// A Mooncake bootstrap server's answer (`MooncakeBootstrap`), for a router
+/// in its `mooncake` mode; `404` on a side channel that has none (the
+/// dialect off, or not rank 0). Unauthenticated, like the health check:
+/// nothing in it is a secret.
+async fn query(req: HttpRequest, st: web::Data<Shared>) -> HttpResponse {
+    match (&st.query, st.runtime.upgrade()) {
+        (None, _) => not_found(req).await,
+        (Some(body), Some(_)) => HttpResponse::Ok()
+            .content_type("application/json")
+            .body(body.clone()),
+        (Some(_), None) => Refusal::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "RuntimeStoppedError",
+            "the runtime stopped",
+        )
+        .response(),
+    }
+}
+
 async fn not_found(req: HttpRequest) -> HttpResponse {
     Refusal::new(StatusCode::NOT_FOUND, "NotFound", req.path()).response()
 }
@@ -243,6 +264,11 @@ pub(crate) fn app(
         .service(
             web::resource(HEALTH_PATH)
                 .route(web::get().to(health))
+                .default_service(web::to(not_found)),
+        )
+        .service(
+            web::resource(QUERY_PATH)
+                .route(web::get().to(query))
                 .default_service(web::to(not_found)),
         )
         .service(

@@ -2,7 +2,7 @@
 //! threads) serving a `Runtime`'s producer side. While it serves, nothing
 //! touches Python: bodies are read, checked and parsed in Rust.
 
-use orbitkv::{SideChannel, SideChannelConfig, SideChannelError};
+use orbitkv::{MooncakeBootstrap, SideChannel, SideChannelConfig, SideChannelError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -21,8 +21,11 @@ fn side_channel_error(py: Python<'_>, err: SideChannelError) -> PyErr {
 /// `/orbitkv/v1/cancel`; `GET /orbitkv/v1/health` answers `{"ok": true}`.
 ///
 /// `SideChannel(runtime, host, port, *, key=None, read_timeout_s=10.0,
-/// max_connections=64, max_body=16 MiB)` listens at once (port 0 picks a
-/// free one; `address` tells) and serves until `close()`.
+/// max_connections=64, max_body=16 MiB, mooncake_bootstrap=None)` listens at
+/// once (port 0 picks a free one; `address` tells) and serves until
+/// `close()`. `mooncake_bootstrap=(engine_id, [rank 0's side channel, ...])`
+/// also answers `GET /query` as a Mooncake bootstrap server does (a
+/// prefill's rank 0 with the `mooncake` dialect on).
 #[pyclass(module = "orbitkv._native", name = "SideChannel", extends = ClosesOnExit, frozen)]
 pub struct PySideChannel {
     inner: SideChannel,
@@ -34,7 +37,7 @@ impl PySideChannel {
     #[new]
     #[allow(clippy::too_many_arguments)] // mirrors the keyword-only Python signature
     #[pyo3(signature = (runtime, host, port, *, key=None, read_timeout_s=10.0, max_connections=64,
-        max_body=16_777_216))]
+        max_body=16_777_216, mooncake_bootstrap=None))]
     fn new(
         py: Python<'_>,
         runtime: &PyRuntime,
@@ -44,6 +47,7 @@ impl PySideChannel {
         read_timeout_s: f64,
         max_connections: usize,
         max_body: usize,
+        mooncake_bootstrap: Option<(String, Vec<String>)>,
     ) -> PyResult<PyClassInitializer<Self>> {
         let cfg = SideChannelConfig {
             host: host.to_string(),
@@ -52,6 +56,10 @@ impl PySideChannel {
             read_timeout: seconds(py, "read_timeout_s", read_timeout_s)?,
             max_connections,
             max_body,
+            mooncake_bootstrap: mooncake_bootstrap.map(|(engine_id, worker_addrs)| MooncakeBootstrap {
+                engine_id,
+                worker_addrs,
+            }),
             ..SideChannelConfig::default()
         };
         let rt = runtime.rt(py)?;

@@ -135,6 +135,28 @@ def test_mooncake_submit_wait() -> None:
         with pytest.raises(ConfigError, match="mooncake_submit_wait"):
             PdConfig.from_extra_config({"orbitkv.pd.mooncake_submit_wait": bad})
 
+def test_dialects_are_off_by_default_and_only_known_ones_are_accepted() -> None:
+    assert PdConfig.from_extra_config({}).dialects == ()
+    assert PdConfig.from_extra_config({"orbitkv.pd.dialects": []}).dialects == ()
+    assert PdConfig.from_extra_config({"orbitkv.pd.dialects": ["mooncake"]}).dialects == ("mooncake",)
+    assert PdConfig.from_extra_config({"orbitkv.pd.dialects": ["mooncake", "mooncake"]}).dialects == ("mooncake",)
+    for bad in ("mooncake", ["nixl"], ["Mooncake"], [1], [None], None, {"mooncake": True}, True):
+        with pytest.raises(ConfigError, match=r"orbitkv\.pd\.dialects"):
+            PdConfig.from_extra_config({"orbitkv.pd.dialects": bad})
+    with pytest.raises(ConfigError, match=r"unknown dialect\(s\) \['offloading'\]; known: \['mooncake'\]"):
+        PdConfig.from_extra_config({"orbitkv.pd.dialects": ["offloading"]})
+
+
+def test_prefill_tp_and_the_advertised_side_channel() -> None:
+    assert PdConfig.from_extra_config({}).prefill_tp is None
+    assert PdConfig.from_extra_config({"orbitkv.pd.prefill_tp": 4}).prefill_tp == 4
+    c = PdConfig.from_extra_config({"orbitkv.pd.side_channel_host": "10.0.0.2", "orbitkv.pd.side_channel_port": 17600})
+    assert (c.advertised_side_channel(), c.advertised_side_channel(3)) == ("10.0.0.2:17600", "10.0.0.2:17603")
+    # listening on every address: peers are told the bind host; IPv6 in brackets
+    c = PdConfig.from_extra_config({"orbitkv.pd.side_channel_host": "::", "orbitkv.pd.mooncake.bind_host": "fd00::2"})
+    assert c.advertised_side_channel(1) == "[fd00::2]:17501"
+
+
 @pytest.mark.parametrize(
     "key", ["orbitkv.pd.timeout_s", "orbitkv.pd.handshake_timeout_s", "orbitkv.pd.write_timeout_s", "orbitkv.pd.quarantine_s"]
 )
@@ -188,6 +210,12 @@ def test_every_setting_is_documented() -> None:
         ("orbitkv.pd.decode_tp", 0),
         ("orbitkv.pd.decode_tp", "2"),
         ("orbitkv.pd.decode_tp", 2000),
+        ("orbitkv.pd.prefill_tp", 0),
+        ("orbitkv.pd.prefill_tp", "2"),
+        ("orbitkv.pd.prefill_tp", True),
+        ("orbitkv.pd.prefill_tp", 1025),
+        ("orbitkv.pd.dialects", "mooncake"),
+        ("orbitkv.pd.dialects", ["nixl"]),
         ("orbitkv.pd.side_channel_port", 65536),
         ("orbitkv.pd.side_channel_port", "17500"),
         ("orbitkv.pd.side_channel_port", True),

@@ -12,6 +12,9 @@ never while vLLM still runs the request.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
+import re
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -975,3 +978,185 @@ def test_plain_requests_and_other_connectors_fields_are_not_counted() -> None:
     ):
         assert s.params_of(FakeRequest(f"x{i}", list(range(4)), params)) is None  # type: ignore[arg-type]
     assert s.refused == 0
+
+
+# ---- the mooncake dialect (vllm-router / llm-d --kv-connector mooncake) ----------
+
+T = "xfer-0a1b250a-5acf-4daa-a810-ba4550601cbc"  # vllm-router 0.1.17 mints "xfer-" + a UUID
+# What vllm-router 0.1.17 (--kv-connector mooncake, seen through stand-in
+# servers) and llm-d's sidecar (connector_mooncake.go) send each half.
+MC_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": T}
+MC_DECODE = {
+    "do_remote_decode": False,
+    "do_remote_prefill": True,
+    "transfer_id": T,
+    "remote_bootstrap_addr": "http://127.0.0.1:17500",
+    "remote_engine_id": "prefill",
+}
+
+
+def mooncake_scheduler(key: bytes | None = None, tp: int = 1, **extra: Any) -> PdScheduler:
+    vc = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=BS), parallel_config=SimpleNamespace(tensor_parallel_size=tp)
+    )
+    cfg = PdConfig.from_extra_config({"orbitkv.pd.dialects": ["mooncake"], **extra})
+    return PdScheduler(vc, dataclasses.replace(cfg, side_channel_key=key))  # type: ignore[arg-type]
+
+
+def mc(rid: str, params: dict[str, Any], n_tokens: int = 40, **changes: Any) -> FakeRequest:
+    return FakeRequest(rid, list(range(n_tokens)), {**params, **changes})
+
+
+def test_both_mooncake_halves_derive_one_identity_and_capability() -> None:
+    for key in (None, b"k" * 32):
+        p = mooncake_scheduler(key).params_of(mc("p1", MC_PREFILL))
+        d = mooncake_scheduler(key).params_of(mc("d1", MC_DECODE))
+        assert p is not None and d is not None
+        assert (p.role, d.role) == (kvp.PRODUCER, kvp.CONSUMER)
+        assert (p.request, p.capability) == (d.request, d.capability)
+        assert (p.dialect, d.dialect) == ("mooncake", "mooncake")
+        assert (d.prefill_kv, d.prefill_tp, p.decode_tp) == ("127.0.0.1:17500", 1, 1)
+        # the ID tells nothing of the transfer_id or the capability
+        assert p.request.startswith("mc-") and T not in p.request and p.request[3:] not in p.capability
+        assert re.fullmatch(r"[0-9a-f]{64}", p.capability)
+        assert (p.request, p.capability) == kvp.mooncake_identity(T, key)
+    # another transfer_id, another key, or none: another capability; the ID
+    # depends on the transfer_id alone
+    plain, k1, k2 = (kvp.mooncake_identity(T, k) for k in (None, b"k" * 32, b"j" * 32))
+    other = kvp.mooncake_identity(T + "x", b"k" * 32)
+    assert len({plain[1], k1[1], k2[1], other[1]}) == 4
+    assert plain[0] == k1[0] == k2[0] != other[0]
+    # known answers: without a key, SHA-256 over the domain and T; with one, its HMAC
+    assert plain[1] == hashlib.sha256(b"orbitkv-mooncake-dialect\0" + T.encode()).hexdigest()
+    assert k1[1] == hmac.new(b"k" * 32, b"orbitkv-mooncake-dialect\0" + T.encode(), hashlib.sha256).hexdigest()
+
+
+def test_a_mooncake_prefill_streams_as_a_producer_and_holds_its_blocks_answering_nothing() -> None:
+    s = mooncake_scheduler(tp=2, **{"orbitkv.pd.decode_tp": 4})
+    r = mc("p1", MC_PREFILL, n_tokens=20)
+    s.update_state_after_alloc(r, FakeBlocks([]), 0)
+    (chunk,) = s.build_connector_meta(sched_output([FakeNewReq("p1", ([1, 2],), 0)], scheduled={"p1": 20})).producer_chunks
+    request, capability = kvp.mooncake_identity(T, None)
+    assert (chunk.pd_id, chunk.capability, chunk.consumer_tp) == (request, capability, 4)
+    assert chunk.opens and chunk.last, "opened when scheduled: layers stream as they are computed"
+    r.status = "FINISHED_LENGTH_CAPPED"
+    # held for decode's handshake; the response carries nothing (the
+    # router does not read it, and the transfer_id is not echoed)
+    assert s.request_finished(r, [1, 2]) == (True, None)
+
+
+def test_a_mooncake_decode_loads_from_the_bootstrap_address_as_a_consumer() -> None:
+    s = mooncake_scheduler(tp=2, **{"orbitkv.pd.prefill_tp": 4})
+    r = mc("d1", MC_DECODE)
+    assert s.get_num_new_matched_tokens(r, 0) == (40, True)
+    s.update_state_after_alloc(r, FakeBlocks([7, 8, 9]), 40)
+    (o,) = s.build_connector_meta(sched_output()).consumers_open
+    assert (o.pd_id, o.capability) == kvp.mooncake_identity(T, None)
+    assert (o.prefill_kv, o.prefill_tp, o.block_ids) == ("127.0.0.1:17500", 4, [7, 8, 9])
+    # without orbitkv.pd.prefill_tp: this instance's TP size
+    d = mooncake_scheduler(tp=2).params_of(mc("d2", MC_DECODE))
+    assert d is not None and d.prefill_tp == 2
+    # IPv6 in brackets
+    d = mooncake_scheduler().params_of(mc("d3", MC_DECODE, remote_bootstrap_addr="http://[::1]:17500"))
+    assert d is not None and d.prefill_kv == "[::1]:17500"
+
+
+def test_with_the_mooncake_dialect_off_it_is_served_plainly_counted_and_says_how(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    for params in (MC_PREFILL, MC_DECODE):
+        s = scheduler()  # orbitkv.pd.dialects: [] (the default)
+        with caplog.at_level("WARNING", logger="orbitkv.vllm.scheduler"):
+            assert_served_plainly(s, mc("x1", params), 1)
+        assert "mooncake dialect" in caplog.text and "orbitkv.pd.dialects" in caplog.text
+        assert T not in caplog.text, "the transfer_id (the capability's secret without a key) is never logged"
+        caplog.clear()
+
+
+BAD_MOONCAKE = {
+    "empty-transfer-id": (MC_DECODE, {"transfer_id": ""}),
+    "transfer-id-not-a-string": (MC_PREFILL, {"transfer_id": 12345}),
+    "transfer-id-with-a-space": (MC_DECODE, {"transfer_id": "xfer 1"}),
+    "transfer-id-with-a-newline": (MC_PREFILL, {"transfer_id": "xfer-1\nforged log line"}),
+    "transfer-id-too-long": (MC_DECODE, {"transfer_id": "x" * 257}),
+    "flag-a-string": (MC_DECODE, {"do_remote_prefill": "true"}),
+    "flag-an-int": (MC_PREFILL, {"do_remote_decode": 1}),
+    "other-flag-not-a-bool": (MC_PREFILL, {"do_remote_prefill": "no"}),
+    "both-flags-true": (MC_DECODE, {"do_remote_decode": True}),
+    "no-bootstrap-addr": (MC_DECODE, {"remote_bootstrap_addr": None}),
+    "addr-without-scheme": (MC_DECODE, {"remote_bootstrap_addr": "127.0.0.1:17500"}),
+    "addr-https": (MC_DECODE, {"remote_bootstrap_addr": "https://127.0.0.1:17500"}),
+    "addr-with-a-path": (MC_DECODE, {"remote_bootstrap_addr": "http://127.0.0.1:17500/"}),
+    "addr-with-userinfo": (MC_DECODE, {"remote_bootstrap_addr": "http://u@127.0.0.1:17500"}),
+    "addr-port-0": (MC_DECODE, {"remote_bootstrap_addr": "http://127.0.0.1:0"}),
+    "addr-port-too-large": (MC_DECODE, {"remote_bootstrap_addr": "http://127.0.0.1:65536"}),
+    "addr-no-port": (MC_DECODE, {"remote_bootstrap_addr": "http://127.0.0.1"}),
+    "addr-bare-ipv6": (MC_DECODE, {"remote_bootstrap_addr": "http://::1:17500"}),
+    "addr-not-a-string": (MC_DECODE, {"remote_bootstrap_addr": ["http://127.0.0.1:17500"]}),
+    "no-engine-id": (MC_DECODE, {"remote_engine_id": None}),
+    "engine-id-with-a-space": (MC_DECODE, {"remote_engine_id": "a b"}),
+    "engine-id-not-a-string": (MC_DECODE, {"remote_engine_id": 7}),
+    "prefill-half-junk-addr": (MC_PREFILL, {"remote_bootstrap_addr": 7}),
+    "orbitkv-key-beside": (MC_DECODE, {"orbitkv_capability": CAP}),
+}
+
+
+@pytest.mark.parametrize(("params", "changes"), list(BAD_MOONCAKE.values()), ids=list(BAD_MOONCAKE))
+def test_a_malformed_mooncake_half_is_served_plainly_and_counted(
+    params: dict[str, Any], changes: dict[str, Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    s = mooncake_scheduler()
+    with caplog.at_level("WARNING", logger="orbitkv.vllm.scheduler"):
+        assert_served_plainly(s, mc("x1", params, **changes), 1)
+    assert "mooncake dialect" in caplog.text, caplog.text
+    assert s.build_connector_meta(sched_output()).refused == 0, "counted when the request was decided"
+
+
+def test_a_mooncake_decode_posts_only_to_declared_side_channels_even_with_a_key() -> None:
+    """The dialect is unsigned: its bootstrap address must name a declared
+    endpoint for every prefill rank (a signed orbitkv_prefill_kv needs only
+    its host), whether or not a deployment key is set."""
+    for key in (None, b"k" * 32):
+        allowed = {"orbitkv.pd.allowed_prefill": ["10.0.0.2:17500-17501"]}
+        s = mooncake_scheduler(key, **allowed)
+        assert_served_plainly(s, mc("x1", MC_DECODE, remote_bootstrap_addr="http://10.0.0.2:17502"), 1)
+        assert_served_plainly(s, mc("x2", MC_DECODE, remote_bootstrap_addr="http://10.0.0.3:17500"), 2)
+        # rank 1 of a TP 2 prefill on 17501 would listen on 17502: undeclared
+        s2 = mooncake_scheduler(key, **allowed, **{"orbitkv.pd.prefill_tp": 2})
+        assert_served_plainly(s2, mc("x3", MC_DECODE, remote_bootstrap_addr="http://10.0.0.2:17501"), 1)
+        d = s2.params_of(mc("d1", MC_DECODE, remote_bootstrap_addr="http://10.0.0.2:17500"))
+        assert d is not None and (d.prefill_kv, d.prefill_tp) == ("10.0.0.2:17500", 2)
+    # the default allow-list: loopback on the default ports only
+    assert_served_plainly(mooncake_scheduler(), mc("x4", MC_DECODE, remote_bootstrap_addr="http://127.0.0.1:1"), 1)
+
+
+def test_a_mooncake_transfer_id_live_twice_on_one_instance_is_served_plainly_the_second_time() -> None:
+    s = mooncake_scheduler()
+    assert s.get_num_new_matched_tokens(mc("d1", MC_DECODE), 0) == (40, True)
+    assert_served_plainly(s, mc("d2", MC_DECODE), 1)
+
+
+def test_transfer_id_without_a_p_d_flag_is_a_plain_request_not_counted() -> None:
+    s = mooncake_scheduler()
+    for i, params in enumerate(
+        [
+            {"transfer_id": T},
+            {"transfer_id": T, "do_remote_decode": False, "do_remote_prefill": False},
+            {"transfer_id": None, "do_remote_decode": False},
+        ]
+    ):
+        assert s.params_of(FakeRequest(f"x{i}", list(range(4)), params)) is None
+    assert s.refused == 0
+
+
+def test_orbitkv_keys_win_over_the_mooncake_fields() -> None:
+    s = mooncake_scheduler()
+    r = with_params(producer("p1", 40), transfer_id=T, do_remote_decode=True)
+    p = s.params_of(r)
+    assert p is not None and (p.request, p.capability, p.dialect) == ("pd-1", CAP, None)
+
+
+def test_mooncake_with_an_open_allow_list_is_warned_about(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level("WARNING", logger="orbitkv.vllm.scheduler"):
+        mooncake_scheduler(**{"orbitkv.pd.allowed_prefill": "*"})
+    assert "allowed_prefill is '*'" in caplog.text

@@ -303,3 +303,62 @@ def test_a_handshake_refused_by_the_producer_fails_the_consumer_at_once(served) 
     ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
     assert ev.kind == "consumer_failed" and "403" in (ev.reason or ""), ev
     assert time.monotonic() - start < 5.0
+
+
+def _http(addr: str, method: str, path: str, headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+    import http.client
+
+    host, port = addr.rsplit(":", 1)
+    conn = http.client.HTTPConnection(host, int(port), timeout=10)
+    try:
+        conn.request(method, path, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, r.read()
+    finally:
+        conn.close()
+
+
+def test_get_query_answers_as_a_mooncake_bootstrap_server_only_when_given_one() -> None:
+    """A prefill's rank 0 with the mooncake dialect on answers `GET /query`
+    as vLLM's MooncakeBootstrapServer does (mooncake_utils.py): DP rank ->
+    engine ID and each TP rank's address; a router in its mooncake mode
+    reads the engine ID there. Unauthenticated even with a deployment key
+    (routers do not sign), read only; without a bootstrap, 404."""
+    p = Rank(None)
+    try:
+        bootstrap = ("prefill-engine_dp0", ["10.0.0.2:17500", "10.0.0.2:17501"])
+        with serve(p, key=KEY, mooncake_bootstrap=bootstrap) as server:
+            status, body = _http(server.address, "GET", "/query")
+            assert status == 200, body
+            assert json.loads(body) == {
+                "0": {
+                    "engine_id": "prefill-engine_dp0",
+                    "worker_addr": {"0": {"0": "10.0.0.2:17500"}, "1": {"0": "10.0.0.2:17501"}},
+                }
+            }
+            # what vLLM's MooncakeConnector (decode) and llm-d read of it
+            (entry,) = json.loads(body).values()
+            assert {int(r): {int(q): a for q, a in pp.items()} for r, pp in entry["worker_addr"].items()} == {
+                0: {0: "10.0.0.2:17500"},
+                1: {0: "10.0.0.2:17501"},
+            }
+            # read only: no other method, nothing registers (vLLM's POST /register)
+            assert _http(server.address, "POST", "/query")[0] == 404
+            assert _http(server.address, "POST", "/register")[0] == 404
+            assert server.refused["signature"] == 0
+        with serve(p) as server:
+            assert _http(server.address, "GET", "/query")[0] == 404
+            assert _http(server.address, "GET", "/orbitkv/v1/health")[0] == 200
+        for bad in [
+            ("", ["h:1"]),
+            ("e e", ["h:1"]),
+            ("e\n", ["h:1"]),
+            ("x" * 257, ["h:1"]),
+            ("e", []),
+            ("e", ["h 1"]),
+            ("e", [""]),
+        ]:
+            with pytest.raises(orbitkv.InvalidArgumentError):
+                serve(p, mooncake_bootstrap=bad)
+    finally:
+        p.close()

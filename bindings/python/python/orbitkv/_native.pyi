@@ -493,9 +493,15 @@ class SideChannel(_ClosesOnExit):
     `/orbitkv/v1/cancel`; `GET /orbitkv/v1/health` answers `{"ok": true}`.
 
     `SideChannel(runtime, host, port, *, key=None, read_timeout_s=10.0,
-    max_connections=64, max_body=16 MiB)` listens at once (port 0 picks a
-    free one; `address` tells) and serves `runtime`'s producer side on its
-    own threads until `close()`; nothing touches Python while it serves.
+    max_connections=64, max_body=16 MiB, mooncake_bootstrap=None)` listens at
+    once (port 0 picks a free one; `address` tells) and serves `runtime`'s
+    producer side on its own threads until `close()`; nothing touches Python
+    while it serves. `mooncake_bootstrap=(engine_id, [rank 0's side channel
+    "host:port", rank 1's, ...])` also answers `GET /query` as vLLM's
+    `MooncakeBootstrapServer` does (`{"0": {"engine_id": E, "worker_addr":
+    {"0": {"0": ADDR}, ...}}}`), for a router in its `mooncake` mode: a
+    prefill's rank 0 with `orbitkv.pd.dialects` `["mooncake"]`. Without it
+    `GET /query` is `404`.
     Replies: `200 {"ok": true}`, or `{"error": NAME, "message": TEXT}` with
     `400` (malformed, geometry), `401` (with `key`: a missing or wrong
     `X-OrbitKV-Signature`, checked before parsing), `403` (not the request's
@@ -518,6 +524,7 @@ class SideChannel(_ClosesOnExit):
         read_timeout_s: float = 10.0,
         max_connections: int = 64,
         max_body: int = 16777216,
+        mooncake_bootstrap: tuple[str, list[str]] | None = None,
     ) -> Self: ...
     @property
     def address(self) -> str:

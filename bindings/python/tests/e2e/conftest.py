@@ -55,6 +55,12 @@ STAGING = os.environ.get("ORBITKV_TEST_STAGING", "0") == "1"
 STAGING_CONFIG = {"orbitkv.pd.staging_mb": 128, "orbitkv.pd.staging_min_ranges": 1} if STAGING else {}
 
 
+# The P/D pair also serves vllm-router's / llm-d's `mooncake` dialect
+# (orbitkv.pd.dialects): the prefill's rank 0 side channel answers GET /query,
+# and requests carrying a transfer_id are served as P/D (test_pd_vllm.py).
+MOONCAKE_DIALECT = {"orbitkv.pd.dialects": ["mooncake"]}
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
@@ -72,9 +78,10 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         prefill_config={
             "orbitkv.pd.handshake_timeout_s": PD_TIMEOUT_S,
             "orbitkv.pd.quarantine_s": QUARANTINE_S,
+            **MOONCAKE_DIALECT,
             **STAGING_CONFIG,
         },
-        decode_config={"orbitkv.pd.quarantine_s": QUARANTINE_S, **STAGING_CONFIG},
+        decode_config={"orbitkv.pd.quarantine_s": QUARANTINE_S, **MOONCAKE_DIALECT, **STAGING_CONFIG},
         prefill_env={
             "ORBITKV_TESTING_WRITE_DELAY": str(run / "write-delay"),
             # vLLM shim (orbitkv/testing/vllm_shims): while this file exists
@@ -86,6 +93,7 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         kv_load_failure_policy="fail",
         trace=True,  # each worker's Chrome trace (orbitkv trace merges them)
         vllm_router=True,  # vllm-router in front of the same pair, beside the proxy
+        mooncake_router=True,  # and another in its --kv-connector mooncake mode
     )
     with c:  # started here, stopped after the module
         yield c

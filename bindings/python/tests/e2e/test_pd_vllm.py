@@ -24,6 +24,7 @@ import pytest
 
 import orbitkv.testing.cluster as tc
 from orbitkv.testing.cluster import Abandoned, Cluster, Completion, Metric, complete, prompt_source, wait_until
+from orbitkv.vllm.params import mooncake_identity
 
 STAGING = os.environ.get("ORBITKV_TEST_STAGING", "0") == "1"  # conftest.STAGING_CONFIG
 
@@ -216,15 +217,16 @@ def test_through_vllm_router_a_clients_params_steer_nothing(cluster: Cluster) ->
 
 def test_a_dialect_orbitkv_does_not_serve_is_counted_not_silently_recomputed(cluster: Cluster) -> None:
     """A decode half in vLLM's own fields that no OrbitKV prefill answered
-    (`do_remote_prefill` without OrbitKV's keys), and the `mooncake` dialect's
-    fields: each served plainly, logged, and counted in
-    `vllm:orbitkv_params_refused`."""
+    (`do_remote_prefill` without OrbitKV's keys), and llm-d's `offloading`
+    dialect: each served plainly, logged, and counted in
+    `vllm:orbitkv_params_refused`. (The `mooncake` dialect is on in this
+    cluster: its refusals are below.)"""
     refused = "vllm:orbitkv_params_refused_total"
     before = snapshot(cluster, "decode").get(refused, 0)
     shapes = [
         {"do_remote_prefill": True, "remote_engine_id": "x", "remote_block_ids": [1], "remote_host": "127.0.0.1"},
-        {"do_remote_prefill": True, "transfer_id": "t1", "remote_bootstrap_addr": "http://127.0.0.1:1",
-         "remote_engine_id": "e"},
+        {"do_remote_prefill": True, "do_remote_decode": False,
+         "remote_prefiller": {"kv_request_id": "x", "remote_host": "127.0.0.1", "remote_port": 1}},
     ]
     for params in shapes:
         prompt = fresh_prompt(150)
@@ -237,6 +239,188 @@ def test_a_dialect_orbitkv_does_not_serve_is_counted_not_silently_recomputed(clu
         [cluster.procs["decode"]],
     )
     assert "dialect OrbitKV does not serve" in cluster.log("decode").read_text(errors="replace")
+
+
+# ---- (a3) the mooncake dialect: vllm-router / llm-d --kv-connector mooncake -------
+#
+# The cluster's instances run with orbitkv.pd.dialects ["mooncake"]: the
+# prefill's side channel (rank 0) answers GET /query as a Mooncake bootstrap
+# server, and both halves of a request derive one OrbitKV identity and
+# capability from the router's transfer_id. llm-d's sidecar sends both
+# halves at once (connector_mooncake.go): the prefill streams each layer as
+# it computes it while decode waits. vllm-router 0.1.17 sends decode only
+# after the prefill answered: the prefill's producer then holds the blocks
+# until decode's handshake, as in the two-stage flow.
+
+MC_SOURCES = ("local_compute", "external_kv_transfer")
+
+
+def prompt_tokens_by_source(cluster: Cluster, name: str) -> dict[str, float]:
+    """vLLM's `vllm:prompt_tokens_by_source` per source (empty where this
+    vLLM has no such series)."""
+    status, body = tc.http_get(cluster.url_of(name), "/metrics")
+    assert status == 200
+    out = {s: 0.0 for s in MC_SOURCES}
+    seen = False
+    for line in body.decode().splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total{"):
+            m = re.search(r'source="([a-z_]+)"', line)
+            if m and m.group(1) in out:
+                out[m.group(1)] += float(line.rsplit(" ", 1)[1])
+                seen = True
+    return out if seen else {}
+
+
+def mooncake_query(cluster: Cluster) -> dict:
+    """What a router in its mooncake mode reads from the prefill's bootstrap
+    port (here: the prefill's side channel, rank 0)."""
+    status, body = tc.http_get(f"http://{cluster.prefill_kv}", "/query")
+    assert status == 200, body
+    return json.loads(body)
+
+
+def mooncake_halves(cluster: Cluster, engine_id: str) -> tuple[dict, dict]:
+    """The two halves' kv_transfer_params, exactly as llm-d's sidecar and
+    vllm-router build them, under a fresh transfer_id."""
+    t = f"xfer-{uuid.uuid4()}"
+    prefill = {"do_remote_prefill": False, "do_remote_decode": True, "transfer_id": t}
+    decode = {"do_remote_prefill": True, "do_remote_decode": False, "transfer_id": t,
+              "remote_bootstrap_addr": f"http://{cluster.prefill_kv}", "remote_engine_id": engine_id}
+    return prefill, decode
+
+
+def prefill_trace_times(cluster: Cluster, rid: str) -> tuple[list[float], list[float]]:
+    """From the prefill worker's trace: when request ``rid``'s layer writes
+    ended and when vLLM finished computing it (waits for the worker to have
+    written both to its trace file)."""
+    times: dict[str, list[float]] = {}
+
+    def read() -> bool:
+        try:
+            events = json.loads(cluster.trace_path("prefill").read_text(errors="replace"))["traceEvents"]
+        except (OSError, ValueError, KeyError):
+            return False
+        times.clear()
+        for e in events:
+            if (e.get("args") or {}).get("request") == rid:
+                times.setdefault(e.get("name", ""), []).append(e["ts"])
+        return bool(times.get("LayerWritten")) and bool(times.get("FinishRequest"))
+
+    wait_until(read, 30, f"the prefill's trace to hold {rid}'s writes and finish", [cluster.procs["prefill"]],
+               every_s=0.5)
+    return times["LayerWritten"], times["FinishRequest"]
+
+
+def at_once(prompt: list[int], calls: dict[str, tuple[str, int, dict]]) -> dict[str, Completion]:
+    """``prompt`` sent to each ``(url, max_tokens, kv_transfer_params)`` at
+    the same time; the completions by key."""
+    out: dict[str, Completion] = {}
+
+    def call(key: str, url: str, n: int, params: dict) -> None:
+        out[key] = complete(url, prompt, n, timeout_s=tc.REQ_TIMEOUT_S, kv_transfer_params=params)
+
+    threads = [threading.Thread(target=call, args=(k, *v)) for k, v in calls.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(tc.REQ_TIMEOUT_S + 10)
+    assert sorted(out) == sorted(calls)
+    return out
+
+
+def test_mooncake_dialect_both_halves_at_once_equal_one_engine(cluster: Cluster) -> None:
+    """A stand-in for llm-d's `--kv-connector mooncake`: GET /query on the
+    prefill's bootstrap port (its side channel), then both halves POSTed at
+    once. Decode's answer equals one engine's, its KV came over the
+    connector (a transfer completed, none failed, the prompt not computed on
+    decode), the transfer_id is not echoed, and both instances end idle."""
+    q = mooncake_query(cluster)
+    assert q == {"0": {"engine_id": "prefill", "worker_addr": {"0": {"0": cluster.prefill_kv}}}}, q
+    engine_id = q["0"]["engine_id"]
+    before_p, before_d = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
+    src_before = prompt_tokens_by_source(cluster, "decode")
+    prompts = [fresh_prompt(300), fresh_prompt(3000)]  # 3000: five prefill steps, streamed while decode waits
+    transfer_ids = []
+    for prompt in prompts:
+        p_params, d_params = mooncake_halves(cluster, engine_id)
+        transfer_ids.append(p_params["transfer_id"])
+        out = at_once(prompt, {"p": (cluster.prefill_url, 1, p_params), "d": (cluster.decode_url, GEN, d_params)})
+        assert out["p"].status == 200, f"prefill half: HTTP {out['p'].status}: {out['p'].error}"
+        got = ok(out["d"], "mooncake dialect")
+        assert got.body is not None and got.body.get("kv_transfer_params") is None, "decode echoed params"
+        assert got.token_ids == baseline(cluster, prompt), f"{len(prompt)} tokens in the mooncake dialect"
+    assert_kv_moved(before_p, before_d, cluster, len(prompts))
+    assert snapshot(cluster, "decode")[Metric.FAILED] == before_d[Metric.FAILED]
+    # Streamed: the long prompt's first layer write ended before the prefill
+    # finished computing it (decode's handshake came while it computed).
+    rid, _ = mooncake_identity(transfer_ids[-1], None)  # the cluster has no deployment key
+    written, finished = prefill_trace_times(cluster, rid)
+    assert min(written) < min(finished), f"no layer of {rid} was written before its prefill finished"
+    src = prompt_tokens_by_source(cluster, "decode")
+    if src:  # decode computed (almost) none of the prompts: their KV came over
+        computed = src["local_compute"] - src_before["local_compute"]
+        loaded = src["external_kv_transfer"] - src_before["external_kv_transfer"]
+        print(f"decode prompt tokens: {computed:.0f} computed, {loaded:.0f} loaded")
+        assert loaded >= sum(len(p) for p in prompts) - len(prompts), (computed, loaded)
+        assert computed <= len(prompts), (computed, loaded)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
+
+
+@pytest.mark.parametrize("n", [LENGTHS["a-block-plus-one"], LENGTHS["many-blocks-chunked"]])
+def test_through_vllm_router_mooncake_mode_equals_single_engine(cluster: Cluster, n: int) -> None:
+    """The real vllm-router 0.1.17, `--kv-connector mooncake`, its prefill's
+    bootstrap port the side channel port: it read the engine ID from GET
+    /query at start, sends the prefill half, then decode's."""
+    before_p, before_d = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
+    prompt = fresh_prompt(n)
+    c = complete(cluster.mooncake_router_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S)
+    got = ok(c, "vllm-router --kv-connector mooncake").token_ids
+    assert_kv_moved(before_p, before_d, cluster, 1)
+    assert snapshot(cluster, "decode")[Metric.FAILED] == before_d[Metric.FAILED]
+    assert got == baseline(cluster, prompt), f"{n} tokens through vllm-router's mooncake mode differ from one engine"
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
+
+
+def test_a_mooncake_half_whose_peer_never_comes_or_is_undeclared_steers_nothing(cluster: Cluster) -> None:
+    """A decode half whose remote_bootstrap_addr names a port no deployment
+    declared (a listener the sender owns on loopback) is served plainly,
+    counted and logged, and nothing connects there. A prefill half whose
+    decode never comes gives its blocks back at the handshake timeout."""
+    import socket
+
+    refused = "vllm:orbitkv_params_refused_total"
+    before = snapshot(cluster, "decode").get(refused, 0)
+    # the lone prefill half first: its handshake timeout runs meanwhile
+    lone, _ = mooncake_halves(cluster, "prefill")
+    prompt = fresh_prompt(400)
+    assert complete(cluster.prefill_url, prompt, 1, timeout_s=tc.REQ_TIMEOUT_S, kv_transfer_params=lone).status == 200
+    t0 = time.monotonic()
+    assert snapshot(cluster, "prefill").get("vllm:kv_cache_usage_perc", 0) > 0, "the prefill held no block for decode"
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.settimeout(0.2)
+        port = listener.getsockname()[1]
+        _, params = mooncake_halves(cluster, "prefill")
+        params["remote_bootstrap_addr"] = f"http://127.0.0.1:{port}"
+        prompt = fresh_prompt(200)
+        c = complete(cluster.decode_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S, kv_transfer_params=params)
+        assert ok(c, "undeclared bootstrap address").token_ids == baseline(cluster, prompt)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.close()
+            raise AssertionError(f"decode connected to 127.0.0.1:{port}, which no deployment declared")
+    wait_until(lambda: snapshot(cluster, "decode").get(refused, 0) > before, 30, "decode to count the refusal",
+               [cluster.procs["decode"]])
+    assert f"remote_bootstrap_addr 'http://127.0.0.1:{port}' is not an allowed prefill side channel" in (
+        cluster.log("decode").read_text(errors="replace")
+    )
+    cluster.wait_idle(timeout_s=PD_HANDSHAKE_TIMEOUT_S + 10)
+    print(f"the lone prefill half's blocks went back {time.monotonic() - t0:.1f}s after it answered")
 
 
 # ---- (b) a corrupted block changes decode's output ---------------------------

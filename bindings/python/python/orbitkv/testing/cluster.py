@@ -194,6 +194,11 @@ class Cluster:
     engine listens on the data link's outer address (fault tests).
     ``more_prefills``: further prefill instances (``prefill2``, ...; TP 1, the
     prefill's configuration and environment) behind the same proxy.
+    ``vllm_router``: vllm-router (``--vllm-pd-disaggregation``, its default
+    ``nixl`` mode: the two-stage flow) in front of the same instances;
+    ``mooncake_router``: another one in its ``--kv-connector mooncake`` mode,
+    each prefill's bootstrap port being its side channel port (the instances
+    need ``orbitkv.pd.dialects: ["mooncake"]``).
     """
 
     def __init__(
@@ -218,6 +223,7 @@ class Cluster:
         prefill_netns: Any = None,
         more_prefills: int = 0,
         vllm_router: bool = False,
+        mooncake_router: bool = False,
     ):
         self.model = str(model)
         self.run_dir = Path(run_dir).resolve()
@@ -280,6 +286,7 @@ class Cluster:
         # two-stage nixl flow) in front of the same instances, beside the
         # proxy; its Prometheus port must be free too.
         self.router_ports = (free_port(), free_port()) if vllm_router else None
+        self.mooncake_router_ports = (free_port(), free_port()) if mooncake_router else None
         self.procs: dict[str, Proc] = {}
 
     # ---- addresses ---------------------------------------------------------
@@ -301,6 +308,12 @@ class Cluster:
         """vllm-router's address (a cluster started with ``vllm_router=True``)."""
         assert self.router_ports is not None, "no vllm-router in this cluster"
         return f"http://{HOST}:{self.router_ports[0]}"
+
+    @property
+    def mooncake_router_url(self) -> str:
+        """vllm-router's address in its mooncake mode (``mooncake_router=True``)."""
+        assert self.mooncake_router_ports is not None, "no vllm-router in mooncake mode in this cluster"
+        return f"http://{HOST}:{self.mooncake_router_ports[0]}"
 
     @property
     def prefill_kv(self) -> str:
@@ -405,13 +418,17 @@ class Cluster:
             str(self.proxy_port),
         ]
 
-    def router_argv(self) -> list[str]:
-        """vllm-router in its P/D mode (``--kv-connector nixl``, the default:
-        the two-stage flow every vLLM connector understands)."""
-        assert self.router_ports is not None
+    def router_argv(self, mooncake: bool = False) -> list[str]:
+        """vllm-router in its P/D mode: ``--kv-connector nixl`` (the default:
+        the two-stage flow every vLLM connector understands), or with
+        ``mooncake`` its ``mooncake`` mode, each prefill given with its side
+        channel port as its Mooncake bootstrap port (``--prefill URL
+        PORT``: the router asks ``GET /query`` there for the engine ID)."""
+        ports = self.mooncake_router_ports if mooncake else self.router_ports
+        assert ports is not None
         prefills: list[str] = []
         for sp in self.prefills:
-            prefills += ["--prefill", sp.url]
+            prefills += ["--prefill", sp.url, *([str(sp.side_channel_port)] if mooncake else [])]
         return [
             sys.executable,
             "-m",
@@ -420,14 +437,15 @@ class Cluster:
             *prefills,
             "--decode",
             self.decode_url,
+            *(["--kv-connector", "mooncake"] if mooncake else []),
             "--host",
             HOST,
             "--port",
-            str(self.router_ports[0]),
+            str(ports[0]),
             "--prometheus-host",
             HOST,
             "--prometheus-port",
-            str(self.router_ports[1]),
+            str(ports[1]),
         ]
 
     # ---- life --------------------------------------------------------------
@@ -447,6 +465,11 @@ class Cluster:
                 env = dict(os.environ, PYTHONUNBUFFERED="1")
                 self.procs["vllm-router"] = Proc("vllm-router", self.router_argv(), env, self.log("vllm-router"))
                 self.wait_healthy(("vllm-router",), timeout_s=60)
+            if self.mooncake_router_ports is not None:
+                name = "vllm-router-mooncake"
+                env = dict(os.environ, PYTHONUNBUFFERED="1")
+                self.procs[name] = Proc(name, self.router_argv(mooncake=True), env, self.log(name))
+                self.wait_healthy((name,), timeout_s=60)
         except BaseException:
             self.stop()
             raise
@@ -467,6 +490,8 @@ class Cluster:
     def url_of(self, name: str) -> str:
         if name == "vllm-router":
             return self.router_url
+        if name == "vllm-router-mooncake":
+            return self.mooncake_router_url
         return self.proxy_url if name == "proxy" else self.spec(name).url
 
     def wait_healthy(self, names: Sequence[str], timeout_s: float | None = None) -> None:
@@ -557,7 +582,7 @@ class Cluster:
         return time.monotonic()
 
     def stop(self) -> None:
-        for name in ("vllm-router", "proxy", *reversed(self.servers)):
+        for name in ("vllm-router-mooncake", "vllm-router", "proxy", *reversed(self.servers)):
             p = self.procs.get(name)
             if p is not None:
                 p.stop()

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal, NamedTuple
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from orbitkv._native import RUNTIME_DEFAULTS as _RT
+from orbitkv.vllm.params import DIALECTS
 
 PREFIX = "orbitkv.pd."
 
@@ -79,6 +80,10 @@ class ExtraConfig(BaseModel):
     decode_tp: Annotated[int, Field(ge=1, le=1024, description="an integer in 1..1024")] | None = Field(
         None, alias="orbitkv.pd.decode_tp"
     )
+    prefill_tp: Annotated[int, Field(ge=1, le=1024, description="an integer in 1..1024")] | None = Field(
+        None, alias="orbitkv.pd.prefill_tp"
+    )
+    dialects: tuple[str, ...] = Field((), alias="orbitkv.pd.dialects")
     # The runtime's settings default to the runtime's own defaults (Rust's
     # RuntimeConfig::default(), the one place they are written).
     timeout_s: Seconds = Field(float(_RT["consumer_timeout_s"]), alias="orbitkv.pd.timeout_s")
@@ -141,6 +146,19 @@ class ExtraConfig(BaseModel):
             out[r] = nics
         return out
 
+    @field_validator("dialects", mode="before")
+    @classmethod
+    def _dialects(cls, v: Any) -> tuple[str, ...]:
+        """A list of the routers' P/D dialects to accept besides OrbitKV's
+        own keys and vLLM's two-stage fields: ``["mooncake"]`` or ``[]``."""
+        known = list(DIALECTS)
+        if not isinstance(v, (list, tuple)) or not all(isinstance(d, str) for d in v):
+            raise ValueError(f"must be a list of P/D dialects to accept (known: {known})")
+        unknown = [d for d in v if d not in DIALECTS]
+        if unknown:
+            raise ValueError(f"unknown dialect(s) {unknown}; known: {known}")
+        return tuple(dict.fromkeys(v))
+
     @field_validator("allowed_prefill", mode="before")
     @classmethod
     def _allowed(cls, v: Any) -> tuple[Endpoints, ...]:
@@ -188,9 +206,16 @@ class PdConfig:
     library: str | None = None
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = DEFAULT_SIDE_CHANNEL_PORT
-    # A two-stage prefill's decode TP size (the router names no decode before
-    # the prefill answered); None: this instance's own TP size.
+    # A two-stage or mooncake-dialect prefill's decode TP size (the router
+    # names no decode before the prefill answered); None: this instance's
+    # own TP size.
     decode_tp: int | None = None
+    # A mooncake-dialect decode's prefill TP size (the dialect does not carry
+    # it); None: this instance's own TP size.
+    prefill_tp: int | None = None
+    # The routers' P/D dialects accepted besides OrbitKV's keys and vLLM's
+    # two-stage fields (params.DIALECTS); off by default.
+    dialects: tuple[str, ...] = ()
     timeout_s: float = ExtraConfig.model_fields["timeout_s"].default
     handshake_timeout_s: float = ExtraConfig.model_fields["handshake_timeout_s"].default
     write_timeout_s: float = ExtraConfig.model_fields["write_timeout_s"].default
@@ -232,6 +257,17 @@ class PdConfig:
         h = _norm_host(host)
         return any(e.host in ("*", h) for e in self.allowed_prefill)
 
+    def advertised_side_channel(self, rank: int = 0) -> str:
+        """``host:port`` (``[v6]:port``) where peers reach rank ``rank``'s
+        side channel: the side channel host, or the bind host when it
+        listens on every address."""
+        host = self.side_channel_host
+        if host in ("0.0.0.0", "::", ""):
+            host = self.bind_host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"{host}:{self.side_channel_port_for(rank)}"
+
     def nics_for(self, rank: int) -> list[str]:
         return list(self.rank_nics.get(rank, []))
 
@@ -258,6 +294,8 @@ class PdConfig:
             side_channel_host=x.side_channel_host or bind_host,
             side_channel_port=x.side_channel_port,
             decode_tp=x.decode_tp,
+            prefill_tp=x.prefill_tp,
+            dialects=x.dialects,
             timeout_s=x.timeout_s,
             handshake_timeout_s=x.handshake_timeout_s,
             write_timeout_s=x.write_timeout_s,

@@ -10,6 +10,13 @@ With a deployment key, the proxy signs them (``orbitkv_signature``,
 :func:`sign`) and an instance accepts them only with a valid signature
 (:func:`check_signature`): a client that reaches an engine's API directly
 cannot make up its own.
+
+Two other routers' dialects are served too: vLLM's two-stage fields
+(``do_remote_decode`` alone, :func:`asks_two_stage`), and, when
+``orbitkv.pd.dialects`` names it, the ``mooncake`` dialect of vllm-router's
+and llm-d's ``--kv-connector mooncake`` (:class:`MooncakeParams`): both
+halves derive one request identity and capability from the router's
+``transfer_id`` (:func:`mooncake_identity`).
 """
 
 from __future__ import annotations
@@ -44,6 +51,20 @@ DO_REMOTE_PREFILL = "do_remote_prefill"
 # `mooncake` modes, llm-d's `offloading`): a request that carries one asks
 # for a transfer this connector cannot make.
 FOREIGN_KEYS = ("transfer_id", "remote_bootstrap_addr", "remote_engine_id", "remote_prefiller", "remote_decoder")
+# The `mooncake` dialect (vLLM's MooncakeConnector's fields, as vllm-router's
+# and llm-d's `--kv-connector mooncake` send them): both halves carry the
+# router's `transfer_id`; the decode half also names the prefill's Mooncake
+# bootstrap server (`http://HOST:PORT`) and its engine ID (from `GET /query`).
+TRANSFER_ID = "transfer_id"
+REMOTE_BOOTSTRAP_ADDR = "remote_bootstrap_addr"
+REMOTE_ENGINE_ID = "remote_engine_id"
+# llm-d's `offloading` dialect: never the mooncake one.
+OFFLOADING_KEYS = ("remote_prefiller", "remote_decoder")
+MOONCAKE = "mooncake"
+# The dialects `orbitkv.pd.dialects` may turn on.
+DIALECTS = (MOONCAKE,)
+MAX_TRANSFER_ID_LEN = 256
+MAX_ENGINE_ID_LEN = 256
 
 MAX_REQUEST_LEN = 256
 MAX_TP = 1024
@@ -54,6 +75,17 @@ _SIGNATURE = re.compile(r"[0-9a-f]{64}")
 # Prefixed to the signed bytes: a signature over kv_transfer_params can never
 # pass for one over a side channel body, signed with the same key.
 _SIGNED_DOMAIN = b"orbitkv kv_transfer_params v1\n"
+# A transfer_id: what vllm-router and llm-d mint ("xfer-" + a UUID) and
+# other routers' UUIDs or base64 tokens; nothing that could split a log line.
+_TRANSFER_ID = re.compile(r"[A-Za-z0-9._:+=@/-]+")
+# remote_bootstrap_addr: exactly `http://host:port` (MooncakeConnector
+# appends "/query"), IPv6 in brackets.
+_BOOTSTRAP = re.compile(r"http://([A-Za-z0-9.\-]+|\[[0-9A-Fa-f:.]+\]):([0-9]{1,5})")
+# What a mooncake-dialect request's identity and capability are derived
+# under: two domains, so the request ID (in logs, traces and notices) tells
+# nothing of the capability.
+_MOONCAKE_ID_DOMAIN = b"orbitkv-mooncake-dialect id\0"
+_MOONCAKE_CAPABILITY_DOMAIN = b"orbitkv-mooncake-dialect\0"
 
 
 class RequestParamsError(ValueError):
@@ -87,6 +119,10 @@ class PdParams:
     # request ID and capability were minted here, and the response carries
     # the decode half's params (`PdScheduler.request_finished`).
     answer: bool = False
+    # The dialect these params were derived from (MOONCAKE), None for
+    # OrbitKV's own keys and the two-stage flow. Nothing in a dialect is
+    # signed: decode then needs every prefill rank's port declared.
+    dialect: str | None = None
 
     @property
     def prefill_host_port(self) -> tuple[str, int]:
@@ -161,6 +197,122 @@ def asks_two_stage(params: Mapping[str, Any] | None) -> bool:
     )
 
 
+def asks_mooncake(params: Mapping[str, Any] | None) -> bool:
+    """Whether ``params`` ask for P/D in the ``mooncake`` dialect: a
+    ``transfer_id`` (not null) beside ``do_remote_decode`` or
+    ``do_remote_prefill`` set to anything but ``false``/null, without
+    ``orbitkv_role`` (OrbitKV's own keys win) and without llm-d's offloading
+    fields. Whether they are well formed is :meth:`MooncakeParams.parse`'s
+    to say."""
+    if not isinstance(params, Mapping) or ROLE in params or params.get(TRANSFER_ID) is None:
+        return False
+    if any(params.get(k) is not None for k in OFFLOADING_KEYS):
+        return False
+    flags = (params.get(DO_REMOTE_DECODE), params.get(DO_REMOTE_PREFILL))
+    return any(v is not None and v is not False for v in flags)
+
+
+def mooncake_identity(transfer_id: str, key: bytes | None) -> tuple[str, str]:
+    """The OrbitKV request ID and capability of the mooncake-dialect request
+    ``transfer_id``, the same on both halves: the request ID is
+    ``"mc-"`` + 32 hex digits of SHA-256 over a domain and ``transfer_id``;
+    the capability is hex HMAC-SHA256(deployment key,
+    ``"orbitkv-mooncake-dialect\\0"`` + ``transfer_id``) with a key, and
+    SHA-256 over the same bytes without one, which rests on
+    ``transfer_id``'s secrecy alone (docs/security.md)."""
+    t = transfer_id.encode()
+    request = "mc-" + hashlib.sha256(_MOONCAKE_ID_DOMAIN + t).hexdigest()[:32]
+    message = _MOONCAKE_CAPABILITY_DOMAIN + t
+    capability = _hmac_hex(key, message) if key is not None else hashlib.sha256(message).hexdigest()
+    return request, capability
+
+
+@dataclass(frozen=True)
+class MooncakeParams:
+    """One half of a ``mooncake``-dialect request, as vllm-router's and
+    llm-d's ``--kv-connector mooncake`` send it (vLLM's MooncakeConnector's
+    fields): the prefill half ``{"do_remote_prefill": false,
+    "do_remote_decode": true, "transfer_id": T}``, the decode half
+    ``{"do_remote_prefill": true, "do_remote_decode": false, "transfer_id":
+    T, "remote_bootstrap_addr": "http://HOST:PORT", "remote_engine_id": E}``.
+    With OrbitKV the bootstrap address is the prefill rank 0's side channel."""
+
+    role: str  # PRODUCER: the prefill half; CONSUMER: the decode half
+    transfer_id: str
+    # The decode half: rank 0's side channel, "host:port" ("[v6]:port").
+    prefill_kv: str | None = None
+    engine_id: str | None = None
+
+    @staticmethod
+    def parse(params: Mapping[str, Any]) -> MooncakeParams:
+        """Raises :class:`RequestParamsError` naming the first field that is
+        not as the dialect has it (booleans are booleans, ``transfer_id``
+        1..256 characters of ``[A-Za-z0-9._:+=@/-]``, the bootstrap address
+        exactly ``http://host:port``, the engine ID printable ASCII)."""
+        mine = sorted(k for k in params if isinstance(k, str) and k.startswith("orbitkv_"))
+        if mine:
+            raise RequestParamsError(f"OrbitKV keys {mine} beside the mooncake dialect's transfer_id")
+        for k in (DO_REMOTE_DECODE, DO_REMOTE_PREFILL):
+            v = params.get(k)
+            if v is not None and not isinstance(v, bool):
+                raise RequestParamsError(f"mooncake dialect: {k} must be a boolean, got {v!r}")
+        remote_decode = params.get(DO_REMOTE_DECODE) is True
+        remote_prefill = params.get(DO_REMOTE_PREFILL) is True
+        if remote_decode and remote_prefill:
+            raise RequestParamsError(f"mooncake dialect: {DO_REMOTE_DECODE} and {DO_REMOTE_PREFILL} are both true")
+        t = params.get(TRANSFER_ID)
+        if not isinstance(t, str) or not _TRANSFER_ID.fullmatch(t) or len(t) > MAX_TRANSFER_ID_LEN:
+            raise RequestParamsError(
+                f"mooncake dialect: {TRANSFER_ID} must be 1..{MAX_TRANSFER_ID_LEN} characters of "
+                f"[A-Za-z0-9._:+=@/-], got {_preview(t)}"
+            )
+        addr, engine = params.get(REMOTE_BOOTSTRAP_ADDR), params.get(REMOTE_ENGINE_ID)
+        if remote_decode:
+            # The prefill half: the prefill contacts nobody; fields meant for
+            # decode are ignored, but must not be junk.
+            for k, v in ((REMOTE_BOOTSTRAP_ADDR, addr), (REMOTE_ENGINE_ID, engine)):
+                if v is not None and (not isinstance(v, str) or len(v) > MAX_ENGINE_ID_LEN):
+                    raise RequestParamsError(f"mooncake dialect: {k} must be a string or null, got {_preview(v)}")
+            return MooncakeParams(PRODUCER, t)
+        m = _BOOTSTRAP.fullmatch(addr) if isinstance(addr, str) else None
+        if m is None or not 1 <= int(m.group(2)) <= 65535:
+            raise RequestParamsError(
+                f"mooncake dialect: {REMOTE_BOOTSTRAP_ADDR} must be 'http://host:port' (the prefill's side "
+                f"channel, rank 0), got {_preview(addr)}"
+            )
+        if not isinstance(engine, str) or not _REQUEST.fullmatch(engine) or len(engine) > MAX_ENGINE_ID_LEN:
+            raise RequestParamsError(
+                f"mooncake dialect: {REMOTE_ENGINE_ID} must be 1..{MAX_ENGINE_ID_LEN} printable ASCII characters "
+                f"without spaces, got {_preview(engine)}"
+            )
+        return MooncakeParams(CONSUMER, t, f"{m.group(1)}:{int(m.group(2))}", engine)
+
+    def to_pd(self, key: bytes | None, prefill_tp: int, decode_tp: int) -> PdParams:
+        """OrbitKV's params for this half: the derived identity and
+        capability (:func:`mooncake_identity`); a producer for decode ranks
+        of TP ``decode_tp``, or a consumer of a prefill of TP ``prefill_tp``
+        whose rank 0's side channel is the bootstrap address."""
+        request, capability = mooncake_identity(self.transfer_id, key)
+        if self.role == PRODUCER:
+            _check_tp(DECODE_TP, decode_tp)
+            return PdParams(PRODUCER, request, capability, decode_tp=decode_tp, dialect=MOONCAKE)
+        assert self.prefill_kv is not None
+        _check_tp(PREFILL_TP, prefill_tp)
+        _, port = split_host_port(self.prefill_kv, REMOTE_BOOTSTRAP_ADDR)
+        if port + prefill_tp - 1 > 65535:
+            raise RequestParamsError(f"{REMOTE_BOOTSTRAP_ADDR} port {port} + prefill TP {prefill_tp} passes port 65535")
+        return PdParams(
+            CONSUMER, request, capability, prefill_kv=self.prefill_kv, prefill_tp=prefill_tp, dialect=MOONCAKE
+        )
+
+
+def _preview(v: Any) -> str:
+    """``repr(v)`` cut to 80 characters: a refusal's log line stays short
+    whatever a client sent."""
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
 def unserved_dialect(params: Mapping[str, Any] | None) -> str | None:
     """Why a request that asks for P/D in a dialect OrbitKV does not serve
     cannot be (``None``: it asks for nothing OrbitKV cannot do). It is then
@@ -171,7 +323,8 @@ def unserved_dialect(params: Mapping[str, Any] | None) -> str | None:
     if foreign and (params.get(DO_REMOTE_DECODE) is True or params.get(DO_REMOTE_PREFILL) is True):
         return (
             f"kv_transfer_params ask for P/D in a dialect OrbitKV does not serve (fields {foreign}: "
-            "a router's mooncake or offloading mode); run the router in its nixl (two-stage) mode, or orbitkv.proxy"
+            "a router's offloading mode, or its mooncake mode without a transfer_id); run the router in its nixl "
+            "(two-stage) or mooncake mode, or orbitkv.proxy"
         )
     if params.get(DO_REMOTE_PREFILL) is True:
         return (
@@ -194,10 +347,16 @@ def signed_bytes(params: Mapping[str, Any]) -> bytes:
     return _SIGNED_DOMAIN + body.encode()
 
 
+def _hmac_hex(key: bytes, message: bytes) -> str:
+    """Hex HMAC-SHA256 of ``message`` under ``key``: the one way the
+    deployment key signs or derives anything on this side."""
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
 def sign(params: Mapping[str, Any], key: bytes) -> str:
     """``orbitkv_signature`` for ``params``: hex HMAC-SHA256 under the
     deployment key over :func:`signed_bytes`."""
-    return hmac.new(key, signed_bytes(params), hashlib.sha256).hexdigest()
+    return _hmac_hex(key, signed_bytes(params))
 
 
 def check_signature(params: Mapping[str, Any], key: bytes) -> None:

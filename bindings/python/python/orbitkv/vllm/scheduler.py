@@ -12,7 +12,10 @@ key is set, whose ``orbitkv_request`` is already live on this instance, or
 whose prefill side channels the configuration does not allow
 (``orbitkv.pd.allowed_prefill``) is served as a plain request
 (computed here, nothing transferred) with a warning naming the reason.
-Nothing such a request carries can stop the engine.
+Nothing such a request carries can stop the engine. The same holds for the
+routers' dialects this connector serves (vLLM's two-stage fields; the
+``mooncake`` dialect when ``orbitkv.pd.dialects`` names it), which are
+turned into OrbitKV's own params here.
 
 A request's blocks are reported back to vLLM exactly once:
 * consumer: in ``finished_recving`` when the KV arrived or failed, or, if
@@ -29,7 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from orbitkv._native import new_capability
-from orbitkv.vllm.config import PdConfig
+from orbitkv.vllm.config import ANY, PdConfig
 from orbitkv.vllm.metadata import (
     ConsumerCancel,
     ConsumerOpen,
@@ -43,14 +46,18 @@ from orbitkv.vllm.params import (
     CONSUMER,
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
+    MOONCAKE,
     PREFILL_KV,
     PREFILL_TP,
     PRODUCER,
+    REMOTE_BOOTSTRAP_ADDR,
     REQUEST,
     ROLE,
     SIGNATURE,
+    MooncakeParams,
     PdParams,
     RequestParamsError,
+    asks_mooncake,
     asks_two_stage,
     check_signature,
     sign,
@@ -110,6 +117,19 @@ class PdScheduler:
         # orbitkv_request -> the vLLM request id that holds it here.
         self._live: dict[str, str] = {}
         self.refused = 0  # requests served plainly because their params were refused
+        if MOONCAKE in config.dialects:
+            logger.info(
+                "OrbitKV serves the mooncake dialect (transfer_id; vllm-router / llm-d --kv-connector mooncake): "
+                "prefill TP %d, decode TP %d assumed for its requests",
+                config.prefill_tp or self.tp_size,
+                config.decode_tp or self.tp_size,
+            )
+            if ANY in config.allowed_prefill:
+                logger.warning(
+                    "orbitkv.pd.dialects includes 'mooncake' and orbitkv.pd.allowed_prefill is '*': nothing in "
+                    "that dialect is signed, so whoever reaches this instance's API can make it post a handshake "
+                    "to any side channel; name the prefill side channels instead (docs/security.md)"
+                )
 
     def params_of(self, request: Request) -> PdParams | None:
         """The request's OrbitKV params, or ``None`` to serve it plainly.
@@ -132,6 +152,22 @@ class PdScheduler:
                     decode_tp=self.config.decode_tp or self.tp_size,
                     answer=True,
                 )
+            elif p is None and asks_mooncake(raw):
+                # vllm-router's / llm-d's `--kv-connector mooncake`: both
+                # halves at once, one router-minted transfer_id.
+                assert raw is not None
+                if MOONCAKE not in self.config.dialects:
+                    raise RequestParamsError(
+                        "kv_transfer_params ask for P/D in the mooncake dialect (transfer_id: a router's "
+                        "--kv-connector mooncake), a dialect OrbitKV does not serve unless orbitkv.pd.dialects "
+                        "includes 'mooncake' (docs/routers.md)"
+                    )
+                p = MooncakeParams.parse(raw).to_pd(
+                    self.config.side_channel_key,
+                    prefill_tp=self.config.prefill_tp or self.tp_size,
+                    decode_tp=self.config.decode_tp or self.tp_size,
+                )
+                self._check_live(p, rid)
             elif p is None:
                 dialect = unserved_dialect(raw)
                 if dialect is not None:
@@ -140,11 +176,11 @@ class PdScheduler:
                 key = self.config.side_channel_key
                 if key is not None:
                     check_signature(raw or {}, key)
-                holder = self._live.get(p.request)
-                if holder is not None and holder != rid:
-                    raise RequestParamsError(f"orbitkv_request {p.request!r} is already live on this instance")
-                if p.role == CONSUMER:
-                    self._check_prefill(p, signed=key is not None)
+                self._check_live(p, rid)
+            if p is not None and p.role == CONSUMER:
+                # OrbitKV's own params vouch for their prefill when signed;
+                # a dialect's never are.
+                self._check_prefill(p, signed=self.config.side_channel_key is not None and p.dialect is None)
         except RequestParamsError as e:
             self.refused += 1
             self._next.refused += 1
@@ -154,6 +190,12 @@ class PdScheduler:
             self._live[p.request] = rid
         self._params[rid] = p
         return p
+
+    def _check_live(self, p: PdParams, rid: str) -> None:
+        holder = self._live.get(p.request)
+        if holder is not None and holder != rid:
+            what = "its transfer_id" if p.dialect is not None else "orbitkv_request"
+            raise RequestParamsError(f"{what} ({p.request!r}) is already live on this instance")
 
     def _check_prefill(self, p: PdParams, signed: bool) -> None:
         """Decode posts its handshakes and cancels (its Mooncake endpoint and
@@ -171,9 +213,12 @@ class PdScheduler:
         elif not self.config.prefill_allowed(host, port, p.prefill_tp):
             last = port + p.prefill_tp - 1
             ranks = f" (its {p.prefill_tp} ranks: ports {port}..{last})" if p.prefill_tp > 1 else ""
+            named = (
+                f"{REMOTE_BOOTSTRAP_ADDR} 'http://{p.prefill_kv}'" if p.dialect is not None
+                else f"orbitkv_prefill_kv {p.prefill_kv!r}"
+            )
             raise RequestParamsError(
-                f"orbitkv_prefill_kv {p.prefill_kv!r}{ranks} is not an allowed prefill side channel "
-                "(declare it in orbitkv.pd.allowed_prefill)"
+                f"{named}{ranks} is not an allowed prefill side channel (declare it in orbitkv.pd.allowed_prefill)"
             )
 
     def _forget(self, rid: str) -> None:
@@ -330,16 +375,11 @@ class PdScheduler:
         rank 0's side channel and this instance's TP size; signed with the
         deployment key when one is set. The prefill holds the blocks (its
         producer waits for decode's handshake up to the handshake timeout)."""
-        host = self.config.side_channel_host
-        if host in ("0.0.0.0", "::", ""):
-            host = self.config.bind_host
-        if ":" in host and not host.startswith("["):
-            host = f"[{host}]"
         out: dict[str, Any] = {
             ROLE: CONSUMER,
             REQUEST: p.pd_id,
             CAPABILITY: p.capability,
-            PREFILL_KV: f"{host}:{self.config.side_channel_port}",
+            PREFILL_KV: self.config.advertised_side_channel(0),
             PREFILL_TP: self.tp_size,
         }
         if self.config.side_channel_key is not None:

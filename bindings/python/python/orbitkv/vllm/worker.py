@@ -37,6 +37,7 @@ from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.layout import kv_layout_of
 from orbitkv.vllm.ledger import Ledger
 from orbitkv.vllm.metadata import PdConnectorMetadata, ProducerChunk
+from orbitkv.vllm.params import MOONCAKE
 from orbitkv.vllm.stats import COUNTERS, PdConnectorStats
 
 if TYPE_CHECKING:
@@ -287,7 +288,20 @@ class PdWorker:
             self.config.side_channel_host,
             port,
             key=self.config.side_channel_key,
+            mooncake_bootstrap=self._mooncake_bootstrap(),
         )
+
+    def _mooncake_bootstrap(self) -> tuple[str, list[str]] | None:
+        """With the ``mooncake`` dialect on, rank 0's side channel also
+        answers ``GET /query`` as vLLM's Mooncake bootstrap server would: this
+        instance's engine ID and every rank's side channel, so a router in
+        its mooncake mode, pointed at the side channel port as the prefill's
+        bootstrap port, learns the engine ID it sends decode."""
+        if MOONCAKE not in self.config.dialects or self.tp_rank != 0:
+            return None
+        ktc = getattr(self.vllm_config, "kv_transfer_config", None)
+        engine_id = str(getattr(ktc, "engine_id", None) or "orbitkv")
+        return engine_id, [self.config.advertised_side_channel(r) for r in range(self.tp_size)]
 
     def _make_staging(self, kv_caches: dict[str, torch.Tensor]) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
         """Staging memory (orbitkv.pd.staging_mb) on the KV device, registered:
