@@ -146,8 +146,9 @@ fn a_busy_lane_queues_the_write_and_sends_it_when_the_budget_frees() {
     d.producer.layer_ready(&req, 0, 0..4).unwrap();
     settle(|| d.p_transport.submits() == 1);
     d.producer.layer_ready(&req, 1, 0..4).unwrap();
-    std::thread::sleep(Duration::from_millis(100));
-    // The second waits for the budget, whichever thread it came on.
+    // The second waits in the lane's queue (taken by the lane, not begun),
+    // whichever thread it came on: nothing more was submitted.
+    settle(|| d.producer.writes_queued() == 1);
     assert_eq!(d.p_transport.submits(), 1);
     d.p_transport.hold(false);
     settle(|| d.producer.stats().layers_written == 2);
@@ -177,11 +178,13 @@ fn a_layer_after_an_answered_finish_is_not_written() {
     assert_eq!(d.p_transport.submits(), 1, "layer 1 was not written");
 }
 
-/// A mark the test reaches by hand (a stand-in for a CUDA event).
-struct Hand(crossbeam_channel::Receiver<()>);
+/// A mark the test reaches by hand (a stand-in for a CUDA event); it says
+/// when a lane begins to wait for it.
+struct Hand(crossbeam_channel::Receiver<()>, crossbeam_channel::Sender<()>);
 
 impl Mark for Hand {
     fn wait(&mut self) -> Result<(), String> {
+        let _ = self.1.send(());
         self.0
             .recv_timeout(Duration::from_secs(30))
             .map_err(|_| "never reached".to_string())
@@ -194,15 +197,20 @@ fn a_layer_behind_a_mark_is_planned_here_but_submitted_only_by_its_lane_after_th
     let req = RequestId::new("inline-mark");
     d.open(&req, 4);
     let (reach, rx) = crossbeam_channel::bounded(1);
+    let (entered_tx, entered) = crossbeam_channel::bounded(1);
     d.producer.layers_ready_after(
-        Some(Box::new(Hand(rx))),
+        Some(Box::new(Hand(rx, entered_tx))),
         vec![GateCall::Ready {
             request: req.clone(),
             layer: 0,
             blocks: 0..4,
         }],
     );
-    std::thread::sleep(Duration::from_millis(100));
+    // The write reached a lane, which now waits for the mark before it
+    // submits anything.
+    entered
+        .recv_timeout(Duration::from_secs(10))
+        .expect("a lane waits for the mark");
     assert_eq!(d.p_transport.submits(), 0, "written before its mark");
     reach.send(()).unwrap();
     settle(|| d.producer.stats().layers_written == 1);

@@ -822,8 +822,9 @@ impl Runtime {
         self.writers.peers()
     }
 
-    /// Layer writes handed to this rank's writer lanes and not yet
-    /// submitted to Mooncake, over every peer: the prefill's write backlog.
+    /// Layer writes this rank's writer lanes took and have not begun to
+    /// submit to Mooncake, over every peer: the prefill's write backlog
+    /// (`WriterPool::queued`; a lane busy at this moment is not counted).
     pub fn writes_queued(&self) -> usize {
         self.writers.queued()
     }

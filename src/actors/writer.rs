@@ -825,16 +825,18 @@ impl WriterPool {
         gone
     }
 
-    /// Writes handed to any lane and not yet submitted (on their way to a
-    /// lane's thread, or queued there).
+    /// Writes a lane took and has not begun to submit (waiting for its
+    /// batch in flight, its budgets or, at the front, a layer mark). Never
+    /// blocks: a lane whose state is held at this moment (submitting, or
+    /// waiting for a GPU mark) is not counted.
     pub fn queued(&self) -> usize {
         let writers = self.writers.lock();
         writers
             .values()
             .flat_map(|p| &p.lanes)
-            .map(|(_, l)| {
-                let st = l.0.state.lock();
-                l.0.inbox.load(Ordering::SeqCst) + st.queue.iter().filter(|id| st.jobs[id].next == 0).count()
+            .filter_map(|(_, l)| {
+                let st = l.0.state.try_lock()?;
+                Some(st.queue.iter().filter(|id| st.jobs[id].next == 0).count())
             })
             .sum()
     }
