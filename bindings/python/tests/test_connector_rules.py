@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import hmac
+import inspect
 import re
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -21,6 +22,7 @@ from typing import Any
 
 import pytest
 
+import orbitkv
 from orbitkv.vllm import params as kvp
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.metadata import ConsumerOpen, PdConnectorMetadata, ProducerChunk, RequestEnd
@@ -269,14 +271,28 @@ def test_producer_blocks_are_held_until_its_writes_drained() -> None:
 
 
 class RecordingRuntime:
-    """Test double of `orbitkv.Runtime`: records calls, returns queued events."""
+    """Test double of `orbitkv.Runtime`, spec'd by it: records calls,
+    returns queued events. A method the real `Runtime` does not have, or a
+    call its signature does not accept, fails the test (an API change
+    cannot pass unseen); `test_the_recording_runtime_is_specd_by_the_real_one`
+    holds the methods written out below to the same rule."""
 
     def __init__(self) -> None:
         self.calls: list[tuple] = []
         self.events: list[Any] = []
 
     def __getattr__(self, name: str) -> Any:
-        return lambda *a, **kw: self.calls.append((name, *a, *kw.items())) or "{}"
+        if name.startswith("__"):
+            raise AttributeError(name)
+        real = getattr(orbitkv.Runtime, name)  # AttributeError: not the Runtime's
+        sig = inspect.signature(real)
+
+        def call(*a: Any, **kw: Any) -> Any:
+            sig.bind(self, *a, **kw)  # TypeError: the real one would refuse these arguments
+            self.calls.append((name, *a, *kw.items()))
+            return "{}"
+
+        return call
 
     def staged_layout(self, capacity: int) -> dict[str, Any]:
         return {"units": 1, "bytes": 4096 * capacity, "slots": [[(0, 4096)]]}
@@ -288,6 +304,22 @@ class RecordingRuntime:
     def poll_events(self) -> list[Any]:
         ev, self.events = self.events, []
         return ev
+
+
+def test_the_recording_runtime_is_specd_by_the_real_one() -> None:
+    rt = RecordingRuntime()
+    for name, fn in vars(RecordingRuntime).items():
+        if name.startswith("_") or not callable(fn):
+            continue
+        real = inspect.signature(getattr(orbitkv.Runtime, name))
+        mine = inspect.signature(fn)
+        assert [p.name for p in mine.parameters.values()][1:] == [
+            p.name for p in real.parameters.values()
+        ][1:], f"{name}: {mine} vs the real {real}"
+    with pytest.raises(AttributeError):
+        rt.no_such_method()
+    with pytest.raises(TypeError):
+        rt.layer_ready("r", 0)  # the real one takes (request_id, layer, start, end)
 
 
 def ev(kind: str, pd: str, **kw: Any) -> Any:
