@@ -756,9 +756,12 @@ class RaisingRuntime(RecordingRuntime):
     (a dead decode, a cancel, a deadline) and whose consumer_open refuses."""
 
     def __getattr__(self, name: str) -> Any:
-        import orbitkv
+        if name.startswith("__"):
+            raise AttributeError(name)
+        sig = inspect.signature(getattr(orbitkv.Runtime, name))  # spec'd, as RecordingRuntime
 
         def call(*a: Any) -> Any:
+            sig.bind(self, *a)
             self.calls.append((name, *a))
             if name in ("layer_ready", "producer_finish", "producer_add_blocks", "producer_abort"):
                 raise orbitkv.UnknownRequestError("released", kind="UnknownRequest", request_id=a[0])
@@ -769,8 +772,6 @@ class RaisingRuntime(RecordingRuntime):
         return call
 
     def layers_ready(self, layer: int, chunks: list[tuple[str, int, int]]) -> list[tuple[str, Exception]]:
-        import orbitkv
-
         self.calls.append(("layers_ready", layer, chunks))
         return [(pd, orbitkv.UnknownRequestError("released", kind="UnknownRequest", request_id=pd)) for pd, _, _ in chunks]
 
