@@ -37,6 +37,57 @@ fn src_pattern(i: usize) -> u8 {
     (i.wrapping_mul(31) % 251) as u8
 }
 
+/// Streams request `req` whole: both sides open (`src` → `dst`), the
+/// handshake, every layer of every block, the finish; returns the
+/// consumer's verdict.
+fn stream_whole(
+    producer: &Rank,
+    consumer: &Rank,
+    req: &RequestId,
+    src: &[u32],
+    dst: &[u32],
+    layers: u32,
+) -> RuntimeEvent {
+    let hs = consumer
+        .runtime
+        .consumer_open(req.clone(), cap(), 0, dst.to_vec(), 1)
+        .unwrap();
+    producer
+        .runtime
+        .producer_open(req.clone(), src.to_vec(), cap(), 1)
+        .unwrap();
+    producer.runtime.producer_handshake(hs).unwrap();
+    for l in 0..layers {
+        producer.runtime.layer_ready(req, l, 0..dst.len() as u32).unwrap();
+    }
+    producer.runtime.producer_finish(req).unwrap();
+    outcome(&consumer.runtime)
+}
+
+/// Asserts that every consumer block of `pairs` (source block, destination
+/// block) holds its source's bytes in every layer and that no other block
+/// of the consumer's `blocks` was touched.
+fn assert_only_pairs_written(
+    producer: &Rank,
+    consumer: &Rank,
+    layers: u32,
+    blocks: u32,
+    pairs: &[(u32, u32)],
+) {
+    for l in 0..layers {
+        for b in 0..blocks {
+            match pairs.iter().find(|(_, d)| *d == b) {
+                Some((s, _)) => assert_eq!(
+                    block(consumer, l, b),
+                    block(producer, l, *s),
+                    "layer {l} block {b}"
+                ),
+                None => assert_untouched(consumer, l, b),
+            }
+        }
+    }
+}
+
 #[test]
 fn one_producer_streams_layers_into_authorized_blocks_only() {
     let (layers, blocks, bb) = (4, 16, 4096);
@@ -377,36 +428,17 @@ fn blocks_descending_on_both_sides_go_as_one_range_per_run_and_land_byte_for_byt
     let src_blocks = vec![20, 19, 18, 17, 16, 3, 4, 30, 29];
     let dst_blocks = vec![11, 10, 9, 8, 7, 25, 26, 1, 0];
     let n = src_blocks.len() as u32;
-    let hs = consumer
-        .runtime
-        .consumer_open(req.clone(), cap(), 0, dst_blocks.clone(), 1)
-        .unwrap();
-    producer
-        .runtime
-        .producer_open(req.clone(), src_blocks.clone(), cap(), 1)
-        .unwrap();
-    producer.runtime.producer_handshake(hs).unwrap();
-    for l in 0..layers {
-        producer.runtime.layer_ready(&req, l, 0..n).unwrap();
-    }
-    producer.runtime.producer_finish(&req).unwrap();
-    let ev = outcome(&consumer.runtime);
+    let ev = stream_whole(&producer, &consumer, &req, &src_blocks, &dst_blocks, layers);
     assert!(
         matches!(ev, RuntimeEvent::ConsumerCompleted { bytes, .. } if bytes == layers as u64 * n as u64 * bb),
         "{ev:?}"
     );
-    for l in 0..layers {
-        for b in 0..blocks {
-            match dst_blocks.iter().position(|&d| d == b) {
-                Some(i) => assert_eq!(
-                    block(&consumer, l, b),
-                    block(&producer, l, src_blocks[i]),
-                    "layer {l} block {b}"
-                ),
-                None => assert_untouched(&consumer, l, b),
-            }
-        }
-    }
+    let pairs: Vec<(u32, u32)> = src_blocks
+        .iter()
+        .copied()
+        .zip(dst_blocks.iter().copied())
+        .collect();
+    assert_only_pairs_written(&producer, &consumer, layers, blocks, &pairs);
     // Three runs per layer (20..16 -> 11..7 down, 3..4 -> 25..26 up,
     // 30..29 -> 1..0 down), not nine blocks.
     let s = producer.runtime.stats();
@@ -461,22 +493,11 @@ fn many_requests_streamed_at_once_land_byte_for_byte_in_grouped_batches() {
             RuntimeEvent::ConsumerCompleted { .. }
         ));
     }
-    for l in 0..layers {
-        let mut written = std::collections::HashSet::new();
-        for (_, src, dst) in &reqs {
-            for (s, d) in src.iter().zip(dst) {
-                assert_eq!(
-                    block(&consumer, l, *d),
-                    block(&producer, l, *s),
-                    "layer {l} block {d}"
-                );
-                written.insert(*d);
-            }
-        }
-        for b in (0..blocks).filter(|b| !written.contains(b)) {
-            assert_untouched(&consumer, l, b);
-        }
-    }
+    let pairs: Vec<(u32, u32)> = reqs
+        .iter()
+        .flat_map(|(_, src, dst)| src.iter().copied().zip(dst.iter().copied()))
+        .collect();
+    assert_only_pairs_written(&producer, &consumer, layers, blocks, &pairs);
     let s = producer.runtime.stats();
     assert_eq!(s.layers_written, layers as u64 * 6);
     // Every write either began a batch or rode in one.
@@ -497,21 +518,15 @@ fn a_layer_with_thousands_of_scattered_blocks_goes_out_in_several_batches() {
     // Reversed, and only every other block: no two ranges are adjacent.
     let dst_blocks: Vec<u32> = (0..blocks / 2).rev().map(|b| b * 2).collect();
     let n = dst_blocks.len() as u32;
-    let hs = consumer
-        .runtime
-        .consumer_open(req.clone(), cap(), 0, dst_blocks.clone(), 1)
-        .unwrap();
-    producer
-        .runtime
-        .producer_open(req.clone(), src_blocks[..n as usize].to_vec(), cap(), 1)
-        .unwrap();
-    producer.runtime.producer_handshake(hs).unwrap();
     // All layers at once: 4 x 2048 ranges would be in flight unbounded.
-    for l in 0..layers {
-        producer.runtime.layer_ready(&req, l, 0..n).unwrap();
-    }
-    producer.runtime.producer_finish(&req).unwrap();
-    let ev = outcome(&consumer.runtime);
+    let ev = stream_whole(
+        &producer,
+        &consumer,
+        &req,
+        &src_blocks[..n as usize],
+        &dst_blocks,
+        layers,
+    );
     assert!(
         matches!(ev, RuntimeEvent::ConsumerCompleted { bytes, .. } if bytes == layers as u64 * n as u64 * bb),
         "{ev:?}"

@@ -18,7 +18,9 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -381,12 +383,37 @@ def test_through_vllm_router_mooncake_mode_equals_single_engine(cluster: Cluster
     cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
 
 
+def decode_never_connects(cluster: Cluster, params_for: Callable[[int], dict[str, Any]], what: str) -> int:
+    """Sends decode a request whose params (``params_for(port)``) name a
+    listener the test owns on loopback, on a port no deployment declared;
+    asserts the answer equals one engine's (served plainly) and that nothing
+    connects to the listener within 2 s. Returns the port."""
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.settimeout(0.2)
+        port = listener.getsockname()[1]
+        prompt = fresh_prompt(200)
+        c = complete(cluster.decode_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S, kv_transfer_params=params_for(port))
+        assert ok(c, what).token_ids == baseline(cluster, prompt)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            conn.close()
+            raise AssertionError(f"decode connected to 127.0.0.1:{port}, which no deployment declared")
+    return port
+
+
 def test_a_mooncake_half_whose_peer_never_comes_or_is_undeclared_steers_nothing(cluster: Cluster) -> None:
     """A decode half whose remote_bootstrap_addr names a port no deployment
     declared (a listener the sender owns on loopback) is served plainly,
     counted and logged, and nothing connects there. A prefill half whose
     decode never comes gives its blocks back at the handshake timeout."""
-    import socket
 
     refused = "vllm:orbitkv_params_refused_total"
     before = snapshot(cluster, "decode").get(refused, 0)
@@ -396,24 +423,10 @@ def test_a_mooncake_half_whose_peer_never_comes_or_is_undeclared_steers_nothing(
     assert complete(cluster.prefill_url, prompt, 1, timeout_s=tc.REQ_TIMEOUT_S, kv_transfer_params=lone).status == 200
     t0 = time.monotonic()
     assert snapshot(cluster, "prefill").get("vllm:kv_cache_usage_perc", 0) > 0, "the prefill held no block for decode"
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(8)
-        listener.settimeout(0.2)
-        port = listener.getsockname()[1]
-        _, params = mooncake_halves(cluster, "prefill")
-        params["remote_bootstrap_addr"] = f"http://127.0.0.1:{port}"
-        prompt = fresh_prompt(200)
-        c = complete(cluster.decode_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S, kv_transfer_params=params)
-        assert ok(c, "undeclared bootstrap address").token_ids == baseline(cluster, prompt)
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            conn.close()
-            raise AssertionError(f"decode connected to 127.0.0.1:{port}, which no deployment declared")
+    _, params = mooncake_halves(cluster, "prefill")
+    port = decode_never_connects(
+        cluster, lambda port: {**params, "remote_bootstrap_addr": f"http://127.0.0.1:{port}"},
+        "undeclared bootstrap address")
     wait_until(lambda: snapshot(cluster, "decode").get(refused, 0) > before, 30, "decode to count the refusal",
                [cluster.procs["decode"]])
     assert f"remote_bootstrap_addr 'http://127.0.0.1:{port}' is not an allowed prefill side channel" in (
@@ -743,28 +756,13 @@ def test_decode_posts_no_handshake_to_an_undeclared_port_of_an_allowed_host(clus
     Mooncake endpoint, every layer's address). Now the allow-list names
     endpoints: the request is served plainly, counted, and nothing connects
     to the listener."""
-    import socket
 
     refused = "vllm:orbitkv_params_refused_total"
     before = snapshot(cluster, "decode").get(refused, 0)
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        listener.listen(8)
-        listener.settimeout(0.2)
-        port = listener.getsockname()[1]
-        params = {"orbitkv_role": "consumer", "orbitkv_request": "ssrf", "orbitkv_capability": _cap(),
-                  "orbitkv_prefill_kv": f"127.0.0.1:{port}"}
-        prompt = fresh_prompt(200)
-        c = complete(cluster.decode_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S, kv_transfer_params=params)
-        assert ok(c, "undeclared side channel").token_ids == baseline(cluster, prompt)
-        deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline:
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            conn.close()
-            raise AssertionError(f"decode connected to 127.0.0.1:{port}, which no deployment declared")
+    decode_never_connects(
+        cluster, lambda port: {"orbitkv_role": "consumer", "orbitkv_request": "ssrf", "orbitkv_capability": _cap(),
+                               "orbitkv_prefill_kv": f"127.0.0.1:{port}"},
+        "undeclared side channel")
     wait_until(lambda: snapshot(cluster, "decode").get(refused, 0) > before, 30, "decode to count the refusal",
                [cluster.procs["decode"]])
 
