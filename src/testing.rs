@@ -19,6 +19,26 @@ pub fn capability() -> Capability {
     Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
 }
 
+/// Opens `req` on both sides with the test capability: the consumer
+/// authorizes `dst` (from block 0, one producer), the producer holds `src`;
+/// returns the consumer's handshake for the test to hand over (as a struct
+/// or as JSON, as it means to test).
+pub fn open_both(
+    producer: &Runtime,
+    consumer: &Runtime,
+    req: &RequestId,
+    src: &[u32],
+    dst: &[u32],
+) -> crate::Handshake {
+    let hs = consumer
+        .consumer_open(req.clone(), capability(), 0, dst.to_vec(), 1)
+        .expect("consumer_open");
+    producer
+        .producer_open(req.clone(), src.to_vec(), capability(), 1)
+        .expect("producer_open");
+    hs
+}
+
 /// A rank whose KV cache is host memory registered with its own real
 /// Mooncake engine (TCP on 127.0.0.1), and its request runtime.
 pub struct HostRank {

@@ -245,14 +245,7 @@ fn added_blocks_are_always_there_for_the_layers_after_them_and_the_bytes_land() 
         let req = RequestId::new(format!("chunks-{round}"));
         let dst: Vec<u32> = (0..8).map(|b| (b * 2 + round) % BLOCKS).collect();
         let src: Vec<u32> = (0..8).map(|b| (BLOCKS - 1 - b + round) % BLOCKS).collect();
-        let hs = consumer
-            .runtime
-            .consumer_open(req.clone(), cap(), 0, dst.clone(), 1)
-            .unwrap();
-        producer
-            .runtime
-            .producer_open(req.clone(), src[..2].to_vec(), cap(), 1)
-            .unwrap();
+        let hs = orbitkv::testing::open_both(&producer.runtime, &consumer.runtime, &req, &src[..2], &dst);
         producer.runtime.producer_handshake(hs).unwrap();
         for chunk in 0..4u32 {
             let blocks = chunk * 2..chunk * 2 + 2;

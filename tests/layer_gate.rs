@@ -28,10 +28,6 @@ fn next(rt: &Runtime, within: Duration) -> Option<RuntimeEvent> {
     None
 }
 
-fn cap() -> orbitkv::Capability {
-    orbitkv::Capability::parse("00112233445566778899aabbccddeeff").expect("a valid capability")
-}
-
 /// A mark the test reaches by hand (a stand-in for a CUDA event).
 struct Hand(Receiver<Result<(), String>>);
 
@@ -61,14 +57,7 @@ fn ready(req: &RequestId, layer: u32, n: u32) -> GateCall {
 fn pair(req: &RequestId, src: &[u32], dst: &[u32]) -> (Rank, Rank, orbitkv::Handshake) {
     let producer = rank(2, 8, 4096, (0, 1), 2, |i| (i % 127) as u8);
     let consumer = rank(2, 8, 4096, (0, 1), 2, |_| GUARD);
-    let hs = consumer
-        .runtime
-        .consumer_open(req.clone(), cap(), 0, dst.to_vec(), 1)
-        .unwrap();
-    producer
-        .runtime
-        .producer_open(req.clone(), src.to_vec(), cap(), 1)
-        .unwrap();
+    let hs = orbitkv::testing::open_both(&producer.runtime, &consumer.runtime, req, src, dst);
     producer.runtime.producer_handshake_json(&hs.to_json()).unwrap();
     (producer, consumer, hs)
 }

@@ -209,10 +209,17 @@ fn a_consumer_released_before_its_producer_opened_is_fenced_at_once() {
     assert!((0..LAYERS).all(|l| (0..BLOCKS).all(|b| block(&consumer, l, b).iter().all(|&x| x == GUARD))));
 }
 
-/// A producer that holds the generation answers `notice_follows`: the
-/// consumer keeps its blocks until that producer's `aborted` notice (its
-/// admitted writes drained), then frees them, still long before the
-/// deadline.
+/// A fence while the producer holds the generation: the consumer frees its
+/// blocks long before the deadline, and nothing after the fence is written.
+/// Which answer the producer gives depends on a race over real Mooncake:
+/// `notice_follows` when the fence finds it still holding the generation
+/// (its layer-0 write not yet reported ended, so the cancel's abort could
+/// not release it): the consumer then waits for its `aborted` notice; or
+/// `fenced` when the abort already released it (the write had ended): the
+/// rank ends at the answer, and the `aborted` notice that follows is
+/// routed and changes nothing. Both answers are checked to be consistent;
+/// each is pinned deterministically by the machine's tests
+/// (`fsm::producer::tests::rule10_*`).
 #[test]
 fn a_fence_of_a_producer_holding_the_generation_frees_at_its_notice() {
     let producer = rank(src_pattern);
@@ -234,8 +241,14 @@ fn a_fence_of_a_producer_holding_the_generation_frees_at_its_notice() {
     assert!(at - t0 < Duration::from_secs(5), "released after {:?}", at - t0);
     assert_eq!(wait_released(&producer.runtime, &req).0, Outcome::Aborted);
     let s = consumer.runtime.stats();
-    // Asked, answered `notice_follows`: the notice (tagged) ended the rank.
-    assert_eq!((s.fences_sent, s.ranks_fenced, s.notices_routed), (1, 0, 1));
+    // Asked once; either answered `notice_follows` (the tagged notice ended
+    // the rank) or `fenced` (the answer did); the `aborted` notice is routed
+    // in both.
+    assert_eq!(s.fences_sent, 1);
+    assert!(s.ranks_fenced <= 1, "{s:?}");
+    eventually("the producer's aborted notice routed", || {
+        consumer.runtime.stats().notices_routed == 1
+    });
     // Layers 1 and 2 were never written.
     assert!((1..LAYERS).all(|l| [4, 5]
         .iter()

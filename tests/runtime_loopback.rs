@@ -48,14 +48,7 @@ fn stream_whole(
     dst: &[u32],
     layers: u32,
 ) -> RuntimeEvent {
-    let hs = consumer
-        .runtime
-        .consumer_open(req.clone(), cap(), 0, dst.to_vec(), 1)
-        .unwrap();
-    producer
-        .runtime
-        .producer_open(req.clone(), src.to_vec(), cap(), 1)
-        .unwrap();
+    let hs = orbitkv::testing::open_both(&producer.runtime, &consumer.runtime, req, src, dst);
     producer.runtime.producer_handshake(hs).unwrap();
     for l in 0..layers {
         producer.runtime.layer_ready(req, l, 0..dst.len() as u32).unwrap();
