@@ -19,6 +19,23 @@ pub fn capability() -> Capability {
     Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
 }
 
+/// A producer and a consumer runtime of `layout` and `cfg` over the
+/// transport test double (`FakeTransport`, no bytes moved): the producer's
+/// transport holds every batch in flight until the test lets it end
+/// (`hold(false)`). Returns (producer, its transport, consumer).
+pub fn held_fake_pair(layout: &KvLayout, cfg: RuntimeConfig) -> (Runtime, Arc<FakeTransport>, Runtime) {
+    let wire = Arc::new(FakeTransport::new("127.0.0.1:1"));
+    wire.hold(true);
+    let consumer = Runtime::start(
+        Arc::new(FakeTransport::new("127.0.0.1:2")),
+        layout.clone(),
+        cfg.clone(),
+    )
+    .expect("consumer runtime");
+    let producer = Runtime::start(wire.clone(), layout.clone(), cfg).expect("producer runtime");
+    (producer, wire, consumer)
+}
+
 /// Opens `req` on both sides with the test capability: the consumer
 /// authorizes `dst` (from block 0, one producer), the producer holds `src`;
 /// returns the consumer's handshake for the test to hand over (as a struct

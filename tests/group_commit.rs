@@ -7,12 +7,10 @@
 //! real Mooncake engine with grouped batches: `runtime_loopback.rs`
 //! (`many_requests_streamed_at_once_land_byte_for_byte_in_grouped_batches`).
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use orbitkv::testing::{capability as cap, wait_released};
-use orbitkv::transport::fake::FakeTransport;
-use orbitkv::{KvLayout, Outcome, RequestId, Runtime, RuntimeConfig};
+use orbitkv::{KvLayout, Outcome, RequestId, RuntimeConfig};
 
 fn until(what: &str, mut f: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -30,15 +28,7 @@ fn writes_queued_behind_a_batch_in_flight_go_out_as_one_batch() {
         writer_lanes_per_peer: 1,
         ..RuntimeConfig::default()
     };
-    let wire = Arc::new(FakeTransport::new("127.0.0.1:1"));
-    wire.hold(true);
-    let consumer = Runtime::start(
-        Arc::new(FakeTransport::new("127.0.0.1:2")),
-        layout.clone(),
-        cfg.clone(),
-    )
-    .unwrap();
-    let producer = Runtime::start(wire.clone(), layout, cfg).unwrap();
+    let (producer, wire, consumer) = orbitkv::testing::held_fake_pair(&layout, cfg);
     let req = RequestId::new("grouped");
     let hs = consumer
         .consumer_open(req.clone(), cap(), 0, vec![2, 3], 1)

@@ -35,15 +35,7 @@ fn pair(
         max_ranges_in_flight_per_peer: 1,
         ..RuntimeConfig::default()
     };
-    let wire = Arc::new(FakeTransport::new("127.0.0.1:1"));
-    wire.hold(true);
-    let consumer = Runtime::start(
-        Arc::new(FakeTransport::new("127.0.0.1:2")),
-        layout.clone(),
-        cfg.clone(),
-    )
-    .unwrap();
-    let producer = Runtime::start(wire.clone(), layout, cfg).unwrap();
+    let (producer, wire, consumer) = orbitkv::testing::held_fake_pair(&layout, cfg);
     let req = RequestId::new(name);
     let mut hs = consumer
         .consumer_open(req.clone(), cap(), 0, vec![2, 3], 1)

@@ -155,6 +155,8 @@ struct Job {
     write: u64,
     generation: crate::ids::Generation,
     ranges: Vec<crate::transport::WriteRange>,
+    /// The bytes of `ranges` (summed once, at admission).
+    bytes: u64,
     /// The layer mark to wait for before the first batch (0: none).
     after: crate::ids::MarkSeq,
     /// Index of the next range to submit.
@@ -183,12 +185,11 @@ struct Job {
 const BATCHES_PER_LANE: usize = 1;
 
 /// A batch in Mooncake: the writes it carries (job, its bytes in it; the
-/// first may be a chunk of a larger write, the others are whole), its size
-/// and when it was submitted.
+/// first may be a chunk of a larger write, the others are whole) and when it
+/// was submitted. A lane's one batch is all it has in flight, so the lane's
+/// share of the peer's budgets bounds the batch.
 struct Batch {
     parts: Vec<(u64, u64)>,
-    bytes: u64,
-    ranges: usize,
     submitted: Instant,
 }
 
@@ -222,8 +223,6 @@ pub struct LaneRef(Arc<LaneCell>);
 
 /// What a writer owns.
 struct LaneState {
-    in_flight: u64,
-    in_flight_ranges: usize,
     jobs: HashMap<u64, Job>,
     queue: VecDeque<u64>,
     /// Batch token -> the batch in flight.
@@ -305,13 +304,9 @@ impl LaneCell {
         if self.inbox.load(Ordering::SeqCst) != 0 || self.notices.load(Ordering::SeqCst) != 0 {
             return false;
         }
-        self.state.try_lock().is_some_and(|st| {
-            st.queue.is_empty()
-                && st.jobs.is_empty()
-                && st.pending.is_empty()
-                && st.in_flight == 0
-                && st.in_flight_ranges == 0
-        })
+        self.state
+            .try_lock()
+            .is_some_and(|st| st.queue.is_empty() && st.jobs.is_empty() && st.pending.is_empty())
     }
 
     /// Takes a write into the queue.
@@ -328,6 +323,7 @@ impl LaneCell {
                 request: msg.request,
                 write: msg.write,
                 generation: msg.generation,
+                bytes: msg.ranges.iter().map(|r| r.len).sum(),
                 ranges: msg.ranges,
                 after: msg.after,
                 next: 0,
@@ -379,13 +375,6 @@ impl LaneCell {
             let chunk = &job.ranges[job.next..end];
             let bytes: u64 = chunk.iter().map(|r| r.len).sum();
             let (n, last_chunk) = (chunk.len(), end == job.ranges.len());
-            let busy = st.in_flight > 0 || st.in_flight_ranges > 0;
-            if busy
-                && (st.in_flight + bytes > self.lane.max_in_flight
-                    || st.in_flight_ranges + n > self.lane.max_ranges)
-            {
-                break;
-            }
             // Group commit: the writes queued behind this one whose layers
             // the GPU already wrote ride in the same batch, whole, while the
             // budgets allow, so batches (Mooncake submits, and on the NVLink
@@ -398,9 +387,10 @@ impl LaneCell {
                 let now_ms = crate::wire::unix_ms_now();
                 for &other in st.queue.iter().skip(1) {
                     let o = &st.jobs[&other];
-                    let (on, ob) = (o.ranges.len(), o.ranges.iter().map(|r| r.len).sum::<u64>());
-                    let fits = st.in_flight_ranges + total_n + on <= self.lane.max_ranges
-                        && st.in_flight + total_bytes + ob <= self.lane.max_in_flight;
+                    let (on, ob) = (o.ranges.len(), o.bytes);
+                    // The lane's budgets bound its one batch.
+                    let fits =
+                        total_n + on <= self.lane.max_ranges && total_bytes + ob <= self.lane.max_in_flight;
                     let ready = o.failed.is_none()
                         && o.next == 0
                         && on > 0
@@ -481,14 +471,10 @@ impl LaneCell {
                 o.after = 0;
                 o.outstanding += 1;
             }
-            st.in_flight += total_bytes;
-            st.in_flight_ranges += total_n;
             st.pending.insert(
                 token,
                 Batch {
                     parts,
-                    bytes: total_bytes,
-                    ranges: total_n,
                     submitted: submitting,
                 },
             );
@@ -565,8 +551,6 @@ impl Handler<BatchFinished> for LayerWriter {
             .stats
             .write_batch_micros
             .add(batch.submitted.elapsed().as_micros() as u64);
-        st.in_flight -= batch.bytes;
-        st.in_flight_ranges -= batch.ranges;
         let alone = batch.parts.len() == 1;
         for (id, bytes) in batch.parts {
             if let Some(job) = st.jobs.get_mut(&id) {
@@ -747,8 +731,6 @@ impl WriterPool {
                     peer: peer.into(),
                     lane: self.lane.clone(),
                     state: Mutex::new(LaneState {
-                        in_flight: 0,
-                        in_flight_ranges: 0,
                         jobs: HashMap::new(),
                         queue: VecDeque::new(),
                         pending: HashMap::new(),
