@@ -280,11 +280,16 @@ mod tests {
             let mut served = 0;
             for status in answers {
                 let (mut s, _) = l.accept().unwrap();
-                let mut buf = [0u8; 4096];
-                let _ = s.read(&mut buf);
                 let reply =
                     format!("HTTP/1.1 {status} X\r\ncontent-length: 2\r\nconnection: close\r\n\r\n{{}}");
                 s.write_all(reply.as_bytes()).unwrap();
+                // As the real server's refusal does: close the write half,
+                // then drain what the client sent. Closing with its request
+                // unread would reset the connection, and the client could
+                // lose the reply (a CI failure of this test).
+                s.shutdown(std::net::Shutdown::Write).unwrap();
+                let mut sink = [0u8; 4096];
+                while s.read(&mut sink).map(|n| n > 0).unwrap_or(false) {}
                 served += 1;
             }
             served
