@@ -75,8 +75,9 @@ impl BatchHandle {
 /// [`PollBackoff::SPIN`] after the last progress, so a short batch is seen
 /// at once, then naps, doubling from 5 µs up to its `max_nap`, so a long
 /// one costs no core. One schedule for every waiter: the runtime's
-/// completion poller, [`MooncakeTransferEngine::wait`] and the Python
-/// binding's blocking `write`.
+/// completion poller and [`wait_batch`] (behind
+/// [`MooncakeTransferEngine::wait`] and the Python binding's blocking
+/// `write`).
 #[derive(Debug, Clone)]
 pub struct PollBackoff {
     since: Instant,
@@ -118,6 +119,45 @@ impl PollBackoff {
         };
         std::thread::sleep(nap);
         self.nap = (self.nap * 2).min(self.max_nap);
+    }
+}
+
+/// How a waited-for batch ended ([`wait_batch`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum BatchEnd {
+    /// Every range written: Mooncake's byte count.
+    Completed(u64),
+    /// Mooncake failed it (its reason).
+    Failed(String),
+    /// Still in flight at the deadline (left to Mooncake: its memory must
+    /// stay registered).
+    TimedOut,
+}
+
+/// The one blocking wait for a batch: `poll` reads its state until it ends
+/// or `deadline` passes, pausing by [`PollBackoff`] between polls; `between`
+/// runs after each poll that found it in flight (the Python binding checks
+/// for signals there) and its error ends the wait. Used by
+/// [`MooncakeTransferEngine::wait`] and the binding's blocking writes; the
+/// runtime's writers do not block (their completion poller polls).
+pub fn wait_batch<E>(
+    deadline: Instant,
+    mut poll: impl FnMut() -> Result<BatchState, E>,
+    mut between: impl FnMut(Instant) -> Result<(), E>,
+) -> Result<BatchEnd, E> {
+    let mut backoff = PollBackoff::new(Duration::from_micros(500));
+    loop {
+        match poll()? {
+            BatchState::Completed { bytes } => return Ok(BatchEnd::Completed(bytes)),
+            BatchState::Failed { reason } => return Ok(BatchEnd::Failed(reason)),
+            BatchState::InFlight => {}
+        }
+        let now = Instant::now();
+        if now >= deadline {
+            return Ok(BatchEnd::TimedOut);
+        }
+        between(now)?;
+        backoff.pause(Some(deadline));
     }
 }
 
@@ -164,6 +204,38 @@ impl Transport for MooncakeTransferEngine {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_batch_wait_ends_with_the_batch_the_deadline_or_the_check_between_polls() {
+        let far = Instant::now() + Duration::from_secs(60);
+        // In flight twice, then done: its bytes, after two checks.
+        let (mut polls, mut checks) = (0, 0);
+        let end = wait_batch::<()>(
+            far,
+            || {
+                polls += 1;
+                Ok(if polls < 3 {
+                    BatchState::InFlight
+                } else {
+                    BatchState::Completed { bytes: 7 }
+                })
+            },
+            |_| {
+                checks += 1;
+                Ok(())
+            },
+        );
+        assert_eq!((end, polls, checks), (Ok(BatchEnd::Completed(7)), 3, 2));
+        // A failure is an end, not an error of the wait.
+        let end = wait_batch::<()>(far, || Ok(BatchState::Failed { reason: "x".into() }), |_| Ok(()));
+        assert_eq!(end, Ok(BatchEnd::Failed("x".into())));
+        // Past the deadline: timed out, polled once, no check.
+        let end = wait_batch::<()>(Instant::now(), || Ok(BatchState::InFlight), |_| Err(()));
+        assert_eq!(end, Ok(BatchEnd::TimedOut));
+        // The check's error ends the wait (a signal in the binding).
+        let end = wait_batch(far, || Ok(BatchState::InFlight), |_| Err("signal"));
+        assert_eq!(end, Err("signal"));
+    }
 
     #[test]
     fn the_backoff_yields_first_then_naps_up_to_its_cap_and_never_past_the_deadline() {

@@ -348,26 +348,16 @@ impl MooncakeTransferEngine {
     /// Mooncake (its memory must stay registered) and `Timeout` is returned.
     pub fn wait(&self, mut handle: BatchHandle, timeout: Duration) -> TransportResult<u64> {
         let deadline = handle.submitted + timeout;
-        let mut backoff = super::PollBackoff::new(Duration::from_micros(500));
-        loop {
-            match self.poll(&mut handle)? {
-                BatchState::Completed { bytes } => return Ok(bytes),
-                BatchState::Failed { reason } => {
-                    return Err(TransportError::TransferFailed {
-                        peer: handle.peer.clone(),
-                        reason,
-                    })
-                }
-                BatchState::InFlight => {}
-            }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(TransportError::Timeout {
-                    peer: handle.peer.clone(),
-                    millis: timeout.as_millis() as u64,
-                });
-            }
-            backoff.pause(Some(deadline));
+        match super::wait_batch(deadline, || self.poll(&mut handle), |_| Ok(()))? {
+            super::BatchEnd::Completed(bytes) => Ok(bytes),
+            super::BatchEnd::Failed(reason) => Err(TransportError::TransferFailed {
+                peer: handle.peer.clone(),
+                reason,
+            }),
+            super::BatchEnd::TimedOut => Err(TransportError::Timeout {
+                peer: handle.peer.clone(),
+                millis: timeout.as_millis() as u64,
+            }),
         }
     }
 

@@ -57,7 +57,11 @@ same OrbitKV prefill + decode pair as ``orbit`` (no other instances), fronted
 by vllm-router (``--vllm-pd-disaggregation``, its default ``nixl`` mode: the
 two-stage flow, the prefill half with ``do_remote_decode`` and one output
 token, then the decode half with the prefill's ``kv_transfer_params``)
-instead of orbitkv.proxy.
+instead of orbitkv.proxy. With ``--router-mc`` they also gain
+``orbit-router-mc``: the same pair behind vllm-router ``--kv-connector
+mooncake`` (the pair then serves OrbitKV's ``mooncake`` dialect; the router
+asks the prefill side channel's ``GET /query`` for the engine id, mints a
+``transfer_id``, and sends the decode half once the prefill answered).
 
 The Llama-3-8B-shaped instances get the KV that fits the fullest GPU
 (``plan_big``); systems that would not fit beside one engine, OrbitKV and
@@ -547,22 +551,25 @@ def find_router(ctx: Ctx) -> dict[str, Any]:
     return info
 
 
-def start_router(ctx: Ctx, name: str, pre: Server, dec: Server) -> tuple[Proc, str, dict[str, Any]]:
+def start_router(ctx: Ctx, name: str, pre: Server, dec: Server, mooncake: bool = False) -> tuple[Proc, str, dict[str, Any]]:
     """vllm-router in its P/D mode in front of an OrbitKV pair: its default
     ``--kv-connector nixl``, the two-stage flow (the prefill half with
     ``do_remote_decode: true`` and ``max_tokens: 1``, not streamed; once it
     answered, the decode half with the ``kv_transfer_params`` of the prefill's
     response, verbatim). Its Prometheus port gets a free port of its own;
-    ``--router-args`` adds flags. Returns the process, its URL and what it
+    ``--router-args`` adds flags. ``mooncake``: its ``--kv-connector
+    mooncake`` mode instead, the prefill's side channel port given as its
+    bootstrap port (``--prefill URL PORT``). Returns the process, its URL and what it
     ran (for the startup record)."""
     info = find_router(ctx)
     if info["argv"] is None:
         raise ClusterError(info["error"])
     port, prom = ctx.port(), ctx.port()
     log = ctx.work / "logs" / f"{name}.log"
-    argv = [*info["argv"], "--vllm-pd-disaggregation", "--prefill", pre.url, "--decode", dec.url,
+    prefill = [pre.url, str(pre.side_port)] if mooncake else [pre.url]
+    argv = [*info["argv"], "--vllm-pd-disaggregation", "--prefill", *prefill, "--decode", dec.url,
             "--host", HOST, "--port", str(port), "--prometheus-host", HOST, "--prometheus-port", str(prom),
-            *shlex.split(ctx.args.router_args)]
+            *(["--kv-connector", "mooncake"] if mooncake else []), *shlex.split(ctx.args.router_args)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     rec = {"argv": argv, "log": str(log), "version": info.get("version"), "package": info.get("package"),
            "core": info.get("core"), "how": info.get("how")}
@@ -930,8 +937,11 @@ def stage_a(ctx: Ctx, models: dict[str, tuple[ModelSpec, str]], eager: bool, on_
 
 PD_SYSTEMS = ("orbit", "mc", "nixl")  # besides the A/B pair "orbit-<ab>"
 # Systems that are another front on a pair of instances of another system
-# (no instances of their own): orbit-router is the orbit pair behind vllm-router.
-FRONTS = {"orbit-router": "orbit"}
+# (no instances of their own): orbit-router is the orbit pair behind vllm-router
+# (nixl mode), orbit-router-mc the same pair behind it in its mooncake mode.
+FRONTS = {"orbit-router": "orbit", "orbit-router-mc": "orbit"}
+# The fronts that run vllm-router in its --kv-connector mooncake mode.
+MOONCAKE_FRONTS = ("orbit-router-mc",)
 
 
 def weights_gib(spec: ModelSpec) -> float:
@@ -950,6 +960,8 @@ def wanted_systems(ctx: Ctx) -> list[str]:
     out = ["single", "orbit"] if a.single else ["orbit"]
     if a.router:
         out.append("orbit-router")  # the orbit pair again, behind vllm-router
+    if a.router_mc:
+        out.append("orbit-router-mc")  # and behind vllm-router in its mooncake mode
     if a.ab != "none":
         out.append(f"orbit-{a.ab}")
     if a.mc:
@@ -1046,6 +1058,12 @@ class Fleet:
             self.opre = mk("orbit-prefill", 0, "orbit", orbit_env)
             self.odec = mk("orbit-decode", 1, "orbit", orbit_env)
             allow_prefill(self.opre, self.odec)
+            if "orbit-router-mc" in systems:
+                # vllm-router's mooncake mode speaks MooncakeConnector's
+                # fields: the pair serves that dialect (requests from
+                # orbitkv.proxy carry OrbitKV's own and are unchanged)
+                for s in (self.opre, self.odec):
+                    s.orbit_cfg["orbitkv.pd.dialects"] = ["mooncake"]
             self.pairs["orbit"] = [self.opre, self.odec]
         # fronts: another router in front of a pair above (its system's
         # servers are that pair's: pair(), metrics and peaks)
@@ -1136,9 +1154,10 @@ class Fleet:
             pre, dec = self.pairs[base]
             if not (pre.ready_s and dec.ready_s):
                 continue
-            name = f"{pre.name.rsplit('-', 1)[0]}-vllm-router"
+            mooncake = front in MOONCAKE_FRONTS
+            name = f"{pre.name.rsplit('-', 1)[0]}-vllm-router" + ("-mc" if mooncake else "")
             try:
-                p, url, rec = start_router(self.ctx, name, pre, dec)
+                p, url, rec = start_router(self.ctx, name, pre, dec, mooncake)
                 self.proxies.append(p)
                 self.urls[front] = url
                 self.routers[front] = rec
@@ -1710,6 +1729,12 @@ RATIOS = (
     ("orbit", "nixl", "OrbitKV", "NIXL", "OrbitKV ÷ NIXL"),
     ("orbit-router", "orbit", "via vllm-router", "via orbitkv.proxy",
      "OrbitKV through vllm-router ÷ through orbitkv.proxy (the same instances; vllm-router's two-stage flow)"),
+    ("orbit-router-mc", "orbit", "via vllm-router (mooncake)", "via orbitkv.proxy",
+     "OrbitKV through vllm-router's mooncake mode ÷ through orbitkv.proxy (the same instances)"),
+    ("orbit-router-mc", "mc", "OrbitKV via vllm-router (mooncake)", "MooncakeConnector",
+     "OrbitKV through vllm-router's mooncake mode ÷ MooncakeConnector (both transfer after the prefill)"),
+    ("orbit-staging", "mc", "OrbitKV, staged", "MooncakeConnector", "OrbitKV with every request staged ÷ MooncakeConnector"),
+    ("orbit-staging", "orbit", "staged", "direct", "OrbitKV, every request staged ÷ pages written directly (the A/B pair)"),
     ("orbit-lanes-16", "mc", "OrbitKV, 16 writers", "MooncakeConnector", "OrbitKV with 16 writers per peer ÷ MooncakeConnector"),
     ("orbit-lanes-16", "orbit", "16 writers", "4 writers", "OrbitKV, 16 writers per peer ÷ 4 (the A/B pair)"),
 )
@@ -1891,7 +1916,8 @@ def report(d: Path) -> str:
                  "orbit-device-wait": "OrbitKV P/D, Mooncake's submit wait",
                  "orbit-wide-ranges": "OrbitKV P/D, 8192 ranges in flight",
                  "orbit-staging": "OrbitKV P/D, every request staged", "nixl": "NIXL P/D",
-                 "mc": "MooncakeConnector P/D", "orbit-router": "OrbitKV P/D via vllm-router"}
+                 "mc": "MooncakeConnector P/D", "orbit-router": "OrbitKV P/D via vllm-router",
+                 "orbit-router-mc": "OrbitKV P/D via vllm-router (mooncake mode)"}
         peers = [x for x in ("mc", "nixl") if x in others and "orbit" in others]
         router = "orbit-router" in others and "orbit" in others
         lines += [f"## {st}: TTFT, medians of {r['reps']} (fresh prompt per request), ms", "",
@@ -1957,6 +1983,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="stages b and c also measure orbit-router: the orbit pair (no other instances) behind "
                         "vllm-router --vllm-pd-disaggregation (its default nixl mode: the two-stage flow) "
                         "instead of orbitkv.proxy")
+    p.add_argument("--router-mc", action="store_true",
+                   help="stages b and c also measure orbit-router-mc: the orbit pair behind vllm-router "
+                        "--kv-connector mooncake (the pair serves OrbitKV's mooncake dialect)")
     p.add_argument("--router-bin", default="",
                    help="an executable to run as vllm-router (default: --python -m vllm_router.launch_router, "
                         "else vllm-router on PATH)")

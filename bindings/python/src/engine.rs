@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use orbitkv::transport::PINNED_MOONCAKE_VERSION;
+use orbitkv::transport::{BatchEnd, PINNED_MOONCAKE_VERSION};
 use orbitkv::{
     BatchHandle, BatchState, EngineConfig, MooncakeTransferEngine, Transport, TransportError, WriteRange,
 };
@@ -57,33 +57,34 @@ enum Terminal {
     Failed(String),
 }
 
-/// Polls `handle` until it is terminal or `timeout` passes. The engine lock is
-/// taken per poll, so `close()` from another thread is not held up by a wait.
+/// Polls `handle` until it is terminal or `timeout` passes (the crate's
+/// [`orbitkv::transport::wait_batch`], checking for Python signals every
+/// `SIGNAL_CHECK_EVERY`). The engine lock is taken per poll, so `close()`
+/// from another thread is not held up by a wait.
 fn wait_terminal(shared: &Shared, handle: &mut BatchHandle, timeout: Duration) -> Result<Terminal, Failure> {
     let start = Instant::now();
     let deadline = start
         .checked_add(timeout)
         .unwrap_or(start + Duration::from_secs(86_400 * 365));
-    let mut backoff = orbitkv::transport::PollBackoff::new(Duration::from_micros(500));
     let mut next_signal_check = start + SIGNAL_CHECK_EVERY;
-    loop {
-        match shared.with(|e| e.poll(handle))? {
-            BatchState::Completed { bytes } => return Ok(Terminal::Completed(bytes)),
-            BatchState::Failed { reason } => return Ok(Terminal::Failed(reason)),
-            BatchState::InFlight => {}
-        }
-        let now = Instant::now();
-        if now >= deadline {
-            return Err(Failure::Transport(TransportError::Timeout {
-                peer: handle.peer.clone(),
-                millis: timeout.as_millis().min(u64::MAX as u128) as u64,
-            }));
-        }
-        if now >= next_signal_check {
-            Python::attach(|py| py.check_signals()).map_err(Failure::Python)?;
-            next_signal_check = now + SIGNAL_CHECK_EVERY;
-        }
-        backoff.pause(Some(deadline));
+    let end = orbitkv::transport::wait_batch(
+        deadline,
+        || shared.with(|e| e.poll(&mut *handle)),
+        |now| {
+            if now >= next_signal_check {
+                Python::attach(|py| py.check_signals()).map_err(Failure::Python)?;
+                next_signal_check = now + SIGNAL_CHECK_EVERY;
+            }
+            Ok(())
+        },
+    )?;
+    match end {
+        BatchEnd::Completed(bytes) => Ok(Terminal::Completed(bytes)),
+        BatchEnd::Failed(reason) => Ok(Terminal::Failed(reason)),
+        BatchEnd::TimedOut => Err(Failure::Transport(TransportError::Timeout {
+            peer: handle.peer.clone(),
+            millis: timeout.as_millis().min(u64::MAX as u128) as u64,
+        })),
     }
 }
 
