@@ -234,7 +234,7 @@ fn a_layer_of_an_unknown_request_is_refused_by_the_directory() {
 
 /// Real Mooncake: chunked prefill's order, many times over — each chunk's
 /// blocks are added (answered) and then its layers handed over at once, so
-/// a layer run inline ahead of its `SourceBlocksAdded` would fail to plan.
+/// a layer planned before the group's source list grew would fail to plan.
 /// Every byte lands, nothing fails, nothing is held after.
 #[test]
 fn added_blocks_are_always_there_for_the_layers_after_them_and_the_bytes_land() {

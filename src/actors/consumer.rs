@@ -116,6 +116,23 @@ impl ConsumerActor {
         }
     }
 
+    /// Starts the actor with its route: the notification router delivers
+    /// its request's notices to it from before this returns (so before the
+    /// handshake that authorizes its producers can leave the runtime) until
+    /// the actor is released ([`ConsumerEffect::Released`] unregisters it).
+    /// The route has this one owner.
+    pub fn start_routed(self) -> Addr<Self> {
+        let router = self.router.clone();
+        let (request, generation) = (self.machine.request.clone(), self.machine.generation);
+        let addr = self.start();
+        router.do_send(RegisterConsumer {
+            request,
+            generation,
+            to: addr.clone().recipient(),
+        });
+        addr
+    }
+
     /// Asks producer ranks `ranks` to fence this generation (rule 10): a
     /// cancel carrying it to each one's side channel; a rank that answers
     /// `fenced` comes back as [`RankEnded`]. Ranks whose side channel is not

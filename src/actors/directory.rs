@@ -9,8 +9,9 @@
 //! the [`ProducerIndex`], request ID → the open producer group's members,
 //! which the façade looks layer hand-overs up in (they go to the producer
 //! actors themselves, see [`super::producer`]); the directory alone
-//! changes it, in step with its own map, before it answers the call that
-//! changed it.
+//! publishes and withdraws its groups, in step with its own map, before it
+//! answers the call that changed it (the façade only reads it, and closes
+//! it at shutdown).
 //!
 //! Because one actor handles every open, handshake, cancel, discard and
 //! release of this rank, one after another, no two of them can interleave:
@@ -31,7 +32,7 @@ use crossbeam_channel::Sender;
 use super::consumer::{ConsumerActor, ConsumerStaging, FenceTargets, Published};
 use super::messages::*;
 use super::preopen::{Parked, PreOpen, PreOpenLimits};
-use super::producer::{ProducerActor, ProducerRef, ProducerShared};
+use super::producer::{ProducerActor, ProducerRef, ProducerShared, SourceBlocks};
 use super::router::NotificationRouter;
 use super::runtime::RuntimeConfig;
 use super::stats::Stats;
@@ -58,8 +59,52 @@ impl Message for Call {
 }
 
 /// The open producer groups' members by request ID, published by the
-/// directory for the façade to read (see the module's documentation).
-pub type ProducerIndex = Arc<parking_lot::RwLock<HashMap<RequestId, Arc<[ProducerRef]>>>>;
+/// directory for the façade to read (see the module's documentation): the
+/// directory alone publishes and withdraws a group (these methods are
+/// private to this module); the façade reads ([`Self::live_group`]) and, at
+/// shutdown, closes it ([`Self::close`]: no group is found after that,
+/// whatever the directory still holds).
+#[derive(Clone, Default)]
+pub struct ProducerIndex(Arc<parking_lot::RwLock<IndexState>>);
+
+#[derive(Default)]
+struct IndexState {
+    groups: HashMap<RequestId, Arc<[ProducerRef]>>,
+    closed: bool,
+}
+
+/// Whether a producer group still acts: one of its members' actors runs.
+/// The one definition of a live group, for the façade's reads of the index
+/// and the directory's own groups.
+fn any_running(members: impl IntoIterator<Item = impl std::borrow::Borrow<ProducerRef>>) -> bool {
+    members.into_iter().any(|m| m.borrow().connected())
+}
+
+impl ProducerIndex {
+    /// The open group of `request` while one of its actors still runs (the
+    /// directory withdraws a group when its last member released).
+    pub fn live_group(&self, request: &RequestId) -> Option<Arc<[ProducerRef]>> {
+        let published = self.0.read();
+        if published.closed {
+            return None;
+        }
+        let group = published.groups.get(request)?;
+        any_running(group.iter()).then(|| group.clone())
+    }
+
+    /// No group is found from now on (the runtime is shutting down).
+    pub fn close(&self) {
+        self.0.write().closed = true;
+    }
+
+    fn publish(&self, request: RequestId, members: Arc<[ProducerRef]>) {
+        self.0.write().groups.insert(request, members);
+    }
+
+    fn withdraw(&self, request: &RequestId) {
+        self.0.write().groups.remove(request);
+    }
+}
 
 /// The producer side of one request on this rank: a `ProducerActor` per
 /// consumer (decode) rank it sends to — one when the TP sizes are equal or
@@ -72,9 +117,9 @@ struct ProducerGroup {
     token: u64,
     capability: Capability,
     consumer_tp: u32,
-    /// The request's source block list, as validated (each member keeps
-    /// its own copy; this one validates what `producer_add_blocks` appends).
-    src_blocks: Vec<u32>,
+    /// The request's source block list, as validated: the one list, which
+    /// every member reads and `producer_add_blocks` appends to.
+    src_blocks: SourceBlocks,
     /// (consumer rank, its actor)
     members: Vec<(u32, ProducerRef)>,
     /// Members not yet released, and how the released ones ended (the worst
@@ -85,7 +130,7 @@ struct ProducerGroup {
 
 impl ProducerGroup {
     fn live(&self) -> bool {
-        self.pending > 0 && self.members.iter().any(|(_, a)| a.connected())
+        self.pending > 0 && any_running(self.members.iter().map(|(_, a)| a))
     }
 
     fn send<M>(&self, msg: M)
@@ -258,14 +303,9 @@ impl RequestDirectory {
                 targets: Vec::new(),
             },
         );
-        let addr = actor.start();
-        // Registered before the handshake leaves the runtime, so no notice
-        // can arrive before its route exists.
-        self.router.do_send(RegisterConsumer {
-            request: request.clone(),
-            generation,
-            to: addr.clone().recipient(),
-        });
+        // Routed before the handshake leaves the runtime (below), so no
+        // notice can arrive before its route exists.
+        let addr = actor.start_routed();
         self.consumers.insert(request, (generation, addr));
         Ok(handshake)
     }
@@ -392,6 +432,7 @@ impl RequestDirectory {
         }
         let token = self.next_group;
         self.next_group += 1;
+        let src_blocks = SourceBlocks::new(src_blocks);
         let members: Vec<_> = targets
             .iter()
             .map(|&c| {
@@ -422,7 +463,7 @@ impl RequestDirectory {
             group.send(AbortRequest { reason });
         }
         let members: Arc<[ProducerRef]> = group.members.iter().map(|(_, a)| a.clone()).collect();
-        self.index.write().insert(request.clone(), members);
+        self.index.publish(request.clone(), members);
         if let Some(old) = self.producers.insert(request, group) {
             if old.pending > 0 {
                 self.ending.insert(old.token, old);
@@ -436,7 +477,7 @@ impl RequestDirectory {
     fn start_producer(
         &self,
         request: &RequestId,
-        src_blocks: Vec<u32>,
+        src_blocks: SourceBlocks,
         staging: Option<SourceStaging>,
         token: u64,
         ctx: &mut Context<Self>,
@@ -521,11 +562,10 @@ impl RequestDirectory {
         let Some(group) = self.producers.get_mut(request).filter(|g| g.live()) else {
             return Err(RuntimeError::UnknownRequest(request.0.clone()));
         };
-        let mut all = group.src_blocks.clone();
-        all.extend_from_slice(&blocks);
-        self.shared.local.validate_blocks(&all)?;
-        group.src_blocks = all;
-        group.send(SourceBlocksAdded(blocks));
+        // Before this answers: the layers handed over after it plan with them.
+        group
+            .src_blocks
+            .try_append(&blocks, |all| self.shared.local.validate_blocks(all))?;
         Ok(())
     }
 
@@ -593,7 +633,7 @@ impl RequestDirectory {
     /// Tells the consumer of `h` that this rank sends nothing: a producer
     /// with no source blocks, aborted at once, notifies `aborted` and ends.
     fn answer_aborted(&self, h: Arc<Handshake>, reason: String, ctx: &mut Context<Self>) {
-        let addr = self.start_producer(&h.request_id, Vec::new(), None, 0, ctx);
+        let addr = self.start_producer(&h.request_id, SourceBlocks::default(), None, 0, ctx);
         addr.send(HandshakeArrived(h));
         addr.send(AbortRequest { reason });
     }
@@ -708,7 +748,7 @@ impl Handler<ProducerEnded> for RequestDirectory {
                         if let Some(g) = self.producers.remove(&request) {
                             self.remember_ended(request.clone(), g.capability);
                         }
-                        self.index.write().remove(&request);
+                        self.index.withdraw(&request);
                     } else {
                         self.ending.remove(&group);
                     }

@@ -31,11 +31,6 @@ pub struct LayerReady {
     pub after: crate::ids::MarkSeq,
 }
 
-/// More source blocks for the request (chunked prefill grows its block list).
-#[derive(Message, Debug, Clone)]
-#[rtype(result = "()")]
-pub struct SourceBlocksAdded(pub Vec<u32>);
-
 /// A layer writer finished one admitted write.
 #[derive(Message, Debug)]
 #[rtype(result = "()")]

@@ -115,11 +115,53 @@ pub struct ProducerCell {
     addr: Addr<ProducerActor>,
 }
 
+/// A producer group's source block list: one list for the group, which the
+/// request directory appends to (after validating the whole,
+/// [`Self::try_append`]: chunked prefill grows it) and every member reads
+/// when it plans a write. A chunk's blocks are appended before the call
+/// that added them answers, so the layers handed over after it find them.
+#[derive(Clone, Default)]
+pub struct SourceBlocks(Arc<parking_lot::RwLock<Vec<u32>>>);
+
+impl SourceBlocks {
+    pub fn new(blocks: Vec<u32>) -> Self {
+        Self(Arc::new(parking_lot::RwLock::new(blocks)))
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.read().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Appends `more` if the whole list then passes `check`; unchanged if not.
+    pub(super) fn try_append<E>(
+        &self,
+        more: &[u32],
+        check: impl FnOnce(&[u32]) -> Result<(), E>,
+    ) -> Result<(), E> {
+        let mut blocks = self.0.write();
+        let mut all = Vec::with_capacity(blocks.len() + more.len());
+        all.extend_from_slice(&blocks);
+        all.extend_from_slice(more);
+        check(&all)?;
+        *blocks = all;
+        Ok(())
+    }
+
+    fn read(&self) -> parking_lot::RwLockReadGuard<'_, Vec<u32>> {
+        self.0.read()
+    }
+}
+
 /// What the actor owns (see [`ProducerActor`]).
 struct ProducerCore {
     machine: ProducerMachine,
     rank: ProducerRank,
-    src_blocks: Vec<u32>,
+    /// The group's (read here, appended by the directory).
+    src_blocks: SourceBlocks,
     shared: Arc<ProducerShared>,
     /// Where the release goes: the request directory, under this group token.
     released_to: (u64, Recipient<ProducerEnded>),
@@ -171,7 +213,7 @@ impl ProducerRef {
     /// Starts a producer actor on the current arbiter (the system thread).
     pub fn start(
         request: RequestId,
-        src_blocks: Vec<u32>,
+        src_blocks: SourceBlocks,
         staging: Option<SourceStaging>,
         shared: Arc<ProducerShared>,
         released_to: (u64, Recipient<ProducerEnded>),
@@ -265,7 +307,7 @@ impl Drop for ProducerCore {
 impl ProducerCore {
     fn new(
         request: RequestId,
-        src_blocks: Vec<u32>,
+        src_blocks: SourceBlocks,
         staging: Option<SourceStaging>,
         shared: Arc<ProducerShared>,
         released_to: (u64, Recipient<ProducerEnded>),
@@ -361,7 +403,7 @@ impl ProducerCore {
                     Some(plan) => plan.plan_layer(layer, blocks.clone(), &mut self.planned),
                     None => plan_write(
                         &self.shared.local,
-                        &self.src_blocks,
+                        &self.src_blocks.read(),
                         auth.target(),
                         layer,
                         blocks.clone(),
@@ -542,18 +584,6 @@ macro_rules! producer_handler {
             }
         }
     };
-}
-
-impl Handler<SourceBlocksAdded> for ProducerActor {
-    type Result = ();
-    fn handle(&mut self, msg: SourceBlocksAdded, ctx: &mut Context<Self>) {
-        self.handle_with(ctx, true, |core, _| {
-            let span =
-                tracing::info_span!(parent: &core.span, "msg", kind = "SourceBlocksAdded", added = msg.0.len());
-            let _g = span.enter();
-            core.src_blocks.extend(msg.0);
-        });
-    }
 }
 
 producer_handler!(true, HandshakeArrived, |m| ProducerEvent::Handshake(m.0);

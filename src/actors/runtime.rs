@@ -624,8 +624,7 @@ impl Runtime {
     /// The open producer group of `request`, if the directory has one
     /// whose actors still run.
     fn group(&self, request: &RequestId) -> Option<Arc<[ProducerRef]>> {
-        let group = self.producers.read().get(request).cloned()?;
-        group.iter().any(|m| m.connected()).then_some(group)
+        self.producers.live_group(request)
     }
 
     /// Hands layer `layer` of `request` to its producers that are idle, on
@@ -847,7 +846,7 @@ impl Runtime {
         let was_running = self.system_thread.is_some();
         // Layers handed over from now on find no group: the directory,
         // stopped, answers `Stopped`.
-        self.producers.write().clear();
+        self.producers.close();
         self.publisher.stop();
         self.writers.stop();
         self.system.stop();
