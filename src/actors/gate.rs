@@ -73,14 +73,6 @@ pub enum GateCall {
     Finish { request: RequestId },
 }
 
-impl GateCall {
-    pub(crate) fn request(&self) -> &RequestId {
-        match self {
-            Self::Ready { request, .. } | Self::Finish { request } => request,
-        }
-    }
-}
-
 /// Marks outstanding beyond which a push drops the ones already reached.
 pub const PRUNE_AT: usize = 256;
 

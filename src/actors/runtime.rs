@@ -627,40 +627,59 @@ impl Runtime {
         self.producers.live_group(request)
     }
 
-    /// Hands layer `layer` of `request` to its producers that are idle, on
-    /// this thread (see [`super::producer`]); returns the members that were
-    /// not (to be sent the layer), `None` when the request has no open
-    /// producer group.
+    /// The one hand-over of a layer to the producers: layer `layer` of each
+    /// `(request, blocks)`, whose kernels were launched before mark `after`
+    /// (0: written already). Each member of the request's open group that
+    /// is idle runs it on this thread
+    /// ([`ProducerRef::try_layer_ready_inline`], see [`super::producer`]);
+    /// a busy one is sent it as a message, as `busy` says. Returns the
+    /// requests it could not hand the layer to, each with its error.
     fn hand_over(
         &self,
-        request: &RequestId,
         layer: u32,
-        blocks: &Range<u32>,
+        chunks: impl IntoIterator<Item = (RequestId, Range<u32>)>,
         after: MarkSeq,
-    ) -> Option<Vec<ProducerRef>> {
-        let group = self.group(request)?;
-        Some(
-            group
-                .iter()
-                .filter(|m| !m.try_layer_ready_inline(layer, blocks, after))
-                .cloned()
-                .collect(),
-        )
-    }
-
-    /// Sends `LayerReady` to producers that were busy, from the system
-    /// thread, and waits until it was sent: a busy producer's layers queue
-    /// at the pace the system thread takes them, as every message does.
-    fn send_layers(&self, sends: Vec<(ProducerRef, LayerReady)>) -> Result<(), RuntimeError> {
-        if sends.is_empty() {
-            return Ok(());
-        }
-        self.ask(move |_, _| {
-            for (member, msg) in sends {
-                member.send(msg);
+        busy: Busy,
+    ) -> Result<Vec<(RequestId, RuntimeError)>, RuntimeError> {
+        let (mut unknown, mut sends) = (Vec::new(), Vec::new());
+        for (request, blocks) in chunks {
+            let msg = LayerReady { layer, blocks, after };
+            let Some(group) = self.group(&request) else {
+                unknown.push((request, msg));
+                continue;
+            };
+            for member in group.iter() {
+                if !member.try_layer_ready_inline(layer, &msg.blocks, after) {
+                    match busy {
+                        Busy::Direct => member.send(msg.clone()),
+                        Busy::Paced => sends.push((member.clone(), msg.clone())),
+                    }
+                }
             }
-            Ok(())
-        })
+        }
+        match busy {
+            // Released meanwhile (decode gone, cancelled, past its
+            // deadline): nothing more to send for it.
+            Busy::Direct => Ok(unknown
+                .into_iter()
+                .map(|(request, _)| {
+                    let e = RuntimeError::UnknownRequest(request.0.clone());
+                    (request, e)
+                })
+                .collect()),
+            Busy::Paced if sends.is_empty() && unknown.is_empty() => Ok(Vec::new()),
+            // One trip to the directory: the busy members' layers are sent
+            // from its thread, and it says why a request is not open here.
+            Busy::Paced => self.ask(move |d, _| {
+                for (member, msg) in sends {
+                    member.send(msg);
+                }
+                Ok(unknown
+                    .into_iter()
+                    .filter_map(|(request, msg)| d.to_producer(&request, msg).err().map(|e| (request, e)))
+                    .collect())
+            }),
+        }
     }
 
     /// Prefill finished `layer` for request blocks `blocks` (indices into
@@ -674,16 +693,8 @@ impl Runtime {
         blocks: Range<u32>,
     ) -> Result<(), RuntimeError> {
         check_layer(&self.local, layer)?;
-        let msg = LayerReady {
-            layer,
-            blocks,
-            after: 0,
-        };
-        match self.hand_over(request, layer, &msg.blocks, 0) {
-            Some(busy) => self.send_layers(busy.into_iter().map(|m| (m, msg.clone())).collect()),
-            // Not open here: the directory says why.
-            None => self.to_producer(request, msg),
-        }
+        let refused = self.hand_over(layer, [(request.clone(), blocks)], 0, Busy::Paced)?;
+        refused.into_iter().next().map_or(Ok(()), |(_, e)| Err(e))
     }
 
     /// [`Self::layer_ready`] for several requests at once: layer `layer`
@@ -697,31 +708,7 @@ impl Runtime {
         chunks: Vec<(RequestId, Range<u32>)>,
     ) -> Result<Vec<(RequestId, RuntimeError)>, RuntimeError> {
         check_layer(&self.local, layer)?;
-        let (mut unknown, mut sends) = (Vec::new(), Vec::new());
-        for (request, blocks) in chunks {
-            let msg = LayerReady {
-                layer,
-                blocks,
-                after: 0,
-            };
-            match self.hand_over(&request, layer, &msg.blocks, 0) {
-                Some(busy) => sends.extend(busy.into_iter().map(|m| (m, msg.clone()))),
-                None => unknown.push((request, msg)),
-            }
-        }
-        if unknown.is_empty() {
-            self.send_layers(sends)?;
-            return Ok(Vec::new());
-        }
-        self.ask(move |d, _| {
-            for (member, msg) in sends {
-                member.send(msg);
-            }
-            Ok(unknown
-                .into_iter()
-                .filter_map(|(request, msg)| d.to_producer(&request, msg).err().map(|e| (request, e)))
-                .collect())
-        })
+        self.hand_over(layer, chunks, 0, Busy::Paced)
     }
 
     /// Prefill side, on a GPU: the calls of one step, whose layers were
@@ -739,44 +726,38 @@ impl Runtime {
         use super::gate::GateCall;
         let after = mark.map_or(0, |m| self.marks.push(m));
         for call in calls {
-            let known = match &call {
+            let known = match call {
                 GateCall::Ready {
                     request,
                     layer,
                     blocks,
-                } => match check_layer(&self.local, *layer) {
-                    // Busy producers are sent the layer from here: nobody
-                    // waits for a step's calls.
-                    Ok(()) => self
-                        .hand_over(request, *layer, blocks, after)
-                        .map(|busy| {
-                            for member in busy {
-                                member.send(LayerReady {
-                                    layer: *layer,
-                                    blocks: blocks.clone(),
-                                    after,
-                                });
-                            }
-                        })
-                        .is_some(),
-                    Err(e) => {
+                } => {
+                    if let Err(e) = check_layer(&self.local, layer) {
                         tracing::warn!(request = %request, error = %e, "layer gate call failed");
                         continue;
                     }
-                },
-                GateCall::Finish { request } => self
-                    .group(request)
-                    .map(|g| {
+                    // Nobody waits for a step's calls: busy producers are
+                    // sent the layer from here.
+                    match self.hand_over(layer, [(request, blocks)], after, Busy::Direct) {
+                        Ok(refused) => refused.into_iter().next().map(|(r, _)| r),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "layer gate call failed");
+                            None
+                        }
+                    }
+                }
+                GateCall::Finish { request } => match self.group(&request) {
+                    Some(g) => {
                         for member in g.iter() {
                             member.send(FinishRequest);
                         }
-                    })
-                    .is_some(),
+                        None
+                    }
+                    None => Some(request),
+                },
             };
-            if !known {
-                // Released meanwhile (decode gone, cancelled, past its
-                // deadline): nothing more to send for it.
-                tracing::debug!(request = %call.request(), "layer gate: request already released");
+            if let Some(request) = known {
+                tracing::debug!(request = %request, "layer gate: request already released");
             }
         }
     }
@@ -871,6 +852,20 @@ impl Drop for Runtime {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+/// How a layer reaches a producer that is busy (its inbox not empty, or a
+/// write of it held back), for [`Runtime::hand_over`]: the one busy policy,
+/// chosen by the caller's platform.
+#[derive(Clone, Copy)]
+enum Busy {
+    /// Sent from the system thread, and the caller waits until it was (the
+    /// CPU paths: a busy producer's layers queue at the pace the system
+    /// thread takes them, as every message does).
+    Paced,
+    /// Sent from the caller's thread without waiting (the GPU path: nobody
+    /// waits for a step's calls; each write waits for its layer's mark).
+    Direct,
 }
 
 /// A setting or argument out of range (raised as `InvalidArgumentError`).
