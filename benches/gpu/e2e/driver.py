@@ -1074,7 +1074,6 @@ class Fleet:
             for s in self.pairs[base]:
                 s.extra_env["VLLM_SERVER_DEV_MODE"] = "1"
         # A/B: a second OrbitKV pair with one setting changed (--ab):
-        #   python-gate  GPU writes ordered by the older Python thread (ORBITKV_LAYER_GATE=python)
         #   one-lane     one writer per peer (orbitkv.pd.writer_lanes = 1), as before lanes
         #   device-wait  Mooncake's own submit-time wait on the writer's default stream
         #                (orbitkv.pd.mooncake_submit_wait = "device"), as before it was redirected
@@ -1085,7 +1084,7 @@ class Fleet:
         #                decode's grant, scattered into decode's pages
         ab = ctx.args.ab
         if ab != "none" and f"orbit-{ab}" in systems:
-            env = dict(orbit_env, ORBITKV_LAYER_GATE="python") if ab == "python-gate" else dict(orbit_env)
+            env = dict(orbit_env)
             self.opre_ab = mk("orbitab-prefill", 0, "orbit", env)
             self.odec_ab = mk("orbitab-decode", 1, "orbit", env)
             if ab == "one-lane":
@@ -2016,14 +2015,13 @@ def main(argv: list[str] | None = None) -> int:
                         "per-layer connector hooks (every layer then goes at wait_for_save; counted)")
     p.add_argument("--one-gpu", action="store_true",
                    help="every instance on GPU 0 (a one-GPU machine; the transfer stays on one device)")
-    p.add_argument("--ab", choices=("auto", "none", "one-lane", "python-gate", "device-wait", "wide-ranges", "lanes-16",
+    p.add_argument("--ab", choices=("auto", "none", "one-lane", "device-wait", "wide-ranges", "lanes-16",
                                     "staging"),
                    default="auto",
-                   help="a second OrbitKV pair with one setting changed: one writer per peer, the Python "
-                        "layer-ordering thread (ORBITKV_LAYER_GATE=python), or Mooncake's own submit-time "
-                        "stream wait (orbitkv.pd.mooncake_submit_wait = device), or 8192 ranges in flight per "
-                        "peer instead of 768 (orbitkv.pd.max_inflight_ranges); auto: device-wait on two GPUs, "
-                        "none with --one-gpu")
+                   help="a second OrbitKV pair with one setting changed: one writer per peer, or Mooncake's "
+                        "own submit-time stream wait (orbitkv.pd.mooncake_submit_wait = device), or 8192 ranges "
+                        "in flight per peer instead of 768 (orbitkv.pd.max_inflight_ranges), or 16 writers per "
+                        "peer, or every request staged; auto: device-wait on two GPUs, none with --one-gpu")
     p.add_argument("--big-max-model-len", type=int, default=36864)
     p.add_argument("--gen", type=int, default=12, help="tokens generated per correctness request")
     p.add_argument("--tol-fp32", type=float, default=0.01)

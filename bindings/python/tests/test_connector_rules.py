@@ -21,6 +21,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+import torch
 
 import orbitkv
 from orbitkv.vllm import params as kvp
@@ -846,7 +847,7 @@ def gpu_worker(worker: PdWorker, monkeypatch: pytest.MonkeyPatch) -> PdWorker:
     import orbitkv.vllm.worker as wmod
 
     monkeypatch.setattr(wmod, "_stream_handle", lambda: 0x5EED)
-    worker.is_cuda, worker._rust_gate, worker._ordered = True, True, None
+    worker.is_cuda, worker._rust_gate = True, True
     worker._layer_index = {"layer.0": 0, "layer.1": 1}
     return worker
 
@@ -890,9 +891,9 @@ class GateFailsRuntime(RecordingRuntime):
 def test_a_gate_that_fails_after_taking_layers_aborts_that_steps_requests(
     worker: PdWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Falling back to the Python thread mid-request could let a finish
-    overtake layers the gate still holds: the step's requests are aborted
-    instead (decode recomputes), and never finished."""
+    """Falling back to the CPU way mid-request could let a finish overtake
+    layers the gate still holds: the step's requests are aborted instead
+    (decode recomputes), and never finished."""
     w = gpu_worker(worker, monkeypatch)
     w.runtime = GateFailsRuntime(ok=1)  # type: ignore[assignment]
     meta = PdConnectorMetadata()
@@ -903,6 +904,32 @@ def test_a_gate_that_fails_after_taking_layers_aborts_that_steps_requests(
     w.wait_for_save()
     names = [c[0] for c in w.runtime.calls]  # type: ignore[attr-defined]
     assert names == ["producer_open", "layers_ready_after", "producer_abort"]
+    assert not w._rust_gate
+
+
+def test_a_gate_unavailable_from_the_start_waits_for_each_layer_then_goes_the_cpu_way(
+    worker: PdWorker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No usable CUDA driver from Rust before any layer: each layer waits for
+    the stream's kernels on the worker's thread, then goes as on CPU (one
+    call for the step's requests), and the finish follows it directly."""
+    w = gpu_worker(worker, monkeypatch)
+    w.runtime = GateFailsRuntime(ok=0)  # type: ignore[assignment]
+    synced: list[int] = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(synchronize=lambda: synced.append(1)))
+    meta = PdConnectorMetadata()
+    meta.producer_chunks.append(ProducerChunk("p1", "pd-1", CAP, 1, True, [1], 0, 1, True))
+    w.start_load_kv(meta)
+    w.save_kv_layer("layer.0", None)  # type: ignore[arg-type]
+    w.save_kv_layer("layer.1", None)  # type: ignore[arg-type]
+    w.wait_for_save()
+    calls = [c for c in w.runtime.calls if c[0] != "producer_open"]  # type: ignore[attr-defined]
+    assert calls == [
+        ("layers_ready", 0, [("pd-1", 0, 1)]),
+        ("layers_ready", 1, [("pd-1", 0, 1)]),
+        ("producer_finish", "pd-1"),
+    ]
+    assert synced == [1, 1], "each layer waited for its kernels before it was handed over"
     assert not w._rust_gate
 
 

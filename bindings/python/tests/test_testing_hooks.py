@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,6 +47,68 @@ def test_write_delay_follows_the_file(monkeypatch: pytest.MonkeyPatch, tmp_path:
     assert h.write_delay_s() == 0.0
     f.unlink()
     assert h.write_delay_s() == 0.0
+
+
+class _Recording:
+    """Stands in for the runtime behind the slow link: records the calls
+    that reached it, in order."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def layers_ready(self, layer: int, chunks: list[tuple[str, int, int]]) -> list[tuple[str, Exception]]:
+        self.calls.append(("layers_ready", layer, chunks))
+        return []
+
+    def producer_finish(self, pd_id: str) -> None:
+        self.calls.append(("producer_finish", pd_id))
+
+    def stats(self) -> dict[str, int]:
+        return {"k": 1}
+
+    def shutdown(self) -> None:
+        self.calls.append(("shutdown",))
+
+
+def test_without_the_delay_the_runtime_is_not_wrapped(monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = _Recording()
+    assert hooks.Faults().wrap_runtime(rt) is rt  # type: ignore[arg-type]
+    monkeypatch.setenv(hooks.CORRUPT_ENV, "1")
+    monkeypatch.delenv(hooks.WRITE_DELAY_ENV, raising=False)
+    h = hooks.TestingHooks.from_env()
+    assert h is not None and h.wrap_runtime(rt) is rt  # type: ignore[arg-type]
+
+
+def test_the_slow_link_delays_hand_overs_and_keeps_the_finish_behind_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    f = tmp_path / "delay"
+    monkeypatch.delenv(hooks.CORRUPT_ENV, raising=False)
+    monkeypatch.setenv(hooks.WRITE_DELAY_ENV, str(f))
+    h = hooks.TestingHooks.from_env()
+    assert h is not None
+    rt = _Recording()
+    link: Any = h.wrap_runtime(rt)  # type: ignore[arg-type]
+    # No delay, nothing queued: straight through.
+    assert link.layers_ready(0, [("a", 0, 1)]) == []
+    link.producer_finish("a")
+    assert rt.calls == [("layers_ready", 0, [("a", 0, 1)]), ("producer_finish", "a")]
+    # A delay: the hand-over reaches the runtime later, and the finish, sent
+    # meanwhile, after it; other calls go straight through.
+    rt.calls.clear()
+    f.write_text("0.3")
+    t0 = time.monotonic()
+    assert link.layers_ready(1, [("b", 0, 2)]) == []
+    f.write_text("0")
+    link.producer_finish("b")
+    assert rt.calls == [] and link.stats() == {"k": 1}
+    deadline = time.monotonic() + 10
+    while len(rt.calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert rt.calls == [("layers_ready", 1, [("b", 0, 2)]), ("producer_finish", "b")]
+    assert time.monotonic() - t0 >= 0.3
+    link.shutdown()
+    assert rt.calls[-1] == ("shutdown",)
 
 
 @pytest.mark.parametrize("shape", [(6, 2, 4, 8), (2, 6, 4, 2, 8)], ids=["cpu-layout", "kv-planes-first"])

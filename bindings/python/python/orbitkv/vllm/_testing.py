@@ -13,14 +13,16 @@ Never set them in production.
     the request is reported to vLLM, so decode computes on KV that differs
     from the prefill's. It shows that decode really uses the transferred KV.
 
-``ORBITKV_TESTING_WRITE_DELAY`` (prefill instance)
+``ORBITKV_TESTING_WRITE_DELAY`` (prefill instance, CPU)
     A path. While that file exists and holds a number of seconds, each layer
-    write a producer submits is handed to the runtime that much later, from a
-    background thread (a slow link): prefill finishes computing before its KV
-    has reached decode, which opens a window for "aborted during transfer".
-    While the variable is set, writes go through that thread whenever the
-    file holds a positive delay or earlier writes are still queued, so their
-    order is kept.
+    hand-over (``Runtime.layers_ready``) reaches the runtime that much later,
+    from a background thread (a slow link, :class:`SlowLink`, put in front
+    of the worker's runtime once, when it starts): prefill finishes
+    computing before its KV has reached decode, which opens a window for
+    "aborted during transfer". While the variable is set, hand-overs go
+    through that thread whenever the file holds a positive delay or earlier
+    ones are still queued, and a finish goes behind those still queued, so
+    their order is kept. The worker's own dispatch has no branch for it.
 """
 
 from __future__ import annotations
@@ -28,11 +30,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
+import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+from orbitkv import OrbitKVError
+
+if TYPE_CHECKING:
+    from orbitkv import Runtime
 
 logger = logging.getLogger("orbitkv.vllm.testing")
 
@@ -45,17 +54,10 @@ class Faults:
     path. These are the production no-ops; :class:`TestingHooks` overrides
     them. :func:`faults_from_env` makes the worker's one instance."""
 
-    @property
-    def delays_writes(self) -> bool:
-        """Whether layer writes may be delayed (the worker then keeps a
-        background thread for them)."""
-        return False
-
-    def write_delay(self, queued: int) -> float | None:
-        """The delay to hand this layer's writes to the runtime with, from the
-        background thread, given the calls ``queued`` there; None: write them
-        the ordinary way."""
-        return None
+    def wrap_runtime(self, runtime: Runtime) -> Runtime:
+        """The runtime the worker makes its calls on: ``runtime`` itself
+        (the test hooks may put a slow link in front of it)."""
+        return runtime
 
     def after_load(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, blocks: list[int] | None) -> None:
         """A consumer's KV load into ``blocks`` completed (after any staging
@@ -67,11 +69,69 @@ def faults_from_env() -> Faults:
     return TestingHooks.from_env() or Faults()
 
 
-def delayed(delay_s: float, fn: Any, *args: Any) -> None:
-    """Calls ``fn(*args)`` after ``delay_s`` seconds (a slow link)."""
-    if delay_s > 0:
-        time.sleep(delay_s)
-    fn(*args)
+class SlowLink:
+    """A slow link in front of a runtime (``ORBITKV_TESTING_WRITE_DELAY``):
+    ``layers_ready`` reaches the runtime ``delay_s()`` seconds later, from a
+    background thread, while the delay is positive or earlier calls are
+    still queued there (then it answers that nothing was refused; the
+    thread logs what the runtime refused); ``producer_finish`` goes behind
+    the calls still queued; every other call goes straight through."""
+
+    def __init__(self, runtime: Runtime, delay_s: Any) -> None:
+        self._rt = runtime
+        self._delay_s = delay_s
+        self._q: queue.Queue[Any] = queue.Queue()
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._t = threading.Thread(target=self._run, name="orbitkv-testing-slow-link", daemon=True)
+        self._t.start()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._rt, name)
+
+    def _run(self) -> None:
+        while (item := self._q.get()) is not None:
+            delay, fn, args = item
+            try:
+                if delay > 0:
+                    time.sleep(delay)
+                refused = fn(*args)
+                for pd_id, err in refused or ():
+                    logger.debug("slow link: %s for %s refused: %s", fn.__name__, pd_id, err)
+            except OrbitKVError as e:
+                logger.debug("slow link: %s failed: %s", fn.__name__, e)
+            except Exception:
+                logger.exception("slow link: %s failed", fn.__name__)
+            finally:
+                with self._lock:
+                    self._pending -= 1
+
+    def _put(self, delay: float, fn: Any, *args: Any) -> None:
+        with self._lock:
+            self._pending += 1
+        self._q.put((delay, fn, args))
+
+    def _queued(self) -> int:
+        with self._lock:
+            return self._pending
+
+    def layers_ready(self, layer: int, chunks: list[tuple[str, int, int]]) -> list[tuple[str, Exception]]:
+        delay = self._delay_s()
+        if delay <= 0 and self._queued() == 0:
+            return self._rt.layers_ready(layer, chunks)
+        self._put(delay, self._rt.layers_ready, layer, chunks)
+        return []
+
+    def producer_finish(self, pd_id: str) -> None:
+        if self._queued() == 0:
+            self._rt.producer_finish(pd_id)
+        else:
+            self._put(0.0, self._rt.producer_finish, pd_id)
+
+    def shutdown(self) -> None:
+        self._q.put(None)
+        self._t.join(timeout=10)
+        self._rt.shutdown()
 
 
 @dataclass
@@ -118,16 +178,10 @@ class TestingHooks(Faults):
         except (OSError, ValueError):
             return 0.0
 
-    @property
-    def delays_writes(self) -> bool:
-        return self.write_delay_file is not None
-
-    def write_delay(self, queued: int) -> float | None:
-        # Through the thread while the file holds a positive delay or earlier
-        # writes are still queued there, so their order is kept.
-        if not self.delays_writes or not (queued > 0 or self.write_delay_s() > 0):
-            return None
-        return self.write_delay_s()
+    def wrap_runtime(self, runtime: Runtime) -> Runtime:
+        if self.write_delay_file is None:
+            return runtime
+        return cast("Runtime", SlowLink(runtime, self.write_delay_s))
 
     def after_load(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, blocks: list[int] | None) -> None:
         # Decode must compute on changed KV: the first block the request

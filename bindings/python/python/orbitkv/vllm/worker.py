@@ -13,9 +13,6 @@ import contextlib
 import json
 import logging
 import os
-import queue
-import threading
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +29,7 @@ from orbitkv import (
     producer_ranks,
 )
 from orbitkv.staging import BlockIndex, StagingCopier
-from orbitkv.vllm._testing import delayed, faults_from_env
+from orbitkv.vllm._testing import faults_from_env
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.layout import kv_layout_of
 from orbitkv.vllm.ledger import Ledger
@@ -88,53 +85,6 @@ def _stream_handle() -> int:
     return int(_current_stream().cuda_stream)
 
 
-class _Ordered:
-    """Runs calls in order on one background Python thread; each call may
-    wait for a torch CUDA event first. On GPU this is the fallback (and the
-    diagnostic ``ORBITKV_LAYER_GATE=python``) for the runtime's layer gate,
-    which waits in Rust without the GIL; on CPU it carries the test hook's
-    delayed writes."""
-
-    def __init__(self) -> None:
-        self._q: queue.Queue[Any] = queue.Queue()
-        self._lock = threading.Lock()
-        self.pending = 0  # calls queued or running
-        # Steps' layers admitted after an event, and the sum of their lag
-        # (queued -> admitted), as the runtime counts its gate's.
-        self.ready_items = 0
-        self.ready_lag_us = 0
-        self._t = threading.Thread(target=self._run, name="orbitkv-layer-ready", daemon=True)
-        self._t.start()
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            if item is None:
-                return
-            event, queued, fn, args = item
-            try:
-                if event is not None:
-                    event.synchronize()
-                    with self._lock:
-                        self.ready_items += 1
-                        self.ready_lag_us += int((time.perf_counter() - queued) * 1e6)
-                fn(*args)
-            except Exception:  # reported through the runtime's events
-                logger.exception("OrbitKV background call failed")
-            finally:
-                with self._lock:
-                    self.pending -= 1
-
-    def put(self, event: Any, fn: Any, *args: Any) -> None:
-        with self._lock:
-            self.pending += 1
-        self._q.put((event, time.perf_counter(), fn, args))
-
-    def close(self) -> None:
-        self._q.put(None)
-        self._t.join(timeout=10)
-
-
 class PdWorker:
     def __init__(self, vllm_config: VllmConfig, config: PdConfig):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
@@ -157,12 +107,12 @@ class PdWorker:
         # Test-only fault hooks (_testing.py): no-ops unless their environment
         # variables are set.
         self._faults = faults_from_env()
-        # On GPU a layer goes to the runtime's layer gate (a CUDA event,
-        # waited for in Rust, no GIL); ORBITKV_LAYER_GATE=python selects the
-        # older Python thread instead (a diagnostic A/B; also the fallback
-        # when the CUDA driver cannot be used from Rust).
-        self._rust_gate = self.is_cuda and os.environ.get("ORBITKV_LAYER_GATE", "rust") != "python"
-        self._ordered = _Ordered() if (self.is_cuda and not self._rust_gate) or self._faults.delays_writes else None
+        # One layer dispatch per platform (_save_layer): on GPU the runtime's
+        # layer gate (a CUDA event waited for in Rust, no GIL); on CPU one
+        # call for the step's requests. A GPU whose CUDA driver cannot be
+        # used from Rust waits for each layer's kernels here instead, then
+        # goes the CPU way (_gate_failed).
+        self._rust_gate = self.is_cuda
         self._gate_used = False
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._num_blocks = 0
@@ -290,6 +240,8 @@ class PdWorker:
             key=self.config.side_channel_key,
             mooncake_bootstrap=self._mooncake_bootstrap(),
         )
+        # The worker's own calls (a test hook may put a slow link in front).
+        self.runtime = self._faults.wrap_runtime(self.runtime)
 
     def _mooncake_bootstrap(self) -> tuple[str, list[str]] | None:
         """With the ``mooncake`` dialect on, rank 0's side channel also
@@ -566,63 +518,53 @@ class PdWorker:
 
     def _save_layer(self, idx: int) -> None:
         """Admits layer ``idx`` of this step's chunks (their writes start once
-        the layer's kernels are done on GPU)."""
+        the layer's kernels are done on GPU): one path per platform."""
         rt = self.runtime
         assert rt is not None
         self._gather(idx)
+        chunks = [(ch.pd_id, ch.start_block, ch.end_block) for ch in self._step_chunks]
         if self._rust_gate:
             # CUDA: the attention kernel may still be writing this layer. The
             # runtime records an event on this stream and admits the layer
             # once the GPU passed it, on its own thread.
-            chunks = [(ch.pd_id, ch.start_block, ch.end_block) for ch in self._step_chunks]
             try:
                 rt.layers_ready_after(_stream_handle(), idx, chunks)
                 self._gate_used = True
             except OrbitKVError as e:
                 if self._gate_failed(e):
                     self._save_layer(idx)
-                return
-        elif self.is_cuda:
-            assert self._ordered is not None
-            # CUDA: the attention kernel may still be writing this layer.
-            ev = torch.cuda.Event()
-            ev.record()
-            for ch in self._step_chunks:
-                self._ordered.put(ev, self._producer_call, rt.layer_ready, ch.pd_id, idx, ch.start_block, ch.end_block)
-        elif self._ordered is not None and (delay := self._faults.write_delay(self._ordered.pending)) is not None:
-            # Test hook (ORBITKV_TESTING_WRITE_DELAY): a slow link.
-            for ch in self._step_chunks:
-                self._ordered.put(
-                    None, delayed, delay, self._producer_call, rt.layer_ready, ch.pd_id, idx, ch.start_block, ch.end_block
-                )
-        elif self._step_chunks:
-            # One call into the runtime for every request of this step.
-            try:
-                refused = rt.layers_ready(idx, [(ch.pd_id, ch.start_block, ch.end_block) for ch in self._step_chunks])
-            except OrbitKVError as e:
-                logger.warning("layers_ready for layer %d failed: %s", idx, e)
-                refused = [(ch.pd_id, e) for ch in self._step_chunks]
-            gone = set()
-            for pd_id, err in refused:
-                if isinstance(err, UnknownRequestError):
-                    logger.debug("layer_ready for %s: already released, nothing more to send", pd_id)
-                else:
-                    logger.warning("layer_ready for %s failed: %s", pd_id, err)
-                gone.add(pd_id)
-            if gone:  # released under us: nothing more to send for it
-                self._step_chunks = [ch for ch in self._step_chunks if ch.pd_id not in gone]
+            return
+        if self.is_cuda:
+            # Without the runtime's gate: the layer's kernels are done first.
+            torch.cuda.current_stream().synchronize()
+        if not chunks:
+            return
+        # One call into the runtime for every request of this step.
+        try:
+            refused = rt.layers_ready(idx, chunks)
+        except OrbitKVError as e:
+            logger.warning("layers_ready for layer %d failed: %s", idx, e)
+            refused = [(pd_id, e) for pd_id, _, _ in chunks]
+        gone = set()
+        for pd_id, err in refused:
+            if isinstance(err, UnknownRequestError):
+                logger.debug("layer_ready for %s: already released, nothing more to send", pd_id)
+            else:
+                logger.warning("layer_ready for %s failed: %s", pd_id, err)
+            gone.add(pd_id)
+        if gone:  # released under us: nothing more to send for it
+            self._step_chunks = [ch for ch in self._step_chunks if ch.pd_id not in gone]
 
     def _gate_failed(self, e: Exception) -> bool:
         """The runtime's layer gate cannot be used (no usable CUDA driver from
-        Rust): fall back to the Python thread for this worker's life. Returns
-        whether this layer may go that way. Once the gate has taken layers,
-        the Python thread could overtake what it still holds (a request
+        Rust): from now on this worker waits for each layer's kernels itself
+        and hands it over the CPU way. Returns whether this layer may go that
+        way. Once the gate has taken layers, a layer handed over without a
+        mark could be written before ones the gate still holds (a request
         finished before its last layers were admitted), so the requests of
         this step are aborted instead (decode recomputes them)."""
-        logger.warning("OrbitKV layer gate unavailable (%s): using a Python thread to order writes", e)
+        logger.warning("OrbitKV layer gate unavailable (%s): waiting for each layer's kernels on this thread", e)
         self._rust_gate = False
-        if self._ordered is None:
-            self._ordered = _Ordered()
         if not self._gate_used:
             return True
         rt = self.runtime
@@ -668,12 +610,9 @@ class PdWorker:
             prod = self.ledger.producers.get(ch.pd_id) if ch.last else None
             if prod is not None and not prod.finished:
                 prod.finished = True
-                if self._rust_gate:
-                    self._producer_call(rt.producer_finish_after, ch.pd_id)
-                elif self._ordered is not None and (self.is_cuda or self._ordered.pending > 0):
-                    self._ordered.put(None, self._producer_call, rt.producer_finish, ch.pd_id)
-                else:
-                    self._producer_call(rt.producer_finish, ch.pd_id)
+                # After the layers handed over before it, by the same path.
+                finish = rt.producer_finish_after if self._rust_gate else rt.producer_finish
+                self._producer_call(finish, ch.pd_id)
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
         rt = self.runtime
@@ -766,9 +705,6 @@ class PdWorker:
         if self.runtime is None:
             return None
         now = self.runtime.stats()
-        if self._ordered is not None:  # the Python thread's share (fallback/diagnostic)
-            now["ready_items"] = now.get("ready_items", 0) + self._ordered.ready_items
-            now["ready_lag_micros"] = now.get("ready_lag_micros", 0) + self._ordered.ready_lag_us
         delta = {k: now.get(k, 0) - self._last_stats.get(k, 0) for k in COUNTERS}
         self._last_stats = {k: now.get(k, 0) for k in COUNTERS}
         stats = PdConnectorStats(data=delta)
@@ -778,8 +714,6 @@ class PdWorker:
         return self.runtime.live_requests() if self.runtime is not None else (0, 0)
 
     def shutdown(self) -> None:
-        if self._ordered is not None:
-            self._ordered.close()
         if self.side_channel is not None:
             self.side_channel.close()
             self.side_channel = None
