@@ -34,9 +34,7 @@ use crate::actors::stats::Stats;
 use crate::ids::{Generation, ProducerRank, RequestId};
 use crate::wire::{Fence, Outcome};
 
-/// Paths of the prefill side channel.
-pub const HANDSHAKE_PATH: &str = "/orbitkv/v1/handshake";
-pub const CANCEL_PATH: &str = "/orbitkv/v1/cancel";
+pub use super::{CANCEL_PATH, HANDSHAKE_PATH};
 
 /// Longest reply read back (error bodies are small).
 const MAX_REPLY: u64 = 64 << 10;
@@ -225,7 +223,9 @@ pub fn post_while_busy(
 }
 
 /// One HTTP/1.1 POST (`Connection: close`), signed with `key` when given.
-/// Returns the status and the reply body.
+/// Returns the status and the reply body. The one side-channel client: the
+/// publisher's threads use it, and Python's `orbitkv.vllm.side_channel`
+/// (through the binding's `side_channel_post`).
 pub fn post(
     addr: &str,
     path: &str,

@@ -61,6 +61,18 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     defaults.set_item("staging_min_ranges", d.staging_min_ranges)?;
     defaults.set_item("inline_submit_max_ranges", d.inline_submit_max_ranges)?;
     m.add("RUNTIME_DEFAULTS", defaults)?;
+    // The side channel's protocol constants and defaults: written once, in
+    // the core (orbitkv.vllm.side_channel reads them from here).
+    m.add("SIDE_CHANNEL_HANDSHAKE_PATH", orbitkv::side_channel::HANDSHAKE_PATH)?;
+    m.add("SIDE_CHANNEL_CANCEL_PATH", orbitkv::side_channel::CANCEL_PATH)?;
+    m.add("SIDE_CHANNEL_HEALTH_PATH", orbitkv::side_channel::HEALTH_PATH)?;
+    m.add("SIDE_CHANNEL_SIGNATURE_HEADER", orbitkv::side_channel::SIGNATURE_HEADER)?;
+    let sc = orbitkv::SideChannelConfig::default();
+    let sc_defaults = pyo3::types::PyDict::new(m.py());
+    sc_defaults.set_item("max_body", sc.max_body)?;
+    sc_defaults.set_item("read_timeout_s", sc.read_timeout.as_secs_f64())?;
+    sc_defaults.set_item("max_connections", sc.max_connections)?;
+    m.add("SIDE_CHANNEL_DEFAULTS", sc_defaults)?;
     m.add_class::<context::ClosesOnExit>()?;
     m.add_class::<engine::PyEngine>()?;
     m.add_class::<engine::PyBatch>()?;
@@ -72,5 +84,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(runtime::new_capability, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::cancel_message, m)?)?;
     m.add_function(wrap_pyfunction!(runtime::producer_ranks, m)?)?;
+    m.add_function(wrap_pyfunction!(side_channel::side_channel_post, m)?)?;
+    m.add_function(wrap_pyfunction!(side_channel::side_channel_sign, m)?)?;
     Ok(())
 }

@@ -36,31 +36,34 @@ pub struct PySideChannel {
 impl PySideChannel {
     #[new]
     #[allow(clippy::too_many_arguments)] // mirrors the keyword-only Python signature
-    #[pyo3(signature = (runtime, host, port, *, key=None, read_timeout_s=10.0, max_connections=64,
-        max_body=16_777_216, mooncake_bootstrap=None))]
+    // Every setting left out (None) is `SideChannelConfig::default()`'s
+    // (Python reads them as `orbitkv._native.SIDE_CHANNEL_DEFAULTS`).
+    #[pyo3(signature = (runtime, host, port, *, key=None, read_timeout_s=None, max_connections=None,
+        max_body=None, mooncake_bootstrap=None))]
     fn new(
         py: Python<'_>,
         runtime: &PyRuntime,
         host: &str,
         port: u16,
         key: Option<&[u8]>,
-        read_timeout_s: f64,
-        max_connections: usize,
-        max_body: usize,
+        read_timeout_s: Option<f64>,
+        max_connections: Option<usize>,
+        max_body: Option<usize>,
         mooncake_bootstrap: Option<(String, Vec<String>)>,
     ) -> PyResult<PyClassInitializer<Self>> {
+        let d = SideChannelConfig::default();
         let cfg = SideChannelConfig {
             host: host.to_string(),
             port,
             key: key.map(<[u8]>::to_vec),
-            read_timeout: seconds(py, "read_timeout_s", read_timeout_s)?,
-            max_connections,
-            max_body,
+            read_timeout: read_timeout_s.map_or(Ok(d.read_timeout), |s| seconds(py, "read_timeout_s", s))?,
+            max_connections: max_connections.unwrap_or(d.max_connections),
+            max_body: max_body.unwrap_or(d.max_body),
             mooncake_bootstrap: mooncake_bootstrap.map(|(engine_id, worker_addrs)| MooncakeBootstrap {
                 engine_id,
                 worker_addrs,
             }),
-            ..SideChannelConfig::default()
+            ..d
         };
         let rt = runtime.rt(py)?;
         let inner = py
@@ -139,4 +142,31 @@ impl Drop for PySideChannel {
             Python::attach(|py| py.detach(|| inner.stop()));
         }
     }
+}
+
+/// `side_channel_post(address, path, body, timeout_s, key=None) -> (status,
+/// body)`: one POST to a side channel with the core's client (the decode
+/// side's publisher uses the same), signed with `key` when given, without
+/// the GIL. Raises `OSError` (`ConnectionRefusedError`, `TimeoutError`, ...)
+/// when nothing was answered. `orbitkv.vllm.side_channel` wraps it.
+#[pyfunction]
+#[pyo3(signature = (address, path, body, timeout_s, key=None))]
+pub fn side_channel_post(
+    py: Python<'_>,
+    address: &str,
+    path: &str,
+    body: &str,
+    timeout_s: f64,
+    key: Option<&[u8]>,
+) -> PyResult<(u16, String)> {
+    let timeout = seconds(py, "timeout_s", timeout_s)?;
+    py.detach(|| orbitkv::side_channel::client::post(address, path, body, key, timeout))
+        .map_err(PyErr::from)
+}
+
+/// `side_channel_sign(key, body) -> str`: the signature header's value for
+/// `body` under the deployment key (`sha256=<hex HMAC-SHA256>`).
+#[pyfunction]
+pub fn side_channel_sign(key: &[u8], body: &[u8]) -> String {
+    orbitkv::side_channel::sign(key, body)
 }

@@ -10,6 +10,11 @@ from typing_extensions import Self
 __all__ = [
     "PINNED_MOONCAKE_VERSION",
     "RUNTIME_DEFAULTS",
+    "SIDE_CHANNEL_CANCEL_PATH",
+    "SIDE_CHANNEL_DEFAULTS",
+    "SIDE_CHANNEL_HANDSHAKE_PATH",
+    "SIDE_CHANNEL_HEALTH_PATH",
+    "SIDE_CHANNEL_SIGNATURE_HEADER",
     "STATS_FIELDS",
     "Batch",
     "MooncakeTransferEngine",
@@ -23,6 +28,8 @@ __all__ = [
     "install_trace",
     "new_capability",
     "producer_ranks",
+    "side_channel_post",
+    "side_channel_sign",
 ]
 
 __version__: str
@@ -37,6 +44,19 @@ STATS_FIELDS: tuple[str, ...]
 RUNTIME_DEFAULTS: dict[str, float | int]
 """The runtime's defaults (Rust's `RuntimeConfig::default()`), keyed by
 `Runtime(...)`'s keyword names: the one place they are written."""
+
+SIDE_CHANNEL_HANDSHAKE_PATH: str
+"""Where a side channel takes handshakes (`/orbitkv/v1/handshake`)."""
+SIDE_CHANNEL_CANCEL_PATH: str
+"""Where a side channel takes cancels and fences (`/orbitkv/v1/cancel`)."""
+SIDE_CHANNEL_HEALTH_PATH: str
+"""Where a side channel answers its health (`/orbitkv/v1/health`)."""
+SIDE_CHANNEL_SIGNATURE_HEADER: str
+"""The header that carries a POST's signature under the deployment key."""
+SIDE_CHANNEL_DEFAULTS: dict[str, float | int]
+"""The side channel's defaults (Rust's `SideChannelConfig::default()`),
+keyed by `SideChannel(...)`'s keyword names (`max_body`, `read_timeout_s`,
+`max_connections`)."""
 
 # An int address, a torch tensor (duck-typed: data_ptr, numel, element_size,
 # is_contiguous, device), or a writable C-contiguous buffer (numpy array,
@@ -493,7 +513,8 @@ class SideChannel(_ClosesOnExit):
     `/orbitkv/v1/cancel`; `GET /orbitkv/v1/health` answers `{"ok": true}`.
 
     `SideChannel(runtime, host, port, *, key=None, read_timeout_s=10.0,
-    max_connections=64, max_body=16 MiB, mooncake_bootstrap=None)` listens at
+    max_connections=64, max_body=16 MiB, mooncake_bootstrap=None)` (a setting
+    left out or None: `SIDE_CHANNEL_DEFAULTS`'s) listens at
     once (port 0 picks a free one; `address` tells) and serves `runtime`'s
     producer side on its own threads until `close()`; nothing touches Python
     while it serves. `mooncake_bootstrap=(engine_id, [rank 0's side channel
@@ -521,9 +542,9 @@ class SideChannel(_ClosesOnExit):
         port: int,
         *,
         key: bytes | None = None,
-        read_timeout_s: float = 10.0,
-        max_connections: int = 64,
-        max_body: int = 16777216,
+        read_timeout_s: float | None = None,
+        max_connections: int | None = None,
+        max_body: int | None = None,
         mooncake_bootstrap: tuple[str, list[str]] | None = None,
     ) -> Self: ...
     @property
@@ -573,6 +594,19 @@ def cancel_message(
     side channel when it gives `request_id` up before authorizing anything,
     or, with `generation` and `consumer_rank`, the fence of an authorization
     it released."""
+
+def side_channel_post(
+    address: str, path: str, body: str, timeout_s: float, key: bytes | None = None
+) -> tuple[int, str]:
+    """One POST of `body` to a side channel at `address` (`host:port`) with
+    the core's client (the one the decode side's publisher uses), signed
+    with `key` when given, without the GIL: the status and the reply body.
+    Raises `OSError` (`ConnectionRefusedError`, `TimeoutError`, ...) when
+    nothing was answered."""
+
+def side_channel_sign(key: bytes, body: bytes) -> str:
+    """The signature header's value for `body` under the deployment key:
+    `sha256=<hex HMAC-SHA256(key, body)>`."""
 
 def producer_ranks(total_kv_heads: int, consumer_rank: int, consumer_tp: int, producer_tp: int) -> list[int]:
     """The prefill ranks (TP size `producer_tp`) that send to decode rank

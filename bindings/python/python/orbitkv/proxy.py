@@ -47,6 +47,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
+from orbitkv import _native
 from orbitkv.vllm.config import DEFAULT_SIDE_CHANNEL_PORT, KEY_ENV, read_side_channel_key
 from orbitkv.vllm.params import CONSUMER, PRODUCER, SIGNATURE, PdParams, sign
 
@@ -531,8 +532,8 @@ class PrefillMismatch(RuntimeError):
     each other), or cannot be reached: decode could not hand it its pages."""
 
 
-# The side channel's health route (src/side_channel/mod.rs, HEALTH_PATH).
-SIDE_CHANNEL_HEALTH = "/orbitkv/v1/health"
+# The side channel's health route (written once, in the core: HEALTH_PATH).
+SIDE_CHANNEL_HEALTH: str = _native.SIDE_CHANNEL_HEALTH_PATH
 
 
 async def _side_channel_health(session: aiohttp.ClientSession, host: str, port: int) -> dict[str, Any]:

@@ -16,17 +16,16 @@ body)>`` (:func:`sign`); one without a valid signature gets ``401`` before its
 body is parsed. Replies: ``200`` admitted, ``400`` malformed (typed error in
 the body), ``401`` bad signature, ``403`` wrong capability, ``404`` unknown
 path, ``408`` body not received in time, ``413`` body too large, ``503`` too
-many handshakes waiting or too many connections. Imports nothing from vLLM.
+many handshakes waiting or too many connections. The client is the Rust
+core's (``orbitkv::side_channel::client::post``, the one decode's publisher
+uses), and the paths and defaults are the core's. Imports nothing from vLLM.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
-import urllib.error
-import urllib.request
 
+from orbitkv import _native
 from orbitkv.errors import HandshakeRejected
 
 __all__ = [
@@ -43,44 +42,38 @@ __all__ = [
     "sign",
 ]
 
-HANDSHAKE_PATH = "/orbitkv/v1/handshake"
-CANCEL_PATH = "/orbitkv/v1/cancel"
-HEALTH_PATH = "/orbitkv/v1/health"
-SIGNATURE_HEADER = "X-OrbitKV-Signature"
-# The server's defaults (`orbitkv.SideChannel`).
-MAX_BODY = 16 << 20
-READ_TIMEOUT_S = 10.0
-MAX_CONNECTIONS = 64
+# The protocol's constants and the server's defaults, written once in the
+# Rust core (`orbitkv::side_channel`, `SideChannelConfig::default()`).
+HANDSHAKE_PATH: str = _native.SIDE_CHANNEL_HANDSHAKE_PATH
+CANCEL_PATH: str = _native.SIDE_CHANNEL_CANCEL_PATH
+HEALTH_PATH: str = _native.SIDE_CHANNEL_HEALTH_PATH
+SIGNATURE_HEADER: str = _native.SIDE_CHANNEL_SIGNATURE_HEADER
+MAX_BODY = int(_native.SIDE_CHANNEL_DEFAULTS["max_body"])
+READ_TIMEOUT_S = float(_native.SIDE_CHANNEL_DEFAULTS["read_timeout_s"])
+MAX_CONNECTIONS = int(_native.SIDE_CHANNEL_DEFAULTS["max_connections"])
 
 
 def sign(key: bytes, body: bytes) -> str:
     """The signature header value for ``body`` under the deployment key."""
-    return "sha256=" + hmac.new(key, body, hashlib.sha256).hexdigest()
+    return _native.side_channel_sign(key, body)
 
 
-def _post(address: str, path: str, body: bytes, timeout_s: float, key: bytes | None, what: str) -> None:
-    headers = {"Content-Type": "application/json"}
-    if key is not None:
-        headers[SIGNATURE_HEADER] = sign(key, body)
-    req = urllib.request.Request(f"http://{address}{path}", data=body, headers=headers, method="POST")
+def _post(address: str, path: str, body: str, timeout_s: float, key: bytes | None, what: str) -> None:
+    # The core's client (the one decode's publisher uses); OSError when
+    # nothing was answered (ConnectionRefusedError: nothing was delivered).
+    status, reply = _native.side_channel_post(address, path, body, timeout_s, key)
+    if status == 200:
+        return
     try:
-        with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            resp.read()
-    except urllib.error.HTTPError as e:
-        try:
-            detail = json.loads(e.read() or b"{}")
-        except ValueError:
-            detail = {}
-        if not isinstance(detail, dict):
-            detail = {}
-        error = detail.get("error", e.code)
-        raise HandshakeRejected(
-            f"{address} refused the {what}: {error}: {detail.get('message', '')}", e.code, error=str(error)
-        ) from None
-    except urllib.error.URLError as e:
-        if isinstance(e.reason, OSError):
-            raise e.reason from None  # ConnectionRefusedError: nothing was delivered
-        raise
+        detail = json.loads(reply or "{}")
+    except ValueError:
+        detail = {}
+    if not isinstance(detail, dict):
+        detail = {}
+    error = detail.get("error", status)
+    raise HandshakeRejected(
+        f"{address} refused the {what}: {error}: {detail.get('message', '')}", status, error=str(error)
+    )
 
 
 def post_handshake(address: str, handshake_json: str, timeout_s: float = 5.0, key: bytes | None = None) -> None:
@@ -88,7 +81,7 @@ def post_handshake(address: str, handshake_json: str, timeout_s: float = 5.0, ke
     :class:`HandshakeRejected` when it answers with an error, ``OSError``
     (``ConnectionRefusedError`` when nothing listens there) when it cannot
     be reached."""
-    _post(address, HANDSHAKE_PATH, handshake_json.encode(), timeout_s, key, "handshake")
+    _post(address, HANDSHAKE_PATH, handshake_json, timeout_s, key, "handshake")
 
 
 def post_cancel(address: str, cancel_json: str, timeout_s: float = 5.0, key: bytes | None = None) -> None:
@@ -96,4 +89,4 @@ def post_cancel(address: str, cancel_json: str, timeout_s: float = 5.0, key: byt
     authorizing anything (``cancel_json`` from ``orbitkv.cancel_message``),
     so it need not hold its source blocks until the handshake deadline.
     Raises :class:`HandshakeRejected` or ``OSError`` as :func:`post_handshake`."""
-    _post(address, CANCEL_PATH, cancel_json.encode(), timeout_s, key, "cancellation")
+    _post(address, CANCEL_PATH, cancel_json, timeout_s, key, "cancellation")
