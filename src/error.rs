@@ -228,6 +228,10 @@ pub enum RuntimeError {
     Overloaded(#[serde(serialize_with = "details::reason")] String),
     #[error("the runtime has stopped")]
     Stopped,
+    /// A runtime setting or call argument out of range (raised as
+    /// `InvalidArgumentError`, like the transport's own).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(#[serde(serialize_with = "details::reason")] String),
 }
 
 /// The side channel (`src/side_channel`) could not start.
@@ -310,6 +314,7 @@ impl RuntimeError {
             Self::Forbidden { .. } => "ForbiddenError",
             Self::Overloaded(_) => "OverloadedError",
             Self::Stopped => "RuntimeStoppedError",
+            Self::InvalidArgument(_) => "InvalidArgumentError",
         }
     }
 
@@ -325,6 +330,7 @@ impl RuntimeError {
             Self::Forbidden { .. } => "Forbidden",
             Self::Overloaded(_) => "Overloaded",
             Self::Stopped => "Stopped",
+            Self::InvalidArgument(_) => "InvalidArgument",
         }
     }
 }
@@ -495,6 +501,7 @@ mod tests {
             ProtocolError::Endpoint(String::new()).into(),
             GeometryError::NoLayers.into(),
             RuntimeError::UnknownRequest(String::new()),
+            RuntimeError::InvalidArgument(String::new()),
             RuntimeError::StaleGeneration {
                 request: String::new(),
                 got: 0,

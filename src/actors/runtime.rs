@@ -870,5 +870,5 @@ enum Busy {
 
 /// A setting or argument out of range (raised as `InvalidArgumentError`).
 fn invalid_argument(msg: String) -> RuntimeError {
-    crate::error::TransportError::InvalidArgument(msg).into()
+    RuntimeError::InvalidArgument(msg)
 }

@@ -63,10 +63,16 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RUNTIME_DEFAULTS", defaults)?;
     // The side channel's protocol constants and defaults: written once, in
     // the core (orbitkv.vllm.side_channel reads them from here).
-    m.add("SIDE_CHANNEL_HANDSHAKE_PATH", orbitkv::side_channel::HANDSHAKE_PATH)?;
+    m.add(
+        "SIDE_CHANNEL_HANDSHAKE_PATH",
+        orbitkv::side_channel::HANDSHAKE_PATH,
+    )?;
     m.add("SIDE_CHANNEL_CANCEL_PATH", orbitkv::side_channel::CANCEL_PATH)?;
     m.add("SIDE_CHANNEL_HEALTH_PATH", orbitkv::side_channel::HEALTH_PATH)?;
-    m.add("SIDE_CHANNEL_SIGNATURE_HEADER", orbitkv::side_channel::SIGNATURE_HEADER)?;
+    m.add(
+        "SIDE_CHANNEL_SIGNATURE_HEADER",
+        orbitkv::side_channel::SIGNATURE_HEADER,
+    )?;
     let sc = orbitkv::SideChannelConfig::default();
     let sc_defaults = pyo3::types::PyDict::new(m.py());
     sc_defaults.set_item("max_body", sc.max_body)?;

@@ -35,7 +35,8 @@ pub struct PySideChannel {
 #[pymethods]
 impl PySideChannel {
     #[new]
-    #[allow(clippy::too_many_arguments)] // mirrors the keyword-only Python signature
+    #[allow(clippy::too_many_arguments)]
+    // mirrors the keyword-only Python signature
     // Every setting left out (None) is `SideChannelConfig::default()`'s
     // (Python reads them as `orbitkv._native.SIDE_CHANNEL_DEFAULTS`).
     #[pyo3(signature = (runtime, host, port, *, key=None, read_timeout_s=None, max_connections=None,
