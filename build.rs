@@ -3,6 +3,9 @@
 
 fn main() {
     println!("cargo:rerun-if-changed=src/transport/shim.cc");
+    if std::env::var_os("CARGO_FEATURE_RUNTIME").is_none() {
+        return; // the protocol core alone (no transport): nothing to compile
+    }
     cc::Build::new()
         .cpp(true)
         .file("src/transport/shim.cc")

@@ -21,6 +21,7 @@ ruff check --config bindings/python/pyproject.toml bindings/python benches
 echo "== rustfmt, clippy, cargo deny (licenses, duplicate versions, sources; deny.toml)"
 cargo fmt --all -- --check
 cargo clippy --quiet --workspace --all-targets -- -D warnings
+cargo clippy --quiet --no-default-features --lib -- -D warnings  # the protocol core alone (what fuzz builds)
 cargo deny --log-level warn check licenses bans sources
 
 echo "== Rust tests (unit, property, integration against real Mooncake)"

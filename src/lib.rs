@@ -14,28 +14,39 @@
 //! * [`mac`]: HMAC-SHA256 tags (the deployment key's signature, a notice's tag).
 //! * [`trace`]: Chrome trace (Perfetto) export of the actors' spans (`ORBITKV_TRACE=path`).
 
+//!
+//! Feature `runtime` (default) builds [`actors`], [`side_channel`],
+//! [`transport`] and [`trace`]; without it the crate is the protocol core
+//! alone ([`ids`], [`layout`], [`wire`], [`fsm`], [`staging`], [`mac`],
+//! [`error`]), which is what the fuzz target builds.
+
+#[cfg(feature = "runtime")]
 pub mod actors;
 pub mod error;
 pub mod fsm;
 pub mod ids;
 pub mod layout;
 pub mod mac;
+#[cfg(feature = "runtime")]
 pub mod side_channel;
 pub mod staging;
 #[cfg(feature = "testing")]
 pub mod testing;
+#[cfg(feature = "runtime")]
 pub mod trace;
+#[cfg(feature = "runtime")]
 pub mod transport;
 pub mod wire;
 
+#[cfg(feature = "runtime")]
 pub use actors::{Runtime, RuntimeConfig, RuntimeEvent, StatsSnapshot};
 pub use error::{
     GeometryError, ProtocolError, RuntimeError, SideChannelError, TransportError, TransportResult,
 };
 pub use ids::{Capability, Generation, ProducerRank, RequestId};
-pub use layout::{KvLayout, LayerGeometry, Plane};
+pub use layout::{KvLayout, LayerGeometry, Plane, WriteRange};
+#[cfg(feature = "runtime")]
 pub use side_channel::{MooncakeBootstrap, Refused, SideChannel, SideChannelConfig};
-pub use transport::{
-    BatchHandle, BatchState, EngineConfig, MooncakeTransferEngine, Notification, Transport, WriteRange,
-};
+#[cfg(feature = "runtime")]
+pub use transport::{BatchHandle, BatchState, EngineConfig, MooncakeTransferEngine, Notification, Transport};
 pub use wire::{Cancel, Handshake, Notice, Outcome};
