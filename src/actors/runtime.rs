@@ -165,6 +165,10 @@ pub struct Runtime {
     writers: Arc<WriterPool>,
     /// The GPU worker's layer marks, waited for by the layer writers.
     marks: Arc<LayerMarks>,
+    /// The CUDA driver's events the marks are recorded with, loaded by the
+    /// first [`Self::layers_ready_on_stream`] (GPU workers only); declared
+    /// after the writers and the marks, so dropped after them.
+    cuda_events: parking_lot::Mutex<Option<Arc<crate::transport::cuda::CudaEvents>>>,
     poller_tx: Option<Sender<PollJob>>,
     poller_stop: Arc<AtomicBool>,
     poller_thread: Option<std::thread::JoinHandle<()>>,
@@ -267,6 +271,7 @@ impl Runtime {
             producers,
             writers,
             marks,
+            cuda_events: parking_lot::Mutex::new(None),
             poller_tx: Some(poller_tx),
             poller_stop,
             poller_thread: Some(poller_thread),
@@ -760,6 +765,53 @@ impl Runtime {
                 tracing::debug!(request = %request, "layer gate: request already released");
             }
         }
+    }
+
+    /// Prefill side, on a GPU: layer `layer` of each `(request, blocks)`
+    /// was *launched* on CUDA stream `stream` (a `cudaStream_t`) by the
+    /// calling thread. Records an event there (the CUDA driver is loaded by
+    /// the first call; its failure is this call's error, and nothing was
+    /// handed over) and hands the calls over with it
+    /// ([`Self::layers_ready_after`]), without waiting.
+    pub fn layers_ready_on_stream(
+        &self,
+        stream: u64,
+        layer: u32,
+        chunks: Vec<(RequestId, Range<u32>)>,
+    ) -> Result<(), RuntimeError> {
+        check_layer(&self.local, layer)?;
+        let events = {
+            let mut events = self.cuda_events.lock();
+            match events.as_ref() {
+                Some(e) => e.clone(),
+                None => events
+                    .insert(Arc::new(crate::transport::cuda::CudaEvents::load()?))
+                    .clone(),
+            }
+        };
+        let mark = events.record(stream)?;
+        let calls = chunks
+            .into_iter()
+            .map(|(request, blocks)| super::gate::GateCall::Ready {
+                request,
+                layer,
+                blocks,
+            })
+            .collect();
+        self.layers_ready_after(Some(Box::new(mark) as Box<dyn super::gate::Mark>), calls);
+        Ok(())
+    }
+
+    /// Prefill side, on a GPU: [`Self::producer_finish`], taken after every
+    /// layer handed to [`Self::layers_ready_on_stream`] before (the notice
+    /// still goes only once their writes ended). Before any layer was
+    /// handed over that way it is `producer_finish` now.
+    pub fn producer_finish_after(&self, request: &RequestId) -> Result<(), RuntimeError> {
+        if self.cuda_events.lock().is_none() {
+            return self.producer_finish(request);
+        }
+        self.layers_ready_after(None, vec![super::gate::GateCall::Finish { request: request.clone() }]);
+        Ok(())
     }
 
     /// The layer marks (for tests and benchmarks: what was reached).

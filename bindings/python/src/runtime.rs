@@ -8,14 +8,11 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
-use orbitkv::actors::directory::check_layer;
-use orbitkv::actors::gate::{GateCall, Mark};
 use orbitkv::staging::{source_group, units as staging_units, SourceStaging, StagedOrder};
-use orbitkv::transport::cuda::CudaEvents;
 use orbitkv::{
     Cancel, Capability, KvLayout, Outcome, RequestId, Runtime, RuntimeConfig, RuntimeError, RuntimeEvent,
 };
-use parking_lot::{Mutex, RwLock};
+use parking_lot::RwLock;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -292,9 +289,6 @@ impl From<RuntimeEvent> for PyRuntimeEvent {
 pub struct PyRuntime {
     inner: RwLock<Option<Arc<Runtime>>>,
     endpoint: String,
-    /// The CUDA events the layer writers wait for, loaded on the first
-    /// `layers_ready_after` (GPU workers only).
-    events: Mutex<Option<Arc<CudaEvents>>>,
 }
 
 impl PyRuntime {
@@ -397,7 +391,6 @@ impl PyRuntime {
         Ok(Self {
             inner: RwLock::new(Some(Arc::new(rt))),
             endpoint,
-            events: Mutex::new(None),
         })
     }
 
@@ -638,45 +631,20 @@ impl PyRuntime {
         chunks: Vec<(String, u32, u32)>,
     ) -> PyResult<()> {
         let rt = self.rt(py)?;
-        check_layer(rt.layout(), layer).map_err(|e| runtime_error(py, e))?;
-        let calls = block_ranges(py, chunks)?
-            .into_iter()
-            .map(|(request, blocks)| GateCall::Ready {
-                request,
-                layer,
-                blocks,
-            })
-            .collect();
-        let events = {
-            let mut events = self.events.lock();
-            match events.as_ref() {
-                Some(e) => e.clone(),
-                None => {
-                    let e = Arc::new(CudaEvents::load().map_err(|e| transport_error(py, e))?);
-                    *events = Some(e.clone());
-                    e
-                }
-            }
-        };
-        let mark = events.record(stream).map_err(|e| transport_error(py, e))?;
-        rt.layers_ready_after(Some(Box::new(mark) as Box<dyn Mark>), calls);
-        Ok(())
+        let chunks = block_ranges(py, chunks)?;
+        py.detach(move || rt.layers_ready_on_stream(stream, layer, chunks))
+            .map_err(|e| runtime_error(py, e))
     }
 
     /// Prefill side, on a GPU: `producer_finish`, taken after every layer
     /// handed to `layers_ready_after` before (the notice still goes only
-    /// once their writes ended). Without CUDA events (nothing was handed
-    /// over) it is `producer_finish` now.
+    /// once their writes ended). Before any layer went that way it is
+    /// `producer_finish` now.
     fn producer_finish_after(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
         let rt = self.rt(py)?;
         let request = RequestId::new(request_id);
-        if self.events.lock().is_none() {
-            return py
-                .detach(move || rt.producer_finish(&request))
-                .map_err(|e| runtime_error(py, e));
-        }
-        rt.layers_ready_after(None, vec![GateCall::Finish { request }]);
-        Ok(())
+        py.detach(move || rt.producer_finish_after(&request))
+            .map_err(|e| runtime_error(py, e))
     }
 
     /// Prefill side: no more layers come; notify the consumer once drained.
@@ -798,8 +766,5 @@ impl PyRuntime {
         if let Some(rt) = rt {
             py.detach(move || drop(rt));
         }
-        // After the runtime (its writers and marks): the events' pool.
-        let events = self.events.lock().take();
-        drop(events);
     }
 }
