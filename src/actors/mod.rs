@@ -12,9 +12,12 @@
 //! * [`writer`]: `LayerWriter` per peer, the completion poller.
 //! * [`router`]: the `NotificationRouter`.
 //! * [`messages`]: every message, one struct each.
-//! * [`gate`]: the layer gate, a thread that admits a GPU layer once its
-//!   kernels ran (a CUDA event), off any Python lock.
+//! * [`gate`]: the layer marks: a GPU layer's write is submitted by its
+//!   layer writer once the layer's kernels ran (a CUDA event), off any
+//!   Python lock; no thread of its own.
+//! * [`config`]: the runtime's settings and their checks.
 
+pub mod config;
 pub mod consumer;
 pub mod directory;
 pub mod gate;
