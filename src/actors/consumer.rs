@@ -12,11 +12,11 @@ use crossbeam_channel::Sender;
 use tracing::Span;
 
 use super::messages::*;
+use super::publisher::{FenceJob, Publisher};
 use super::router::NotificationRouter;
 use super::stats::Stats;
 use crate::fsm::*;
 use crate::ids::{Capability, ProducerRank};
-use crate::side_channel::client::{FenceJob, Publisher};
 use crate::staging::{staged_units, SharedArena, StagedKv, StagingGrant};
 use crate::wire::Cancel;
 use std::collections::BTreeSet;

@@ -11,6 +11,8 @@
 //! * [`consumer`]: `ConsumerActor` (decode side); [`producer`]: `ProducerActor` (prefill side).
 //! * [`writer`]: `LayerWriter` per peer, the completion poller.
 //! * [`router`]: the `NotificationRouter`.
+//! * [`publisher`]: the decode side's POSTs (handshakes, cancels, fences)
+//!   and what their answers end, over the side channel's HTTP client.
 //! * [`messages`]: every message, one struct each.
 //! * [`gate`]: the layer marks: a GPU layer's write is submitted by its
 //!   layer writer once the layer's kernels ran (a CUDA event), off any
@@ -24,6 +26,7 @@ pub mod gate;
 pub mod messages;
 pub mod preopen;
 pub mod producer;
+pub mod publisher;
 pub mod router;
 pub mod runtime;
 pub mod stats;

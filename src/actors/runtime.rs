@@ -16,6 +16,7 @@ use super::directory::{check_layer, Call, CancelReply, ProducerIndex, RequestDir
 use super::gate::LayerMarks;
 use super::messages::*;
 use super::producer::{ProducerActor, ProducerRef, ProducerShared};
+use super::publisher::{HandshakeJob, Publisher};
 use super::router::NotificationRouter;
 use super::stats::{Stats, StatsSnapshot};
 use super::writer::{spawn_poller, PollJob, WriterPool};
@@ -23,7 +24,6 @@ use crate::error::{GeometryError, RuntimeError};
 use crate::fsm::ConsumerMachine;
 use crate::ids::{Capability, Generation, MarkSeq, RequestId};
 use crate::layout::KvLayout;
-use crate::side_channel::client::{HandshakeJob, Publisher};
 use crate::staging::{group_fits, staged_bytes, SourceStaging};
 use crate::transport::Transport;
 use crate::wire::{Cancel, Fence, Handshake, WIRE_VERSION};
