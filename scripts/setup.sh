@@ -27,6 +27,13 @@ if [ ! -x .venv/bin/python ]; then
 fi
 stamp=.venv/.orbitkv-requirements
 want=$(cat requirements/*.txt | sha256sum | cut -d' ' -f1)
+# The Rust crates build while pip installs (pip mostly downloads and
+# unpacks on one core; cargo uses both): their order does not matter.
+echo "setup: building the Rust crates (beside pip)"
+cargo_log=$(mktemp -t orbitkv-setup-cargo.XXXXXX)
+cargo build --quiet --all-targets >"$cargo_log" 2>&1 &
+cargo_pid=$!
+trap 'kill "$cargo_pid" 2>/dev/null || true' EXIT
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "setup: installing pinned Python packages (requirements/*.txt)"
   .venv/bin/pip install -q --upgrade pip==25.3
@@ -40,8 +47,13 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-echo "setup: building the Rust crates"
-cargo build --quiet --all-targets
+if ! wait "$cargo_pid"; then
+  cat "$cargo_log" >&2
+  echo "setup: cargo build --all-targets failed" >&2
+  exit 1
+fi
+cat "$cargo_log"
+trap - EXIT
 
 # The `orbitkv` Python package (bindings/python), installed editable into the
 # venv: maturin builds the native module (release) with the venv's pinned

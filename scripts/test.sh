@@ -8,27 +8,37 @@ cd "$(dirname "$0")/.."
 source scripts/env.sh
 
 # vLLM's newest CPU release in a venv of its own (.venv-vllm-newest): mostly
-# a download, so it is set up while the Rust tests below use the CPU.
+# a download, so it is set up in the background, at the lowest CPU priority.
 newest_log=$(mktemp -t orbitkv-setup-vllm-newest.XXXXXX)
-./scripts/setup_vllm_newest.sh > "$newest_log" 2>&1 &
+nice -n 19 ./scripts/setup_vllm_newest.sh > "$newest_log" 2>&1 &
 newest_pid=$!
 trap 'kill "$newest_pid" 2>/dev/null || true' EXIT
 
-echo "== ruff (the Python package, its tests, the benchmarks' Python), mypy --strict (the package)"
-ruff check --config bindings/python/pyproject.toml bindings/python benches
-(cd bindings/python && python -m mypy --cache-dir "$(mktemp -d -t orbitkv-mypy.XXXXXX)")
-
-echo "== rustfmt, clippy, cargo deny (licenses, duplicate versions, sources; deny.toml)"
-cargo fmt --all -- --check
-cargo clippy --quiet --workspace --all-targets -- -D warnings
-cargo clippy --quiet --no-default-features --lib -- -D warnings  # the protocol core alone (what fuzz builds)
-cargo deny --log-level warn check licenses bans sources
-
-echo "== Rust tests (unit, property, integration against real Mooncake)"
-cargo test --all-targets 2>&1 | tee /tmp/orbitkv-cargo-test.log
-
-echo "== Fuzzing the wire contract (coverage-guided, bounded: ORBITKV_FUZZ_SECONDS, default 30)"
-./scripts/fuzz.sh
+# The checks that only compile or read (lints, the Rust test binaries, the
+# fuzz build and its bounded run) go in the background at the lowest CPU
+# priority while the Python suite runs: that suite waits on vLLM servers
+# and timeouts for much of its time, and nice 19 gives the checks only the
+# CPU it leaves idle, so its timing is what it would be alone. Their log is
+# printed after the suite, and any failure fails the run.
+checks() {
+  set -e
+  echo "== ruff (the Python package, its tests, the benchmarks' Python), mypy --strict (the package)"
+  ruff check --config bindings/python/pyproject.toml bindings/python benches
+  (cd bindings/python && python -m mypy --cache-dir "$(mktemp -d -t orbitkv-mypy.XXXXXX)")
+  echo "== rustfmt, clippy, cargo deny (licenses, duplicate versions, sources; deny.toml)"
+  cargo fmt --all -- --check
+  cargo clippy --quiet --workspace --all-targets -- -D warnings
+  cargo clippy --quiet --no-default-features --lib -- -D warnings  # the protocol core alone (what fuzz builds)
+  cargo deny --log-level warn check licenses bans sources
+  echo "== The Rust test binaries, built (they run after the Python suite)"
+  cargo test --quiet --all-targets --no-run
+  echo "== Fuzzing the wire contract (coverage-guided, bounded: ORBITKV_FUZZ_SECONDS, default 30)"
+  ./scripts/fuzz.sh
+}
+checks_log=$(mktemp -t orbitkv-checks.XXXXXX)
+(renice -n 19 -p "$BASHPID" >/dev/null 2>&1 || true; checks) >"$checks_log" 2>&1 &
+checks_pid=$!
+trap 'kill "$newest_pid" "$checks_pid" 2>/dev/null || true' EXIT
 
 run_pytest() {  # PYTHON PATHS...: a failure (5: no test collected, too) ends the run
   local py=$1 rc=0
@@ -44,6 +54,18 @@ echo "== Python tests (the orbitkv package against real Mooncake and vLLM $(pyth
 # The P/D module's pair stages every request here (tests/e2e/conftest.py);
 # the wheel's run on the newest vLLM below writes pages directly.
 ORBITKV_TEST_STAGING=1 run_pytest python bindings/python/tests
+
+echo "== The checks (lints, the Rust test build, fuzzing), run beside the Python suite"
+checks_rc=0
+wait "$checks_pid" || checks_rc=$?
+cat "$checks_log"
+if [ "$checks_rc" -ne 0 ]; then
+  echo "test.sh: the checks failed (exit $checks_rc; their log is above)" >&2
+  exit "$checks_rc"
+fi
+
+echo "== Rust tests (unit, property, integration against real Mooncake)"
+cargo test --all-targets 2>&1 | tee /tmp/orbitkv-cargo-test.log
 
 echo "== The built wheel, installed into .venv-vllm-newest (vLLM's newest CPU release), away from the sources"
 if ! wait "$newest_pid"; then
