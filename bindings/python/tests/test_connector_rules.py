@@ -852,18 +852,25 @@ def gpu_worker(worker: PdWorker, monkeypatch: pytest.MonkeyPatch) -> PdWorker:
     return worker
 
 
+def one_step(w: PdWorker, *chunks: ProducerChunk) -> list[tuple]:
+    """Runs one forward of `chunks` through the worker (both layers saved)
+    and returns the runtime calls it made, the opens left out."""
+    w.start_load_kv(PdConnectorMetadata(producer_chunks=list(chunks)))
+    w.save_kv_layer("layer.0", None)  # type: ignore[arg-type]
+    w.save_kv_layer("layer.1", None)  # type: ignore[arg-type]
+    w.wait_for_save()
+    return [c for c in w.runtime.calls if c[0] != "producer_open"]  # type: ignore[attr-defined]
+
+
 def test_gpu_layers_go_to_the_gate_with_the_stream_and_the_finish_is_queued_behind_them(
     worker: PdWorker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     w = gpu_worker(worker, monkeypatch)
-    meta = PdConnectorMetadata()
-    meta.producer_chunks.append(ProducerChunk("p1", "pd-1", CAP, 1, True, [1, 2], 0, 2, True))
-    meta.producer_chunks.append(ProducerChunk("p2", "pd-2", CAP, 1, True, [5], 0, 1, False))
-    w.start_load_kv(meta)
-    w.save_kv_layer("layer.0", None)  # type: ignore[arg-type]
-    w.save_kv_layer("layer.1", None)  # type: ignore[arg-type]
-    w.wait_for_save()
-    calls = [c for c in w.runtime.calls if c[0] != "producer_open"]  # type: ignore[attr-defined]
+    calls = one_step(
+        w,
+        ProducerChunk("p1", "pd-1", CAP, 1, True, [1, 2], 0, 2, True),
+        ProducerChunk("p2", "pd-2", CAP, 1, True, [5], 0, 1, False),
+    )
     assert calls == [
         ("layers_ready_after", 0x5EED, 0, [("pd-1", 0, 2), ("pd-2", 0, 1)]),
         ("layers_ready_after", 0x5EED, 1, [("pd-1", 0, 2), ("pd-2", 0, 1)]),
@@ -896,14 +903,9 @@ def test_a_gate_that_fails_after_taking_layers_aborts_that_steps_requests(
     (decode recomputes), and never finished."""
     w = gpu_worker(worker, monkeypatch)
     w.runtime = GateFailsRuntime(ok=1)  # type: ignore[assignment]
-    meta = PdConnectorMetadata()
-    meta.producer_chunks.append(ProducerChunk("p1", "pd-1", CAP, 1, True, [1], 0, 1, True))
-    w.start_load_kv(meta)
-    w.save_kv_layer("layer.0", None)  # type: ignore[arg-type]
-    w.save_kv_layer("layer.1", None)  # type: ignore[arg-type]  (the gate fails here)
-    w.wait_for_save()
-    names = [c[0] for c in w.runtime.calls]  # type: ignore[attr-defined]
-    assert names == ["producer_open", "layers_ready_after", "producer_abort"]
+    # the gate takes layer 0 and fails at layer 1
+    calls = one_step(w, ProducerChunk("p1", "pd-1", CAP, 1, True, [1], 0, 1, True))
+    assert [c[0] for c in calls] == ["layers_ready_after", "producer_abort"]
     assert not w._rust_gate
 
 
@@ -917,13 +919,7 @@ def test_a_gate_unavailable_from_the_start_waits_for_each_layer_then_goes_the_cp
     w.runtime = GateFailsRuntime(ok=0)  # type: ignore[assignment]
     synced: list[int] = []
     monkeypatch.setattr(torch.cuda, "current_stream", lambda: SimpleNamespace(synchronize=lambda: synced.append(1)))
-    meta = PdConnectorMetadata()
-    meta.producer_chunks.append(ProducerChunk("p1", "pd-1", CAP, 1, True, [1], 0, 1, True))
-    w.start_load_kv(meta)
-    w.save_kv_layer("layer.0", None)  # type: ignore[arg-type]
-    w.save_kv_layer("layer.1", None)  # type: ignore[arg-type]
-    w.wait_for_save()
-    calls = [c for c in w.runtime.calls if c[0] != "producer_open"]  # type: ignore[attr-defined]
+    calls = one_step(w, ProducerChunk("p1", "pd-1", CAP, 1, True, [1], 0, 1, True))
     assert calls == [
         ("layers_ready", 0, [("pd-1", 0, 1)]),
         ("layers_ready", 1, [("pd-1", 0, 1)]),
