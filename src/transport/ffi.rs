@@ -1,4 +1,4 @@
-//! Raw declarations of the C shim in `shim.cc`. Only `mooncake.rs` calls these.
+//! Raw declarations of the C shim in `shim/` (`mooncake.cc`, `cuda.cc`, `submit_wait.cc`). Only `mooncake.rs`, `loader.rs` and `cuda.rs` call these.
 
 use std::ffi::{c_char, c_int, c_void};
 

@@ -10,7 +10,7 @@ use std::process::Command;
 
 use crate::error::{TransportError, TransportResult};
 
-/// The Mooncake version whose C++ layouts `shim.cc` declares.
+/// The Mooncake version whose C++ layouts `shim/mooncake.cc` declares.
 pub const PINNED_MOONCAKE_VERSION: &str = "0.3.13.post1";
 
 /// Where Mooncake was found.

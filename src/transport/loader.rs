@@ -77,7 +77,7 @@ pub fn load_mooncake(
 /// ahead of it: vLLM's forward) has run; under load each batch waited
 /// milliseconds. This points `engine.so`'s imported `cudaEventRecord` at a
 /// shim function that records those events on an idle non-blocking stream of
-/// the calling thread instead (`shim.cc`); every other record passes through.
+/// the calling thread instead (`shim/submit_wait.cc`); every other record passes through.
 ///
 /// Safe where the caller orders its writes after the GPU itself: OrbitKV
 /// admits a GPU layer only after an event recorded behind its attention

@@ -1,7 +1,9 @@
 //! The transport: Mooncake Transfer Engine reached through a C++ shim.
 //!
-//! * `shim.cc` / [`ffi`]: C functions over Mooncake's exported C++ API,
-//!   exception-safe, loaded with dlopen at run time.
+//! * `shim/` / [`ffi`]: C functions over Mooncake's exported C++ API
+//!   (`mooncake.cc`), the CUDA driver's events (`cuda.cc`) and the
+//!   submit-wait redirect (`submit_wait.cc`), exception-safe (`common.h`),
+//!   loaded with dlopen at run time.
 //! * [`library`]: where `engine.so` (and libpython) is found; the version pin.
 //! * [`loader`]: loading it into the process once; the submit-wait patch.
 //! * [`mooncake`]: [`MooncakeTransferEngine`], the safe wrapper.

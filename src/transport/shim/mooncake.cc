@@ -1,4 +1,6 @@
-// OrbitKV's C shim over the C++ API that Mooncake's `engine.so` exports.
+// OrbitKV's C shim over the C++ API that Mooncake's `engine.so` exports (the
+// shim's first part; cuda.cc and submit_wait.cc are the others, common.h what
+// they share).
 //
 // Mooncake ships no C API and no headers on any package registry; its wheels
 // ship `mooncake/engine.so`, which exports the non-virtual members of
@@ -7,11 +9,9 @@
 // lays them out, resolves the members with dlsym at run time, and offers them
 // to Rust as plain C functions.
 //
-// Rules kept by every entry point below:
-//   * no C++ exception crosses into Rust: each body runs inside `guarded`,
-//     which catches everything and stores the message in a thread-local;
-//   * a non-zero return means failure and `okv_last_error()` says why;
-//   * pointers handed in are only read for the duration of the call.
+// Every entry point keeps the rules written in common.h (no C++ exception
+// crosses into Rust, non-zero means failure, pointers only read during the
+// call).
 
 #include <dlfcn.h>
 #include <elf.h>
@@ -29,6 +29,8 @@
 #include <new>
 #include <string>
 #include <vector>
+
+#include "common.h"
 
 namespace mooncake {
 
@@ -164,51 +166,7 @@ struct Api {
 };
 
 Api g_api;
-void* g_engine_handle = nullptr;  // engine.so, kept open for the process
-std::atomic<bool> g_loaded{false};
 std::mutex g_load_mutex;
-
-thread_local std::string t_last_error;
-
-void set_error(std::string msg) { t_last_error = std::move(msg); }
-
-// A function looked up by name into a slot.
-struct NamedSlot {
-  const char* name;
-  void** slot;
-};
-
-// Resolves every entry of `slots` in `handle`; false (the error set, naming
-// `what`) when one is missing.
-template <size_t N>
-bool resolve_all(void* handle, const NamedSlot (&slots)[N], const char* what) {
-  for (const NamedSlot& s : slots) {
-    *s.slot = dlsym(handle, s.name);
-    if (*s.slot == nullptr) {
-      set_error(std::string(what) + " lacks " + s.name);
-      return false;
-    }
-  }
-  return true;
-}
-
-// Runs `body`, converting every C++ exception into an error return.
-template <typename F>
-int guarded(const char* what, F&& body) noexcept {
-  try {
-    return body();
-  } catch (const std::exception& e) {
-    set_error(std::string(what) + ": C++ exception: " + e.what());
-  } catch (...) {
-    set_error(std::string(what) + ": unknown C++ exception");
-  }
-  return -1;
-}
-
-int not_loaded(const char* what) {
-  set_error(std::string(what) + ": Mooncake library not loaded (call okv_load first)");
-  return -1;
-}
 
 struct Symbol {
   const char* mangled;
@@ -217,6 +175,34 @@ struct Symbol {
 };
 
 }  // namespace
+
+namespace okv {
+
+void* g_engine_handle = nullptr;
+std::atomic<bool> g_loaded{false};
+
+namespace {
+thread_local std::string t_last_error;
+}  // namespace
+
+void set_error(std::string msg) { t_last_error = std::move(msg); }
+
+const char* last_error() { return t_last_error.c_str(); }
+
+int not_loaded(const char* what) {
+  set_error(std::string(what) + ": Mooncake library not loaded (call okv_load first)");
+  return -1;
+}
+
+}  // namespace okv
+
+using okv::g_engine_handle;
+using okv::g_loaded;
+using okv::guarded;
+using okv::NamedSlot;
+using okv::not_loaded;
+using okv::resolve_all;
+using okv::set_error;
 
 struct okv_engine {
   alignas(64) unsigned char storage[kEngineStorage];
@@ -234,7 +220,7 @@ typedef void (*okv_notify_cb)(void* ctx, const char* name, size_t name_len,
 
 extern "C" {
 
-const char* okv_last_error(void) { return t_last_error.c_str(); }
+const char* okv_last_error(void) { return okv::last_error(); }
 
 size_t okv_sizeof_transfer_request(void) { return sizeof(TransferRequest); }
 
@@ -584,347 +570,3 @@ int okv_take_notifies(okv_engine* e, okv_notify_cb cb, void* ctx) {
 
 }  // extern "C"
 
-// ---- CUDA driver (libcuda.so.1), for ordering writes after the GPU ---------
-//
-// A prefill layer's KV is written by a kernel the vLLM worker launched; it
-// may be written to decode only once that kernel ran. The worker records an
-// event on its stream (okv_cuda_event_record, on its own thread) and the layer
-// writer that carries the layer waits for it (okv_cuda_event_wait), with no
-// Python lock held.
-// The driver is loaded on first use; nothing here runs on a machine without
-// CUDA unless called.
-
-namespace {
-using CUresult = int;
-using CUctx = void*;
-using CUev = void*;
-using CUstream = void*;
-struct CudaApi {
-  CUresult (*ctx_get_current)(CUctx*) = nullptr;
-  CUresult (*ctx_set_current)(CUctx) = nullptr;
-  CUresult (*event_create)(CUev*, unsigned) = nullptr;
-  CUresult (*event_record)(CUev, CUstream) = nullptr;
-  CUresult (*event_synchronize)(CUev) = nullptr;
-  CUresult (*event_query)(CUev) = nullptr;
-  CUresult (*event_destroy)(CUev) = nullptr;
-  CUresult (*get_error_string)(CUresult, const char**) = nullptr;
-};
-CudaApi g_cuda;
-std::atomic<bool> g_cuda_loaded{false};
-std::mutex g_cuda_mutex;
-constexpr unsigned kEventDisableTiming = 0x2;  // CU_EVENT_DISABLE_TIMING
-
-int cuda_failed(const char* what, CUresult r) {
-  const char* s = nullptr;
-  if (g_cuda.get_error_string != nullptr) g_cuda.get_error_string(r, &s);
-  set_error(std::string(what) + " returned CUDA error " + std::to_string(r) +
-            (s != nullptr ? std::string(" (") + s + ")" : std::string()));
-  return -1;
-}
-
-int cuda_not_loaded(const char* what) {
-  set_error(std::string(what) + ": CUDA driver not loaded (call okv_cuda_load first)");
-  return -1;
-}
-}  // namespace
-
-extern "C" {
-
-// Loads libcuda.so.1 and resolves the few driver functions used. Idempotent.
-int okv_cuda_load() {
-  return guarded("okv_cuda_load", [&]() -> int {
-    std::lock_guard<std::mutex> lock(g_cuda_mutex);
-    if (g_cuda_loaded.load()) return 0;
-    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-    if (h == nullptr) {
-      const char* e = dlerror();
-      set_error(std::string("cannot load the CUDA driver libcuda.so.1: ") +
-                (e != nullptr ? e : "?"));
-      return -1;
-    }
-    const NamedSlot syms[] = {
-        {"cuCtxGetCurrent", reinterpret_cast<void**>(&g_cuda.ctx_get_current)},
-        {"cuCtxSetCurrent", reinterpret_cast<void**>(&g_cuda.ctx_set_current)},
-        {"cuEventCreate", reinterpret_cast<void**>(&g_cuda.event_create)},
-        {"cuEventRecord", reinterpret_cast<void**>(&g_cuda.event_record)},
-        {"cuEventSynchronize", reinterpret_cast<void**>(&g_cuda.event_synchronize)},
-        {"cuEventQuery", reinterpret_cast<void**>(&g_cuda.event_query)},
-        {"cuEventDestroy_v2", reinterpret_cast<void**>(&g_cuda.event_destroy)},
-        {"cuGetErrorString", reinterpret_cast<void**>(&g_cuda.get_error_string)},
-    };
-    if (!resolve_all(h, syms, "libcuda.so.1")) return -1;
-    g_cuda_loaded.store(true);
-    return 0;
-  });
-}
-
-// The calling thread's current CUDA context (null when it has none).
-int okv_cuda_current_context(void** ctx) {
-  return guarded("okv_cuda_current_context", [&]() -> int {
-    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_current_context");
-    CUresult r = g_cuda.ctx_get_current(ctx);
-    return r == 0 ? 0 : cuda_failed("cuCtxGetCurrent", r);
-  });
-}
-
-int okv_cuda_set_context(void* ctx) {
-  return guarded("okv_cuda_set_context", [&]() -> int {
-    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_set_context");
-    CUresult r = g_cuda.ctx_set_current(ctx);
-    return r == 0 ? 0 : cuda_failed("cuCtxSetCurrent", r);
-  });
-}
-
-// Creates an event (no timing) in the calling thread's current context.
-int okv_cuda_event_new(void** ev) {
-  return guarded("okv_cuda_event_new", [&]() -> int {
-    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_event_new");
-    CUresult r = g_cuda.event_create(ev, kEventDisableTiming);
-    return r == 0 ? 0 : cuda_failed("cuEventCreate", r);
-  });
-}
-
-// Records `ev` on `stream` (a CUstream / cudaStream_t handle; 0: the legacy
-// default stream).
-int okv_cuda_event_record(void* ev, uint64_t stream) {
-  return guarded("okv_cuda_event_record", [&]() -> int {
-    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_event_record");
-    CUresult r = g_cuda.event_record(ev, reinterpret_cast<CUstream>(stream));
-    return r == 0 ? 0 : cuda_failed("cuEventRecord", r);
-  });
-}
-
-// Blocks the calling thread until the work before `ev` ran on the GPU.
-int okv_cuda_event_wait(void* ev) {
-  return guarded("okv_cuda_event_wait", [&]() -> int {
-    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_event_wait");
-    CUresult r = g_cuda.event_synchronize(ev);
-    return r == 0 ? 0 : cuda_failed("cuEventSynchronize", r);
-  });
-}
-
-// Without blocking: 0 once the work before `ev` ran, 1 while it runs, -1 on
-// an error (the message set).
-int okv_cuda_event_query(void* ev) {
-  return guarded("okv_cuda_event_query", [&]() -> int {
-    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_event_query");
-    constexpr CUresult kNotReady = 600;  // CUDA_ERROR_NOT_READY
-    CUresult r = g_cuda.event_query(ev);
-    if (r == 0) return 0;
-    if (r == kNotReady) return 1;
-    return cuda_failed("cuEventQuery", r);
-  });
-}
-
-int okv_cuda_event_free(void* ev) {
-  return guarded("okv_cuda_event_free", [&]() -> int {
-    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_event_free");
-    CUresult r = g_cuda.event_destroy(ev);
-    return r == 0 ? 0 : cuda_failed("cuEventDestroy", r);
-  });
-}
-
-}  // extern "C"
-
-// ---- Mooncake's submit-time wait on the caller's default stream -------------
-//
-// Mooncake 0.3.13.post1's intra-node NVLink transport starts every
-// `submitTransfer` with `cudaEventRecord(ev, cudaStreamPerThread)` followed by
-// `cudaEventSynchronize(ev)` (disassembly of engine.so: the only two
-// `cudaEventRecord` calls, in `IntraNodeNvlinkTransport::submitTransfer` and
-// `submitTransferTask`, both with stream 0x2). The per-thread default stream
-// is ordered after the *legacy* default stream, and work on the legacy stream
-// waits for every blocking stream (`torch.cuda.Stream()` is one): whatever
-// sits on the legacy stream behind a queued forward makes each submit block
-// the writer until that forward ran. Measured on an H200: with matmuls queued
-// on the default stream a layer's scattered write fell from 20 to 3.3 GB/s.
-//
-// OrbitKV does not need that wait: a layer is admitted only after a CUDA event
-// recorded behind its attention kernel completed (okv_cuda_event_wait above),
-// and the copies themselves run on Mooncake's non-blocking stream with
-// `cudaMemcpySrcAccessOrderStream`. `okv_redirect_submit_wait` points
-// engine.so's imported `cudaEventRecord` (its GOT entries) at
-// `okv_event_record`, which records an event Mooncake asks for on
-// `cudaStreamPerThread` on an idle non-blocking stream of the calling thread
-// instead, so the `cudaEventSynchronize` that follows returns at once. Every
-// other `cudaEventRecord` passes through unchanged; Mooncake still issues
-// every copy and reports every completion.
-
-namespace {
-
-using CudaEventRecordFn = int (*)(void*, void*);
-using CudaStreamCreateFn = int (*)(void**, unsigned int);
-using CudaGetDeviceFn = int (*)(int*);
-
-struct Cudart {
-  CudaEventRecordFn event_record = nullptr;
-  CudaStreamCreateFn stream_create = nullptr;
-  CudaGetDeviceFn get_device = nullptr;
-};
-Cudart g_cudart;
-std::mutex g_redirect_mutex;
-int g_redirected = -1;  // GOT slots patched, once; -1: not tried yet
-std::atomic<uint64_t> g_records_redirected{0};
-std::atomic<uint64_t> g_records_passed{0};
-
-constexpr unsigned int kStreamNonBlocking = 1;  // cudaStreamNonBlocking
-void* const kStreamPerThread = reinterpret_cast<void*>(0x2);  // cudaStreamPerThread
-
-struct ThreadStream {
-  int device = -1;
-  void* stream = nullptr;
-};
-thread_local ThreadStream t_idle_stream;
-
-extern "C" int okv_event_record(void* event, void* stream) {
-  if (stream == kStreamPerThread) {
-    ThreadStream& ts = t_idle_stream;
-    int device = -1;
-    if (g_cudart.get_device(&device) != 0) device = -1;
-    if (device >= 0 && (ts.stream == nullptr || ts.device != device)) {
-      // One stream per thread and device, never destroyed: the writer lanes
-      // are few and live as long as the engine. Nothing is ever queued on it.
-      void* st = nullptr;
-      if (g_cudart.stream_create(&st, kStreamNonBlocking) == 0 && st != nullptr) {
-        ts.stream = st;
-        ts.device = device;
-      }
-    }
-    if (ts.stream != nullptr && ts.device == device) {
-      g_records_redirected.fetch_add(1, std::memory_order_relaxed);
-      return g_cudart.event_record(event, ts.stream);
-    }
-  }
-  // Any other stream, or no idle stream could be made: as Mooncake asked.
-  g_records_passed.fetch_add(1, std::memory_order_relaxed);
-  return g_cudart.event_record(event, stream);
-}
-
-// The PT_GNU_RELRO range of the object loaded at `base`, if any.
-struct Relro {
-  uintptr_t base;
-  uintptr_t start = 0;
-  uintptr_t end = 0;
-};
-
-int find_relro(struct dl_phdr_info* info, size_t, void* data) {
-  auto* r = static_cast<Relro*>(data);
-  if (info->dlpi_addr != r->base) return 0;
-  for (int i = 0; i < info->dlpi_phnum; ++i) {
-    const ElfW(Phdr)& ph = info->dlpi_phdr[i];
-    if (ph.p_type == PT_GNU_RELRO) {
-      r->start = info->dlpi_addr + ph.p_vaddr;
-      r->end = r->start + ph.p_memsz;
-    }
-  }
-  return 1;
-}
-
-// Points every GOT slot of `lm` that binds `name` at `fn`. Returns the count,
-// or -1 with the error set.
-int patch_got(struct link_map* lm, const char* name, void* fn) {
-  const ElfW(Sym)* symtab = nullptr;
-  const char* strtab = nullptr;
-  const ElfW(Rela)* jmprel = nullptr;
-  size_t jmprel_size = 0;
-  const ElfW(Rela)* rela = nullptr;
-  size_t rela_size = 0;
-  // glibc has already relocated the pointers of the in-memory dynamic
-  // section on x86-64; an unrelocated one is below the load base.
-  auto ptr = [&](ElfW(Addr) v) -> uintptr_t {
-    return v < lm->l_addr ? lm->l_addr + v : v;
-  };
-  for (const ElfW(Dyn)* d = lm->l_ld; d->d_tag != DT_NULL; ++d) {
-    switch (d->d_tag) {
-      case DT_SYMTAB: symtab = reinterpret_cast<const ElfW(Sym)*>(ptr(d->d_un.d_ptr)); break;
-      case DT_STRTAB: strtab = reinterpret_cast<const char*>(ptr(d->d_un.d_ptr)); break;
-      case DT_JMPREL: jmprel = reinterpret_cast<const ElfW(Rela)*>(ptr(d->d_un.d_ptr)); break;
-      case DT_PLTRELSZ: jmprel_size = d->d_un.d_val; break;
-      case DT_RELA: rela = reinterpret_cast<const ElfW(Rela)*>(ptr(d->d_un.d_ptr)); break;
-      case DT_RELASZ: rela_size = d->d_un.d_val; break;
-      default: break;
-    }
-  }
-  if (symtab == nullptr || strtab == nullptr) {
-    set_error("engine.so has no dynamic symbol table");
-    return -1;
-  }
-  Relro relro{lm->l_addr};
-  dl_iterate_phdr(find_relro, &relro);
-  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  int patched = 0;
-  auto scan = [&](const ElfW(Rela)* rel, size_t size) -> int {
-    for (size_t i = 0; rel != nullptr && i < size / sizeof(ElfW(Rela)); ++i) {
-      const auto type = ELF64_R_TYPE(rel[i].r_info);
-      if (type != R_X86_64_JUMP_SLOT && type != R_X86_64_GLOB_DAT) continue;
-      const ElfW(Sym)& sym = symtab[ELF64_R_SYM(rel[i].r_info)];
-      if (std::strcmp(strtab + sym.st_name, name) != 0) continue;
-      auto* slot = reinterpret_cast<void**>(lm->l_addr + rel[i].r_offset);
-      const uintptr_t at = reinterpret_cast<uintptr_t>(slot);
-      const bool ro = at >= relro.start && at < relro.end;
-      void* pg = reinterpret_cast<void*>(at & ~(page - 1));
-      if (ro && mprotect(pg, page, PROT_READ | PROT_WRITE) != 0) {
-        set_error(std::string("mprotect of engine.so's GOT failed: ") + std::strerror(errno));
-        return -1;
-      }
-      __atomic_store_n(slot, fn, __ATOMIC_SEQ_CST);
-      if (ro) mprotect(pg, page, PROT_READ);
-      ++patched;
-    }
-    return 0;
-  };
-  if (scan(jmprel, jmprel_size) != 0 || scan(rela, rela_size) != 0) return -1;
-  return patched;
-}
-
-}  // namespace
-
-extern "C" {
-
-// Takes Mooncake's submit-time wait on the caller's default stream off the
-// writer threads (see above). Idempotent; `*patched` gets the number of GOT
-// entries redirected: 0 when engine.so imports no `cudaEventRecord` (the
-// wheel without CUDA).
-int okv_redirect_submit_wait(int* patched) {
-  return guarded("okv_redirect_submit_wait", [&]() -> int {
-    if (!g_loaded.load()) return not_loaded("okv_redirect_submit_wait");
-    std::lock_guard<std::mutex> lock(g_redirect_mutex);
-    if (g_redirected >= 0) {
-      *patched = g_redirected;
-      return 0;
-    }
-    // The cudart that engine.so itself binds to (its dependency tree).
-    void* record = dlsym(g_engine_handle, "cudaEventRecord");
-    if (record == nullptr) {
-      g_redirected = 0;
-      *patched = 0;
-      return 0;
-    }
-    const NamedSlot syms[] = {
-        {"cudaStreamCreateWithFlags", reinterpret_cast<void**>(&g_cudart.stream_create)},
-        {"cudaGetDevice", reinterpret_cast<void**>(&g_cudart.get_device)},
-    };
-    if (!resolve_all(g_engine_handle, syms, "the CUDA runtime engine.so uses")) return -1;
-    g_cudart.event_record = reinterpret_cast<CudaEventRecordFn>(record);
-    struct link_map* lm = nullptr;
-    if (dlinfo(g_engine_handle, RTLD_DI_LINKMAP, &lm) != 0 || lm == nullptr) {
-      const char* e = dlerror();
-      set_error(std::string("dlinfo(engine.so) failed: ") + (e ? e : "?"));
-      return -1;
-    }
-    int n = patch_got(lm, "cudaEventRecord", reinterpret_cast<void*>(&okv_event_record));
-    if (n < 0) return -1;
-    g_redirected = n;
-    *patched = n;
-    return 0;
-  });
-}
-
-// Events Mooncake recorded through okv_event_record: on the thread's idle
-// stream instead of cudaStreamPerThread, and passed through unchanged.
-void okv_submit_wait_counts(uint64_t* redirected, uint64_t* passed) {
-  *redirected = g_records_redirected.load(std::memory_order_relaxed);
-  *passed = g_records_passed.load(std::memory_order_relaxed);
-}
-
-}  // extern "C"

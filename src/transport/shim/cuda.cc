@@ -1,0 +1,160 @@
+// The shim's CUDA part (see mooncake.cc for the first, common.h for what they
+// share): the few CUDA driver calls that order a layer's writes after the
+// kernels that computed it.
+
+#include <dlfcn.h>
+
+#include <atomic>
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "common.h"
+
+using okv::guarded;
+using okv::NamedSlot;
+using okv::resolve_all;
+using okv::set_error;
+
+// ---- CUDA driver (libcuda.so.1), for ordering writes after the GPU ---------
+//
+// A prefill layer's KV is written by a kernel the vLLM worker launched; it
+// may be written to decode only once that kernel ran. The worker records an
+// event on its stream (okv_cuda_event_record, on its own thread) and the layer
+// writer that carries the layer waits for it (okv_cuda_event_wait), with no
+// Python lock held.
+// The driver is loaded on first use; nothing here runs on a machine without
+// CUDA unless called.
+
+namespace {
+using CUresult = int;
+using CUctx = void*;
+using CUev = void*;
+using CUstream = void*;
+struct CudaApi {
+  CUresult (*ctx_get_current)(CUctx*) = nullptr;
+  CUresult (*ctx_set_current)(CUctx) = nullptr;
+  CUresult (*event_create)(CUev*, unsigned) = nullptr;
+  CUresult (*event_record)(CUev, CUstream) = nullptr;
+  CUresult (*event_synchronize)(CUev) = nullptr;
+  CUresult (*event_query)(CUev) = nullptr;
+  CUresult (*event_destroy)(CUev) = nullptr;
+  CUresult (*get_error_string)(CUresult, const char**) = nullptr;
+};
+CudaApi g_cuda;
+std::atomic<bool> g_cuda_loaded{false};
+std::mutex g_cuda_mutex;
+constexpr unsigned kEventDisableTiming = 0x2;  // CU_EVENT_DISABLE_TIMING
+
+int cuda_failed(const char* what, CUresult r) {
+  const char* s = nullptr;
+  if (g_cuda.get_error_string != nullptr) g_cuda.get_error_string(r, &s);
+  set_error(std::string(what) + " returned CUDA error " + std::to_string(r) +
+            (s != nullptr ? std::string(" (") + s + ")" : std::string()));
+  return -1;
+}
+
+int cuda_not_loaded(const char* what) {
+  set_error(std::string(what) + ": CUDA driver not loaded (call okv_cuda_load first)");
+  return -1;
+}
+}  // namespace
+
+extern "C" {
+
+// Loads libcuda.so.1 and resolves the few driver functions used. Idempotent.
+int okv_cuda_load() {
+  return guarded("okv_cuda_load", [&]() -> int {
+    std::lock_guard<std::mutex> lock(g_cuda_mutex);
+    if (g_cuda_loaded.load()) return 0;
+    void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (h == nullptr) {
+      const char* e = dlerror();
+      set_error(std::string("cannot load the CUDA driver libcuda.so.1: ") +
+                (e != nullptr ? e : "?"));
+      return -1;
+    }
+    const NamedSlot syms[] = {
+        {"cuCtxGetCurrent", reinterpret_cast<void**>(&g_cuda.ctx_get_current)},
+        {"cuCtxSetCurrent", reinterpret_cast<void**>(&g_cuda.ctx_set_current)},
+        {"cuEventCreate", reinterpret_cast<void**>(&g_cuda.event_create)},
+        {"cuEventRecord", reinterpret_cast<void**>(&g_cuda.event_record)},
+        {"cuEventSynchronize", reinterpret_cast<void**>(&g_cuda.event_synchronize)},
+        {"cuEventQuery", reinterpret_cast<void**>(&g_cuda.event_query)},
+        {"cuEventDestroy_v2", reinterpret_cast<void**>(&g_cuda.event_destroy)},
+        {"cuGetErrorString", reinterpret_cast<void**>(&g_cuda.get_error_string)},
+    };
+    if (!resolve_all(h, syms, "libcuda.so.1")) return -1;
+    g_cuda_loaded.store(true);
+    return 0;
+  });
+}
+
+// The calling thread's current CUDA context (null when it has none).
+int okv_cuda_current_context(void** ctx) {
+  return guarded("okv_cuda_current_context", [&]() -> int {
+    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_current_context");
+    CUresult r = g_cuda.ctx_get_current(ctx);
+    return r == 0 ? 0 : cuda_failed("cuCtxGetCurrent", r);
+  });
+}
+
+int okv_cuda_set_context(void* ctx) {
+  return guarded("okv_cuda_set_context", [&]() -> int {
+    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_set_context");
+    CUresult r = g_cuda.ctx_set_current(ctx);
+    return r == 0 ? 0 : cuda_failed("cuCtxSetCurrent", r);
+  });
+}
+
+// Creates an event (no timing) in the calling thread's current context.
+int okv_cuda_event_new(void** ev) {
+  return guarded("okv_cuda_event_new", [&]() -> int {
+    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_event_new");
+    CUresult r = g_cuda.event_create(ev, kEventDisableTiming);
+    return r == 0 ? 0 : cuda_failed("cuEventCreate", r);
+  });
+}
+
+// Records `ev` on `stream` (a CUstream / cudaStream_t handle; 0: the legacy
+// default stream).
+int okv_cuda_event_record(void* ev, uint64_t stream) {
+  return guarded("okv_cuda_event_record", [&]() -> int {
+    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_event_record");
+    CUresult r = g_cuda.event_record(ev, reinterpret_cast<CUstream>(stream));
+    return r == 0 ? 0 : cuda_failed("cuEventRecord", r);
+  });
+}
+
+// Blocks the calling thread until the work before `ev` ran on the GPU.
+int okv_cuda_event_wait(void* ev) {
+  return guarded("okv_cuda_event_wait", [&]() -> int {
+    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_event_wait");
+    CUresult r = g_cuda.event_synchronize(ev);
+    return r == 0 ? 0 : cuda_failed("cuEventSynchronize", r);
+  });
+}
+
+// Without blocking: 0 once the work before `ev` ran, 1 while it runs, -1 on
+// an error (the message set).
+int okv_cuda_event_query(void* ev) {
+  return guarded("okv_cuda_event_query", [&]() -> int {
+    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_event_query");
+    constexpr CUresult kNotReady = 600;  // CUDA_ERROR_NOT_READY
+    CUresult r = g_cuda.event_query(ev);
+    if (r == 0) return 0;
+    if (r == kNotReady) return 1;
+    return cuda_failed("cuEventQuery", r);
+  });
+}
+
+int okv_cuda_event_free(void* ev) {
+  return guarded("okv_cuda_event_free", [&]() -> int {
+    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_event_free");
+    CUresult r = g_cuda.event_destroy(ev);
+    return r == 0 ? 0 : cuda_failed("cuEventDestroy", r);
+  });
+}
+
+}  // extern "C"
+
