@@ -39,7 +39,7 @@ pub mod transport;
 pub mod wire;
 
 #[cfg(feature = "runtime")]
-pub use actors::{Runtime, RuntimeConfig, RuntimeEvent, StatsSnapshot};
+pub use actors::{Runtime, RuntimeConfig, RuntimeEvent, RuntimeSettings, StatsSnapshot};
 pub use error::{
     GeometryError, ProtocolError, RuntimeError, SideChannelError, TransportError, TransportResult,
 };

@@ -127,3 +127,172 @@ pub(super) fn check_staging_regions(cfg: &RuntimeConfig) -> Result<(), RuntimeEr
 pub(super) fn invalid_argument(msg: String) -> RuntimeError {
     RuntimeError::InvalidArgument(msg)
 }
+
+/// The runtime's settings as they cross a language boundary: plain numbers
+/// (seconds, milliseconds, bytes, counts), each optional (`None`: the
+/// default), named as the Python `Runtime(...)` keywords are. The binding
+/// fills one from its keyword arguments and the core turns it into a
+/// [`RuntimeConfig`] ([`Self::config`]): the checks and bounds are written
+/// here, once; [`Self::defaults`] is what Python reads as
+/// `RUNTIME_DEFAULTS`.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RuntimeSettings {
+    pub consumer_timeout_s: Option<f64>,
+    pub handshake_timeout_s: Option<f64>,
+    pub write_timeout_s: Option<f64>,
+    pub quarantine_s: Option<f64>,
+    pub max_bytes_in_flight_per_peer: Option<u64>,
+    pub max_ranges_in_flight_per_peer: Option<usize>,
+    pub writer_lanes_per_peer: Option<usize>,
+    pub notify_poll_ms: Option<f64>,
+    pub max_parked: Option<usize>,
+    pub max_parked_bytes: Option<usize>,
+    /// The deployment key (bytes; not in [`Self::defaults`]).
+    #[serde(skip)]
+    pub side_channel_key: Option<Vec<u8>>,
+    pub publish_timeout_s: Option<f64>,
+    pub staging_region: Option<(u64, u64)>,
+    pub source_staging_region: Option<(u64, u64)>,
+    pub staging_min_ranges: Option<usize>,
+    pub inline_submit_max_ranges: Option<usize>,
+    pub peer_idle_reclaim_s: Option<f64>,
+}
+
+/// The most writer lanes per peer a setting may ask for.
+const MAX_WRITER_LANES: usize = 64;
+
+impl RuntimeSettings {
+    /// Every setting with a default, at its default (the staging regions and
+    /// the key have none).
+    pub fn defaults() -> Self {
+        let d = RuntimeConfig::default();
+        Self {
+            consumer_timeout_s: Some(d.consumer_timeout.as_secs_f64()),
+            handshake_timeout_s: Some(d.handshake_timeout.as_secs_f64()),
+            write_timeout_s: Some(d.write_timeout.as_secs_f64()),
+            quarantine_s: Some(d.quarantine.as_secs_f64()),
+            max_bytes_in_flight_per_peer: Some(d.max_bytes_in_flight_per_peer),
+            max_ranges_in_flight_per_peer: Some(d.max_ranges_in_flight_per_peer),
+            writer_lanes_per_peer: Some(d.writer_lanes_per_peer),
+            notify_poll_ms: Some(d.notify_poll.as_secs_f64() * 1000.0),
+            max_parked: Some(d.max_parked),
+            max_parked_bytes: Some(d.max_parked_bytes),
+            side_channel_key: None,
+            publish_timeout_s: Some(d.publish_timeout.as_secs_f64()),
+            staging_region: None,
+            source_staging_region: None,
+            staging_min_ranges: Some(d.staging_min_ranges),
+            inline_submit_max_ranges: Some(d.inline_submit_max_ranges),
+            peer_idle_reclaim_s: Some(d.peer_idle_reclaim.as_secs_f64()),
+        }
+    }
+
+    /// The [`RuntimeConfig`] these settings give: a duration must be a
+    /// finite number of seconds above 0 (`InvalidArgument` naming the
+    /// setting otherwise); budgets and counts are at least 1, writer lanes
+    /// at most 64. The staging regions are checked when the runtime starts.
+    pub fn config(&self) -> Result<RuntimeConfig, RuntimeError> {
+        let d = RuntimeConfig::default();
+        let secs = |name: &str, v: Option<f64>, default: Duration| -> Result<Duration, RuntimeError> {
+            let Some(s) = v else { return Ok(default) };
+            if !s.is_finite() || s <= 0.0 {
+                return Err(invalid_argument(format!(
+                    "{name} must be a finite number > 0, not {s}"
+                )));
+            }
+            Duration::try_from_secs_f64(s).map_err(|e| invalid_argument(format!("{name}: {e}")))
+        };
+        Ok(RuntimeConfig {
+            consumer_timeout: secs("consumer_timeout_s", self.consumer_timeout_s, d.consumer_timeout)?,
+            handshake_timeout: secs(
+                "handshake_timeout_s",
+                self.handshake_timeout_s,
+                d.handshake_timeout,
+            )?,
+            write_timeout: secs("write_timeout_s", self.write_timeout_s, d.write_timeout)?,
+            quarantine: secs("quarantine_s", self.quarantine_s, d.quarantine)?,
+            max_bytes_in_flight_per_peer: self
+                .max_bytes_in_flight_per_peer
+                .unwrap_or(d.max_bytes_in_flight_per_peer)
+                .max(1),
+            max_ranges_in_flight_per_peer: self
+                .max_ranges_in_flight_per_peer
+                .unwrap_or(d.max_ranges_in_flight_per_peer)
+                .max(1),
+            writer_lanes_per_peer: self
+                .writer_lanes_per_peer
+                .unwrap_or(d.writer_lanes_per_peer)
+                .clamp(1, MAX_WRITER_LANES),
+            peer_idle_reclaim: secs(
+                "peer_idle_reclaim_s",
+                self.peer_idle_reclaim_s,
+                d.peer_idle_reclaim,
+            )?,
+            notify_poll: secs(
+                "notify_poll_ms",
+                self.notify_poll_ms.map(|ms| ms / 1000.0),
+                d.notify_poll,
+            )?,
+            max_parked: self.max_parked.unwrap_or(d.max_parked).max(1),
+            max_parked_bytes: self.max_parked_bytes.unwrap_or(d.max_parked_bytes).max(1),
+            side_channel_key: self.side_channel_key.clone().map(Arc::new),
+            publish_timeout: secs("publish_timeout_s", self.publish_timeout_s, d.publish_timeout)?,
+            staging_region: self.staging_region,
+            source_staging_region: self.source_staging_region,
+            staging_min_ranges: self.staging_min_ranges.unwrap_or(d.staging_min_ranges),
+            inline_submit_max_ranges: self
+                .inline_submit_max_ranges
+                .unwrap_or(d.inline_submit_max_ranges),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn settings_left_out_are_the_defaults_and_the_defaults_round_trip() {
+        assert_eq!(
+            RuntimeSettings::default().config().unwrap(),
+            RuntimeConfig::default()
+        );
+        assert_eq!(
+            RuntimeSettings::defaults().config().unwrap(),
+            RuntimeConfig::default()
+        );
+    }
+
+    #[test]
+    fn bad_durations_name_the_setting_and_bounds_hold() {
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            let s = RuntimeSettings {
+                write_timeout_s: Some(bad),
+                ..Default::default()
+            };
+            let e = s.config().unwrap_err();
+            assert!(
+                matches!(&e, RuntimeError::InvalidArgument(m) if m.contains("write_timeout_s")),
+                "{e}"
+            );
+        }
+        let c = RuntimeSettings {
+            writer_lanes_per_peer: Some(1000),
+            max_parked: Some(0),
+            notify_poll_ms: Some(0.5),
+            ..Default::default()
+        }
+        .config()
+        .unwrap();
+        assert_eq!((c.writer_lanes_per_peer, c.max_parked), (MAX_WRITER_LANES, 1));
+        assert_eq!(c.notify_poll, Duration::from_micros(500));
+    }
+
+    #[test]
+    fn unknown_settings_are_refused() {
+        let e =
+            serde_json::from_str::<RuntimeSettings>(r#"{"consumer_timeout_s": 1, "typo_s": 2}"#).unwrap_err();
+        assert!(e.to_string().contains("typo_s"), "{e}");
+    }
+}

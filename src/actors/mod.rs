@@ -32,6 +32,7 @@ pub mod runtime;
 pub mod stats;
 pub mod writer;
 
+pub use config::RuntimeSettings;
 pub use messages::RuntimeEvent;
 pub use runtime::{Runtime, RuntimeConfig};
 pub use stats::StatsSnapshot;

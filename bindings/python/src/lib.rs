@@ -42,24 +42,19 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         .and_then(|v| v.as_object().map(|m| m.keys().cloned().collect()))
         .unwrap_or_default();
     m.add("STATS_FIELDS", pyo3::types::PyTuple::new(m.py(), fields)?)?;
-    // The runtime's defaults, in `Runtime(...)`'s keyword names: the one
-    // place they are written is `RuntimeConfig::default()`.
-    let d = orbitkv::RuntimeConfig::default();
+    // The runtime's defaults, in `Runtime(...)`'s keyword names: the core's
+    // `RuntimeSettings::defaults()` (from `RuntimeConfig::default()`, the one
+    // place they are written), every setting that has one.
     let defaults = pyo3::types::PyDict::new(m.py());
-    defaults.set_item("consumer_timeout_s", d.consumer_timeout.as_secs_f64())?;
-    defaults.set_item("handshake_timeout_s", d.handshake_timeout.as_secs_f64())?;
-    defaults.set_item("write_timeout_s", d.write_timeout.as_secs_f64())?;
-    defaults.set_item("quarantine_s", d.quarantine.as_secs_f64())?;
-    defaults.set_item("max_bytes_in_flight_per_peer", d.max_bytes_in_flight_per_peer)?;
-    defaults.set_item("max_ranges_in_flight_per_peer", d.max_ranges_in_flight_per_peer)?;
-    defaults.set_item("writer_lanes_per_peer", d.writer_lanes_per_peer)?;
-    defaults.set_item("peer_idle_reclaim_s", d.peer_idle_reclaim.as_secs_f64())?;
-    defaults.set_item("notify_poll_ms", d.notify_poll.as_secs_f64() * 1000.0)?;
-    defaults.set_item("max_parked", d.max_parked)?;
-    defaults.set_item("max_parked_bytes", d.max_parked_bytes)?;
-    defaults.set_item("publish_timeout_s", d.publish_timeout.as_secs_f64())?;
-    defaults.set_item("staging_min_ranges", d.staging_min_ranges)?;
-    defaults.set_item("inline_submit_max_ranges", d.inline_submit_max_ranges)?;
+    if let Ok(serde_json::Value::Object(map)) = serde_json::to_value(orbitkv::RuntimeSettings::defaults()) {
+        for (k, v) in map {
+            if let Some(n) = v.as_u64() {
+                defaults.set_item(k, n)?;
+            } else if let Some(x) = v.as_f64() {
+                defaults.set_item(k, x)?;
+            }
+        }
+    }
     m.add("RUNTIME_DEFAULTS", defaults)?;
     // The side channel's protocol constants and defaults: written once, in
     // the core (orbitkv.vllm.side_channel reads them from here).

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use orbitkv::staging::{source_group, units as staging_units, SourceStaging, StagedOrder};
 use orbitkv::{
-    Cancel, Capability, KvLayout, Outcome, RequestId, Runtime, RuntimeConfig, RuntimeError, RuntimeEvent,
+    Cancel, Capability, KvLayout, Outcome, RequestId, Runtime, RuntimeError, RuntimeEvent, RuntimeSettings,
 };
 use parking_lot::RwLock;
 use pyo3::prelude::*;
@@ -346,39 +346,28 @@ impl PyRuntime {
                 .into(),
             )
         })?;
-        let d = RuntimeConfig::default();
-        let secs = |name: &str, v: Option<f64>, default: Duration| -> PyResult<Duration> {
-            v.map_or(Ok(default), |v| seconds(py, name, v))
-        };
-        let cfg = RuntimeConfig {
-            consumer_timeout: secs("consumer_timeout_s", consumer_timeout_s, d.consumer_timeout)?,
-            handshake_timeout: secs("handshake_timeout_s", handshake_timeout_s, d.handshake_timeout)?,
-            write_timeout: secs("write_timeout_s", write_timeout_s, d.write_timeout)?,
-            quarantine: secs("quarantine_s", quarantine_s, d.quarantine)?,
-            max_bytes_in_flight_per_peer: max_bytes_in_flight_per_peer
-                .unwrap_or(d.max_bytes_in_flight_per_peer)
-                .max(1),
-            max_ranges_in_flight_per_peer: max_ranges_in_flight_per_peer
-                .unwrap_or(d.max_ranges_in_flight_per_peer)
-                .max(1),
-            writer_lanes_per_peer: writer_lanes_per_peer
-                .unwrap_or(d.writer_lanes_per_peer)
-                .clamp(1, 64),
-            peer_idle_reclaim: secs("peer_idle_reclaim_s", peer_idle_reclaim_s, d.peer_idle_reclaim)?,
-            notify_poll: secs(
-                "notify_poll_ms",
-                notify_poll_ms.map(|ms| ms / 1000.0),
-                d.notify_poll,
-            )?,
-            max_parked: max_parked.unwrap_or(d.max_parked).max(1),
-            max_parked_bytes: max_parked_bytes.unwrap_or(d.max_parked_bytes).max(1),
-            side_channel_key: side_channel_key.map(Arc::new),
-            publish_timeout: secs("publish_timeout_s", publish_timeout_s, d.publish_timeout)?,
+        // One settings object; the core checks and bounds it.
+        let cfg = RuntimeSettings {
+            consumer_timeout_s,
+            handshake_timeout_s,
+            write_timeout_s,
+            quarantine_s,
+            max_bytes_in_flight_per_peer,
+            max_ranges_in_flight_per_peer,
+            writer_lanes_per_peer,
+            notify_poll_ms,
+            max_parked,
+            max_parked_bytes,
+            side_channel_key,
+            publish_timeout_s,
             staging_region,
             source_staging_region,
-            staging_min_ranges: staging_min_ranges.unwrap_or(d.staging_min_ranges),
-            inline_submit_max_ranges: inline_submit_max_ranges.unwrap_or(d.inline_submit_max_ranges),
-        };
+            staging_min_ranges,
+            inline_submit_max_ranges,
+            peer_idle_reclaim_s,
+        }
+        .config()
+        .map_err(|e| runtime_error(py, e))?;
         let transport = engine.transport(py)?;
         let endpoint = transport.endpoint().to_string();
         // This binding embeds the library in Python: unless the process
