@@ -598,19 +598,26 @@ class Cluster:
     # ---- conveniences --------------------------------------------------------
 
     def wait_for_traces(self, request_ids: Sequence[str], timeout_s: float = 20.0) -> bool:
-        """With ``trace=True``: waits until both instances' trace files name
-        every one of ``request_ids`` (the workers rewrite them every 5 s while
-        something new was recorded; do not count on a flush at shutdown).
-        Returns whether they do."""
+        """With ``trace=True``: waits until both instances' trace files hold
+        every one of ``request_ids`` with its request span closed (the
+        workers rewrite them every 5 s while something new was recorded, so
+        a file written while a request was still in flight holds its span as
+        ``open``, its end unknown: that file is waited past; do not count on
+        a flush at shutdown). Returns whether they do."""
 
         def has_all() -> bool:
             for name in ("prefill", "decode"):
                 try:
-                    text = self.trace_path(name).read_text(errors="replace")
-                except OSError:
+                    doc = json.loads(self.trace_path(name).read_text(errors="replace"))
+                except (OSError, ValueError):  # not written yet, or being rewritten
                     return False
-                if not all(i in text for i in request_ids):
-                    return False
+                roots = [
+                    e for e in doc.get("traceEvents", []) if e.get("name") == "request" and e.get("ph") == "X"
+                ]
+                for rid in request_ids:
+                    mine = [e for e in roots if e.get("args", {}).get("request") == rid]
+                    if not mine or any(e["args"].get("open") for e in mine):
+                        return False
             return True
 
         try:
