@@ -100,14 +100,16 @@ impl Producer {
     /// from the first `layer_ready` to the `n`-th `submit_write`.
     fn stream(&mut self, n: u64) -> (Duration, Duration) {
         let req = self.open();
-        let base = self.transport.submits();
+        // Ranges, not submit calls: with group commit one batch may carry
+        // several layers.
+        let (base, rpl) = (self.transport.ranges(), ranges_per_layer(self) as u64);
         let (cpu0, t0) = (support::process_cpu(), Instant::now());
         for k in 0..n {
             self.runtime
                 .layer_ready(&req, (k % LAYERS) as u32, 0..REQUEST_BLOCKS)
                 .expect("layer_ready");
         }
-        wait_sleeping(|| self.transport.submits() >= base + n);
+        wait_sleeping(|| self.transport.ranges() >= base + n * rpl);
         let out = (support::process_cpu() - cpu0, t0.elapsed());
         self.close(&req);
         out
@@ -160,7 +162,8 @@ impl Producer {
         let mut k = 0u64;
         while k < n {
             let m = (n - k).min(window);
-            let (submits, written) = (self.transport.submits(), self.runtime.stats().layers_written);
+            let (ranges, written) = (self.transport.ranges(), self.runtime.stats().layers_written);
+            let rpl = ranges_per_layer(self) as u64;
             self.transport.hold(true);
             let (mine, theirs) = (support::thread_cpu_now(), others.each());
             for _ in 0..m {
@@ -168,7 +171,13 @@ impl Producer {
                 k += 1;
             }
             *out.entry("caller".into()).or_default() += support::thread_cpu_now() - mine;
-            wait_sleeping(|| self.transport.submits() >= submits + m);
+            // Every layer of the window submitted, or queued behind its
+            // lane's one batch in flight (held here): with group commit the
+            // queued ones go out together once the batch ends, outside the
+            // window.
+            wait_sleeping(|| {
+                (self.transport.ranges() - ranges) / rpl + self.runtime.writes_queued() as u64 >= m
+            });
             for ((name, after), before) in others.names.iter().zip(others.each()).zip(theirs) {
                 *out.entry(name.clone()).or_default() += after.saturating_sub(before);
             }
