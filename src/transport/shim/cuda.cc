@@ -11,10 +11,7 @@
 
 #include "common.h"
 
-using okv::guarded;
-using okv::NamedSlot;
-using okv::resolve_all;
-using okv::set_error;
+using namespace okv;  // the shared helpers of common.h (and the loaded engine.so)
 
 // ---- CUDA driver (libcuda.so.1), for ordering writes after the GPU ---------
 //

@@ -196,13 +196,7 @@ int not_loaded(const char* what) {
 
 }  // namespace okv
 
-using okv::g_engine_handle;
-using okv::g_loaded;
-using okv::guarded;
-using okv::NamedSlot;
-using okv::not_loaded;
-using okv::resolve_all;
-using okv::set_error;
+using namespace okv;  // the shared helpers of common.h (and the loaded engine.so)
 
 struct okv_engine {
   alignas(64) unsigned char storage[kEngineStorage];

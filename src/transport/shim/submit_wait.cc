@@ -17,13 +17,7 @@
 
 #include "common.h"
 
-using okv::g_engine_handle;
-using okv::g_loaded;
-using okv::guarded;
-using okv::NamedSlot;
-using okv::not_loaded;
-using okv::resolve_all;
-using okv::set_error;
+using namespace okv;  // the shared helpers of common.h (and the loaded engine.so)
 
 // ---- Mooncake's submit-time wait on the caller's default stream -------------
 //
