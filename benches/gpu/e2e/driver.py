@@ -1079,9 +1079,11 @@ class Fleet:
         #                (orbitkv.pd.mooncake_submit_wait = "device"), as before it was redirected
         #   wide-ranges  the per-peer cap of ranges in flight lifted from 768 to 8192
         #                (orbitkv.pd.max_inflight_ranges; 192 -> 2048 per writer lane)
-        #   staging      every request through staging (orbitkv.pd.staging_mb 8192 on both
-        #                instances, staging_min_ranges 1): gathered on prefill, written into
-        #                decode's grant, scattered into decode's pages
+        #   staging      requests through staging (orbitkv.pd.staging_mb 8192 on both
+        #                instances, staging_min_ranges 1: every request; --ab-staging-mb and
+        #                --ab-staging-min-ranges change both): gathered on prefill, written
+        #                into decode's grant, scattered into decode's pages
+        #   control      nothing: an identical second pair (A/A), the spread between two pairs
         ab = ctx.args.ab
         if ab != "none" and f"orbit-{ab}" in systems:
             env = dict(orbit_env)
@@ -1097,8 +1099,8 @@ class Fleet:
                 self.opre_ab.orbit_cfg["orbitkv.pd.max_inflight_ranges"] = 8192
             if ab == "staging":
                 for s in (self.opre_ab, self.odec_ab):
-                    s.orbit_cfg["orbitkv.pd.staging_mb"] = 8192
-                    s.orbit_cfg["orbitkv.pd.staging_min_ranges"] = 1
+                    s.orbit_cfg["orbitkv.pd.staging_mb"] = ctx.args.ab_staging_mb
+                    s.orbit_cfg["orbitkv.pd.staging_min_ranges"] = ctx.args.ab_staging_min_ranges
             allow_prefill(self.opre_ab, self.odec_ab)
             self.pairs[f"orbit-{ab}"] = [self.opre_ab, self.odec_ab]
         if "mc" in systems:
@@ -1732,8 +1734,9 @@ RATIOS = (
      "OrbitKV through vllm-router's mooncake mode ÷ through orbitkv.proxy (the same instances)"),
     ("orbit-router-mc", "mc", "OrbitKV via vllm-router (mooncake)", "MooncakeConnector",
      "OrbitKV through vllm-router's mooncake mode ÷ MooncakeConnector (both transfer after the prefill)"),
-    ("orbit-staging", "mc", "OrbitKV, staged", "MooncakeConnector", "OrbitKV with every request staged ÷ MooncakeConnector"),
-    ("orbit-staging", "orbit", "staged", "direct", "OrbitKV, every request staged ÷ pages written directly (the A/B pair)"),
+    ("orbit-staging", "mc", "OrbitKV, staging", "MooncakeConnector", "OrbitKV with staging (--ab-staging-*) ÷ MooncakeConnector"),
+    ("orbit-staging", "orbit", "staging", "direct", "OrbitKV with staging (--ab-staging-*) ÷ pages written directly (the A/B pair)"),
+    ("orbit-control", "orbit", "second pair", "first pair", "OrbitKV, an identical second pair ÷ the first (A/A control)"),
     ("orbit-lanes-16", "mc", "OrbitKV, 16 writers", "MooncakeConnector", "OrbitKV with 16 writers per peer ÷ MooncakeConnector"),
     ("orbit-lanes-16", "orbit", "16 writers", "4 writers", "OrbitKV, 16 writers per peer ÷ 4 (the A/B pair)"),
 )
@@ -1914,7 +1917,8 @@ def report(d: Path) -> str:
                  "orbit-lanes-16": "OrbitKV P/D, 16 writers per peer",
                  "orbit-device-wait": "OrbitKV P/D, Mooncake's submit wait",
                  "orbit-wide-ranges": "OrbitKV P/D, 8192 ranges in flight",
-                 "orbit-staging": "OrbitKV P/D, every request staged", "nixl": "NIXL P/D",
+                 "orbit-staging": "OrbitKV P/D with staging", "orbit-control": "OrbitKV P/D, second pair (A/A)",
+                 "nixl": "NIXL P/D",
                  "mc": "MooncakeConnector P/D", "orbit-router": "OrbitKV P/D via vllm-router",
                  "orbit-router-mc": "OrbitKV P/D via vllm-router (mooncake mode)"}
         peers = [x for x in ("mc", "nixl") if x in others and "orbit" in others]
@@ -2016,12 +2020,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--one-gpu", action="store_true",
                    help="every instance on GPU 0 (a one-GPU machine; the transfer stays on one device)")
     p.add_argument("--ab", choices=("auto", "none", "one-lane", "device-wait", "wide-ranges", "lanes-16",
-                                    "staging"),
+                                    "staging", "control"),
                    default="auto",
                    help="a second OrbitKV pair with one setting changed: one writer per peer, or Mooncake's "
                         "own submit-time stream wait (orbitkv.pd.mooncake_submit_wait = device), or 8192 ranges "
                         "in flight per peer instead of 768 (orbitkv.pd.max_inflight_ranges), or 16 writers per "
-                        "peer, or every request staged; auto: device-wait on two GPUs, none with --one-gpu")
+                        "peer, or staging (--ab-staging-*), or nothing (control: an A/A pair, the spread between two "
+                        "identical pairs); auto: device-wait on two GPUs, none with --one-gpu")
+    p.add_argument("--ab-staging-mb", type=int, default=8192,
+                   help="--ab staging: orbitkv.pd.staging_mb on both instances of the A/B pair")
+    p.add_argument("--ab-staging-min-ranges", type=int, default=1,
+                   help="--ab staging: orbitkv.pd.staging_min_ranges on both instances (1: every request; "
+                        "16 is the shipped default: only requests whose pages take 16 or more ranges per layer)")
     p.add_argument("--big-max-model-len", type=int, default=36864)
     p.add_argument("--gen", type=int, default=12, help="tokens generated per correctness request")
     p.add_argument("--tol-fp32", type=float, default=0.01)
