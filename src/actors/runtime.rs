@@ -15,7 +15,7 @@ use super::config::{check_staging_regions, invalid_argument};
 use super::directory::{check_layer, Call, CancelReply, ProducerIndex, RequestDirectory};
 use super::gate::LayerMarks;
 use super::messages::*;
-use super::producer::{ProducerActor, ProducerRef, ProducerShared};
+use super::producer::{ProducerActor, ProducerShared};
 use super::publisher::{HandshakeJob, Publisher};
 use super::router::NotificationRouter;
 use super::stats::{Stats, StatsSnapshot};
@@ -511,12 +511,6 @@ impl Runtime {
         self.ask(move |d, _| d.to_producer(&request, msg))
     }
 
-    /// The open producer group of `request`, if the directory has one
-    /// whose actors still run.
-    fn group(&self, request: &RequestId) -> Option<Arc<[ProducerRef]>> {
-        self.producers.live_group(request)
-    }
-
     /// The one hand-over of a layer to the producers: layer `layer` of each
     /// `(request, blocks)`, whose kernels were launched before mark `after`
     /// (0: written already). Each member of the request's open group that
@@ -534,7 +528,7 @@ impl Runtime {
         let (mut unknown, mut sends) = (Vec::new(), Vec::new());
         for (request, blocks) in chunks {
             let msg = LayerReady { layer, blocks, after };
-            let Some(group) = self.group(&request) else {
+            let Some(group) = self.producers.live_group(&request) else {
                 unknown.push((request, msg));
                 continue;
             };
@@ -636,7 +630,7 @@ impl Runtime {
                         }
                     }
                 }
-                GateCall::Finish { request } => match self.group(&request) {
+                GateCall::Finish { request } => match self.producers.live_group(&request) {
                     Some(g) => {
                         for member in g.iter() {
                             member.send(FinishRequest);
