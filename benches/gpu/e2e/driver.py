@@ -1024,8 +1024,13 @@ def plan_big(ctx: Ctx, spec: ModelSpec) -> dict[str, Any]:
             "one_gpu": bool(a.one_gpu)}
     if ctx.cuda and a.big_kv_gib and any(c < a.big_kv_gib for c in caps):
         plan["warning"] = f"--big-kv-gib {a.big_kv_gib} is more than fits by the estimate ({plan['fit_kv_gib_per_group']})"
-    if plan["kv_tokens_per_instance"] < plan["widest_level_tokens"]:
-        plan["kv_bound_levels"] = (f"a decode instance holds {plan['kv_tokens_per_instance']} tokens of KV, less than "
+    if a.big_decode_kv_gib:
+        # decode instances get their own KV size (prefill and single keep kv_gib)
+        plan["decode_kv_gib"] = a.big_decode_kv_gib
+        plan["decode_kv_tokens"] = int(a.big_decode_kv_gib * GIB // tok)
+    dec_tokens = plan.get("decode_kv_tokens", plan["kv_tokens_per_instance"])
+    if dec_tokens < plan["widest_level_tokens"]:
+        plan["kv_bound_levels"] = (f"a decode instance holds {dec_tokens} tokens of KV, less than "
                                    f"the widest load level's in-flight requests on average ({plan['widest_level_tokens']}): "
                                    "there, requests wait for KV (see 'decode waiting peak')")
     return plan
@@ -1113,6 +1118,12 @@ class Fleet:
             self.npre = mk("nixl-prefill", 0, "nixl")
             self.ndec = mk("nixl-decode", 1, "nixl")
             self.pairs["nixl"] = [self.npre, self.ndec]
+        # --big-decode-kv-gib: every decode instance's own KV size
+        if ctx.args.big_decode_kv_gib:
+            for pair in self.pairs.values():
+                for srv in pair:
+                    if srv.name.endswith("-decode"):
+                        srv.kv_bytes = int(ctx.args.big_decode_kv_gib * GIB)
         self.servers = [s for p in self.pairs.values() for s in p]
         self.systems = [x for x in ["single", "orbit", *self.fronts,
                                     *(k for k in self.pairs if k.startswith("orbit-")), "mc", "nixl"]
@@ -2001,6 +2012,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--big-kv-gib", type=float, default=0,
                    help="KV of each Llama-3-8B-shaped instance (0: the most that fits the GPU by the estimate, "
                         "at most --big-kv-cap-gib)")
+    p.add_argument("--big-decode-kv-gib", type=float, default=0.0,
+                   help="KV of each Llama-3-8B-shaped decode instance (0: --big-kv-gib's): a decode with room for "
+                        "the widest load level keeps the comparison from being one of decode's KV admission")
     p.add_argument("--big-kv-cap-gib", type=float, default=12)
     p.add_argument("--min-kv-gib", type=float, default=4,
                    help="systems that would leave less KV than this (or than the longest TTFT prompt) per instance "
