@@ -955,6 +955,20 @@ def kv_token_bytes(spec: ModelSpec) -> int:
     return spec.layers * 2 * spec.kv_heads * spec.head_dim * (4 if spec.dtype == "float32" else 2)
 
 
+def ab_config(text: str) -> dict[str, Any]:
+    """--ab-config: a JSON object whose keys are all orbitkv.pd.* settings."""
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(cfg, dict) or not cfg:
+        raise argparse.ArgumentTypeError("must be a non-empty JSON object")
+    bad = [k for k in cfg if not k.startswith("orbitkv.pd.")]
+    if bad:
+        raise argparse.ArgumentTypeError(f"only orbitkv.pd.* settings, not {bad}")
+    return cfg
+
+
 def wanted_systems(ctx: Ctx) -> list[str]:
     a = ctx.args
     out = ["single", "orbit"] if a.single else ["orbit"]
@@ -1024,6 +1038,8 @@ def plan_big(ctx: Ctx, spec: ModelSpec) -> dict[str, Any]:
             "one_gpu": bool(a.one_gpu)}
     if ctx.cuda and a.big_kv_gib and any(c < a.big_kv_gib for c in caps):
         plan["warning"] = f"--big-kv-gib {a.big_kv_gib} is more than fits by the estimate ({plan['fit_kv_gib_per_group']})"
+    if a.ab == "custom":
+        plan["ab_config"] = a.ab_config  # the A/B pair's settings (orbit-custom)
     if a.big_decode_kv_gib:
         # decode instances get their own KV size (prefill and single keep kv_gib)
         plan["decode_kv_gib"] = a.big_decode_kv_gib
@@ -1089,6 +1105,7 @@ class Fleet:
         #                --ab-staging-min-ranges change both): gathered on prefill, written
         #                into decode's grant, scattered into decode's pages
         #   control      nothing: an identical second pair (A/A), the spread between two pairs
+        #   custom       the orbitkv.pd.* settings of --ab-config (a JSON object) on both instances
         ab = ctx.args.ab
         if ab != "none" and f"orbit-{ab}" in systems:
             env = dict(orbit_env)
@@ -1106,6 +1123,9 @@ class Fleet:
                 for s in (self.opre_ab, self.odec_ab):
                     s.orbit_cfg["orbitkv.pd.staging_mb"] = ctx.args.ab_staging_mb
                     s.orbit_cfg["orbitkv.pd.staging_min_ranges"] = ctx.args.ab_staging_min_ranges
+            if ab == "custom":
+                for s in (self.opre_ab, self.odec_ab):
+                    s.orbit_cfg.update(ctx.args.ab_config)
             allow_prefill(self.opre_ab, self.odec_ab)
             self.pairs[f"orbit-{ab}"] = [self.opre_ab, self.odec_ab]
         if "mc" in systems:
@@ -1750,6 +1770,14 @@ RATIOS = (
     ("orbit-control", "orbit", "second pair", "first pair", "OrbitKV, an identical second pair ÷ the first (A/A control)"),
     ("orbit-lanes-16", "mc", "OrbitKV, 16 writers", "MooncakeConnector", "OrbitKV with 16 writers per peer ÷ MooncakeConnector"),
     ("orbit-lanes-16", "orbit", "16 writers", "4 writers", "OrbitKV, 16 writers per peer ÷ 4 (the A/B pair)"),
+    ("orbit-wide-ranges", "mc", "OrbitKV, 8192 ranges", "MooncakeConnector",
+     "OrbitKV with 8192 ranges in flight per peer ÷ MooncakeConnector"),
+    ("orbit-wide-ranges", "orbit", "8192 ranges", "768 ranges",
+     "OrbitKV, 8192 ranges in flight per peer ÷ 768 (the A/B pair)"),
+    ("orbit-custom", "mc", "OrbitKV, --ab-config", "MooncakeConnector",
+     "OrbitKV with --ab-config (see plan.json) ÷ MooncakeConnector"),
+    ("orbit-custom", "orbit", "--ab-config", "defaults",
+     "OrbitKV with --ab-config (see plan.json) ÷ the defaults (the A/B pair)"),
 )
 
 
@@ -1929,6 +1957,7 @@ def report(d: Path) -> str:
                  "orbit-device-wait": "OrbitKV P/D, Mooncake's submit wait",
                  "orbit-wide-ranges": "OrbitKV P/D, 8192 ranges in flight",
                  "orbit-staging": "OrbitKV P/D with staging", "orbit-control": "OrbitKV P/D, second pair (A/A)",
+                 "orbit-custom": "OrbitKV P/D with --ab-config",
                  "nixl": "NIXL P/D",
                  "mc": "MooncakeConnector P/D", "orbit-router": "OrbitKV P/D via vllm-router",
                  "orbit-router-mc": "OrbitKV P/D via vllm-router (mooncake mode)"}
@@ -2034,13 +2063,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--one-gpu", action="store_true",
                    help="every instance on GPU 0 (a one-GPU machine; the transfer stays on one device)")
     p.add_argument("--ab", choices=("auto", "none", "one-lane", "device-wait", "wide-ranges", "lanes-16",
-                                    "staging", "control"),
+                                    "staging", "control", "custom"),
                    default="auto",
                    help="a second OrbitKV pair with one setting changed: one writer per peer, or Mooncake's "
                         "own submit-time stream wait (orbitkv.pd.mooncake_submit_wait = device), or 8192 ranges "
                         "in flight per peer instead of 768 (orbitkv.pd.max_inflight_ranges), or 16 writers per "
                         "peer, or staging (--ab-staging-*), or nothing (control: an A/A pair, the spread between two "
-                        "identical pairs); auto: device-wait on two GPUs, none with --one-gpu")
+                        "identical pairs), or the settings of --ab-config (custom); auto: device-wait on two GPUs, "
+                        "none with --one-gpu")
+    p.add_argument("--ab-config", type=ab_config, default={},
+                   help="--ab custom: a JSON object of orbitkv.pd.* settings for both instances of the A/B pair, "
+                        "e.g. '{\"orbitkv.pd.writer_lanes\": 16, \"orbitkv.pd.max_inflight_ranges\": 8192}'")
     p.add_argument("--ab-staging-mb", type=int, default=8192,
                    help="--ab staging: orbitkv.pd.staging_mb on both instances of the A/B pair")
     p.add_argument("--ab-staging-min-ranges", type=int, default=1,
@@ -2085,6 +2118,8 @@ def main(argv: list[str] | None = None) -> int:
     a.ttft_lengths = [int(x) for x in a.ttft_lengths.split(",") if x]
     if a.ab == "auto":
         a.ab = "none" if (a.one_gpu and a.device == "cuda") else "device-wait"
+    if (a.ab == "custom") != bool(a.ab_config):
+        p.error("--ab custom and --ab-config go together")
     return run(Ctx(a))
 
 
