@@ -1294,6 +1294,45 @@ PROXY_LINE = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) .*: decode=(
                         r"first_byte_s=(\S+) done_s=(\S+)")
 
 
+# vLLM's MooncakeConnector logs its transfers every 10 s (metrics.py), e.g.
+# "INFO 12-03 07:12:24 [metrics.py:103] KV Transfer metrics: Num successful
+# transfers=64, Avg xfer time (ms)=129.684, ..., Avg MB per transfer=304.656,
+# ..., Avg number of descriptors=4720.8, ...": each line covers the 10 s before it.
+MC_XFER_LINE = re.compile(
+    r".*INFO (\d\d-\d\d \d\d:\d\d:\d\d) .*KV Transfer metrics: Num successful transfers=(\d+), "
+    r"Avg xfer time \(ms\)=([\d.]+),.*Avg MB per transfer=([\d.]+),.*Avg number of descriptors=([\d.]+)")
+
+
+def mc_transfer_metrics(log: Path | None, t0: float, t1: float) -> dict[str, Any] | None:
+    """MooncakeConnector's own account of its transfers (its prefill's log
+    lines, each covering 10 s) between t0 and t1 + 10 s: transfers, and per
+    transfer (one Mooncake batch holding every layer of a request) the
+    descriptors, MB and ms, weighted by transfers. None if none were logged."""
+    if log is None:
+        return None
+    n = 0
+    ms = mb = descs = 0.0
+    year = time.localtime(t0).tm_year
+    with contextlib.suppress(OSError):
+        for line in log.read_text(errors="replace").splitlines():
+            m = MC_XFER_LINE.match(line)
+            if not m:
+                continue
+            t = time.mktime(time.strptime(f"{year}-{m.group(1)}", "%Y-%m-%d %H:%M:%S"))
+            if not t0 < t <= t1 + 10:
+                continue
+            k = int(m.group(2))
+            n += k
+            ms += k * float(m.group(3))
+            mb += k * float(m.group(4))
+            descs += k * float(m.group(5))
+    if not n:
+        return None
+    return {"transfers": n, "ms_per_transfer": round(ms / n, 1), "mb_per_transfer": round(mb / n, 1),
+            "descriptors_per_transfer": round(descs / n, 1),
+            "kb_per_descriptor": round(1e3 * mb / descs, 1) if descs else None}
+
+
 def proxy_breakdown(log: Path, t0: float, t1: float) -> dict[str, Any]:
     """From the proxies' per-request lines (orbitkv.proxy, nixl_proxy.py) of
     requests that ended in [t0, t1]: medians and p90 of when the prefill
@@ -1404,6 +1443,9 @@ def stage_b(ctx: Ctx, fleet: Fleet, name: str, acc: dict[str, Any] | None = None
         if not sysres["runs"]:
             sysres["client_log_tail"] = error_excerpt(log, 40)
         sysres["metrics_delta"] = {s.name: delta(before[s.name], after[s.name]) for s in servers}
+        mc_pre = next((s for s in servers if s.mc_role == "kv_producer"), None)
+        if mc_pre is not None:
+            sysres["mc_transfer_metrics"] = mc_transfer_metrics(mc_pre.log, t0, time.time())
         sysres["server_alive"] = {s.name: bool(s.proc and s.proc.alive()) for s in servers}
         for s in servers:
             if s.proc and not s.proc.alive():
@@ -1945,6 +1987,17 @@ def report(d: Path) -> str:
                       "| KiB per range | submit call | batch | layer writes | layer write | transfers | "
                       "authorized → complete |",
                       "|---|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
+        rows = []
+        for system, sr in r.get("systems", {}).items():
+            mt = sr.get("mc_transfer_metrics")
+            if mt:
+                rows.append(f"| {system} | {mt['transfers']} | {mt['descriptors_per_transfer']:.0f} | "
+                            f"{mt['kb_per_descriptor'] or '-'} | {mt['mb_per_transfer']:.0f} | {mt['ms_per_transfer']:.1f} |")
+        if rows:
+            lines += ["MooncakeConnector's own transfer metrics over the whole system run (its prefill's log; a "
+                      "transfer is one Mooncake batch holding every layer of a request; means weighted by transfers).",
+                      "", "| system | transfers | descriptors per transfer | KB per descriptor | MB per transfer | "
+                      "ms per transfer |", "|---|---|---|---|---|---|"] + rows + [""]
     for st in ("c-default", "c-eager"):
         r = _load(d, st)
         if not r or "summary" not in r:
