@@ -1807,19 +1807,15 @@ RATIOS = (
      "OrbitKV through vllm-router's mooncake mode ÷ through orbitkv.proxy (the same instances)"),
     ("orbit-router-mc", "mc", "OrbitKV via vllm-router (mooncake)", "MooncakeConnector",
      "OrbitKV through vllm-router's mooncake mode ÷ MooncakeConnector (both transfer after the prefill)"),
-    ("orbit-staging", "mc", "OrbitKV, staging", "MooncakeConnector", "OrbitKV with staging (--ab-staging-*) ÷ MooncakeConnector"),
-    ("orbit-staging", "orbit", "staging", "direct", "OrbitKV with staging (--ab-staging-*) ÷ pages written directly (the A/B pair)"),
+    *(row for system, (short, base, what) in {
+        "orbit-staging": ("staging", "direct", "with staging (--ab-staging-*)"),
+        "orbit-lanes-16": ("16 writers", "4 writers", "with 16 writers per peer"),
+        "orbit-wide-ranges": ("8192 ranges", "768 ranges", "with 8192 ranges in flight per peer"),
+        "orbit-custom": ("--ab-config", "defaults", "with --ab-config (see plan.json)"),
+    }.items() for row in (
+        (system, "mc", f"OrbitKV, {short}", "MooncakeConnector", f"OrbitKV {what} ÷ MooncakeConnector"),
+        (system, "orbit", short, base, f"OrbitKV {what} ÷ {base} (the A/B pair)"))),
     ("orbit-control", "orbit", "second pair", "first pair", "OrbitKV, an identical second pair ÷ the first (A/A control)"),
-    ("orbit-lanes-16", "mc", "OrbitKV, 16 writers", "MooncakeConnector", "OrbitKV with 16 writers per peer ÷ MooncakeConnector"),
-    ("orbit-lanes-16", "orbit", "16 writers", "4 writers", "OrbitKV, 16 writers per peer ÷ 4 (the A/B pair)"),
-    ("orbit-wide-ranges", "mc", "OrbitKV, 8192 ranges", "MooncakeConnector",
-     "OrbitKV with 8192 ranges in flight per peer ÷ MooncakeConnector"),
-    ("orbit-wide-ranges", "orbit", "8192 ranges", "768 ranges",
-     "OrbitKV, 8192 ranges in flight per peer ÷ 768 (the A/B pair)"),
-    ("orbit-custom", "mc", "OrbitKV, --ab-config", "MooncakeConnector",
-     "OrbitKV with --ab-config (see plan.json) ÷ MooncakeConnector"),
-    ("orbit-custom", "orbit", "--ab-config", "defaults",
-     "OrbitKV with --ab-config (see plan.json) ÷ the defaults (the A/B pair)"),
 )
 
 
