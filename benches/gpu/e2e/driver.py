@@ -1044,6 +1044,10 @@ def plan_big(ctx: Ctx, spec: ModelSpec) -> dict[str, Any]:
         # decode instances get their own KV size (prefill and single keep kv_gib)
         plan["decode_kv_gib"] = a.big_decode_kv_gib
         plan["decode_kv_tokens"] = int(a.big_decode_kv_gib * GIB // tok)
+        if ctx.cuda and a.one_gpu and any((kv + a.big_decode_kv_gib) / 2 > c for c in caps):
+            # one GPU holds a prefill per decode: their mean must fit the even share
+            plan["warning"] = (f"--big-kv-gib {kv} and --big-decode-kv-gib {a.big_decode_kv_gib} are more than "
+                               f"fits by the estimate ({plan['fit_kv_gib_per_group']})")
     dec_tokens = plan.get("decode_kv_tokens", plan["kv_tokens_per_instance"])
     if dec_tokens < plan["widest_level_tokens"]:
         plan["kv_bound_levels"] = (f"a decode instance holds {dec_tokens} tokens of KV, less than "
@@ -1067,9 +1071,12 @@ class Fleet:
         self.group = group
         tag = ("big-eager" if eager else "big") + (f"-g{group + 1}" if group else "")
         kv_single = (kv_gib or ctx.args.big_kv_gib or 12) * GIB
+        # --big-decode-kv-gib: every decode instance's own KV size
+        kv_decode = ctx.args.big_decode_kv_gib * GIB or kv_single
         mml = ctx.args.big_max_model_len
         mk = lambda name, gpu, conn, env=None: Server(  # noqa: E731
-            f"{tag}-{name}", model, spec, gpu, conn, eager, kv_single, mml, ctx.port(), ctx.port(), dict(env or {}))
+            f"{tag}-{name}", model, spec, gpu, conn, eager, kv_decode if name.endswith("-decode") else kv_single,
+            mml, ctx.port(), ctx.port(), dict(env or {}))
         self.single = mk("single", 0, "none") if "single" in systems else None
         self.orbit_env = orbit_env
         self.pairs: dict[str, list[Server]] = {}
@@ -1138,12 +1145,6 @@ class Fleet:
             self.npre = mk("nixl-prefill", 0, "nixl")
             self.ndec = mk("nixl-decode", 1, "nixl")
             self.pairs["nixl"] = [self.npre, self.ndec]
-        # --big-decode-kv-gib: every decode instance's own KV size
-        if ctx.args.big_decode_kv_gib:
-            for pair in self.pairs.values():
-                for srv in pair:
-                    if srv.name.endswith("-decode"):
-                        srv.kv_bytes = int(ctx.args.big_decode_kv_gib * GIB)
         self.servers = [s for p in self.pairs.values() for s in p]
         self.systems = [x for x in ["single", "orbit", *self.fronts,
                                     *(k for k in self.pairs if k.startswith("orbit-")), "mc", "nixl"]
