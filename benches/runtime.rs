@@ -156,7 +156,7 @@ impl Producer {
         let mut out: std::collections::BTreeMap<String, Duration> = std::collections::BTreeMap::new();
         // A window must fit the per-peer range cap: batches beyond it wait
         // for completions, which are held inside the window.
-        let fits = self.runtime.config().max_ranges_in_flight_per_peer / ranges_per_layer(self).max(1);
+        let fits = self.runtime.max_ranges_in_flight_per_peer() / ranges_per_layer(self).max(1);
         let window = (fits as u64).clamp(1, CHUNK);
         let req = self.open();
         let mut k = 0u64;

@@ -137,7 +137,7 @@ fn a_busy_lane_queues_the_write_and_sends_it_when_the_budget_frees() {
     // One lane, room for one layer's ranges in flight.
     let d = doubles(RuntimeConfig {
         writer_lanes_per_peer: 1,
-        max_ranges_in_flight_per_peer: 4,
+        max_ranges_in_flight_per_peer: Some(4),
         ..RuntimeConfig::default()
     });
     let req = RequestId::new("inline-busy");

@@ -32,7 +32,7 @@ fn pair(
         write_timeout,
         quarantine,
         writer_lanes_per_peer: 1,
-        max_ranges_in_flight_per_peer: 1,
+        max_ranges_in_flight_per_peer: Some(1),
         ..RuntimeConfig::default()
     };
     let (producer, wire, consumer) = orbitkv::testing::held_fake_pair(&layout, cfg);

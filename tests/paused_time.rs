@@ -79,7 +79,8 @@ impl Rank {
             ),
             (cfg.write_timeout, cfg.quarantine),
             cfg.max_bytes_in_flight_per_peer,
-            cfg.max_ranges_in_flight_per_peer,
+            cfg.max_ranges_in_flight_per_peer
+                .unwrap_or(orbitkv::transport::kind::DEFAULT_RANGES_IN_FLIGHT),
             1,
             cfg.inline_submit_max_ranges,
             cfg.peer_idle_reclaim,

@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::error::RuntimeError;
+use crate::transport::TransportKind;
 
 /// Runtime settings. Defaults suit a CPU or GPU P/D pair on one network.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -24,9 +25,13 @@ pub struct RuntimeConfig {
     /// Bytes in flight per peer before further layers queue.
     pub max_bytes_in_flight_per_peer: u64,
     /// Ranges in flight per peer; a layer with more goes out as several
-    /// batches. Mooncake's TCP transport queues at most 1024 transfers per
-    /// peer by default (`MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`).
-    pub max_ranges_in_flight_per_peer: usize,
+    /// batches. `None`: the transport's default
+    /// ([`TransportKind::default_ranges_in_flight`]: 8192 on the intra-node
+    /// NVLink transport, 768 otherwise), resolved when the runtime starts
+    /// ([`crate::actors::Runtime::config`] then holds the number). Mooncake's
+    /// TCP transport queues at most 1024 transfers per peer by default
+    /// (`MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`) and fails the rest.
+    pub max_ranges_in_flight_per_peer: Option<usize>,
     /// Writers per peer (threads that submit to Mooncake in turn, sharing
     /// the per-peer budgets).
     pub writer_lanes_per_peer: usize,
@@ -75,7 +80,7 @@ impl Default for RuntimeConfig {
             handshake_timeout: Duration::from_secs(120),
             write_timeout: Duration::from_secs(30),
             max_bytes_in_flight_per_peer: 1 << 30,
-            max_ranges_in_flight_per_peer: 768,
+            max_ranges_in_flight_per_peer: None,
             writer_lanes_per_peer: 4,
             peer_idle_reclaim: Duration::from_secs(60),
             inline_submit_max_ranges: 64,
@@ -89,6 +94,22 @@ impl Default for RuntimeConfig {
             staging_min_ranges: 16,
         }
     }
+}
+
+/// The range cap a runtime over a `kind` transport uses: the setting, else
+/// the transport's default. A setting above what the transport queues per
+/// peer (TCP: 1024) is kept, with a warning: its larger batches fail there.
+pub(super) fn resolve_range_cap(cfg: &RuntimeConfig, kind: TransportKind) -> usize {
+    let Some(n) = cfg.max_ranges_in_flight_per_peer else {
+        return kind.default_ranges_in_flight();
+    };
+    if let Some(limit) = kind.queue_limit().filter(|&l| n > l) {
+        tracing::warn!(max_ranges_in_flight_per_peer = n, transport = %kind, limit,
+            "more ranges in flight per peer than Mooncake's transport queues per peer: \
+             writes beyond its limit fail (raise MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER or lower \
+             orbitkv.pd.max_inflight_ranges)");
+    }
+    n
 }
 
 /// The staging regions are well formed and apart (a grant and a gather
@@ -173,7 +194,8 @@ impl RuntimeSettings {
             write_timeout_s: Some(d.write_timeout.as_secs_f64()),
             quarantine_s: Some(d.quarantine.as_secs_f64()),
             max_bytes_in_flight_per_peer: Some(d.max_bytes_in_flight_per_peer),
-            max_ranges_in_flight_per_peer: Some(d.max_ranges_in_flight_per_peer),
+            // by transport: none written here (RUNTIME_DEFAULTS leaves it out)
+            max_ranges_in_flight_per_peer: d.max_ranges_in_flight_per_peer,
             writer_lanes_per_peer: Some(d.writer_lanes_per_peer),
             notify_poll_ms: Some(d.notify_poll.as_secs_f64() * 1000.0),
             max_parked: Some(d.max_parked),
@@ -218,8 +240,8 @@ impl RuntimeSettings {
                 .max(1),
             max_ranges_in_flight_per_peer: self
                 .max_ranges_in_flight_per_peer
-                .unwrap_or(d.max_ranges_in_flight_per_peer)
-                .max(1),
+                .or(d.max_ranges_in_flight_per_peer)
+                .map(|n| n.max(1)),
             writer_lanes_per_peer: self
                 .writer_lanes_per_peer
                 .unwrap_or(d.writer_lanes_per_peer)
@@ -287,6 +309,33 @@ mod tests {
         .unwrap();
         assert_eq!((c.writer_lanes_per_peer, c.max_parked), (MAX_WRITER_LANES, 1));
         assert_eq!(c.notify_poll, Duration::from_micros(500));
+    }
+
+    #[test]
+    fn the_range_cap_is_the_setting_else_the_transports_default() {
+        let unset = RuntimeConfig::default();
+        assert_eq!(resolve_range_cap(&unset, TransportKind::NvlinkIntra), 8192);
+        for k in [TransportKind::Tcp, TransportKind::Rdma, TransportKind::Unknown] {
+            assert_eq!(resolve_range_cap(&unset, k), 768, "{k}");
+        }
+        // Set: kept on every transport (above TCP's queue, with a warning).
+        for (n, k) in [
+            (100, TransportKind::NvlinkIntra),
+            (4096, TransportKind::Tcp),
+            (1, TransportKind::Rdma),
+        ] {
+            let set = RuntimeConfig {
+                max_ranges_in_flight_per_peer: Some(n),
+                ..RuntimeConfig::default()
+            };
+            assert_eq!(resolve_range_cap(&set, k), n, "{k}");
+        }
+        // A setting of 0 becomes 1.
+        let zero = RuntimeSettings {
+            max_ranges_in_flight_per_peer: Some(0),
+            ..Default::default()
+        };
+        assert_eq!(zero.config().unwrap().max_ranges_in_flight_per_peer, Some(1));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use actix::prelude::*;
 use crossbeam_channel::{Receiver, Sender};
 
 pub use super::config::RuntimeConfig;
-use super::config::{check_staging_regions, invalid_argument};
+use super::config::{check_staging_regions, invalid_argument, resolve_range_cap};
 use super::directory::{check_layer, Call, CancelReply, ProducerIndex, RequestDirectory};
 use super::gate::LayerMarks;
 use super::messages::*;
@@ -84,6 +84,11 @@ impl Runtime {
     ) -> Result<Self, RuntimeError> {
         local.validate()?;
         check_staging_regions(&cfg)?;
+        let mut cfg = cfg;
+        let kind = transport.kind();
+        let range_cap = resolve_range_cap(&cfg, kind);
+        cfg.max_ranges_in_flight_per_peer = Some(range_cap);
+        tracing::info!(transport = %kind, max_ranges_in_flight_per_peer = range_cap, "runtime starting");
         let stats = Arc::new(Stats::default());
         let (boot_tx, boot_rx) = crossbeam_channel::bounded(1);
         let router_transport = transport.clone();
@@ -112,7 +117,7 @@ impl Runtime {
                 (poller_tx.clone(), marks.clone()),
                 (cfg.write_timeout, cfg.quarantine),
                 cfg.max_bytes_in_flight_per_peer,
-                cfg.max_ranges_in_flight_per_peer,
+                range_cap,
                 cfg.writer_lanes_per_peer,
                 cfg.inline_submit_max_ranges,
                 cfg.peer_idle_reclaim,
@@ -202,8 +207,22 @@ impl Runtime {
         &self.local
     }
 
+    /// The settings it runs with; the range cap resolved (always `Some`).
     pub fn config(&self) -> &RuntimeConfig {
         &self.cfg
+    }
+
+    /// The transport its writes go through (it chose the range cap's default).
+    pub fn transport_kind(&self) -> crate::transport::TransportKind {
+        self.transport.kind()
+    }
+
+    /// Ranges in flight per peer this runtime allows (the setting, else the
+    /// transport's default).
+    pub fn max_ranges_in_flight_per_peer(&self) -> usize {
+        self.cfg
+            .max_ranges_in_flight_per_peer
+            .unwrap_or_else(|| self.transport.kind().default_ranges_in_flight())
     }
 
     pub fn stats(&self) -> StatsSnapshot {

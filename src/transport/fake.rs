@@ -7,7 +7,8 @@
 //! keeps every batch in flight (a cut link: Mooncake's queue holds them);
 //! [`FakeTransport::end_with`] chooses how held or later batches end;
 //! [`FakeTransport::refuse_submits`] makes `submit_write` fail;
-//! [`FakeTransport::forgotten`] lists the peers it was told to forget.
+//! [`FakeTransport::forgotten`] lists the peers it was told to forget;
+//! [`FakeTransport::with_kind`] chooses which transport it says it is.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -40,6 +41,8 @@ pub struct FakeTransport {
     notices_sent: AtomicU64,
     /// `forget_peer` calls, by peer.
     forgotten: Mutex<Vec<String>>,
+    /// The transport it says it is ([`FakeTransport::with_kind`]).
+    kind: super::TransportKind,
     inbox: Mutex<Vec<Notification>>,
     /// `take_notifications` calls by the calling thread's name.
     polls: Mutex<std::collections::HashMap<String, u64>>,
@@ -60,9 +63,16 @@ impl FakeTransport {
             last_submit_ns: AtomicU64::new(0),
             notices_sent: AtomicU64::new(0),
             forgotten: Mutex::new(Vec::new()),
+            kind: super::TransportKind::Unknown,
             inbox: Mutex::new(Vec::new()),
             polls: Mutex::new(std::collections::HashMap::new()),
         }
+    }
+
+    /// The same double, saying it is a `kind` transport (its defaults follow).
+    pub fn with_kind(mut self, kind: super::TransportKind) -> Self {
+        self.kind = kind;
+        self
     }
 
     /// How many times threads named `thread` called `take_notifications`.
@@ -172,6 +182,10 @@ impl Transport for FakeTransport {
 
     fn forget_peer(&self, peer: &str) {
         self.forgotten.lock().push(peer.to_string());
+    }
+
+    fn kind(&self) -> super::TransportKind {
+        self.kind
     }
 
     fn take_notifications(&self) -> TransportResult<Vec<Notification>> {

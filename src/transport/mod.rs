@@ -8,6 +8,8 @@
 //! * [`loader`]: loading it into the process once; the submit-wait patch.
 //! * [`mooncake`]: [`MooncakeTransferEngine`], the safe wrapper.
 //! * [`status`]: Mooncake's status codes (a batch's state, a refused submit).
+//! * [`kind`]: which transport Mooncake installs (TCP, RDMA, NVLink), and
+//!   the range cap that follows from it.
 //! * [`cuda`]: GPU events from the CUDA driver (through the same shim), so a
 //!   layer is written only after the kernel that wrote it ran.
 
@@ -17,11 +19,13 @@ pub mod cuda;
 #[cfg(any(test, feature = "testing"))]
 pub mod fake;
 pub mod ffi;
+pub mod kind;
 pub mod library;
 pub mod loader;
 pub mod mooncake;
 pub mod status;
 
+pub use kind::TransportKind;
 pub use library::{MooncakeLibrary, PINNED_MOONCAKE_VERSION};
 pub use mooncake::{parse_endpoint, EngineConfig, MooncakeTransferEngine};
 
@@ -180,6 +184,11 @@ pub trait Transport: Send + Sync + 'static {
     /// writers of this process no longer write to it. The next write to it
     /// opens it again. Default: nothing is kept.
     fn forget_peer(&self, _peer: &str) {}
+    /// The transport the writes go through (it sets defaults such as the
+    /// range cap, never a target). Default: not known.
+    fn kind(&self) -> TransportKind {
+        TransportKind::Unknown
+    }
 }
 
 impl Transport for MooncakeTransferEngine {
@@ -200,6 +209,9 @@ impl Transport for MooncakeTransferEngine {
     }
     fn forget_peer(&self, peer: &str) {
         MooncakeTransferEngine::forget_peer(self, peer)
+    }
+    fn kind(&self) -> TransportKind {
+        MooncakeTransferEngine::kind(self)
     }
 }
 

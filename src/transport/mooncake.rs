@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use parking_lot::{Mutex, RwLock};
 
 use super::ffi::{self, OkvEngine, OkvRange};
+use super::kind::{mooncake_transport, TransportFacts, TransportKind};
 use super::library::MooncakeLibrary;
 pub use super::loader::{load_mooncake, redirect_submit_wait, submit_wait_counts};
 use super::status::{submit_failure, TransferStatus};
@@ -55,6 +56,8 @@ pub struct MooncakeTransferEngine {
     raw: NonNull<OkvEngine>,
     endpoint: String,
     library: MooncakeLibrary,
+    /// The transport Mooncake installed (as its rule gives it).
+    kind: TransportKind,
     /// Local registered regions: start -> length.
     regions: RwLock<BTreeMap<u64, u64>>,
     /// Opened peer segments: endpoint -> segment handle.
@@ -116,11 +119,16 @@ impl MooncakeTransferEngine {
         let endpoint = unsafe { std::ffi::CStr::from_ptr(buf.as_ptr()) }
             .to_string_lossy()
             .into_owned();
-        tracing::info!(endpoint = %endpoint, nics = ?config.nics, "mooncake engine started");
+        let kind = mooncake_transport(&TransportFacts::of_this_host(
+            library.distribution.as_deref(),
+            &config.nics,
+        ));
+        tracing::info!(endpoint = %endpoint, nics = ?config.nics, transport = %kind, "mooncake engine started");
         Ok(Self {
             raw,
             endpoint,
             library,
+            kind,
             regions: RwLock::new(BTreeMap::new()),
             segments: Mutex::new(HashMap::new()),
         })
@@ -134,6 +142,13 @@ impl MooncakeTransferEngine {
     /// Which Mooncake library this engine runs on.
     pub fn library(&self) -> &MooncakeLibrary {
         &self.library
+    }
+
+    /// The transport Mooncake installed, by its own rule
+    /// ([`super::kind`]): from the wheel's build, the environment and the
+    /// host's RDMA devices.
+    pub fn kind(&self) -> TransportKind {
+        self.kind
     }
 
     /// Registers a long-lived region (`location` e.g. `cpu:0`, `cuda:1`;

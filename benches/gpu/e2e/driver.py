@@ -1105,8 +1105,11 @@ class Fleet:
         #   one-lane     one writer per peer (orbitkv.pd.writer_lanes = 1), as before lanes
         #   device-wait  Mooncake's own submit-time wait on the writer's default stream
         #                (orbitkv.pd.mooncake_submit_wait = "device"), as before it was redirected
-        #   wide-ranges  the per-peer cap of ranges in flight lifted from 768 to 8192
-        #                (orbitkv.pd.max_inflight_ranges; 192 -> 2048 per writer lane)
+        #   wide-ranges  the per-peer cap of ranges in flight set to 8192
+        #                (orbitkv.pd.max_inflight_ranges; 2048 per writer lane), the
+        #                default on Mooncake's NVLink transport since it depends on the transport
+        #   narrow-ranges  that cap set to 768 (192 per writer lane), the default on TCP and
+        #                the cap on every transport before (runs 31-33's control)
         #   staging      requests through staging (orbitkv.pd.staging_mb 8192 on both
         #                instances, staging_min_ranges 1: every request; --ab-staging-mb and
         #                --ab-staging-min-ranges change both): gathered on prefill, written
@@ -1126,6 +1129,8 @@ class Fleet:
                 self.opre_ab.orbit_cfg["orbitkv.pd.mooncake_submit_wait"] = "device"
             if ab == "wide-ranges":
                 self.opre_ab.orbit_cfg["orbitkv.pd.max_inflight_ranges"] = 8192
+            if ab == "narrow-ranges":
+                self.opre_ab.orbit_cfg["orbitkv.pd.max_inflight_ranges"] = 768
             if ab == "staging":
                 for s in (self.opre_ab, self.odec_ab):
                     s.orbit_cfg["orbitkv.pd.staging_mb"] = ctx.args.ab_staging_mb
@@ -1811,7 +1816,8 @@ RATIOS = (
     *(row for system, (short, base, what) in {
         "orbit-staging": ("staging", "direct", "with staging (--ab-staging-*)"),
         "orbit-lanes-16": ("16 writers", "4 writers", "with 16 writers per peer"),
-        "orbit-wide-ranges": ("8192 ranges", "768 ranges", "with 8192 ranges in flight per peer"),
+        "orbit-wide-ranges": ("8192 ranges", "defaults", "with 8192 ranges in flight per peer"),
+        "orbit-narrow-ranges": ("768 ranges", "defaults", "with 768 ranges in flight per peer"),
         "orbit-custom": ("--ab-config", "defaults", "with --ab-config (see plan.json)"),
     }.items() for row in (
         (system, "mc", f"OrbitKV, {short}", "MooncakeConnector", f"OrbitKV {what} ÷ MooncakeConnector"),
@@ -2006,6 +2012,7 @@ def report(d: Path) -> str:
                  "orbit-lanes-16": "OrbitKV P/D, 16 writers per peer",
                  "orbit-device-wait": "OrbitKV P/D, Mooncake's submit wait",
                  "orbit-wide-ranges": "OrbitKV P/D, 8192 ranges in flight",
+                 "orbit-narrow-ranges": "OrbitKV P/D, 768 ranges in flight",
                  "orbit-staging": "OrbitKV P/D with staging", "orbit-control": "OrbitKV P/D, second pair (A/A)",
                  "orbit-custom": "OrbitKV P/D with --ab-config",
                  "nixl": "NIXL P/D",
@@ -2112,12 +2119,13 @@ def main(argv: list[str] | None = None) -> int:
                         "per-layer connector hooks (every layer then goes at wait_for_save; counted)")
     p.add_argument("--one-gpu", action="store_true",
                    help="every instance on GPU 0 (a one-GPU machine; the transfer stays on one device)")
-    p.add_argument("--ab", choices=("auto", "none", "one-lane", "device-wait", "wide-ranges", "lanes-16",
-                                    "staging", "control", "custom"),
+    p.add_argument("--ab", choices=("auto", "none", "one-lane", "device-wait", "wide-ranges", "narrow-ranges",
+                                    "lanes-16", "staging", "control", "custom"),
                    default="auto",
                    help="a second OrbitKV pair with one setting changed: one writer per peer, or Mooncake's "
                         "own submit-time stream wait (orbitkv.pd.mooncake_submit_wait = device), or 8192 ranges "
-                        "in flight per peer instead of 768 (orbitkv.pd.max_inflight_ranges), or 16 writers per "
+                        "in flight per peer (wide-ranges) or 768 (narrow-ranges) instead of the transport's "
+                        "default (orbitkv.pd.max_inflight_ranges: 8192 on NVLink, 768 on TCP), or 16 writers per "
                         "peer, or staging (--ab-staging-*), or nothing (control: an A/A pair, the spread between two "
                         "identical pairs), or the settings of --ab-config (custom); auto: device-wait on two GPUs, "
                         "none with --one-gpu")

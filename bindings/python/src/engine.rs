@@ -189,6 +189,8 @@ fn mooncake_package(py: Python<'_>) -> Option<PathBuf> {
 struct SharedTransport {
     shared: Arc<Shared>,
     endpoint: String,
+    /// The transport Mooncake installed (fixed when the engine started).
+    kind: orbitkv::transport::TransportKind,
 }
 
 impl SharedTransport {
@@ -222,6 +224,9 @@ impl Transport for SharedTransport {
     fn take_notifications(&self) -> Result<Vec<orbitkv::Notification>, TransportError> {
         self.with(|e| e.take_notifications())
     }
+    fn kind(&self) -> orbitkv::transport::TransportKind {
+        self.kind
+    }
     fn forget_peer(&self, peer: &str) {
         // A closed engine kept nothing.
         let _ = self.with(|e| {
@@ -234,12 +239,13 @@ impl Transport for SharedTransport {
 impl PyEngine {
     /// This engine as a transport for `orbitkv.Runtime`.
     pub(crate) fn transport(&self, py: Python<'_>) -> PyResult<Arc<dyn Transport>> {
-        if self.shared.engine.read().is_none() {
+        let Some(kind) = self.shared.engine.read().as_ref().map(|e| e.kind()) else {
             return Err(closed_error(py));
-        }
+        };
         Ok(Arc::new(SharedTransport {
             shared: Arc::clone(&self.shared),
             endpoint: self.endpoint.clone(),
+            kind,
         }))
     }
 }
@@ -311,6 +317,18 @@ impl PyEngine {
     #[getter]
     fn mooncake_version(&self) -> Option<&str> {
         self.version.as_deref()
+    }
+
+    /// The transport Mooncake installed, by its own rule (`tcp`, `rdma`,
+    /// `nvlink_intra` or `unknown`): it sets the default range cap.
+    #[getter(transport)]
+    fn transport_name(&self, py: Python<'_>) -> PyResult<&'static str> {
+        self.shared
+            .engine
+            .read()
+            .as_ref()
+            .map(|e| e.kind().name())
+            .ok_or_else(|| closed_error(py))
     }
 
     /// The path of the loaded Mooncake `engine.so`.

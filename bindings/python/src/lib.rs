@@ -56,6 +56,16 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         }
     }
     m.add("RUNTIME_DEFAULTS", defaults)?;
+    // The range cap left out, by the transport Mooncake installed (the
+    // core's `TransportKind::default_ranges_in_flight`).
+    let caps = pyo3::types::PyDict::new(m.py());
+    {
+        use orbitkv::transport::TransportKind as K;
+        for k in [K::Tcp, K::Rdma, K::NvlinkIntra, K::Unknown] {
+            caps.set_item(k.name(), k.default_ranges_in_flight())?;
+        }
+    }
+    m.add("DEFAULT_RANGES_IN_FLIGHT", caps)?;
     // The side channel's protocol constants and defaults: written once, in
     // the core (orbitkv.vllm.side_channel reads them from here).
     m.add(

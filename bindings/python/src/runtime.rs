@@ -389,6 +389,20 @@ impl PyRuntime {
         &self.endpoint
     }
 
+    /// The transport Mooncake installed, as its rule gives it (`tcp`,
+    /// `rdma`, `nvlink_intra` or `unknown`).
+    #[getter]
+    fn transport(&self, py: Python<'_>) -> PyResult<&'static str> {
+        Ok(self.rt(py)?.transport_kind().name())
+    }
+
+    /// Ranges in flight per peer: the setting, else the transport's default
+    /// (8192 on `nvlink_intra`, 768 otherwise).
+    #[getter]
+    fn max_ranges_in_flight_per_peer(&self, py: Python<'_>) -> PyResult<usize> {
+        Ok(self.rt(py)?.max_ranges_in_flight_per_peer())
+    }
+
     /// Decode side: authorizes `block_ids` for request blocks `first_block..`
     /// of `request_id`, expecting the producers of a prefill instance of TP
     /// size `producer_tp`. Returns the handshake (JSON); it carries

@@ -27,6 +27,7 @@ def test_doctor_passes_here_and_moves_bytes() -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Mooncake 0.3.13.post1 (the pin) loads" in r.stdout
     assert "4 MiB written between two engines on 127.0.0.1, bytes equal" in r.stdout
+    assert "Mooncake's transport here: tcp (orbitkv.pd.max_inflight_ranges defaults to 768)" in r.stdout
     # The CPU wheel: the GPU-only redirect has nothing to patch, and says so.
     assert "this Mooncake has no CUDA: orbitkv.pd.mooncake_submit_wait has nothing to redirect" in r.stdout
     assert "nothing blocks P/D here" in r.stdout

@@ -336,3 +336,54 @@ def test_install_trace_is_explicit_once_per_process_and_the_runtime_writes_it(tm
     assert not (tmp_path / "env.json").exists(), "ORBITKV_TRACE won over the explicit call"
     events = json.loads(path.read_text())["traceEvents"]
     assert any(e.get("ph") == "M" and "req-traced" in str(e.get("args", {}).get("name")) for e in events)
+
+
+CAP_PROBE = r"""
+import json, os, sys
+sys.path.insert(0, os.environ["TESTS_DIR"])
+import orbitkv
+import test_runtime as t
+e = orbitkv.MooncakeTransferEngine()
+caches = [t.torch.zeros(t.BLOCKS, t.HEADS, t.BLOCK, 2 * t.HEAD_DIM) for _ in range(t.LAYERS)]
+for c in caches:
+    e.register_memory(c)
+kw = json.loads(os.environ["CAP_KW"])
+r = orbitkv.Runtime(e, t.layout_json(caches), **kw)
+print("CAP", r.transport, r.max_ranges_in_flight_per_peer, flush=True)
+r.shutdown()
+e.close()
+"""
+
+
+@pytest.mark.parametrize(
+    ("nvlink_env", "kw", "cap", "warns"),
+    [
+        (None, {}, 768, False),
+        ("1", {}, 768, False),
+        ("0", {}, 768, False),
+        ("1", {"max_ranges_in_flight_per_peer": 4096}, 4096, True),
+        (None, {"max_ranges_in_flight_per_peer": 1000}, 1000, False),
+    ],
+)
+def test_tcp_keeps_its_range_cap_whatever_mc_intranode_nvlink_says(
+    nvlink_env: str | None, kw: dict[str, int], cap: int, warns: bool
+) -> None:
+    """The range cap left out is the transport's default: the real Mooncake
+    engine of these tests (the non-CUDA wheel) installs TCP whether or not
+    ``MC_INTRANODE_NVLINK`` is set (only a CUDA build reads it), so the cap
+    stays 768, under TCP's 1024 queued per peer. A cap set above that queue
+    is kept, with a warning on stderr that names the limit."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ORBITKV_TRACE", "ORBITKV_LOG", "MC_INTRANODE_NVLINK")}
+    env["TESTS_DIR"] = str(Path(__file__).parent)
+    env["CAP_KW"] = json.dumps(kw)
+    if nvlink_env is not None:
+        env["MC_INTRANODE_NVLINK"] = nvlink_env
+    p = subprocess.run([sys.executable, "-c", CAP_PROBE], env=env, capture_output=True, text=True, timeout=120)
+    assert f"CAP tcp {cap}" in p.stdout, p.stdout + p.stderr[-3000:]
+    warned = [line for line in p.stderr.splitlines() if " WARN " in line and "queues per peer" in line]
+    assert bool(warned) == warns, p.stderr[-3000:]

@@ -8,6 +8,7 @@ from typing import Any, Literal, TypeAlias, final
 from typing_extensions import Self
 
 __all__ = [
+    "DEFAULT_RANGES_IN_FLIGHT",
     "PINNED_MOONCAKE_VERSION",
     "RUNTIME_DEFAULTS",
     "SIDE_CHANNEL_CANCEL_PATH",
@@ -44,6 +45,11 @@ STATS_FIELDS: tuple[str, ...]
 RUNTIME_DEFAULTS: dict[str, float | int]
 """The runtime's defaults (Rust's `RuntimeConfig::default()`), keyed by
 `Runtime(...)`'s keyword names: the one place they are written."""
+
+DEFAULT_RANGES_IN_FLIGHT: dict[str, int]
+"""The range cap (`max_ranges_in_flight_per_peer`) left out, by the
+transport Mooncake installed (`Runtime.transport`): 8192 on `nvlink_intra`,
+768 on `tcp`, `rdma` and `unknown`."""
 
 SIDE_CHANNEL_HANDSHAKE_PATH: str
 """Where a side channel takes handshakes (`/orbitkv/v1/handshake`)."""
@@ -117,6 +123,10 @@ class MooncakeTransferEngine(_ClosesOnExit):
     def mooncake_version(self) -> str | None:
         """The version of the loaded Mooncake wheel, or None if its metadata was not found."""
 
+    @property
+    def transport(self) -> str:
+        """The transport Mooncake installed, by its own rule: ``tcp``,
+        ``rdma``, ``nvlink_intra`` or ``unknown`` (it sets the default range cap)."""
     @property
     def mooncake_library(self) -> str:
         """The path of the loaded Mooncake `engine.so`."""
@@ -324,10 +334,18 @@ class Runtime:
         peer_idle_reclaim_s: float | None = None,
     ) -> Self:
         """Each setting left out (None) is the Rust `RuntimeConfig::default()`'s
-        (`RUNTIME_DEFAULTS`)."""
+        (`RUNTIME_DEFAULTS`); ``max_ranges_in_flight_per_peer`` left out is
+        the transport's default (8192 on ``nvlink_intra``, 768 otherwise)."""
     @property
     def endpoint(self) -> str:
         """This rank's Mooncake endpoint (`ip:port`)."""
+    @property
+    def transport(self) -> str:
+        """The transport Mooncake installed, by its own rule: ``tcp``,
+        ``rdma``, ``nvlink_intra`` or ``unknown``."""
+    @property
+    def max_ranges_in_flight_per_peer(self) -> int:
+        """Ranges in flight per peer: the setting, else the transport's default."""
 
     def consumer_open(
         self,

@@ -54,10 +54,13 @@ class Report:
 
 def _check_mooncake(r: Report, bind_host: str) -> bool:
     from orbitkv import PINNED_MOONCAKE_VERSION, MooncakeTransferEngine, OrbitKVError
+    from orbitkv._native import DEFAULT_RANGES_IN_FLIGHT
 
     try:
         with MooncakeTransferEngine(bind_host=bind_host) as engine:
             r.ok(f"Mooncake {PINNED_MOONCAKE_VERSION} (the pin) loads; an engine started at {engine.endpoint}")
+            cap = DEFAULT_RANGES_IN_FLIGHT[engine.transport]
+            r.ok(f"Mooncake's transport here: {engine.transport} (orbitkv.pd.max_inflight_ranges defaults to {cap})")
             _check_submit_wait(r, engine)
         return True
     except OrbitKVError as e:

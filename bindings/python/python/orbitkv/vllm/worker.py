@@ -223,6 +223,9 @@ class PdWorker:
             source_staging_region=sources,
             staging_min_ranges=self.config.staging_min_ranges,
         )
+        logger.info("OrbitKV rank %d: Mooncake transport %s, %d ranges in flight per peer%s", self.tp_rank,
+                    self.runtime.transport, self.runtime.max_ranges_in_flight_per_peer,
+                    "" if self.config.max_inflight_ranges else " (the transport's default)")
         if grants or sources:
             units = self.runtime.staged_layout(1)["units"]
             self._copier = StagingCopier(layout, units, [*kv_caches.values(), *self._staging_tensors])
