@@ -216,8 +216,8 @@ fn a_consumer_released_before_its_producer_opened_is_fenced_at_once() {
 /// (its layer-0 write not yet reported ended, so the cancel's abort could
 /// not release it): the consumer then waits for its `aborted` notice; or
 /// `fenced` when the abort already released it (the write had ended): the
-/// rank ends at the answer, and the `aborted` notice that follows is
-/// routed and changes nothing. Both answers are checked to be consistent;
+/// rank ends at the answer, and the `aborted` notice that follows changes
+/// nothing (routed, or dropped once the consumer has ended). Both answers are checked to be consistent;
 /// each is pinned deterministically by the machine's tests
 /// (`fsm::producer::tests::rule10_*`).
 #[test]
@@ -242,13 +242,22 @@ fn a_fence_of_a_producer_holding_the_generation_frees_at_its_notice() {
     assert_eq!(wait_released(&producer.runtime, &req).0, Outcome::Aborted);
     let s = consumer.runtime.stats();
     // Asked once; either answered `notice_follows` (the tagged notice ended
-    // the rank) or `fenced` (the answer did); the `aborted` notice is routed
-    // in both.
+    // the rank) or `fenced` (the answer did).
     assert_eq!(s.fences_sent, 1);
     assert!(s.ranks_fenced <= 1, "{s:?}");
-    eventually("the producer's aborted notice routed", || {
-        consumer.runtime.stats().notices_routed == 1
+    // The `aborted` notice arrives in both. With `notice_follows` it ended
+    // the rank, so it was routed. With `fenced` the answer ended the rank and
+    // the consumer may be gone before the notice comes (the HTTP answer and
+    // Mooncake's notification race): routed, or dropped as for an ended
+    // request; either way it changes nothing.
+    eventually("the producer's aborted notice arrived", || {
+        let s = consumer.runtime.stats();
+        s.notices_routed + s.notices_unknown_request == 1
     });
+    let s = consumer.runtime.stats();
+    if s.ranks_fenced == 0 {
+        assert_eq!(s.notices_routed, 1, "{s:?}");
+    }
     // Layers 1 and 2 were never written.
     assert!((1..LAYERS).all(|l| [4, 5]
         .iter()
