@@ -90,7 +90,7 @@ import threading
 import time
 import traceback
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -2051,6 +2051,20 @@ def _sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(f"signal {signum}")  # so that every server is stopped on the way out
 
 
+def command_line(argv: list[str], env: Mapping[str, str]) -> list[str]:
+    """The driver's arguments: ``argv`` (run.sh's own), then
+    ``E2E_DRIVER_ARGS`` split as a shell splits words, so a quoted argument
+    with spaces stays one (``--ab-config '{"orbitkv.pd.writer_lanes": 8}'``);
+    nothing in it is run. Unbalanced quotes: ``ValueError`` naming the
+    variable."""
+    text = env.get("E2E_DRIVER_ARGS", "")
+    try:
+        extra = shlex.split(text)
+    except ValueError as e:
+        raise ValueError(f"E2E_DRIVER_ARGS is not shell words ({e}): {text!r}") from None
+    return [*argv, *extra]
+
+
 def main(argv: list[str] | None = None) -> int:
     import signal
 
@@ -2167,6 +2181,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--storm-gen", type=int, default=32, help="tokens each streamed storm request asks for")
     p.add_argument("--storm-idle-timeout-s", type=float, default=200)
     p.add_argument("--storm-request-timeout-s", type=float, default=180)
+    if argv is None:
+        try:
+            argv = command_line(sys.argv[1:], os.environ)
+        except ValueError as e:
+            p.error(str(e))
     a = p.parse_args(argv)
     if a.report:
         print(report(Path(a.report)))

@@ -238,8 +238,9 @@ EOF
     rm -rf "$E2E_ROOT/results" "$E2E_ROOT/work/logs" "$E2E_ROOT/work/bench"   # (the models are kept)
     mkdir -p "$E2E_ROOT/results" "$E2E_ROOT/work"
     cp "$E2E_ROOT/env.txt" "$E2E_ROOT/results/"
+    # (the driver reads E2E_DRIVER_ARGS itself, split as a shell splits words)
     setsid nohup "$PY" "$E2E_ROOT/bin/driver.py" --device cuda --work "$E2E_ROOT/work" --out "$E2E_ROOT/results" \
-      --deadline-s "$DEADLINE" ${E2E_DRIVER_ARGS:-} >"$E2E_ROOT/driver.log" 2>&1 </dev/null &
+      --deadline-s "$DEADLINE" >"$E2E_ROOT/driver.log" 2>&1 </dev/null &
     echo $! >"$E2E_ROOT/driver.pid"
     say "driver started (pid $(cat "$E2E_ROOT/driver.pid"), deadline ${DEADLINE}s); watching for ${WATCH}s"
     watch "$WATCH"
@@ -257,7 +258,7 @@ EOF
     cp benches/gpu/e2e/*.py "$E2E_ROOT/bin/"
     PY=${E2E_PYTHON:-$ROOT/.venv/bin/python}
     "$PY" "$E2E_ROOT/bin/driver.py" --device cpu --python "$PY" --work "$E2E_ROOT/work" --out "$E2E_ROOT/results" \
-      --deadline-s "$DEADLINE" --nixl-mock ${E2E_DRIVER_ARGS:-} 2>&1 | tee "$E2E_ROOT/driver.log"
+      --deadline-s "$DEADLINE" --nixl-mock 2>&1 | tee "$E2E_ROOT/driver.log"
     echo $$ >"$E2E_ROOT/driver.pid"
     OUT=$E2E_ROOT/out; mkdir -p "$OUT"; collect
     ;;

@@ -46,6 +46,21 @@ def test_ab_custom_and_its_config_go_together(argv: list[str], tmp_path: Path) -
     assert not (tmp_path / "o").exists()  # refused before anything ran
 
 
+def test_e2e_driver_args_split_like_shell_words_so_a_json_with_spaces_stays_one() -> None:
+    """run.sh passes E2E_DRIVER_ARGS on untouched; the driver splits it as a
+    shell would (before, run.sh split it on spaces and cut a JSON with
+    spaces into pieces)."""
+    env = {"E2E_DRIVER_ARGS": """--one-gpu --ab custom --ab-config '{"orbitkv.pd.writer_lanes": 8}' --seed 3"""}
+    argv = driver.command_line(["--device", "cuda"], env)
+    assert argv == ["--device", "cuda", "--one-gpu", "--ab", "custom", "--ab-config",
+                    '{"orbitkv.pd.writer_lanes": 8}', "--seed", "3"]
+    assert driver.ab_config(argv[argv.index("--ab-config") + 1]) == {"orbitkv.pd.writer_lanes": 8}
+    assert driver.command_line(["--x"], {}) == ["--x"]
+    assert driver.command_line([], {"E2E_DRIVER_ARGS": "a $(touch /tmp/never) b"}) == ["a", "$(touch", "/tmp/never)", "b"]
+    with pytest.raises(ValueError, match="E2E_DRIVER_ARGS is not shell words"):
+        driver.command_line([], {"E2E_DRIVER_ARGS": "--ab-config '{\"a\": 1}"})
+
+
 def _mc_line(hhmmss: str, n: int, ms: float, mb: float, descs: float) -> str:
     return (f"(APIServer pid=1) INFO 12-03 {hhmmss} [metrics.py:103] KV Transfer metrics: Num successful "
             f"transfers={n}, Avg xfer time (ms)={ms}, P90 xfer time (ms)=1.0, Avg MB per transfer={mb}, "
