@@ -261,3 +261,13 @@ def test_other_connectors_keys_are_left_alone_and_the_keys_are_the_models() -> N
     assert c == PdConfig.from_extra_config({})
     assert {f.alias for f in ExtraConfig.model_fields.values()} == KEYS
     assert len(KEYS) == len(ExtraConfig.model_fields)
+
+
+@pytest.mark.parametrize(("given", "want"), [({}, None), ({"orbitkv.pd.max_inflight_ranges": None}, None),
+                                             ({"orbitkv.pd.max_inflight_ranges": 8192}, 8192),
+                                             ({"orbitkv.pd.max_inflight_ranges": 1}, 1)])
+def test_the_range_cap_left_out_or_null_is_the_transports_default(given: dict[str, object], want: int | None) -> None:
+    """``orbitkv.pd.max_inflight_ranges`` left out, or ``null`` in JSON, is
+    passed on as None: the runtime takes the transport's default when it
+    starts (test_runtime: 768 on TCP); a number is passed on as it is."""
+    assert PdConfig.from_extra_config(given).max_inflight_ranges == want
