@@ -55,4 +55,101 @@ fn writes_queued_behind_a_batch_in_flight_go_out_as_one_batch() {
     assert_eq!(s.write_ranges, 8, "one range per layer, none lost or doubled");
     assert_eq!(s.bytes_written, 8 * 2 * 4096);
     assert_eq!(producer.writes_queued(), 0);
+    // Nothing ended the group early: no budget reached, no GPU mark.
+    assert_eq!((s.group_stops_budget, s.group_stops_gpu), (0, 0));
+}
+
+/// The request `req` opened on both runtimes of a held pair (blocks 0, 1 →
+/// 2, 3) and the handshake admitted.
+fn opened(producer: &orbitkv::Runtime, consumer: &orbitkv::Runtime, req: &RequestId) {
+    let hs = orbitkv::testing::open_both(producer, consumer, req, &[0, 1], &[2, 3]);
+    producer.producer_handshake(hs).unwrap();
+}
+
+#[test]
+fn a_group_commit_ends_at_the_lanes_range_budget_and_says_so() {
+    // One lane, 3 ranges in flight per peer: the seven writes queued behind
+    // layer 0's batch go out as 3 + 3 + 1, two batches ended by the budget.
+    let layers = 8;
+    let layout = KvLayout::packed(0x10_0000, layers, 8, 4096, (0, 1), 1);
+    let cfg = RuntimeConfig {
+        writer_lanes_per_peer: 1,
+        max_ranges_in_flight_per_peer: Some(3),
+        ..RuntimeConfig::default()
+    };
+    let (producer, wire, consumer) = orbitkv::testing::held_fake_pair(&layout, cfg);
+    let req = RequestId::new("budget");
+    opened(&producer, &consumer, &req);
+    producer.layer_ready(&req, 0, 0..2).unwrap();
+    wire.wait_submits(1);
+    for l in 1..layers {
+        producer.layer_ready(&req, l, 0..2).unwrap();
+    }
+    producer.producer_finish(&req).unwrap();
+    until("seven writes queued", || producer.writes_queued() == 7);
+    // Queued at least this long: the queue counter must show it.
+    std::thread::sleep(Duration::from_millis(50));
+    wire.hold(false);
+    let (outcome, why) = wait_released(&producer, &req);
+    assert_eq!(outcome, Outcome::Done, "{why:?}");
+    let s = producer.stats();
+    assert_eq!((s.write_batches, s.writes_grouped, s.layers_written), (4, 4, 8));
+    assert_eq!((s.group_stops_budget, s.group_stops_gpu), (2, 0));
+    assert!(s.write_queue_micros >= 7 * 50_000, "{s:?}");
+    assert!(s.write_queue_micros <= s.layer_write_micros, "{s:?}");
+    assert_eq!(s.write_gpu_wait_micros, 0, "no layer marks here");
+}
+
+/// A mark the test reaches by hand (a stand-in for a CUDA event: it cannot
+/// be polled, so a write behind it never joins a group commit early).
+struct Hand(crossbeam_channel::Receiver<()>);
+
+impl orbitkv::actors::gate::Mark for Hand {
+    fn wait(&mut self) -> Result<(), String> {
+        self.0
+            .recv_timeout(Duration::from_secs(30))
+            .map_err(|_| "never reached".to_string())
+    }
+}
+
+#[test]
+fn a_group_commit_ends_at_a_layer_the_gpu_has_not_written_and_says_so() {
+    use orbitkv::actors::gate::GateCall;
+    let layout = KvLayout::packed(0x10_0000, 3, 8, 4096, (0, 1), 1);
+    let cfg = RuntimeConfig {
+        writer_lanes_per_peer: 1,
+        ..RuntimeConfig::default()
+    };
+    let (producer, wire, consumer) = orbitkv::testing::held_fake_pair(&layout, cfg);
+    let req = RequestId::new("behind-the-gpu");
+    opened(&producer, &consumer, &req);
+    producer.layer_ready(&req, 0, 0..2).unwrap();
+    wire.wait_submits(1);
+    // Layers 1 and 2 queue behind layer 0's batch, each behind its mark.
+    let (reach1, mark1) = crossbeam_channel::bounded(1);
+    let (reach2, mark2) = crossbeam_channel::bounded(1);
+    let ready = |layer| GateCall::Ready {
+        request: req.clone(),
+        layer,
+        blocks: 0..2,
+    };
+    producer.layers_ready_after(Some(Box::new(Hand(mark1))), vec![ready(1)]);
+    producer.layers_ready_after(Some(Box::new(Hand(mark2))), vec![ready(2)]);
+    producer.layers_ready_after(None, vec![GateCall::Finish { request: req.clone() }]);
+    until("two writes queued", || producer.writes_queued() == 2);
+    // Layer 1 written by the GPU, layer 2 not: the next batch is layer 1
+    // alone, and it ends at layer 2.
+    reach1.send(()).unwrap();
+    wire.hold(false);
+    until("layer 1 written", || producer.stats().layers_written == 2);
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(producer.stats().layers_written, 2, "layer 2 waits for its mark");
+    reach2.send(()).unwrap();
+    let (outcome, why) = wait_released(&producer, &req);
+    assert_eq!(outcome, Outcome::Done, "{why:?}");
+    let s = producer.stats();
+    assert_eq!((s.write_batches, s.writes_grouped, s.layers_written), (3, 0, 3));
+    assert_eq!((s.group_stops_gpu, s.group_stops_budget), (1, 0));
+    // The lane then waited for layer 2's mark at the front of its queue.
+    assert!(s.write_gpu_wait_micros >= 50_000, "{s:?}");
 }

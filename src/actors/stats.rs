@@ -68,6 +68,19 @@ pub struct Stats {
     /// Sum over layer writes of admitted by the writer → written, in µs
     /// (waiting for the per-peer budget included).
     pub layer_write_micros: Counter,
+    /// Sum over layer writes of admitted by the writer → its first batch
+    /// submitted, in µs: the part of `layer_write_micros` spent queued
+    /// (behind the lane's batch in flight, or behind the GPU).
+    pub write_queue_micros: Counter,
+    /// Sum of the time writer lanes were blocked waiting for the GPU to
+    /// write the layer at the front of their queue, in µs.
+    pub write_gpu_wait_micros: Counter,
+    /// Group commits that stopped at a queued write whose layer the GPU had
+    /// not written yet (it goes in a later batch).
+    pub group_stops_gpu: Counter,
+    /// Group commits that stopped at a queued write that did not fit the
+    /// lane's range or byte budget (it goes in a later batch).
+    pub group_stops_budget: Counter,
     /// Write batches still in Mooncake at `write_timeout` (held on, not
     /// given up: their bytes may still move).
     pub writes_late: Counter,
@@ -143,6 +156,10 @@ pub struct StatsSnapshot {
     pub write_submit_micros: u64,
     pub write_batch_micros: u64,
     pub layer_write_micros: u64,
+    pub write_queue_micros: u64,
+    pub write_gpu_wait_micros: u64,
+    pub group_stops_gpu: u64,
+    pub group_stops_budget: u64,
     pub writes_late: u64,
     pub writes_abandoned: u64,
     pub consumers_quarantine_expired: u64,
@@ -188,6 +205,10 @@ impl Stats {
             write_submit_micros: self.write_submit_micros.get(),
             write_batch_micros: self.write_batch_micros.get(),
             layer_write_micros: self.layer_write_micros.get(),
+            write_queue_micros: self.write_queue_micros.get(),
+            write_gpu_wait_micros: self.write_gpu_wait_micros.get(),
+            group_stops_gpu: self.group_stops_gpu.get(),
+            group_stops_budget: self.group_stops_budget.get(),
             writes_late: self.writes_late.get(),
             writes_abandoned: self.writes_abandoned.get(),
             consumers_quarantine_expired: self.consumers_quarantine_expired.get(),

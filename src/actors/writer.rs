@@ -361,9 +361,14 @@ impl LaneCell {
                 // On a GPU: not before the kernels that wrote the layer ran
                 // (this lane waits; later writes to this peer on this lane
                 // were launched later still).
+                let waiting = Instant::now();
                 if let Err(reason) = self.lane.marks.wait_for(job.after) {
                     job.failed = Some(format!("GPU event wait failed: {reason}"));
                 }
+                self.lane
+                    .stats
+                    .write_gpu_wait_micros
+                    .add(waiting.elapsed().as_micros() as u64);
                 job.after = 0;
             }
             if job.failed.is_some() || job.next == job.ranges.len() {
@@ -391,12 +396,22 @@ impl LaneCell {
                     // The lane's budgets bound its one batch.
                     let fits =
                         total_n + on <= self.lane.max_ranges && total_bytes + ob <= self.lane.max_in_flight;
-                    let ready = o.failed.is_none()
+                    let whole = o.failed.is_none()
                         && o.next == 0
                         && on > 0
-                        && (o.expires_unix_ms == 0 || now_ms <= o.expires_unix_ms)
+                        && (o.expires_unix_ms == 0 || now_ms <= o.expires_unix_ms);
+                    let written_by_gpu = whole
                         && (o.after == 0 || matches!(self.lane.marks.try_reached(o.after), Some(Ok(()))));
+                    let ready = whole && written_by_gpu;
                     if !(fits && ready) {
+                        // Why the batch ends here (the counters say which
+                        // bound batches under load: the lane's budget, or
+                        // the GPU not having written the next layer yet).
+                        if !fits {
+                            self.lane.stats.group_stops_budget.inc();
+                        } else if whole && !written_by_gpu {
+                            self.lane.stats.group_stops_gpu.inc();
+                        }
                         break;
                     }
                     parts.push((other, ob));
@@ -446,6 +461,14 @@ impl LaneCell {
             };
             self.lane.stats.write_batches.inc();
             self.lane.stats.write_ranges.add(total_n as u64);
+            // Queued time: each write whose first batch this is.
+            let queued: u64 = parts
+                .iter()
+                .map(|(j, _)| &st.jobs[j])
+                .filter(|o| o.next == 0)
+                .map(|o| now.saturating_duration_since(o.admitted).as_micros() as u64)
+                .sum();
+            self.lane.stats.write_queue_micros.add(queued);
             self.lane.stats.writes_grouped.add(parts.len() as u64 - 1);
             let token = st.next_token;
             st.next_token += 1;

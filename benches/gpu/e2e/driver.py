@@ -1976,20 +1976,28 @@ def report(d: Path) -> str:
             ranges, nbytes = c(pre, "write_ranges"), c(pre, "bytes_written")
             done = c(dec or {}, "transfers_completed")
             grouped = c(pre, "writes_grouped")
+            # (counters a wheel before these metrics lacks: "-")
+            has = lambda k, m=pre: f"vllm:orbitkv_{k}_total" in m or f"vllm:orbitkv_{k}" in m  # noqa: E731
+            stops = (f"{c(pre, 'group_stops_budget'):.0f} / {c(pre, 'group_stops_gpu'):.0f}"
+                     if has("group_stops_gpu") else "-")
+            queued = per(c(pre, "write_queue_seconds"), lw) if has("write_queue_seconds") else "-"
+            on_gpu = f"{c(pre, 'write_gpu_wait_seconds'):.1f}" if has("write_gpu_wait_seconds") else "-"
             rows.append(f"| {system} | {items:.0f} | {per(c(pre, 'ready_lag_seconds'), items)} | {batches:.0f} | "
-                        f"{grouped:.0f} | "
+                        f"{grouped:.0f} | {stops} | "
                         f"{(ranges / batches if batches else 0):.0f} | {(nbytes / ranges / 1024 if ranges else 0):.0f} | "
                         f"{per(c(pre, 'write_submit_seconds'), batches)} | {per(c(pre, 'write_batch_seconds'), batches)} | "
-                        f"{lw:.0f} | {per(c(pre, 'layer_write_seconds'), lw)} | {done:.0f} | "
+                        f"{lw:.0f} | {per(c(pre, 'layer_write_seconds'), lw)} | {queued} | {on_gpu} | {done:.0f} | "
                         f"{per(c(dec or {}, 'transfer_seconds'), done)} |")
         if rows:
             lines += ["OrbitKV's counters over the whole system run (mean ms): a step's layer launched → admitted "
                       "(GPU lag + gate), Mooncake submit call, batch submitted → ended, layer write admitted → "
-                      "written, decode's authorization → KV complete.", "",
-                      "| system | layers admitted | launched → admitted | batches | writes grouped | ranges per batch "
-                      "| KiB per range | submit call | batch | layer writes | layer write | transfers | "
-                      "authorized → complete |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
+                      "written and the part of it queued before its first batch, decode's authorization → KV "
+                      "complete; group commits ended by the lane's budget / at a layer the GPU had not written; "
+                      "seconds the writer lanes spent blocked on the GPU, all lanes together.", "",
+                      "| system | layers admitted | launched → admitted | batches | writes grouped | stops: budget / GPU "
+                      "| ranges per batch | KiB per range | submit call | batch | layer writes | layer write | queued | "
+                      "lanes on GPU, s | transfers | authorized → complete |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
         rows = []
         for system, sr in r.get("systems", {}).items():
             mt = sr.get("mc_transfer_metrics")

@@ -102,6 +102,14 @@ _PROM = {
         "vllm:orbitkv_writes_grouped",
         "Layer writes sent in a batch begun by an earlier write to the same peer (group commit).",
     ),
+    "group_stops_budget": (
+        "vllm:orbitkv_group_stops_budget",
+        "Group commits ended at a queued layer write that did not fit the writer lane's range or byte budget.",
+    ),
+    "group_stops_gpu": (
+        "vllm:orbitkv_group_stops_gpu",
+        "Group commits ended at a queued layer write whose layer the GPU had not written yet.",
+    ),
     "writes_late": (
         "vllm:orbitkv_writes_late",
         "Write batches still in Mooncake at the write timeout (held on: their bytes may still move).",
@@ -179,6 +187,14 @@ _SECONDS = {
     "layer_write_micros": (
         "vllm:orbitkv_layer_write_seconds",
         "Sum over layer writes of admitted-to-written time (per-peer budget waits included).",
+    ),
+    "write_queue_micros": (
+        "vllm:orbitkv_write_queue_seconds",
+        "Sum over layer writes of admitted-to-first-batch-submitted time (the queued part of layer_write_seconds).",
+    ),
+    "write_gpu_wait_micros": (
+        "vllm:orbitkv_write_gpu_wait_seconds",
+        "Time writer lanes were blocked waiting for the GPU to write the layer at the front of their queue.",
     ),
 }
 
