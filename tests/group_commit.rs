@@ -9,7 +9,7 @@
 
 use std::time::{Duration, Instant};
 
-use orbitkv::testing::{capability as cap, wait_released};
+use orbitkv::testing::wait_released;
 use orbitkv::{KvLayout, Outcome, RequestId, RuntimeConfig};
 
 fn until(what: &str, mut f: impl FnMut() -> bool) {
@@ -20,30 +20,48 @@ fn until(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
-#[test]
-fn writes_queued_behind_a_batch_in_flight_go_out_as_one_batch() {
+/// A held pair with one writer lane per peer (`cfg` otherwise), request
+/// `req` opened on both (blocks 0, 1 → 2, 3), layer 0's batch held in
+/// flight and layers 1..8 and the finish handed over behind it: seven
+/// writes queued in the lane.
+fn seven_queued_behind_a_held_batch(
+    cfg: RuntimeConfig,
+    req: &RequestId,
+) -> (
+    orbitkv::Runtime,
+    std::sync::Arc<orbitkv::transport::fake::FakeTransport>,
+    orbitkv::Runtime,
+) {
     let layers = 8;
     let layout = KvLayout::packed(0x10_0000, layers, 8, 4096, (0, 1), 1);
     let cfg = RuntimeConfig {
         writer_lanes_per_peer: 1,
-        ..RuntimeConfig::default()
+        ..cfg
     };
     let (producer, wire, consumer) = orbitkv::testing::held_fake_pair(&layout, cfg);
-    let req = RequestId::new("grouped");
-    let hs = consumer
-        .consumer_open(req.clone(), cap(), 0, vec![2, 3], 1)
-        .unwrap();
-    producer.producer_open(req.clone(), vec![0, 1], cap(), 1).unwrap();
-    producer.producer_handshake(hs).unwrap();
-
-    producer.layer_ready(&req, 0, 0..2).unwrap();
+    opened(&producer, &consumer, req);
+    producer.layer_ready(req, 0, 0..2).unwrap();
     wire.wait_submits(1);
     for l in 1..layers {
-        producer.layer_ready(&req, l, 0..2).unwrap();
+        producer.layer_ready(req, l, 0..2).unwrap();
     }
-    producer.producer_finish(&req).unwrap();
+    producer.producer_finish(req).unwrap();
     // The lane holds layer 0's batch: the other seven wait in its queue.
     until("seven writes queued", || producer.writes_queued() == 7);
+    (producer, wire, consumer)
+}
+
+/// The request `req` opened on both runtimes of a held pair (blocks 0, 1 →
+/// 2, 3) and the handshake admitted.
+fn opened(producer: &orbitkv::Runtime, consumer: &orbitkv::Runtime, req: &RequestId) {
+    let hs = orbitkv::testing::open_both(producer, consumer, req, &[0, 1], &[2, 3]);
+    producer.producer_handshake(hs).unwrap();
+}
+
+#[test]
+fn writes_queued_behind_a_batch_in_flight_go_out_as_one_batch() {
+    let req = RequestId::new("grouped");
+    let (producer, wire, _consumer) = seven_queued_behind_a_held_batch(RuntimeConfig::default(), &req);
     assert_eq!(wire.submits(), 1, "one batch in flight per lane");
 
     wire.hold(false);
@@ -59,34 +77,16 @@ fn writes_queued_behind_a_batch_in_flight_go_out_as_one_batch() {
     assert_eq!((s.group_stops_budget, s.group_stops_gpu), (0, 0));
 }
 
-/// The request `req` opened on both runtimes of a held pair (blocks 0, 1 →
-/// 2, 3) and the handshake admitted.
-fn opened(producer: &orbitkv::Runtime, consumer: &orbitkv::Runtime, req: &RequestId) {
-    let hs = orbitkv::testing::open_both(producer, consumer, req, &[0, 1], &[2, 3]);
-    producer.producer_handshake(hs).unwrap();
-}
-
 #[test]
 fn a_group_commit_ends_at_the_lanes_range_budget_and_says_so() {
     // One lane, 3 ranges in flight per peer: the seven writes queued behind
     // layer 0's batch go out as 3 + 3 + 1, two batches ended by the budget.
-    let layers = 8;
-    let layout = KvLayout::packed(0x10_0000, layers, 8, 4096, (0, 1), 1);
+    let req = RequestId::new("budget");
     let cfg = RuntimeConfig {
-        writer_lanes_per_peer: 1,
         max_ranges_in_flight_per_peer: Some(3),
         ..RuntimeConfig::default()
     };
-    let (producer, wire, consumer) = orbitkv::testing::held_fake_pair(&layout, cfg);
-    let req = RequestId::new("budget");
-    opened(&producer, &consumer, &req);
-    producer.layer_ready(&req, 0, 0..2).unwrap();
-    wire.wait_submits(1);
-    for l in 1..layers {
-        producer.layer_ready(&req, l, 0..2).unwrap();
-    }
-    producer.producer_finish(&req).unwrap();
-    until("seven writes queued", || producer.writes_queued() == 7);
+    let (producer, wire, _consumer) = seven_queued_behind_a_held_batch(cfg, &req);
     // Queued at least this long: the queue counter must show it.
     std::thread::sleep(Duration::from_millis(50));
     wire.hold(false);
