@@ -315,7 +315,10 @@ mod tests {
     fn the_range_cap_is_the_setting_else_the_transports_default() {
         let unset = RuntimeConfig::default();
         assert_eq!(resolve_range_cap(&unset, TransportKind::NvlinkIntra), 8192);
-        for k in [TransportKind::Tcp, TransportKind::Rdma, TransportKind::Unknown] {
+        for k in TransportKind::ALL
+            .into_iter()
+            .filter(|&k| k != TransportKind::NvlinkIntra)
+        {
             assert_eq!(resolve_range_cap(&unset, k), 768, "{k}");
         }
         // Set: kept on every transport (above TCP's queue, with a warning).

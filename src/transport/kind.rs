@@ -50,6 +50,9 @@ pub const DEFAULT_RANGES_IN_FLIGHT: usize = 768;
 pub const NVLINK_RANGES_IN_FLIGHT: usize = 8192;
 
 impl TransportKind {
+    /// Every kind.
+    pub const ALL: [Self; 4] = [Self::Tcp, Self::Rdma, Self::NvlinkIntra, Self::Unknown];
+
     /// Its name, as logs and the docs write it.
     pub fn name(self) -> &'static str {
         match self {
@@ -155,64 +158,45 @@ mod tests {
     }
 
     #[test]
-    fn the_non_cuda_build_is_tcp_or_rdma_whatever_mc_intranode_nvlink_says() {
-        let cpu = Some("mooncake-transfer-engine-non-cuda");
-        assert_eq!(
-            mooncake_transport(&facts(cpu, true, false, false)),
-            TransportKind::Tcp
+    fn mooncakes_rule_case_by_case() {
+        use TransportKind::*;
+        let (cpu, gpu) = (
+            Some("mooncake-transfer-engine-non-cuda"),
+            Some("mooncake-transfer-engine-cuda13"),
         );
-        assert_eq!(
-            mooncake_transport(&facts(cpu, false, false, false)),
-            TransportKind::Tcp
-        );
-        assert_eq!(
-            mooncake_transport(&facts(cpu, true, false, true)),
-            TransportKind::Rdma
-        );
-        assert_eq!(
-            mooncake_transport(&facts(cpu, false, true, true)),
-            TransportKind::Tcp
-        );
-    }
-
-    #[test]
-    fn a_cuda_build_with_mc_intranode_nvlink_present_is_nvlink() {
-        let gpu = Some("mooncake-transfer-engine-cuda13");
-        assert_eq!(
-            mooncake_transport(&facts(gpu, true, false, false)),
-            TransportKind::NvlinkIntra
-        );
-        assert_eq!(
-            mooncake_transport(&facts(gpu, true, true, true)),
-            TransportKind::NvlinkIntra
-        );
-        assert_eq!(
-            mooncake_transport(&facts(gpu, false, false, true)),
-            TransportKind::Rdma
-        );
-        assert_eq!(
-            mooncake_transport(&facts(gpu, false, false, false)),
-            TransportKind::Unknown
-        );
-        assert_eq!(
-            mooncake_transport(&facts(Some("mooncake-transfer-engine"), true, false, false)),
-            TransportKind::Unknown,
-            "a build not named for or against CUDA is not taken for one"
-        );
-    }
-
-    #[test]
-    fn without_wheel_metadata_the_transport_is_unknown() {
-        assert_eq!(
-            mooncake_transport(&facts(None, true, false, false)),
-            TransportKind::Unknown
-        );
+        // (wheel, MC_INTRANODE_NVLINK, MC_FORCE_TCP, RDMA device) -> transport
+        let cases = [
+            // The non-CUDA build: TCP or RDMA whatever MC_INTRANODE_NVLINK says.
+            (cpu, true, false, false, Tcp),
+            (cpu, false, false, false, Tcp),
+            (cpu, true, false, true, Rdma),
+            (cpu, false, true, true, Tcp),
+            // A CUDA build with MC_INTRANODE_NVLINK present: NVLink.
+            (gpu, true, false, false, NvlinkIntra),
+            (gpu, true, true, true, NvlinkIntra),
+            (gpu, false, false, true, Rdma),
+            (gpu, false, false, false, Unknown),
+            // A wheel not named for or against CUDA is not taken for one.
+            (Some("mooncake-transfer-engine"), true, false, false, Unknown),
+            // No wheel metadata.
+            (None, true, false, false, Unknown),
+        ];
+        for (dist, nvlink, force_tcp, rdma, want) in cases {
+            assert_eq!(
+                mooncake_transport(&facts(dist, nvlink, force_tcp, rdma)),
+                want,
+                "{dist:?} nvlink={nvlink} force_tcp={force_tcp} rdma={rdma}"
+            );
+        }
     }
 
     #[test]
     fn only_nvlink_raises_the_range_cap_and_tcp_stays_below_its_queue() {
         assert_eq!(TransportKind::NvlinkIntra.default_ranges_in_flight(), 8192);
-        for k in [TransportKind::Tcp, TransportKind::Rdma, TransportKind::Unknown] {
+        for k in TransportKind::ALL
+            .into_iter()
+            .filter(|&k| k != TransportKind::NvlinkIntra)
+        {
             assert_eq!(k.default_ranges_in_flight(), 768, "{k}");
         }
         let tcp = TransportKind::Tcp;

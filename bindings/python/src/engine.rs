@@ -239,14 +239,21 @@ impl Transport for SharedTransport {
 impl PyEngine {
     /// This engine as a transport for `orbitkv.Runtime`.
     pub(crate) fn transport(&self, py: Python<'_>) -> PyResult<Arc<dyn Transport>> {
-        let Some(kind) = self.shared.engine.read().as_ref().map(|e| e.kind()) else {
-            return Err(closed_error(py));
-        };
         Ok(Arc::new(SharedTransport {
             shared: Arc::clone(&self.shared),
             endpoint: self.endpoint.clone(),
-            kind,
+            kind: self.kind(py)?,
         }))
+    }
+
+    /// The transport Mooncake installed (the engine closed: an error).
+    fn kind(&self, py: Python<'_>) -> PyResult<orbitkv::transport::TransportKind> {
+        self.shared
+            .engine
+            .read()
+            .as_ref()
+            .map(|e| e.kind())
+            .ok_or_else(|| closed_error(py))
     }
 }
 
@@ -323,12 +330,7 @@ impl PyEngine {
     /// `nvlink_intra` or `unknown`): it sets the default range cap.
     #[getter(transport)]
     fn transport_name(&self, py: Python<'_>) -> PyResult<&'static str> {
-        self.shared
-            .engine
-            .read()
-            .as_ref()
-            .map(|e| e.kind().name())
-            .ok_or_else(|| closed_error(py))
+        Ok(self.kind(py)?.name())
     }
 
     /// The path of the loaded Mooncake `engine.so`.

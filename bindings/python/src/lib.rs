@@ -59,11 +59,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // The range cap left out, by the transport Mooncake installed (the
     // core's `TransportKind::default_ranges_in_flight`).
     let caps = pyo3::types::PyDict::new(m.py());
-    {
-        use orbitkv::transport::TransportKind as K;
-        for k in [K::Tcp, K::Rdma, K::NvlinkIntra, K::Unknown] {
-            caps.set_item(k.name(), k.default_ranges_in_flight())?;
-        }
+    for k in orbitkv::transport::TransportKind::ALL {
+        caps.set_item(k.name(), k.default_ranges_in_flight())?;
     }
     m.add("DEFAULT_RANGES_IN_FLIGHT", caps)?;
     // The side channel's protocol constants and defaults: written once, in
