@@ -1815,6 +1815,7 @@ RATIOS = (
      "OrbitKV through vllm-router's mooncake mode ÷ MooncakeConnector (both transfer after the prefill)"),
     *(row for system, (short, base, what) in {
         "orbit-staging": ("staging", "direct", "with staging (--ab-staging-*)"),
+        "orbit-one-lane": ("one writer", "4 writers", "with one writer per peer"),
         "orbit-lanes-16": ("16 writers", "4 writers", "with 16 writers per peer"),
         "orbit-wide-ranges": ("8192 ranges", "defaults", "with 8192 ranges in flight per peer"),
         "orbit-narrow-ranges": ("768 ranges", "defaults", "with 768 ranges in flight per peer"),
@@ -1982,22 +1983,33 @@ def report(d: Path) -> str:
                      if has("group_stops_gpu") else "-")
             queued = per(c(pre, "write_queue_seconds"), lw) if has("write_queue_seconds") else "-"
             on_gpu = f"{c(pre, 'write_gpu_wait_seconds'):.1f}" if has("write_gpu_wait_seconds") else "-"
+            # Mooncake's submit call per range: the cost that bounds the writer
+            # under load (runs 37-38 of docs/qualification.md), and staging's
+            # share: layers written from source staging, decode's grants, and
+            # the requests that found decode's staging region full.
+            per_range = f"{1e6 * c(pre, 'write_submit_seconds') / ranges:.1f}" if ranges else "-"
+            staging = (f"{c(pre, 'layers_staged'):.0f} / {c(dec or {}, 'staging_granted'):.0f} / "
+                       f"{c(dec or {}, 'staging_exhausted'):.0f}" if has("layers_staged") else "-")
             rows.append(f"| {system} | {items:.0f} | {per(c(pre, 'ready_lag_seconds'), items)} | {batches:.0f} | "
                         f"{grouped:.0f} | {stops} | "
                         f"{(ranges / batches if batches else 0):.0f} | {(nbytes / ranges / 1024 if ranges else 0):.0f} | "
-                        f"{per(c(pre, 'write_submit_seconds'), batches)} | {per(c(pre, 'write_batch_seconds'), batches)} | "
-                        f"{lw:.0f} | {per(c(pre, 'layer_write_seconds'), lw)} | {queued} | {on_gpu} | {done:.0f} | "
-                        f"{per(c(dec or {}, 'transfer_seconds'), done)} |")
+                        f"{per(c(pre, 'write_submit_seconds'), batches)} | {per_range} | "
+                        f"{per(c(pre, 'write_batch_seconds'), batches)} | "
+                        f"{lw:.0f} | {per(c(pre, 'layer_write_seconds'), lw)} | {queued} | {on_gpu} | {staging} | "
+                        f"{done:.0f} | {per(c(dec or {}, 'transfer_seconds'), done)} |")
         if rows:
             lines += ["OrbitKV's counters over the whole system run (mean ms): a step's layer launched → admitted "
                       "(GPU lag + gate), Mooncake submit call, batch submitted → ended, layer write admitted → "
                       "written and the part of it queued before its first batch, decode's authorization → KV "
                       "complete; group commits ended by the lane's budget / at a layer the GPU had not written; "
-                      "seconds the writer lanes spent blocked on the GPU, all lanes together.", "",
+                      "the submit call per range in µs; seconds the writer lanes spent blocked on the GPU, all "
+                      "lanes together; staging: layers written from source staging / decode's grants / requests "
+                      "that found decode's staging full.", "",
                       "| system | layers admitted | launched → admitted | batches | writes grouped | stops: budget / GPU "
-                      "| ranges per batch | KiB per range | submit call | batch | layer writes | layer write | queued | "
-                      "lanes on GPU, s | transfers | authorized → complete |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
+                      "| ranges per batch | KiB per range | submit call | submit per range, µs | batch | layer writes | "
+                      "layer write | queued | lanes on GPU, s | staging: layers / grants / full | transfers | "
+                      "authorized → complete |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
         rows = []
         for system, sr in r.get("systems", {}).items():
             mt = sr.get("mc_transfer_metrics")

@@ -5,6 +5,7 @@ log. The driver itself runs on the device (docs/gpu-e2e.md)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 import time
 from pathlib import Path
@@ -88,3 +89,34 @@ def test_mc_transfer_metrics_weights_the_windows_of_the_run_by_transfers(tmp_pat
     assert driver.mc_transfer_metrics(log, t("08:00:00"), t("08:01:00")) is None
     assert driver.mc_transfer_metrics(None, 0, 1) is None
     assert driver.mc_transfer_metrics(tmp_path / "missing.log", 0, 1) is None
+
+
+def _counters(**kv: float) -> dict[str, float]:
+    return {f"vllm:orbitkv_{k}_total": v for k, v in kv.items()}
+
+
+def test_the_counters_table_shows_the_submit_per_range_and_staging(tmp_path: Path) -> None:
+    """The summary's counters row: Mooncake's submit call per range (µs),
+    and staging's layers / grants / full; "-" for a wheel without them."""
+    pre = _counters(ready_layers=10, ready_lag_seconds=1.0, write_batches=4, write_ranges=1000,
+                    bytes_written=1000 * 1024 * 100, writes_grouped=2, write_submit_seconds=0.03,
+                    write_batch_seconds=0.2, layer_writes=8, layer_write_seconds=0.8,
+                    write_queue_seconds=0.4, write_gpu_wait_seconds=1.5, group_stops_budget=1,
+                    group_stops_gpu=3, layers_staged=6)
+    dec = _counters(transfers_completed=2, transfer_seconds=3.0, staging_granted=5, staging_exhausted=1)
+    old = {k: v for k, v in pre.items() if "staged" not in k and "stops" not in k}
+    (tmp_path / "b-default.json").write_text(json.dumps({"config": {"input_len": 1, "input_range": 0, "output_len": 1}, "systems": {
+        "orbit-staging": {"metrics_delta": {"big-orbitab-prefill": pre, "big-orbitab-decode": dec}},
+        "orbit": {"metrics_delta": {"big-orbit-prefill": old, "big-orbit-decode": dec}},
+    }}))
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in driver.report(tmp_path).splitlines()
+            if line.startswith("| orbit")}
+    header = next(line for line in driver.report(tmp_path).splitlines() if line.startswith("| system | layers"))
+    col = {name: i for i, name in enumerate(header.split(" | "))}
+    staged = rows["| orbit-staging"]
+    assert staged[col["submit per range, µs"]] == "30.0"  # 0.03 s over 1000 ranges
+    assert staged[col["staging: layers / grants / full"]] == "6 / 5 / 1"
+    assert staged[col["stops: budget / GPU"]] == "1 / 3"
+    assert rows["| orbit"][col["staging: layers / grants / full"]] == "-"
+    assert rows["| orbit"][col["stops: budget / GPU"]] == "-"
+    assert len(staged) == len(header.split(" | "))
