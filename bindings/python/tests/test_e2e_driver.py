@@ -105,13 +105,17 @@ def test_the_counters_table_shows_the_submit_per_range_and_staging(tmp_path: Pat
                     group_stops_gpu=3, layers_staged=6)
     dec = _counters(transfers_completed=2, transfer_seconds=3.0, staging_granted=5, staging_exhausted=1)
     old = {k: v for k, v in pre.items() if "staged" not in k and "stops" not in k}
-    (tmp_path / "b-default.json").write_text(json.dumps({"config": {"input_len": 1, "input_range": 0, "output_len": 1}, "systems": {
-        "orbit-staging": {"metrics_delta": {"big-orbitab-prefill": pre, "big-orbitab-decode": dec}},
-        "orbit": {"metrics_delta": {"big-orbit-prefill": old, "big-orbit-decode": dec}},
-    }}))
-    rows = {line.split(" | ")[0]: line.split(" | ") for line in driver.report(tmp_path).splitlines()
-            if line.startswith("| orbit")}
-    header = next(line for line in driver.report(tmp_path).splitlines() if line.startswith("| system | layers"))
+    stage = {
+        "config": {"input_len": 1, "input_range": 0, "output_len": 1},
+        "systems": {
+            "orbit-staging": {"metrics_delta": {"big-orbitab-prefill": pre, "big-orbitab-decode": dec}},
+            "orbit": {"metrics_delta": {"big-orbit-prefill": old, "big-orbit-decode": dec}},
+        },
+    }
+    (tmp_path / "b-default.json").write_text(json.dumps(stage))
+    lines = driver.report(tmp_path).splitlines()
+    rows = {line.split(" | ")[0]: line.split(" | ") for line in lines if line.startswith("| orbit")}
+    header = next(line for line in lines if line.startswith("| system | layers"))
     col = {name: i for i, name in enumerate(header.split(" | "))}
     staged = rows["| orbit-staging"]
     assert staged[col["submit per range, µs"]] == "30.0"  # 0.03 s over 1000 ranges
