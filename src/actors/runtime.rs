@@ -222,7 +222,7 @@ impl Runtime {
     pub fn max_ranges_in_flight_per_peer(&self) -> usize {
         self.cfg
             .max_ranges_in_flight_per_peer
-            .unwrap_or_else(|| self.transport.kind().default_ranges_in_flight())
+            .expect("the range cap is resolved when the runtime starts")
     }
 
     pub fn stats(&self) -> StatsSnapshot {

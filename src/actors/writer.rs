@@ -400,16 +400,15 @@ impl LaneCell {
                         && o.next == 0
                         && on > 0
                         && (o.expires_unix_ms == 0 || now_ms <= o.expires_unix_ms);
-                    let written_by_gpu = whole
+                    let ready = whole
                         && (o.after == 0 || matches!(self.lane.marks.try_reached(o.after), Some(Ok(()))));
-                    let ready = whole && written_by_gpu;
                     if !(fits && ready) {
                         // Why the batch ends here (the counters say which
                         // bound batches under load: the lane's budget, or
                         // the GPU not having written the next layer yet).
                         if !fits {
                             self.lane.stats.group_stops_budget.inc();
-                        } else if whole && !written_by_gpu {
+                        } else if whole {
                             self.lane.stats.group_stops_gpu.inc();
                         }
                         break;
