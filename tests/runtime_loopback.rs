@@ -582,6 +582,57 @@ fn a_cancelled_request_releases_its_source_blocks_without_waiting_for_a_handshak
 }
 
 #[test]
+fn an_unclaimed_producer_is_given_up_and_a_claimed_one_writes_on() {
+    // Issue 44: prefill halves no decode claims must not hold their blocks
+    // until the handshake deadline once the scheduler says so.
+    let (layers, bb) = (2, 4096);
+    let producer = rank(layers, 8, bb, (0, 1), 2, src_pattern);
+    let consumer = rank(layers, 8, bb, (0, 1), 2, |_| GUARD);
+    let lone = RequestId::new("req-unclaimed");
+    producer
+        .runtime
+        .producer_open(lone.clone(), vec![0, 1], cap(), 1)
+        .unwrap();
+    for l in 0..layers {
+        producer.runtime.layer_ready(&lone, l, 0..2).unwrap();
+    }
+    producer.runtime.producer_finish(&lone).unwrap();
+    producer
+        .runtime
+        .producer_release_unclaimed(&lone, "no decode claimed it")
+        .unwrap();
+    let (how, why) = wait_released(&producer.runtime, &lone);
+    assert_eq!(
+        (how, why.as_deref()),
+        (Outcome::Aborted, Some("no decode claimed it"))
+    );
+    assert_eq!(producer.runtime.stats().producers_unclaimed_released, 1);
+    // Claimed (its handshake came): the ask changes nothing, the KV lands.
+    let req = RequestId::new("req-claimed");
+    let hs = orbitkv::testing::open_both(&producer.runtime, &consumer.runtime, &req, &[2, 3], &[4, 5]);
+    producer.runtime.producer_handshake(hs).unwrap();
+    producer
+        .runtime
+        .producer_release_unclaimed(&req, "no decode claimed it")
+        .unwrap();
+    for l in 0..layers {
+        producer.runtime.layer_ready(&req, l, 0..2).unwrap();
+    }
+    producer.runtime.producer_finish(&req).unwrap();
+    assert!(matches!(
+        outcome(&consumer.runtime),
+        RuntimeEvent::ConsumerCompleted { .. }
+    ));
+    assert_only_pairs_written(&producer, &consumer, layers, 8, &[(2, 4), (3, 5)]);
+    assert_eq!(producer.runtime.stats().producers_unclaimed_released, 1);
+    // Released already: the ask is an unknown request, a typed error.
+    assert!(matches!(
+        producer.runtime.producer_release_unclaimed(&lone, "again"),
+        Err(RuntimeError::UnknownRequest(_))
+    ));
+}
+
+#[test]
 fn a_request_prefill_gave_up_before_opening_fails_its_consumer_at_once() {
     // Both orders: the handshake parked first, then the discard; and the
     // discard first, then the handshake. Either way the consumer fails well

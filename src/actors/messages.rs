@@ -66,6 +66,17 @@ pub struct AbortRequest {
     pub reason: String,
 }
 
+/// Give the request up if no consumer claimed it yet (no handshake came):
+/// vLLM finished it on the prefill side and its blocks wait for a decode
+/// that has not come, past the claim deadline or beyond the unclaimed cap
+/// (the scheduler's `orbitkv.pd.claim_timeout_s`, `unclaimed_kv_share`,
+/// `unclaimed_max_requests`). A claimed producer ignores it.
+#[derive(Message, Debug, Clone)]
+#[rtype(result = "()")]
+pub struct ReleaseUnclaimed {
+    pub reason: String,
+}
+
 // ---- to the request directory -------------------------------------------
 
 /// A producer request actor released `request` (every admitted write

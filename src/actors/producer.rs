@@ -618,6 +618,25 @@ producer_handler!(false, LayerWriteFailed,
     write = m.write, reason = %m.reason);
 producer_handler!(true, FinishRequest, |_m| ProducerEvent::Finish);
 producer_handler!(true, AbortRequest, |m| ProducerEvent::Abort { reason: m.reason }; reason = %m.reason);
+impl Handler<ReleaseUnclaimed> for ProducerActor {
+    type Result = ();
+    fn handle(&mut self, m: ReleaseUnclaimed, ctx: &mut Context<Self>) {
+        self.handle_with(ctx, true, |core, via| {
+            let claimed = core.machine.has_handshake();
+            let span = tracing::info_span!(parent: &core.span, "msg", kind = "ReleaseUnclaimed",
+                claimed, reason = %m.reason);
+            let _g = span.enter();
+            // A claimed producer writes on (its blocks come back once the
+            // writes drained); an unclaimed one has written nothing and no
+            // consumer to tell: it ends at once, and a handshake that comes
+            // later finds the request ended.
+            if !claimed {
+                core.shared.stats.producers_unclaimed_released.inc();
+                core.feed(ProducerEvent::Abort { reason: m.reason }, via);
+            }
+        });
+    }
+}
 impl Handler<FenceQuery> for ProducerActor {
     type Result = ();
     fn handle(&mut self, m: FenceQuery, ctx: &mut Context<Self>) {

@@ -738,6 +738,21 @@ impl Runtime {
         )
     }
 
+    /// Gives producer `request` up if no consumer claimed it yet (no
+    /// handshake came): vLLM finished it on the prefill side, and its blocks
+    /// wait for a decode past the claim deadline or beyond the unclaimed
+    /// cap. A claimed producer ignores it; either way its release is
+    /// reported as usual (`RuntimeEvent::ProducerReleased`). Counted in
+    /// `producers_unclaimed_released` when it ends one.
+    pub fn producer_release_unclaimed(&self, request: &RequestId, reason: &str) -> Result<(), RuntimeError> {
+        self.to_producer(
+            request,
+            ReleaseUnclaimed {
+                reason: reason.to_string(),
+            },
+        )
+    }
+
     // ---- events ---------------------------------------------------------
 
     /// Everything that happened since the last call.

@@ -41,6 +41,9 @@ pub struct Stats {
     pub consumers_completed: Counter,
     pub consumers_failed: Counter,
     pub producers_released: Counter,
+    /// Producers given up because no consumer claimed them (no handshake)
+    /// by the claim deadline or within the unclaimed cap.
+    pub producers_unclaimed_released: Counter,
     /// Handshakes and cancels refused for a wrong or missing capability.
     pub side_channel_forbidden: Counter,
     /// Handshakes and cancels refused because the parking budget was full.
@@ -144,6 +147,7 @@ pub struct StatsSnapshot {
     pub consumers_completed: u64,
     pub consumers_failed: u64,
     pub producers_released: u64,
+    pub producers_unclaimed_released: u64,
     pub side_channel_forbidden: u64,
     pub side_channel_overloaded: u64,
     pub parked_expired: u64,
@@ -193,6 +197,7 @@ impl Stats {
             consumers_completed: self.consumers_completed.get(),
             consumers_failed: self.consumers_failed.get(),
             producers_released: self.producers_released.get(),
+            producers_unclaimed_released: self.producers_unclaimed_released.get(),
             side_channel_forbidden: self.side_channel_forbidden.get(),
             side_channel_overloaded: self.side_channel_overloaded.get(),
             parked_expired: self.parked_expired.get(),

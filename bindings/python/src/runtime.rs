@@ -667,6 +667,17 @@ impl PyRuntime {
             .map_err(|e| runtime_error(py, e))
     }
 
+    /// Prefill side: give the request up if no consumer claimed it yet (no
+    /// handshake came); a claimed one writes on. Its release is reported as
+    /// usual (`producer_released`); counted in `producers_unclaimed_released`
+    /// when it ends one.
+    fn producer_release_unclaimed(&self, py: Python<'_>, request_id: &str, reason: &str) -> PyResult<()> {
+        let rt = self.rt(py)?;
+        let (request, reason) = (RequestId::new(request_id), reason.to_owned());
+        py.detach(move || rt.producer_release_unclaimed(&request, &reason))
+            .map_err(|e| runtime_error(py, e))
+    }
+
     /// Prefill side: the consumer gave the request up (no handshake will
     /// come, or it released an authorization); `cancel_json` is the wire
     /// message (`cancel_message`). An open producer is aborted; one not yet

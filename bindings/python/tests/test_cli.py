@@ -31,6 +31,8 @@ def test_doctor_passes_here_and_moves_bytes() -> None:
     # The CPU wheel: the GPU-only redirect has nothing to patch, and says so.
     assert "this Mooncake has no CUDA: orbitkv.pd.mooncake_submit_wait has nothing to redirect" in r.stdout
     assert "nothing blocks P/D here" in r.stdout
+    # what the default allow-list exposes, said plainly
+    assert "decode's default orbitkv.pd.allowed_prefill: ports 17500-17507 on 127.0.0.1, localhost, ::1" in r.stdout
 
 
 def test_doctor_without_the_mooncake_library_names_the_fix() -> None:

@@ -16,10 +16,13 @@ def test_defaults_and_per_rank_helpers() -> None:
     assert c.nics_for(0) == [] and c.nics_for(1) == ["mlx5_1"]
     assert c.side_channel_port_for(3) == 17503
     assert c.side_channel_key is None
-    # Loopback's default side channel ports (a TP <= 64 prefill), unless configured.
-    assert c.prefill_allowed("127.0.0.1", 17500) and c.prefill_allowed("localhost", 17563)
-    assert c.prefill_allowed("[::1]", 17500) and c.prefill_allowed("127.0.0.1", 17500, tp=64)
-    assert not c.prefill_allowed("127.0.0.1", 17500, tp=65)  # rank 64 listens on 17564
+    # Loopback's default side channel ports (a TP <= 8 prefill: one host's
+    # GPUs), unless configured; nothing beyond (issue 44: 56 more ports of
+    # this host used to receive decode's handshakes).
+    assert c.prefill_allowed("127.0.0.1", 17500) and c.prefill_allowed("localhost", 17507)
+    assert c.prefill_allowed("[::1]", 17500) and c.prefill_allowed("127.0.0.1", 17500, tp=8)
+    assert not c.prefill_allowed("127.0.0.1", 17500, tp=9)  # rank 8 listens on 17508
+    assert not c.prefill_allowed("localhost", 17508) and not c.prefill_allowed("127.0.0.1", 17563)
     assert not c.prefill_allowed("127.0.0.1", 1) and not c.prefill_allowed("localhost", 17499)
     assert not c.prefill_allowed("127.0.0.2", 17500) and not c.prefill_allowed("10.0.0.2", 17500)
     assert c.prefill_host_allowed("LOCALHOST") and not c.prefill_host_allowed("10.0.0.2")

@@ -636,9 +636,9 @@ def test_an_undeclared_port_on_an_allowed_host_is_served_plainly() -> None:
     handshake to a listener the sender owned. Loopback's default entries
     name the default side channel ports only."""
     s = scheduler()
-    for i, kv in enumerate(("127.0.0.1:9999", "localhost:17564", "[::1]:17499", "127.0.0.1:1"), start=1):
+    for i, kv in enumerate(("127.0.0.1:9999", "localhost:17508", "[::1]:17499", "127.0.0.1:1"), start=1):
         assert_served_plainly(s, with_params(consumer(f"d{i}", 40, pd=f"pd-{i}"), orbitkv_prefill_kv=kv), i)
-    assert_accepted(s, with_params(consumer("ok", 40, pd="pd-ok"), orbitkv_prefill_kv="[::1]:17563"))
+    assert_accepted(s, with_params(consumer("ok", 40, pd="pd-ok"), orbitkv_prefill_kv="[::1]:17507"))
     declared = keyed_scheduler(["10.0.0.7:17500-17503"])
     assert_served_plainly(declared, with_params(consumer("d1", 40), orbitkv_prefill_kv="10.0.0.7:17504"), 1)
     assert_accepted(declared, with_params(consumer("d2", 40, pd="pd-2"), orbitkv_prefill_kv="10.0.0.7:17503"))
@@ -653,11 +653,12 @@ def test_every_prefill_ranks_port_must_be_declared() -> None:
     shifted = {"orbitkv_prefill_kv": "10.0.0.7:17501", "orbitkv_prefill_tp": 2}  # rank 1 on 17502
     assert_served_plainly(s, with_params(consumer("d1", 40), **shifted), 1)
     assert_served_plainly(s, with_params(consumer("d2", 40, pd="pd-2"), **{**tp2, "orbitkv_prefill_tp": 3}), 2)
-    # The default: loopback, ranks 0..63 of a prefill on port 17500.
+    # The default: loopback, ranks 0..7 of a prefill on port 17500.
     d = scheduler()
-    assert_accepted(d, with_params(consumer("ok", 40), orbitkv_prefill_tp=64))
-    assert_served_plainly(d, with_params(consumer("d1", 40, pd="pd-2"), orbitkv_prefill_kv="127.0.0.1:17563",
+    assert_accepted(d, with_params(consumer("ok", 40), orbitkv_prefill_tp=8))
+    assert_served_plainly(d, with_params(consumer("d1", 40, pd="pd-2"), orbitkv_prefill_kv="127.0.0.1:17507",
                                          orbitkv_prefill_tp=2), 1)
+    assert_served_plainly(d, with_params(consumer("d2", 40, pd="pd-3"), orbitkv_prefill_tp=9), 2)
 
 
 KEY = b"deployment-key-0123456789"
@@ -700,6 +701,32 @@ def test_with_a_key_params_are_accepted_only_signed() -> None:
     # Keys of other connectors in the same dict are not signed and do not matter.
     assert_accepted(s, with_params(signed(producer("p-other", 40, pd="pd-q"), KEY), do_remote_decode=True))
     assert s.refused == n
+
+
+def test_refusals_are_logged_short_on_one_line_and_rate_limited(caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 44's log forging: a client's strings (a 4 MiB key name, a request
+    ID with a newline and a fake WARN line) reach the log escaped and cut
+    short, and a flood of refusals costs a burst, then a line a second."""
+    s = scheduler()
+    now = [0.0]
+    s._refusal_log = kvp.RateLimitedLog(s._refusal_log._logger, clock=lambda: now[0])
+    forged = "x\n2026-12-03 WARN orbitkv: all good"
+    huge = {"orbitkv_" + "k" * (4 << 20): 1}
+    with caplog.at_level("WARNING", logger="orbitkv.vllm.scheduler"):
+        s.params_of(with_params(consumer("d1", 40), orbitkv_request=forged))
+        s.params_of(with_params(consumer("d2", 40), **huge))
+    first, second = (r.getMessage() for r in caplog.records)
+    assert "\n" not in first and "\\n" in first and len(first) < 400, first
+    assert len(second) < 600, len(second)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="orbitkv.vllm.scheduler"):
+        for i in range(100):  # a flood within one second: a burst of 10 (8 left), the rest counted
+            s.params_of(with_params(consumer(f"f{i}", 40), orbitkv_request=""))
+        assert len(caplog.records) == 8 and s._refusal_log.suppressed == 92
+        now[0] += 1.0
+        s.params_of(with_params(consumer("late", 40), orbitkv_request=""))
+    assert caplog.records[-1].getMessage().endswith("(92 more like it suppressed)")
+    assert s.refused == 103  # every refusal is still counted
 
 
 def test_a_refusal_names_its_reason_never_the_key_or_the_capability(caplog: pytest.LogCaptureFixture) -> None:
@@ -979,14 +1006,103 @@ def test_a_two_stage_prefill_mints_its_identity_and_answers_the_decode_half() ->
     assert len(answer2[kvp.CAPABILITY]) >= 32
 
 
-def test_a_two_stage_answer_is_signed_with_the_deployment_key_and_names_decode_tp() -> None:
+def test_a_two_stage_answer_is_signed_with_the_deployment_key_only_when_allowed() -> None:
     key = b"k" * 32
+    # With a key, an unsigned two-stage half gets no signed answer: anyone
+    # reaching the prefill's API could otherwise mint params decode trusts.
     cfg = PdConfig(side_channel_host="10.0.0.2", side_channel_key=key, decode_tp=4)
+    s = PdScheduler(
+        SimpleNamespace(cache_config=SimpleNamespace(block_size=BS), parallel_config=SimpleNamespace(tensor_parallel_size=1)),  # type: ignore[arg-type]
+        cfg,
+    )
+    r = FakeRequest("p1", list(range(20)), dict(ROUTER_PREFILL))
+    assert s.params_of(r) is None and s.refused == 1
+    # The operator's explicit opt-in for a router that cannot sign.
+    cfg = dataclasses.replace(cfg, two_stage_unsigned=True)
     s, r, answer = two_stage(cfg)
     assert answer is not None
     kvp.check_signature(answer, key)  # decode accepts it
     p = s.params_of(r)
     assert p is not None and p.decode_tp == 4
+
+
+def unclaimed_scheduler(num_blocks: int | None, **cfg: Any) -> tuple[PdScheduler, list[float]]:
+    """A prefill scheduler of ``num_blocks`` KV blocks on a clock the test moves."""
+    cache = SimpleNamespace(block_size=BS, num_gpu_blocks=num_blocks)
+    vc = SimpleNamespace(cache_config=cache, parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    s = PdScheduler(vc, PdConfig(**cfg))  # type: ignore[arg-type]
+    now = [100.0]
+    s._clock = lambda: now[0]
+    return s, now
+
+
+def finish_two_stage(s: PdScheduler, rid: str, n_tokens: int, blocks: list[int], asked: list[str] | None = None) -> str:
+    """One two-stage prefill scheduled in one step and finished (its blocks
+    held for a decode); its OrbitKV request ID. The producers that step asked
+    to give up go to ``asked``."""
+    r = FakeRequest(rid, list(range(n_tokens)), dict(ROUTER_PREFILL))
+    s.update_state_after_alloc(r, FakeBlocks([]), 0)
+    meta = s.build_connector_meta(sched_output([FakeNewReq(rid, (blocks,), 0)], scheduled={rid: n_tokens}))
+    if asked is not None:
+        asked.extend(u.pd_id for u in meta.producers_unclaimed)
+    r.status = "FINISHED_LENGTH_CAPPED"
+    delay, answer = s.request_finished(r, blocks)
+    assert delay and answer is not None
+    return str(answer[kvp.REQUEST])
+
+
+def test_unclaimed_producers_are_given_up_oldest_first_beyond_the_kv_share() -> None:
+    # 100 blocks, a quarter for requests no decode claimed: 10 blocks each.
+    s, now = unclaimed_scheduler(100)
+    ids: list[str] = []
+    asked: list[str] = []
+    for i in range(4):
+        now[0] += 1
+        ids.append(finish_two_stage(s, f"p{i}", 10 * BS, list(range(10 * i, 10 * i + 10)), asked))
+    # The third made 30 blocks > 25: the oldest was given up at the next step.
+    assert asked == ids[:1]
+    # The fourth: 30 again: the next oldest, once each.
+    meta = s.build_connector_meta(sched_output())
+    assert [u.pd_id for u in meta.producers_unclaimed] == ids[1:2]
+    assert "unclaimed_kv_share" in meta.producers_unclaimed[0].reason
+    assert s.build_connector_meta(sched_output()).producers_unclaimed == []
+    # The workers released them: vLLM gets their blocks back.
+    s.update_connector_output(out(sending={"p0", "p1"}))
+    assert s.unclaimed_asked == 2 and s.has_pending_push_work()
+
+
+def test_unclaimed_producers_are_given_up_at_the_claim_deadline_and_beyond_the_count() -> None:
+    s, now = unclaimed_scheduler(None, claim_timeout_s=5.0, unclaimed_max_requests=2)
+    a = finish_two_stage(s, "p0", 20, [1, 2])
+    now[0] += 3
+    b = finish_two_stage(s, "p1", 20, [3, 4])
+    assert s.build_connector_meta(sched_output()).producers_unclaimed == []  # no KV size known: no share cap
+    now[0] += 2.5  # p0 is 5.5 s old, p1 2.5 s
+    meta = s.build_connector_meta(sched_output())
+    assert [(u.pd_id, "claim_timeout_s" in u.reason) for u in meta.producers_unclaimed] == [(a, True)]
+    c = finish_two_stage(s, "p2", 20, [5, 6])
+    d = finish_two_stage(s, "p3", 20, [7, 8])
+    meta = s.build_connector_meta(sched_output())
+    # three wait, two may: the oldest (p1) goes
+    assert [u.pd_id for u in meta.producers_unclaimed] == [b]
+    assert "unclaimed_max_requests" in meta.producers_unclaimed[0].reason
+    # one that finished sending (its decode claimed it, the writes drained) is no longer counted
+    s.update_connector_output(out(sending={"p2"}))
+    now[0] += 1
+    assert s.build_connector_meta(sched_output()).producers_unclaimed == []
+    assert list(s._unclaimed) == ["p3"] and c != d
+
+
+def test_a_producer_that_did_not_complete_is_not_counted_as_unclaimed() -> None:
+    # An aborted prefill's producer is aborted outright: nothing to ask.
+    s, now = unclaimed_scheduler(4)
+    r = FakeRequest("p1", list(range(64)), dict(ROUTER_PREFILL))
+    s.update_state_after_alloc(r, FakeBlocks([]), 0)
+    s.build_connector_meta(sched_output([FakeNewReq("p1", ([1, 2, 3, 4],), 0)], scheduled={"p1": 64}))
+    r.status = "FINISHED_ABORTED"
+    assert s.request_finished(r, [1, 2, 3, 4]) == (True, None)
+    now[0] += 1000
+    assert s.build_connector_meta(sched_output()).producers_unclaimed == []
 
 
 def test_a_two_stage_prefill_that_did_not_complete_answers_nothing() -> None:

@@ -460,6 +460,12 @@ class Runtime:
         """Prefill side: stop; writes in flight still drain, then the consumer is
         told the request was aborted."""
 
+    def producer_release_unclaimed(self, request_id: str, reason: str) -> None:
+        """Prefill side: give the request up if no consumer claimed it yet (no
+        handshake came); a claimed one writes on. Its release is reported as
+        usual (`producer_released`); counted in `producers_unclaimed_released`
+        when it ends one."""
+
     def producer_cancel(self, cancel_json: str) -> str | None:
         """Prefill side: the consumer gave the request up (no handshake will
         come, or it released an authorization); `cancel_json` is the wire

@@ -197,10 +197,25 @@ def _check_devices(r: Report) -> None:
         r.note("no GPU visible (CPU KV cache)")
 
 
+def _note_default_exposure(r: Report) -> None:
+    """What a decode instance with the default ``orbitkv.pd.allowed_prefill``
+    sends its handshakes to: whatever listens on those loopback ports."""
+    from orbitkv.vllm.config import DEFAULT_ALLOWED_PREFILL
+
+    lo, hi = DEFAULT_ALLOWED_PREFILL[0].lo, DEFAULT_ALLOWED_PREFILL[0].hi
+    hosts = ", ".join(e.host for e in DEFAULT_ALLOWED_PREFILL)
+    r.note(
+        f"decode's default orbitkv.pd.allowed_prefill: ports {lo}-{hi} on {hosts} (a prefill of TP <= {hi - lo + 1} "
+        "on the default side channel port); whatever listens there receives decode's handshakes (its Mooncake "
+        "endpoint, block IDs and KV addresses). Declare your prefills' side channels to narrow it (docs/security.md)"
+    )
+
+
 def doctor(bind_host: str, side_channel_port: int | None, write_test: bool) -> Report:
     """Runs every check; see the module documentation."""
     r = Report()
     _check_host(r, bind_host, side_channel_port)
+    _note_default_exposure(r)
     if _check_mooncake(r, bind_host) and write_test:
         _check_write(r, bind_host)
     _check_vllm(r)

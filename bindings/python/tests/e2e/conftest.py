@@ -21,10 +21,16 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 from orbitkv.testing.cluster import Cluster
 from orbitkv.testing.tiny_model import make_tiny_model
 
-# The connector's consumer and handshake timeouts in these tests
-# (orbitkv.pd.timeout_s / handshake_timeout_s): small, so a dead prefill fails
-# the decode request quickly.
+# The connector's consumer timeout and the prefill's claim deadline in these
+# tests (orbitkv.pd.timeout_s / claim_timeout_s): small, so a dead prefill
+# fails the decode request quickly, and a prefill half whose decode never
+# comes gives its blocks back soon.
 PD_TIMEOUT_S = 15.0
+# The prefill's handshake timeout in test_pd_vllm.py's cluster: longer than a
+# flood of prefill halves takes to send there (its unclaimed-halves test),
+# as it is by default (120 s); the claim deadline above ends the halves no
+# decode claims.
+PD_HANDSHAKE_TIMEOUT_S = 60.0
 # orbitkv.pd.quarantine_s: how long past that deadline decode keeps the
 # blocks of a producer that never ended (a killed prefill): small, so the
 # tests that kill one see decode idle soon after.
@@ -76,7 +82,8 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         run,
         timeout_s=PD_TIMEOUT_S,
         prefill_config={
-            "orbitkv.pd.handshake_timeout_s": PD_TIMEOUT_S,
+            "orbitkv.pd.handshake_timeout_s": PD_HANDSHAKE_TIMEOUT_S,
+            "orbitkv.pd.claim_timeout_s": PD_TIMEOUT_S,
             "orbitkv.pd.quarantine_s": QUARANTINE_S,
             **MOONCAKE_DIALECT,
             **STAGING_CONFIG,

@@ -34,9 +34,9 @@ STAGING = os.environ.get("ORBITKV_TEST_STAGING", "0") == "1"  # conftest.STAGING
 fresh_prompt = prompt_source(1000)
 
 GEN = 16  # tokens generated per request
-# conftest.PD_TIMEOUT_S: the prefill's handshake timeout, how long a producer
+# conftest.PD_TIMEOUT_S: the prefill's claim deadline, how long a producer
 # of the two-stage flow waits for a decode that never comes.
-PD_HANDSHAKE_TIMEOUT_S = 15.0
+PD_CLAIM_TIMEOUT_S = 15.0
 
 
 def ok(c: Completion, what: str) -> Completion:
@@ -192,17 +192,51 @@ def test_through_vllm_router_an_abort_leaves_both_instances_idle(cluster: Cluste
     """The client goes away while the router waits for the prefill half; then
     while decode waits. Both instances hold nothing soon after (the prefill's
     producer is aborted, or waits for a decode that never comes only until
-    the handshake timeout; decode's consumer is fenced)."""
+    the claim deadline; decode's consumer is fenced)."""
     for wait_s in (0.05, 0.6):
         req = Abandoned(cluster.router_url, fresh_prompt(2500), GEN, stream=True)
         time.sleep(wait_s)
         req.drop()
         t0 = time.monotonic()
-        cluster.wait_idle(timeout_s=PD_HANDSHAKE_TIMEOUT_S + 10)
+        cluster.wait_idle(timeout_s=PD_CLAIM_TIMEOUT_S + 10)
         print(f"vllm-router abort after {wait_s}s: both instances idle {time.monotonic() - t0:.2f}s later")
     cluster.check_alive(("prefill", "decode", "vllm-router"))
     got = via_router(cluster, prompt := fresh_prompt(300)).token_ids
     assert got == baseline(cluster, prompt)
+
+
+def test_a_flood_of_unclaimed_two_stage_halves_does_not_hold_the_prefill(cluster: Cluster) -> None:
+    """Issue 44's two-stage pin: a stranger sends prefill halves of vLLM's
+    two-stage flow (``do_remote_decode``) with long prompts straight to the
+    prefill's API and never sends their decode halves. Their blocks once
+    waited for a decode until the handshake timeout (here 60 s, 120 s by
+    default): eight of 3800 tokens held 240 of the prefill's 256 blocks, and
+    a real request that needed more than the rest waited for them. Now the
+    finished requests no decode claimed hold at most
+    ``orbitkv.pd.unclaimed_kv_share`` of the cache (a quarter), the oldest
+    given up beyond it: real P/D requests through the proxy and vllm-router
+    each finish within 10 s, equal to one engine."""
+    metric = "vllm:orbitkv_producers_unclaimed_released_total"
+    before = snapshot(cluster, "prefill").get(metric, 0)
+    t0 = time.monotonic()
+    for i in range(8):  # one after the other: the pins cost KV, not a queue of compute
+        pin = complete(cluster.prefill_url, fresh_prompt(3800), 1, timeout_s=tc.REQ_TIMEOUT_S,
+                       kv_transfer_params={"do_remote_decode": True})
+        assert pin.status == 200, f"pin {i}: {pin.status} {pin.error}"
+    print(f"8 unclaimed two-stage halves of 3800 tokens sent in {time.monotonic() - t0:.1f}s")
+    took: dict[str, float] = {}
+    for url, name in ((cluster.proxy_url, "proxy"), (cluster.router_url, "vllm-router")):
+        prompt = fresh_prompt(2500)  # 20 blocks: more than eight pins would leave
+        t1 = time.monotonic()
+        got = ok(complete(url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S), f"P/D through the {name} after the flood")
+        took[name] = time.monotonic() - t1
+        assert got.token_ids == baseline(cluster, prompt), name
+    print(f"real P/D requests after a flood of unclaimed two-stage halves: {took}")
+    assert all(t <= 10.0 for t in took.values()), took
+    # the pins beyond the cap were given up at once, and counted
+    wait_until(lambda: snapshot(cluster, "prefill").get(metric, 0) - before >= 5, 30, "unclaimed halves given up")
+    cluster.wait_idle(timeout_s=PD_CLAIM_TIMEOUT_S + 10)
+    cluster.check_alive(("prefill", "decode", "vllm-router"))
 
 
 def test_through_vllm_router_a_clients_params_steer_nothing(cluster: Cluster) -> None:
@@ -413,11 +447,11 @@ def test_a_mooncake_half_whose_peer_never_comes_or_is_undeclared_steers_nothing(
     """A decode half whose remote_bootstrap_addr names a port no deployment
     declared (a listener the sender owns on loopback) is served plainly,
     counted and logged, and nothing connects there. A prefill half whose
-    decode never comes gives its blocks back at the handshake timeout."""
+    decode never comes gives its blocks back at the claim deadline."""
 
     refused = "vllm:orbitkv_params_refused_total"
     before = snapshot(cluster, "decode").get(refused, 0)
-    # the lone prefill half first: its handshake timeout runs meanwhile
+    # the lone prefill half first: its claim deadline runs meanwhile
     lone, _ = mooncake_halves(cluster, "prefill")
     prompt = fresh_prompt(400)
     assert complete(cluster.prefill_url, prompt, 1, timeout_s=tc.REQ_TIMEOUT_S, kv_transfer_params=lone).status == 200
@@ -432,7 +466,7 @@ def test_a_mooncake_half_whose_peer_never_comes_or_is_undeclared_steers_nothing(
     assert f"remote_bootstrap_addr 'http://127.0.0.1:{port}' is not an allowed prefill side channel" in (
         cluster.log("decode").read_text(errors="replace")
     )
-    cluster.wait_idle(timeout_s=PD_HANDSHAKE_TIMEOUT_S + 10)
+    cluster.wait_idle(timeout_s=PD_CLAIM_TIMEOUT_S + 10)
     print(f"the lone prefill half's blocks went back {time.monotonic() - t0:.1f}s after it answered")
 
 

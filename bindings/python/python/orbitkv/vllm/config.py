@@ -43,13 +43,26 @@ class Endpoints(NamedTuple):
 
 ANY = Endpoints("*", 1, 65535)
 # Where decode may send handshakes when `orbitkv.pd.allowed_prefill` is
-# unset: the loopback hosts, on the default side channel ports of a prefill
-# of TP up to 64 (a loopback deployment on default ports works as is; any
-# other prefill side channel must be declared).
+# unset: the loopback hosts, on the side channel ports of a prefill on the
+# default base port with up to 8 TP ranks (the GPUs of one host: a loopback
+# deployment on default ports works as is; any other prefill side channel,
+# a larger TP included, must be declared). Anything listening on these
+# ports of this host receives decode's handshakes; `orbitkv doctor` says so.
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+DEFAULT_PREFILL_TP_ALLOWED = 8
 DEFAULT_ALLOWED_PREFILL = tuple(
-    Endpoints(h, DEFAULT_SIDE_CHANNEL_PORT, DEFAULT_SIDE_CHANNEL_PORT + 63) for h in LOOPBACK
+    Endpoints(h, DEFAULT_SIDE_CHANNEL_PORT, DEFAULT_SIDE_CHANNEL_PORT + DEFAULT_PREFILL_TP_ALLOWED - 1)
+    for h in LOOPBACK
 )
+
+
+# A prefill's requests that vLLM finished but no decode claimed yet (no
+# handshake) hold their blocks at most this long, at most this share of the
+# KV cache and this many requests together; beyond, the oldest are given up
+# (docs/security.md: a stranger's unclaimed halves must not pin the prefill).
+DEFAULT_CLAIM_TIMEOUT_S = 30.0
+DEFAULT_UNCLAIMED_KV_SHARE = 0.25
+DEFAULT_UNCLAIMED_MAX_REQUESTS = 64
 
 
 class ConfigError(ValueError):
@@ -112,6 +125,19 @@ class ExtraConfig(BaseModel):
     side_channel_key_file: Text | None = Field(
         None, alias="orbitkv.pd.side_channel_key_file", description="a file path"
     )
+    # Prefill: what may wait for a decode that has not claimed its request
+    # (no handshake yet) once vLLM finished it here (docs/security.md).
+    claim_timeout_s: Seconds = Field(DEFAULT_CLAIM_TIMEOUT_S, alias="orbitkv.pd.claim_timeout_s")
+    unclaimed_kv_share: Annotated[
+        float, Field(gt=0, le=1, allow_inf_nan=False, description="a share of the KV cache in (0, 1]")
+    ] = Field(DEFAULT_UNCLAIMED_KV_SHARE, alias="orbitkv.pd.unclaimed_kv_share")
+    unclaimed_max_requests: Positive = Field(
+        DEFAULT_UNCLAIMED_MAX_REQUESTS, alias="orbitkv.pd.unclaimed_max_requests"
+    )
+    # With a deployment key: answer an unsigned two-stage prefill half
+    # (vLLM's do_remote_decode, as vllm-router sends it) with signed decode
+    # params all the same (off: such a request is served plainly).
+    two_stage_unsigned: bool = Field(False, alias="orbitkv.pd.two_stage_unsigned", description="true or false")
 
     @field_validator("bind_host", "side_channel_host", mode="after")
     @classmethod
@@ -240,6 +266,10 @@ class PdConfig:
     # (trusts whoever reaches decode's API).
     allowed_prefill: tuple[Endpoints, ...] = DEFAULT_ALLOWED_PREFILL
     side_channel_key: bytes | None = field(default=None, repr=False)
+    claim_timeout_s: float = DEFAULT_CLAIM_TIMEOUT_S
+    unclaimed_kv_share: float = DEFAULT_UNCLAIMED_KV_SHARE
+    unclaimed_max_requests: int = DEFAULT_UNCLAIMED_MAX_REQUESTS
+    two_stage_unsigned: bool = False
 
     def prefill_allowed(self, host: str, port: int, tp: int = 1) -> bool:
         """Whether decode may send a request's handshakes and cancels to the
@@ -311,6 +341,10 @@ class PdConfig:
             staging_min_ranges=x.staging_min_ranges,
             allowed_prefill=x.allowed_prefill,
             side_channel_key=read_side_channel_key(x.side_channel_key_file),
+            claim_timeout_s=x.claim_timeout_s,
+            unclaimed_kv_share=x.unclaimed_kv_share,
+            unclaimed_max_requests=x.unclaimed_max_requests,
+            two_stage_unsigned=x.two_stage_unsigned,
         )
 
 

@@ -80,6 +80,16 @@ class ProducerDiscard:
 
 
 @dataclass
+class ProducerUnclaimed:
+    """Prefill: vLLM finished the request and holds its blocks for a decode
+    that has not claimed it (past the claim deadline, or beyond the
+    unclaimed cap): give it up unless a handshake came meanwhile."""
+
+    pd_id: str
+    reason: str
+
+
+@dataclass
 class PdConnectorMetadata(KVConnectorMetadata):
     consumers_open: list[ConsumerOpen] = field(default_factory=list)
     producer_chunks: list[ProducerChunk] = field(default_factory=list)
@@ -87,6 +97,7 @@ class PdConnectorMetadata(KVConnectorMetadata):
     producers_end: list[RequestEnd] = field(default_factory=list)
     consumers_cancel: list[ConsumerCancel] = field(default_factory=list)
     producers_discard: list[ProducerDiscard] = field(default_factory=list)
+    producers_unclaimed: list[ProducerUnclaimed] = field(default_factory=list)
     # Requests served plainly since the last step because their params were
     # refused (the worker counts them: `params_refused`).
     refused: int = 0

@@ -24,8 +24,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import re
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,13 +97,13 @@ class RequestParamsError(ValueError):
 def split_host_port(value: Any, what: str) -> tuple[str, int]:
     """``"host:port"`` (``"[v6]:port"`` for IPv6) into its parts, strictly."""
     if not isinstance(value, str) or ":" not in value:
-        raise RequestParamsError(f"{what} must be 'host:port', got {value!r}")
+        raise RequestParamsError(f"{what} must be 'host:port', got {preview(value)}")
     host, _, port_s = value.rpartition(":")
     # isdigit() passes digits int() refuses (superscripts), and int() refuses
     # strings of thousands of digits: both would escape as a plain ValueError.
     digits = port_s.isascii() and port_s.isdigit() and len(port_s) <= 5
     if not _HOST.fullmatch(host) or not digits or not 1 <= int(port_s) <= 65535:
-        raise RequestParamsError(f"{what} must be 'host:port' with a port in 1..65535, got {value!r}")
+        raise RequestParamsError(f"{what} must be 'host:port' with a port in 1..65535, got {preview(value)}")
     return host.strip("[]"), int(port_s)
 
 
@@ -138,14 +140,14 @@ class PdParams:
             return None
         unknown = sorted(k for k in params if isinstance(k, str) and k.startswith("orbitkv_") and k not in KEYS)
         if unknown:
-            raise RequestParamsError(f"unknown OrbitKV key(s) {unknown}; known: {list(KEYS)}")
+            raise RequestParamsError(f"unknown OrbitKV key(s) {preview(unknown)}; known: {list(KEYS)}")
         role = params.get(ROLE)
         if role not in (PRODUCER, CONSUMER):
-            raise RequestParamsError(f"{ROLE} must be {PRODUCER!r} or {CONSUMER!r}, got {role!r}")
+            raise RequestParamsError(f"{ROLE} must be {PRODUCER!r} or {CONSUMER!r}, got {preview(role)}")
         request = params.get(REQUEST)
         if not isinstance(request, str) or not _REQUEST.fullmatch(request) or len(request) > MAX_REQUEST_LEN:
             raise RequestParamsError(
-                f"{REQUEST} must be 1..{MAX_REQUEST_LEN} printable ASCII characters without spaces, got {request!r}"
+                f"{REQUEST} must be 1..{MAX_REQUEST_LEN} printable ASCII characters without spaces, got {preview(request)}"
             )
         capability = params.get(CAPABILITY)
         if not isinstance(capability, str) or not _CAPABILITY.fullmatch(capability):
@@ -251,11 +253,11 @@ class MooncakeParams:
         exactly ``http://host:port``, the engine ID printable ASCII)."""
         mine = sorted(k for k in params if isinstance(k, str) and k.startswith("orbitkv_"))
         if mine:
-            raise RequestParamsError(f"OrbitKV keys {mine} beside the mooncake dialect's transfer_id")
+            raise RequestParamsError(f"OrbitKV keys {preview(mine)} beside the mooncake dialect's transfer_id")
         for k in (DO_REMOTE_DECODE, DO_REMOTE_PREFILL):
             v = params.get(k)
             if v is not None and not isinstance(v, bool):
-                raise RequestParamsError(f"mooncake dialect: {k} must be a boolean, got {v!r}")
+                raise RequestParamsError(f"mooncake dialect: {k} must be a boolean, got {preview(v)}")
         remote_decode = params.get(DO_REMOTE_DECODE) is True
         remote_prefill = params.get(DO_REMOTE_PREFILL) is True
         if remote_decode and remote_prefill:
@@ -264,7 +266,7 @@ class MooncakeParams:
         if not isinstance(t, str) or not _TRANSFER_ID.fullmatch(t) or len(t) > MAX_TRANSFER_ID_LEN:
             raise RequestParamsError(
                 f"mooncake dialect: {TRANSFER_ID} must be 1..{MAX_TRANSFER_ID_LEN} characters of "
-                f"[A-Za-z0-9._:+=@/-], got {_preview(t)}"
+                f"[A-Za-z0-9._:+=@/-], got {preview(t)}"
             )
         addr, engine = params.get(REMOTE_BOOTSTRAP_ADDR), params.get(REMOTE_ENGINE_ID)
         if remote_decode:
@@ -272,18 +274,18 @@ class MooncakeParams:
             # decode are ignored, but must not be junk.
             for k, v in ((REMOTE_BOOTSTRAP_ADDR, addr), (REMOTE_ENGINE_ID, engine)):
                 if v is not None and (not isinstance(v, str) or len(v) > MAX_ENGINE_ID_LEN):
-                    raise RequestParamsError(f"mooncake dialect: {k} must be a string or null, got {_preview(v)}")
+                    raise RequestParamsError(f"mooncake dialect: {k} must be a string or null, got {preview(v)}")
             return MooncakeParams(PRODUCER, t)
         m = _BOOTSTRAP.fullmatch(addr) if isinstance(addr, str) else None
         if m is None or not 1 <= int(m.group(2)) <= 65535:
             raise RequestParamsError(
                 f"mooncake dialect: {REMOTE_BOOTSTRAP_ADDR} must be 'http://host:port' (the prefill's side "
-                f"channel, rank 0), got {_preview(addr)}"
+                f"channel, rank 0), got {preview(addr)}"
             )
         if not isinstance(engine, str) or not _REQUEST.fullmatch(engine) or len(engine) > MAX_ENGINE_ID_LEN:
             raise RequestParamsError(
                 f"mooncake dialect: {REMOTE_ENGINE_ID} must be 1..{MAX_ENGINE_ID_LEN} printable ASCII characters "
-                f"without spaces, got {_preview(engine)}"
+                f"without spaces, got {preview(engine)}"
             )
         return MooncakeParams(CONSUMER, t, f"{m.group(1)}:{int(m.group(2))}", engine)
 
@@ -306,11 +308,53 @@ class MooncakeParams:
         )
 
 
-def _preview(v: Any) -> str:
+def preview(v: Any) -> str:
     """``repr(v)`` cut to 80 characters: a refusal's log line stays short
-    whatever a client sent."""
+    whatever a client sent, and on one line (``repr`` escapes newlines and
+    every other character that is not printable)."""
+    if isinstance(v, str) and len(v) > 80:
+        v = v[:80]  # repr of a huge string would copy it whole first
     r = repr(v)
     return r if len(r) <= 80 else r[:77] + "..."
+
+
+class RateLimitedLog:
+    """Warnings caused by client input, rate-limited: a burst of ``burst``
+    lines, then ``per_s`` a second (a token bucket); the rest are counted,
+    and their number is told with the next line let through (``... (N more
+    like it suppressed)``). A flood of refused requests costs the log a line
+    a second, not a line each."""
+
+    def __init__(
+        self,
+        logger: logging.Logger,
+        per_s: float = 1.0,
+        burst: int = 10,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self._logger = logger
+        self._per_s = per_s
+        self._burst = float(burst)
+        self._clock = clock
+        self._tokens = float(burst)
+        self._at = clock()
+        self.suppressed = 0
+
+    def warning(self, fmt: str, *args: Any) -> bool:
+        """Logs the line if the bucket has a token; whether it did."""
+        now = self._clock()
+        self._tokens = min(self._burst, self._tokens + (now - self._at) * self._per_s)
+        self._at = now
+        if self._tokens < 1.0:
+            self.suppressed += 1
+            return False
+        self._tokens -= 1.0
+        if self.suppressed:
+            fmt += " (%d more like it suppressed)"
+            args = (*args, self.suppressed)
+            self.suppressed = 0
+        self._logger.warning(fmt, *args)
+        return True
 
 
 def unserved_dialect(params: Mapping[str, Any] | None) -> str | None:
@@ -374,4 +418,4 @@ def check_signature(params: Mapping[str, Any], key: bytes) -> None:
 
 def _check_tp(key: str, tp: Any) -> None:
     if not isinstance(tp, int) or isinstance(tp, bool) or not 1 <= tp <= MAX_TP:
-        raise RequestParamsError(f"{key} must be an integer in 1..{MAX_TP}, got {tp!r}")
+        raise RequestParamsError(f"{key} must be an integer in 1..{MAX_TP}, got {preview(tp)}")

@@ -27,7 +27,9 @@ A request's blocks are reported back to vLLM exactly once:
 from __future__ import annotations
 
 import logging
+import time
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +41,7 @@ from orbitkv.vllm.metadata import (
     PdConnectorMetadata,
     ProducerChunk,
     ProducerDiscard,
+    ProducerUnclaimed,
     RequestEnd,
 )
 from orbitkv.vllm.params import (
@@ -56,10 +59,12 @@ from orbitkv.vllm.params import (
     SIGNATURE,
     MooncakeParams,
     PdParams,
+    RateLimitedLog,
     RequestParamsError,
     asks_mooncake,
     asks_two_stage,
     check_signature,
+    preview,
     sign,
     unserved_dialect,
 )
@@ -117,6 +122,20 @@ class PdScheduler:
         # orbitkv_request -> the vLLM request id that holds it here.
         self._live: dict[str, str] = {}
         self.refused = 0  # requests served plainly because their params were refused
+        # Producers vLLM finished whose blocks wait for a decode that may not
+        # have claimed them yet (no handshake seen here: the workers know),
+        # oldest first: vLLM request id -> (finished at, blocks held).
+        self._unclaimed: OrderedDict[str, tuple[float, int]] = OrderedDict()
+        self.unclaimed_asked = 0  # producers asked to give up (claimed ones ignore it)
+        # The cap in blocks; None when vLLM did not say how many it has.
+        num_blocks = getattr(vllm_config.cache_config, "num_gpu_blocks", None)
+        self._unclaimed_block_cap = (
+            max(1, int(num_blocks * config.unclaimed_kv_share)) if isinstance(num_blocks, int) and num_blocks > 0
+            else None
+        )
+        self._clock = time.monotonic
+        # Refusals are client-driven: a flood of them must not flood the log.
+        self._refusal_log = RateLimitedLog(logger)
         if MOONCAKE in config.dialects:
             logger.info(
                 "OrbitKV serves the mooncake dialect (transfer_id; vllm-router / llm-d --kv-connector mooncake): "
@@ -145,6 +164,14 @@ class PdScheduler:
                 # vLLM's two-stage flow (vllm-router's nixl mode): this
                 # prefill mints the request's identity and capability and
                 # answers the decode half's params (request_finished).
+                if self.config.side_channel_key is not None and not self.config.two_stage_unsigned:
+                    # The answer would be signed: never for whoever reaches
+                    # this API unsigned (decode trusts signed params).
+                    raise RequestParamsError(
+                        "an unsigned two-stage prefill half (do_remote_decode) while a deployment key is set: "
+                        "its answer would carry a signature decode trusts; set orbitkv.pd.two_stage_unsigned to "
+                        "answer routers that cannot sign anyway, or use orbitkv.proxy (docs/security.md)"
+                    )
                 p = PdParams(
                     role=PRODUCER,
                     request=uuid.uuid4().hex,
@@ -184,7 +211,7 @@ class PdScheduler:
         except RequestParamsError as e:
             self.refused += 1
             self._next.refused += 1
-            logger.warning("request %s is served without P/D transfer: %s", rid, e)
+            self._refusal_log.warning("request %s is served without P/D transfer: %s", preview(rid), e)
             p = None
         if p is not None:
             self._live[p.request] = rid
@@ -257,6 +284,7 @@ class PdScheduler:
 
     def build_connector_meta(self, so: SchedulerOutput) -> PdConnectorMetadata:
         meta, self._next = self._next, PdConnectorMetadata()
+        self._give_up_unclaimed(meta)
         for new in so.scheduled_new_reqs:
             self._chunk(meta, new.req_id, list(new.block_ids[0]) if new.block_ids else [], new.num_computed_tokens, so)
         cached = so.scheduled_cached_reqs
@@ -300,6 +328,44 @@ class PdScheduler:
         p.done_blocks = end_tok // self.block_size
         p.last_sent = last
 
+    def _give_up_unclaimed(self, meta: PdConnectorMetadata) -> None:
+        """Asks the workers to give up, oldest first, the finished producers
+        that wait for a decode past ``orbitkv.pd.claim_timeout_s``, or beyond
+        ``unclaimed_max_requests`` requests or ``unclaimed_kv_share`` of the
+        KV cache together. Which of them a decode claimed only the workers
+        know (a handshake came): those ignore the ask and drain as usual,
+        so each producer is asked once. A stranger's unclaimed halves (the
+        two-stage flow's prefill half sent without its decode half) so hold
+        at most the cap, and only until the claim deadline: real requests
+        keep the rest of the KV cache."""
+        if not self._unclaimed:
+            return
+        now = self._clock()
+        held = sum(b for _, b in self._unclaimed.values())
+        cap = self._unclaimed_block_cap
+        while self._unclaimed:
+            rid, (at, blocks) = next(iter(self._unclaimed.items()))
+            if now - at >= self.config.claim_timeout_s:
+                why = f"no decode claimed it within orbitkv.pd.claim_timeout_s ({self.config.claim_timeout_s:g}s)"
+            elif len(self._unclaimed) > self.config.unclaimed_max_requests:
+                why = (
+                    f"more than orbitkv.pd.unclaimed_max_requests ({self.config.unclaimed_max_requests}) "
+                    "finished requests wait for a decode; the oldest is given up"
+                )
+            elif cap is not None and held > cap:
+                why = (
+                    f"finished requests waiting for a decode hold more than orbitkv.pd.unclaimed_kv_share "
+                    f"({self.config.unclaimed_kv_share:g}) of the KV cache; the oldest is given up"
+                )
+            else:
+                break
+            del self._unclaimed[rid]
+            held -= blocks
+            p = self._producers.get(rid)
+            if p is not None:
+                self.unclaimed_asked += 1
+                meta.producers_unclaimed.append(ProducerUnclaimed(p.pd_id, why))
+
     def _abort_producer(self, rid: str, reason: str) -> None:
         p = self._producers.get(rid)
         if p is not None and p.opened:
@@ -328,6 +394,10 @@ class PdScheduler:
             complete = p.last_sent and not aborted
             self._next.producers_end.append(RequestEnd(rid, p.pd_id, not complete, status, report=True))
             self._delayed.add(rid)
+            if complete:
+                # Its blocks now wait for decode (unless it claimed the
+                # request already): bounded (_give_up_unclaimed).
+                self._unclaimed[rid] = (self._clock(), _cdiv(p.prompt_len, self.block_size))
             params = self._params.get(rid)
             return True, (self._answer(p) if complete and params is not None and params.answer else None)
         if rid in self._consumers:
@@ -418,6 +488,7 @@ class PdScheduler:
                 self._forget(rid)
         for rid in out.finished_sending or ():
             self._delayed.discard(rid)
+            self._unclaimed.pop(rid, None)
             self._producers.pop(rid, None)
             self._forget(rid)
 
@@ -427,6 +498,7 @@ class PdScheduler:
             or self._next.consumers_open
             or self._next.consumers_cancel
             or self._next.producers_discard
+            or self._next.producers_unclaimed
             or self._next.consumers_end
             or self._next.producers_end
             or any(p.opened for p in self._producers.values())

@@ -122,6 +122,11 @@ _PROM = {
         "vllm:orbitkv_consumers_quarantine_expired",
         "Decode requests whose blocks the quarantine freed while a producer had never ended.",
     ),
+    "producers_unclaimed_released": (
+        "vllm:orbitkv_producers_unclaimed_released",
+        "Prefill requests given up because no decode claimed them (no handshake) by the claim deadline or "
+        "within the unclaimed cap (orbitkv.pd.claim_timeout_s, unclaimed_kv_share, unclaimed_max_requests).",
+    ),
     "params_refused": (
         "vllm:orbitkv_params_refused",
         "Requests served plainly (no transfer) because their kv_transfer_params were refused: malformed, "

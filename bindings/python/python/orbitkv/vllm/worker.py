@@ -347,6 +347,9 @@ class PdWorker:
                 logger.warning("cancellation of %s not sent: %s", x.pd_id, e)
         for d in meta.producers_discard:
             self._producer_call(rt.producer_discard, d.pd_id, d.capability, d.reason or "finished before scheduled")
+        for u in meta.producers_unclaimed:
+            if u.pd_id in led.producers:
+                self._producer_call(rt.producer_release_unclaimed, u.pd_id, u.reason)
         self._step_chunks = []
         self._step_layers = set()
         self._step_index = {}
