@@ -1,6 +1,6 @@
-//! Rule 2a (a notice is believed only with its request's tag) and rule 10
-//! (the cancel is a fence) against the real Mooncake engine on 127.0.0.1 and
-//! the real side channel (HTTP): the attack of issue 31 (a forged `done`
+//! Rule 2a (a notice is believed only with its authorization's tag) and rule
+//! 10 (the cancel is a fence) against the real Mooncake engine on 127.0.0.1
+//! and the real side channel (HTTP): the attack of issue 31 (a forged `done`
 //! with the right request ID and generation) and the cancelled streams of
 //! issue 32 (decode held its blocks for `timeout + quarantine`).
 
@@ -11,8 +11,8 @@ use orbitkv::side_channel::CANCEL_PATH;
 use orbitkv::testing::{block, capability as cap, host_rank, wait_for, wait_released, HostRank as Rank};
 use orbitkv::wire::{Fence, WIRE_VERSION};
 use orbitkv::{
-    Cancel, Capability, EngineConfig, MooncakeTransferEngine, Notice, Outcome, ProducerRank, RequestId,
-    RuntimeEvent, SideChannel, SideChannelConfig,
+    Cancel, Capability, EngineConfig, MooncakeTransferEngine, Notice, NoticeKey, Outcome, ProducerRank,
+    RequestId, RuntimeEvent, SideChannel, SideChannelConfig,
 };
 
 const GUARD: u8 = 0xA5;
@@ -79,8 +79,8 @@ fn eventually(what: &str, f: impl Fn() -> bool) {
 
 /// Issue 31's attack: decode has authorized a request and the attacker,
 /// who learnt its request ID and generation, sends `done` notices from a
-/// Mooncake engine of its own: without a tag, with another capability's
-/// tag, with a tag over other fields. None is believed (counted), the
+/// Mooncake engine of its own: without a tag, with another key's tag, with
+/// the right key's tag over other fields. None is believed (counted), the
 /// consumer keeps waiting, and the request completes from the real
 /// producer with the real bytes; nothing lands after the consumer's release.
 #[test]
@@ -106,9 +106,13 @@ fn a_forged_done_notice_is_dropped_and_the_real_producer_completes_the_request()
         staged: false,
         mac: None,
     };
-    let mut retagged = forged.clone().sign(&cap());
+    let mut retagged = forged.clone().sign(&hs.notice_key);
     retagged.bytes = 1 << 30; // a tag over other fields
-    for n in [forged.clone(), forged.clone().sign(&stranger()), retagged] {
+    for n in [
+        forged.clone(),
+        forged.clone().sign(&NoticeKey::random()),
+        retagged,
+    ] {
         attacker
             .send_notification(consumer.runtime.endpoint(), "orbitkv", &n.to_json())
             .unwrap();
