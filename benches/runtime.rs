@@ -82,7 +82,7 @@ impl Producer {
         let req = RequestId::new(format!("bench-{}", self.next));
         let mut hs = self.template.clone();
         hs.request_id = req.clone();
-        hs.generation.0 += self.next as u64;
+        hs.generation = orbitkv::Generation::random();
         self.runtime
             .producer_open(req.clone(), scattered_blocks(self.next, 8, 0x85EB_CA6B), cap(), 1)
             .expect("producer_open");
@@ -379,7 +379,7 @@ fn notification_router(c: &mut Criterion) {
                 staged: false,
                 mac: None,
             }
-            .sign(&hs.capability);
+            .sign(&hs.notice_key);
             Notification {
                 name: "orbitkv".into(),
                 message: n.to_json(),

@@ -91,8 +91,8 @@ fn run(r: &mut Report) {
         hs1.generation, hs2.generation
     ));
     r.check(
-        hs2.generation > hs1.generation,
-        "the reused request ID gets a newer generation",
+        hs2.generation != hs1.generation && hs2.supersedes(&hs1),
+        "the reused request ID gets another generation, and a handshake that supersedes the first",
     );
     let landed = producer.runtime.stats().layers_written;
     producer.runtime.producer_handshake_json(&hs2.to_json()).unwrap();

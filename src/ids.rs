@@ -28,16 +28,48 @@ impl From<&str> for RequestId {
     }
 }
 
-/// Which incarnation of a request ID an authorization belongs to. The
-/// consumer picks a fresh generation each time it authorizes a request ID;
-/// everything that carries an older one is stale.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+/// Which authorization of a request ID a message belongs to: the consumer
+/// draws a fresh generation each time it authorizes a request ID
+/// ([`Generation::random`]), and everything that carries another one is
+/// stale. A generation is an identity, never an order: it is compared for
+/// equality only (no `Ord`), and which of two authorizations is the newer
+/// one is said by their handshakes' [`Sequence`]s.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
 pub struct Generation(pub u64);
 
 impl std::fmt::Display for Generation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "g{}", self.0)
+    }
+}
+
+/// The order of one consumer runtime's authorizations: each handshake
+/// carries the next one ([`Sequence::next_after`]), and a producer (or a
+/// handshake parked before its request opened) takes a handshake of the
+/// same request and consumer rank up only if its sequence is greater than
+/// the one it holds ([`crate::wire::Handshake::supersedes`]).
+///
+/// It exists because generations are random: it is used for that ordering
+/// only, never to route, authenticate or fence anything, so it need not be
+/// secret. It is a microsecond clock that never repeats or goes back within
+/// a runtime (the last one plus one when the clock has not moved on or went
+/// back), so a runtime that replaced another (a restart of decode) starts
+/// above every sequence of the old one unless that one authorized more than
+/// a request a microsecond on end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct Sequence(pub u64);
+
+impl Sequence {
+    /// The sequence of a consumer's next authorization, after `prev` (its
+    /// last one; `Sequence(0)` for none): strictly greater than `prev`.
+    pub fn next_after(prev: Sequence) -> Sequence {
+        let now_us = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX))
+            .unwrap_or(0);
+        Sequence(now_us.max(prev.0.saturating_add(1)))
     }
 }
 
@@ -121,33 +153,125 @@ impl std::fmt::Debug for Capability {
 }
 
 impl Generation {
-    /// Random low bits of every generation.
-    pub const RANDOM_BITS: u32 = 24;
-    /// Where the clock part of a generation counts from: 2024-01-01 UTC, in
-    /// milliseconds since the Unix epoch (40 bits of milliseconds last until
-    /// 2058).
-    const EPOCH_MS: u64 = 1_704_067_200_000;
+    /// A fresh generation: 64 bits from the operating system's
+    /// cryptographic random source (the one [`Capability::random`] and
+    /// [`NoticeKey::random`] draw from), never 0 (the placeholder of a
+    /// handshake the request directory has not given one yet). Nothing of
+    /// it can be read off an earlier one: no clock, no counter. That alone
+    /// authenticates nothing (a notice is believed only with its tag under
+    /// the authorization's [`NoticeKey`]); it keeps a guess of the
+    /// generation worth no more than a guess of 64 bits.
+    pub fn random() -> Generation {
+        loop {
+            // A v4 UUID holds 122 random bits: its two halves' fixed bits
+            // (version, variant) lie at different positions, so their XOR
+            // is 64 uniformly random bits.
+            let (a, b) = uuid::Uuid::new_v4().as_u64_pair();
+            if a ^ b != 0 {
+                return Generation(a ^ b);
+            }
+        }
+    }
+}
 
-    /// The generation a consumer gives its next authorization, after `prev`
-    /// (its last one; `Generation(0)` for none). Its high 40 bits are a
-    /// millisecond clock, strictly increasing (`prev`'s plus one when the
-    /// clock has not moved on), so a generation is newer than every earlier
-    /// one of this runtime and, unless that runtime authorized more than one
-    /// request a millisecond, of a runtime it replaced; its low
-    /// [`Self::RANDOM_BITS`] bits are fresh from the operating system's
-    /// random source, so the next request's generation cannot be read off
-    /// an earlier one (defence in depth: a notice is believed only with its
-    /// request's tag, `crate::wire::Notice::authentic`).
-    pub fn next_after(prev: Generation) -> Generation {
-        let now_ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0);
-        let ticks = now_ms
-            .saturating_sub(Self::EPOCH_MS)
-            .max((prev.0 >> Self::RANDOM_BITS) + 1);
-        let random = uuid::Uuid::new_v4().as_u64_pair().0 & ((1 << Self::RANDOM_BITS) - 1);
-        Generation((ticks << Self::RANDOM_BITS) | random)
+/// The key of the tags on one authorization's completion notices
+/// ([`crate::wire::Notice::sign`]): 256 bits the consumer draws for each
+/// authorization (request, generation, consumer rank), sends only in its
+/// handshake (which goes only to the prefill side channels it allows) and
+/// keeps with the authorization. Unlike the [`Capability`], which the
+/// client that sent the request also holds, only the consumer and the
+/// producers it sent the handshake to know it, so only they can make a
+/// notice the consumer believes.
+///
+/// On the wire: 64 lowercase hex digits (the handshake's `notice_key`).
+/// Compared in constant time; never printed (`Debug` says `<redacted>`, and
+/// there is no `Display`).
+#[derive(Clone, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct NoticeKey([u8; 32]);
+
+impl NoticeKey {
+    /// Hex digits of a key on the wire.
+    pub const HEX: usize = 64;
+
+    /// A fresh key of 256 bits from the operating system's cryptographic
+    /// random source (the one [`Capability::random`] draws from): three v4
+    /// UUIDs (366 random bits) through SHA-256.
+    pub fn random() -> Self {
+        use sha2::Digest;
+        let mut h = sha2::Sha256::new();
+        h.update(b"orbitkv-notice-key\0");
+        for _ in 0..3 {
+            h.update(uuid::Uuid::new_v4().as_bytes());
+        }
+        Self(h.finalize().into())
+    }
+
+    /// A key of exactly [`Self::HEX`] hex digits (either case).
+    pub fn parse(s: &str) -> Result<Self, String> {
+        let bad = || {
+            format!(
+                "a notice key is {} hex digits, got {} characters",
+                Self::HEX,
+                s.len()
+            )
+        };
+        let b = s.as_bytes();
+        if b.len() != Self::HEX {
+            return Err(bad());
+        }
+        let nibble = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+        let mut out = [0u8; 32];
+        for (o, pair) in out.iter_mut().zip(b.chunks_exact(2)) {
+            *o = (nibble(pair[0]).ok_or_else(bad)? << 4) | nibble(pair[1]).ok_or_else(bad)?;
+        }
+        Ok(Self(out))
+    }
+
+    /// The key's bytes, for the tag (`crate::mac`) only.
+    pub(crate) fn bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Constant-time comparison.
+    pub fn matches(&self, other: &NoticeKey) -> bool {
+        let diff = self.0.iter().zip(&other.0).fold(0u8, |d, (a, b)| d | (a ^ b));
+        std::hint::black_box(diff) == 0
+    }
+}
+
+impl PartialEq for NoticeKey {
+    /// [`NoticeKey::matches`] (constant time).
+    fn eq(&self, other: &Self) -> bool {
+        self.matches(other)
+    }
+}
+
+impl Eq for NoticeKey {}
+
+impl TryFrom<String> for NoticeKey {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        Self::parse(&s)
+    }
+}
+
+impl From<NoticeKey> for String {
+    /// The wire form (the handshake's JSON): the only place a key is written.
+    fn from(k: NoticeKey) -> String {
+        const HEX: &[u8; 16] = b"0123456789abcdef";
+        let mut out = String::with_capacity(NoticeKey::HEX);
+        for b in k.0 {
+            out.push(char::from(HEX[(b >> 4) as usize]));
+            out.push(char::from(HEX[(b & 15) as usize]));
+        }
+        out
+    }
+}
+
+impl std::fmt::Debug for NoticeKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NoticeKey(<redacted>)")
     }
 }
 
@@ -179,28 +303,68 @@ pub fn parse_endpoint(endpoint: &str) -> crate::error::TransportResult<(String, 
 
 #[cfg(test)]
 mod tests {
-    use super::{Capability, Generation};
+    use super::{Capability, Generation, NoticeKey, Sequence};
 
     #[test]
-    fn generations_increase_and_their_low_bits_are_random() {
-        let mut prev = Generation(0);
-        let mut lows = std::collections::BTreeSet::new();
+    fn generations_are_random_and_carry_no_clock() {
+        let gens: Vec<u64> = (0..2000).map(|_| Generation::random().0).collect();
+        assert!(gens.iter().all(|&g| g != 0), "0 is the placeholder");
+        let distinct: std::collections::HashSet<u64> = gens.iter().copied().collect();
+        assert_eq!(
+            distinct.len(),
+            gens.len(),
+            "64 random bits do not collide in 2000 draws"
+        );
+        // The clock-based generations of before shared their high 40 bits
+        // (milliseconds) with the next one and always increased. Random
+        // ones: two consecutive ones share their top 16 bits about once in
+        // 65,536 pairs, and increase about half the time.
+        let pairs = || gens.windows(2);
+        let same_top = pairs().filter(|w| w[0] >> 48 == w[1] >> 48).count();
+        assert!(
+            same_top < 5,
+            "{same_top} consecutive pairs share their top 16 bits"
+        );
+        let increasing = pairs().filter(|w| w[1] > w[0]).count();
+        assert!(
+            (800..1200).contains(&increasing),
+            "{increasing} of 1999 consecutive pairs increase: ordered"
+        );
+        // Every bit varies (no fixed version or variant bits left).
+        let (ones, zeros) = gens.iter().fold((0u64, 0u64), |(o, z), &g| (o | g, z | !g));
+        assert_eq!((ones, zeros), (u64::MAX, u64::MAX));
+    }
+
+    #[test]
+    fn sequences_increase_strictly_even_ahead_of_the_clock() {
+        let mut prev = Sequence(0);
         for _ in 0..1000 {
-            let g = Generation::next_after(prev);
-            assert!(g > prev, "{g} not after {prev}");
-            lows.insert(g.0 & ((1 << Generation::RANDOM_BITS) - 1));
-            prev = g;
+            let s = Sequence::next_after(prev);
+            assert!(s > prev, "{s:?} not after {prev:?}");
+            prev = s;
         }
-        // 1000 draws of 24 random bits: a counter would give 1000 values in
-        // a row, a constant one; collisions among random ones are rare.
-        assert!(lows.len() > 990, "{} distinct low parts", lows.len());
-        let sorted: Vec<u64> = lows.iter().copied().collect();
-        assert!(sorted.windows(2).filter(|w| w[1] == w[0] + 1).count() < 10);
-        // A runtime that starts later starts above an earlier one's (the
-        // clock part), and a runtime that ran ahead of the clock still
-        // counts up.
-        let ahead = Generation(u64::MAX >> 1);
-        assert!(Generation::next_after(ahead) > ahead);
+        // A runtime whose last sequence ran ahead of the clock still counts up.
+        let ahead = Sequence(u64::MAX - 1);
+        assert_eq!(Sequence::next_after(ahead), Sequence(u64::MAX));
+    }
+
+    #[test]
+    fn a_notice_key_is_256_random_bits_never_printed() {
+        let (a, b) = (NoticeKey::random(), NoticeKey::random());
+        assert!(a.matches(&a.clone()) && !a.matches(&b) && a != b);
+        assert_eq!(format!("{a:?}"), "NoticeKey(<redacted>)");
+        // The wire form is the only place it is written, and parses back.
+        let hex = String::from(a.clone());
+        assert_eq!(hex.len(), NoticeKey::HEX);
+        assert!(hex
+            .bytes()
+            .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
+        assert_eq!(NoticeKey::parse(&hex).unwrap(), a);
+        assert_eq!(NoticeKey::parse(&hex.to_ascii_uppercase()).unwrap(), a);
+        for bad in ["", &hex[1..], &format!("{hex}0"), &format!("{}g", &hex[1..])] {
+            let err = NoticeKey::parse(bad).unwrap_err();
+            assert!(!err.contains(&hex[..16]), "the error echoes the key: {err}");
+        }
     }
 
     #[test]

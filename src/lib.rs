@@ -43,7 +43,7 @@ pub use actors::{Runtime, RuntimeConfig, RuntimeEvent, RuntimeSettings, StatsSna
 pub use error::{
     GeometryError, ProtocolError, RuntimeError, SideChannelError, TransportError, TransportResult,
 };
-pub use ids::{Capability, Generation, ProducerRank, RequestId};
+pub use ids::{Capability, Generation, NoticeKey, ProducerRank, RequestId, Sequence};
 pub use layout::{KvLayout, LayerGeometry, Plane, WriteRange};
 #[cfg(feature = "runtime")]
 pub use side_channel::{MooncakeBootstrap, Refused, SideChannel, SideChannelConfig};

@@ -19,6 +19,13 @@ pub fn capability() -> Capability {
     Capability::parse("0123456789abcdef0123456789abcdef").expect("a valid capability")
 }
 
+/// `notice` tagged under `capability` (the key issue 31's notices were
+/// tagged with): what a client that sent both halves of a request, and so
+/// holds its capability, can make. A consumer must not believe it.
+pub fn tagged_under_capability(notice: crate::Notice, capability: &Capability) -> crate::Notice {
+    notice.sign_with_raw_key(capability.as_str().as_bytes())
+}
+
 /// A producer and a consumer runtime of `layout` and `cfg` over the
 /// transport test double (`FakeTransport`, no bytes moved): the producer's
 /// transport holds every batch in flight until the test lets it end

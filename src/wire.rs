@@ -10,20 +10,26 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{GeometryError, ProtocolError};
-use crate::ids::{parse_endpoint, Capability, Generation, ProducerRank, RequestId};
+use crate::ids::{parse_endpoint, Capability, Generation, NoticeKey, ProducerRank, RequestId, Sequence};
 use crate::layout::{KvLayout, Target};
 use crate::staging::StagingGrant;
 
 /// The wire version this build speaks. Version 2 added the request's
 /// capability to the handshake and the cancel message to the wire; version
 /// 3 the notice's tag ([`Notice::sign`]) and the cancel's fence
-/// ([`Cancel::generation`], [`Fence`]).
-pub const WIRE_VERSION: u32 = 3;
+/// ([`Cancel::generation`], [`Fence`]); version 4 the handshake's notice
+/// key ([`Handshake::notice_key`]), which keys the notice's tag in place of
+/// the capability, and its sequence ([`Handshake::sequence`]), which orders
+/// a consumer's authorizations now that generations are random
+/// ([`Generation::random`]).
+pub const WIRE_VERSION: u32 = 4;
 
 /// Mooncake notification name under which OrbitKV notices travel.
 pub const NOTIFY_NAME: &str = "orbitkv";
 
-/// What a consumer (decode) rank authorizes for one request.
+/// What a consumer (decode) rank authorizes for one request. Its `Debug`
+/// shows neither secret (the capability and the notice key print as
+/// `<redacted>`); [`Handshake::to_json`], the wire form, carries both.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Handshake {
@@ -32,7 +38,21 @@ pub struct Handshake {
     /// The request's secret, as the router gave it to both halves: the
     /// producer admits the handshake only if it matches its own.
     pub capability: Capability,
+    /// This authorization's identity (random, [`Generation::random`]): its
+    /// writes, notices and fence name it.
     pub generation: Generation,
+    /// Where this authorization stands among the consumer runtime's
+    /// (strictly increasing, [`Sequence::next_after`]): a producer takes a
+    /// handshake of the same request and consumer rank up in place of the
+    /// one it holds only if this is greater ([`Handshake::supersedes`]).
+    /// Used for that order only.
+    pub sequence: Sequence,
+    /// The key of this authorization's notice tags ([`Notice::sign`]),
+    /// fresh for each authorization: the producer tags its notice with it,
+    /// and the consumer believes no notice without that tag. The client
+    /// that sent the request holds the capability, but never sees this key
+    /// (it travels only here, to the allowed prefill side channels).
+    pub notice_key: NoticeKey,
     /// The consumer rank's Mooncake endpoint (`ip:port`).
     pub endpoint: String,
     /// How many producer ranks must report done.
@@ -78,6 +98,16 @@ impl Handshake {
             block_ids: &self.block_ids,
             first_block: self.first_block,
         }
+    }
+
+    /// Whether this authorization replaces `other` (an earlier handshake of
+    /// the same request and consumer rank that a producer holds or parked):
+    /// its sequence is greater. Generations are random and say nothing of
+    /// order; arrival order does not either (the side channel's retries and
+    /// connections can reorder two handshakes of one consumer), so an older
+    /// handshake arriving late never replaces a newer one.
+    pub fn supersedes(&self, other: &Handshake) -> bool {
+        self.sequence > other.sequence
     }
 
     /// Whether the consumer's deadline has passed on this host's clock.
@@ -279,11 +309,12 @@ pub struct Notice {
     /// instead of the pages (the consumer then scatters its heads).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub staged: bool,
-    /// The producer's tag over every other field, keyed by the request's
-    /// capability ([`Notice::sign`]): only the holder of the capability —
-    /// the request's producer, which got it from the router and in the
-    /// handshake — can make one. A consumer believes no notice without it
-    /// ([`Notice::authentic`]).
+    /// The producer's tag over every other field, keyed by the notice key
+    /// of the handshake it wrote under ([`Notice::sign`]): only the
+    /// consumer and the producers it sent that handshake to hold the key,
+    /// so nobody else — not even the client that sent the request and so
+    /// holds its capability — can make one. A consumer believes no notice
+    /// without it ([`Notice::authentic`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mac: Option<String>,
 }
@@ -291,9 +322,9 @@ pub struct Notice {
 impl Notice {
     /// What the tag covers: every field but the tag, each of variable length
     /// prefixed by its length, after a domain string (no other message of
-    /// OrbitKV's is tagged with the capability as key).
+    /// OrbitKV's is tagged with a notice key).
     fn tagged_fields(&self, out: &mut Vec<u8>) {
-        out.extend_from_slice(b"orbitkv-notice-v3\0");
+        out.extend_from_slice(b"orbitkv-notice-v4\0");
         let id = self.request_id.as_str().as_bytes();
         out.extend_from_slice(&(id.len() as u64).to_le_bytes());
         out.extend_from_slice(id);
@@ -315,21 +346,28 @@ impl Notice {
         }
     }
 
-    /// Tags the notice with `capability` (the producer's last step before
-    /// sending it).
-    pub fn sign(mut self, capability: &Capability) -> Self {
+    /// Tags the notice with `key`, the notice key of the handshake the
+    /// producer wrote under (its last step before sending it).
+    pub fn sign(self, key: &NoticeKey) -> Self {
+        self.sign_with_raw_key(key.bytes())
+    }
+
+    /// The tag under any key (what [`Self::sign`] does with a notice key;
+    /// the tests forge notices under other keys with it).
+    pub(crate) fn sign_with_raw_key(mut self, key: &[u8]) -> Self {
         let mut msg = Vec::with_capacity(96 + self.request_id.as_str().len());
         self.tagged_fields(&mut msg);
-        self.mac = Some(crate::mac::tag_hex(capability.as_str().as_bytes(), &[&msg]));
+        self.mac = Some(crate::mac::tag_hex(key, &[&msg]));
         self
     }
 
-    /// Whether the notice carries its tag under `capability` (constant time).
-    pub fn authentic(&self, capability: &Capability) -> bool {
+    /// Whether the notice carries its tag under `key`, the notice key of
+    /// the authorization it names (constant time).
+    pub fn authentic(&self, key: &NoticeKey) -> bool {
         let Some(mac) = &self.mac else { return false };
         let mut msg = Vec::with_capacity(96 + self.request_id.as_str().len());
         self.tagged_fields(&mut msg);
-        crate::mac::verify_hex(capability.as_str().as_bytes(), &[&msg], mac.as_bytes())
+        crate::mac::verify_hex(key.bytes(), &[&msg], mac.as_bytes())
     }
 
     pub fn from_json(text: &[u8]) -> Result<Self, ProtocolError> {
@@ -392,12 +430,19 @@ mod tests {
         Capability::parse(&"c".repeat(32)).unwrap()
     }
 
+    /// The notice key of [`handshake`].
+    fn key() -> NoticeKey {
+        NoticeKey::parse(&"5a".repeat(32)).unwrap()
+    }
+
     fn handshake() -> Handshake {
         Handshake {
             version: WIRE_VERSION,
             request_id: RequestId::new("req-1"),
             capability: cap(),
             generation: Generation(7),
+            sequence: Sequence(3),
+            notice_key: key(),
             endpoint: "127.0.0.1:15000".into(),
             expected_producers: 1,
             first_block: 0,
@@ -459,20 +504,20 @@ mod tests {
         };
         assert_eq!(Notice::from_json(&n.to_json()).unwrap(), n);
         // The tag travels, and covers every field (the reason too).
-        let signed = n.clone().sign(&cap());
+        let signed = n.clone().sign(&key());
         let back = Notice::from_json(&signed.to_json()).unwrap();
         assert_eq!(back, signed);
-        assert!(back.authentic(&cap()) && !n.authentic(&cap()));
+        assert!(back.authentic(&key()) && !n.authentic(&key()));
         assert!(!Notice {
             reason: Some("y".into()),
             ..signed.clone()
         }
-        .authentic(&cap()));
+        .authentic(&key()));
         assert!(!Notice {
             reason: None,
             ..signed.clone()
         }
-        .authentic(&cap()));
+        .authentic(&key()));
         // `staged` is left out when false (what an older producer sends)...
         assert!(!String::from_utf8_lossy(&n.to_json()).contains("staged"));
         let staged = Notice { staged: true, ..n };
@@ -493,6 +538,122 @@ mod tests {
                 "{bad}"
             );
         }
+    }
+
+    // Issue 44: the tag is keyed by the authorization's notice key. A
+    // notice tagged under the request's capability (which the client that
+    // sent the request holds) or under another authorization's key is not
+    // authentic; only the notice key's tag is.
+    #[test]
+    fn a_notice_is_authentic_only_under_its_notice_key() {
+        let n = Notice {
+            version: WIRE_VERSION,
+            request_id: RequestId::new("r"),
+            generation: Generation(9),
+            producer_rank: ProducerRank(0),
+            outcome: Outcome::Done,
+            reason: None,
+            bytes: 5,
+            staged: false,
+            mac: None,
+        };
+        assert!(n.clone().sign(&key()).authentic(&key()));
+        let under_capability = n.clone().sign_with_raw_key(cap().as_str().as_bytes());
+        assert!(!under_capability.authentic(&key()));
+        let other = NoticeKey::random();
+        assert!(!n.clone().sign(&other).authentic(&key()));
+        assert!(!n.clone().sign(&key()).authentic(&other));
+    }
+
+    // The notice key appears on the wire (the handshake's JSON) and nowhere
+    // else: not in its `Debug` (which traces and errors print), nor in the
+    // `Debug` of anything that holds a handshake.
+    #[test]
+    fn a_handshakes_notice_key_is_written_only_on_the_wire() {
+        let h = handshake();
+        let hex = String::from(key());
+        let wire: serde_json::Value = serde_json::from_str(&h.to_json()).unwrap();
+        assert_eq!(wire["notice_key"], serde_json::json!(hex));
+        assert_eq!(wire["sequence"], serde_json::json!(3));
+        for shown in [
+            format!("{h:?}"),
+            format!("{h:#?}"),
+            format!("{:?}", std::sync::Arc::new(h.clone())),
+            format!("{:?}", Some(&h)),
+        ] {
+            assert!(shown.contains("NoticeKey(<redacted>)"), "{shown}");
+            assert!(!shown.contains(&hex), "the key is shown: {shown}");
+            assert!(!shown.to_ascii_uppercase().contains(&hex.to_ascii_uppercase()));
+            assert!(
+                !shown.contains(cap().as_str()),
+                "the capability is shown: {shown}"
+            );
+        }
+        // Nor in the error of a handshake with a bad key.
+        let mut v = wire.clone();
+        v["notice_key"] = format!("{}zz", &hex[2..]).into();
+        let err = Handshake::from_json(&v.to_string()).unwrap_err();
+        assert!(matches!(err, ProtocolError::Malformed { .. }), "{err}");
+        assert!(!err.to_string().contains(&hex[2..]), "{err}");
+    }
+
+    #[test]
+    fn a_handshake_without_a_valid_notice_key_or_sequence_is_malformed() {
+        let h = handshake();
+        for field in ["notice_key", "sequence"] {
+            let mut v: serde_json::Value = serde_json::from_str(&h.to_json()).unwrap();
+            v.as_object_mut().unwrap().remove(field);
+            assert!(
+                matches!(
+                    Handshake::from_json(&v.to_string()),
+                    Err(ProtocolError::Malformed { .. })
+                ),
+                "{field}"
+            );
+        }
+        for bad in [
+            serde_json::json!(""),
+            serde_json::json!("5a".repeat(16)),
+            serde_json::json!("5a".repeat(33)),
+            serde_json::json!(7),
+            serde_json::Value::Null,
+        ] {
+            let mut v: serde_json::Value = serde_json::from_str(&h.to_json()).unwrap();
+            v["notice_key"] = bad.clone();
+            assert!(
+                matches!(
+                    Handshake::from_json(&v.to_string()),
+                    Err(ProtocolError::Malformed { .. })
+                ),
+                "{bad}"
+            );
+        }
+        // A version-3 handshake (a consumer that sends no key) is refused
+        // as such.
+        let mut v: serde_json::Value = serde_json::from_str(&h.to_json()).unwrap();
+        v["version"] = 3.into();
+        for field in ["notice_key", "sequence"] {
+            v.as_object_mut().unwrap().remove(field);
+        }
+        assert_eq!(
+            Handshake::from_json(&v.to_string()),
+            Err(ProtocolError::Version {
+                found: 3,
+                supported: WIRE_VERSION
+            })
+        );
+    }
+
+    #[test]
+    fn the_sequence_orders_handshakes_whatever_their_generations() {
+        let older = handshake();
+        let newer = Handshake {
+            sequence: Sequence(older.sequence.0 + 1),
+            generation: Generation(older.generation.0 - 1),
+            ..handshake()
+        };
+        assert!(newer.supersedes(&older) && !older.supersedes(&newer));
+        assert!(!older.supersedes(&older.clone()));
     }
 
     #[test]
@@ -543,13 +704,13 @@ mod tests {
     #[test]
     fn unknown_version_is_typed() {
         let mut v: serde_json::Value = serde_json::from_str(&handshake().to_json()).unwrap();
-        v["version"] = 4.into();
+        v["version"] = 5.into();
         v["something_new"] = 1.into();
         let err = Handshake::from_json(&v.to_string()).unwrap_err();
         assert_eq!(
             err,
             ProtocolError::Version {
-                found: 4,
+                found: 5,
                 supported: WIRE_VERSION
             }
         );
@@ -657,9 +818,9 @@ mod tests {
             .to_json()
             .contains("generation"));
         for half in [
-            r#"{"version":3,"request_id":"r","capability":"cccccccccccccccccccccccccccccccc","generation":9}"#,
-            r#"{"version":3,"request_id":"r","capability":"cccccccccccccccccccccccccccccccc","consumer_rank":0}"#,
-            r#"{"version":3,"request_id":"r","capability":"cccccccccccccccccccccccccccccccc","generation":-1,"consumer_rank":0}"#,
+            r#"{"version":4,"request_id":"r","capability":"cccccccccccccccccccccccccccccccc","generation":9}"#,
+            r#"{"version":4,"request_id":"r","capability":"cccccccccccccccccccccccccccccccc","consumer_rank":0}"#,
+            r#"{"version":4,"request_id":"r","capability":"cccccccccccccccccccccccccccccccc","generation":-1,"consumer_rank":0}"#,
         ] {
             assert!(
                 matches!(Cancel::from_json(half), Err(ProtocolError::Malformed { .. })),
@@ -680,13 +841,13 @@ mod tests {
         assert!(c.reason.len() <= Cancel::MAX_REASON);
         assert_eq!(Cancel::from_json(&c.to_json()).unwrap(), c);
         for bad in [
-            r#"{"version":3,"request_id":"r"}"#.to_string(),
-            r#"{"version":3,"request_id":"","capability":"cccccccccccccccccccccccccccccccc"}"#.to_string(),
-            r#"{"version":3,"request_id":"r","capability":"cccccccccccccccccccccccccccccccc","x":1}"#
+            r#"{"version":4,"request_id":"r"}"#.to_string(),
+            r#"{"version":4,"request_id":"","capability":"cccccccccccccccccccccccccccccccc"}"#.to_string(),
+            r#"{"version":4,"request_id":"r","capability":"cccccccccccccccccccccccccccccccc","x":1}"#
                 .to_string(),
-            r#"{"version":3,"request_id":7,"capability":"cccccccccccccccccccccccccccccccc"}"#.to_string(),
+            r#"{"version":4,"request_id":7,"capability":"cccccccccccccccccccccccccccccccc"}"#.to_string(),
             format!(
-                r#"{{"version":3,"request_id":"r","capability":"{}","reason":"{}"}}"#,
+                r#"{{"version":4,"request_id":"r","capability":"{}","reason":"{}"}}"#,
                 "c".repeat(32),
                 "x".repeat(1025)
             ),

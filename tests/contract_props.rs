@@ -52,7 +52,8 @@
 //!   rank 0 of TP 2, whose blocks are one run) is checked as a page write;
 //! * stale, misrouted, foreign-rank and duplicate events change nothing, and
 //!   neither does a forged notice (rule 2a: the right request ID, generation
-//!   and rank, without the tag of the request's capability);
+//!   and rank, without the tag of the authorization's notice key: untagged,
+//!   or tagged under the request's capability, which the client holds);
 //! * (j) no write of a generation is submitted after its consumer freed its
 //!   blocks, unless the quarantine passed;
 //! * the fence (rule 10): a consumer that vLLM released asks a producer
@@ -74,7 +75,7 @@
 //! property test can fail.
 
 use std::cell::RefCell;
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 
@@ -84,9 +85,12 @@ use orbitkv::fsm::{
 };
 use orbitkv::layout::plan_write;
 use orbitkv::staging::{grant_group, source_group, staged_bytes, SourceStaging, StagedPlan, StagingGrant};
-use orbitkv::testing::capability as cap;
+use orbitkv::testing::{capability as cap, tagged_under_capability};
 use orbitkv::wire::WIRE_VERSION;
-use orbitkv::{Generation, Handshake, KvLayout, Notice, Outcome, ProducerRank, RequestId, WriteRange};
+use orbitkv::{
+    Generation, Handshake, KvLayout, Notice, NoticeKey, Outcome, ProducerRank, RequestId, Sequence,
+    WriteRange,
+};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestError, TestRunner};
 
@@ -194,12 +198,15 @@ enum Op {
     ConsumerTimeout {
         which: usize,
     },
-    /// An untagged notice (a forgery) for generation `which`, from expected
-    /// rank `rank` (mod the expected count), right request ID.
+    /// A forged notice for generation `which`, from expected rank `rank`
+    /// (mod the expected count), right request ID: untagged, or
+    /// (`under_capability`) tagged under the request's capability, as the
+    /// client that sent the request can (issue 44).
     Forge {
         which: usize,
         rank: usize,
         outcome: u8,
+        under_capability: bool,
     },
     /// The fence: vLLM released consumer generation `which`; its cancel
     /// aborts producer `p`, which answers what may still be written.
@@ -334,6 +341,7 @@ fn decode(x: u64) -> Op {
             which: b.index(),
             rank: b.index(),
             outcome: b.take(3) as u8,
+            under_capability: b.chance(50),
         },
         _ => Op::Fence {
             which: b.index(),
@@ -378,6 +386,10 @@ enum Mutation {
     DoneWithGaps,
     /// The consumer believes a notice without checking its tag (no rule 2a).
     AcceptUnauthenticated,
+    /// The consumer also believes a notice tagged under the request's
+    /// capability (issue 31's key, which the client holds), not only one
+    /// under the authorization's notice key.
+    AcceptCapabilityTag,
     /// The producer answers a fence `Fenced` whatever it still holds (no
     /// rule 10).
     FenceEarly,
@@ -407,7 +419,7 @@ struct Prod {
     rank: u32,
     machine: ProducerMachine,
     layout: KvLayout,
-    delivered: BTreeMap<Generation, Arc<Handshake>>,
+    delivered: HashMap<Generation, Arc<Handshake>>,
     in_flight: BTreeSet<WriteId>,
     notified: u32,
     released: u32,
@@ -473,6 +485,8 @@ struct Write {
 
 #[derive(Debug, Clone)]
 struct Note {
+    /// The notice key it is tagged with (its authorization's).
+    key: NoticeKey,
     generation: Generation,
     rank: u32,
     outcome: Outcome,
@@ -509,6 +523,8 @@ struct Coverage {
     staged_page_writes: u64,
     /// Forged notices offered to a registered consumer.
     forged: u64,
+    /// Of those, tagged under the request's capability.
+    forged_under_capability: u64,
     /// Fences answered `Fenced` (the rank ended early).
     fenced: u64,
 }
@@ -554,7 +570,7 @@ impl Model {
                     rank,
                     machine: ProducerMachine::new(rid()),
                     layout: local,
-                    delivered: BTreeMap::new(),
+                    delivered: HashMap::new(),
                     in_flight: BTreeSet::new(),
                     notified: 0,
                     released: 0,
@@ -595,12 +611,17 @@ impl Model {
             Shape::Prefix => (1, REQ_BLOCKS - 1),
         };
         let blocks = (0..n).map(|i| k * REQ_BLOCKS + (i + rot) % REQ_BLOCKS).collect();
-        let generation = Generation(1_000 + 10 * k as u64);
+        // Generations are identities, not an order: each newer one has a
+        // smaller value here, so that anything still ordering by them
+        // breaks; the sequence says which is newer.
+        let generation = Generation(1_000 - 10 * k as u64);
         let handshake = Arc::new(Handshake {
             version: WIRE_VERSION,
             request_id: rid(),
             capability: cap(),
             generation,
+            sequence: Sequence(1 + k as u64),
+            notice_key: NoticeKey::parse(&format!("{:064x}", 0xA11CE + k)).expect("64 hex digits"),
             endpoint: "127.0.0.1:17001".into(),
             expected_producers: self.expected.len() as u32,
             first_block,
@@ -614,13 +635,14 @@ impl Model {
             }),
         });
         handshake.validate().expect("the model's handshake is valid");
+        let notice_key = handshake.notice_key.clone();
         self.gens.push(Gen {
             handshake,
             consumer: Some(ConsumerMachine::new(
                 rid(),
                 generation,
                 self.expected.clone(),
-                cap(),
+                notice_key,
             )),
             vllm_released: false,
             timed_out: false,
@@ -737,10 +759,12 @@ impl Model {
             } => {
                 let gi = which % self.gens.len();
                 let rank = self.expected.len() as u32 + rank_off;
+                let key = self.gens[gi].handshake.notice_key.clone();
                 let Some(c) = self.gens[gi].consumer.as_mut() else {
                     return Ok(());
                 };
                 let n = Note {
+                    key,
                     generation: c.generation,
                     rank,
                     outcome: [Outcome::Done, Outcome::Failed, Outcome::Aborted][outcome as usize % 3],
@@ -757,7 +781,12 @@ impl Model {
                 );
                 Ok(())
             }
-            Op::Forge { which, rank, outcome } => {
+            Op::Forge {
+                which,
+                rank,
+                outcome,
+                under_capability,
+            } => {
                 let gi = which % self.gens.len();
                 let Some(c) = self.gens[gi].consumer.as_ref() else {
                     return Ok(());
@@ -767,7 +796,8 @@ impl Model {
                     .iter()
                     .nth(rank % self.expected.len())
                     .expect("non-empty");
-                let forged = Note {
+                let unsigned = Note {
+                    key: NoticeKey::random(), // unused: the forger has no key
                     generation: c.generation,
                     rank: rank.0,
                     outcome: [Outcome::Done, Outcome::Failed, Outcome::Aborted][outcome as usize % 3],
@@ -775,8 +805,23 @@ impl Model {
                     bytes: 1,
                 }
                 .unsigned();
+                let forged = if under_capability {
+                    self.cov.forged_under_capability += 1;
+                    tagged_under_capability(unsigned.clone(), &cap())
+                } else {
+                    unsigned.clone()
+                };
                 self.cov.forged += 1;
-                if self.mutation == Mutation::AcceptUnauthenticated {
+                // The broken actors: one takes any notice, one also takes a
+                // notice whose tag checks under the capability.
+                let believed = match self.mutation {
+                    Mutation::AcceptUnauthenticated => true,
+                    Mutation::AcceptCapabilityTag => {
+                        forged.mac == tagged_under_capability(unsigned, &cap()).mac
+                    }
+                    _ => false,
+                };
+                if believed {
                     // The broken actor takes the notice as its own side
                     // channel's word, unchecked.
                     return self.feed_consumer(
@@ -796,7 +841,7 @@ impl Model {
                     .on_event(ConsumerEvent::Notice(forged));
                 ensure!(
                     fx == vec![ConsumerEffect::Dropped(Dropped::Unauthenticated(rank))],
-                    "rule 2a: a notice without the request's tag was acted on: {fx:?}"
+                    "rule 2a: a notice without its authorization's tag was acted on: {fx:?}"
                 );
                 Ok(())
             }
@@ -853,7 +898,9 @@ impl Model {
     fn deliver_handshake(&mut self, p: usize, gi: usize) -> Check {
         let h = self.gens[gi].handshake.clone();
         let older_in_flight = match self.prods[p].machine.generation() {
-            Some(cur) if cur < h.generation => self.pool.iter().any(|w| w.p == p && w.generation == cur),
+            Some(cur) if self.prods[p].delivered.get(&cur).is_some_and(|c| h.supersedes(c)) => {
+                self.pool.iter().any(|w| w.p == p && w.generation == cur)
+            }
             _ => false,
         };
         self.prods[p].delivered.insert(h.generation, h.clone());
@@ -1148,6 +1195,7 @@ impl Model {
                     self.gens[gi].done_from.insert(rank);
                 }
                 self.notices.push(Note {
+                    key: auth.notice_key.clone(),
                     generation: auth.generation,
                     rank,
                     outcome,
@@ -1250,10 +1298,14 @@ impl Model {
         // What reached the consumer, as its producers sent it (a forgery
         // never counts as delivered).
         let (bad_notice, done_rank) = match &ev {
-            ConsumerEvent::Notice(n) if n.generation == gen && n.authentic(&cap()) => (
-                n.outcome != Outcome::Done,
-                (n.outcome == Outcome::Done).then_some(n.producer_rank),
-            ),
+            ConsumerEvent::Notice(n)
+                if n.generation == gen && n.authentic(&self.gens[gi].handshake.notice_key) =>
+            {
+                (
+                    n.outcome != Outcome::Done,
+                    (n.outcome == Outcome::Done).then_some(n.producer_rank),
+                )
+            }
             ConsumerEvent::RankEnded {
                 generation, outcome, ..
             } if *generation == gen => (*outcome != Outcome::Done, None),
@@ -1425,10 +1477,10 @@ impl Note {
     }
 }
 
-/// A notice as the producer sends it: tagged with the request's capability
-/// (`ProducerActor::apply`).
+/// A notice as the producer sends it: tagged with the notice key of the
+/// handshake it wrote under (`ProducerActor::apply`).
 fn notice_event(n: &Note) -> ConsumerEvent {
-    ConsumerEvent::Notice(n.unsigned().sign(&cap()))
+    ConsumerEvent::Notice(n.unsigned().sign(&n.key))
 }
 
 fn run_case(c: &Case, mutation: Mutation) -> Result<Coverage, String> {
@@ -1477,6 +1529,7 @@ fn explore(cases: u32, mutation: Mutation) -> Result<(u64, Coverage), (String, C
         s.staged_writes += cov.staged_writes;
         s.staged_page_writes += cov.staged_page_writes;
         s.forged += cov.forged;
+        s.forged_under_capability += cov.forged_under_capability;
         s.fenced += cov.fenced;
         Ok(())
     });
@@ -1535,6 +1588,7 @@ fn contract_holds_over_10000_interleavings() {
         ("writes into a staging grant", cov.staged_writes),
         ("writes from source staging into pages", cov.staged_page_writes),
         ("forged notices", cov.forged),
+        ("notices forged under the capability", cov.forged_under_capability),
         ("fences answered fenced", cov.fenced),
     ];
     // Each run draws a fresh seed, so the counts vary: consumer completions,
@@ -1602,6 +1656,14 @@ fn broken_consumer_that_believes_an_untagged_notice_is_caught() {
     // A forged `done` completes a consumer whose KV never arrived (b), or a
     // forged failure frees blocks a producer still writes into (f)/(g)/(j).
     expect_caught_any(Mutation::AcceptUnauthenticated, &["(b)", "(f)", "(g)", "(j)"]);
+}
+
+#[test]
+fn broken_consumer_that_believes_a_notice_tagged_under_the_capability_is_caught() {
+    // Issue 44: the client that sent the request holds its capability. A
+    // consumer that takes a tag under it completes without its KV (b) or
+    // frees blocks a producer still writes into (f)/(g)/(j).
+    expect_caught_any(Mutation::AcceptCapabilityTag, &["(b)", "(f)", "(g)", "(j)"]);
 }
 
 #[test]
@@ -1692,6 +1754,7 @@ fn checker_rejects_fabricated_violations() {
         .feed_consumer(
             0,
             notice_event(&Note {
+                key: m3.gens[0].handshake.notice_key.clone(),
                 generation: m3.gens[0].handshake.generation,
                 rank: 0,
                 outcome: Outcome::Done,

@@ -1,18 +1,22 @@
-//! Rule 2a (a notice is believed only with its request's tag) and rule 10
-//! (the cancel is a fence) against the real Mooncake engine on 127.0.0.1 and
-//! the real side channel (HTTP): the attack of issue 31 (a forged `done`
-//! with the right request ID and generation) and the cancelled streams of
-//! issue 32 (decode held its blocks for `timeout + quarantine`).
+//! Rule 2a (a notice is believed only with its authorization's tag) and rule
+//! 10 (the cancel is a fence) against the real Mooncake engine on 127.0.0.1
+//! and the real side channel (HTTP): the attack of issue 31 (a forged `done`
+//! with the right request ID and generation), that of issue 44 (a `done`
+//! tagged under the request's capability by the client that holds it) and
+//! the cancelled streams of issue 32 (decode held its blocks for `timeout +
+//! quarantine`).
 
 use std::time::{Duration, Instant};
 
 use orbitkv::side_channel::client::post;
 use orbitkv::side_channel::CANCEL_PATH;
-use orbitkv::testing::{block, capability as cap, host_rank, wait_for, wait_released, HostRank as Rank};
+use orbitkv::testing::{
+    block, capability as cap, host_rank, tagged_under_capability, wait_for, wait_released, HostRank as Rank,
+};
 use orbitkv::wire::{Fence, WIRE_VERSION};
 use orbitkv::{
-    Cancel, Capability, EngineConfig, MooncakeTransferEngine, Notice, Outcome, ProducerRank, RequestId,
-    RuntimeEvent, SideChannel, SideChannelConfig,
+    Cancel, Capability, EngineConfig, MooncakeTransferEngine, Notice, NoticeKey, Outcome, ProducerRank,
+    RequestId, RuntimeEvent, SideChannel, SideChannelConfig,
 };
 
 const GUARD: u8 = 0xA5;
@@ -79,8 +83,8 @@ fn eventually(what: &str, f: impl Fn() -> bool) {
 
 /// Issue 31's attack: decode has authorized a request and the attacker,
 /// who learnt its request ID and generation, sends `done` notices from a
-/// Mooncake engine of its own: without a tag, with another capability's
-/// tag, with a tag over other fields. None is believed (counted), the
+/// Mooncake engine of its own: without a tag, with another key's tag, with
+/// the right key's tag over other fields. None is believed (counted), the
 /// consumer keeps waiting, and the request completes from the real
 /// producer with the real bytes; nothing lands after the consumer's release.
 #[test]
@@ -106,9 +110,13 @@ fn a_forged_done_notice_is_dropped_and_the_real_producer_completes_the_request()
         staged: false,
         mac: None,
     };
-    let mut retagged = forged.clone().sign(&cap());
+    let mut retagged = forged.clone().sign(&hs.notice_key);
     retagged.bytes = 1 << 30; // a tag over other fields
-    for n in [forged.clone(), forged.clone().sign(&stranger()), retagged] {
+    for n in [
+        forged.clone(),
+        forged.clone().sign(&NoticeKey::random()),
+        retagged,
+    ] {
         attacker
             .send_notification(consumer.runtime.endpoint(), "orbitkv", &n.to_json())
             .unwrap();
@@ -167,6 +175,118 @@ fn a_forged_done_notice_is_dropped_and_the_real_producer_completes_the_request()
     assert!(consumer.mem == snapshot, "bytes changed after the release");
     let s = consumer.runtime.stats();
     assert_eq!((s.notices_unauthenticated, s.consumers_completed), (3, 1));
+    assert_eq!(consumer.runtime.live_requests(), (0, 0));
+}
+
+/// Issue 44's attack: the client sent both halves of the request itself, so
+/// it holds the request's capability, and reaches decode's Mooncake port;
+/// here it even knows the exact generation. While the real producer is
+/// mid-request (layer 0 landed, layers 1 and 2 not yet written) it sends
+/// `done`, `failed` and `aborted` tagged under the capability (the key of
+/// issue 31's tags). None is believed (counted): the consumer keeps its
+/// blocks, the request completes from the real producer with the real
+/// bytes, and nothing lands after the consumer's release.
+#[test]
+fn a_done_tagged_under_the_capability_is_dropped_while_the_real_producer_writes() {
+    let producer = rank(src_pattern);
+    let consumer = rank(|_| GUARD);
+    let req = RequestId::new("req-capability-holder");
+    let (src, dst) = (vec![0, 1, 2], vec![6, 2, 4]);
+    let hs = consumer
+        .runtime
+        .consumer_open(req.clone(), cap(), 0, dst.clone(), 1)
+        .unwrap();
+    producer
+        .runtime
+        .producer_open(req.clone(), src.clone(), cap(), 1)
+        .unwrap();
+    producer.runtime.producer_handshake_json(&hs.to_json()).unwrap();
+    producer.runtime.layer_ready(&req, 0, 0..3).unwrap();
+    let landed = |l: u32| {
+        dst.iter()
+            .zip(&src)
+            .all(|(&d, &s)| block(&consumer, l, d) == block(&producer, l, s))
+    };
+    eventually("layer 0 landed", || landed(0));
+
+    let attacker = MooncakeTransferEngine::new(&EngineConfig::default()).unwrap();
+    let forged = |outcome| {
+        let n = Notice {
+            version: WIRE_VERSION,
+            request_id: req.clone(),
+            generation: hs.generation,
+            producer_rank: ProducerRank(0),
+            outcome,
+            reason: None,
+            bytes: LAYERS as u64 * 3 * BLOCK_BYTES,
+            staged: false,
+            mac: None,
+        };
+        tagged_under_capability(n, &cap())
+    };
+    for outcome in [Outcome::Done, Outcome::Failed, Outcome::Aborted] {
+        attacker
+            .send_notification(consumer.runtime.endpoint(), "orbitkv", &forged(outcome).to_json())
+            .unwrap();
+    }
+    eventually(
+        "the three notices tagged under the capability were dropped",
+        || consumer.runtime.stats().notices_unauthenticated == 3,
+    );
+    assert!(
+        consumer.runtime.poll_events().is_empty(),
+        "a notice tagged under the capability moved the request"
+    );
+    assert_eq!(consumer.runtime.live_requests(), (1, 0));
+    assert!((1..LAYERS).all(|l| dst
+        .iter()
+        .all(|&b| block(&consumer, l, b).iter().all(|&x| x == GUARD))));
+
+    // The real producer writes the other layers and notifies.
+    for l in 1..LAYERS {
+        producer.runtime.layer_ready(&req, l, 0..3).unwrap();
+    }
+    producer.runtime.producer_finish(&req).unwrap();
+    assert_eq!(wait_released(&producer.runtime, &req).0, Outcome::Done);
+    let ev = wait_for(&consumer.runtime, "the consumer's outcome", |e| {
+        matches!(
+            e,
+            RuntimeEvent::ConsumerCompleted { .. } | RuntimeEvent::ConsumerFailed { .. }
+        )
+    });
+    let expected = LAYERS as u64 * 3 * BLOCK_BYTES;
+    assert!(
+        matches!(ev, RuntimeEvent::ConsumerCompleted { bytes, .. } if bytes == expected),
+        "{ev:?}"
+    );
+    assert!(
+        (0..LAYERS).all(landed),
+        "the real producer's bytes are not all in place"
+    );
+    assert_eq!(producer.runtime.stats().bytes_written, expected);
+    consumer.runtime.consumer_release(&req).unwrap();
+    released(&consumer, &req);
+    // Nothing lands after the release: the producer released (every write
+    // ended) before its notice, and another forged `done` now changes
+    // nothing (no route: dropped as for an unknown request).
+    let snapshot: Vec<u8> = consumer.mem.clone();
+    attacker
+        .send_notification(
+            consumer.runtime.endpoint(),
+            "orbitkv",
+            &forged(Outcome::Done).to_json(),
+        )
+        .unwrap();
+    eventually("the late forgery was dropped", || {
+        consumer.runtime.stats().notices_unknown_request == 1
+    });
+    std::thread::sleep(Duration::from_millis(50));
+    assert!(consumer.mem == snapshot, "bytes changed after the release");
+    let s = consumer.runtime.stats();
+    assert_eq!(
+        (s.notices_unauthenticated, s.notices_routed, s.consumers_completed),
+        (3, 4, 1)
+    );
     assert_eq!(consumer.runtime.live_requests(), (0, 0));
 }
 

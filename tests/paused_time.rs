@@ -138,7 +138,7 @@ fn start_consumer(
         RequestId::new(request),
         Generation(7),
         ranks.iter().map(|&r| ProducerRank(r)).collect(),
-        cap(),
+        notice_key(),
     );
     let fence = FenceTargets {
         publisher: Arc::new(Publisher::new(1, None, Duration::from_secs(1), stats.clone())),
@@ -217,6 +217,8 @@ fn handshake_for(request: &str) -> Handshake {
         request_id: RequestId::new(request),
         capability: cap(),
         generation: Generation(5),
+        sequence: orbitkv::ids::Sequence(5),
+        notice_key: orbitkv::ids::NoticeKey::random(),
         endpoint: "127.0.0.1:2".into(),
         expected_producers: 1,
         first_block: 0,
@@ -373,7 +375,12 @@ fn done_notice(rank: u32, generation: u64, staged: bool) -> orbitkv::Notice {
         staged,
         mac: None,
     }
-    .sign(&cap())
+    .sign(&notice_key())
+}
+
+/// The notice key of the consumers these tests build by hand.
+fn notice_key() -> orbitkv::NoticeKey {
+    orbitkv::NoticeKey::parse(&"3c".repeat(32)).expect("64 hex digits")
 }
 
 #[test]

@@ -39,7 +39,7 @@ use super::runtime::RuntimeConfig;
 use super::stats::Stats;
 use crate::error::{GeometryError, RuntimeError};
 use crate::fsm::ConsumerMachine;
-use crate::ids::{Capability, Generation, ProducerRank, RequestId};
+use crate::ids::{Capability, Generation, ProducerRank, RequestId, Sequence};
 use crate::layout::KvLayout;
 use crate::staging::arena::StagingArena;
 use crate::staging::{grant_group, page_runs, staged_bytes, SharedArena, SourceStaging, StagingGrant};
@@ -181,8 +181,9 @@ pub struct RequestDirectory {
     cfg: RuntimeConfig,
     router: Addr<NotificationRouter>,
     events: Sender<RuntimeEvent>,
-    /// The last generation given (see [`Generation::next_after`]).
-    last_generation: Generation,
+    /// The sequence of the last authorization given (see
+    /// [`Sequence::next_after`]).
+    last_sequence: Sequence,
     next_group: u64,
     consumers: HashMap<RequestId, (Generation, Addr<ConsumerActor>)>,
     producers: HashMap<RequestId, ProducerGroup>,
@@ -245,7 +246,7 @@ impl RequestDirectory {
             cfg,
             router,
             events,
-            last_generation: Generation(0),
+            last_sequence: Sequence(0),
             next_group: 1,
             consumers: HashMap::new(),
             producers: HashMap::new(),
@@ -261,9 +262,17 @@ impl RequestDirectory {
     // ---- decode side ----------------------------------------------------
 
     /// [`super::runtime::Runtime::consumer_open`], after its stateless
-    /// checks: `handshake` is built and validated but for its generation,
-    /// which is the directory's to give; `expected` are the producer ranks
-    /// it names (`expected_producers` of them).
+    /// checks: `handshake` is built and validated (its notice key drawn)
+    /// but for its generation and sequence, which are the directory's to
+    /// give; `expected` are the producer ranks it names
+    /// (`expected_producers` of them).
+    ///
+    /// The generation is random ([`Generation::random`]), so it orders
+    /// nothing; the sequence does ([`Sequence::next_after`], strictly
+    /// increasing over this rank's authorizations), and is used for that
+    /// only: a producer takes up a re-authorization of a request ID (a
+    /// reused one) in place of the one it holds because its sequence is
+    /// greater, whatever order the two handshakes arrive in.
     pub fn consumer_open(
         &mut self,
         mut handshake: Handshake,
@@ -274,9 +283,10 @@ impl RequestDirectory {
         if self.consumers.get(&request).is_some_and(|(_, a)| a.connected()) {
             return Err(RuntimeError::DuplicateRequest(request.0));
         }
-        let generation = Generation::next_after(self.last_generation);
-        self.last_generation = generation;
-        handshake.generation = generation;
+        let generation = Generation::random();
+        let sequence = Sequence::next_after(self.last_sequence);
+        self.last_sequence = sequence;
+        (handshake.generation, handshake.sequence) = (generation, sequence);
         let staging = self.grant_staging(&handshake, producer_tp).map(|(grant, arena)| {
             handshake.staging = Some(grant);
             ConsumerStaging {
@@ -288,7 +298,12 @@ impl RequestDirectory {
             }
         });
         let capability = handshake.capability.clone();
-        let machine = ConsumerMachine::new(request.clone(), generation, expected, capability.clone());
+        let machine = ConsumerMachine::new(
+            request.clone(),
+            generation,
+            expected,
+            handshake.notice_key.clone(),
+        );
         let actor = ConsumerActor::new(
             machine,
             (self.cfg.consumer_timeout, self.cfg.quarantine),

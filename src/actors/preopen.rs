@@ -62,7 +62,8 @@ struct Entry {
 pub enum Parked {
     /// It waits for `producer_open`.
     Waiting,
-    /// An older generation than the one already parked: dropped.
+    /// An older authorization than the one already parked (its sequence is
+    /// not after that one's, [`Handshake::supersedes`]): dropped.
     Stale,
     /// Prefill already gave the request up (the reason): the consumer must
     /// be told `aborted` now.
@@ -166,9 +167,12 @@ impl PreOpen {
     }
 
     /// Parks `h` until its request opens. Per consumer rank and capability
-    /// the newest generation wins (an older one arriving late is dropped);
-    /// handshakes under other capabilities wait beside it and never replace
-    /// it.
+    /// the newest authorization wins — the greatest sequence
+    /// ([`Handshake::supersedes`]), whatever the generations' values, which
+    /// are random: an older one arriving late is dropped, and so is another
+    /// generation under the same sequence. The same handshake again (the
+    /// publisher's retry) replaces itself. Handshakes under other
+    /// capabilities wait beside it and never replace it.
     pub fn park(&mut self, h: Arc<Handshake>) -> Result<Parked, RuntimeError> {
         let bytes = handshake_bytes(&h);
         let (request, capability) = (h.request_id.clone(), h.capability.clone());
@@ -184,7 +188,7 @@ impl PreOpen {
         if slot
             .handshake
             .as_ref()
-            .is_some_and(|old| old.generation > h.generation)
+            .is_some_and(|old| old.generation != h.generation && !h.supersedes(old))
         {
             return Ok(Parked::Stale);
         }
@@ -299,7 +303,7 @@ impl PreOpen {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ids::Generation;
+    use crate::ids::{Generation, NoticeKey, Sequence};
     use crate::layout::KvLayout;
     use crate::wire::WIRE_VERSION;
 
@@ -307,12 +311,17 @@ mod tests {
         Capability::parse(&c.to_string().repeat(32)).unwrap()
     }
 
-    fn hs(request: &str, c: char, generation: u64, blocks: u32) -> Arc<Handshake> {
+    /// A handshake whose sequence is `sequence` and whose generation value
+    /// runs the other way (so that nothing here passes by ordering
+    /// generations).
+    fn hs(request: &str, c: char, sequence: u64, blocks: u32) -> Arc<Handshake> {
         Arc::new(Handshake {
             version: WIRE_VERSION,
             request_id: RequestId::new(request),
             capability: cap(c),
-            generation: Generation(generation),
+            generation: gen(sequence),
+            sequence: Sequence(sequence),
+            notice_key: NoticeKey::random(),
             endpoint: "127.0.0.1:1".into(),
             expected_producers: 1,
             first_block: 0,
@@ -321,6 +330,10 @@ mod tests {
             expires_unix_ms: 0,
             staging: None,
         })
+    }
+
+    fn gen(sequence: u64) -> Generation {
+        Generation(u64::MAX - sequence)
     }
 
     fn limits() -> PreOpenLimits {
@@ -336,26 +349,40 @@ mod tests {
     fn a_stranger_neither_replaces_nor_is_taken() {
         let mut p = PreOpen::new(limits());
         p.park(hs("r", 'a', 5, 2)).unwrap();
-        p.park(hs("r", 'b', 9, 2)).unwrap(); // forged, newer generation
+        p.park(hs("r", 'b', 9, 2)).unwrap(); // forged, newer sequence
         let t = p.take(&RequestId::new("r"), &cap('a'));
         assert_eq!(t.handshakes.len(), 1);
-        assert_eq!(t.handshakes[0].generation, Generation(5));
+        assert_eq!(t.handshakes[0].generation, gen(5));
         assert_eq!(t.strangers, 1);
         assert_eq!(p.usage(), (0, 0));
     }
 
+    // The newest authorization is the greatest sequence; `hs` gives the
+    // newer one the smaller generation value.
     #[test]
-    fn under_one_capability_the_newest_generation_wins() {
+    fn under_one_capability_the_newest_authorization_wins() {
         let mut p = PreOpen::new(limits());
         p.park(hs("r", 'a', 7, 2)).unwrap();
-        p.park(hs("r", 'a', 3, 2)).unwrap(); // older, late
+        assert_eq!(p.park(hs("r", 'a', 3, 2)).unwrap(), Parked::Stale); // older, late
         let t = p.take(&RequestId::new("r"), &cap('a'));
-        assert_eq!(t.handshakes[0].generation, Generation(7));
+        assert_eq!(t.handshakes[0].generation, gen(7));
         p.park(hs("r", 'a', 3, 2)).unwrap();
-        p.park(hs("r", 'a', 8, 2)).unwrap();
+        assert_eq!(p.park(hs("r", 'a', 8, 2)).unwrap(), Parked::Waiting);
         assert_eq!(
             p.take(&RequestId::new("r"), &cap('a')).handshakes[0].generation,
-            Generation(8)
+            gen(8)
+        );
+        // The same handshake again (a retry) stays; another generation
+        // under the same sequence does not replace it.
+        let first = hs("r", 'a', 4, 2);
+        p.park(first.clone()).unwrap();
+        assert_eq!(p.park(first.clone()).unwrap(), Parked::Waiting);
+        let mut tie = (*first).clone();
+        tie.generation = Generation(1);
+        assert_eq!(p.park(Arc::new(tie)).unwrap(), Parked::Stale);
+        assert_eq!(
+            p.take(&RequestId::new("r"), &cap('a')).handshakes[0].generation,
+            gen(4)
         );
     }
 
@@ -412,7 +439,7 @@ mod tests {
         let mut h1 = (*hs("r", 'a', 9, 2)).clone();
         (h1.layout.tp_rank, h1.layout.tp_size) = (1, 2);
         let mut h0 = h1.clone();
-        (h0.layout.tp_rank, h0.generation) = (0, Generation(3));
+        (h0.layout.tp_rank, h0.generation, h0.sequence) = (0, gen(3), Sequence(3));
         p.park(Arc::new(h1)).unwrap();
         p.park(Arc::new(h0)).unwrap();
         let taken = p.take(&RequestId::new("r"), &cap('a'));
@@ -428,7 +455,7 @@ mod tests {
         let parked = p
             .discard(&RequestId::new("r"), &cap('a'), "aborted while queued".into())
             .unwrap();
-        assert_eq!(parked[0].generation, Generation(1));
+        assert_eq!(parked[0].generation, gen(1));
         assert_eq!(
             p.park(hs("r", 'a', 2, 2)).unwrap(),
             Parked::Discarded("aborted while queued".into())

@@ -491,7 +491,9 @@ impl ProducerCore {
                     staged: self.staged_into(&auth).is_some_and(|p| p.into_grant()),
                     mac: None,
                 }
-                .sign(&auth.capability);
+                // Under the key of the handshake it wrote under: the
+                // consumer believes nothing else (rule 2a).
+                .sign(&auth.notice_key);
                 tracing::info!(?outcome, bytes, notice.staged, "notifying the consumer");
                 self.shared.writers.get(&auth.endpoint).notice(notice);
                 None

@@ -17,7 +17,7 @@
 //! ([`FastPoller`]) that drains notifications while a consumer waits and
 //! parks while none does; the idle pace stays on the actor.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -154,7 +154,7 @@ fn fast_poll(
 pub struct NotificationRouter {
     transport: Arc<dyn Transport>,
     poll_every: Duration,
-    routes: HashMap<RequestId, BTreeMap<Generation, Recipient<NoticeArrived>>>,
+    routes: HashMap<RequestId, HashMap<Generation, Recipient<NoticeArrived>>>,
     stats: Arc<Stats>,
     /// The actor's polling interval, and whether it is at the waiting pace (`poll_every`).
     next: Option<(SpawnHandle, bool)>,

@@ -22,7 +22,7 @@ use super::stats::{Stats, StatsSnapshot};
 use super::writer::{spawn_poller, PollJob, WriterPool};
 use crate::error::{GeometryError, RuntimeError};
 use crate::fsm::ConsumerMachine;
-use crate::ids::{Capability, Generation, MarkSeq, RequestId};
+use crate::ids::{Capability, Generation, MarkSeq, NoticeKey, RequestId, Sequence};
 use crate::layout::KvLayout;
 use crate::staging::{group_fits, staged_bytes, SourceStaging};
 use crate::transport::Transport;
@@ -279,8 +279,15 @@ impl Runtime {
             version: WIRE_VERSION,
             request_id: request,
             capability,
-            // The request directory gives it (see `RequestDirectory::consumer_open`).
+            // The request directory gives both (see
+            // `RequestDirectory::consumer_open`).
             generation: Generation(0),
+            sequence: Sequence(0),
+            // Fresh for this authorization (this request, its generation and
+            // this rank): the directory keeps it with the consumer, which
+            // believes only notices tagged with it. It leaves the runtime
+            // only in the handshake's JSON.
+            notice_key: NoticeKey::random(),
             endpoint: self.transport.endpoint().to_string(),
             expected_producers: expected.len() as u32,
             first_block,

@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 
 use super::Dropped;
-use crate::ids::{Capability, Generation, ProducerRank, RequestId};
+use crate::ids::{Generation, NoticeKey, ProducerRank, RequestId};
 use crate::wire::{Notice, Outcome};
 
 /// Events of a consumer request.
@@ -13,7 +13,7 @@ use crate::wire::{Notice, Outcome};
 pub enum ConsumerEvent {
     /// A producer's notice as it came off the network (Mooncake), routed
     /// here by request ID and generation. Believed only with its tag under
-    /// the request's capability (rule 2a).
+    /// the authorization's notice key (rule 2a).
     Notice(Notice),
     /// What this rank learnt over its own side channel, not from a notice:
     /// producer rank `rank` will write nothing (more) into `generation`'s
@@ -91,8 +91,9 @@ impl ConsumerPhase {
 pub struct ConsumerMachine {
     pub request: RequestId,
     pub generation: Generation,
-    /// The request's capability: the key of its notices' tags.
-    capability: Capability,
+    /// This authorization's notice key (`Handshake::notice_key`): the key
+    /// of its notices' tags. Never printed (its `Debug` is redacted).
+    notice_key: NoticeKey,
     expected: BTreeSet<ProducerRank>,
     /// Ranks whose counted done notice said they wrote into the staging grant.
     staged: BTreeSet<ProducerRank>,
@@ -110,18 +111,19 @@ pub struct ConsumerMachine {
 
 impl ConsumerMachine {
     /// `expected`: the producer ranks that hold heads of this consumer rank;
-    /// `capability`: the request's, which keys its notices' tags.
+    /// `notice_key`: the one this authorization's handshake carries, which
+    /// keys its notices' tags.
     pub fn new(
         request: RequestId,
         generation: Generation,
         expected: BTreeSet<ProducerRank>,
-        capability: Capability,
+        notice_key: NoticeKey,
     ) -> Self {
         assert!(!expected.is_empty(), "a consumer expects at least one producer");
         Self {
             request,
             generation,
-            capability,
+            notice_key,
             expected,
             staged: BTreeSet::new(),
             done: BTreeSet::new(),
@@ -272,13 +274,23 @@ impl ConsumerMachine {
         use ConsumerPhase as P;
         match ev {
             ConsumerEvent::Notice(n) => {
-                // Rule 2a: a notice is believed only with its tag under the
-                // request's capability, whatever its request ID and
-                // generation say (both can be learnt or guessed).
+                // Rule 2a: a notice is believed only with its tag under this
+                // authorization's notice key, whatever its request ID and
+                // generation say (both can be learnt or guessed; the
+                // capability too, by the client that sent the request). A
+                // notice of another generation is dropped as stale first:
+                // tagged under its own authorization's key, it cannot carry
+                // this one's tag, and an honest late notice is no forgery.
                 if n.request_id != self.request {
                     return vec![E::Dropped(Dropped::OtherRequest)];
                 }
-                if !n.authentic(&self.capability) {
+                if n.generation != self.generation {
+                    return vec![E::Dropped(Dropped::StaleGeneration {
+                        got: n.generation,
+                        current: self.generation,
+                    })];
+                }
+                if !n.authentic(&self.notice_key) {
                     return vec![E::Dropped(Dropped::Unauthenticated(n.producer_rank))];
                 }
                 let staged = n.staged && n.outcome == Outcome::Done;
@@ -362,8 +374,8 @@ mod tests {
     use super::*;
     use crate::fsm::test_support::*;
 
-    fn cap() -> Capability {
-        Capability::parse(&"c".repeat(32)).unwrap()
+    fn cap() -> crate::ids::Capability {
+        crate::ids::Capability::parse(&"c".repeat(32)).unwrap()
     }
 
     fn unsigned(g: u64, rank: u32, outcome: Outcome) -> Notice {
@@ -382,7 +394,7 @@ mod tests {
 
     /// A notice as the request's producer sends it (tagged).
     fn notice(g: u64, rank: u32, outcome: Outcome) -> ConsumerEvent {
-        ConsumerEvent::Notice(unsigned(g, rank, outcome).sign(&cap()))
+        ConsumerEvent::Notice(unsigned(g, rank, outcome).sign(&notice_key()))
     }
 
     fn consumer(expected: u32) -> ConsumerMachine {
@@ -390,23 +402,27 @@ mod tests {
             rid(),
             Generation(1),
             (0..expected).map(ProducerRank).collect(),
-            cap(),
+            notice_key(),
         )
     }
 
-    // Rule 2a: a notice without its request's tag is dropped whatever it
-    // names: no tag, another capability's tag, a tag over other fields.
+    // Rule 2a: a notice without its authorization's tag is dropped whatever
+    // it names: no tag, another authorization's key's tag, a tag over other
+    // fields, and (issue 44) a tag under the request's capability, which the
+    // client that sent the request holds.
     #[test]
     fn rule2a_a_notice_is_believed_only_with_its_tag() {
         let mut c = consumer(1);
-        let other = Capability::parse(&"d".repeat(32)).unwrap();
-        let mut tampered = unsigned(1, 0, Outcome::Done).sign(&cap());
+        let other = NoticeKey::random();
+        let mut tampered = unsigned(1, 0, Outcome::Done).sign(&notice_key());
         tampered.bytes = 11;
-        let mut restaged = unsigned(1, 0, Outcome::Done).sign(&cap());
+        let mut restaged = unsigned(1, 0, Outcome::Done).sign(&notice_key());
         restaged.staged = true;
         for forged in [
             unsigned(1, 0, Outcome::Done),
             unsigned(1, 0, Outcome::Done).sign(&other),
+            unsigned(1, 0, Outcome::Done).sign_with_raw_key(cap().as_str().as_bytes()),
+            unsigned(1, 0, Outcome::Failed).sign_with_raw_key(cap().as_str().as_bytes()),
             tampered,
             restaged,
             Notice {
@@ -424,7 +440,7 @@ mod tests {
         let mut elsewhere = unsigned(1, 0, Outcome::Done);
         elsewhere.request_id = RequestId::new("r2");
         assert_eq!(
-            c.on_event(ConsumerEvent::Notice(elsewhere.sign(&cap()))),
+            c.on_event(ConsumerEvent::Notice(elsewhere.sign(&notice_key()))),
             vec![ConsumerEffect::Dropped(Dropped::OtherRequest)]
         );
         // The real one still counts after the forgeries.
@@ -500,8 +516,8 @@ mod tests {
         };
         c.on_event(ConsumerEvent::Notice(staged(0)));
         assert!(c.staged_ranks().is_empty(), "an untagged staged notice counted");
-        c.on_event(ConsumerEvent::Notice(staged(0).sign(&cap())));
-        c.on_event(ConsumerEvent::Notice(staged(0).sign(&cap())));
+        c.on_event(ConsumerEvent::Notice(staged(0).sign(&notice_key())));
+        c.on_event(ConsumerEvent::Notice(staged(0).sign(&notice_key())));
         c.on_event(notice(1, 1, Outcome::Done));
         assert_eq!(c.staged_ranks().iter().map(|r| r.0).collect::<Vec<_>>(), vec![0]);
     }
@@ -513,6 +529,13 @@ mod tests {
         let fx = c.on_event(notice(0, 0, Outcome::Done));
         assert!(matches!(
             fx[..],
+            [ConsumerEffect::Dropped(Dropped::StaleGeneration { .. })]
+        ));
+        // A late notice of another authorization, tagged under that one's
+        // own key, is stale (not counted as a forgery).
+        let late = unsigned(7, 0, Outcome::Done).sign(&NoticeKey::random());
+        assert!(matches!(
+            c.on_event(ConsumerEvent::Notice(late))[..],
             [ConsumerEffect::Dropped(Dropped::StaleGeneration { .. })]
         ));
         assert_eq!(c.phase(), ConsumerPhase::Waiting);

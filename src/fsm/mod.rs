@@ -8,9 +8,10 @@
 //!    into that handshake's authorized blocks.
 //! 2. A transfer notification is accepted only for the matching request ID
 //!    (and generation): others are dropped and counted, never delivered.
-//!    And (2a) only with its tag under the request's capability
-//!    (`Notice::authentic`): a notice anyone else made is dropped and
-//!    counted, whatever request ID and generation it names.
+//!    And (2a) only with its tag under the authorization's notice key
+//!    (`Notice::authentic`, `Handshake::notice_key`): a notice anyone else
+//!    made — the client that holds the request's capability included — is
+//!    dropped and counted, whatever request ID and generation it names.
 //! 3. The decode side waits for the expected number of producer notifications.
 //! 4. Failure/abort notifications never publish the destination as complete.
 //! 5. Queued writes carry the generation and the captured authorization;
@@ -53,10 +54,13 @@ pub enum Dropped {
     UnknownWrite(u64),
     /// A handshake under the current generation that changes the authorization.
     AuthorizationChanged,
-    /// A handshake whose generation is older than the captured one.
+    /// A handshake of another generation whose sequence is not after the
+    /// captured one's (`Handshake::supersedes`): an older authorization
+    /// arriving late.
     OlderHandshake { got: Generation, current: Generation },
-    /// A notice without the tag of the request's capability (forged, or
-    /// from a peer that does not hold the capability).
+    /// A notice without the tag of its authorization's notice key (forged:
+    /// made by a peer that was never sent the handshake, such as a client
+    /// that holds the request's capability).
     Unauthenticated(ProducerRank),
     /// A notice that names another request.
     OtherRequest,
@@ -67,7 +71,7 @@ pub enum Dropped {
 pub(crate) mod test_support {
     use std::sync::Arc;
 
-    use crate::ids::RequestId;
+    use crate::ids::{NoticeKey, RequestId, Sequence};
     use crate::layout::tests::layout;
     use crate::wire::{Handshake, WIRE_VERSION};
     use crate::Generation;
@@ -76,17 +80,25 @@ pub(crate) mod test_support {
         RequestId::new("r1")
     }
 
+    /// The notice key of the tests' handshakes.
+    pub(crate) fn notice_key() -> NoticeKey {
+        NoticeKey::parse(&"4b".repeat(32)).unwrap()
+    }
+
     pub(crate) fn hs(generation: u64, blocks: Vec<u32>) -> Arc<Handshake> {
         hs_layers(generation, blocks, 2)
     }
 
-    /// A handshake of a model with `layers` layers.
+    /// A handshake of a model with `layers` layers; its sequence is its
+    /// generation's value (a test of order set them apart).
     pub(crate) fn hs_layers(generation: u64, blocks: Vec<u32>, layers: u32) -> Arc<Handshake> {
         Arc::new(Handshake {
             version: WIRE_VERSION,
             request_id: rid(),
             capability: crate::ids::Capability::parse(&"c".repeat(32)).unwrap(),
             generation: Generation(generation),
+            sequence: Sequence(generation),
+            notice_key: notice_key(),
             endpoint: "127.0.0.1:1000".into(),
             expected_producers: 1,
             first_block: 0,

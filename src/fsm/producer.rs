@@ -338,7 +338,12 @@ impl ProducerMachine {
                         }
                         return;
                     }
-                    Some(cur) if h.generation < cur.generation => {
+                    // Which authorization is newer is said by the sequence,
+                    // never by the generation (random): a late handshake of
+                    // an earlier authorization is dropped, and so is one
+                    // that does not say it is newer (an equal sequence under
+                    // another generation: never redirect on a tie).
+                    Some(cur) if !h.supersedes(cur) => {
                         out.push(ProducerEffect::Dropped(Dropped::OlderHandshake {
                             got: h.generation,
                             current: cur.generation,
@@ -347,9 +352,10 @@ impl ProducerMachine {
                     }
                     _ => {}
                 }
-                // First handshake, or a newer generation (request ID reused on
-                // the consumer): everything ready so far is written under it.
-                // Writes of older generations keep their own authorization.
+                // First handshake, or a newer authorization (request ID
+                // reused on the consumer): everything ready so far is written
+                // under it. Writes of older generations keep their own
+                // authorization.
                 self.auth = Some(h);
                 self.bytes = 0;
                 // What waited did so under the old authorization: all of it
@@ -581,6 +587,44 @@ mod tests {
         assert!(fx.iter().any(|e| matches!(e, ProducerEffect::Notify { outcome: Outcome::Done, bytes: 7, auth, .. } if auth.generation == Generation(2))));
     }
 
+    // Generations are random: which handshake is newer is said by its
+    // sequence, whatever the generations' values. A newer authorization with
+    // a smaller generation value supersedes; a late, older one with a larger
+    // value does not; a tie under another generation changes nothing.
+    #[test]
+    fn the_sequence_not_the_generation_value_decides_which_handshake_is_newer() {
+        let with = |generation: u64, sequence: u64, blocks: Vec<u32>| {
+            let mut h = (*hs_layers(generation, blocks, 1)).clone();
+            h.sequence = crate::ids::Sequence(sequence);
+            Arc::new(h)
+        };
+        let mut p = ProducerMachine::new(rid());
+        p.on_event(ProducerEvent::Handshake(with(u64::MAX - 3, 10, vec![4, 5])));
+        let old = submits(&p.on_event(layer_ready(0, 0..2)));
+        assert_eq!(old[0].1, Generation(u64::MAX - 3));
+        // Newer (sequence 11), with a far smaller generation value.
+        let fx = p.on_event(ProducerEvent::Handshake(with(5, 11, vec![6, 7])));
+        assert_eq!(
+            submits(&fx).iter().map(|s| s.1).collect::<Vec<_>>(),
+            vec![Generation(5)]
+        );
+        assert_eq!(p.generation(), Some(Generation(5)));
+        // The first authorization's handshake again, late, and an older one
+        // with the largest generation value: dropped.
+        for late in [with(u64::MAX - 3, 10, vec![4, 5]), with(u64::MAX, 9, vec![0, 1])] {
+            assert!(matches!(
+                p.on_event(ProducerEvent::Handshake(late))[..],
+                [ProducerEffect::Dropped(Dropped::OlderHandshake { .. })]
+            ));
+        }
+        // The same sequence under another generation: not newer, dropped.
+        assert!(matches!(
+            p.on_event(ProducerEvent::Handshake(with(6, 11, vec![0, 1])))[..],
+            [ProducerEffect::Dropped(Dropped::OlderHandshake { .. })]
+        ));
+        assert_eq!(p.generation(), Some(Generation(5)));
+    }
+
     // Rule 5: a failure of a write admitted under an older generation
     // cannot fail the current one; a failure of a current write fails it,
     // whatever generation its report names.
@@ -784,6 +828,7 @@ mod tests {
         // A newer generation writes everything again, each with its mark.
         let mut newer = (*hs_layers(1, vec![1, 2, 3], 2)).clone();
         newer.generation = Generation(first[0].1 .0 + 1);
+        newer.sequence = crate::ids::Sequence(newer.sequence.0 + 1);
         let fx = p.on_event(ProducerEvent::Handshake(Arc::new(newer)));
         assert_eq!(marks(&fx), vec![(0, 0..2, 7)], "1..3 waits behind 0..2 again");
     }

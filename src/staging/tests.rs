@@ -49,6 +49,8 @@ fn handshake(consumer: &KvLayout, first: u32, ids: Vec<u32>, grant: Option<Stagi
         request_id: crate::ids::RequestId::new("r"),
         capability: crate::ids::Capability::parse(&"7".repeat(32)).unwrap(),
         generation: crate::ids::Generation(1),
+        sequence: crate::ids::Sequence(1),
+        notice_key: crate::ids::NoticeKey::random(),
         endpoint: "127.0.0.1:1".into(),
         expected_producers: 1,
         first_block: first,

@@ -142,7 +142,7 @@ def test_runtime_errors_are_typed_and_change_nothing(ranks: tuple[Rank, Rank]) -
     with pytest.raises(orbitkv.UnknownRequestError):
         c.runtime.consumer_release("nobody")
     with pytest.raises(orbitkv.HandshakeError):
-        p.runtime.producer_handshake('{"version": 3}')
+        p.runtime.producer_handshake('{"version": 4}')  # this version, fields missing
     with pytest.raises(orbitkv.HandshakeError):
         p.runtime.producer_handshake("not json")
     with pytest.raises(orbitkv.GeometryError):

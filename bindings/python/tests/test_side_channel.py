@@ -78,7 +78,7 @@ def test_cancel_releases_the_producer_at_once(served) -> None:
     assert "cancelled by the consumer" in (ev.reason or "")
     assert time.monotonic() - start < 5.0  # not the 120 s handshake deadline
     with pytest.raises(HandshakeRejected) as e:
-        post_cancel(addr, '{"version": 3, "request_id": ""}')  # malformed: refused, nothing changes
+        post_cancel(addr, '{"version": 4, "request_id": ""}')  # malformed: refused, nothing changes
     assert e.value.status == 400
 
 
@@ -87,15 +87,16 @@ def test_cancel_releases_the_producer_at_once(served) -> None:
 
 def test_a_forged_handshake_is_forbidden_and_steers_nothing(served) -> None:
     """A stranger who learned the request ID and the decode's geometry (the
-    attack the hardening issue showed) forges a newer-generation handshake
-    into a third party's memory: 403, nothing written there, and the real
-    decode still gets its KV."""
+    attack the hardening issue showed) forges a newer handshake (a greater
+    sequence, which orders a consumer's authorizations; generations are
+    random) into a third party's memory: 403, nothing written there, and the
+    real decode still gets its KV."""
     p, c, addr = served
     victim = Rank(GUARD)  # a third process's registered memory
     try:
         real = c.runtime.consumer_open("req-x", CAP, 0, [3, 4], 1)
         forged = json.loads(victim.runtime.consumer_open("req-x", STRANGER, 0, [5, 6], 1))
-        forged["generation"] = json.loads(real)["generation"] + 1000
+        forged["sequence"] = json.loads(real)["sequence"] + 1000
         # Before the producer opened (parked) and after (live): refused or ignored.
         post_handshake(addr, json.dumps(forged))  # parked beside the real one, never taken
         p.runtime.producer_open("req-x", [0, 1], CAP)

@@ -359,7 +359,10 @@ class Runtime:
         """Decode side: authorizes `block_ids` for request blocks `first_block..`
         of `request_id`, expecting the producers of a prefill instance of TP
         size `producer_tp`. Returns the handshake (JSON); it carries
-        `capability` (hex), the request's secret. With `publish_to`
+        `capability` (hex), the request's secret, and `notice_key` (hex),
+        this authorization's: only holders of the key can make a notice the
+        consumer believes, so the handshake goes only to the allowed prefill
+        side channels and is never logged. With `publish_to`
         (`[(host:port, producer rank)]`) the runtime also sends it there
         from its own threads (signed with the runtime's `side_channel_key`),
         and fails a rank that refuses it at once."""

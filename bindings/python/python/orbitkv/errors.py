@@ -188,7 +188,9 @@ class UnknownRequestError(OrbitKVError, KeyError):
 
 
 class StaleGenerationError(OrbitKVError):
-    """An event carried an older generation of a request ID."""
+    """An event carried another generation of a request ID than the one
+    authorized now (generations are random: stale means not current, not
+    older by value)."""
 
 
 class DuplicateRequestError(OrbitKVError):
