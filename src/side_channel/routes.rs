@@ -5,6 +5,7 @@
 //! with `src/wire.rs`, up to 16 MiB of JSON) run on the worker's small
 //! blocking pool, so one large handshake never stalls the other connections.
 
+use std::net::IpAddr;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -88,9 +89,16 @@ pub(crate) fn status_of(err: &RuntimeError) -> StatusCode {
 }
 
 impl Shared {
-    /// Checks the signature, then hands the body to the runtime. Runs on a
-    /// blocking thread.
-    fn admit(&self, route: Route, signature: Option<&[u8]>, body: &[u8]) -> Result<Option<Fence>, Refusal> {
+    /// Checks the signature, then hands the body to the runtime, naming
+    /// `source` (the peer's address: the runtime's per-source budgets).
+    /// Runs on a blocking thread.
+    fn admit(
+        &self,
+        route: Route,
+        signature: Option<&[u8]>,
+        body: &[u8],
+        source: Option<IpAddr>,
+    ) -> Result<Option<Fence>, Refusal> {
         if let Some(key) = &self.key {
             if !verify(key, signature, body) {
                 self.refused.signature.inc();
@@ -110,8 +118,8 @@ impl Shared {
                 }
                 .into()),
                 Ok(text) => match route {
-                    Route::Handshake => rt.producer_handshake_json(text).map(|()| None),
-                    Route::Cancel => rt.producer_cancel_json(text),
+                    Route::Handshake => rt.producer_handshake_json_from(text, source).map(|()| None),
+                    Route::Cancel => rt.producer_cancel_json_from(text, source),
                 },
             },
         };
@@ -222,8 +230,9 @@ async fn serve(route: Route, req: HttpRequest, payload: web::Payload, st: web::D
         Ok(Ok(Ok(body))) => body,
     };
     let signature = req.headers().get(SIGNATURE_HEADER).map(|v| v.as_bytes().to_vec());
+    let source = req.peer_addr().map(|a| a.ip());
     let shared = st.into_inner();
-    match web::block(move || shared.admit(route, signature.as_deref(), &body)).await {
+    match web::block(move || shared.admit(route, signature.as_deref(), &body, source)).await {
         Ok(Ok(None)) => ok(),
         Ok(Ok(Some(fence))) => HttpResponse::Ok()
             .content_type("application/json")
