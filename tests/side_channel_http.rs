@@ -525,14 +525,18 @@ fn excess_connections_are_answered_503_at_once_and_service_resumes() {
     let slow: Vec<TcpStream> = (0..2)
         .map(|_| {
             let mut s = connect(addr);
-            s.write_all(b"POST /orbitkv/v1/handshake HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
-                .unwrap();
+            s.write_all(
+                b"POST /orbitkv/v1/handshake HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n",
+            )
+            .unwrap();
+            // 2 MiB of the body at once: above 1 MiB/s for the next 2 s.
+            s.write_all(&vec![b' '; 2 << 20]).unwrap();
             s
         })
         .collect();
     assert!(soon(|| sc.connections() == 2));
-    // Past the shedding grace: connections whose heads are in (slow bodies)
-    // are not shed for a newcomer.
+    // Past the shedding grace: connections whose heads are in and whose
+    // bodies came faster than the minimum rate are not shed for a newcomer.
     std::thread::sleep(Duration::from_millis(100));
     let start = Instant::now();
     let extra = connect(addr); // sends nothing: the answer comes anyway
@@ -706,12 +710,25 @@ struct Flood {
     answered: Vec<u16>,
 }
 
+/// What a flood's connections trickle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Trickle {
+    /// The request head, never finished (a slowloris).
+    Head,
+    /// A body: the whole head at once (`Content-Length` 100000), then the
+    /// body a byte at a time.
+    Body,
+}
+
 /// Holds up to `at_once` connections to `addr` until `until`, opening one
-/// every 10 ms while fewer are open, each sending a request head one byte
-/// every 150 ms and never finishing it (a slowloris); a connection the
-/// server closes is replaced. One thread, non-blocking sockets.
-fn flood(addr: SocketAddr, at_once: usize, until: Instant) -> Flood {
+/// every 10 ms while fewer are open, each sending its request head (or, for
+/// [`Trickle::Body`], its body) one byte every 150 ms and never finishing
+/// it; a connection the server closes is replaced. One thread, non-blocking
+/// sockets.
+fn flood(addr: SocketAddr, at_once: usize, until: Instant, trickle: Trickle) -> Flood {
     const HEAD: &[u8] = b"POST /orbitkv/v1/handshake HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+    const BODY_HEAD: &[u8] =
+        b"POST /orbitkv/v1/cancel HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{\"version\":3,";
     struct Slow {
         s: TcpStream,
         sent: usize,
@@ -725,7 +742,10 @@ fn flood(addr: SocketAddr, at_once: usize, until: Instant) -> Flood {
         let now = Instant::now();
         if open.len() < at_once && now >= next_open {
             next_open = now + Duration::from_millis(10);
-            if let Ok(s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+            if let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+                if trickle == Trickle::Body {
+                    let _ = s.write_all(BODY_HEAD);
+                }
                 s.set_nonblocking(true).unwrap();
                 seen.opened += 1;
                 open.push(Slow {
@@ -744,7 +764,10 @@ fn flood(addr: SocketAddr, at_once: usize, until: Instant) -> Flood {
                     Ok(n) => c.got.extend_from_slice(&buf[..n]),
                     Err(e) if e.kind() == ErrorKind::WouldBlock => {
                         if now >= c.next {
-                            let byte = HEAD.get(c.sent).copied().unwrap_or(b'a');
+                            let byte = match trickle {
+                                Trickle::Head => HEAD.get(c.sent).copied().unwrap_or(b'a'),
+                                Trickle::Body => b' ',
+                            };
                             if c.s.write(&[byte]).is_ok() {
                                 c.sent += 1;
                             }
@@ -774,6 +797,21 @@ fn flood(addr: SocketAddr, at_once: usize, until: Instant) -> Flood {
 /// connections are closed. No thread is added.
 #[test]
 fn a_slow_header_flood_is_shed_and_real_requests_keep_getting_through() {
+    real_requests_get_through_a_flood(Trickle::Head);
+}
+
+/// Issue 44: connections whose head is complete but whose body trickles (a
+/// byte every 150 ms, far below 1 MiB/s) hold every place in the gate, yet
+/// real handshakes made during the flood get `200` and their KV lands: a
+/// newcomer sheds the oldest connection whose body is too slow.
+#[test]
+fn a_slow_body_flood_is_shed_and_real_requests_keep_getting_through() {
+    real_requests_get_through_a_flood(Trickle::Body);
+}
+
+/// A flood of `trickle` connections at the side channel's limit, 5 s long,
+/// and a real P/D request after another through it (see the two tests).
+fn real_requests_get_through_a_flood(trickle: Trickle) {
     let _alone = ONE_SIDE_CHANNEL.write().unwrap_or_else(|e| e.into_inner());
     let p = rank(|i| (i % 251) as u8);
     let c = rank(|_| GUARD);
@@ -806,7 +844,7 @@ fn a_slow_header_flood_is_shed_and_real_requests_keep_getting_through() {
     };
 
     let flood_ends = Instant::now() + Duration::from_secs(5);
-    let flooder = std::thread::spawn(move || flood(addr, 300, flood_ends));
+    let flooder = std::thread::spawn(move || flood(addr, 300, flood_ends, trickle));
     // Every place is held by the flood before the first request.
     assert!(
         soon(|| sc.connections() == max),

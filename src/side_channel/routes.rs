@@ -6,8 +6,12 @@
 //! blocking pool, so one large handshake never stalls the other connections.
 
 use std::net::IpAddr;
+use std::pin::Pin;
 use std::sync::{Arc, Weak};
+use std::task::{Context, Poll};
 use std::time::Duration;
+
+use actix_http::body::{BodySize, BodyStream, MessageBody};
 
 use actix_web::dev::Service;
 use actix_web::http::header::CONTENT_LENGTH;
@@ -200,6 +204,22 @@ async fn cancel(req: HttpRequest, body: web::Payload, st: web::Data<Shared>) -> 
 
 /// Reads the body within the bounds, then admits it off the event loop.
 async fn serve(route: Route, req: HttpRequest, payload: web::Payload, st: web::Data<Shared>) -> HttpResponse {
+    let conn = req.conn_data::<Arc<ConnState>>().cloned();
+    let response = read_and_admit(route, &req, payload, &st, conn.as_ref()).await;
+    if let Some(c) = &conn {
+        c.body_ended();
+    }
+    response
+}
+
+/// [`serve`]'s body: the bounds on the body, then the runtime.
+async fn read_and_admit(
+    route: Route,
+    req: &HttpRequest,
+    payload: web::Payload,
+    st: &web::Data<Shared>,
+    conn: Option<&Arc<ConnState>>,
+) -> HttpResponse {
     let max = st.max_body;
     let declared = req
         .headers()
@@ -211,7 +231,15 @@ async fn serve(route: Route, req: HttpRequest, payload: web::Payload, st: web::D
         let msg = format!("Content-Length {n} (at most {max})");
         return Refusal::new(StatusCode::PAYLOAD_TOO_LARGE, "BadLength", msg).response();
     }
-    let body: Bytes = match tokio::time::timeout(st.read_timeout, payload.to_bytes_limited(max)).await {
+    if let Some(c) = conn {
+        c.body_started();
+    }
+    let counted = Counted {
+        body: BodyStream::new(payload),
+        conn: conn.cloned(),
+    };
+    let read = actix_http::body::to_bytes_limited(counted, max);
+    let body: Bytes = match tokio::time::timeout(st.read_timeout, read).await {
         Err(_) => {
             st.refused.timed_out.inc();
             let msg = format!("body not received in {:.3}s", st.read_timeout.as_secs_f64());
@@ -222,6 +250,10 @@ async fn serve(route: Route, req: HttpRequest, payload: web::Payload, st: web::D
             let msg = format!("body over {max} bytes");
             return Refusal::new(StatusCode::PAYLOAD_TOO_LARGE, "BadLength", msg).response();
         }
+        Ok(Ok(Err(_))) if conn.is_some_and(|c| c.was_shed()) => {
+            // Shed for a slow body (counted as such): nobody reads this.
+            return Refusal::new(StatusCode::REQUEST_TIMEOUT, "Shed", "body too slow").response();
+        }
         Ok(Ok(Err(e))) => {
             // The client broke off or sent a broken chunked body.
             st.refused.malformed.inc();
@@ -229,9 +261,12 @@ async fn serve(route: Route, req: HttpRequest, payload: web::Payload, st: web::D
         }
         Ok(Ok(Ok(body))) => body,
     };
+    if let Some(c) = conn {
+        c.body_ended();
+    }
     let signature = req.headers().get(SIGNATURE_HEADER).map(|v| v.as_bytes().to_vec());
     let source = req.peer_addr().map(|a| a.ip());
-    let shared = st.into_inner();
+    let shared = st.clone().into_inner();
     match web::block(move || shared.admit(route, signature.as_deref(), &body, source)).await {
         Ok(Ok(None)) => ok(),
         Ok(Ok(Some(fence))) => HttpResponse::Ok()
@@ -245,6 +280,30 @@ async fn serve(route: Route, req: HttpRequest, payload: web::Payload, st: web::D
             "the side channel is stopping",
         )
         .response(),
+    }
+}
+
+/// A body read through, its bytes counted on its connection as they come
+/// (the gate sheds a body that comes too slowly, `conn::MIN_BODY_RATE`).
+struct Counted<B> {
+    body: B,
+    conn: Option<Arc<ConnState>>,
+}
+
+impl<B: MessageBody + Unpin> MessageBody for Counted<B> {
+    type Error = B::Error;
+
+    fn size(&self) -> BodySize {
+        self.body.size()
+    }
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, Self::Error>>> {
+        let this = self.get_mut();
+        let next = Pin::new(&mut this.body).poll_next(cx);
+        if let (Poll::Ready(Some(Ok(chunk))), Some(c)) = (&next, &this.conn) {
+            c.body_received(chunk.len());
+        }
+        next
     }
 }
 
