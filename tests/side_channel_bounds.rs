@@ -2,14 +2,16 @@
 //! side channel over real HTTP (a plain `TcpStream` as the client) into a
 //! real `Runtime` on the real Mooncake engine (127.0.0.1). A request ID is
 //! bounded where it is read (an 8 MiB one costs no memory and is not
-//! remembered).
+//! remembered), and a refusal neither echoes a client's text unescaped or
+//! long nor writes a log line per refusal.
 //!
-//! The memory test measures the whole process: the tests take turns.
+//! A process has one global subscriber (installed by the log test), and the
+//! memory test measures the whole process: the tests take turns.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::sync::Mutex;
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use orbitkv::side_channel::CANCEL_PATH;
 use orbitkv::testing::{capability as cap, host_rank_with, HostRank as Rank};
@@ -113,4 +115,120 @@ fn cancels_with_8_mib_request_ids_are_400_not_remembered_and_cost_no_memory() {
     let r = post(addr, CANCEL_PATH, fence.to_json().as_bytes());
     assert_eq!(r.status, 200, "{r:?}");
     assert_eq!(Fence::from_reply(&r.body), Some(Fence::Fenced));
+}
+
+/// What the subscriber wrote, shared with the test.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).to_string()
+    }
+
+    /// The lines that name the side channel at `addr`.
+    fn lines_of(&self, addr: SocketAddr) -> Vec<String> {
+        let tag = format!("side_channel={addr}");
+        self.text()
+            .lines()
+            .filter(|l| l.contains(&tag))
+            .map(str::to_string)
+            .collect()
+    }
+}
+
+/// The `suppressed=N` of a log line.
+fn suppressed(line: &str) -> u64 {
+    line.split("suppressed=")
+        .nth(1)
+        .and_then(|t| t.split(|c: char| !c.is_ascii_digit()).next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no suppressed count in {line}"))
+}
+
+/// An unknown field whose name holds a newline and a forged log line is
+/// answered and logged escaped (no line of the log starts with the forged
+/// one); a 4 MiB field name gets a reply under 1 KiB and a log line under
+/// 1 KiB; and a burst of 50 refusals of one kind writes a line a second,
+/// the next line counting those left out.
+#[test]
+fn refusals_are_answered_and_logged_escaped_short_and_at_most_once_a_second() {
+    let _turn = TURN.lock().unwrap_or_else(|e| e.into_inner());
+    let log = Captured::default();
+    let writer = log.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    tracing::subscriber::set_global_default(subscriber).expect("the only subscriber");
+    let p = rank(64);
+    let sc = SideChannel::start(SideChannelConfig::default(), p.runtime.clone()).expect("side channel");
+    let addr = sc.address();
+    let cap = "c".repeat(32);
+    let pace = Duration::from_millis(1100);
+
+    const FORGED: &str = "2026-12-03T00:00:00.000000Z  WARN orbitkv: forged";
+    let forged = format!(r#"{{"version":3,"request_id":"r","capability":"{cap}","x\n{FORGED}":1}}"#);
+    let r = post(addr, CANCEL_PATH, forged.as_bytes());
+    assert_eq!(r.status, 400, "{r:?}");
+    let message = r.json()["message"].as_str().unwrap_or_default().to_string();
+    assert!(
+        message.contains(r"x\n2026") && !message.contains('\n'),
+        "{message:?}"
+    );
+    let lines = log.lines_of(addr);
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    assert!(lines[0].contains(r"x\n2026"), "{lines:?}");
+    assert!(
+        !log.text().lines().any(|l| l.starts_with("2026-12-03T00:00:00")),
+        "a forged line in the log:\n{}",
+        log.text()
+    );
+
+    std::thread::sleep(pace);
+    let huge = format!(
+        r#"{{"version":3,"request_id":"r","capability":"{cap}","{}":1}}"#,
+        "y".repeat(4 << 20)
+    );
+    let before = log.text().len();
+    let r = post(addr, CANCEL_PATH, huge.as_bytes());
+    assert_eq!(r.status, 400, "{}", &r.body[..r.body.len().min(300)]);
+    assert!(r.body.len() < 1024, "a reply of {} bytes", r.body.len());
+    assert_eq!(log.lines_of(addr).len(), 2);
+    let grown = log.text().len() - before;
+    assert!(grown < 1024, "the log grew by {grown} bytes");
+
+    // A burst of one kind: a line a second at most.
+    std::thread::sleep(pace);
+    let bad = format!(r#"{{"version":3,"capability":"{cap}"}}"#);
+    let start = Instant::now();
+    for _ in 0..50 {
+        assert_eq!(post(addr, CANCEL_PATH, bad.as_bytes()).status, 400);
+    }
+    let took = start.elapsed();
+    let burst = log.lines_of(addr).len() - 2;
+    assert!(
+        (1..=2 + took.as_secs() as usize).contains(&burst),
+        "{burst} lines for 50 refusals in {took:?}"
+    );
+    std::thread::sleep(pace);
+    assert_eq!(post(addr, CANCEL_PATH, bad.as_bytes()).status, 400);
+    let lines = log.lines_of(addr);
+    let last = lines.last().unwrap();
+    // Every refusal is either a line or counted in the next one.
+    let counted: u64 = lines[2..].iter().map(|l| suppressed(l) + 1).sum();
+    assert_eq!(counted, 51, "{lines:#?}");
+    assert!(suppressed(last) > 0, "{last}");
+    assert_eq!(sc.refused().malformed, 53);
 }

@@ -21,7 +21,11 @@
 //! `408 Timeout` (the body did not arrive within `read_timeout`), `503 Busy`
 //! (more than `max_connections` connections and none of them sheddable).
 //! Every refusal closes the connection; a shed connection is closed
-//! unanswered.
+//! unanswered. A refusal's message may quote what the client sent (a
+//! parser's error naming an unknown field): it is escaped and cut to 256
+//! characters, in the reply and in the log; and the log has at most one
+//! line a second per kind of refusal (route and error), the next line
+//! counting those left out (`suppressed`).
 //!
 //! Bounds: request heads within `read_timeout` (actix-http's
 //! `client_request_timeout`, `408`); bodies within `read_timeout` and
@@ -336,6 +340,8 @@ impl SideChannel {
             max_body: cfg.max_body,
             read_timeout: cfg.read_timeout,
             refused: refused.clone(),
+            log: routes::LogLimiter::new(routes::LOG_EVERY),
+            address: bound,
             query,
         });
         let stop_secs = cfg.stop_timeout.as_secs().max(1);

@@ -5,13 +5,15 @@
 //! with `src/wire.rs`, up to 16 MiB of JSON) run on the worker's small
 //! blocking pool, so one large handshake never stalls the other connections.
 
+use std::collections::HashMap;
 use std::net::IpAddr;
 use std::pin::Pin;
 use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix_http::body::{BodySize, BodyStream, MessageBody};
+use parking_lot::Mutex;
 
 use actix_web::dev::Service;
 use actix_web::http::header::CONTENT_LENGTH;
@@ -23,8 +25,70 @@ use super::conn::ConnState;
 use super::signature::{verify, SIGNATURE_HEADER};
 use super::{Counters, CANCEL_PATH, HANDSHAKE_PATH, HEALTH_PATH, QUERY_PATH};
 use crate::actors::Runtime;
-use crate::error::{ProtocolError, RuntimeError};
+use crate::error::{untrusted, ProtocolError, RuntimeError};
 use crate::wire::Fence;
+
+/// The most characters of a refusal's message (escaped, [`untrusted`]):
+/// whatever a client sent, a reply and a log line stay short.
+pub(crate) const MAX_MESSAGE: usize = 256;
+
+/// How often one kind of refusal is logged at most ([`LogLimiter`]).
+pub(crate) const LOG_EVERY: Duration = Duration::from_secs(1);
+
+/// At most one log line per kind of refusal per [`LOG_EVERY`]; the lines
+/// left out are counted and the next line logged says how many. A
+/// stranger's flood of bad requests is counted in `Refused`, not written a
+/// line at a time into the worker's log.
+#[derive(Debug)]
+pub(crate) struct LogLimiter {
+    every: Duration,
+    kinds: Mutex<HashMap<(&'static str, &'static str), Kind>>,
+}
+
+#[derive(Debug)]
+struct Kind {
+    last: Instant,
+    suppressed: u64,
+}
+
+impl LogLimiter {
+    pub(crate) fn new(every: Duration) -> Self {
+        Self {
+            every,
+            kinds: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Whether a refusal of `kind` may be logged now: `Some(n)` with the
+    /// `n` left out since the last line, or `None` (counted, not logged).
+    pub(crate) fn admit(&self, kind: (&'static str, &'static str)) -> Option<u64> {
+        self.admit_at(kind, Instant::now())
+    }
+
+    fn admit_at(&self, kind: (&'static str, &'static str), now: Instant) -> Option<u64> {
+        let mut kinds = self.kinds.lock();
+        match kinds.get_mut(&kind) {
+            Some(k) if now.saturating_duration_since(k.last) < self.every => {
+                k.suppressed += 1;
+                None
+            }
+            Some(k) => {
+                k.last = now;
+                Some(std::mem::take(&mut k.suppressed))
+            }
+            None => {
+                kinds.insert(
+                    kind,
+                    Kind {
+                        last: now,
+                        suppressed: 0,
+                    },
+                );
+                Some(0)
+            }
+        }
+    }
+}
 
 /// What every worker's handlers share.
 pub(crate) struct Shared {
@@ -35,6 +99,10 @@ pub(crate) struct Shared {
     pub(crate) max_body: usize,
     pub(crate) read_timeout: Duration,
     pub(crate) refused: Arc<Counters>,
+    /// Paces the refusals' log lines.
+    pub(crate) log: LogLimiter,
+    /// The bound address, named in the log lines.
+    pub(crate) address: std::net::SocketAddr,
     /// What `GET /query` answers (`MooncakeBootstrap::body`); `None`: `404`.
     pub(crate) query: Option<String>,
 }
@@ -63,11 +131,13 @@ struct Refusal {
 }
 
 impl Refusal {
-    fn new(status: StatusCode, error: &'static str, message: impl Into<String>) -> Self {
+    /// The message is escaped and cut ([`untrusted`], [`MAX_MESSAGE`]): it
+    /// may quote what the client sent.
+    fn new(status: StatusCode, error: &'static str, message: impl AsRef<str>) -> Self {
         Self {
             status,
             error,
-            message: message.into(),
+            message: untrusted(message.as_ref(), MAX_MESSAGE),
         }
     }
 
@@ -134,12 +204,18 @@ impl Shared {
                 StatusCode::SERVICE_UNAVAILABLE => self.refused.busy.inc(),
                 _ => self.refused.malformed.inc(),
             }
-            tracing::warn!(
-                what = route.what(),
-                error = e.class_name(),
-                "side channel refused: {e}"
-            );
-            Refusal::new(status, e.class_name(), e.to_string())
+            let refusal = Refusal::new(status, e.class_name(), e.to_string());
+            if let Some(suppressed) = self.log.admit((route.what(), e.class_name())) {
+                tracing::warn!(
+                    side_channel = %self.address,
+                    what = route.what(),
+                    error = e.class_name(),
+                    suppressed,
+                    "side channel refused: {}",
+                    refusal.message
+                );
+            }
+            refusal
         })
     }
 }
@@ -350,4 +426,39 @@ pub(crate) fn app(
                 .default_service(web::to(not_found)),
         )
         .default_service(web::to(not_found))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One line per kind a second; the next line counts those left out; kinds
+    /// are paced apart.
+    #[test]
+    fn refusal_lines_are_paced_per_kind_and_count_what_they_left_out() {
+        let log = LogLimiter::new(LOG_EVERY);
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let bad = ("cancel", "HandshakeError");
+        assert_eq!(log.admit_at(bad, at(0)), Some(0));
+        for ms in 1..50 {
+            assert_eq!(log.admit_at(bad, at(ms)), None);
+        }
+        // Another kind is not held back by the first.
+        assert_eq!(log.admit_at(("handshake", "HandshakeError"), at(10)), Some(0));
+        assert_eq!(log.admit_at(bad, at(999)), None);
+        assert_eq!(log.admit_at(bad, at(1000)), Some(50));
+        assert_eq!(log.admit_at(bad, at(2500)), Some(0));
+    }
+
+    #[test]
+    fn a_refusal_message_is_escaped_and_short() {
+        let r = Refusal::new(StatusCode::BAD_REQUEST, "HandshakeError", "x\n".repeat(1 << 20));
+        assert!(!r.message.contains('\n'));
+        assert!(
+            r.message.chars().count() <= MAX_MESSAGE + 1,
+            "{}",
+            r.message.len()
+        );
+    }
 }
