@@ -174,6 +174,37 @@ pub enum GeometryError {
     StagingTooSmall { granted: u64, needed: u64 },
 }
 
+/// Text that came from a stranger (a serde error naming an unknown field,
+/// a path, an endpoint), made safe to log or send back: control characters
+/// and every whitespace but the space escaped (`char::escape_debug`: a
+/// `\n` or a U+2028 cannot start a forged log line) and cut after `max`
+/// characters of the escaped text, with `…` where it was cut. The result is
+/// at most `max` characters plus the ellipsis, whatever the input's size;
+/// applied twice it changes nothing more (a backslash is kept as it is).
+pub fn untrusted(text: &str, max: usize) -> String {
+    let mut out = String::with_capacity(max.min(text.len()) + 3);
+    let mut n = 0;
+    for c in text.chars() {
+        let plain = !c.is_control() && (c == ' ' || !c.is_whitespace());
+        let len = if plain { 1 } else { c.escape_debug().count() };
+        if n + len > max {
+            out.push('…');
+            return out;
+        }
+        if plain {
+            out.push(c);
+        } else {
+            out.extend(c.escape_debug());
+        }
+        n += len;
+    }
+    out
+}
+
+/// How much of a parser's error message (which may quote the input) a
+/// [`ProtocolError::Malformed`] keeps ([`untrusted`]).
+pub const MAX_PARSE_ERROR: usize = 128;
+
 /// A handshake or notification that cannot be admitted.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum ProtocolError {
@@ -389,6 +420,29 @@ mod details {
     /// A deadline in milliseconds, as seconds.
     pub(super) fn millis_as_seconds<S: Serializer>(millis: &u64, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_f64(*millis as f64 / 1000.0)
+    }
+}
+
+#[cfg(test)]
+mod untrusted_tests {
+    use super::untrusted;
+
+    #[test]
+    fn untrusted_text_is_escaped_cut_and_stable() {
+        let forged = "x\n2026-01-01T00:00:00Z  WARN forged\r\u{2028}\u{1b}[31m";
+        let once = untrusted(forged, 200);
+        assert!(!once.chars().any(|c| c.is_control() || c == '\u{2028}'), "{once}");
+        assert!(
+            once.starts_with("x\\n2026") && once.contains("\\u{2028}"),
+            "{once}"
+        );
+        assert_eq!(untrusted(&once, 200), once, "escaping twice changes nothing");
+        let cut = untrusted(&"y".repeat(4 << 20), 64);
+        assert_eq!(cut.chars().count(), 65);
+        assert!(cut.ends_with('…'));
+        // An escape is never split.
+        assert_eq!(untrusted("ab\n", 3), "ab…");
+        assert_eq!(untrusted("a \"b\"", 10), "a \"b\"");
     }
 }
 

@@ -3,16 +3,69 @@
 use serde::{Deserialize, Serialize};
 
 /// A P/D request's identity, shared by its prefill and decode halves.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+///
+/// Deserialized (from a handshake, a cancel or a notice: input from the
+/// network) only when it is 1 to [`RequestId::MAX_LEN`] bytes of printable
+/// ASCII without spaces (0x21..=0x7e, the rule of the vLLM connector's
+/// `params.py`), checked on the borrowed text before any `String` is made:
+/// an 8 MiB ID is refused without being copied.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(transparent)]
 pub struct RequestId(pub String);
 
 impl RequestId {
+    /// The longest request ID accepted from the network (bytes).
+    pub const MAX_LEN: usize = 256;
+
     pub fn new(s: impl Into<String>) -> Self {
         Self(s.into())
     }
     pub fn as_str(&self) -> &str {
         &self.0
+    }
+
+    /// Why `s` is not a request ID the wire accepts, if it is not: the
+    /// reason names the rule and the length, never the text.
+    pub fn check(s: &str) -> Result<(), String> {
+        let ok = (1..=Self::MAX_LEN).contains(&s.len()) && s.bytes().all(|b| (0x21..=0x7e).contains(&b));
+        if ok {
+            return Ok(());
+        }
+        Err(format!(
+            "a request_id is 1 to {} printable ASCII characters without spaces, got {} bytes",
+            Self::MAX_LEN,
+            s.len()
+        ))
+    }
+}
+
+impl<'de> Deserialize<'de> for RequestId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_str(BoundedStr {
+            what: "a request_id",
+            check: RequestId::check,
+        })
+        .map(RequestId)
+    }
+}
+
+/// A string deserialized only when `check` accepts the borrowed text (so
+/// nothing is allocated for one it refuses).
+pub(crate) struct BoundedStr {
+    pub(crate) what: &'static str,
+    pub(crate) check: fn(&str) -> Result<(), String>,
+}
+
+impl serde::de::Visitor<'_> for BoundedStr {
+    type Value = String;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.what)
+    }
+
+    fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<String, E> {
+        (self.check)(s).map_err(E::custom)?;
+        Ok(s.to_string())
     }
 }
 
@@ -303,7 +356,35 @@ pub fn parse_endpoint(endpoint: &str) -> crate::error::TransportResult<(String, 
 
 #[cfg(test)]
 mod tests {
-    use super::{Capability, Generation, NoticeKey, Sequence};
+    use super::{Capability, Generation, NoticeKey, RequestId, Sequence};
+
+    #[test]
+    fn a_request_id_from_the_wire_is_bounded_printable_ascii() {
+        let parse = |json: &str| serde_json::from_str::<RequestId>(json);
+        assert_eq!(parse(r#""cmpl-1~x""#).unwrap(), RequestId::new("cmpl-1~x"));
+        let longest = format!("\"{}\"", "r".repeat(RequestId::MAX_LEN));
+        assert_eq!(parse(&longest).unwrap().as_str().len(), RequestId::MAX_LEN);
+        for bad in [
+            "\"\"".to_string(),
+            format!("\"{}\"", "r".repeat(RequestId::MAX_LEN + 1)),
+            r#""a b""#.into(),
+            r#""a\nb""#.into(),
+            r#""\u007f""#.into(),
+            r#""é""#.into(),
+            "7".into(),
+        ] {
+            let e = parse(&bad).unwrap_err().to_string();
+            assert!(e.contains("request_id"), "{bad}: {e}");
+            // The refusal never repeats the text.
+            assert!(e.len() < 200, "{e}");
+        }
+        let huge = format!("\"{}\"", "x".repeat(8 << 20));
+        let e = parse(&huge).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("got {} bytes", 8 << 20)) && e.len() < 200,
+            "{e}"
+        );
+    }
 
     #[test]
     fn generations_are_random_and_carry_no_clock() {

@@ -53,7 +53,9 @@ pub struct Handshake {
     /// that sent the request holds the capability, but never sees this key
     /// (it travels only here, to the allowed prefill side channels).
     pub notice_key: NoticeKey,
-    /// The consumer rank's Mooncake endpoint (`ip:port`).
+    /// The consumer rank's Mooncake endpoint (`ip:port`, at most
+    /// [`MAX_ENDPOINT`] bytes).
+    #[serde(deserialize_with = "bounded_endpoint")]
     pub endpoint: String,
     /// How many producer ranks must report done.
     pub expected_producers: u32,
@@ -185,7 +187,7 @@ pub struct Cancel {
     pub request_id: RequestId,
     pub capability: Capability,
     /// Why (informative, at most [`Cancel::MAX_REASON`] bytes).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "bounded_reason")]
     pub reason: String,
     /// The fence: the consumer authorized this generation (and rank
     /// `consumer_rank` of its instance) and wants to know whether anything
@@ -235,13 +237,7 @@ impl Cancel {
 
     pub fn new(request_id: RequestId, capability: Capability, reason: &str) -> Self {
         let mut reason = reason.to_string();
-        if reason.len() > Self::MAX_REASON {
-            let mut cut = Self::MAX_REASON;
-            while !reason.is_char_boundary(cut) {
-                cut -= 1;
-            }
-            reason.truncate(cut);
-        }
+        truncate_utf8(&mut reason, Self::MAX_REASON);
         Self {
             version: WIRE_VERSION,
             request_id,
@@ -268,9 +264,6 @@ impl Cancel {
         };
         if c.request_id.as_str().is_empty() {
             return Err(malformed("empty request_id"));
-        }
-        if c.reason.len() > Self::MAX_REASON {
-            return Err(malformed("reason longer than 1024 bytes"));
         }
         if c.generation.is_some() != c.consumer_rank.is_some() {
             return Err(malformed("generation and consumer_rank come together"));
@@ -370,7 +363,35 @@ impl Notice {
         crate::mac::verify_hex(key.bytes(), &[&msg], mac.as_bytes())
     }
 
+    /// The longest notice accepted (bytes of JSON): a request ID of
+    /// [`RequestId::MAX_LEN`], a reason of [`Notice::MAX_REASON`] (escaped,
+    /// at most 6 bytes a byte) and the fixed fields fit well within it.
+    pub const MAX_BYTES: usize = 16 << 10;
+    /// The longest reason a producer sends (longer ones are cut).
+    pub const MAX_REASON: usize = 1024;
+
+    /// `reason` cut to [`Notice::MAX_REASON`] bytes, so that the notice
+    /// carrying it stays within [`Notice::MAX_BYTES`].
+    pub fn clip_reason(reason: Option<String>) -> Option<String> {
+        reason.map(|mut r| {
+            truncate_utf8(&mut r, Self::MAX_REASON);
+            r
+        })
+    }
+
+    /// Parses a notice received through Mooncake; one over
+    /// [`Notice::MAX_BYTES`] is refused before it is parsed.
     pub fn from_json(text: &[u8]) -> Result<Self, ProtocolError> {
+        if text.len() > Self::MAX_BYTES {
+            return Err(ProtocolError::Malformed {
+                what: "notice",
+                reason: format!(
+                    "{} bytes, over the {} a notice may have",
+                    text.len(),
+                    Self::MAX_BYTES
+                ),
+            });
+        }
         let text = std::str::from_utf8(text).map_err(|_| ProtocolError::Malformed {
             what: "notice",
             reason: "not UTF-8".into(),
@@ -390,17 +411,82 @@ impl Notice {
     }
 }
 
+/// The top-level `version` of a message, read without keeping anything
+/// else (other fields are skipped, not allocated).
+#[derive(Deserialize)]
+struct Peek {
+    #[serde(default)]
+    version: PeekVersion,
+}
+
+/// A `version` that is an unsigned integer, or `None` (any other value,
+/// skipped).
+#[derive(Default)]
+struct PeekVersion(Option<u64>);
+
+impl<'de> Deserialize<'de> for PeekVersion {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = PeekVersion;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("any value")
+            }
+            fn visit_u64<E>(self, v: u64) -> Result<PeekVersion, E> {
+                Ok(PeekVersion(Some(v)))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<PeekVersion, E> {
+                Ok(PeekVersion(None))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<PeekVersion, E> {
+                Ok(PeekVersion(None))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<PeekVersion, E> {
+                Ok(PeekVersion(None))
+            }
+            fn visit_str<E>(self, _: &str) -> Result<PeekVersion, E> {
+                Ok(PeekVersion(None))
+            }
+            fn visit_unit<E>(self) -> Result<PeekVersion, E> {
+                Ok(PeekVersion(None))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut a: A) -> Result<PeekVersion, A::Error> {
+                while a.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+                Ok(PeekVersion(None))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut a: A) -> Result<PeekVersion, A::Error> {
+                while a
+                    .next_entry::<serde::de::IgnoredAny, serde::de::IgnoredAny>()?
+                    .is_some()
+                {}
+                Ok(PeekVersion(None))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// A parse error as a [`ProtocolError::Malformed`]: serde's message may
+/// quote the input (an unknown field's name, a bad value), so it is kept
+/// escaped and short ([`crate::error::untrusted`]).
+fn malformed(what: &'static str, e: serde_json::Error) -> ProtocolError {
+    ProtocolError::Malformed {
+        what,
+        reason: crate::error::untrusted(&e.to_string(), crate::error::MAX_PARSE_ERROR),
+    }
+}
+
 /// Reads `version` first, so a future version is reported as such and not
-/// as an unknown field; then parses strictly.
+/// as an unknown field; then parses strictly. Neither pass builds a tree of
+/// the document: every string is checked where it is read (a request ID
+/// by [`RequestId`]'s bounds, a reason by [`Cancel::MAX_REASON`]) before
+/// anything is kept of it.
 fn parse_versioned<T: serde::de::DeserializeOwned>(
     text: &str,
     what: &'static str,
 ) -> Result<T, ProtocolError> {
-    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| ProtocolError::Malformed {
-        what,
-        reason: e.to_string(),
-    })?;
-    match value.get("version").and_then(|v| v.as_u64()) {
+    let peek: Peek = serde_json::from_str(text).map_err(|e| malformed(what, e))?;
+    match peek.version.0 {
         Some(v) if v == WIRE_VERSION as u64 => {}
         Some(v) => {
             return Err(ProtocolError::Version {
@@ -415,15 +501,62 @@ fn parse_versioned<T: serde::de::DeserializeOwned>(
             })
         }
     }
-    serde_json::from_value(value).map_err(|e| ProtocolError::Malformed {
-        what,
-        reason: e.to_string(),
+    serde_json::from_str(text).map_err(|e| malformed(what, e))
+}
+
+/// Cuts `s` to at most `max` bytes, at a character boundary.
+fn truncate_utf8(s: &mut String, max: usize) {
+    if s.len() > max {
+        let mut cut = max;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+    }
+}
+
+/// A cancel's `reason`, refused beyond [`Cancel::MAX_REASON`] bytes before
+/// it is copied.
+fn bounded_reason<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    d.deserialize_str(crate::ids::BoundedStr {
+        what: "a reason",
+        check: |s| {
+            if s.len() > Cancel::MAX_REASON {
+                return Err(format!(
+                    "a reason is at most {} bytes, got {}",
+                    Cancel::MAX_REASON,
+                    s.len()
+                ));
+            }
+            Ok(())
+        },
+    })
+}
+
+/// The longest endpoint (`host:port`) a handshake may name.
+pub const MAX_ENDPOINT: usize = 300;
+
+/// A handshake's `endpoint`, refused beyond [`MAX_ENDPOINT`] bytes before
+/// it is copied (its form is checked by `validate`).
+fn bounded_endpoint<'de, D: serde::Deserializer<'de>>(d: D) -> Result<String, D::Error> {
+    d.deserialize_str(crate::ids::BoundedStr {
+        what: "an endpoint",
+        check: |s| {
+            if s.len() > MAX_ENDPOINT {
+                return Err(format!(
+                    "an endpoint is at most {MAX_ENDPOINT} bytes, got {}",
+                    s.len()
+                ));
+            }
+            Ok(())
+        },
     })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::MAX_PARSE_ERROR;
     use crate::layout::tests::layout;
 
     fn cap() -> Capability {
@@ -833,6 +966,74 @@ mod tests {
         assert_eq!(Fence::from_reply(r#"{"ok":true}"#), None);
         assert_eq!(Fence::from_reply(r#"{"ok":true,"fence":"maybe"}"#), None);
         assert_eq!(Fence::from_reply("not json"), None);
+    }
+
+    /// Issue 44: what a stranger names is bounded where it is read, and a
+    /// parse error never carries its text long or unescaped.
+    #[test]
+    fn identifiers_are_bounded_and_parse_errors_are_short_and_escaped() {
+        let capability = "c".repeat(32);
+        let cancel = |id: &str, reason: &str| {
+            format!(r#"{{"version":4,"request_id":"{id}","capability":"{capability}","reason":"{reason}"}}"#)
+        };
+        assert!(Cancel::from_json(&cancel(&"r".repeat(RequestId::MAX_LEN), &"x".repeat(1024))).is_ok());
+        for (id, reason) in [
+            ("r".repeat(RequestId::MAX_LEN + 1), String::new()),
+            ("x".repeat(8 << 20), String::new()),
+            ("a b".into(), String::new()),
+            ("a\\u0000b".into(), String::new()),
+            ("r".into(), "x".repeat(1025)),
+            ("r".into(), "x".repeat(4 << 20)),
+        ] {
+            let e = Cancel::from_json(&cancel(&id, &reason)).unwrap_err();
+            let ProtocolError::Malformed { reason, .. } = &e else {
+                panic!("{e:?}")
+            };
+            assert!(reason.len() <= MAX_PARSE_ERROR + 3, "{} bytes", reason.len());
+        }
+        // An unknown field whose name forges a log line, and a huge one.
+        let forged = format!(
+            r#"{{"version":4,"request_id":"r","capability":"{capability}","x\n2026-01-01T00:00:00Z WARN forged":1}}"#
+        );
+        let e = Cancel::from_json(&forged).unwrap_err().to_string();
+        assert!(!e.contains('\n') && e.contains("\\n"), "{e}");
+        let huge = format!(
+            r#"{{"version":4,"request_id":"r","capability":"{capability}","{}":1}}"#,
+            "y".repeat(4 << 20)
+        );
+        let e = Cancel::from_json(&huge).unwrap_err().to_string();
+        assert!(e.len() < 256, "{} bytes", e.len());
+        // A handshake's endpoint is bounded the same way.
+        let mut v = serde_json::to_value(handshake()).unwrap();
+        v["endpoint"] = format!("{}:1", "h".repeat(MAX_ENDPOINT)).into();
+        let e = Handshake::from_json(&v.to_string()).unwrap_err().to_string();
+        assert!(e.contains("endpoint") && e.len() < 256, "{e}");
+    }
+
+    #[test]
+    fn a_notice_is_bounded_before_it_is_parsed() {
+        let n = Notice {
+            version: WIRE_VERSION,
+            request_id: RequestId::new("r".repeat(RequestId::MAX_LEN)),
+            generation: Generation(u64::MAX),
+            producer_rank: ProducerRank(u32::MAX),
+            outcome: Outcome::Failed,
+            // The longest reason a producer sends, all of it escaped.
+            reason: Notice::clip_reason(Some("\u{1}".repeat(4096))),
+            bytes: u64::MAX,
+            staged: true,
+            mac: None,
+        }
+        .sign(&key());
+        assert_eq!(n.reason.as_ref().unwrap().len(), Notice::MAX_REASON);
+        let json = n.to_json();
+        assert!(json.len() <= Notice::MAX_BYTES, "{}", json.len());
+        assert_eq!(Notice::from_json(&json).unwrap(), n);
+        // One byte over (whitespace a parser would accept): refused unread.
+        let mut over = json.clone();
+        over.resize(Notice::MAX_BYTES + 1, b' ');
+        let e = Notice::from_json(&over).unwrap_err().to_string();
+        assert!(e.contains("over the"), "{e}");
     }
 
     #[test]

@@ -239,7 +239,7 @@ fn a_parked_handshake_expires_at_the_handshake_deadline_and_is_never_taken_after
         let producer = Rank::new("127.0.0.1:3", cfg);
         let h = Arc::new(handshake_for("late-open"));
         producer
-            .call(move |d, ctx| d.producer_handshake(h, ctx))
+            .call(move |d, ctx| d.producer_handshake(h, None, ctx))
             .await
             .expect("parked");
         // Just before the deadline it still waits; just after, the timer
@@ -289,11 +289,11 @@ fn a_cancel_before_the_open_releases_the_producer_at_once_and_a_stranger_cannot_
         );
         let cancel = orbitkv::Cancel::new(RequestId::new("c"), cap(), "client left");
         producer
-            .call(move |d, _| d.producer_cancel(&stranger))
+            .call(move |d, _| d.producer_cancel(&stranger, None))
             .await
             .expect("a stranger's cancel waits beside, under its own capability");
         producer
-            .call(move |d, _| d.producer_cancel(&cancel))
+            .call(move |d, _| d.producer_cancel(&cancel, None))
             .await
             .expect("remembered");
         let t0 = Instant::now();

@@ -3,7 +3,7 @@
 //! vLLM connector's decode side can get, and the bounds.
 
 use std::io::{ErrorKind, Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::sync::{RwLock, RwLockReadGuard};
 use std::time::{Duration, Instant};
 
@@ -19,7 +19,11 @@ const BLOCKS: u32 = 8;
 const BLOCK_BYTES: u64 = 1024;
 const KEY: &[u8] = b"deployment-key-0123456789";
 
-use orbitkv::testing::{block, capability as cap, host_rank, wait_for, HostRank as Rank};
+use orbitkv::testing::{
+    block, capability as cap, host_rank, host_rank_with, wait_for, wait_released, HostRank as Rank,
+};
+use orbitkv::wire::Fence;
+use orbitkv::{Generation, Outcome, RuntimeConfig};
 
 fn rank(fill: impl Fn(usize) -> u8) -> Rank {
     host_rank(LAYERS, BLOCKS, BLOCK_BYTES, (0, 1), 2, fill)
@@ -112,6 +116,30 @@ fn post(addr: SocketAddr, path: &str, body: &[u8], headers: &[(&str, String)]) -
     let mut raw = raw.into_bytes();
     raw.extend_from_slice(body);
     exchange(addr, &raw)
+}
+
+/// [`post`] from `from` (the client's socket bound to it: every address of
+/// 127/8 is this host's loopback on Linux), a source of its own to the
+/// side channel's per-source budgets.
+fn post_from(from: IpAddr, addr: SocketAddr, path: &str, body: &[u8]) -> Reply {
+    let s = actix_web::rt::System::new().block_on(async move {
+        let sock = tokio::net::TcpSocket::new_v4().expect("socket");
+        sock.bind(SocketAddr::new(from, 0))
+            .expect("bind the client's address");
+        let s = sock.connect(addr).await.expect("connect").into_std().unwrap();
+        s.set_nonblocking(false).unwrap();
+        s
+    });
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut raw = format!(
+        "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    raw.extend_from_slice(body);
+    let mut s = s;
+    let _ = s.write_all(&raw);
+    read_reply(s)
 }
 
 fn get(addr: SocketAddr, path: &str) -> Reply {
@@ -228,7 +256,7 @@ fn malformed_input_is_400_with_its_error_and_changes_nothing() {
         ),
         (
             CANCEL_PATH,
-            br#"{"version": 3, "request_id": ""}"#.to_vec(),
+            br#"{"version": 4, "request_id": ""}"#.to_vec(),
             "HandshakeError",
         ),
     ];
@@ -240,6 +268,69 @@ fn malformed_input_is_400_with_its_error_and_changes_nothing() {
     }
     assert_eq!(sc.refused().malformed, cases.len() as u64);
     assert_eq!(p.runtime.live_requests(), (0, 0));
+}
+
+/// Issue 44: one address floods cancels for made-up request IDs (each one
+/// remembered against an open that will never come) until it is refused
+/// `503` at its share of the pre-open table (a quarter of the 64 entries);
+/// another address's genuine early fence is still remembered and answered
+/// `fenced`, the flood's entries are not evicted for it (the flood is
+/// still refused), and when the fenced request opens it is aborted at once.
+#[test]
+fn a_cancel_flood_from_one_address_leaves_room_for_another_addresss_fence() {
+    let cfg = RuntimeConfig {
+        max_parked: 64,
+        ..RuntimeConfig::default()
+    };
+    let p = host_rank_with(LAYERS, BLOCKS, BLOCK_BYTES, (0, 1), 2, |_| 1, cfg);
+    let sc = serve(&p, SideChannelConfig::default());
+    let addr = sc.address();
+    let flooder: IpAddr = "127.0.0.2".parse().unwrap();
+    let decode: IpAddr = "127.0.0.1".parse().unwrap();
+    let flood_once = || {
+        let id = RequestId::new(format!("rand-{:016x}", fastrand::u64(..)));
+        let c = Cancel::new(id, stranger(), "flood").fencing(Generation(1), 0);
+        post_from(flooder, addr, CANCEL_PATH, c.to_json().as_bytes())
+    };
+    let mut remembered = 0;
+    let refused = loop {
+        let r = flood_once();
+        if r.status != 200 {
+            break r;
+        }
+        assert_eq!(Fence::from_reply(&r.body), Some(Fence::Fenced), "{r:?}");
+        remembered += 1;
+        assert!(remembered <= 64, "the flood was never refused");
+    };
+    assert_eq!(
+        (refused.status, refused.error().as_str()),
+        (503, "OverloadedError"),
+        "{refused:?}"
+    );
+    assert_eq!(remembered, 16, "one address holds a quarter of the table");
+
+    let req = RequestId::new("req-fenced-early");
+    let fence = Cancel::new(req.clone(), cap(), "client went away").fencing(Generation(7), 0);
+    let r = post_from(decode, addr, CANCEL_PATH, fence.to_json().as_bytes());
+    assert_eq!(r.status, 200, "{r:?}");
+    assert_eq!(Fence::from_reply(&r.body), Some(Fence::Fenced), "{r:?}");
+    // Nothing of the flood's was evicted, nor did its share grow.
+    assert_eq!(flood_once().status, 503);
+    assert_eq!(sc.refused().busy, 2);
+    assert_eq!(p.runtime.stats().side_channel_overloaded, 2);
+
+    // The fence was remembered: the request is aborted as it opens.
+    p.runtime
+        .producer_open(req.clone(), vec![0, 1], cap(), 1)
+        .unwrap();
+    let (outcome, reason) = wait_released(&p.runtime, &req);
+    assert_eq!(outcome, Outcome::Aborted);
+    assert!(
+        reason
+            .as_deref()
+            .is_some_and(|r| r.contains("cancelled by the consumer: client went away")),
+        "{reason:?}"
+    );
 }
 
 #[test]
@@ -434,14 +525,18 @@ fn excess_connections_are_answered_503_at_once_and_service_resumes() {
     let slow: Vec<TcpStream> = (0..2)
         .map(|_| {
             let mut s = connect(addr);
-            s.write_all(b"POST /orbitkv/v1/handshake HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
-                .unwrap();
+            s.write_all(
+                b"POST /orbitkv/v1/handshake HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n",
+            )
+            .unwrap();
+            // 2 MiB of the body at once: above 1 MiB/s for the next 2 s.
+            s.write_all(&vec![b' '; 2 << 20]).unwrap();
             s
         })
         .collect();
     assert!(soon(|| sc.connections() == 2));
-    // Past the shedding grace: connections whose heads are in (slow bodies)
-    // are not shed for a newcomer.
+    // Past the shedding grace: connections whose heads are in and whose
+    // bodies came faster than the minimum rate are not shed for a newcomer.
     std::thread::sleep(Duration::from_millis(100));
     let start = Instant::now();
     let extra = connect(addr); // sends nothing: the answer comes anyway
@@ -615,12 +710,25 @@ struct Flood {
     answered: Vec<u16>,
 }
 
+/// What a flood's connections trickle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Trickle {
+    /// The request head, never finished (a slowloris).
+    Head,
+    /// A body: the whole head at once (`Content-Length` 100000), then the
+    /// body a byte at a time.
+    Body,
+}
+
 /// Holds up to `at_once` connections to `addr` until `until`, opening one
-/// every 10 ms while fewer are open, each sending a request head one byte
-/// every 150 ms and never finishing it (a slowloris); a connection the
-/// server closes is replaced. One thread, non-blocking sockets.
-fn flood(addr: SocketAddr, at_once: usize, until: Instant) -> Flood {
+/// every 10 ms while fewer are open, each sending its request head (or, for
+/// [`Trickle::Body`], its body) one byte every 150 ms and never finishing
+/// it; a connection the server closes is replaced. One thread, non-blocking
+/// sockets.
+fn flood(addr: SocketAddr, at_once: usize, until: Instant, trickle: Trickle) -> Flood {
     const HEAD: &[u8] = b"POST /orbitkv/v1/handshake HTTP/1.1\r\nHost: x\r\nX-Slow: ";
+    const BODY_HEAD: &[u8] =
+        b"POST /orbitkv/v1/cancel HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n{\"version\":3,";
     struct Slow {
         s: TcpStream,
         sent: usize,
@@ -634,7 +742,10 @@ fn flood(addr: SocketAddr, at_once: usize, until: Instant) -> Flood {
         let now = Instant::now();
         if open.len() < at_once && now >= next_open {
             next_open = now + Duration::from_millis(10);
-            if let Ok(s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+            if let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) {
+                if trickle == Trickle::Body {
+                    let _ = s.write_all(BODY_HEAD);
+                }
                 s.set_nonblocking(true).unwrap();
                 seen.opened += 1;
                 open.push(Slow {
@@ -653,7 +764,10 @@ fn flood(addr: SocketAddr, at_once: usize, until: Instant) -> Flood {
                     Ok(n) => c.got.extend_from_slice(&buf[..n]),
                     Err(e) if e.kind() == ErrorKind::WouldBlock => {
                         if now >= c.next {
-                            let byte = HEAD.get(c.sent).copied().unwrap_or(b'a');
+                            let byte = match trickle {
+                                Trickle::Head => HEAD.get(c.sent).copied().unwrap_or(b'a'),
+                                Trickle::Body => b' ',
+                            };
                             if c.s.write(&[byte]).is_ok() {
                                 c.sent += 1;
                             }
@@ -683,6 +797,21 @@ fn flood(addr: SocketAddr, at_once: usize, until: Instant) -> Flood {
 /// connections are closed. No thread is added.
 #[test]
 fn a_slow_header_flood_is_shed_and_real_requests_keep_getting_through() {
+    real_requests_get_through_a_flood(Trickle::Head);
+}
+
+/// Issue 44: connections whose head is complete but whose body trickles (a
+/// byte every 150 ms, far below 1 MiB/s) hold every place in the gate, yet
+/// real handshakes made during the flood get `200` and their KV lands: a
+/// newcomer sheds the oldest connection whose body is too slow.
+#[test]
+fn a_slow_body_flood_is_shed_and_real_requests_keep_getting_through() {
+    real_requests_get_through_a_flood(Trickle::Body);
+}
+
+/// A flood of `trickle` connections at the side channel's limit, 5 s long,
+/// and a real P/D request after another through it (see the two tests).
+fn real_requests_get_through_a_flood(trickle: Trickle) {
     let _alone = ONE_SIDE_CHANNEL.write().unwrap_or_else(|e| e.into_inner());
     let p = rank(|i| (i % 251) as u8);
     let c = rank(|_| GUARD);
@@ -715,7 +844,7 @@ fn a_slow_header_flood_is_shed_and_real_requests_keep_getting_through() {
     };
 
     let flood_ends = Instant::now() + Duration::from_secs(5);
-    let flooder = std::thread::spawn(move || flood(addr, 300, flood_ends));
+    let flooder = std::thread::spawn(move || flood(addr, 300, flood_ends, trickle));
     // Every place is held by the flood before the first request.
     assert!(
         soon(|| sc.connections() == max),

@@ -52,8 +52,16 @@ pub struct RuntimeConfig {
     /// Handshakes parked and cancels remembered before their request opened
     /// on this (prefill) side, all requests together; more are refused.
     pub max_parked: usize,
-    /// Approximate bytes of parked handshakes; more are refused.
+    /// Approximate bytes of parked handshakes and remembered cancels; more
+    /// are refused.
     pub max_parked_bytes: usize,
+    /// Of `max_parked`, how many one source address (the side channel's
+    /// peer; an IPv6 one's /64) may hold (`super::preopen`); `None`: a
+    /// quarter of `max_parked` ([`Self::parked_per_source`]).
+    pub max_parked_per_source: Option<usize>,
+    /// Of `max_parked_bytes`, how many one source address may hold;
+    /// `None`: a quarter of `max_parked_bytes`.
+    pub max_parked_bytes_per_source: Option<usize>,
     /// The deployment key that signs the handshakes and cancels this
     /// (decode) rank sends (`None`: unsigned).
     pub side_channel_key: Option<Arc<Vec<u8>>>,
@@ -87,12 +95,36 @@ impl Default for RuntimeConfig {
             notify_poll: Duration::from_micros(250),
             max_parked: 4096,
             max_parked_bytes: 64 << 20,
+            max_parked_per_source: None,
+            max_parked_bytes_per_source: None,
             side_channel_key: None,
             publish_timeout: Duration::from_secs(10),
             staging_region: None,
             source_staging_region: None,
             staging_min_ranges: 16,
         }
+    }
+}
+
+impl RuntimeConfig {
+    /// The entries one source may hold before its request opens: the
+    /// setting, else a quarter of `max_parked` (at least 1), at most
+    /// `max_parked`.
+    pub fn parked_per_source(&self) -> usize {
+        let share = self.max_parked / super::preopen::PER_SOURCE_SHARE;
+        self.max_parked_per_source
+            .unwrap_or(share)
+            .clamp(1, self.max_parked.max(1))
+    }
+
+    /// The bytes one source may hold before its request opens: the setting,
+    /// else a quarter of `max_parked_bytes` (at least 1), at most
+    /// `max_parked_bytes`.
+    pub fn parked_bytes_per_source(&self) -> usize {
+        let share = self.max_parked_bytes / super::preopen::PER_SOURCE_SHARE;
+        self.max_parked_bytes_per_source
+            .unwrap_or(share)
+            .clamp(1, self.max_parked_bytes.max(1))
     }
 }
 
@@ -169,6 +201,10 @@ pub struct RuntimeSettings {
     pub notify_poll_ms: Option<f64>,
     pub max_parked: Option<usize>,
     pub max_parked_bytes: Option<usize>,
+    /// `None`: a quarter of `max_parked` (not in [`Self::defaults`]).
+    pub max_parked_per_source: Option<usize>,
+    /// `None`: a quarter of `max_parked_bytes` (not in [`Self::defaults`]).
+    pub max_parked_bytes_per_source: Option<usize>,
     /// The deployment key (bytes; not in [`Self::defaults`]).
     #[serde(skip)]
     pub side_channel_key: Option<Vec<u8>>,
@@ -200,6 +236,9 @@ impl RuntimeSettings {
             notify_poll_ms: Some(d.notify_poll.as_secs_f64() * 1000.0),
             max_parked: Some(d.max_parked),
             max_parked_bytes: Some(d.max_parked_bytes),
+            // a share of the above: none written here
+            max_parked_per_source: d.max_parked_per_source,
+            max_parked_bytes_per_source: d.max_parked_bytes_per_source,
             side_channel_key: None,
             publish_timeout_s: Some(d.publish_timeout.as_secs_f64()),
             staging_region: None,
@@ -258,6 +297,8 @@ impl RuntimeSettings {
             )?,
             max_parked: self.max_parked.unwrap_or(d.max_parked).max(1),
             max_parked_bytes: self.max_parked_bytes.unwrap_or(d.max_parked_bytes).max(1),
+            max_parked_per_source: self.max_parked_per_source.map(|n| n.max(1)),
+            max_parked_bytes_per_source: self.max_parked_bytes_per_source.map(|n| n.max(1)),
             side_channel_key: self.side_channel_key.clone().map(Arc::new),
             publish_timeout: secs("publish_timeout_s", self.publish_timeout_s, d.publish_timeout)?,
             staging_region: self.staging_region,
@@ -309,6 +350,32 @@ mod tests {
         .unwrap();
         assert_eq!((c.writer_lanes_per_peer, c.max_parked), (MAX_WRITER_LANES, 1));
         assert_eq!(c.notify_poll, Duration::from_micros(500));
+    }
+
+    #[test]
+    fn a_sources_share_of_the_parking_is_a_quarter_unless_set() {
+        let d = RuntimeConfig::default();
+        assert_eq!(
+            (d.parked_per_source(), d.parked_bytes_per_source()),
+            (1024, 16 << 20)
+        );
+        let c = RuntimeSettings {
+            max_parked: Some(64),
+            ..Default::default()
+        }
+        .config()
+        .unwrap();
+        assert_eq!(c.parked_per_source(), 16);
+        let c = RuntimeSettings {
+            max_parked: Some(64),
+            max_parked_per_source: Some(1000),
+            max_parked_bytes_per_source: Some(0),
+            ..Default::default()
+        }
+        .config()
+        .unwrap();
+        // at most the whole table, at least 1
+        assert_eq!((c.parked_per_source(), c.parked_bytes_per_source()), (64, 1));
     }
 
     #[test]

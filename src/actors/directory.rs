@@ -24,6 +24,7 @@
 //! `RuntimeEvent::ProducerReleased` once the last member released.
 
 use std::collections::{BTreeSet, HashMap};
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use actix::prelude::*;
@@ -232,6 +233,8 @@ impl RequestDirectory {
             ttl: cfg.handshake_timeout,
             max_entries: cfg.max_parked,
             max_bytes: cfg.max_parked_bytes,
+            max_entries_per_source: cfg.parked_per_source(),
+            max_bytes_per_source: cfg.parked_bytes_per_source(),
             ..PreOpenLimits::default()
         });
         // `Runtime::start` refused a region the arena cannot take.
@@ -509,7 +512,13 @@ impl RequestDirectory {
     /// [`super::runtime::Runtime::producer_cancel`]. With a generation the
     /// cancel is a fence (rule 10), answered for that generation and the
     /// consumer's rank; without one it answers nothing.
-    pub fn producer_cancel(&mut self, cancel: &Cancel) -> Result<CancelReply, RuntimeError> {
+    /// `source`: the peer it came from (its per-source budget,
+    /// `super::preopen`); `None`: the process itself.
+    pub fn producer_cancel(
+        &mut self,
+        cancel: &Cancel,
+        source: Option<IpAddr>,
+    ) -> Result<CancelReply, RuntimeError> {
         let request = &cancel.request_id;
         let reason = format!("cancelled by the consumer: {}", cancel.reason);
         let fenced = cancel.generation.map(|_| Fence::Fenced);
@@ -522,7 +531,7 @@ impl RequestDirectory {
                 // Refuses a later open of the request under this capability
                 // (and a handshake parked for it), so that nothing takes up
                 // the fenced generation after this answer.
-                let remembered = self.pre_open.cancel(request, &cancel.capability, reason);
+                let remembered = self.pre_open.cancel(request, &cancel.capability, reason, source);
                 let (Some(generation), Some(rank)) = (cancel.generation, cancel.consumer_rank) else {
                     return Ok(CancelReply::Now(None));
                 };
@@ -553,7 +562,7 @@ impl RequestDirectory {
                 // and a handshake parked or arriving under this capability
                 // is answered `aborted`.
                 self.pre_open
-                    .cancel(request, &cancel.capability, reason)
+                    .cancel(request, &cancel.capability, reason, source)
                     .inspect_err(|_| self.shared.stats.side_channel_overloaded.inc())?;
                 Ok(CancelReply::Now(fenced))
             }
@@ -585,10 +594,13 @@ impl RequestDirectory {
     }
 
     /// [`super::runtime::Runtime::producer_handshake`], after its stateless
-    /// checks (format, geometry, the expected producer count).
+    /// checks (format, geometry, the expected producer count); `source`: the
+    /// peer it came from (its per-source budget if it is parked), `None`:
+    /// the process itself.
     pub fn producer_handshake(
         &mut self,
         h: Arc<Handshake>,
+        source: Option<IpAddr>,
         ctx: &mut Context<Self>,
     ) -> Result<(), RuntimeError> {
         match self.producers.get(&h.request_id) {
@@ -617,7 +629,7 @@ impl RequestDirectory {
                 Ok(())
             }
             _ => {
-                let parked = self.pre_open.park(h.clone());
+                let parked = self.pre_open.park(h.clone(), source);
                 match parked.inspect_err(|_| self.shared.stats.side_channel_overloaded.inc())? {
                     Parked::Waiting | Parked::Stale => {}
                     Parked::Discarded(reason) => self.answer_aborted(h, reason, ctx),

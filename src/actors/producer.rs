@@ -486,7 +486,7 @@ impl ProducerCore {
                     generation: auth.generation,
                     producer_rank: self.rank,
                     outcome,
-                    reason,
+                    reason: Notice::clip_reason(reason),
                     bytes,
                     staged: self.staged_into(&auth).is_some_and(|p| p.into_grant()),
                     mac: None,

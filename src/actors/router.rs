@@ -391,6 +391,25 @@ mod tests {
         });
     }
 
+    /// Issue 44: a notice longer than `Notice::MAX_BYTES` is dropped as
+    /// malformed before it is parsed (the same notice within the bound is
+    /// parsed and routed).
+    #[test]
+    fn a_notice_over_its_bound_is_dropped_unparsed() {
+        System::new().block_on(async {
+            let stats = Arc::new(Stats::default());
+            let transport = Arc::new(FakeTransport::new("127.0.0.1:1"));
+            let mut router = NotificationRouter::new(transport, Duration::from_millis(1), stats.clone());
+            let mut padded = notice("r", 7);
+            padded.resize(Notice::MAX_BYTES, b' ');
+            assert_eq!(router.route(NOTIFY_NAME, &padded), Route::UnknownRequest);
+            padded.push(b' ');
+            assert_eq!(router.route(NOTIFY_NAME, &padded), Route::Malformed);
+            assert_eq!(stats.notices_malformed.get(), 1);
+            assert_eq!(stats.notices_unknown_request.get(), 1);
+        });
+    }
+
     /// Real time until `done`, polled every 100 µs; at most `limit`.
     async fn until_real(done: impl Fn() -> bool, limit: Duration) -> Duration {
         let t0 = std::time::Instant::now();

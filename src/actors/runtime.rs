@@ -2,6 +2,7 @@
 //! system (which runs on its own thread). This is what the Python binding
 //! and the vLLM connector call.
 
+use std::net::IpAddr;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -454,8 +455,21 @@ impl Runtime {
     /// `Fenced` (or `Forbidden` without its capability). Without a
     /// generation the answer is `None`.
     pub fn producer_cancel(&self, cancel: &Cancel) -> Result<Option<Fence>, RuntimeError> {
+        self.producer_cancel_from(cancel, None)
+    }
+
+    /// [`Self::producer_cancel`] of a cancel that came from `source` (the
+    /// side channel's peer): a cancel remembered before its request opens
+    /// is charged to that address's share of the pre-open table
+    /// ([`crate::actors::preopen`]), `Overloaded` beyond it. `None`: the
+    /// process itself (the table's budget only).
+    pub fn producer_cancel_from(
+        &self,
+        cancel: &Cancel,
+        source: Option<IpAddr>,
+    ) -> Result<Option<Fence>, RuntimeError> {
         let c = cancel.clone();
-        match self.ask(move |d, _| d.producer_cancel(&c))? {
+        match self.ask(move |d, _| d.producer_cancel(&c, source))? {
             CancelReply::Now(answer) => Ok(answer),
             CancelReply::Later(rx) => match rx.recv_timeout(FENCE_WAIT) {
                 Ok(answer) => Ok(Some(answer)),
@@ -472,7 +486,16 @@ impl Runtime {
 
     /// [`Self::producer_cancel`] from the JSON the consumer sent.
     pub fn producer_cancel_json(&self, json: &str) -> Result<Option<Fence>, RuntimeError> {
-        self.producer_cancel(&Cancel::from_json(json)?)
+        self.producer_cancel_json_from(json, None)
+    }
+
+    /// [`Self::producer_cancel_from`] from the JSON `source` sent.
+    pub fn producer_cancel_json_from(
+        &self,
+        json: &str,
+        source: Option<IpAddr>,
+    ) -> Result<Option<Fence>, RuntimeError> {
+        self.producer_cancel_from(&Cancel::from_json(json)?, source)
     }
 
     /// Appends source blocks to `request`'s block list (chunked prefill
@@ -489,6 +512,19 @@ impl Runtime {
     /// then parked, bounded, until then, up to the handshake timeout) or
     /// after layers are ready (they are written on arrival).
     pub fn producer_handshake(&self, handshake: Handshake) -> Result<(), RuntimeError> {
+        self.producer_handshake_from(handshake, None)
+    }
+
+    /// [`Self::producer_handshake`] of a handshake that came from `source`
+    /// (the side channel's peer): parked before its request opens, it is
+    /// charged to that address's share of the pre-open table
+    /// ([`crate::actors::preopen`]), `Overloaded` beyond it. `None`: the
+    /// process itself (the table's budget only).
+    pub fn producer_handshake_from(
+        &self,
+        handshake: Handshake,
+        source: Option<IpAddr>,
+    ) -> Result<(), RuntimeError> {
         handshake.validate()?;
         self.local.check_compatible(&handshake.layout)?;
         let senders = handshake.layout.expected_producers(self.local.tp_size);
@@ -503,7 +539,7 @@ impl Runtime {
             .into());
         }
         let h = Arc::new(handshake);
-        self.ask(move |d, ctx| d.producer_handshake(h, ctx))
+        self.ask(move |d, ctx| d.producer_handshake(h, source, ctx))
     }
 
     /// vLLM finished `request` on this (prefill) side before it was ever
@@ -523,7 +559,16 @@ impl Runtime {
 
     /// [`Self::producer_handshake`] from the JSON the consumer published.
     pub fn producer_handshake_json(&self, json: &str) -> Result<(), RuntimeError> {
-        self.producer_handshake(Handshake::from_json(json)?)
+        self.producer_handshake_json_from(json, None)
+    }
+
+    /// [`Self::producer_handshake_from`] from the JSON `source` published.
+    pub fn producer_handshake_json_from(
+        &self,
+        json: &str,
+        source: Option<IpAddr>,
+    ) -> Result<(), RuntimeError> {
+        self.producer_handshake_from(Handshake::from_json(json)?, source)
     }
 
     /// Sends `msg` to every actor of `request`'s producer group.

@@ -9,7 +9,11 @@
 //!   head is in, or the connections are younger than the grace) it is
 //!   answered `503` at once and closed (actix-server's own limit would stop
 //!   accepting instead, leaving the client waiting in the kernel's backlog
-//!   with no answer).
+//!   with no answer). A connection whose head is in but whose body is still
+//!   arriving is sheddable the same way once the grace has passed since its
+//!   body began, if its body has arrived slower than [`MIN_BODY_RATE`] on
+//!   average since then (a slow-body flood: a real client writes its body
+//!   with its head, a handshake of even 16 MiB in milliseconds).
 //! * [`Conn`]: the served connection's socket, holding its [`Slot`]; a write
 //!   that makes no progress for the read timeout (a peer that stopped
 //!   reading its replies) fails the connection, so no connection can hold
@@ -35,11 +39,22 @@ use tokio::time::Sleep;
 /// the worker has not parsed yet, from shedding each other.
 pub(crate) const SHED_GRACE: Duration = Duration::from_millis(50);
 
+/// The slowest a body may arrive, on average since it began, and not be
+/// shed (once past the grace) for a newcomer at the limit: 1 MiB/s. A
+/// decode rank writes its handshake or cancel (bytes to a few MiB) in one
+/// go over a data-center network, at hundreds of MiB/s; a flood trickling
+/// bodies byte by byte is thousands of times slower. Only a connection
+/// limit reached makes it matter: a slow link's large body is never cut
+/// while a place is free.
+pub(crate) const MIN_BODY_RATE: u64 = 1 << 20;
+
 /// The connections being served, in the order they opened.
 #[derive(Debug)]
 pub(crate) struct Gate {
     limit: usize,
     grace: Duration,
+    /// Bytes a second ([`MIN_BODY_RATE`]).
+    min_body_rate: u64,
     served: Mutex<Served>,
 }
 
@@ -57,16 +72,69 @@ pub(crate) struct ConnState {
     opened: Instant,
     /// Its request head was parsed (set by the app, before routing).
     head: AtomicBool,
+    /// Its body while a handler reads it.
+    body: Mutex<Body>,
     /// The gate shed it: its next read or write fails.
     shed: AtomicBool,
     /// The task to wake when it is shed.
     waker: Mutex<Option<Waker>>,
 }
 
+/// A body being read: since when, and how many bytes came so far.
+#[derive(Debug, Default)]
+struct Body {
+    /// `None`: no body is being read (none begun, or it is complete).
+    since: Option<Instant>,
+    bytes: u64,
+}
+
 impl ConnState {
-    /// Its request head is complete: it is no longer sheddable.
+    /// Its request head is complete: it is no longer sheddable for its head
+    /// (only for a slow body, [`Self::body_started`]).
     pub(crate) fn head_complete(&self) {
         self.head.store(true, Ordering::Release);
+    }
+
+    /// A handler begins reading its body: from now on it is sheddable if
+    /// the body arrives slower than the gate's minimum rate.
+    pub(crate) fn body_started(&self) {
+        self.body_started_at(Instant::now());
+    }
+
+    fn body_started_at(&self, at: Instant) {
+        *self.body.lock() = Body {
+            since: Some(at),
+            bytes: 0,
+        };
+    }
+
+    /// `n` more bytes of its body arrived.
+    pub(crate) fn body_received(&self, n: usize) {
+        let mut b = self.body.lock();
+        b.bytes = b.bytes.saturating_add(n as u64);
+    }
+
+    /// Its body is complete (or refused): it is no longer sheddable.
+    pub(crate) fn body_ended(&self) {
+        self.body.lock().since = None;
+    }
+
+    /// Whether the gate shed it.
+    pub(crate) fn was_shed(&self) -> bool {
+        self.shed.load(Ordering::Acquire)
+    }
+
+    /// Whether a newcomer at the limit may shed it at `now`: no complete
+    /// head after the grace, or a body being read for at least the grace
+    /// that has come slower than `min_rate` bytes a second on average.
+    fn sheddable(&self, now: Instant, grace: Duration, min_rate: u64) -> bool {
+        if !self.head.load(Ordering::Acquire) {
+            return now.saturating_duration_since(self.opened) >= grace;
+        }
+        let b = self.body.lock();
+        let Some(since) = b.since else { return false };
+        let took = now.saturating_duration_since(since);
+        took >= grace && u128::from(b.bytes) * 1_000_000_000 < u128::from(min_rate) * took.as_nanos()
     }
 
     fn shed(&self) {
@@ -100,23 +168,26 @@ pub(crate) enum Admission {
     Open(Slot),
     /// The place of a connection it shed.
     Shed(Slot),
-    /// No place: every served connection has its head, or is within the grace.
+    /// No place: every served connection has its head (and its body, or
+    /// one arriving fast enough), or is within the grace.
     Full,
 }
 
 impl Gate {
-    pub(crate) fn new(limit: usize, grace: Duration) -> Self {
+    pub(crate) fn new(limit: usize, grace: Duration, min_body_rate: u64) -> Self {
         Self {
             limit,
             grace,
+            min_body_rate,
             served: Mutex::new(Served::default()),
         }
     }
 
     /// A place for one more connection: a free one, else that of the oldest
-    /// connection open for at least the grace without a complete head (shed
-    /// now: its place is freed at once, its socket fails at its next poll),
-    /// else none.
+    /// sheddable connection ([`ConnState::sheddable`]: open for at least
+    /// the grace without a complete head, or reading a body slower than the
+    /// minimum rate for at least the grace; shed now: its place is freed at
+    /// once, its socket fails at its next poll), else none.
     pub(crate) fn enter(self: &Arc<Self>) -> Admission {
         self.enter_at(Instant::now())
     }
@@ -128,9 +199,7 @@ impl Gate {
             let victim = served
                 .conns
                 .values()
-                .find(|c| {
-                    !c.head.load(Ordering::Acquire) && now.saturating_duration_since(c.opened) >= self.grace
-                })
+                .find(|c| c.sheddable(now, self.grace, self.min_body_rate))
                 .map(|c| c.id);
             let Some(victim) = victim else {
                 return Admission::Full;
@@ -146,6 +215,7 @@ impl Gate {
             id,
             opened: now,
             head: AtomicBool::new(false),
+            body: Mutex::new(Body::default()),
             shed: AtomicBool::new(false),
             waker: Mutex::new(None),
         });
@@ -194,7 +264,7 @@ impl Drop for Slot {
 fn shed_error() -> io::Error {
     io::Error::new(
         io::ErrorKind::ConnectionAborted,
-        "shed: no complete request head while another connection waited",
+        "shed: no complete request head, or a body too slow, while another connection waited",
     )
 }
 
@@ -348,10 +418,11 @@ mod tests {
     }
 
     const GRACE: Duration = Duration::from_millis(50);
+    const RATE: u64 = MIN_BODY_RATE;
 
     #[test]
     fn the_gate_counts_slots_up_to_its_limit() {
-        let g = Arc::new(Gate::new(2, GRACE));
+        let g = Arc::new(Gate::new(2, GRACE, RATE));
         let now = Instant::now();
         let a = g.enter_at(now).slot();
         let b = g.enter_at(now).slot();
@@ -369,7 +440,7 @@ mod tests {
     /// never one within the grace; with none sheddable it is refused.
     #[test]
     fn the_gate_sheds_the_oldest_headless_connection_past_the_grace() {
-        let g = Arc::new(Gate::new(3, GRACE));
+        let g = Arc::new(Gate::new(3, GRACE, RATE));
         let t0 = Instant::now();
         let ms = |n| t0 + Duration::from_millis(n);
         let done = g.enter_at(ms(0)).slot(); // the oldest, but its head is in
@@ -400,11 +471,50 @@ mod tests {
         assert_eq!(g.open(), 0);
     }
 
+    /// Issue 44: a connection whose head is in but whose body trickles is
+    /// shed like a slowloris once past the grace since its body began; one
+    /// whose body keeps the minimum rate, or whose body is complete, is
+    /// never shed.
+    #[test]
+    fn the_gate_sheds_a_slow_body_but_not_a_fast_or_complete_one() {
+        let g = Arc::new(Gate::new(3, GRACE, RATE));
+        let t0 = Instant::now();
+        let ms = |n| t0 + Duration::from_millis(n);
+        let slow = g.enter_at(ms(0)).slot();
+        slow.state().head_complete();
+        slow.state().body_started_at(ms(0));
+        slow.state().body_received(1); // a byte now and then
+        let fast = g.enter_at(ms(0)).slot();
+        fast.state().head_complete();
+        fast.state().body_started_at(ms(0));
+        let done = g.enter_at(ms(0)).slot();
+        done.state().head_complete();
+        done.state().body_started_at(ms(0));
+        done.state().body_ended();
+        // Within the grace nobody goes.
+        assert!(g.enter_at(ms(40)).is_full());
+        // `fast` keeps 1 MiB/s over 100 ms (105 KB), `slow` does not.
+        fast.state().body_received((RATE / 10) as usize);
+        let newcomer = g.enter_at(ms(100)).shed();
+        assert!(slow.state().was_shed());
+        assert!(!fast.state().was_shed() && !done.state().was_shed());
+        // Later `fast` falls behind the rate (still 105 KB at 200 ms) and goes.
+        newcomer.state().head_complete();
+        let second = g.enter_at(ms(200)).shed();
+        assert!(fast.state().was_shed());
+        assert!(!done.state().was_shed() && !newcomer.state().was_shed());
+        // A body that ended is never shed, however slow it was.
+        second.state().head_complete();
+        assert!(g.enter_at(ms(60_000)).is_full());
+        drop((slow, fast, done, newcomer, second));
+        assert_eq!(g.open(), 0);
+    }
+
     /// A peer that never reads: the write stalls, and fails at the bound
     /// instead of holding the connection (and its slot) forever.
     #[test]
     fn a_write_the_peer_never_reads_fails_at_the_bound() {
-        let gate = Arc::new(Gate::new(1, GRACE));
+        let gate = Arc::new(Gate::new(1, GRACE, RATE));
         actix_web::rt::System::new().block_on(async {
             let (near, _far) = tokio::io::duplex(64); // `_far` is never read
             let mut conn = Conn::new(near, gate.enter().slot(), Duration::from_millis(100));
@@ -437,7 +547,7 @@ mod tests {
     /// and so does its next write.
     #[test]
     fn a_shed_connection_fails_its_read() {
-        let gate = Arc::new(Gate::new(1, Duration::ZERO));
+        let gate = Arc::new(Gate::new(1, Duration::ZERO, RATE));
         actix_web::rt::System::new().block_on(async {
             let (near, _far) = tokio::io::duplex(64); // `_far` never sends
             let mut conn = Conn::new(near, gate.enter().slot(), Duration::from_secs(10));

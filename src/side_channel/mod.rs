@@ -21,7 +21,11 @@
 //! `408 Timeout` (the body did not arrive within `read_timeout`), `503 Busy`
 //! (more than `max_connections` connections and none of them sheddable).
 //! Every refusal closes the connection; a shed connection is closed
-//! unanswered.
+//! unanswered. A refusal's message may quote what the client sent (a
+//! parser's error naming an unknown field): it is escaped and cut to 256
+//! characters, in the reply and in the log; and the log has at most one
+//! line a second per kind of refusal (route and error), the next line
+//! counting those left out (`suppressed`).
 //!
 //! Bounds: request heads within `read_timeout` (actix-http's
 //! `client_request_timeout`, `408`); bodies within `read_timeout` and
@@ -33,10 +37,13 @@
 //! served connection that has been open for [`conn::SHED_GRACE`] (50 ms)
 //! without a complete request head (a slowloris: a flood trickling header
 //! bytes never sends a body a deployment key could sign, while decode
-//! writes its whole request at once) and takes its place: a flood of such
+//! writes its whole request at once), or reading a body that has come
+//! slower than [`conn::MIN_BODY_RATE`] (1 MiB/s) on average since it began
+//! (counted in [`Refused::shed`] too), and takes its place: a flood of such
 //! connections does not keep real handshakes out. Only when none is
-//! sheddable (every head is in, or every connection is younger than the
-//! grace) is it answered `503` at once and closed (actix-server's own limit
+//! sheddable (every head and body is in or arriving fast, or every
+//! connection is younger than the grace) is it answered `503` at once and
+//! closed (actix-server's own limit
 //! only stops accepting, which would leave a client hanging in the kernel's
 //! backlog); and at most as many
 //! again being refused at a time (actix-server's `max_concurrent_connections`;
@@ -232,7 +239,8 @@ pub struct Refused {
     /// head that did not is answered by actix-http and not counted).
     pub timed_out: u64,
     /// Closed without an answer: a connection that had not sent a complete
-    /// request head after the grace, shed to serve one more connection at
+    /// request head after the grace, or whose body came slower than 1 MiB/s
+    /// on average (after the grace), shed to serve one more connection at
     /// `max_connections`.
     pub shed: u64,
 }
@@ -321,13 +329,19 @@ impl SideChannel {
             reason: e.to_string(),
         })?;
         let refused = Arc::new(Counters::default());
-        let gate = Arc::new(Gate::new(cfg.max_connections, conn::SHED_GRACE));
+        let gate = Arc::new(Gate::new(
+            cfg.max_connections,
+            conn::SHED_GRACE,
+            conn::MIN_BODY_RATE,
+        ));
         let shared = Arc::new(Shared {
             runtime: Arc::downgrade(&runtime),
             key: cfg.key.as_deref().map(Arc::from),
             max_body: cfg.max_body,
             read_timeout: cfg.read_timeout,
             refused: refused.clone(),
+            log: routes::LogLimiter::new(routes::LOG_EVERY),
+            address: bound,
             query,
         });
         let stop_secs = cfg.stop_timeout.as_secs().max(1);

@@ -5,8 +5,15 @@
 //! with `src/wire.rs`, up to 16 MiB of JSON) run on the worker's small
 //! blocking pool, so one large handshake never stalls the other connections.
 
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::pin::Pin;
 use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use actix_http::body::{BodySize, BodyStream, MessageBody};
+use parking_lot::Mutex;
 
 use actix_web::dev::Service;
 use actix_web::http::header::CONTENT_LENGTH;
@@ -18,8 +25,70 @@ use super::conn::ConnState;
 use super::signature::{verify, SIGNATURE_HEADER};
 use super::{Counters, CANCEL_PATH, HANDSHAKE_PATH, HEALTH_PATH, QUERY_PATH};
 use crate::actors::Runtime;
-use crate::error::{ProtocolError, RuntimeError};
+use crate::error::{untrusted, ProtocolError, RuntimeError};
 use crate::wire::Fence;
+
+/// The most characters of a refusal's message (escaped, [`untrusted`]):
+/// whatever a client sent, a reply and a log line stay short.
+pub(crate) const MAX_MESSAGE: usize = 256;
+
+/// How often one kind of refusal is logged at most ([`LogLimiter`]).
+pub(crate) const LOG_EVERY: Duration = Duration::from_secs(1);
+
+/// At most one log line per kind of refusal per [`LOG_EVERY`]; the lines
+/// left out are counted and the next line logged says how many. A
+/// stranger's flood of bad requests is counted in `Refused`, not written a
+/// line at a time into the worker's log.
+#[derive(Debug)]
+pub(crate) struct LogLimiter {
+    every: Duration,
+    kinds: Mutex<HashMap<(&'static str, &'static str), Kind>>,
+}
+
+#[derive(Debug)]
+struct Kind {
+    last: Instant,
+    suppressed: u64,
+}
+
+impl LogLimiter {
+    pub(crate) fn new(every: Duration) -> Self {
+        Self {
+            every,
+            kinds: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Whether a refusal of `kind` may be logged now: `Some(n)` with the
+    /// `n` left out since the last line, or `None` (counted, not logged).
+    pub(crate) fn admit(&self, kind: (&'static str, &'static str)) -> Option<u64> {
+        self.admit_at(kind, Instant::now())
+    }
+
+    fn admit_at(&self, kind: (&'static str, &'static str), now: Instant) -> Option<u64> {
+        let mut kinds = self.kinds.lock();
+        match kinds.get_mut(&kind) {
+            Some(k) if now.saturating_duration_since(k.last) < self.every => {
+                k.suppressed += 1;
+                None
+            }
+            Some(k) => {
+                k.last = now;
+                Some(std::mem::take(&mut k.suppressed))
+            }
+            None => {
+                kinds.insert(
+                    kind,
+                    Kind {
+                        last: now,
+                        suppressed: 0,
+                    },
+                );
+                Some(0)
+            }
+        }
+    }
+}
 
 /// What every worker's handlers share.
 pub(crate) struct Shared {
@@ -30,6 +99,10 @@ pub(crate) struct Shared {
     pub(crate) max_body: usize,
     pub(crate) read_timeout: Duration,
     pub(crate) refused: Arc<Counters>,
+    /// Paces the refusals' log lines.
+    pub(crate) log: LogLimiter,
+    /// The bound address, named in the log lines.
+    pub(crate) address: std::net::SocketAddr,
     /// What `GET /query` answers (`MooncakeBootstrap::body`); `None`: `404`.
     pub(crate) query: Option<String>,
 }
@@ -58,11 +131,13 @@ struct Refusal {
 }
 
 impl Refusal {
-    fn new(status: StatusCode, error: &'static str, message: impl Into<String>) -> Self {
+    /// The message is escaped and cut ([`untrusted`], [`MAX_MESSAGE`]): it
+    /// may quote what the client sent.
+    fn new(status: StatusCode, error: &'static str, message: impl AsRef<str>) -> Self {
         Self {
             status,
             error,
-            message: message.into(),
+            message: untrusted(message.as_ref(), MAX_MESSAGE),
         }
     }
 
@@ -88,9 +163,16 @@ pub(crate) fn status_of(err: &RuntimeError) -> StatusCode {
 }
 
 impl Shared {
-    /// Checks the signature, then hands the body to the runtime. Runs on a
-    /// blocking thread.
-    fn admit(&self, route: Route, signature: Option<&[u8]>, body: &[u8]) -> Result<Option<Fence>, Refusal> {
+    /// Checks the signature, then hands the body to the runtime, naming
+    /// `source` (the peer's address: the runtime's per-source budgets).
+    /// Runs on a blocking thread.
+    fn admit(
+        &self,
+        route: Route,
+        signature: Option<&[u8]>,
+        body: &[u8],
+        source: Option<IpAddr>,
+    ) -> Result<Option<Fence>, Refusal> {
         if let Some(key) = &self.key {
             if !verify(key, signature, body) {
                 self.refused.signature.inc();
@@ -110,8 +192,8 @@ impl Shared {
                 }
                 .into()),
                 Ok(text) => match route {
-                    Route::Handshake => rt.producer_handshake_json(text).map(|()| None),
-                    Route::Cancel => rt.producer_cancel_json(text),
+                    Route::Handshake => rt.producer_handshake_json_from(text, source).map(|()| None),
+                    Route::Cancel => rt.producer_cancel_json_from(text, source),
                 },
             },
         };
@@ -122,12 +204,18 @@ impl Shared {
                 StatusCode::SERVICE_UNAVAILABLE => self.refused.busy.inc(),
                 _ => self.refused.malformed.inc(),
             }
-            tracing::warn!(
-                what = route.what(),
-                error = e.class_name(),
-                "side channel refused: {e}"
-            );
-            Refusal::new(status, e.class_name(), e.to_string())
+            let refusal = Refusal::new(status, e.class_name(), e.to_string());
+            if let Some(suppressed) = self.log.admit((route.what(), e.class_name())) {
+                tracing::warn!(
+                    side_channel = %self.address,
+                    what = route.what(),
+                    error = e.class_name(),
+                    suppressed,
+                    "side channel refused: {}",
+                    refusal.message
+                );
+            }
+            refusal
         })
     }
 }
@@ -192,6 +280,22 @@ async fn cancel(req: HttpRequest, body: web::Payload, st: web::Data<Shared>) -> 
 
 /// Reads the body within the bounds, then admits it off the event loop.
 async fn serve(route: Route, req: HttpRequest, payload: web::Payload, st: web::Data<Shared>) -> HttpResponse {
+    let conn = req.conn_data::<Arc<ConnState>>().cloned();
+    let response = read_and_admit(route, &req, payload, &st, conn.as_ref()).await;
+    if let Some(c) = &conn {
+        c.body_ended();
+    }
+    response
+}
+
+/// [`serve`]'s body: the bounds on the body, then the runtime.
+async fn read_and_admit(
+    route: Route,
+    req: &HttpRequest,
+    payload: web::Payload,
+    st: &web::Data<Shared>,
+    conn: Option<&Arc<ConnState>>,
+) -> HttpResponse {
     let max = st.max_body;
     let declared = req
         .headers()
@@ -203,7 +307,15 @@ async fn serve(route: Route, req: HttpRequest, payload: web::Payload, st: web::D
         let msg = format!("Content-Length {n} (at most {max})");
         return Refusal::new(StatusCode::PAYLOAD_TOO_LARGE, "BadLength", msg).response();
     }
-    let body: Bytes = match tokio::time::timeout(st.read_timeout, payload.to_bytes_limited(max)).await {
+    if let Some(c) = conn {
+        c.body_started();
+    }
+    let counted = Counted {
+        body: BodyStream::new(payload),
+        conn: conn.cloned(),
+    };
+    let read = actix_http::body::to_bytes_limited(counted, max);
+    let body: Bytes = match tokio::time::timeout(st.read_timeout, read).await {
         Err(_) => {
             st.refused.timed_out.inc();
             let msg = format!("body not received in {:.3}s", st.read_timeout.as_secs_f64());
@@ -214,6 +326,10 @@ async fn serve(route: Route, req: HttpRequest, payload: web::Payload, st: web::D
             let msg = format!("body over {max} bytes");
             return Refusal::new(StatusCode::PAYLOAD_TOO_LARGE, "BadLength", msg).response();
         }
+        Ok(Ok(Err(_))) if conn.is_some_and(|c| c.was_shed()) => {
+            // Shed for a slow body (counted as such): nobody reads this.
+            return Refusal::new(StatusCode::REQUEST_TIMEOUT, "Shed", "body too slow").response();
+        }
         Ok(Ok(Err(e))) => {
             // The client broke off or sent a broken chunked body.
             st.refused.malformed.inc();
@@ -221,9 +337,13 @@ async fn serve(route: Route, req: HttpRequest, payload: web::Payload, st: web::D
         }
         Ok(Ok(Ok(body))) => body,
     };
+    if let Some(c) = conn {
+        c.body_ended();
+    }
     let signature = req.headers().get(SIGNATURE_HEADER).map(|v| v.as_bytes().to_vec());
-    let shared = st.into_inner();
-    match web::block(move || shared.admit(route, signature.as_deref(), &body)).await {
+    let source = req.peer_addr().map(|a| a.ip());
+    let shared = st.clone().into_inner();
+    match web::block(move || shared.admit(route, signature.as_deref(), &body, source)).await {
         Ok(Ok(None)) => ok(),
         Ok(Ok(Some(fence))) => HttpResponse::Ok()
             .content_type("application/json")
@@ -236,6 +356,30 @@ async fn serve(route: Route, req: HttpRequest, payload: web::Payload, st: web::D
             "the side channel is stopping",
         )
         .response(),
+    }
+}
+
+/// A body read through, its bytes counted on its connection as they come
+/// (the gate sheds a body that comes too slowly, `conn::MIN_BODY_RATE`).
+struct Counted<B> {
+    body: B,
+    conn: Option<Arc<ConnState>>,
+}
+
+impl<B: MessageBody + Unpin> MessageBody for Counted<B> {
+    type Error = B::Error;
+
+    fn size(&self) -> BodySize {
+        self.body.size()
+    }
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, Self::Error>>> {
+        let this = self.get_mut();
+        let next = Pin::new(&mut this.body).poll_next(cx);
+        if let (Poll::Ready(Some(Ok(chunk))), Some(c)) = (&next, &this.conn) {
+            c.body_received(chunk.len());
+        }
+        next
     }
 }
 
@@ -282,4 +426,39 @@ pub(crate) fn app(
                 .default_service(web::to(not_found)),
         )
         .default_service(web::to(not_found))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One line per kind a second; the next line counts those left out; kinds
+    /// are paced apart.
+    #[test]
+    fn refusal_lines_are_paced_per_kind_and_count_what_they_left_out() {
+        let log = LogLimiter::new(LOG_EVERY);
+        let t0 = Instant::now();
+        let at = |ms| t0 + Duration::from_millis(ms);
+        let bad = ("cancel", "HandshakeError");
+        assert_eq!(log.admit_at(bad, at(0)), Some(0));
+        for ms in 1..50 {
+            assert_eq!(log.admit_at(bad, at(ms)), None);
+        }
+        // Another kind is not held back by the first.
+        assert_eq!(log.admit_at(("handshake", "HandshakeError"), at(10)), Some(0));
+        assert_eq!(log.admit_at(bad, at(999)), None);
+        assert_eq!(log.admit_at(bad, at(1000)), Some(50));
+        assert_eq!(log.admit_at(bad, at(2500)), Some(0));
+    }
+
+    #[test]
+    fn a_refusal_message_is_escaped_and_short() {
+        let r = Refusal::new(StatusCode::BAD_REQUEST, "HandshakeError", "x\n".repeat(1 << 20));
+        assert!(!r.message.contains('\n'));
+        assert!(
+            r.message.chars().count() <= MAX_MESSAGE + 1,
+            "{}",
+            r.message.len()
+        );
+    }
 }

@@ -311,7 +311,8 @@ impl PyRuntime {
     #[pyo3(signature = (engine, layout_json, *, consumer_timeout_s=None, handshake_timeout_s=None,
         write_timeout_s=None, quarantine_s=None, max_bytes_in_flight_per_peer=None,
         max_ranges_in_flight_per_peer=None, writer_lanes_per_peer=None, notify_poll_ms=None, max_parked=None,
-        max_parked_bytes=None, side_channel_key=None, publish_timeout_s=None, staging_region=None,
+        max_parked_bytes=None, max_parked_per_source=None, max_parked_bytes_per_source=None,
+        side_channel_key=None, publish_timeout_s=None, staging_region=None,
         source_staging_region=None, staging_min_ranges=None, inline_submit_max_ranges=None,
         peer_idle_reclaim_s=None))]
     fn new(
@@ -328,6 +329,8 @@ impl PyRuntime {
         notify_poll_ms: Option<f64>,
         max_parked: Option<usize>,
         max_parked_bytes: Option<usize>,
+        max_parked_per_source: Option<usize>,
+        max_parked_bytes_per_source: Option<usize>,
         side_channel_key: Option<Vec<u8>>,
         publish_timeout_s: Option<f64>,
         staging_region: Option<(u64, u64)>,
@@ -358,6 +361,8 @@ impl PyRuntime {
             notify_poll_ms,
             max_parked,
             max_parked_bytes,
+            max_parked_per_source,
+            max_parked_bytes_per_source,
             side_channel_key,
             publish_timeout_s,
             staging_region,

@@ -325,6 +325,8 @@ class Runtime:
         notify_poll_ms: float | None = None,
         max_parked: int | None = None,
         max_parked_bytes: int | None = None,
+        max_parked_per_source: int | None = None,
+        max_parked_bytes_per_source: int | None = None,
         side_channel_key: bytes | None = None,
         publish_timeout_s: float | None = None,
         staging_region: tuple[int, int] | None = None,
