@@ -107,6 +107,10 @@ fn cancels_with_8_mib_request_ids_are_400_not_remembered_and_cost_no_memory() {
         check(&post(addr, CANCEL_PATH, body.as_bytes()));
     }
     let grown = rss().saturating_sub(before);
+    println!(
+        "96 cancels with 8 MiB request IDs: RSS grew by {} KiB",
+        grown >> 10
+    );
     assert!(grown < 100 << 20, "RSS grew by {} MiB", grown >> 20);
     assert_eq!(sc.refused().malformed, 97);
 

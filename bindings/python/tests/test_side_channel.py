@@ -189,31 +189,54 @@ def test_the_deployment_key_authenticates_every_post() -> None:
 
 
 def test_slow_and_excess_connections_are_bounded() -> None:
-    """Slow clients neither hold a thread past the read timeout nor grow the
-    worker without bound: connections beyond the cap get 503 at once, and
-    service resumes when the slow ones are cut."""
+    """Slow clients neither hold a thread past the read timeout nor keep a
+    real request out: at the connection cap a newcomer takes the place of
+    the oldest connection trickling its body (issue 44: slow bodies are shed
+    like slow heads), and when every place is held by a connection whose
+    body is arriving fast it is answered 503 at once."""
     p = Rank(None)
     server = serve(p, read_timeout_s=0.5, max_connections=4)
     host, port = server.address.rsplit(":", 1)
-    slow = []
+    head = b"POST /orbitkv/v1/handshake HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n"
+    held = []
     try:
-        for _ in range(4):  # headers promising a body that never comes
+        # Four bodies half sent at once (1 MiB of 2): arriving at many MiB/s,
+        # none may be shed, so one more connection is refused at once.
+        for _ in range(4):
             s = socket.create_connection((host, int(port)))
-            s.sendall(b"POST /orbitkv/v1/handshake HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
-            slow.append(s)
+            s.sendall(head % (2 << 20) + b"x" * (1 << 20))
+            held.append(s)
         time.sleep(0.1)
         extra = socket.create_connection((host, int(port)))
         extra.settimeout(2)
         assert extra.recv(64).startswith(b"HTTP/1.1 503")
         extra.close()
-        for s in slow:  # each is answered 408 and closed at the read timeout
+        for s in held:  # each is answered 408 and closed at the read timeout
             s.settimeout(3)
             assert s.recv(64).startswith(b"HTTP/1.1 408")
-        with pytest.raises(HandshakeRejected) as e:  # service is back
+            s.close()
+        held.clear()
+        # Four heads promising a body that never comes: a newcomer past the
+        # grace sheds the oldest and is served; the rest time out.
+        for _ in range(4):
+            s = socket.create_connection((host, int(port)))
+            s.sendall(head % 100)
+            held.append(s)
+        time.sleep(0.1)
+        with pytest.raises(HandshakeRejected) as e:
             post_handshake(server.address, '{"version": 9}')
         assert e.value.status == 400
+        held[0].settimeout(3)
+        try:
+            shed = held[0].recv(64)
+        except ConnectionResetError:
+            shed = b""
+        assert shed == b"", shed  # closed with no answer
+        for s in held[1:]:
+            s.settimeout(3)
+            assert s.recv(64).startswith(b"HTTP/1.1 408")
     finally:
-        for s in slow:
+        for s in held:
             s.close()
         server.close()
         p.close()

@@ -10,9 +10,11 @@ the fp32 tiny model is deterministic, so token ids must match exactly.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import threading
@@ -237,6 +239,56 @@ def test_a_flood_of_unclaimed_two_stage_halves_does_not_hold_the_prefill(cluster
     wait_until(lambda: snapshot(cluster, "prefill").get(metric, 0) - before >= 5, 30, "unclaimed halves given up")
     cluster.wait_idle(timeout_s=PD_CLAIM_TIMEOUT_S + 10)
     cluster.check_alive(("prefill", "decode", "vllm-router"))
+
+
+def flood_cancels(side_channel: str, source: str, most: int) -> tuple[int, int]:
+    """Cancels for random unknown requests, each on its own connection from
+    ``source``, to ``side_channel`` until one is refused ``503`` (or
+    ``most``): how many were remembered (``200``), and the last status."""
+    host, port = side_channel.rsplit(":", 1)
+    status = 0
+    for sent in range(most):
+        body = json.dumps({"version": 4, "request_id": f"stranger-{uuid.uuid4().hex}",
+                           "capability": secrets.token_hex(16), "reason": "x"})
+        conn = http.client.HTTPConnection(host, int(port), timeout=10, source_address=(source, 0))
+        try:
+            conn.request("POST", "/orbitkv/v1/cancel", body, {"Content-Type": "application/json"})
+            status = conn.getresponse().status
+        finally:
+            conn.close()
+        if status != 200:
+            return sent, status
+    return most, status
+
+
+def test_early_aborts_after_a_strangers_cancel_flood_free_decode_at_once(cluster: Cluster) -> None:
+    """Issue 44's pre-open fill: a stranger floods the prefill's side channel
+    with cancels for random unknown requests (each remembered against a
+    later open). Once that filled the whole table, genuine early cancels
+    (decode's fences for requests the busy prefill had not opened yet) were
+    refused, and decode held their blocks until its deadline and quarantine
+    (here 20 s, 181 s by default). Now one source address may hold a quarter
+    of the table: the flood from 127.0.0.2 is refused at its share, decode's
+    fences from 127.0.0.1 are remembered and answered ``fenced``, and decode
+    is idle within 10 s of the aborts."""
+    remembered, status = flood_cancels(cluster.prefill_kv, "127.0.0.2", 6000)
+    print(f"the stranger's cancels: {remembered} remembered, then HTTP {status}")
+    assert status == 503 and remembered <= 1024, (remembered, status)
+    # The prefill busy with long plain requests: the P/D halves queue there
+    # while decode authorizes at once, so decode's fences find them unopened.
+    busy = [Abandoned(cluster.prefill_url, fresh_prompt(3800), 1, stream=False) for _ in range(2)]
+    aborted = [Abandoned(cluster.proxy_url, fresh_prompt(1500), GEN) for _ in range(4)]
+    time.sleep(0.5)
+    for a in aborted:
+        a.drop()
+    t0 = time.monotonic()
+    cluster.wait_idle(names=("decode",), timeout_s=10)
+    print(f"decode idle {time.monotonic() - t0:.2f}s after 4 early aborts that followed the cancel flood")
+    for b in busy:
+        b.drop()
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
+    prompt = fresh_prompt(300)
+    assert pd(cluster, prompt).token_ids == baseline(cluster, prompt)
 
 
 def test_through_vllm_router_a_clients_params_steer_nothing(cluster: Cluster) -> None:
