@@ -53,3 +53,22 @@ def test_the_installed_vllm_is_a_tested_release() -> None:
     """CI's pinned vLLM is one the connector starts quietly on."""
     pytest.importorskip("vllm")
     assert compat.check_vllm_version(compat.installed_vllm_version(), env={}) is None
+
+
+def test_the_connector_refuses_sleep_mode_at_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sleep mode remaps the KV memory that Mooncake registered and decode
+    handed out: refused with a clear error on every release (0.33 also asks
+    ``supports_sleep_mode``, answered False); without it the check passes."""
+    pytest.importorskip("vllm")
+    from types import SimpleNamespace
+
+    from orbitkv.vllm import pd
+
+    assert pd.PdConnector.supports_sleep_mode(None) is False
+    monkeypatch.setattr(compat, "installed_vllm_version", lambda: "0.26.0")
+    monkeypatch.setattr(pd.KVConnectorBase_V1, "__init__", lambda self, *a, **k: None)
+    sleeping = SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=True))
+    with pytest.raises(compat.SleepModeError, match="sleep mode"):
+        pd.PdConnector(sleeping, pd.KVConnectorRole.SCHEDULER)  # type: ignore[arg-type]
+    compat.check_no_sleep_mode(SimpleNamespace(model_config=SimpleNamespace(enable_sleep_mode=False)))
+    compat.check_no_sleep_mode(SimpleNamespace(model_config=None))

@@ -31,6 +31,27 @@ class UnsupportedVllmError(RuntimeError):
     """This vLLM release is outside the range OrbitKV supports."""
 
 
+class SleepModeError(ValueError):
+    """The engine was started with sleep mode, which OrbitKV does not follow."""
+
+
+def check_no_sleep_mode(vllm_config: object) -> None:
+    """Refuses an engine started with ``--enable-sleep-mode``: sleeping frees
+    the KV cache and waking maps new memory behind the same addresses, while
+    the Mooncake registrations and the addresses decode gave its prefills
+    still name the old pages, so a write in flight or after wake-up would
+    land in memory nobody owns. vLLM 0.33 asks connectors
+    (``supports_sleep_mode``, answered ``False``); earlier releases do not,
+    so the connector checks itself."""
+    model_config = getattr(vllm_config, "model_config", None)
+    if getattr(model_config, "enable_sleep_mode", False) is True:
+        raise SleepModeError(
+            "OrbitKV's PdConnector does not support sleep mode (--enable-sleep-mode): the KV memory "
+            "registered for P/D writes would be remapped under in-flight transfers. Start the engine "
+            "without sleep mode"
+        )
+
+
 def _parse(version: str) -> tuple[int, int, int] | None:
     m = _VERSION.match(version)
     if m is None:

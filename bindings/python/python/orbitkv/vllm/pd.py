@@ -77,6 +77,7 @@ class PdConnector(KVConnectorBase_V1):
         untested = compat.check_vllm_version(compat.installed_vllm_version())
         if untested:
             logger.warning("%s", untested)
+        compat.check_no_sleep_mode(vllm_config)
         self.config = PdConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
         self.scheduler: PdScheduler | None = None
         self.worker = None
@@ -125,6 +126,13 @@ class PdConnector(KVConnectorBase_V1):
         per_engine_labelvalues: dict[int, list[object]],
     ) -> PdPromMetrics:
         return PdPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33 asks before it starts an engine with sleep mode: no
+        (:func:`orbitkv.vllm.compat.check_no_sleep_mode` says why; it also
+        refuses on releases that do not ask)."""
+        return False
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
