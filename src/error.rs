@@ -172,6 +172,8 @@ pub enum GeometryError {
     StagingOverflow,
     #[error("staging grant of {granted} bytes is smaller than the {needed} bytes its blocks stage to")]
     StagingTooSmall { granted: u64, needed: u64 },
+    #[error("KV cache groups: {0}")]
+    Groups(String),
 }
 
 /// Text that came from a stranger (a serde error naming an unknown field,

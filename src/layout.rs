@@ -7,6 +7,18 @@
 //! Inside a block, when `head_major` is set, the rank's KV heads are
 //! contiguous equal slices — which is what lets a producer of one TP size
 //! write into a consumer of another.
+//!
+//! **Groups** (vLLM's hybrid KV cache manager): each layer takes its blocks
+//! from one KV cache *group* (full attention, sliding window, ...), and a
+//! request holds one block table per group. OrbitKV passes a request's
+//! tables as one list, group-major: `groups` equal segments, segment `g`
+//! holding the request's blocks of group `g` in request order. A
+//! [`HOLE`] in a table is a block the rank does not hold (vLLM's null
+//! block: a sliding-window block outside the window), never written to or
+//! read from. Layers of different groups may share their memory (vLLM
+//! gives one tensor to one layer of each group, and one block pool to all
+//! groups), so a block id names the same bytes in each of them, and the
+//! block belongs to one group's request at a time.
 
 use std::ops::Range;
 
@@ -49,11 +61,27 @@ impl Plane {
     }
 }
 
+/// In a block table: a block the rank does not hold (vLLM's null block,
+/// e.g. a sliding-window block outside the window). Nothing is written to
+/// or read from it.
+pub const HOLE: u32 = u32::MAX;
+
+/// The most KV cache groups a layout may have (vLLM makes a handful).
+pub const MAX_GROUPS: u32 = 64;
+
 /// A layer's planes.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct LayerGeometry {
     pub planes: Vec<Plane>,
+    /// The KV cache group whose block table this layer's blocks come from
+    /// (0 for a model with one group; left out of the wire then).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub group: u32,
+}
+
+fn is_zero(g: &u32) -> bool {
+    *g == 0
 }
 
 /// A rank's KV cache geometry.
@@ -173,6 +201,7 @@ impl KvLayout {
                         block_stride: block_bytes,
                         block_bytes,
                     }],
+                    group: 0,
                 })
                 .collect(),
         }
@@ -181,6 +210,28 @@ impl KvLayout {
     /// Largest block accepted (no KV block comes near it; a larger value
     /// is a corrupt or hostile geometry).
     pub const MAX_BLOCK_BYTES: u64 = 1 << 40;
+
+    /// How many KV cache groups its layers take blocks from (1 + the
+    /// highest group; [`Self::validate`] checks that every group has a layer).
+    pub fn groups(&self) -> u32 {
+        self.layers
+            .iter()
+            .map(|l| l.group)
+            .max()
+            .map_or(1, |g| g.saturating_add(1))
+    }
+
+    /// Request blocks in a block table of `len` ids (one segment a group).
+    pub fn request_blocks(&self, len: usize) -> usize {
+        len / self.groups().max(1) as usize
+    }
+
+    /// Group `group`'s segment of a block table (empty when out of range).
+    pub fn segment<'a>(&self, table: &'a [u32], group: u32) -> &'a [u32] {
+        let n = self.request_blocks(table.len());
+        let start = group as usize * n;
+        table.get(start..start + n).unwrap_or(&[])
+    }
 
     /// The heads this rank holds.
     fn heads(&self) -> Heads {
@@ -232,7 +283,18 @@ impl KvLayout {
                 reason: "zero blocks".into(),
             });
         }
+        let groups = self.groups();
+        if groups > MAX_GROUPS {
+            return Err(GeometryError::Groups(format!(
+                "{groups} groups, at most {MAX_GROUPS}"
+            )));
+        }
+        if let Some(g) = (0..groups).find(|&g| !self.layers.iter().any(|l| l.group == g)) {
+            return Err(GeometryError::Groups(format!("group {g} has no layer")));
+        }
         let expected = self.layers[0].planes.len();
+        // (start, end, layer, plane); a plane may alias another only as an
+        // exact copy in another group (vLLM's shared tensors).
         let mut spans: Vec<(u64, u64, u32, usize)> = Vec::new();
         for (li, layer) in self.layers.iter().enumerate() {
             let li = li as u32;
@@ -271,8 +333,27 @@ impl KvLayout {
             }
         }
         spans.sort_unstable();
+        let plane = |l: u32, p: usize| (self.layers[l as usize].group, self.layers[l as usize].planes[p]);
+        // The groups of the run of identical planes the window is in.
+        let mut run: Vec<u32> = Vec::new();
         for w in spans.windows(2) {
             let (a, b) = (w[0], w[1]);
+            let (ga, pa) = plane(a.2, a.3);
+            let (gb, pb) = plane(b.2, b.3);
+            if pa == pb {
+                // The same tensor given to one layer of each group: a block
+                // id names the same bytes in all of them, and one pool hands
+                // it out. Two layers of one group may not share.
+                if run.is_empty() {
+                    run.push(ga);
+                }
+                if !run.contains(&gb) {
+                    run.push(gb);
+                    continue;
+                }
+            } else {
+                run.clear();
+            }
             if b.0 < a.1 {
                 return Err(GeometryError::Overlap {
                     a_layer: a.2,
@@ -285,10 +366,22 @@ impl KvLayout {
         Ok(())
     }
 
-    /// Checks that every block id is in range and listed once.
+    /// Checks a block table: one equal segment a group, every block id in
+    /// range and listed once in the whole table (all groups draw on one
+    /// pool), [`HOLE`]s aside.
     pub fn validate_blocks(&self, blocks: &[u32]) -> Result<(), GeometryError> {
+        let groups = self.groups() as usize;
+        if blocks.len() % groups != 0 {
+            return Err(GeometryError::Groups(format!(
+                "a block table of {} ids is not {groups} equal segments, one a group",
+                blocks.len()
+            )));
+        }
         let mut seen = std::collections::HashSet::with_capacity(blocks.len());
         for &b in blocks {
+            if b == HOLE {
+                continue;
+            }
             if b >= self.num_blocks {
                 return Err(GeometryError::BlockOutOfRange {
                     block: b,
@@ -321,6 +414,12 @@ impl KvLayout {
                 producer: self.layers.len(),
                 consumer: consumer.layers.len(),
             });
+        }
+        if let Some(l) = (0..self.layers.len()).find(|&l| self.layers[l].group != consumer.layers[l].group) {
+            return Err(GeometryError::Groups(format!(
+                "layer {l} takes blocks from group {} on the producer, {} on the consumer",
+                self.layers[l].group, consumer.layers[l].group
+            )));
         }
         if self.total_kv_heads != consumer.total_kv_heads {
             return Err(GeometryError::TensorParallel(format!(
@@ -439,6 +538,10 @@ impl KvLayout {
             let first = out.len();
             for i in indices.clone() {
                 let (s, d) = (src_blocks[i as usize], dst_blocks[i as usize]);
+                if s == HOLE || d == HOLE {
+                    // Not held on one side: nothing to read or to write.
+                    continue;
+                }
                 let r = WriteRange {
                     src: pp.block_addr(s) + src_off,
                     dst: cp.block_addr(d) + dst_off,
@@ -513,15 +616,11 @@ pub fn plan_write(
     if lo >= hi {
         return Ok(());
     }
-    let src = src_blocks.get(first as usize..).unwrap_or(&[]);
-    local.plan_layer(
-        auth.layout,
-        layer,
-        src,
-        auth.block_ids,
-        (lo - first)..(hi - first),
-        out,
-    )
+    let group = local.layers.get(layer as usize).map_or(0, |l| l.group);
+    let src = local.segment(src_blocks, group);
+    let src = src.get(first as usize..).unwrap_or(&[]);
+    let dst = auth.layout.segment(auth.block_ids, group);
+    local.plan_layer(auth.layout, layer, src, dst, (lo - first)..(hi - first), out)
 }
 
 #[cfg(test)]
@@ -539,6 +638,102 @@ pub(crate) mod tests {
         heads: u32,
     ) -> KvLayout {
         KvLayout::packed(base, layers, blocks, block_bytes, tp, heads)
+    }
+
+    /// Layers `(group, tensor)`, each tensor `blocks` blocks of `bytes`
+    /// from `base`, one tensor after another (vLLM's hybrid sharing).
+    fn grouped(base: u64, layers: &[(u32, u32)], blocks: u32, bytes: u64) -> KvLayout {
+        let tensors = layers.iter().map(|l| l.1).max().unwrap_or(0) + 1;
+        let mut l = layout(base, tensors, blocks, bytes, (0, 1), 1);
+        let planes: Vec<_> = l.layers.iter().map(|x| x.planes.clone()).collect();
+        l.layers = layers
+            .iter()
+            .map(|&(group, t)| LayerGeometry {
+                planes: planes[t as usize].clone(),
+                group,
+            })
+            .collect();
+        l
+    }
+
+    #[test]
+    fn layers_of_different_groups_may_share_a_tensor_but_not_layers_of_one() {
+        let ok = grouped(0x1000, &[(0, 0), (1, 0), (2, 0), (0, 1), (1, 1), (2, 1)], 8, 256);
+        ok.validate().unwrap();
+        assert_eq!(ok.groups(), 3);
+        // Two layers of group 0 on one tensor (through a layer of group 1).
+        let same = grouped(0x1000, &[(0, 0), (1, 0), (0, 0)], 8, 256);
+        assert!(matches!(same.validate(), Err(GeometryError::Overlap { .. })));
+        // A plane of another group overlapping without being the same.
+        let mut part = grouped(0x1000, &[(0, 0), (1, 1)], 8, 256);
+        part.layers[1].planes[0].base = 0x1000 + 256;
+        assert!(matches!(part.validate(), Err(GeometryError::Overlap { .. })));
+        // A group with no layer, and too many groups.
+        let gap = grouped(0x1000, &[(0, 0), (2, 1)], 8, 256);
+        assert!(matches!(gap.validate(), Err(GeometryError::Groups(_))));
+        let far = grouped(0x1000, &[(0, 0), (MAX_GROUPS, 1)], 8, 256);
+        assert!(matches!(far.validate(), Err(GeometryError::Groups(_))));
+        // One group: the wire form is the one single-group peers know.
+        let one = layout(0x1000, 2, 8, 256, (0, 1), 2);
+        assert!(!serde_json::to_string(&one).unwrap().contains("group"));
+        assert!(serde_json::to_string(&ok).unwrap().contains("\"group\":1"));
+    }
+
+    #[test]
+    fn block_tables_are_one_equal_segment_a_group_with_holes_skipped() {
+        let l = grouped(0x1000, &[(0, 0), (1, 0)], 8, 256);
+        l.validate_blocks(&[1, 2, HOLE, 3]).unwrap();
+        l.validate_blocks(&[HOLE, HOLE]).unwrap();
+        assert!(matches!(
+            l.validate_blocks(&[1, 2, 3]),
+            Err(GeometryError::Groups(_))
+        ));
+        assert!(matches!(
+            l.validate_blocks(&[1, 2, 2, 3]),
+            Err(GeometryError::DuplicateBlock { block: 2 })
+        ));
+        assert_eq!(l.segment(&[1, 2, 3, 4], 1), &[3, 4]);
+        assert_eq!(l.segment(&[1, 2, 3, 4], 2), &[] as &[u32]);
+        assert_eq!(l.request_blocks(4), 2);
+    }
+
+    #[test]
+    fn each_layer_is_planned_from_and_into_its_own_groups_blocks_never_a_hole() {
+        let p = grouped(0x10_0000, &[(0, 0), (1, 0)], 16, 256);
+        let c = grouped(0x20_0000, &[(0, 0), (1, 0)], 16, 256);
+        p.check_compatible(&c).unwrap();
+        let dst = [4, 5, HOLE, 9];
+        let auth = Target {
+            layout: &c,
+            block_ids: &dst,
+            first_block: 0,
+        };
+        let src = [1, 2, 3, 7];
+        let mut out = Vec::new();
+        plan_write(&p, &src, auth, 0, 0..2, &mut out).unwrap();
+        assert_eq!(
+            out,
+            vec![WriteRange {
+                src: 0x10_0000 + 256,
+                dst: 0x20_0000 + 4 * 256,
+                len: 512
+            }]
+        );
+        plan_write(&p, &src, auth, 1, 0..2, &mut out).unwrap();
+        assert_eq!(
+            out,
+            vec![WriteRange {
+                src: 0x10_0000 + 7 * 256,
+                dst: 0x20_0000 + 9 * 256,
+                len: 256
+            }]
+        );
+        // The groups of a layer differ: refused before any write.
+        let other = grouped(0x30_0000, &[(0, 0), (0, 1)], 16, 256);
+        assert!(matches!(
+            p.check_compatible(&other),
+            Err(GeometryError::Groups(_))
+        ));
     }
 
     #[test]

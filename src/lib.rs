@@ -44,7 +44,7 @@ pub use error::{
     GeometryError, ProtocolError, RuntimeError, SideChannelError, TransportError, TransportResult,
 };
 pub use ids::{Capability, Generation, NoticeKey, ProducerRank, RequestId, Sequence};
-pub use layout::{KvLayout, LayerGeometry, Plane, WriteRange};
+pub use layout::{KvLayout, LayerGeometry, Plane, WriteRange, HOLE};
 #[cfg(feature = "runtime")]
 pub use side_channel::{MooncakeBootstrap, Refused, SideChannel, SideChannelConfig};
 #[cfg(feature = "runtime")]

@@ -118,6 +118,48 @@ pub fn host_rank_with(
     }
 }
 
+/// A rank of vLLM's hybrid shape: `tensors` arrays of `blocks` blocks of
+/// `block_bytes` in host memory (one head), and one layer for each
+/// `(group, tensor)` of `layers`, in that order: layers of different groups
+/// naming the same tensor share its memory, as vLLM's hybrid KV cache
+/// manager shares one tensor between a layer of each group. Filled by
+/// `fill`; a consumer deadline of 20 s.
+pub fn host_rank_grouped(
+    layers: &[(u32, u32)],
+    tensors: u32,
+    blocks: u32,
+    block_bytes: u64,
+    fill: impl Fn(usize) -> u8,
+) -> HostRank {
+    let size = (tensors as u64 * blocks as u64 * block_bytes) as usize;
+    let mut mem: Vec<u8> = (0..size).map(fill).collect();
+    let base = mem.as_mut_ptr() as u64;
+    let mut layout = KvLayout::packed(base, tensors, blocks, block_bytes, (0, 1), 1);
+    let planes: Vec<_> = layout.layers.iter().map(|l| l.planes.clone()).collect();
+    layout.layers = layers
+        .iter()
+        .map(|&(group, tensor)| crate::LayerGeometry {
+            planes: planes[tensor as usize].clone(),
+            group,
+        })
+        .collect();
+    let engine = Arc::new(MooncakeTransferEngine::new(&EngineConfig::default()).expect("engine"));
+    engine
+        .register_memory(base, size as u64, "cpu:0")
+        .expect("register");
+    let cfg = RuntimeConfig {
+        consumer_timeout: Duration::from_secs(20),
+        ..RuntimeConfig::default()
+    };
+    let runtime = Arc::new(Runtime::start(engine.clone(), layout.clone(), cfg).expect("runtime"));
+    HostRank {
+        mem,
+        layout,
+        runtime,
+        engine,
+    }
+}
+
 /// The bytes of `layer`'s block `b` on `r`.
 pub fn block(r: &HostRank, layer: u32, b: u32) -> &[u8] {
     let p = r.layout.layers[layer as usize].planes[0];

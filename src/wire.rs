@@ -141,6 +141,9 @@ impl Handshake {
         parse_endpoint(&self.endpoint).map_err(|e| ProtocolError::Endpoint(e.to_string()))?;
         self.layout.validate()?;
         self.layout.validate_blocks(&self.block_ids)?;
+        if self.staging.is_some() && self.layout.groups() > 1 {
+            return Err(malformed("staging for a layout of several KV cache groups"));
+        }
         if let Some(g) = self.staging {
             let needed = crate::staging::staged_bytes(&self.layout, self.block_ids.len() as u32)
                 .ok_or(GeometryError::StagingOverflow)?;

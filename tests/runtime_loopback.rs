@@ -935,3 +935,75 @@ fn two_producer_ranks_serve_requests_in_a_row_to_one_consumer() {
         });
     }
 }
+
+/// vLLM's hybrid KV cache manager (issue 46): a full-attention group and a
+/// sliding-window group, each layer of one sharing its tensor with a layer
+/// of the other, and one block table per group. Decode holds no block for
+/// the window's first request block (vLLM's null block, a hole): each
+/// layer is written from and into its own group's blocks only, the hole and
+/// every block outside the tables stay untouched, and the source block
+/// behind the hole is never read into anything.
+#[test]
+fn a_hybrid_model_is_written_group_by_group_and_a_window_hole_is_left_alone() {
+    use orbitkv::HOLE;
+    // Layers 0, 1: full attention (group 0, tensors 0, 1); layers 2, 3:
+    // sliding window (group 1), sharing tensors 0 and 1.
+    let layers = [(0, 0), (0, 1), (1, 0), (1, 1)];
+    let p = orbitkv::testing::host_rank_grouped(&layers, 2, 16, 256, src_pattern);
+    let c = orbitkv::testing::host_rank_grouped(&layers, 2, 16, 256, |_| GUARD);
+    assert_eq!(p.layout.groups(), 2);
+    let req = RequestId::new("req-hybrid");
+    // Three request blocks: group 0 then group 1 (group-major tables).
+    let src = [1, 2, 3, 4, 5, 6];
+    let dst = [7, 8, 9, HOLE, 10, 11];
+    let hs = orbitkv::testing::open_both(&p.runtime, &c.runtime, &req, &src, &dst);
+    p.runtime.producer_handshake(hs).unwrap();
+    for l in 0..4 {
+        p.runtime.layer_ready(&req, l, 0..3).unwrap();
+    }
+    p.runtime.producer_finish(&req).unwrap();
+    let got = outcome(&c.runtime);
+    assert!(matches!(got, RuntimeEvent::ConsumerCompleted { .. }), "{got:?}");
+    // Tensor t is written by layer t (group 0) in blocks 7..9 and by layer
+    // 2 + t (group 1) in blocks 10, 11.
+    for t in 0..2 {
+        for (s, d) in [(1, 7), (2, 8), (3, 9), (5, 10), (6, 11)] {
+            assert_eq!(block(&c, t, d), block(&p, t, s), "tensor {t} block {d}");
+        }
+        for b in (0..16).filter(|b| ![7, 8, 9, 10, 11].contains(b)) {
+            assert_untouched(&c, t, b);
+        }
+    }
+    assert_eq!(wait_released(&p.runtime, &req).0, Outcome::Done);
+}
+
+/// A block table that is not one equal segment a group, a group whose
+/// layers the other side puts in another group, and a block listed in two
+/// groups are refused with typed errors, and nothing is written.
+#[test]
+fn hybrid_tables_and_groups_that_do_not_match_are_refused() {
+    use orbitkv::HOLE;
+    let layers = [(0, 0), (1, 0)];
+    let p = orbitkv::testing::host_rank_grouped(&layers, 1, 8, 64, src_pattern);
+    let c = orbitkv::testing::host_rank_grouped(&layers, 1, 8, 64, |_| GUARD);
+    let r = |s: &str| RequestId::new(s);
+    let uneven = c.runtime.consumer_open(r("a"), cap(), 0, vec![1, 2, 3], 1);
+    assert!(matches!(uneven, Err(RuntimeError::Geometry(_))), "{uneven:?}");
+    let twice = c.runtime.consumer_open(r("b"), cap(), 0, vec![1, 1], 1);
+    assert!(matches!(twice, Err(RuntimeError::Geometry(_))), "{twice:?}");
+    let twice = p.runtime.producer_open(r("b"), vec![2, 2], cap(), 1);
+    assert!(matches!(twice, Err(RuntimeError::Geometry(_))), "{twice:?}");
+    // Holes are not duplicates.
+    c.runtime
+        .consumer_open(r("c"), cap(), 0, vec![HOLE, 3, HOLE, 4], 1)
+        .unwrap();
+    // A producer whose layers sit in other groups than the consumer's.
+    let other = orbitkv::testing::host_rank_grouped(&[(0, 0), (0, 1)], 2, 8, 64, src_pattern);
+    let hs = c.runtime.consumer_open(r("d"), cap(), 0, vec![5, 6], 1).unwrap();
+    other.runtime.producer_open(r("d"), vec![1], cap(), 1).unwrap();
+    let refused = other.runtime.producer_handshake(hs);
+    assert!(matches!(refused, Err(RuntimeError::Geometry(_))), "{refused:?}");
+    for b in 0..8 {
+        assert_untouched(&c, 0, b);
+    }
+}

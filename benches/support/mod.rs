@@ -40,6 +40,7 @@ pub fn layout(base: u64, num_blocks: u32) -> KvLayout {
                         block_bytes: BLOCK,
                     })
                     .collect(),
+                group: 0,
             })
             .collect(),
     }

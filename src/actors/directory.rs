@@ -340,6 +340,11 @@ impl RequestDirectory {
     fn grant_staging(&self, handshake: &Handshake, producer_tp: u32) -> Option<(StagingGrant, SharedArena)> {
         let arena = self.staging.as_ref()?;
         let local = &self.shared.local;
+        if local.groups() > 1 {
+            // Staged orders are by request block of one table: a layout of
+            // several groups is written into its pages.
+            return None;
+        }
         let ids = &handshake.block_ids;
         let planes = local.layers.first().map_or(1, |l| l.planes.len());
         let group = grant_group(local, producer_tp);
@@ -587,9 +592,10 @@ impl RequestDirectory {
             return Err(RuntimeError::UnknownRequest(request.0.clone()));
         };
         // Before this answers: the layers handed over after it plan with them.
+        let local = &self.shared.local;
         group
             .src_blocks
-            .try_append(&blocks, |all| self.shared.local.validate_blocks(all))?;
+            .try_append(&blocks, local.groups(), |all| local.validate_blocks(all))?;
         Ok(())
     }
 

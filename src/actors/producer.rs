@@ -32,6 +32,7 @@ use super::stats::Stats;
 use super::writer::WriterPool;
 use crate::fsm::*;
 use crate::ids::{Generation, ProducerRank, RequestId};
+use crate::layout::HOLE;
 use crate::layout::{plan_write, KvLayout};
 use crate::staging::{SourceStaging, StagedPlan};
 use crate::wire::{Handshake, Notice, WIRE_VERSION};
@@ -136,16 +137,17 @@ impl SourceBlocks {
         self.len() == 0
     }
 
-    /// Appends `more` if the whole list then passes `check`; unchanged if not.
+    /// Appends `more` (a block table of `groups` equal segments, like the
+    /// list: each segment goes after the same group's) if the whole list
+    /// then passes `check`; unchanged if not.
     pub(super) fn try_append<E>(
         &self,
         more: &[u32],
+        groups: u32,
         check: impl FnOnce(&[u32]) -> Result<(), E>,
     ) -> Result<(), E> {
         let mut blocks = self.0.write();
-        let mut all = Vec::with_capacity(blocks.len() + more.len());
-        all.extend_from_slice(&blocks);
-        all.extend_from_slice(more);
+        let all = append_segments(&blocks, more, groups as usize);
         check(&all)?;
         *blocks = all;
         Ok(())
@@ -154,6 +156,39 @@ impl SourceBlocks {
     fn read(&self) -> parking_lot::RwLockReadGuard<'_, Vec<u32>> {
         self.0.read()
     }
+}
+
+/// `old` with `more` appended group by group: both are `groups` equal
+/// segments (group-major); segment `g` of the result is `old`'s then
+/// `more`'s. A list that does not split evenly is appended whole (the check
+/// that follows refuses it).
+///
+/// A block id of `more` already in `old` was freed by vLLM and handed out
+/// again: a sliding-window group frees the blocks that fall out of its
+/// window while the prefill goes on, and the pool may give one back to the
+/// same request. Its old place becomes a [`HOLE`] (the rank no longer
+/// holds that request block, and nothing is read from it); decode keeps
+/// no block there either, its window being the prefill's last one.
+fn append_segments(old: &[u32], more: &[u32], groups: usize) -> Vec<u32> {
+    let mut all = Vec::with_capacity(old.len() + more.len());
+    let g = groups.max(1);
+    let again: std::collections::HashSet<u32> = more.iter().copied().filter(|&b| b != HOLE).collect();
+    let old: Vec<u32> = old
+        .iter()
+        .map(|&b| if again.contains(&b) { HOLE } else { b })
+        .collect();
+    let old = &old[..];
+    if g == 1 || old.len() % g != 0 || more.len() % g != 0 {
+        all.extend_from_slice(old);
+        all.extend_from_slice(more);
+        return all;
+    }
+    let (n, m) = (old.len() / g, more.len() / g);
+    for i in 0..g {
+        all.extend_from_slice(&old[i * n..(i + 1) * n]);
+        all.extend_from_slice(&more[i * m..(i + 1) * m]);
+    }
+    all
 }
 
 /// What the actor owns (see [`ProducerActor`]).
@@ -654,8 +689,20 @@ impl Handler<FenceQuery> for ProducerActor {
 
 #[cfg(test)]
 mod tests {
-    use super::RangeBuffers;
+    use super::{append_segments, RangeBuffers};
     use crate::transport::WriteRange;
+
+    #[test]
+    fn a_chunks_blocks_go_after_each_groups_own() {
+        assert_eq!(append_segments(&[1, 2], &[3], 1), vec![1, 2, 3]);
+        assert_eq!(append_segments(&[1, 2, 5, 6], &[3, 7], 2), vec![1, 2, 3, 5, 6, 7]);
+        assert_eq!(append_segments(&[], &[3, 7], 2), vec![3, 7]);
+        // Uneven: appended whole, for the check after it to refuse.
+        assert_eq!(append_segments(&[1, 2], &[3], 2), vec![1, 2, 3]);
+        // A block freed (out of a window) and given back: its old place is a hole.
+        let h = super::HOLE;
+        assert_eq!(append_segments(&[1, 2, 5, 6], &[3, 5], 2), vec![1, 2, 3, h, 6, 5]);
+    }
 
     fn list(capacity: usize, filled: usize) -> Vec<WriteRange> {
         let mut v = Vec::with_capacity(capacity);

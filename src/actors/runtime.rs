@@ -408,6 +408,11 @@ impl Runtime {
         staging: Option<SourceStaging>,
     ) -> Result<(), RuntimeError> {
         self.local.validate_blocks(&src_blocks)?;
+        if staging.is_some() && self.local.groups() > 1 {
+            return Err(invalid_argument(
+                "source staging for a layout of several KV cache groups: open the producer without it".into(),
+            ));
+        }
         if let Some(s) = staging {
             if !group_fits(&self.local, s.group) {
                 return Err(invalid_argument(format!(

@@ -263,11 +263,12 @@ impl ProducerMachine {
 
     /// The first (layer, block) of the authorization that no `LayerReady`
     /// covered, said in words; `None` when every layer of request blocks
-    /// `first_block..first_block + block_ids.len()` was reported.
+    /// `first_block..first_block + n` was reported (`n`: the blocks of each
+    /// group's segment of `block_ids`).
     fn uncovered(&self) -> Option<String> {
         let auth = self.auth.as_ref()?;
         let start = auth.first_block;
-        let Some(end) = u32::try_from(auth.block_ids.len())
+        let Some(end) = u32::try_from(auth.layout.request_blocks(auth.block_ids.len()))
             .ok()
             .and_then(|n| start.checked_add(n))
         else {

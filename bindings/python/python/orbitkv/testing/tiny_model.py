@@ -62,6 +62,11 @@ class TinyModelSpec:
     # 0.1 every token differs and depends on the whole prompt.
     initializer_range: float = 0.1
     seed: int = 20261129
+    # A hybrid model (vLLM's hybrid KV cache manager, issue 46): when set,
+    # even layers attend to the last ``sliding_window`` tokens only and odd
+    # layers to all (Llama's ``layer_types``, which vLLM honours), so vLLM
+    # makes a sliding-window and a full-attention KV cache group.
+    sliding_window: int | None = None
 
 
 _WORDS = ["the", "of", "and", "to", "in", "is", "was", "for", "on", "that", "with", "as", "by", "at", "from", "it", "an", "be", "this", "are", "which", "or", "have", "had", "not", "but", "were", "one", "all", "their", "has", "more", "its", "been", "also", "when", "there", "who", "first", "new", "other", "after", "time", "two", "into", "some", "only", "over", "most", "many", "would", "may", "these", "used", "such", "where", "between", "then", "than", "both", "during", "under", "while", "cache", "block", "layer", "page", "prefill", "decode", "token", "request", "write", "read", "transfer", "engine", "worker", "scheduler", "memory", "device", "stream", "queue", "actor", "proxy", "server", "model", "weight", "tensor", "vector", "matrix", "kernel", "thread", "process", "network", "buffer", "river", "mountain", "forest", "city", "market", "garden", "window", "winter", "summer", "morning", "evening", "history", "science", "music", "number", "letter", "question", "answer", "simple", "quick", "brown", "fox", "jumps", "lazy", "dog", "red", "green", "blue", "yellow", "black", "white", "small", "large", "long", "short", "high", "low", "fast", "slow", "early", "late", "open", "close", "start", "stop"]
@@ -133,6 +138,11 @@ def _write(spec: TinyModelSpec, out: Path) -> None:
         initializer_range=spec.initializer_range,
         dtype="float32",
     )
+    if spec.sliding_window is not None:
+        config.sliding_window = spec.sliding_window
+        config.layer_types = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(spec.num_layers)
+        ]
     torch.manual_seed(spec.seed)
     model = LlamaForCausalLM(config).to(torch.float32)
     model.save_pretrained(out)

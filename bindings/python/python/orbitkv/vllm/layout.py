@@ -130,14 +130,18 @@ def kv_layout_of(
     block_size: int,
     tp_rank: int,
     tp_size: int,
+    layer_group: dict[str, int] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """The OrbitKV layout (as the JSON-ready dict the runtime takes) of a
     rank's KV tensors, and the layer names in layer order.
 
     Each layer gets one plane (K and V of a block together) where each block
     is one dense range, else two (K and V apart, e.g. ``[2, num_blocks, ...]``)
-    where each of K's and V's blocks is. Raises ``ValueError`` naming the
-    tensor and the fix when a layout cannot be served.
+    where each of K's and V's blocks is. ``layer_group``: each layer's KV
+    cache group under vLLM's hybrid manager (absent: group 0); layers of
+    different groups share their tensors there, which the runtime accepts
+    for exact copies of a plane in different groups. Raises ``ValueError``
+    naming the tensor and the fix when a layout cannot be served.
     """
     names = sorted(kv_caches, key=_layer_index)
     layers = []
@@ -145,7 +149,11 @@ def kv_layout_of(
     for name in names:
         planes, hm = _layer_planes(name, kv_caches[name], num_blocks, local_heads, block_size)
         head_major = head_major and hm
-        layers.append({"planes": [p.as_dict() for p in planes]})
+        layer: dict[str, Any] = {"planes": [p.as_dict() for p in planes]}
+        group = (layer_group or {}).get(name, 0)
+        if group:
+            layer["group"] = group
+        layers.append(layer)
     layout = {
         "num_blocks": num_blocks,
         "block_size": block_size,

@@ -24,10 +24,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from orbitkv.vllm import compat
 from orbitkv.vllm.config import PdConfig
+from orbitkv.vllm.groups import FAILED_RECVING, TRANSFER_RESULTS, kv_groups_of
 from orbitkv.vllm.metadata import PdConnectorMetadata
 from orbitkv.vllm.scheduler import PdScheduler
 from orbitkv.vllm.stats import PdConnectorStats, PdPromMetrics
@@ -63,6 +65,11 @@ def _log_through_vllm() -> None:
 
 
 class PdConnector(KVConnectorBase_V1):
+    """Serves vLLM's hybrid KV cache manager (``SupportsHMA``, vLLM >= 0.32):
+    a model of several KV cache groups (sliding-window and full attention)
+    keeps it on, each layer written from and into its own group's blocks
+    (groups.py)."""
+
     def __init__(
         self,
         vllm_config: VllmConfig,
@@ -79,14 +86,20 @@ class PdConnector(KVConnectorBase_V1):
             logger.warning("%s", untested)
         compat.check_no_sleep_mode(vllm_config)
         self.config = PdConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config)
+        # The model's KV cache groups; refuses ones OrbitKV cannot serve
+        # (recurrent state, mixed block sizes) before anything starts.
+        groups = kv_groups_of(kv_cache_config, vllm_config.cache_config.block_size)
+        if groups.count > 1:
+            logger.info("OrbitKV: %d KV cache groups (hybrid KV cache manager), block size %d",
+                        groups.count, groups.block_size)
         self.scheduler: PdScheduler | None = None
         self.worker = None
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = PdScheduler(vllm_config, self.config)
+            self.scheduler = PdScheduler(vllm_config, self.config, groups)
         else:
             from orbitkv.vllm.worker import PdWorker
 
-            self.worker = PdWorker(vllm_config, self.config)
+            self.worker = PdWorker(vllm_config, self.config, groups)
 
     # ---- scheduler side ----------------------------------------------------
 
@@ -107,6 +120,14 @@ class PdConnector(KVConnectorBase_V1):
         self.scheduler.update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler is not None
+        return self.scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """What vLLM calls in place of ``request_finished`` for a connector
+        with ``SupportsHMA`` (every model, one group or several)."""
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
 
@@ -203,12 +224,32 @@ class PdConnector(KVConnectorBase_V1):
         assert self.worker is not None
         return self.worker.get_block_ids_with_load_errors()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM >= 0.32: :meth:`get_finished`, and for a model of several KV
+        cache groups the requests whose load failed (``failed_recving``:
+        vLLM recomputes or fails them; they are in ``finished_recving`` too)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self.worker.take_failed_loads() if self.worker is not None else set()
+        return TRANSFER_RESULTS(
+            finished_sending=set(sending or ()),
+            finished_recving=set(recving or ()) | failed,
+            failed_recving=failed,
+        )
+
     def get_kv_connector_stats(self) -> PdConnectorStats | None:
         return self.worker.get_kv_connector_stats() if self.worker is not None else None
 
     def shutdown(self) -> None:
         if self.worker is not None:
             self.worker.shutdown()
+
+
+# vLLM's hybrid KV cache manager is served where vLLM can take a failed load
+# of a request of several groups (groups.py: vLLM >= 0.32); on older releases
+# vLLM turns the manager off for this connector. SupportsHMA is an ABC: the
+# registration is what vLLM's issubclass check sees.
+if FAILED_RECVING:
+    SupportsHMA.register(PdConnector)
 
 
 class OrbitKVConnector(PdConnector):

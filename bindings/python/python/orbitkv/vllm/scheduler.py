@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 from orbitkv._native import new_capability
 from orbitkv.vllm.config import ANY, PdConfig
+from orbitkv.vllm.groups import GroupsError, KvGroups, blocks_of
 from orbitkv.vllm.metadata import (
     ConsumerCancel,
     ConsumerOpen,
@@ -79,6 +80,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger("orbitkv.vllm.scheduler")
 
 
+def _leading(items: Any, pred: Any) -> Any:
+    """The leading items of ``items`` for which ``pred`` holds."""
+    for x in items:
+        if not pred(x):
+            return
+        yield x
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -105,9 +114,11 @@ class _Consumer:
 
 
 class PdScheduler:
-    def __init__(self, vllm_config: VllmConfig, config: PdConfig):
+    def __init__(self, vllm_config: VllmConfig, config: PdConfig, groups: KvGroups | None = None):
         self.config = config
-        self.block_size = vllm_config.cache_config.block_size
+        # The model's KV cache groups (groups.py): one for a dense model.
+        self.groups = groups or KvGroups(1, vllm_config.cache_config.block_size)
+        self.block_size = self.groups.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._producers: dict[str, _Producer] = {}
         self._consumers: dict[str, _Consumer] = {}
@@ -272,11 +283,27 @@ class PdScheduler:
             return
         if p.role != CONSUMER or num_external_tokens <= 0 or rid in self._consumers:
             return
-        all_ids = blocks.get_block_ids()[0]
-        fresh = blocks.get_unhashed_block_ids()
-        # Blocks with a hash come from the local prefix cache and lead the list.
-        first_block = len(all_ids) - len(fresh)
-        self._consumers[rid] = _Consumer(p.request, frozenset(fresh))
+        if self.groups.count == 1:
+            all_ids = blocks.get_block_ids()[0]
+            fresh = blocks.get_unhashed_block_ids()
+            # Blocks with a hash come from the local prefix cache and lead the list.
+            first_block = len(all_ids) - len(fresh)
+        else:
+            # The local prefix hit is one block-aligned length for all groups
+            # (vLLM's hybrid coordinator): the leading hashed blocks of the
+            # group with the fewest (a sliding-window group's leading blocks
+            # may be null blocks too, outside its window).
+            first_block = min(
+                sum(1 for _ in _leading(g, lambda b: b.block_hash is not None or b.is_null))
+                for g in blocks.blocks
+            )
+            try:
+                fresh = self.groups.table(blocks.get_block_ids(), first_block)
+            except GroupsError as e:
+                # The worker refuses an uneven table: the load fails, vLLM recomputes.
+                logger.warning("request %s: %s", rid, e)
+                fresh = [b for g in blocks.get_block_ids() for b in g[first_block:]]
+        self._consumers[rid] = _Consumer(p.request, frozenset(blocks_of(fresh)))
         assert p.prefill_kv is not None
         self._next.consumers_open.append(
             ConsumerOpen(rid, p.request, p.capability, first_block, list(fresh), p.prefill_kv, p.prefill_tp)
@@ -286,7 +313,8 @@ class PdScheduler:
         meta, self._next = self._next, PdConnectorMetadata()
         self._give_up_unclaimed(meta)
         for new in so.scheduled_new_reqs:
-            self._chunk(meta, new.req_id, list(new.block_ids[0]) if new.block_ids else [], new.num_computed_tokens, so)
+            if new.req_id in self._producers:
+                self._chunk(meta, new.req_id, self._new_blocks(new.req_id, new.block_ids), new.num_computed_tokens, so)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             if rid not in self._producers:
@@ -297,8 +325,19 @@ class PdScheduler:
                 self._abort_producer(rid, "preempted on the prefill instance")
                 continue
             nb = cached.new_block_ids[i]
-            self._chunk(meta, rid, list(nb[0]) if nb else [], cached.num_computed_tokens[i], so)
+            self._chunk(meta, rid, self._new_blocks(rid, nb), cached.num_computed_tokens[i], so)
         return meta
+
+    def _new_blocks(self, rid: str, per_group: Any) -> list[int]:
+        """A step's new blocks of producer ``rid`` as one table (groups.py);
+        groups of uneven blocks abort it (the runtime could not plan them)."""
+        if self.groups.count == 1:
+            return list(per_group[0]) if per_group else []
+        try:
+            return self.groups.new_blocks(per_group)
+        except GroupsError as e:
+            self._abort_producer(rid, str(e))
+            return []
 
     def _chunk(self, meta: PdConnectorMetadata, rid: str, new_blocks: list[int], computed: int, so: Any) -> None:
         p = self._producers.get(rid)
@@ -373,6 +412,8 @@ class PdScheduler:
             self._next.producers_end.append(RequestEnd(rid, p.pd_id, True, reason, report=False))
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM finished ``request`` (``block_ids``: its blocks, of one group
+        or of each group: not read, the runtime holds its own copy)."""
         rid = request.request_id
         try:
             return self._finished(request, rid)
@@ -461,12 +502,14 @@ class PdScheduler:
 
     def update_connector_output(self, out: KVConnectorOutput) -> None:
         failed_blocks = getattr(out, "invalid_block_ids", None) or ()
+        # vLLM >= 0.32 with several KV cache groups: failed loads by request.
+        failed_reqs = getattr(out, "failed_recving", None) or ()
         for rid in list(out.finished_recving or ()):
             c = self._consumers.get(rid)
             if c is not None:
                 first_report = not c.loaded
                 if first_report:
-                    c.failed = not c.blocks.isdisjoint(failed_blocks)
+                    c.failed = not c.blocks.isdisjoint(failed_blocks) or rid in failed_reqs
                 c.loaded = True
                 if first_report and c.failed and rid in self._delayed:
                     # vLLM ended the request (a client abort) before it saw

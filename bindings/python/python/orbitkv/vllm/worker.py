@@ -31,6 +31,7 @@ from orbitkv import (
 from orbitkv.staging import BlockIndex, StagingCopier
 from orbitkv.vllm._testing import faults_from_env
 from orbitkv.vllm.config import PdConfig
+from orbitkv.vllm.groups import KvGroups, blocks_of
 from orbitkv.vllm.layout import kv_layout_of
 from orbitkv.vllm.ledger import Ledger
 from orbitkv.vllm.metadata import PdConnectorMetadata, ProducerChunk
@@ -86,12 +87,15 @@ def _stream_handle() -> int:
 
 
 class PdWorker:
-    def __init__(self, vllm_config: VllmConfig, config: PdConfig):
+    def __init__(self, vllm_config: VllmConfig, config: PdConfig, groups: KvGroups | None = None):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         from vllm.platforms import current_platform
 
         self.vllm_config = vllm_config
         self.config = config
+        # The model's KV cache groups (groups.py); None: one group, of
+        # vLLM's block size (a dense model).
+        self._groups = groups
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         # vLLM's policy for a failed KV load: "recompute" (its default) runs
         # the request on, recomputing into the same blocks; "fail" ends it.
@@ -124,6 +128,9 @@ class PdWorker:
         # One record per request and side (ledger.py).
         self.ledger = Ledger()
         self._load_errors: set[int] = set()
+        # vLLM request ids whose load failed, for a model of several KV
+        # cache groups (reported as failed_recving, not as block ids).
+        self._failed_loads: set[str] = set()
         # vLLM request ids of consumers whose authorization the runtime
         # refused: reported once, their blocks as load errors (vLLM
         # recomputes them).
@@ -137,6 +144,17 @@ class PdWorker:
         # This step's block indices of staging chunks, by P/D id.
         self._step_index: dict[str, BlockIndex] = {}
 
+    @property
+    def groups(self) -> KvGroups:
+        if self._groups is None:
+            self._groups = KvGroups(1, self.vllm_config.cache_config.block_size)
+        return self._groups
+
+    @property
+    def _hybrid(self) -> bool:
+        """Several KV cache groups (vLLM's hybrid KV cache manager)."""
+        return self._groups is not None and self._groups.count > 1
+
     # ---- registration ----------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -149,9 +167,10 @@ class PdWorker:
             num_blocks=num_blocks,
             local_heads=mc.get_num_kv_heads(pc),
             total_heads=mc.get_total_num_kv_heads(),
-            block_size=self.vllm_config.cache_config.block_size,
+            block_size=self.groups.block_size,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
+            layer_group=self.groups.layer_group,
         )
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._layer_names = list(names)
@@ -264,6 +283,11 @@ class PdWorker:
         (half each for kv_both). Returns the two regions (None: none)."""
         mb = self.config.staging_mb
         if mb <= 0:
+            return None, None
+        if self._hybrid:
+            # Staged orders follow one block table: a model of several KV
+            # cache groups is written straight into its pages.
+            logger.info("OrbitKV: no staging for a model of %d KV cache groups", self.groups.count)
             return None, None
         role = getattr(getattr(self.vllm_config, "kv_transfer_config", None), "kv_role", "kv_both")
         dev = next(iter(kv_caches.values())).device
@@ -502,7 +526,7 @@ class PdWorker:
         except OrbitKVError as e:
             # Nothing was authorized: vLLM recomputes the prompt here.
             logger.warning("request %s: KV cannot be received (%s); decode recomputes it", c.req_id, e)
-            self._load_errors.update(c.block_ids)
+            self._fail_load(c.req_id, c.block_ids)
             self._refused_consumers.add(c.req_id)
             return
         cons = self.ledger.consumers.get(c.pd_id)
@@ -638,8 +662,8 @@ class PdWorker:
                 cons = led.consumers.peek(pd)
                 if ev.kind == "consumer_failed":
                     logger.warning("KV for %s did not arrive complete: %s", pd, ev.reason)
-                    self._load_errors.update(cons.blocks or ())
-                    if getattr(ev, "held", False) and not self.recompute_failed_loads:
+                    self._fail_load(cons.req_id, cons.blocks or ())
+                    if getattr(ev, "held", False) and not self.recompute_failed_loads and not self._hybrid:
                         # A producer never ended: its writes may still land
                         # (queued behind a cut link). vLLM fails the request
                         # on the failed blocks now, and frees them only on
@@ -663,9 +687,9 @@ class PdWorker:
                         except Exception as e:  # noqa: BLE001 - nothing may escape vLLM's hook
                             # The pages are incomplete: vLLM recomputes them.
                             logger.warning("staging of %s could not be scattered (%s): recomputed", pd, e)
-                            self._load_errors.update(cons.blocks or ())
+                            self._fail_load(cons.req_id, cons.blocks or ())
                     if ev.kind == "consumer_completed":  # test hook (after any scatter)
-                        self._faults.after_load(self._kv_caches, self._num_blocks, cons.blocks)
+                        self._faults.after_load(self._kv_caches, self._num_blocks, blocks_of(cons.blocks or ()))
                     led.consumers.get(pd).reported = True
                     recving.add(cons.req_id)
             elif ev.kind == "consumer_quiesced":
@@ -703,8 +727,31 @@ class PdWorker:
             led.producers.pop(pd)
         return (sending or None), (recving or None)
 
+    def _fail_load(self, req_id: str | None, table: Any) -> None:
+        """The KV of vLLM request ``req_id`` into ``table`` failed to load:
+        its blocks are reported as load errors (vLLM recomputes or fails
+        them), or, for a model of several KV cache groups, the request
+        (:meth:`take_failed_loads`: vLLM's ``failed_recving``)."""
+        self._load_errors.update(blocks_of(table))
+        if req_id is not None:
+            self._failed_loads.add(req_id)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         out, self._load_errors = self._load_errors, set()
+        if self._hybrid:
+            # vLLM maps load errors to requests over one group and raises
+            # with several: they go as requests (take_failed_loads).
+            return set()
+        self._failed_loads.clear()
+        return out
+
+    def take_failed_loads(self) -> set[str]:
+        """The vLLM request ids whose load failed since the last call, for a
+        model of several KV cache groups (empty otherwise: those go as
+        blocks, :meth:`get_block_ids_with_load_errors`)."""
+        if not self._hybrid:
+            return set()
+        out, self._failed_loads = self._failed_loads, set()
         return out
 
     def get_kv_connector_stats(self) -> PdConnectorStats | None:
