@@ -161,6 +161,11 @@ pub enum GeometryError {
     OutsideAuthorization { index: u32, authorized: usize },
     #[error("request block index {index} is outside the producer's {available} source blocks")]
     OutsideSource { index: u32, available: usize },
+    #[error(
+        "request block index {index} of layer {layer}: the producer no longer holds its source block \
+         (freed and given back) but the consumer needs it"
+    )]
+    SourceReleased { layer: u32, index: u32 },
     #[error("a staged write of {len} bytes at {dst:#x} is outside the staging grant of {grant} bytes at {base:#x}")]
     OutsideStagingGrant {
         dst: u64,

@@ -15,7 +15,9 @@
 //! holding the request's blocks of group `g` in request order. A
 //! [`HOLE`] in a table is a block the rank does not hold (vLLM's null
 //! block: a sliding-window block outside the window), never written to or
-//! read from. Layers of different groups may share their memory (vLLM
+//! read from: a consumer's hole is skipped, and a producer's hole where the
+//! consumer holds a block fails the write (`GeometryError::SourceReleased`:
+//! decode then recomputes, it never decodes from an unwritten block). Layers of different groups may share their memory (vLLM
 //! gives one tensor to one layer of each group, and one block pool to all
 //! groups), so a block id names the same bytes in each of them, and the
 //! block belongs to one group's request at a time.
@@ -538,9 +540,15 @@ impl KvLayout {
             let first = out.len();
             for i in indices.clone() {
                 let (s, d) = (src_blocks[i as usize], dst_blocks[i as usize]);
-                if s == HOLE || d == HOLE {
-                    // Not held on one side: nothing to read or to write.
+                if d == HOLE {
+                    // The consumer holds no block there: nothing to write.
                     continue;
+                }
+                if s == HOLE {
+                    // The consumer needs a block the producer gave back:
+                    // the request fails (decode recomputes), nothing is read.
+                    out.truncate(first);
+                    return Err(GeometryError::SourceReleased { layer, index: i });
                 }
                 let r = WriteRange {
                     src: pp.block_addr(s) + src_off,
@@ -728,6 +736,12 @@ pub(crate) mod tests {
                 len: 256
             }]
         );
+        // A source hole where the consumer holds a block: refused, not skipped.
+        let src = [1, 2, 3, HOLE];
+        assert!(matches!(
+            plan_write(&p, &src, auth, 1, 0..2, &mut out),
+            Err(GeometryError::SourceReleased { layer: 1, index: 1 })
+        ));
         // The groups of a layer differ: refused before any write.
         let other = grouped(0x30_0000, &[(0, 0), (0, 1)], 16, 256);
         assert!(matches!(

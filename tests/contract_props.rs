@@ -673,12 +673,12 @@ impl Model {
         };
         let mut blocks: Vec<u32> = (0..n).map(|i| k * REQ_BLOCKS + (i + rot) % REQ_BLOCKS).collect();
         if self.hybrid {
-            // Group 1's blocks, from a range of their own, the window's
-            // first (request block `first_block + rot % n`) a hole.
+            // Group 1's blocks, from a range of their own, request block 0
+            // a hole (outside the window, as on the producer: HYBRID_SRC;
+            // with a held prefix it is not authorized at all).
             let base = REQ_BLOCKS * MAX_GENS as u32;
-            let hole = (rot % n) as usize;
             blocks.extend((0..n as usize).map(|i| {
-                if i == hole {
+                if first_block == 0 && i == 0 {
                     HOLE
                 } else {
                     base + k * REQ_BLOCKS + i as u32

@@ -349,9 +349,10 @@ fn chunked_prefill_grows_the_source_block_list() {
     for l in 0..layers {
         producer.runtime.layer_ready(&req, l, 0..2).unwrap();
     }
-    // The second chunk brings two more blocks; a duplicate is refused.
+    // The second chunk brings two more blocks; a block listed twice in it
+    // is refused.
     assert!(matches!(
-        producer.runtime.producer_add_blocks(&req, vec![1]),
+        producer.runtime.producer_add_blocks(&req, vec![5, 5]),
         Err(RuntimeError::Geometry(_))
     ));
     producer.runtime.producer_add_blocks(&req, vec![2, 3]).unwrap();
@@ -1006,4 +1007,28 @@ fn hybrid_tables_and_groups_that_do_not_match_are_refused() {
     for b in 0..8 {
         assert_untouched(&c, 0, b);
     }
+}
+
+/// A source block vLLM freed and gave back to the same request (a sliding
+/// window's, in reality) leaves a hole at its old place. Where decode holds
+/// no block there, nothing is lost; where it does, the layer fails and the
+/// request with it: decode recomputes, it never reads a block nobody wrote.
+#[test]
+fn a_source_block_given_back_fails_a_layer_decode_needs_from_it_and_writes_nothing_wrong() {
+    let (layers, blocks, bb) = (1, 8, 1024);
+    let producer = rank(layers, blocks, bb, (0, 1), 2, src_pattern);
+    let consumer = rank(layers, blocks, bb, (0, 1), 2, |_| GUARD);
+    let req = RequestId::new("req-given-back");
+    let hs = orbitkv::testing::open_both(&producer.runtime, &consumer.runtime, &req, &[0, 1], &[7, 6, 5]);
+    producer.runtime.producer_handshake(hs).unwrap();
+    // Block 1 comes back as request block 2: request block 1 is now a hole.
+    producer.runtime.producer_add_blocks(&req, vec![1]).unwrap();
+    // Request block 1 reported (again): decode needs it, nobody holds it.
+    producer.runtime.layer_ready(&req, 0, 1..3).unwrap();
+    // The failed write may have ended the producer already (UnknownRequest).
+    let _ = producer.runtime.producer_finish(&req);
+    let ev = outcome(&consumer.runtime);
+    assert!(matches!(ev, RuntimeEvent::ConsumerFailed { .. }), "{ev:?}");
+    assert_untouched(&consumer, 0, 6);
+    assert_ne!(wait_released(&producer.runtime, &req).0, Outcome::Done);
 }

@@ -55,6 +55,7 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         kv_load_failure_policy="recompute",
         # Chunked prefill: long prompts' windows move across chunks.
         vllm_args=["--block-size", str(BLOCK), "--max-num-batched-tokens", "600"],
+        vllm_router=True,  # vllm-router in front of the same pair, beside the proxy
     )
     with c:
         yield c
@@ -96,6 +97,19 @@ def test_pd_of_a_hybrid_model_equals_one_engine_and_moves_its_kv(hybrid: Cluster
     assert d1[Metric.COMPLETED] - before_d[Metric.COMPLETED] == 1, "decode recomputed: no KV came"
     assert d1[Metric.FAILED] == before_d[Metric.FAILED]
     assert p1[Metric.BYTES] > before_p[Metric.BYTES]
+    hybrid.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
+
+
+def test_through_vllm_router_a_hybrid_model_equals_one_engine(hybrid: Cluster) -> None:
+    """vllm-router's P/D flow (prefill, then decode with the prefill's
+    answer) in front of the same pair: long and short prompts equal one
+    engine, each KV counted as transferred."""
+    for n in (65, 1300):
+        before = hybrid.metrics("decode")[Metric.COMPLETED]
+        prompt = fresh_prompt(n)
+        got = ok(complete(hybrid.router_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S), "vllm-router")
+        assert got.token_ids == baseline(hybrid, prompt), n
+        assert hybrid.metrics("decode")[Metric.COMPLETED] - before == 1, n
     hybrid.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
 
 
