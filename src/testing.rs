@@ -84,11 +84,31 @@ pub fn host_rank(
     heads: u32,
     fill: impl Fn(usize) -> u8,
 ) -> HostRank {
-    let cfg = RuntimeConfig {
+    host_rank_with(layers, blocks, block_bytes, tp, heads, fill, test_config())
+}
+
+/// A consumer deadline of 20 s, the other settings `RuntimeConfig::default()`'s.
+fn test_config() -> RuntimeConfig {
+    RuntimeConfig {
         consumer_timeout: Duration::from_secs(20),
         ..RuntimeConfig::default()
-    };
-    host_rank_with(layers, blocks, block_bytes, tp, heads, fill, cfg)
+    }
+}
+
+/// `mem` (holding `layout`'s blocks) registered with a new real Mooncake
+/// engine, and a runtime of `layout` and `cfg` on it.
+fn start_rank(mem: Vec<u8>, layout: KvLayout, cfg: RuntimeConfig) -> HostRank {
+    let engine = Arc::new(MooncakeTransferEngine::new(&EngineConfig::default()).expect("engine"));
+    engine
+        .register_memory(mem.as_ptr() as u64, mem.len() as u64, "cpu:0")
+        .expect("register");
+    let runtime = Arc::new(Runtime::start(engine.clone(), layout.clone(), cfg).expect("runtime"));
+    HostRank {
+        mem,
+        layout,
+        runtime,
+        engine,
+    }
 }
 
 /// [`host_rank`] with the runtime settings `cfg`.
@@ -105,17 +125,7 @@ pub fn host_rank_with(
     let mut mem: Vec<u8> = (0..size).map(fill).collect();
     let base = mem.as_mut_ptr() as u64;
     let layout = KvLayout::packed(base, layers, blocks, block_bytes, tp, heads);
-    let engine = Arc::new(MooncakeTransferEngine::new(&EngineConfig::default()).expect("engine"));
-    engine
-        .register_memory(base, size as u64, "cpu:0")
-        .expect("register");
-    let runtime = Arc::new(Runtime::start(engine.clone(), layout.clone(), cfg).expect("runtime"));
-    HostRank {
-        mem,
-        layout,
-        runtime,
-        engine,
-    }
+    start_rank(mem, layout, cfg)
 }
 
 /// A rank of vLLM's hybrid shape: `tensors` arrays of `blocks` blocks of
@@ -143,21 +153,7 @@ pub fn host_rank_grouped(
             group,
         })
         .collect();
-    let engine = Arc::new(MooncakeTransferEngine::new(&EngineConfig::default()).expect("engine"));
-    engine
-        .register_memory(base, size as u64, "cpu:0")
-        .expect("register");
-    let cfg = RuntimeConfig {
-        consumer_timeout: Duration::from_secs(20),
-        ..RuntimeConfig::default()
-    };
-    let runtime = Arc::new(Runtime::start(engine.clone(), layout.clone(), cfg).expect("runtime"));
-    HostRank {
-        mem,
-        layout,
-        runtime,
-        engine,
-    }
+    start_rank(mem, layout, test_config())
 }
 
 /// The bytes of `layer`'s block `b` on `r`.

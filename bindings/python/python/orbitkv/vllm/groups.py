@@ -73,11 +73,7 @@ class KvGroups:
     def new_blocks(self, per_group: Sequence[Sequence[int]] | None) -> list[int]:
         """A step's new blocks (``new_block_ids``: a list per group, or
         ``None``) as one table."""
-        if not per_group:
-            return []
-        if self.count > 1 and all(len(g) == 0 for g in per_group):
-            return []
-        return self.table(per_group)
+        return self.table(per_group) if per_group else []
 
 
 def blocks_of(table: Iterable[int]) -> list[int]:
