@@ -179,6 +179,12 @@ pub enum GeometryError {
     StagingTooSmall { granted: u64, needed: u64 },
     #[error("KV cache groups: {0}")]
     Groups(String),
+    #[error("blocks of {producer} tokens on the producer, {consumer} on the consumer: {why}")]
+    TokenOrder {
+        producer: u32,
+        consumer: u32,
+        why: String,
+    },
 }
 
 /// Text that came from a stranger (a serde error naming an unknown field,

@@ -102,6 +102,72 @@ pub struct KvLayout {
     /// Whether heads are contiguous equal slices inside each block.
     pub head_major: bool,
     pub layers: Vec<LayerGeometry>,
+    /// How each block holds its tokens, where the rank knows it: what lets
+    /// a producer write into a consumer of another block size (absent:
+    /// only an equal block size is served).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_order: Option<TokenOrder>,
+}
+
+/// How a block of every plane holds its `block_size` tokens: `units` equal
+/// units one after another (a unit is one KV head where `units` is the
+/// rank's head count), each unit the `parts` one after another, a part
+/// `rows` rows of `block_size` tokens of `token_bytes` each, tokens in
+/// order. So token `t` of row `r` of part `k` of unit `u` lies at
+/// `u · unit_bytes + offset(k) + (r · block_size + t) · token_bytes`.
+///
+/// vLLM's GPU layouts have one part of one row (`[block_size, content]`
+/// per head under HND, per block under NHD); its CPU kernels keep a head's
+/// K transposed (`head_size` rows of one element a token) and then its V
+/// (one row of `head_size` elements a token): two parts.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenOrder {
+    pub units: u32,
+    pub parts: Vec<TokenPart>,
+}
+
+/// Rows of tokens (see [`TokenOrder`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TokenPart {
+    pub rows: u32,
+    pub token_bytes: u64,
+}
+
+impl TokenOrder {
+    /// At most this many parts, and rows in all parts of a unit: each row
+    /// of each unit is a range per piece of a block, so the bound keeps a
+    /// hostile geometry from making a producer plan millions of ranges.
+    pub const MAX_PARTS: usize = 8;
+    pub const MAX_ROWS: u32 = 1024;
+
+    /// Bytes of one unit of a block of `block_size` tokens (`None` on overflow).
+    fn unit_bytes(&self, block_size: u32) -> Option<u64> {
+        self.parts.iter().try_fold(0u64, |acc, p| {
+            (p.rows as u64)
+                .checked_mul(block_size as u64)?
+                .checked_mul(p.token_bytes)?
+                .checked_add(acc)
+        })
+    }
+
+    fn check(&self, block_size: u32, block_bytes: u64) -> Result<(), &'static str> {
+        let rows: u64 = self.parts.iter().map(|p| p.rows as u64).sum();
+        if self.units == 0 || self.parts.is_empty() || self.parts.len() > Self::MAX_PARTS {
+            return Err("token order: no unit, or no part, or more than 8 parts");
+        }
+        if self.parts.iter().any(|p| p.rows == 0 || p.token_bytes == 0) || rows > Self::MAX_ROWS as u64 {
+            return Err("token order: a part of no row or no byte, or more than 1024 rows");
+        }
+        let whole = self
+            .unit_bytes(block_size)
+            .and_then(|u| u.checked_mul(self.units as u64));
+        if whole != Some(block_bytes) {
+            return Err("token order does not add up to the block's bytes");
+        }
+        Ok(())
+    }
 }
 
 /// A half-open interval of KV heads.
@@ -206,6 +272,7 @@ impl KvLayout {
                     group: 0,
                 })
                 .collect(),
+            token_order: None,
         }
     }
 
@@ -328,6 +395,12 @@ impl KvLayout {
                 if self.head_major && p.block_bytes % self.local_heads() as u64 != 0 {
                     return Err(bad("block bytes do not split evenly into heads"));
                 }
+                if let Some(order) = &self.token_order {
+                    if self.block_size == 0 {
+                        return Err(bad("a token order with a block size of 0 tokens"));
+                    }
+                    order.check(self.block_size, p.block_bytes).map_err(bad)?;
+                }
                 let end = p
                     .end(self.num_blocks)
                     .ok_or_else(|| bad("address range overflows"))?;
@@ -429,12 +502,6 @@ impl KvLayout {
                 self.total_kv_heads, consumer.total_kv_heads
             )));
         }
-        if self.block_size != consumer.block_size {
-            return Err(GeometryError::TensorParallel(format!(
-                "block size {} vs {} tokens",
-                self.block_size, consumer.block_size
-            )));
-        }
         let bigger = self.tp_size.max(consumer.tp_size);
         let smaller = self.tp_size.min(consumer.tp_size);
         if bigger % smaller != 0 {
@@ -467,6 +534,13 @@ impl KvLayout {
                     .into(),
             ));
         }
+        // Another block size needs both token orders; known on both sides,
+        // they must agree for an equal one too (a head-major side and a
+        // token-major one would otherwise exchange blocks as opaque bytes).
+        let known = self.token_order.is_some() && consumer.token_order.is_some();
+        if self.block_size != consumer.block_size || known {
+            self.check_token_orders(consumer)?;
+        }
         // u128: block sizes come from the network and may be near 2^64.
         let (ph, ch) = (self.local_heads() as u128, consumer.local_heads() as u128);
         for (li, (pl, cl)) in self.layers.iter().zip(&consumer.layers).enumerate() {
@@ -477,17 +551,67 @@ impl KvLayout {
                     expected: pl.planes.len(),
                 });
             }
+            // Bytes per head and token (blocks of either size).
+            let (pt, ct) = (self.block_size.max(1) as u128, consumer.block_size.max(1) as u128);
             for (pi, (pp, cp)) in pl.planes.iter().zip(&cl.planes).enumerate() {
-                if pp.block_bytes as u128 * ch != cp.block_bytes as u128 * ph {
+                if pp.block_bytes as u128 * ch * ct != cp.block_bytes as u128 * ph * pt {
                     return Err(GeometryError::HeadBytes {
                         layer: li as u32,
                         plane: pi,
-                        what: "block bytes",
-                        producer: (pp.block_bytes as u128 / ph) as u64,
-                        consumer: (cp.block_bytes as u128 / ch) as u64,
+                        what: "bytes per token",
+                        producer: (pp.block_bytes as u128 / ph / pt) as u64,
+                        consumer: (cp.block_bytes as u128 / ch / ct) as u64,
                     });
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Checks that this producer can write into `consumer`, whose blocks
+    /// hold another number of tokens: both say how their blocks hold their
+    /// tokens, the units hold the same rows of the same token bytes, and a
+    /// unit names the same data on both sides (all of a block, or under
+    /// head slices one KV head).
+    fn check_token_orders(&self, consumer: &KvLayout) -> Result<(), GeometryError> {
+        let refuse = |why: String| {
+            Err(GeometryError::TokenOrder {
+                producer: self.block_size,
+                consumer: consumer.block_size,
+                why,
+            })
+        };
+        let (Some(po), Some(co)) = (&self.token_order, &consumer.token_order) else {
+            let side = if self.token_order.is_none() {
+                "the producer"
+            } else {
+                "the consumer"
+            };
+            return refuse(format!(
+                "{side} does not say how its blocks hold their tokens (an attention kernel layout \
+                 OrbitKV does not know, or an OrbitKV without mixed block sizes)"
+            ));
+        };
+        if po.parts != co.parts {
+            return refuse(format!(
+                "the blocks hold their tokens differently (producer {:?}, consumer {:?})",
+                po.parts, co.parts
+            ));
+        }
+        let (p, c) = (self.heads(), consumer.heads());
+        let whole = p == c;
+        let by_head = po.units == self.local_heads()
+            && co.units == consumer.local_heads()
+            && self.head_major
+            && consumer.head_major;
+        if whole && po.units != co.units {
+            return refuse(format!(
+                "a block is {} units on the producer and {} on the consumer",
+                po.units, co.units
+            ));
+        }
+        if !whole && !by_head {
+            return refuse("head slices need one unit a KV head on both sides, heads outermost".into());
         }
         Ok(())
     }
@@ -601,6 +725,9 @@ pub struct Target<'a> {
     pub layout: &'a KvLayout,
     pub block_ids: &'a [u32],
     pub first_block: u32,
+    /// The request's tokens the consumer loads, counted from its start
+    /// (0: not said; then only an equal block size is served).
+    pub tokens: u32,
 }
 
 /// Turns an admitted write (a `Submit`) into byte ranges inside `auth`, as
@@ -619,16 +746,154 @@ pub fn plan_write(
     out: &mut Vec<WriteRange>,
 ) -> Result<(), GeometryError> {
     out.clear();
+    let group = local.layers.get(layer as usize).map_or(0, |l| l.group);
+    let src = local.segment(src_blocks, group);
+    let dst = auth.layout.segment(auth.block_ids, group);
+    if local.block_size != auth.layout.block_size {
+        // `first_block` counts the consumer's blocks: compared in tokens.
+        return local.plan_tokens(auth, layer, src, dst, blocks, out);
+    }
     let first = auth.first_block;
     let (lo, hi) = (blocks.start.max(first), blocks.end);
     if lo >= hi {
         return Ok(());
     }
-    let group = local.layers.get(layer as usize).map_or(0, |l| l.group);
-    let src = local.segment(src_blocks, group);
     let src = src.get(first as usize..).unwrap_or(&[]);
-    let dst = auth.layout.segment(auth.block_ids, group);
     local.plan_layer(auth.layout, layer, src, dst, (lo - first)..(hi - first), out)
+}
+
+/// A run of tokens that lies in one producer block and one consumer block.
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    src: u32,
+    dst: u32,
+    /// First token's place in the producer's and the consumer's block.
+    src_at: u64,
+    dst_at: u64,
+    tokens: u64,
+}
+
+impl KvLayout {
+    /// [`plan_write`] for a consumer of another block size (its caller has
+    /// checked [`KvLayout::check_compatible`]): the tokens of producer
+    /// request blocks `blocks` that the consumer loads (from its
+    /// `first_block`, below `auth.tokens`) are cut where either side's
+    /// block ends, and each piece is written row by row of each unit
+    /// ([`TokenOrder`]). A consumer hole is skipped, a producer hole the
+    /// consumer needs fails (`SourceReleased`), a token outside the
+    /// authorized blocks or the source blocks is an error, never a write.
+    fn plan_tokens(
+        &self,
+        auth: Target<'_>,
+        layer: u32,
+        src: &[u32],
+        dst: &[u32],
+        blocks: Range<u32>,
+        out: &mut Vec<WriteRange>,
+    ) -> Result<(), GeometryError> {
+        let consumer = auth.layout;
+        let refuse = |why: &str| GeometryError::TokenOrder {
+            producer: self.block_size,
+            consumer: consumer.block_size,
+            why: why.into(),
+        };
+        let (Some(po), Some(co)) = (&self.token_order, &consumer.token_order) else {
+            return Err(refuse("a side does not say how its blocks hold their tokens"));
+        };
+        if auth.tokens == 0 {
+            return Err(refuse(
+                "the handshake does not say how many tokens the consumer loads",
+            ));
+        }
+        let num_layers = self.layers.len();
+        let (Some(pl), Some(cl)) = (
+            self.layers.get(layer as usize),
+            consumer.layers.get(layer as usize),
+        ) else {
+            return Err(GeometryError::LayerOutOfRange { layer, num_layers });
+        };
+        let (pb, cb) = (self.block_size as u64, consumer.block_size as u64);
+        let first = auth.first_block as u64;
+        let lo = (blocks.start as u64 * pb).max(first * cb);
+        let hi = (blocks.end as u64 * pb).min(auth.tokens as u64);
+        if lo >= hi {
+            return Ok(());
+        }
+        // The consumer's blocks and the producer's must hold every token.
+        let last = hi - 1;
+        if last / cb - first >= dst.len() as u64 {
+            return Err(GeometryError::OutsideAuthorization {
+                index: (last / cb - first).min(u32::MAX as u64) as u32,
+                authorized: dst.len(),
+            });
+        }
+        if last / pb >= src.len() as u64 {
+            return Err(GeometryError::OutsideSource {
+                index: (last / pb).min(u32::MAX as u64) as u32,
+                available: src.len(),
+            });
+        }
+        let mut pieces = Vec::new();
+        let mut t = lo;
+        while t < hi {
+            let (src_at, dst_at) = (t % pb, t % cb);
+            let n = (pb - src_at).min(cb - dst_at).min(hi - t);
+            let (s, d) = (src[(t / pb) as usize], dst[(t / cb - first) as usize]);
+            if d != HOLE {
+                if s == HOLE {
+                    return Err(GeometryError::SourceReleased {
+                        layer,
+                        index: (t / pb) as u32,
+                    });
+                }
+                pieces.push(Piece {
+                    src: s,
+                    dst: d,
+                    src_at,
+                    dst_at,
+                    tokens: n,
+                });
+            }
+            t += n;
+        }
+        // Units sent: the whole block, or the KV heads both hold.
+        let (p, c) = (self.heads(), consumer.heads());
+        let units: Vec<(u64, u64)> = if p == c {
+            (0..po.units as u64).map(|u| (u, u)).collect()
+        } else {
+            let Heads { start, end } = p.overlap(c);
+            (start..end)
+                .map(|h| ((h - p.start) as u64, (h - c.start) as u64))
+                .collect()
+        };
+        let (Some(pu), Some(cu)) = (po.unit_bytes(self.block_size), co.unit_bytes(consumer.block_size))
+        else {
+            return Err(refuse("token order overflows"));
+        };
+        for (pp, cp) in pl.planes.iter().zip(&cl.planes) {
+            let first_range = out.len();
+            for &(su, du) in &units {
+                let (mut src_part, mut dst_part) = (su * pu, du * cu);
+                for part in &po.parts {
+                    let tb = part.token_bytes;
+                    for r in 0..part.rows as u64 {
+                        let (src_row, dst_row) = (src_part + r * pb * tb, dst_part + r * cb * tb);
+                        for piece in &pieces {
+                            let range = WriteRange {
+                                src: pp.block_addr(piece.src) + src_row + piece.src_at * tb,
+                                dst: cp.block_addr(piece.dst) + dst_row + piece.dst_at * tb,
+                                len: piece.tokens * tb,
+                            };
+                            push_merged(out, first_range, range);
+                        }
+                    }
+                    src_part += part.rows as u64 * pb * tb;
+                    dst_part += part.rows as u64 * cb * tb;
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -712,6 +977,7 @@ pub(crate) mod tests {
         p.check_compatible(&c).unwrap();
         let dst = [4, 5, HOLE, 9];
         let auth = Target {
+            tokens: 0,
             layout: &c,
             block_ids: &dst,
             first_block: 0,

@@ -128,6 +128,31 @@ pub fn host_rank_with(
     start_rank(mem, layout, cfg)
 }
 
+/// [`host_rank`] whose blocks hold `block_size` tokens in `order` (one
+/// unit a head: vLLM's head-major layouts), block bytes following from it.
+pub fn host_rank_tokens(
+    layers: u32,
+    blocks: u32,
+    block_size: u32,
+    order: crate::layout::TokenOrder,
+    heads: u32,
+    fill: impl Fn(usize) -> u8,
+) -> HostRank {
+    let unit: u64 = order
+        .parts
+        .iter()
+        .map(|p| p.rows as u64 * block_size as u64 * p.token_bytes)
+        .sum();
+    let block_bytes = unit * order.units as u64;
+    let size = (layers as u64 * blocks as u64 * block_bytes) as usize;
+    let mut mem: Vec<u8> = (0..size).map(fill).collect();
+    let base = mem.as_mut_ptr() as u64;
+    let mut layout = KvLayout::packed(base, layers, blocks, block_bytes, (0, 1), heads);
+    layout.block_size = block_size;
+    layout.token_order = Some(order);
+    start_rank(mem, layout, test_config())
+}
+
 /// A rank of vLLM's hybrid shape: `tensors` arrays of `blocks` blocks of
 /// `block_bytes` in host memory (one head), and one layer for each
 /// `(group, tensor)` of `layers`, in that order: layers of different groups

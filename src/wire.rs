@@ -76,12 +76,21 @@ pub struct Handshake {
     /// clocks must agree to well within `orbitkv.pd.timeout_s` (NTP).
     #[serde(default)]
     pub expires_unix_ms: u64,
+    /// The request's tokens the consumer loads, counted from the request's
+    /// start (its prompt): what a producer of another block size writes up
+    /// to. 0 (absent): not said; only an equal block size is served then.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub tokens: u32,
     /// Where a producer that stages writes instead of the pages: a region of
     /// the consumer's registered staging memory, authorized for this
     /// request and generation like `block_ids` (`crate::staging`). Absent:
     /// producers write the pages directly.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub staging: Option<StagingGrant>,
+}
+
+fn is_zero_u32(v: &u32) -> bool {
+    *v == 0
 }
 
 /// Milliseconds since the Unix epoch, on this host's clock.
@@ -99,6 +108,7 @@ impl Handshake {
             layout: &self.layout,
             block_ids: &self.block_ids,
             first_block: self.first_block,
+            tokens: self.tokens,
         }
     }
 
@@ -141,6 +151,18 @@ impl Handshake {
         parse_endpoint(&self.endpoint).map_err(|e| ProtocolError::Endpoint(e.to_string()))?;
         self.layout.validate()?;
         self.layout.validate_blocks(&self.block_ids)?;
+        if self.tokens != 0 {
+            // The authorized blocks reach the block holding the last token.
+            let size = self.layout.block_size.max(1) as u64;
+            let end = self.first_block as u64 + self.layout.request_blocks(self.block_ids.len()) as u64;
+            let needed = (self.tokens as u64).div_ceil(size);
+            if needed > end {
+                return Err(malformed(&format!(
+                    "{} tokens take {needed} blocks of {size}, the handshake authorizes blocks up to {end}",
+                    self.tokens
+                )));
+            }
+        }
         if self.staging.is_some() && self.layout.groups() > 1 {
             return Err(malformed("staging for a layout of several KV cache groups"));
         }
@@ -573,6 +595,7 @@ mod tests {
 
     fn handshake() -> Handshake {
         Handshake {
+            tokens: 0,
             version: WIRE_VERSION,
             request_id: RequestId::new("req-1"),
             capability: cap(),

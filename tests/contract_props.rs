@@ -690,6 +690,7 @@ impl Model {
         // breaks; the sequence says which is newer.
         let generation = Generation(1_000 - 10 * k as u64);
         let handshake = Arc::new(Handshake {
+            tokens: 0,
             version: WIRE_VERSION,
             request_id: rid(),
             capability: cap(),

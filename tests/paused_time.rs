@@ -213,6 +213,7 @@ fn layout() -> KvLayout {
 /// hour from now.
 fn handshake_for(request: &str) -> Handshake {
     let h = Handshake {
+        tokens: 0,
         version: orbitkv::wire::WIRE_VERSION,
         request_id: RequestId::new(request),
         capability: cap(),

@@ -1032,3 +1032,93 @@ fn a_source_block_given_back_fails_a_layer_decode_needs_from_it_and_writes_nothi
     assert_untouched(&consumer, 0, 6);
     assert_ne!(wait_released(&producer.runtime, &req).0, Outcome::Done);
 }
+
+/// Prefill of 4-token blocks, decode of 8-token blocks, vLLM's CPU token
+/// order (a head's K transposed, then its V), through real Mooncake: every
+/// token decode loads lands where decode keeps it, byte for byte; the
+/// bytes past the last token and every other block stay untouched; a
+/// prefill that stops reporting before the last token fails the request.
+#[test]
+fn blocks_of_another_size_are_written_token_by_token_through_mooncake() {
+    use orbitkv::layout::{TokenOrder, TokenPart};
+    let order = TokenOrder {
+        units: 2,
+        parts: vec![
+            TokenPart {
+                rows: 4,
+                token_bytes: 2,
+            },
+            TokenPart {
+                rows: 1,
+                token_bytes: 8,
+            },
+        ],
+    };
+    let p = orbitkv::testing::host_rank_tokens(2, 16, 4, order.clone(), 2, src_pattern);
+    let c = orbitkv::testing::host_rank_tokens(2, 8, 8, order, 2, |_| GUARD);
+    let (src, dst) = ([3u32, 9, 4, 5, 12, 0, 7], [6u32, 1, 2, 7]);
+    let req = RequestId::new("req-block-sizes");
+    let hs = c
+        .runtime
+        .consumer_open_tokens(req.clone(), cap(), 0, dst.to_vec(), 1, 27)
+        .unwrap();
+    p.runtime
+        .producer_open(req.clone(), src.to_vec(), cap(), 1)
+        .unwrap();
+    p.runtime.producer_handshake(hs).unwrap();
+    // Two chunks, the second resending the partial block that ends the first.
+    for l in 0..2 {
+        p.runtime.layer_ready(&req, l, 0..3).unwrap();
+        p.runtime.layer_ready(&req, l, 2..7).unwrap();
+    }
+    p.runtime.producer_finish(&req).unwrap();
+    let got = outcome(&c.runtime);
+    assert!(matches!(got, RuntimeEvent::ConsumerCompleted { .. }), "{got:?}");
+    assert_eq!(wait_released(&p.runtime, &req).0, Outcome::Done);
+    // Byte `i` of row `r` of part `k` of head `h`, token `t` of a block of
+    // `bs` tokens (16 bytes a token and head: 4 rows of 2, 1 row of 8).
+    let at = |bs: usize, h: usize, k: usize, r: usize, t: usize, i: usize| {
+        let unit = bs * 16;
+        let (part, tb) = if k == 0 { (0, 2) } else { (bs * 8, 8) };
+        h * unit + part + (r * bs + t) * tb + i
+    };
+    for l in 0..2 {
+        for t in 0..32 {
+            let d = block(&c, l, dst[t / 8]);
+            for h in 0..2 {
+                for (k, rows, tb) in [(0, 4, 2), (1, 1, 8)] {
+                    for r in 0..rows {
+                        for i in 0..tb {
+                            let got = d[at(8, h, k, r, t % 8, i)];
+                            if t < 27 {
+                                let s = block(&p, l, src[t / 4]);
+                                assert_eq!(got, s[at(4, h, k, r, t % 4, i)], "layer {l} token {t}");
+                            } else {
+                                assert_eq!(got, GUARD, "layer {l}: token {t} is past the prompt");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        for b in (0..8).filter(|b| !dst.contains(b)) {
+            assert_untouched(&c, l, b);
+        }
+    }
+    // A prefill that reports blocks 0..6 (24 of the 27 tokens) and finishes.
+    let req = RequestId::new("req-block-sizes-short");
+    let hs = c
+        .runtime
+        .consumer_open_tokens(req.clone(), cap(), 0, vec![3, 4, 5, 0], 1, 27)
+        .unwrap();
+    p.runtime
+        .producer_open(req.clone(), src.to_vec(), cap(), 1)
+        .unwrap();
+    p.runtime.producer_handshake(hs).unwrap();
+    for l in 0..2 {
+        p.runtime.layer_ready(&req, l, 0..6).unwrap();
+    }
+    p.runtime.producer_finish(&req).unwrap();
+    let got = outcome(&c.runtime);
+    assert!(matches!(got, RuntimeEvent::ConsumerFailed { .. }), "{got:?}");
+}

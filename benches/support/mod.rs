@@ -25,6 +25,7 @@ pub fn layout(base: u64, num_blocks: u32) -> KvLayout {
     const BLOCK: u64 = 32 << 10;
     let plane_bytes = num_blocks as u64 * BLOCK;
     KvLayout {
+        token_order: None,
         num_blocks,
         block_size: 16,
         total_kv_heads: 8,

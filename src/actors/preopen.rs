@@ -485,6 +485,7 @@ mod tests {
     /// generations).
     fn hs(request: &str, c: char, sequence: u64, blocks: u32) -> Arc<Handshake> {
         Arc::new(Handshake {
+            tokens: 0,
             version: WIRE_VERSION,
             request_id: RequestId::new(request),
             capability: cap(c),

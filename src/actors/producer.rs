@@ -356,7 +356,7 @@ impl ProducerCore {
             spare: Vec::new(),
             request: Arc::new(request.clone()),
             lanes: None,
-            machine: ProducerMachine::new(request),
+            machine: ProducerMachine::new(request).with_block_size(shared.local.block_size),
             rank: ProducerRank(shared.local.tp_rank),
             src_blocks,
             shared,

@@ -266,6 +266,21 @@ impl Runtime {
         block_ids: Vec<u32>,
         producer_tp: u32,
     ) -> Result<Handshake, RuntimeError> {
+        self.consumer_open_tokens(request, capability, first_block, block_ids, producer_tp, 0)
+    }
+
+    /// [`Self::consumer_open`] saying how many of the request's tokens
+    /// (counted from its start) the consumer loads, which a producer of
+    /// another block size needs (`Handshake::tokens`; 0: not said).
+    pub fn consumer_open_tokens(
+        &self,
+        request: RequestId,
+        capability: Capability,
+        first_block: u32,
+        block_ids: Vec<u32>,
+        producer_tp: u32,
+        tokens: u32,
+    ) -> Result<Handshake, RuntimeError> {
         if producer_tp == 0 {
             return Err(GeometryError::TensorParallel("producer TP size 0".into()).into());
         }
@@ -298,6 +313,7 @@ impl Runtime {
             // may start a write after it (see `Handshake::expires_unix_ms`).
             expires_unix_ms: crate::wire::unix_ms_now()
                 .saturating_add(self.cfg.consumer_timeout.as_millis() as u64),
+            tokens,
             // The request directory grants it when staging pays (see
             // `RequestDirectory::consumer_open`).
             staging: None,

@@ -93,6 +93,7 @@ pub(crate) mod test_support {
     /// generation's value (a test of order set them apart).
     pub(crate) fn hs_layers(generation: u64, blocks: Vec<u32>, layers: u32) -> Arc<Handshake> {
         Arc::new(Handshake {
+            tokens: 0,
             version: WIRE_VERSION,
             request_id: rid(),
             capability: crate::ids::Capability::parse(&"c".repeat(32)).unwrap(),

@@ -113,6 +113,8 @@ pub struct ProducerMachine {
     deferred: Vec<(u32, Range<u32>, MarkSeq)>,
     next_write: WriteId,
     finished: bool,
+    /// Tokens per block on this (producer) side; `None`: the consumer's.
+    block_size: Option<u32>,
     /// The first error or abort; it decides the outcome.
     stop: Option<(Outcome, String)>,
     bytes: u64,
@@ -129,9 +131,17 @@ impl ProducerMachine {
             deferred: Vec::new(),
             next_write: 1,
             finished: false,
+            block_size: None,
             stop: None,
             bytes: 0,
         }
+    }
+
+    /// The producer's tokens per block, where it may differ from the
+    /// consumer's (what rule 7 counts the reported blocks in).
+    pub fn with_block_size(mut self, block_size: u32) -> Self {
+        self.block_size = Some(block_size);
+        self
     }
 
     pub fn phase(&self) -> ProducerPhase {
@@ -262,18 +272,22 @@ impl ProducerMachine {
     }
 
     /// The first (layer, block) of the authorization that no `LayerReady`
-    /// covered, said in words; `None` when every layer of request blocks
-    /// `first_block..first_block + n` was reported (`n`: the blocks of each
-    /// group's segment of `block_ids`).
+    /// covered, said in words; `None` when every layer of the tokens the
+    /// consumer loads was reported: request blocks
+    /// `first_block..first_block + n` of the consumer (`n`: the blocks of
+    /// each group's segment of `block_ids`), up to its `tokens` where it
+    /// says them. Counted in
+    /// tokens, so a producer of another block size is held to the same rule.
     fn uncovered(&self) -> Option<String> {
         let auth = self.auth.as_ref()?;
-        let start = auth.first_block;
-        let Some(end) = u32::try_from(auth.layout.request_blocks(auth.block_ids.len()))
-            .ok()
-            .and_then(|n| start.checked_add(n))
-        else {
-            return Some("authorization larger than a request can be".into());
-        };
+        let cb = auth.layout.block_size.max(1) as u64;
+        let pb = self.block_size.map_or(cb, |b| b.max(1) as u64);
+        let start = auth.first_block as u64 * cb;
+        let blocks = auth.layout.request_blocks(auth.block_ids.len()) as u64;
+        let mut end = (auth.first_block as u64 + blocks) * cb;
+        if auth.tokens != 0 {
+            end = end.min(auth.tokens as u64);
+        }
         if start >= end {
             return None;
         }
@@ -289,15 +303,16 @@ impl ProducerMachine {
             spans.sort_by_key(|r| r.start);
             let mut reach = start;
             for s in &spans {
-                if s.start > reach {
+                if s.start as u64 * pb > reach {
                     break;
                 }
-                reach = reach.max(s.end);
+                reach = reach.max(s.end as u64 * pb);
             }
             if reach < end {
                 return Some(format!(
-                    "prefill finished without saving layer {layer} of request block {reach} \
-                     (blocks {start}..{end} were authorized): the per-layer save hook was skipped"
+                    "prefill finished without saving layer {layer} of request block {} \
+                     (tokens {start}..{end} were authorized): the per-layer save hook was skipped",
+                    reach / pb
                 ));
             }
         }

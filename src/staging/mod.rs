@@ -212,6 +212,11 @@ pub fn staged_bytes(layout: &KvLayout, capacity: u32) -> Option<u64> {
 /// both hold the same heads (units are whole blocks). Otherwise the staged
 /// orders differ and the producer writes pages directly.
 pub fn staging_compatible(producer: &KvLayout, consumer: &KvLayout) -> bool {
+    // Staged orders are block by block: blocks of another number of tokens
+    // are written into the pages, token by token (`KvLayout::plan_tokens`).
+    if producer.block_size != consumer.block_size {
+        return false;
+    }
     let whole_blocks =
         || !producer.head_major && !consumer.head_major && producer.heads_range() == consumer.heads_range();
     let heads = || {

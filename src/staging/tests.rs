@@ -45,6 +45,7 @@ fn kv(
 
 fn handshake(consumer: &KvLayout, first: u32, ids: Vec<u32>, grant: Option<StagingGrant>) -> Handshake {
     Handshake {
+        tokens: 0,
         version: WIRE_VERSION,
         request_id: crate::ids::RequestId::new("r"),
         capability: crate::ids::Capability::parse(&"7".repeat(32)).unwrap(),

@@ -417,8 +417,11 @@ impl PyRuntime {
     /// side channels and is never logged. With `publish_to`
     /// (`[(host:port, producer rank)]`) the runtime also sends it there
     /// from its own threads (signed with the runtime's `side_channel_key`),
-    /// and fails a rank that refuses it at once.
-    #[pyo3(signature = (request_id, capability_hex, first_block, block_ids, producer_tp, publish_to=None))]
+    /// and fails a rank that refuses it at once. `tokens`: the request's
+    /// tokens decode loads, counted from its start (its prompt length),
+    /// which a prefill of another block size needs (0: not said; only an
+    /// equal block size is served then).
+    #[pyo3(signature = (request_id, capability_hex, first_block, block_ids, producer_tp, publish_to=None, tokens=0))]
     #[allow(clippy::too_many_arguments)] // mirrors the Python signature
     fn consumer_open(
         &self,
@@ -429,12 +432,13 @@ impl PyRuntime {
         block_ids: Vec<u32>,
         producer_tp: u32,
         publish_to: Option<Vec<(String, u32)>>,
+        tokens: u32,
     ) -> PyResult<String> {
         let cap = capability(py, capability_hex)?;
         let rt = self.rt(py)?;
         let request = RequestId::new(request_id);
         py.detach(move || {
-            let h = rt.consumer_open(request, cap, first_block, block_ids, producer_tp)?;
+            let h = rt.consumer_open_tokens(request, cap, first_block, block_ids, producer_tp, tokens)?;
             if let Some(targets) = publish_to {
                 rt.consumer_publish(&h, targets)?;
             }

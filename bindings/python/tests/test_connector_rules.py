@@ -788,9 +788,9 @@ class RaisingRuntime(RecordingRuntime):
             raise AttributeError(name)
         sig = inspect.signature(getattr(orbitkv.Runtime, name))  # spec'd, as RecordingRuntime
 
-        def call(*a: Any) -> Any:
-            sig.bind(self, *a)
-            self.calls.append((name, *a))
+        def call(*a: Any, **kw: Any) -> Any:
+            sig.bind(self, *a, **kw)
+            self.calls.append((name, *a, *kw.items()))
             if name in ("layer_ready", "producer_finish", "producer_add_blocks", "producer_abort"):
                 raise orbitkv.UnknownRequestError("released", kind="UnknownRequest", request_id=a[0])
             if name == "consumer_open":

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import orbitkv
-from orbitkv.vllm.layout import kv_layout_of
+from orbitkv.vllm.layout import cpu_kernel_parts, kv_layout_of
 
 DT = torch.bfloat16
 ES = 2
@@ -87,6 +87,7 @@ class Backend:
     order: dict[str, tuple[int, ...]]
     block: Callable[[torch.Tensor, int], torch.Tensor]
     heads_dim: int  # of the block view
+    tokens_dim: int = 1  # of the block view
 
 
 # get_kv_cache_shape / get_kv_cache_stride_order, vLLM 0.26:
@@ -138,6 +139,34 @@ def check_bytes(
         assert slices_are_heads == head_major
 
 
+def check_token_order(raw: torch.Tensor, kv: torch.Tensor, be: Backend, lay: dict[str, Any], layer: int = 0) -> None:
+    """Writes token t of block b through vLLM's view and finds it exactly
+    where the layout's ``token_order`` says (``src/layout.rs``'s
+    ``TokenOrder``: units, parts of rows of tokens), in every plane, and
+    nowhere else: what a peer of another block size is written by."""
+    order = lay["token_order"]
+    bs = lay["block_size"]
+    unit = sum(p["rows"] * bs * p["token_bytes"] for p in order["parts"])
+    flat = raw.view(torch.uint8)
+    for b in (0, NB - 1):
+        for t in (0, 5, bs - 1):
+            raw.zero_()
+            be.block(kv, b).select(be.tokens_dim, t).fill_(1.0)
+            want = torch.zeros_like(flat, dtype=torch.bool)
+            for p in lay["layers"][layer]["planes"]:
+                start = p["base"] - raw.data_ptr() + b * p["block_stride"]
+                for u in range(order["units"]):
+                    at = start + u * unit
+                    for part in order["parts"]:
+                        tb = part["token_bytes"]
+                        for r in range(part["rows"]):
+                            off = at + (r * bs + t) * tb
+                            want[off : off + tb] = True
+                        at += part["rows"] * bs * tb
+            # bf16 1.0 is 0x3f80: both bytes of every element are set.
+            assert torch.equal(flat != 0, want), f"block {b} token {t}"
+
+
 def llama(
     be: Backend, kv_layout: str, heads: int, head_size: int
 ) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
@@ -167,6 +196,12 @@ def test_packed_kv_backends(
     assert lay["head_major"] == (kv_layout == "HND" or heads == 1)
     for i, raw in enumerate(raws):
         check_bytes(raw, caches[name(i)], PACKED, expect[i], lay["head_major"], heads)
+    # HND: a unit a head, a token's K and V of one head a row; NHD: one
+    # unit, a token's K and V of every head a row.
+    hnd = kv_layout == "HND" or heads == 1
+    row = 2 * head_size * ES * (1 if hnd else heads)
+    assert lay["token_order"] == {"units": heads if hnd else 1, "parts": [{"rows": 1, "token_bytes": row}]}
+    check_token_order(raws[1], caches[name(1)], PACKED, lay, 1)
 
 
 @pytest.mark.parametrize("total,head_size", GEOMETRIES)
@@ -188,6 +223,7 @@ def test_kv_first_planes(total: int, head_size: int, tp: tuple[int, int], accept
     assert lay["head_major"] == (heads == 1)
     for i, raw in enumerate(raws):
         check_bytes(raw, caches[name(i)], ROCM, expect[i], lay["head_major"], heads)
+    check_token_order(raws[0], caches[name(0)], ROCM, lay)
 
 
 @pytest.mark.parametrize("total,head_size", GEOMETRIES)
@@ -203,6 +239,8 @@ def test_kv_inside_block_one_plane(total: int, head_size: int, tp: tuple[int, in
     assert lay["head_major"] == (heads == 1)
     for i, raw in enumerate(raws):
         check_bytes(raw, caches[name(i)], HPC, expect[i], lay["head_major"], heads)
+    assert lay["token_order"]["parts"][0]["rows"] == 2  # K's row, then V's
+    check_token_order(raws[0], caches[name(0)], HPC, lay)
 
 
 def test_kv_dim_outside_heads_is_one_plane(accepts: Accepts) -> None:
@@ -218,6 +256,7 @@ def test_kv_dim_outside_heads_is_one_plane(accepts: Accepts) -> None:
     assert not lay["head_major"]
     accepts(lay)
     check_bytes(raw, t, HPC, lay["layers"][0]["planes"], False, heads)
+    check_token_order(raw, t, HPC, lay)
 
 
 def test_hybrid_restrided_kv_first_is_one_plane(accepts: Accepts) -> None:
@@ -234,6 +273,7 @@ def test_hybrid_restrided_kv_first_is_one_plane(accepts: Accepts) -> None:
     assert not lay["head_major"]
     accepts(lay)
     check_bytes(raw, t, ROCM, lay["layers"][0]["planes"], False, heads)
+    check_token_order(raw, t, ROCM, lay)
 
 
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
@@ -272,16 +312,23 @@ def test_padded_pages(accepts: Accepts) -> None:
     assert planes == [{"base": raw.data_ptr(), "block_stride": page_elems * ES, "block_bytes": prod(shape[1:]) * ES}]
     accepts(lay)
     check_bytes(raw, t, PACKED, planes, False, heads)
+    check_token_order(raw, t, PACKED, lay)
 
 
 @pytest.mark.parametrize("total,head_size", GEOMETRIES)
 @pytest.mark.parametrize("tp", TPS)
 def test_cpu_layout_unchanged(total: int, head_size: int, tp: tuple[int, int], accepts: Accepts) -> None:
-    """vLLM's CPU layout gives what the contiguity-based code gave."""
+    """vLLM's CPU layout gives what the contiguity-based code gave, and the
+    CPU kernels' token order where the worker found it (``cpu_parts``)."""
     heads = total // tp[1]
     raws, caches = llama(CPU, "HND", heads, head_size)
     assert all(t.is_contiguous() for t in caches.values())
-    lay = layout(caches, heads, total, tp, accepts)
+    parts = [{"rows": head_size, "token_bytes": ES}, {"rows": 1, "token_bytes": head_size * ES}]
+    lay, _ = kv_layout_of(caches, NB, heads, total, BS, tp[0], tp[1], cpu=True, cpu_parts=parts)
+    accepts(lay)
+    assert lay.pop("token_order") == {"units": heads, "parts": parts}
+    unknown, _ = kv_layout_of(caches, NB, heads, total, BS, tp[0], tp[1], cpu=True, cpu_parts=None)
+    assert "token_order" not in unknown
     block_bytes = heads * BS * 2 * head_size * ES
     assert lay == {
         "num_blocks": NB,
@@ -294,6 +341,39 @@ def test_cpu_layout_unchanged(total: int, head_size: int, tp: tuple[int, int], a
             {"planes": [{"base": r.data_ptr(), "block_stride": block_bytes, "block_bytes": block_bytes}]} for r in raws
         ],
     }
+
+
+@pytest.mark.parametrize("dtype,block_size,head_size", [(torch.float32, 32, 64), (torch.bfloat16, 16, 64), (torch.float32, 128, 80)])
+def test_cpu_kernel_parts_are_the_kernels_own(dtype: torch.dtype, block_size: int, head_size: int) -> None:
+    """vLLM's CPU kernels (``vec`` and ``vec16``) keep a head's K
+    transposed, then its V: found by writing through the kernel itself."""
+    es = torch.empty((), dtype=dtype).element_size()
+    assert cpu_kernel_parts(dtype, block_size, head_size) == [
+        {"rows": head_size, "token_bytes": es},
+        {"rows": 1, "token_bytes": head_size * es},
+    ]
+
+
+def test_cpu_kernel_parts_refuse_a_kernel_that_keeps_tokens_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that keeps K untransposed (another vLLM, another ISA) is not
+    taken for the known order: no token order, so a peer of another block
+    size is refused rather than written wrongly."""
+    import vllm._custom_ops as ops
+
+    def untransposed(key, value, kc, vc, slots, isa, **_):  # type: ignore[no-untyped-def]
+        bs = kc.shape[2]
+        for i, s in enumerate(slots.tolist()):
+            kc[s // bs, :, s % bs] = key[i]
+            vc[s // bs, :, s % bs] = value[i]
+
+    monkeypatch.setattr(ops, "cpu_attn_reshape_and_cache", untransposed)
+    assert cpu_kernel_parts(torch.float32, 32, 64) is None
+
+    def broken(*_, **__):  # type: ignore[no-untyped-def]
+        raise RuntimeError("no such kernel")
+
+    monkeypatch.setattr(ops, "cpu_attn_reshape_and_cache", broken)
+    assert cpu_kernel_parts(torch.float32, 32, 64) is None
 
 
 # ---- layouts that cannot be served -------------------------------------------

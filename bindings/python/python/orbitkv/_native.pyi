@@ -357,6 +357,7 @@ class Runtime:
         block_ids: list[int],
         producer_tp: int,
         publish_to: list[tuple[str, int]] | None = None,
+        tokens: int = 0,
     ) -> str:
         """Decode side: authorizes `block_ids` for request blocks `first_block..`
         of `request_id`, expecting the producers of a prefill instance of TP
@@ -367,7 +368,10 @@ class Runtime:
         side channels and is never logged. With `publish_to`
         (`[(host:port, producer rank)]`) the runtime also sends it there
         from its own threads (signed with the runtime's `side_channel_key`),
-        and fails a rank that refuses it at once."""
+        and fails a rank that refuses it at once. `tokens`: the request's
+        tokens decode loads, counted from its start (its prompt length),
+        which a prefill of another block size needs (0: not said; only an
+        equal block size is served then)."""
 
     def consumer_send_cancel(self, request_id: str, capability_hex: str, reason: str, addrs: list[str]) -> None:
         """Decode side: sends the cancel of `request_id` (it gave the request up

@@ -169,6 +169,8 @@ class InstanceSpec:
     data_host: str = HOST
     # ``NetnsLink`` it runs inside, or None.
     netns: Any = None
+    # Extra vLLM arguments of this instance alone (after the cluster's).
+    args: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -186,7 +188,9 @@ class Cluster:
     ``trace``: sets ``ORBITKV_TRACE`` so each instance's worker writes a
     Chrome trace (``trace.prefill.json``, ``trace.decode.json``).
     ``prefill_env``/``decode_env``: extra environment (test hooks).
-    ``vllm_args``: extra arguments for both servers. ``connector=False``
+    ``vllm_args``: extra arguments for both servers; ``prefill_args``,
+    ``decode_args``: for one of them (after ``vllm_args``: e.g. another
+    ``--block-size`` on each). ``connector=False``
     starts both servers without a connector (and no proxy).
     ``prefill_netns``: a created :class:`orbitkv.testing.netns.NetnsLink`;
     the prefill then runs inside it, its API on the control link and its
@@ -216,6 +220,8 @@ class Cluster:
         prefill_config: dict[str, Any] | None = None,
         decode_config: dict[str, Any] | None = None,
         vllm_args: Sequence[str] = (),
+        prefill_args: Sequence[str] = (),
+        decode_args: Sequence[str] = (),
         connector: bool = True,
         start_timeout_s: float = 300.0,
         prefill_tp: int = 1,
@@ -248,6 +254,7 @@ class Cluster:
             {**common, **(prefill_config or {})},
             dict(prefill_env or {}),
             tp=prefill_tp,
+            args=list(prefill_args),
         )
         self.decode = InstanceSpec(
             "decode",
@@ -258,6 +265,7 @@ class Cluster:
             dict(decode_env or {}),
             kv_load_failure_policy,
             tp=decode_tp,
+            args=list(decode_args),
         )
         self.more_prefills = [
             InstanceSpec(
@@ -267,6 +275,7 @@ class Cluster:
                 str(i % 2),
                 dict(self.prefill.extra_config),
                 dict(self.prefill.env),
+                args=list(prefill_args),
             )
             for i in range(more_prefills)
         ]
@@ -376,6 +385,7 @@ class Cluster:
             str(spec.port),
             *(["--tensor-parallel-size", str(spec.tp)] if spec.tp > 1 else []),
             *self.vllm_args,
+            *spec.args,
         ]
         if self.connector:
             argv += ["--kv-transfer-config", json.dumps(self.kv_transfer_config(spec))]

@@ -76,10 +76,26 @@ def _block_and_kv_dims(t: torch.Tensor, num_blocks: int) -> tuple[int, int | Non
     raise ValueError("no block dimension")
 
 
+def _token_order(t: torch.Tensor, order: list[int], tokens: int | None, heads: int | None, es: int) -> dict[str, Any] | None:
+    """How a block of ``t`` holds its tokens (``src/layout.rs``'s
+    ``TokenOrder``), from the memory order of its dims: the dims outside the
+    token dim are rows (one unit a head when heads are outermost), those
+    inside it a token's bytes. ``None`` where the token dim is not known or
+    not live (one token a block)."""
+    if tokens is None or tokens not in order:
+        return None
+    at = order.index(tokens)
+    rows = prod(t.shape[d] for d in order[:at])
+    token_bytes = prod(t.shape[d] for d in order[at + 1 :]) * es
+    units = t.shape[heads] if heads is not None and order[0] == heads else 1
+    return {"units": units, "parts": [{"rows": rows // units, "token_bytes": token_bytes}]}
+
+
 def _layer_planes(
     name: str, t: torch.Tensor, num_blocks: int, local_heads: int, block_size: int
-) -> tuple[list[_Plane], bool]:
-    """A layer's planes and whether its blocks are head-major."""
+) -> tuple[list[_Plane], bool, dict[str, Any] | None]:
+    """A layer's planes, whether its blocks are head-major, and how they
+    hold their tokens as the shape says (vLLM's GPU layouts)."""
     es = t.element_size()
     where = f"KV cache {name!r} (shape {tuple(t.shape)}, strides {tuple(t.stride())}, {t.dtype})"
     try:
@@ -118,7 +134,8 @@ def _layer_planes(
         if len(offsets) > 1 and offsets[1] * es < (num_blocks - 1) * stride + block_bytes:
             continue
         hm = heads is not None and (t.shape[heads] == 1 or order[0] == heads)
-        return [_Plane(t.data_ptr() + o * es, stride, block_bytes) for o in offsets], hm
+        planes = [_Plane(t.data_ptr() + o * es, stride, block_bytes) for o in offsets]
+        return planes, hm, _token_order(t, order, tokens, heads, es)
     raise ValueError(f"{where}: a block is not one dense range of memory, which OrbitKV needs; {FIX}")
 
 
@@ -131,6 +148,8 @@ def kv_layout_of(
     tp_rank: int,
     tp_size: int,
     layer_group: dict[str, int] | None = None,
+    cpu: bool = False,
+    cpu_parts: list[dict[str, int]] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """The OrbitKV layout (as the JSON-ready dict the runtime takes) of a
     rank's KV tensors, and the layer names in layer order.
@@ -140,15 +159,21 @@ def kv_layout_of(
     where each of K's and V's blocks is. ``layer_group``: each layer's KV
     cache group under vLLM's hybrid manager (absent: group 0); layers of
     different groups share their tensors there, which the runtime accepts
-    for exact copies of a plane in different groups. Raises ``ValueError``
-    naming the tensor and the fix when a layout cannot be served.
+    for exact copies of a plane in different groups. ``cpu``: the tensors
+    are vLLM's CPU backend's, whose kernels keep a block's tokens in their
+    own order, ``cpu_parts`` (:func:`cpu_kernel_parts`; ``None``: not
+    known); otherwise the order is read from the shape. Raises
+    ``ValueError`` naming the tensor and the fix when a layout cannot be
+    served.
     """
     names = sorted(kv_caches, key=_layer_index)
     layers = []
     head_major = True
+    orders = []
     for name in names:
-        planes, hm = _layer_planes(name, kv_caches[name], num_blocks, local_heads, block_size)
+        planes, hm, order = _layer_planes(name, kv_caches[name], num_blocks, local_heads, block_size)
         head_major = head_major and hm
+        orders.append(order)
         layer: dict[str, Any] = {"planes": [p.as_dict() for p in planes]}
         group = (layer_group or {}).get(name, 0)
         if group:
@@ -163,4 +188,49 @@ def kv_layout_of(
         "head_major": head_major,
         "layers": layers,
     }
+    # How blocks hold their tokens (what serves a peer of another block
+    # size): on vLLM's CPU backend the kernel's own order (``cpu_parts``, a
+    # head a unit; ``None``: not known), else as the shape says, where every
+    # layer agrees.
+    if cpu:
+        order = {"units": local_heads, "parts": cpu_parts} if cpu_parts and head_major else None
+    else:
+        order = orders[0] if orders and all(o == orders[0] for o in orders) else None
+    if order is not None:
+        layout["token_order"] = order
     return layout, names
+
+
+def cpu_kernel_parts(dtype: torch.dtype, block_size: int, head_size: int) -> list[dict[str, int]] | None:
+    """How vLLM's CPU attention kernels keep a head's tokens in a block: K
+    transposed (``head_size`` rows of one element a token), then V (one row
+    of ``head_size`` elements a token), as ``TokenOrder`` parts. Checked by
+    writing a known K and V through the kernel vLLM picks for this dtype,
+    block size and head size (its ``_get_attn_isa``) into a scratch cache of
+    two blocks; ``None`` when the kernel keeps them otherwise or cannot be
+    asked (then a peer of another block size is refused)."""
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        isa = _get_attn_isa(dtype, block_size, head_size)
+        heads, blocks, n = 2, 2, 2 * block_size
+        cache = torch.zeros(blocks, heads, block_size, 2 * head_size, dtype=dtype)
+        kc, vc = cache.view(blocks, heads, 2 * block_size, head_size).chunk(2, dim=2)
+        # Small integers, exact in every float dtype the kernels take.
+        code = torch.arange(n * heads * head_size) % 251 + 1
+        key = code.view(n, heads, head_size).to(dtype)
+        value = (-code).view(n, heads, head_size).to(dtype)
+        ops.cpu_attn_reshape_and_cache(key, value, kc, vc, torch.arange(n, dtype=torch.int64), isa)
+        want = torch.empty_like(cache).view(blocks, heads, 2, -1)
+        for b in range(blocks):
+            tok = slice(b * block_size, (b + 1) * block_size)
+            # [tokens, heads, head_size] -> per head: K [head_size, tokens], V [tokens, head_size]
+            want[b, :, 0] = key[tok].permute(1, 2, 0).reshape(heads, -1)
+            want[b, :, 1] = value[tok].permute(1, 0, 2).reshape(heads, -1)
+        if not torch.equal(cache.view(blocks, heads, 2, -1), want):
+            return None
+    except Exception:  # noqa: BLE001 - any failure means: not known
+        return None
+    es = torch.empty((), dtype=dtype).element_size()
+    return [{"rows": head_size, "token_bytes": es}, {"rows": 1, "token_bytes": head_size * es}]

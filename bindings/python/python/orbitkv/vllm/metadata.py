@@ -18,6 +18,9 @@ class ConsumerOpen:
     block_ids: list[int]
     prefill_kv: str
     prefill_tp: int
+    # The request's tokens decode loads, from its start (its prompt length):
+    # what a prefill of another block size writes up to.
+    tokens: int = 0
 
 
 @dataclass

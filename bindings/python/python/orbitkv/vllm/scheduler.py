@@ -306,7 +306,16 @@ class PdScheduler:
         self._consumers[rid] = _Consumer(p.request, frozenset(blocks_of(fresh)))
         assert p.prefill_kv is not None
         self._next.consumers_open.append(
-            ConsumerOpen(rid, p.request, p.capability, first_block, list(fresh), p.prefill_kv, p.prefill_tp)
+            ConsumerOpen(
+                rid,
+                p.request,
+                p.capability,
+                first_block,
+                list(fresh),
+                p.prefill_kv,
+                p.prefill_tp,
+                tokens=len(request.prompt_token_ids or ()),
+            )
         )
 
     def build_connector_meta(self, so: SchedulerOutput) -> PdConnectorMetadata:

@@ -32,7 +32,7 @@ from orbitkv.staging import BlockIndex, StagingCopier
 from orbitkv.vllm._testing import faults_from_env
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.groups import KvGroups, blocks_of
-from orbitkv.vllm.layout import kv_layout_of
+from orbitkv.vllm.layout import cpu_kernel_parts, kv_layout_of
 from orbitkv.vllm.ledger import Ledger
 from orbitkv.vllm.metadata import PdConnectorMetadata, ProducerChunk
 from orbitkv.vllm.params import MOONCAKE
@@ -162,6 +162,11 @@ class PdWorker:
         pc = self.vllm_config.parallel_config
         first = next(iter(kv_caches.values()))
         num_blocks = first.shape[1] if first.shape[0] == 2 else first.shape[0]
+        # The CPU kernels keep a block's tokens in their own order, checked
+        # once here (what serves a prefill or decode of another block size).
+        cpu_parts = (
+            None if self.is_cuda else cpu_kernel_parts(first.dtype, self.groups.block_size, mc.get_head_size())
+        )
         layout, names = kv_layout_of(
             kv_caches,
             num_blocks=num_blocks,
@@ -171,6 +176,8 @@ class PdWorker:
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
             layer_group=self.groups.layer_group,
+            cpu=not self.is_cuda,
+            cpu_parts=cpu_parts,
         )
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._layer_names = list(names)
@@ -185,14 +192,17 @@ class PdWorker:
         with _any_core(not self.is_cuda):
             self._start_transport(kv_caches, layout)
         logger.info(
-            "OrbitKV rank %d/%d: mooncake %s, side channel %s, %d layers, %d blocks, head_major=%s",
+            "OrbitKV rank %d/%d: mooncake %s, side channel %s, %d layers, %d blocks of %d tokens, head_major=%s, "
+            "token order %s",
             self.tp_rank,
             self.tp_size,
             self.engine.endpoint if self.engine else "?",
             self.side_channel.address if self.side_channel else "?",
             len(names),
             num_blocks,
+            self.groups.block_size,
             layout["head_major"],
+            layout.get("token_order", "unknown (a prefill or decode of another block size is refused)"),
         )
 
     def _start_transport(self, kv_caches: dict[str, torch.Tensor], layout: dict[str, Any]) -> None:
@@ -522,7 +532,9 @@ class PdWorker:
             # The runtime sends the handshake from its own threads (never
             # waiting for this process's GIL) and fails at once a rank that
             # refuses it or where nothing listens.
-            rt.consumer_open(c.pd_id, c.capability, c.first_block, c.block_ids, c.prefill_tp, targets)
+            rt.consumer_open(
+                c.pd_id, c.capability, c.first_block, c.block_ids, c.prefill_tp, targets, tokens=c.tokens
+            )
         except OrbitKVError as e:
             # Nothing was authorized: vLLM recomputes the prompt here.
             logger.warning("request %s: KV cannot be received (%s); decode recomputes it", c.req_id, e)
