@@ -721,9 +721,26 @@ mod tests {
     /// blocks `first..first + n`, finishes it, completes every write, and
     /// returns the outcome and reason it notified.
     fn finish_with(first: u32, n: u32, ready: &[(u32, Range<u32>)]) -> (Outcome, Option<String>) {
+        finish_sized(first, n, None, 0, ready)
+    }
+
+    /// [`finish_with`] for a producer whose blocks hold `producer_block`
+    /// tokens (the consumer's 16 when `None`) and a consumer that loads
+    /// `tokens` (0: not said).
+    fn finish_sized(
+        first: u32,
+        n: u32,
+        producer_block: Option<u32>,
+        tokens: u32,
+        ready: &[(u32, Range<u32>)],
+    ) -> (Outcome, Option<String>) {
         let mut p = ProducerMachine::new(rid());
+        if let Some(b) = producer_block {
+            p = p.with_block_size(b);
+        }
         let mut auth = (*hs(1, (10..10 + n).collect())).clone();
         auth.first_block = first;
+        auth.tokens = tokens;
         p.on_event(ProducerEvent::Handshake(Arc::new(auth)));
         let mut writes = Vec::new();
         for (layer, blocks) in ready {
@@ -892,6 +909,28 @@ mod tests {
         assert_eq!(finish_with(0, 2, &[]).0, Outcome::Failed);
         // blocks before first_block are the consumer's own: not needed
         assert_eq!(finish_with(2, 1, &[(0, 2..3), (1, 2..3)]), (Outcome::Done, None));
+        // Blocks of 8 tokens into blocks of 16, 43 tokens loaded (three
+        // consumer blocks): prefill blocks 0..6 cover them, 0..5 do not;
+        // with decode's first block its own, prefill blocks from 2 on.
+        let both = |r: Range<u32>| [(0, r.clone()), (1, r)];
+        assert_eq!(
+            finish_sized(0, 3, Some(8), 43, &both(0..6)),
+            (Outcome::Done, None)
+        );
+        let (o, why) = finish_sized(0, 3, Some(8), 43, &both(0..5));
+        assert_eq!(o, Outcome::Failed);
+        assert!(why.unwrap().contains("of request block 5"));
+        assert_eq!(
+            finish_sized(1, 2, Some(8), 43, &both(2..6)),
+            (Outcome::Done, None)
+        );
+        assert_eq!(finish_sized(1, 2, Some(8), 43, &both(3..6)).0, Outcome::Failed);
+        // And the other way: blocks of 32 into blocks of 16.
+        assert_eq!(
+            finish_sized(0, 3, Some(32), 43, &both(0..2)),
+            (Outcome::Done, None)
+        );
+        assert_eq!(finish_sized(0, 3, Some(32), 43, &both(0..1)).0, Outcome::Failed);
         // the handshake arrives after Finish: the same rule
         let mut p = ProducerMachine::new(rid());
         p.on_event(layer_ready(0, 0..1));
