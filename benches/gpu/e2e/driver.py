@@ -52,6 +52,25 @@ says what happened when):
 ``b-eager``
     The load runs again in eager mode, if time is left.
 
+Two stages run only when named, before the others (issue 47):
+
+``m-mla``
+    MLA: a DeepSeek-V2-Lite-shaped model (random weights, made here: latent
+    rank 512, rope 64, nope 128, v 128, no q LoRA, dense MLP, ``--mla-layers``)
+    per MLA attention backend of ``--mla-backends`` (``--attention-backend``;
+    optionally a KV dtype): one engine and an OrbitKV pair per mode
+    (``direct``: staging off; ``staging``: every request through
+    ``orbitkv.pd.staging_mb``), all of the cell on that backend; stage a's
+    checks with ``--cell-concurrent`` prompts at once compared against the
+    engine's one-by-one answers and its own answers to the same prompts at
+    once; then prefill's KV compared with decode's byte for byte
+    (``kv_digest.py``, a vLLM worker extension reached through the dev-mode
+    ``/collective_rpc``).
+``f-fp8``
+    The same for the small bf16 Llama per KV cache dtype of
+    ``--kv-cache-dtypes`` (``--kv-cache-dtype``; optionally a backend), with
+    what vLLM's attention selector offers on the GPU per dtype.
+
 With ``--router`` the systems of stages b and c gain ``orbit-router``: the
 same OrbitKV prefill + decode pair as ``orbit`` (no other instances), fronted
 by vllm-router (``--vllm-pd-disaggregation``, its default ``nixl`` mode: the
@@ -118,6 +137,7 @@ class Ctx:
         self._log = open(self.out / "progress.log", "a", buffering=1)
         self.rng = random.Random(args.seed)
         self.used_ports: set[int] = set()
+        self._port_lock = threading.Lock()
         self.plan: dict[str, Any] = {}
         self.router_info: dict[str, Any] | None = None  # how vllm-router runs here (find_router)
 
@@ -135,6 +155,10 @@ class Ctx:
         tmp.rename(self.out / f"{name}.json")
 
     def port(self) -> int:
+        with self._port_lock:  # the m-/f- stages' cells start proxies from threads
+            return self._port()
+
+    def _port(self) -> int:
         while True:
             with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
                 s.bind((HOST, 0))
@@ -188,6 +212,13 @@ class ModelSpec:
     weights: bool  # False: config and tokenizer only (vLLM --load-format dummy)
     init_range: float = 0.05
     seed: int = 20261130
+    # "llama", or "deepseek_v2" (MLA: one latent plane per layer, kv_lora_rank +
+    # qk_rope_head_dim wide; no q LoRA; every layer a dense MLP)
+    arch: str = "llama"
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
 
 
 def make_model(spec: ModelSpec, root: Path) -> str:
@@ -222,6 +253,10 @@ def make_model(spec: ModelSpec, root: Path) -> str:
         model_max_length=spec.max_pos,
     )
     hf_tok.save_pretrained(out)
+    if spec.arch == "deepseek_v2":
+        make_mla_model(spec, out)
+        marker.write_text(want)
+        return str(out)
     config = LlamaConfig(
         vocab_size=spec.vocab,
         hidden_size=spec.hidden,
@@ -250,6 +285,70 @@ def make_model(spec: ModelSpec, root: Path) -> str:
         config.save_pretrained(out)
     marker.write_text(want)
     return str(out)
+
+
+def make_mla_model(spec: ModelSpec, out: Path) -> None:
+    """A DeepSeek-V2-shaped model (MLA) with random weights, written by hand
+    (config.json and one safetensors file, the tensor names vLLM's
+    DeepseekV2ForCausalLM loads), so that it does not depend on how a
+    transformers version builds or names that model: no q LoRA (``q_proj``),
+    ``kv_a_proj_with_mqa`` to the latent (``kv_lora_rank``) and the rope key
+    (``qk_rope_head_dim``), ``kv_b_proj`` up from the latent, and a dense MLP
+    in every layer (``first_k_dense_replace`` = the layer count: the MoE
+    kernels are not in the device bundle). Weights normal(0, init_range),
+    norms one, seeded."""
+    import torch
+    from safetensors.torch import save_file
+
+    dt = getattr(torch, spec.dtype)
+    g = torch.Generator().manual_seed(spec.seed)
+    rnd = lambda *shape: (torch.randn(*shape, generator=g) * spec.init_range).to(dt)  # noqa: E731
+    one = lambda n: torch.ones(n, dtype=dt)  # noqa: E731
+    H, nh, inter = spec.hidden, spec.heads, spec.inter
+    rank, rope, nope, v = spec.kv_lora_rank, spec.qk_rope_head_dim, spec.qk_nope_head_dim, spec.v_head_dim
+    t = {"model.embed_tokens.weight": rnd(spec.vocab, H), "model.norm.weight": one(H), "lm_head.weight": rnd(spec.vocab, H)}
+    for i in range(spec.layers):
+        p = f"model.layers.{i}."
+        t.update({
+            p + "input_layernorm.weight": one(H),
+            p + "post_attention_layernorm.weight": one(H),
+            p + "self_attn.q_proj.weight": rnd(nh * (nope + rope), H),
+            p + "self_attn.kv_a_proj_with_mqa.weight": rnd(rank + rope, H),
+            p + "self_attn.kv_a_layernorm.weight": one(rank),
+            p + "self_attn.kv_b_proj.weight": rnd(nh * (nope + v), rank),
+            p + "self_attn.o_proj.weight": rnd(H, nh * v),
+            p + "mlp.gate_proj.weight": rnd(inter, H),
+            p + "mlp.up_proj.weight": rnd(inter, H),
+            p + "mlp.down_proj.weight": rnd(H, inter),
+        })
+    save_file(t, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = {
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2",
+        "vocab_size": spec.vocab, "hidden_size": H, "intermediate_size": inter,
+        "moe_intermediate_size": 1408, "num_hidden_layers": spec.layers,
+        "num_attention_heads": nh, "num_key_value_heads": nh,
+        "n_shared_experts": 2, "n_routed_experts": 64, "num_experts_per_tok": 6,
+        "routed_scaling_factor": 1.0, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
+        "moe_layer_freq": 1, "first_k_dense_replace": spec.layers, "norm_topk_prob": False,
+        "scoring_func": "softmax", "aux_loss_alpha": 0.001, "seq_aux": True,
+        "hidden_act": "silu", "max_position_embeddings": spec.max_pos, "initializer_range": spec.init_range,
+        "rms_norm_eps": 1e-6, "use_cache": True, "pad_token_id": 2, "bos_token_id": 0, "eos_token_id": 1,
+        "tie_word_embeddings": False, "rope_theta": 10000.0, "rope_scaling": None,
+        "attention_bias": False, "attention_dropout": 0.0,
+        "q_lora_rank": None, "kv_lora_rank": rank, "qk_rope_head_dim": rope, "qk_nope_head_dim": nope,
+        "v_head_dim": v, "torch_dtype": spec.dtype,
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": 0, "eos_token_id": 1, "do_sample": False}))
+
+
+def mla_spec(ctx: Ctx) -> ModelSpec:
+    """DeepSeek-V2-Lite's attention (16 heads, latent rank 512, rope 64, nope
+    128, v 128, hidden 2048, dense MLP 10944) with ``--mla-layers`` layers and
+    a small vocabulary; bf16 (the MLA backends take 16-bit KV or fp8)."""
+    n = ctx.args.mla_layers
+    return ModelSpec(f"dsv2-lite-shape-{n}l", n, 2048, 16, 1, 576, 10944, 8192, 16384, "bfloat16", True,
+                     arch="deepseek_v2", kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
 
 
 def small_spec(ctx: Ctx, dtype: str) -> ModelSpec:
@@ -775,9 +874,20 @@ def allow_prefill(pre: Server, dec: Server) -> None:
 STAGING_CFG = {"orbitkv.pd.staging_mb": 8192, "orbitkv.pd.staging_min_ranges": 1}
 
 
-def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, tol: float) -> dict[str, Any]:
+def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, tol: float, *,
+                seed_extra: int = 0, boundary: list[int] | None = None, conc_n: int = 16,
+                staged: bool | None = None, digest: bool = False, split_reps: int = 0) -> dict[str, Any]:
+    """Stage a's checks of one OrbitKV pair against one engine (the cases
+    below). The keywords serve the m-/f- stages: ``seed_extra`` other fresh
+    prompts (two pairs that share one engine must not hit its prefix cache
+    with each other's prompts), ``boundary`` the block-boundary lengths,
+    ``conc_n`` the prompts sent at once, ``staged`` whether every P/D request
+    must have had a staging grant (default ``--staging``), ``digest``: once
+    both are idle, prefill's and decode's KV slots compared byte for byte
+    (kv_digest.py)."""
     single, pre, dec = trio
-    rng = random.Random(ctx.args.seed + (1 if spec.dtype == "bfloat16" else 0) + (2 if single.eager else 0))
+    rng = random.Random(ctx.args.seed + (1 if spec.dtype == "bfloat16" else 0) + (2 if single.eager else 0)
+                        + seed_extra)
     V = spec.vocab
     fresh = lambda n: [rng.randrange(len(SPECIALS), V) for _ in range(n)]  # noqa: E731
     G = ctx.args.gen
@@ -800,7 +910,7 @@ def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, t
         return c
 
     n_pd = 0
-    for n in ctx.args.boundary_lengths:
+    for n in (ctx.args.boundary_lengths if boundary is None else boundary):
         case(f"block boundary {n}", fresh(n))
         n_pd += 1
     for n in ctx.args.long_lengths:
@@ -822,29 +932,70 @@ def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, t
     n_pd += 2
     case("streamed", fresh(333), stream=True)
     n_pd += 1
-    # 16 at once: references one by one first
-    conc = [fresh(rng.randrange(40, ctx.args.concurrent_max)) for _ in range(16)]
+    if digest:
+        # the sequential cases' KV, before the prompts sent at once (whose
+        # chunks share the prefill's steps) add theirs
+        wait_idle([pre, dec], 30)
+        res["kv_bytes_sequential"] = kv_bytes_check(ctx, pre, dec, n_pd)
+    for r in range(split_reps):
+        # a prompt's last block across two prefill steps, with another
+        # request in the first: P0 (max_num_batched_tokens tokens) keeps the
+        # prefill busy while P1 (mnbt - 100) and P2 (110) queue; the next step
+        # takes P1 whole and P2's first 100 tokens, so P2's last chunk starts
+        # inside its final block (slot 36 of 64, slot 4 of 16)
+        trio_ids = [fresh(mnbt), fresh(max(1, mnbt - 100)), fresh(110)]
+        srefs = [ask(single.url, x, G, spec.name) for x in trio_ids]
+
+        def go(ix: tuple[int, list[int]]) -> Answer:
+            time.sleep(0.01 * ix[0])
+            return ask(proxy_url, ix[1], G, spec.name)
+
+        with cf.ThreadPoolExecutor(3) as ex:
+            sgots = list(ex.map(go, enumerate(trio_ids)))
+        for i, (rf, g, x) in enumerate(zip(srefs, sgots, trio_ids)):
+            c = {"case": f"chunk split {r + 1}/P{i}", "prompt_tokens": len(x), "stream": False, **compare(rf, g, tol),
+                 "pd_s": round(g.total_s, 3)}
+            res["cases"].append(c)
+        ctx.log(f"  chunk split {r + 1}: {[c['verdict'] for c in res['cases'][-3:]]}")
+        n_pd += 3
+    if split_reps and digest:
+        wait_idle([pre, dec], 30)
+        res["kv_bytes_split"] = kv_bytes_check(ctx, pre, dec, n_pd)
+    # conc_n at once: references one by one first
+    conc = [fresh(rng.randrange(40, ctx.args.concurrent_max)) for _ in range(conc_n)]
     refs = [ask(single.url, ids, G, spec.name) for ids in conc]
-    with cf.ThreadPoolExecutor(16) as ex:
+    with cf.ThreadPoolExecutor(conc_n) as ex:
         gots = list(ex.map(lambda ids: ask(proxy_url, ids, G, spec.name), conc))
     verdicts = [compare(r, g, tol) for r, g in zip(refs, gots)]
-    # control: the single engine itself, the same 16 at once, against its own one-by-one answers
-    with cf.ThreadPoolExecutor(16) as ex:
+    # control: the single engine itself, the same prompts at once, against its own one-by-one answers
+    with cf.ThreadPoolExecutor(conc_n) as ex:
         ctrl = list(ex.map(lambda ids: ask(single.url, ids, G, spec.name), conc))
-    res["control_single_concurrent_vs_sequential"] = [compare(r, g, tol)["verdict"] for r, g in zip(refs, ctrl)]
-    ctx.log(f"  control, single engine 16 at once vs one by one: {res['control_single_concurrent_vs_sequential']}")
-    cc = {"case": "16 concurrent", "prompt_tokens": [len(x) for x in conc],
-          "verdicts": [v["verdict"] for v in verdicts], "details": [v for v in verdicts if v["verdict"] != "equal"]}
+    ctrl_cmp = [compare(r, g, tol) for r, g in zip(refs, ctrl)]
+    res["control_single_concurrent_vs_sequential"] = [c["verdict"] for c in ctrl_cmp]
+    res["control_single_concurrent_details"] = [dict(c, i=i) for i, c in enumerate(ctrl_cmp) if c["verdict"] != "equal"]
+    ctx.log(f"  control, single engine {conc_n} at once vs one by one: {res['control_single_concurrent_vs_sequential']}")
+    # P/D at once against the single engine at once (the same prompts, both batched):
+    # what batching alone does is then on both sides
+    vs_conc = [compare(r, g, tol) for r, g in zip(ctrl, gots)]
+    res["pd_concurrent_vs_single_concurrent"] = [v["verdict"] for v in vs_conc]
+    res["pd_concurrent_vs_single_concurrent_details"] = [dict(v, i=i) for i, v in enumerate(vs_conc)
+                                                         if v["verdict"] != "equal"]
+    cc = {"case": f"{conc_n} concurrent", "prompt_tokens": [len(x) for x in conc],
+          "verdicts": [v["verdict"] for v in verdicts],
+          "details": [dict(v, i=i) for i, v in enumerate(verdicts) if v["verdict"] != "equal"]}
     cc["verdict"] = "equal" if all(v == "equal" for v in cc["verdicts"]) else (
         "near-tie" if all(v in ("equal", "near-tie") for v in cc["verdicts"]) else "mismatch")
     res["cases"].append(cc)
-    ctx.log(f"  16 concurrent: {cc['verdicts']}")
-    n_pd += 16
+    ctx.log(f"  {conc_n} concurrent: {cc['verdicts']}; against the single engine's concurrent answers: "
+            f"{res['pd_concurrent_vs_single_concurrent']}")
+    n_pd += conc_n
     res["pd_requests"] = n_pd
     res["idle_after"] = wait_idle([pre, dec], 60)
+    if digest:
+        res["kv_bytes"] = kv_bytes_check(ctx, pre, dec, n_pd)
     after = {s.name: snapshot(s.url) for s in (pre, dec)}
     res["metrics_delta"] = {s.name: delta(before[s.name], after[s.name]) for s in (pre, dec)}
-    flat = [c["verdict"] for c in res["cases"] if c["case"] != "16 concurrent"] + cc["verdicts"]
+    flat = [c["verdict"] for c in res["cases"] if c is not cc] + cc["verdicts"]
     res["counts"] = {v: flat.count(v) for v in sorted(set(flat))}
     d = res["metrics_delta"][dec.name]
     p = res["metrics_delta"][pre.name]
@@ -853,15 +1004,154 @@ def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, t
     res["bytes_written"] = p.get("vllm:orbitkv_bytes_written_total")
     res["staging_granted"] = d.get("vllm:orbitkv_staging_granted_total")
     res["layers_staged"] = p.get("vllm:orbitkv_layers_staged_total")
-    staged_ok = not ctx.args.staging or (res["staging_granted"] or 0) >= n_pd
+    staged_ok = not (ctx.args.staging if staged is None else staged) or (res["staging_granted"] or 0) >= n_pd
     ok_tokens = all(v in ("equal", "near-tie") for v in flat)
+    kvb = res.get("kv_bytes")
+    bytes_ok = kvb is None or bool(kvb.get("ok"))
     # every P/D request must have had its KV over the connector (a request the
     # connector refuses is served as a plain request on decode: equal output,
     # nothing transferred)
     res["pass"] = bool(ok_tokens and all(x["idle"] for x in res["idle_after"].values())
                        and (res["transfers_completed"] or 0) >= n_pd and not res["transfers_failed"]
-                       and (res["bytes_written"] or 0) > 0 and staged_ok)
+                       and (res["bytes_written"] or 0) > 0 and staged_ok and bytes_ok)
     return res
+
+
+def kv_digest(s: Server, timeout_s: float = 120, slots: list[int] | None = None) -> dict[str, Any]:
+    """The instance's KV slot digests and their slots (kv_digest.py, through
+    vLLM's dev-mode ``/collective_rpc``), with ``slots``: also those slots'
+    per-layer digests; the first worker's answer, or {"error": ...}."""
+    args = ["index"] + ([json.dumps(slots)] if slots else [])
+    body = json.dumps({"method": "orbitkv_kv_digest", "timeout": timeout_s, "args": args}).encode()
+    try:
+        req = urllib.request.Request(s.url + "/collective_rpc", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout_s + 10) as r:
+            res = json.loads(r.read())
+        out = (res.get("results") or [None])[0]
+        return out if isinstance(out, dict) else {"error": f"unexpected answer: {str(res)[:300]}"}
+    except Exception as e:  # noqa: BLE001 - recorded
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+def kv_missing_detail(pidx: list[int], p: list[int], didx: list[int], d: list[int], missing: list[int], spb: int,
+                      limit: int = 40) -> list[dict[str, Any]]:
+    """Per prefill block with slots missing on decode (the first ``limit``):
+    how many slots prefill wrote in it, which are missing, the decode block
+    that holds its other slots (from the slots that matched, at the same
+    offsets), and what decode holds at each missing slot there: ``unwritten``
+    (zero: never written), ``differs`` (other bytes), or ``prefill B/S``
+    (the bytes of another prefill slot: a block of another request or
+    position)."""
+    pmap = dict(zip(pidx, p))
+    dmap = dict(zip(didx, d))
+    dinv = {x: i for i, x in zip(didx, d)}
+    pinv = {x: i for i, x in zip(pidx, p)}
+    by_block: dict[int, list[int]] = {}
+    for i in missing:
+        by_block.setdefault(i // spb, []).append(i % spb)
+    written: dict[int, int] = {}
+    for i in pidx:
+        written[i // spb] = written.get(i // spb, 0) + 1
+    out = []
+    for b in sorted(by_block)[:limit]:
+        miss = by_block[b]
+        cand: dict[int, int] = {}
+        for s in range(spb):
+            j = dinv.get(pmap.get(b * spb + s, 0)) if (b * spb + s) in pmap else None
+            if j is not None and j % spb == s:
+                cand[j // spb] = cand.get(j // spb, 0) + 1
+        db = max(cand, key=cand.get) if cand else None
+        state = {}
+        for s in miss:
+            if db is None:
+                state[s] = "no decode block"
+                continue
+            x = dmap.get(db * spb + s)
+            if x is None:
+                state[s] = "unwritten"
+            elif x in pinv:
+                state[s] = f"prefill {pinv[x] // spb}/{pinv[x] % spb}"
+            else:
+                state[s] = "differs"
+        out.append({"prefill_block": b, "prefill_written": written.get(b, 0), "missing": miss,
+                    "decode_block": db, "decode_blocks_matched": cand, "decode_at_missing": state})
+    return out
+
+
+def kv_bytes_check(ctx: Ctx, pre: Server, dec: Server, requests: int) -> dict[str, Any]:
+    """Whether decode holds, byte for byte, the KV that prefill computed.
+    Every token slot prefill wrote (its digest over all layers) must be among
+    decode's slots, but for the last token of each prompt: vLLM recomputes
+    the last token of a fully loaded prompt on decode, in decode's own batch,
+    so that token's KV may differ in the last bits. On GPU (a slot is a token
+    in every vLLM CUDA layout) a missing slot is *explained* when it is the
+    last one prefill wrote in its block (the next slot unwritten, or the
+    block's last slot); the check passes with no unexplained slot and at most
+    one explained per P/D request. A transfer that wrote wrong, stale or
+    another request's bytes leaves whole blocks (or layers) of slots
+    missing. On CPU vLLM's block layout mixes tokens within a block, so there
+    the unit is the block: at most one block per request with a missing
+    slot (its last)."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    from kv_digest import decode_digests
+
+    t0 = time.monotonic()
+    dp, dd = kv_digest(pre), kv_digest(dec)
+    out: dict[str, Any] = {"requests": requests,
+                           "prefill": {k: v for k, v in dp.items() if k not in ("digests", "index")},
+                           "decode": {k: v for k, v in dd.items() if k not in ("digests", "index")}}
+    if "error" in dp or "error" in dd:
+        out["ok"] = None
+        out["error"] = f"prefill: {dp.get('error')}; decode: {dd.get('error')}"
+        ctx.log(f"  KV bytes: not compared ({out['error'][:300]})")
+        return out
+    p, d = decode_digests(dp), decode_digests(dd)
+    pidx = decode_digests(dp, "index")
+    spb = dp.get("slots_per_block") or 1
+    written = set(pidx)
+    have = set(d)
+    missing = [i for i, x in zip(pidx, p) if x not in have]
+    last = lambda i: (i + 1) % spb == 0 or (i + 1) not in written  # noqa: E731
+    explained = [i for i in missing if last(i)]
+    unexplained = [i for i in missing if not last(i)]
+    blocks = sorted({i // spb for i in missing})
+    out["missing_blocks"] = kv_missing_detail(pidx, p, decode_digests(dd, "index"), d, missing, spb)
+    # per layer, for the missing slots not explained (at most 64): prefill's and decode's digests
+    pairs = [(b["prefill_block"] * spb + s_, b["decode_block"] * spb + s_) for b in out["missing_blocks"]
+             if b["decode_block"] is not None for s_ in b["missing"]][:64]
+    if pairs:
+        lp = kv_digest(pre, slots=[a for a, _ in pairs]).get("per_layer", {})
+        ld = kv_digest(dec, slots=[b for _, b in pairs]).get("per_layer", {})
+        out["missing_per_layer"] = [
+            {"prefill": [a // spb, a % spb], "decode": [b // spb, b % spb],
+             "layers": ["=" if x == y else ("decode 0" if y == "0" else ("prefill 0" if x == "0" else "differs"))
+                        for x, y in zip(lp.get(str(a), []), ld.get(str(b), []))]}
+            for a, b in pairs]
+    out.update({"prefill_slots_written": len(p), "decode_slots_written": len(d),
+                "prefill_slots_missing_on_decode": len(missing), "missing_last_in_block": len(explained),
+                "missing_elsewhere": len(unexplained), "blocks_with_missing": len(blocks),
+                "missing_elsewhere_first": [[i // spb, i % spb] for i in unexplained[:50]],
+                "granularity": dp.get("slot_granularity"), "slots_per_block": spb,
+                "seconds": round(time.monotonic() - t0, 2)})
+    per_block = {b: sum(1 for i in missing if i // spb == b) for b in blocks}
+    if ctx.cuda and dp.get("slot_granularity") == "token" and not unexplained:
+        out["rule"] = "token: no missing slot but a block's last written one, at most one per request"
+        out["ok"] = bool(p) and len(explained) <= requests
+    elif ctx.cuda and dp.get("slot_granularity") == "token":
+        # layouts that write every slot of a block they touch (fp8_per_token_head's
+        # inline scales): the last prompt slot is not known, so one missing slot
+        # per block, in at most one block per request
+        out["rule"] = "token: at most one missing slot per block, in at most one block per request"
+        out["ok"] = bool(p) and all(n == 1 for n in per_block.values()) and len(blocks) <= requests
+    else:
+        out["rule"] = "block: at most one block per request with a missing slot"
+        out["ok"] = bool(p) and len(blocks) <= requests
+    ctx.log(f"  KV bytes: {len(p)} slots written on prefill, {len(missing)} of them not on decode "
+            f"({len(explained)} a block's last written slot, {len(unexplained)} elsewhere; {len(blocks)} blocks; "
+            f"{requests} P/D requests): {'ok' if out['ok'] else 'NOT EQUAL'}")
+    return out
 
 
 def stage_a(ctx: Ctx, models: dict[str, tuple[ModelSpec, str]], eager: bool, on_ready: Callable[[dict], None] | None
@@ -930,6 +1220,258 @@ def stage_a(ctx: Ctx, models: dict[str, tuple[ModelSpec, str]], eager: bool, on_
     ctx.save(name, out)
     ctx.log(f"stage {name}: done")
     return out
+
+
+# ---- stages m-mla and f-fp8: one P/D pair per attention backend or KV dtype ----------------------
+
+
+# What vLLM 0.26 offers on this GPU, asked of its own selector: per model kind
+# (MLA / MHA) and KV cache dtype, the valid backends in priority order (the
+# first is vLLM's pick) and why the others are not valid.
+BACKEND_PROBE = r"""
+import json, sys, torch
+out = {}
+try:
+    import contextlib
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+    cap = current_platform.get_device_capability()
+    out["capability"] = str(cap)
+    # the MLA backends' checks read the current vLLM config (2026-12-04: without
+    # one they raised "Current vLLM config is not set")
+    ctx = contextlib.nullcontext()
+    try:
+        from vllm.config import VllmConfig, set_current_vllm_config
+        ctx = set_current_vllm_config(VllmConfig())
+    except Exception as e:
+        out["config_context"] = f"{type(e).__name__}: {e}"
+    ctx.__enter__()
+    for mla, hs, nh in ((True, 576, 16), (False, 128, 16)):
+        for kvd in json.loads(sys.argv[1]):
+            cfg = AttentionSelectorConfig(head_size=hs, dtype=torch.bfloat16, kv_cache_dtype=kvd, block_size=None,
+                                          use_mla=mla, use_kv_connector=True)
+            key = ("mla" if mla else "mha") + ":" + kvd
+            try:
+                valid, invalid = current_platform.get_valid_backends(cap, cfg, num_heads=nh)
+                out[key] = {"valid": [c.backend.name for c in valid],
+                            "invalid": {k.name: v[1] for k, v in invalid.items()}}
+            except Exception as e:
+                out[key] = {"error": f"{type(e).__name__}: {e}"}
+except Exception as e:
+    out["error"] = f"{type(e).__name__}: {e}"
+print(json.dumps(out))
+"""
+
+PROBE_DTYPES = ["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_per_token_head", "int8_per_token_head", "fp8_ds_mla"]
+
+
+def backend_probe(ctx: Ctx) -> dict[str, Any]:
+    try:
+        r = subprocess.run([ctx.args.python, "-c", BACKEND_PROBE, json.dumps(PROBE_DTYPES)], capture_output=True,
+                           text=True, timeout=240, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        if r.returncode == 0 and r.stdout.strip():
+            return json.loads(r.stdout.strip().splitlines()[-1])
+        return {"error": f"exit {r.returncode}: {r.stderr.strip()[-1500:]}"}
+    except (OSError, subprocess.TimeoutExpired, ValueError) as e:
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
+VLLM_PREFIX = re.compile(r"^(\(\w+ pid=\d+\) )?(\w+ \d\d-\d\d \d\d:\d\d:\d\d(\.\d+)? \[[^\]]*\] )?")
+EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Exit)\w*)(: .*)?$")
+
+
+def exception_line(log: Path | None) -> str | None:
+    """The last exception line of a log (``ValueError: ...``), vLLM's
+    per-line prefix taken off: why a server did not start."""
+    with contextlib.suppress(OSError, AttributeError):
+        for line in reversed(log.read_text(errors="replace").splitlines()):  # type: ignore[union-attr]
+            t = VLLM_PREFIX.sub("", line.strip()).strip()
+            if EXC_LINE.match(t) and not t.startswith(("EngineCore failed", "RuntimeError: Engine core initialization")):
+                return t[:600]
+    return None
+
+
+BACKEND_LINE = re.compile(r"Using (?:AttentionBackendEnum\.)?([A-Z][A-Z0-9_]+) (?:attention )?backend")
+
+
+def backend_used(log: Path | None) -> str | None:
+    """The attention backend vLLM says it uses (its selector's log line)."""
+    with contextlib.suppress(OSError, AttributeError):
+        m = BACKEND_LINE.findall(log.read_text(errors="replace"))  # type: ignore[union-attr]
+        if m:
+            return m[-1]
+    return None
+
+
+def parse_cells(text: str, first: str) -> list[tuple[str | None, str | None, list[str] | None]]:
+    """``--mla-backends`` (``BACKEND[:KV_DTYPE[:MODES]]``) or
+    ``--kv-cache-dtypes`` (``KV_DTYPE[:BACKEND[:MODES]]``), comma separated,
+    as (backend, kv dtype, modes) triples; ``auto`` or an empty backend:
+    vLLM's pick; MODES (``direct+staging``, ``direct``): this cell's pairs
+    (None: the stage's modes)."""
+    out: list[tuple[str | None, str | None, list[str] | None]] = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        a, b, m = (item.split(":") + ["", ""])[:3]
+        backend, dtype = (a, b) if first == "backend" else (b, a)
+        modes = [x for x in m.split("+") if x] or None
+        out.append((None if backend in ("", "auto") else backend, dtype or None, modes))
+    return out
+
+
+def cell_key(backend: str | None, dtype: str | None) -> str:
+    return "+".join(x for x in (backend or "auto", dtype) if x)
+
+
+CELL_MODES = ("direct", "staging")
+
+
+def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str,
+                cells: list[tuple[str | None, str | None, list[str] | None]],
+                modes: list[str], boundary: list[int], tol: float) -> dict[str, Any]:
+    """One engine and an OrbitKV pair per mode (``direct``: staging off, the
+    default; ``staging``: every request through ``orbitkv.pd.staging_mb``)
+    for each cell (an attention backend and/or a KV cache dtype, the same on
+    all of the cell's instances), every instance started at once on GPU 0;
+    then stage a's checks per pair (the cells in parallel, the pairs of one
+    cell one after the other: they share its engine), with ``--cell-concurrent``
+    prompts at once compared against the engine's one-by-one and its
+    at-once answers, and prefill's KV compared with decode's byte for byte."""
+    a = ctx.args
+    ctx.log(f"stage {name}: start ({len(cells)} cells, model {spec.name}): "
+            + ", ".join(f"{cell_key(b, d)} {m or modes}" for b, d, m in cells))
+    out: dict[str, Any] = {"stage": name, "started": time.time(), "model": spec.__dict__, "modes": modes,
+                           "eager": a.cell_eager, "kv_gib": a.cell_kv_gib, "tolerance_nats": tol,
+                           "concurrent": a.cell_concurrent, "cells": {}, "startup": {}}
+    probe: dict[str, Any] = {}
+    probe_t = threading.Thread(target=lambda: probe.update(backend_probe(ctx)), daemon=True)
+    probe_t.start()
+    tag = name.split("-", 1)[1]
+    groups: dict[str, dict[str, Any]] = {}
+    for backend, dtype, cell_modes in cells:
+        key = cell_key(backend, dtype)
+        extra = []
+        if backend:
+            extra += ["--attention-backend", backend]
+        if dtype:
+            extra += ["--kv-cache-dtype", dtype]
+        if a.small_mnbt:
+            extra += ["--max-num-batched-tokens", str(a.small_mnbt)]
+        env = {"TORCHINDUCTOR_COMPILE_THREADS": str(a.cell_compile_threads)}
+        if a.kv_digest:
+            extra += ["--worker-extension-cls", "kv_digest.KvDigest"]
+            env["VLLM_SERVER_DEV_MODE"] = "1"
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
+        slug = re.sub(r"[^a-z0-9]+", "-", key.lower()).strip("-")
+        # (on CPU, a dry run: decode instances on core 1, the rest on core 0)
+        mk = lambda role, conn, slug=slug, extra=extra, env=env: Server(  # noqa: E731
+            f"{tag}-{slug}-{role}", model, spec, int(not ctx.cuda and "decode" in role), conn, a.cell_eager, a.cell_kv_gib * GIB, spec.max_pos,
+            ctx.port(), ctx.port(), dict(env), list(extra))
+        g: dict[str, Any] = {"backend": backend, "kv_cache_dtype": dtype, "single": mk("single", "none"), "pairs": {}}
+        for mode in cell_modes or modes:
+            sfx = "" if mode == "direct" else "-st"
+            pre, dec = mk("prefill" + sfx, "orbit"), mk("decode" + sfx, "orbit")
+            allow_prefill(pre, dec)
+            if mode == "staging":
+                for s in (pre, dec):
+                    s.orbit_cfg.update({"orbitkv.pd.staging_mb": a.cell_staging_mb, "orbitkv.pd.staging_min_ranges": 1})
+            g["pairs"][mode] = (pre, dec)
+        groups[key] = g
+    members = {k: [g["single"], *(x for p in g["pairs"].values() for x in p)] for k, g in groups.items()}
+    servers = [s for m in members.values() for s in m]
+    for s in servers:
+        start_server(ctx, s)
+    start_timeout = max(60, min(a.start_timeout_s, ctx.left() - 60))
+    lock = threading.Lock()
+
+    def save() -> None:
+        with lock:
+            if not probe_t.is_alive():
+                out["backend_probe"] = probe
+            ctx.save(name, out)
+
+    def run_cell(key: str) -> None:
+        g = groups[key]
+        single = g["single"]
+        # each cell starts its checks once its own instances are up (one
+        # slow backend, e.g. a kernel compiled at start, holds up no other)
+        failed = wait_ready(ctx, members[key], start_timeout)
+        with lock:
+            for s in members[key]:
+                out["startup"][s.name] = {
+                    "ready_after_s": None if s.ready_s is None else round(s.ready_s - s.started_s, 1),
+                    "error": s.error, "argv": server_argv(ctx, s), "log_facts": log_facts(s.log),
+                    "backend": backend_used(s.log), **({"why": exception_line(s.log)} if s.error else {})}
+        c: dict[str, Any] = {"backend_asked": g["backend"], "kv_cache_dtype": g["kv_cache_dtype"],
+                             "backend_used": {s.name: backend_used(s.log) for s in
+                                              (single, *(x for p in g["pairs"].values() for x in p))},
+                             "pairs": {}}
+        with lock:
+            out["cells"][key] = c
+        if single.name in failed:
+            c["error"] = f"one engine did not start: {single.error}"
+            c["refused"] = exception_line(single.log) or True
+        for i, (mode, (pre, dec)) in enumerate(g["pairs"].items()):
+            r: dict[str, Any] = {"servers": [single.name, pre.name, dec.name]}
+            c["pairs"][mode] = r
+            bad = [s for s in (single, pre, dec) if s.name in failed]
+            if bad:
+                r["pass"] = False
+                r["error"] = "did not start: " + "; ".join(f"{s.name}: {(s.error or '')[:4000]}" for s in bad)
+                r["why"] = {s.name: exception_line(s.log) for s in bad}
+                continue
+            if ctx.left() < 60:
+                r["error"] = "skipped: out of time"
+                continue
+            proxy = None
+            try:
+                proxy, purl = start_proxy(ctx, "orbit", f"{pre.name}-proxy", pre, dec)
+                ctx.log(f"  {key} {mode}:")
+                r.update(correctness(ctx, spec, [single, pre, dec], purl, tol, seed_extra=100 * i, boundary=boundary,
+                                     conc_n=a.cell_concurrent, staged=(mode == "staging"), digest=a.kv_digest,
+                                     split_reps=a.chunk_split_reps))
+            except Exception as e:  # noqa: BLE001
+                r["pass"] = False
+                r["error"] = f"{type(e).__name__}: {e}"
+                r["traceback"] = traceback.format_exc()
+                r["server_errors"] = {s.name: error_excerpt(s.log, 40) for s in (single, pre, dec)}
+                ctx.log(f"  {key} {mode}: ERROR {type(e).__name__}: {str(e)[:300]}")
+            finally:
+                if proxy is not None:
+                    stop(ctx, [proxy])
+            r["servers_alive"] = {s.name: bool(s.proc and s.proc.alive()) for s in (single, pre, dec)}
+            save()
+
+    try:
+        with cf.ThreadPoolExecutor(max(1, a.cell_parallel)) as ex:
+            list(ex.map(run_cell, list(groups)))
+    finally:
+        stop(ctx, servers)
+    probe_t.join(timeout=max(1, min(120, ctx.left() - 30)))
+    out["backend_probe"] = probe
+    out["ended"] = time.time()
+    save()
+    ctx.log(f"stage {name}: done")
+    return out
+
+
+def stage_mla(ctx: Ctx) -> dict[str, Any]:
+    spec = mla_spec(ctx)
+    t = time.monotonic()
+    model = make_model(spec, ctx.work / "models")
+    ctx.log(f"MLA model made in {time.monotonic() - t:.1f}s: {model}")
+    modes = [m for m in ctx.args.cell_modes.split(",") if m]
+    return stage_cells(ctx, "m-mla", spec, model, parse_cells(ctx.args.mla_backends, "backend"), modes,
+                       ctx.args.mla_boundary_lengths, ctx.args.tol_bf16)
+
+
+def stage_fp8(ctx: Ctx) -> dict[str, Any]:
+    spec = small_spec(ctx, "bfloat16")
+    model = make_model(spec, ctx.work / "models")
+    modes = [m for m in ctx.args.fp8_modes.split(",") if m]
+    return stage_cells(ctx, "f-fp8", spec, model, parse_cells(ctx.args.kv_cache_dtypes, "dtype"), modes,
+                       ctx.args.boundary_lengths, ctx.args.tol_fp8)
 
 
 # ---- the Llama-3-8B-shaped instances (stages b and c) -------------------------------------------
@@ -1700,6 +2242,24 @@ def run(ctx: Ctx) -> int:
     stages = a.stages.split(",")
     ctx.log(f"driver: device={a.device} stages={stages} deadline={a.deadline_s}s out={ctx.out}")
     ctx.save("environment", environment(ctx))
+    # the new stages first (a run that names them is about them): MLA, then fp8 KV
+    try:
+        if "m-mla" in stages:
+            stage_mla(ctx)
+        if "f-fp8" in stages and ctx.left() > 150:
+            stage_fp8(ctx)
+    except BaseException as e:
+        ctx.log(f"driver: ERROR {type(e).__name__}: {e}")
+        ctx.save("driver-error", {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
+        with contextlib.suppress(Exception):
+            report(ctx.out)
+        raise
+    if not any(s in stages for s in ("a-default", "a-eager", "s-storm", "b-default", "c-default", "c-eager",
+                                     "b-eager")):
+        with contextlib.suppress(Exception):
+            report(ctx.out)
+        ctx.log(f"driver: done in {time.monotonic() - T0:.0f}s")
+        return 0
     t = time.monotonic()
     models: dict[str, tuple[ModelSpec, str]] = {}
     for dt in (["float32", "bfloat16"] if ctx.cuda else ["float32"]):
@@ -1856,6 +2416,82 @@ def ratio_rows(r: dict[str, Any]) -> list[str]:
     return out
 
 
+def _gaps(details: list[dict[str, Any]]) -> str:
+    """The reference's log-probability gap between the two chosen tokens at
+    each difference (chosen_gap), else its top-2 gap."""
+    out = []
+    for x in details:
+        g = x.get("chosen_gap", x.get("ref_top2_gap"))
+        out.append(f"{g:.3f}" if isinstance(g, (int, float)) else "?")
+    return ", ".join(out) or "-"
+
+
+def cell_report(st: str, r: dict[str, Any]) -> list[str]:
+    """The m-mla / f-fp8 tables: per cell and pair, the cases, the prompts
+    sent at once against both references, the gaps at the differences, the
+    KV counted and compared, idle, pass; then what vLLM's selector offers."""
+    what = "MLA (DeepSeek-V2-Lite shape)" if st == "m-mla" else "fp8 KV cache (small bf16 Llama)"
+    n = r.get("concurrent", 24)
+    lines = [f"## {st}: {what}, OrbitKV P/D vs one engine of the same backend and KV dtype"
+             + (" (eager)" if r.get("eager") else ""), "",
+             f"Model: {r.get('model', {}).get('name')}; {r.get('kv_gib')} GiB of KV per instance; tolerance "
+             f"{r.get('tolerance_nats')} nats; {n} prompts at once compared with the engine's one-by-one answers "
+             "(ref 1) and with its own answers to the same prompts at once (ref n). Gaps: at each difference, "
+             "the reference's log-probability of its token minus that of the P/D token.", "",
+             "| cell | backend used | mode | cases equal / near-tie / mismatch / error | at once vs ref 1 | "
+             "at once vs ref n | engine at once vs ref 1 | gaps at differences (vs ref 1; vs ref n) | "
+             "transfers / P/D requests / failed | staging grants | KV slots: prefill written / not on decode | "
+             "idle after | pass |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    cnt = lambda v: "/".join(str(v.count(x)) for x in ("equal", "near-tie", "mismatch")) if v else "-"  # noqa: E731
+    for key, c in r.get("cells", {}).items():
+        used = sorted({v for v in c.get("backend_used", {}).values() if v})
+        used_s = ", ".join(used) or "-"
+        if c.get("refused") and not c.get("pairs"):
+            lines.append(f"| {key} | {used_s} | | refused: {c['refused']} | | | | | | | | | **no** |")
+        for mode, m in c.get("pairs", {}).items():
+            if "counts" not in m:
+                why = ("did not start: " + "; ".join(f"{k.rsplit('-', 1)[-1]}: {v}" for k, v in m["why"].items())
+                       if m.get("why") else str(m.get("error", ""))[:300].replace("\n", " "))
+                lines.append(f"| {key} | {used_s} | {mode} | {why.replace('|', '/')} | | | | | | | | | **no** |")
+                continue
+            k = m["counts"]
+            cc = next((x for x in m["cases"] if "verdicts" in x), {})
+            diffs = [dict(x, case=x["case"]) for x in m["cases"] if x.get("verdict") not in ("equal", None)
+                     and "verdicts" not in x]
+            gaps = _gaps(diffs + cc.get("details", []))
+            gaps_n = _gaps(m.get("pd_concurrent_vs_single_concurrent_details", []))
+            kvb = m.get("kv_bytes") or {}
+            kv_s = (f"{kvb.get('prefill_slots_written')} / {kvb.get('prefill_slots_missing_on_decode')} "
+                    f"({kvb.get('missing_elsewhere')} not a block's last, {kvb.get('blocks_with_missing')} blocks)"
+                    + ("" if kvb.get("ok") else (" **not equal**" if kvb.get("ok") is False else " (not compared)"))
+                    if kvb else "-")
+            idle_ok = all(v.get("idle") for v in m.get("idle_after", {}).values())
+            lines.append(
+                f"| {key} | {used_s} | {mode} | {k.get('equal', 0)} / {k.get('near-tie', 0)} / {k.get('mismatch', 0)} / "
+                f"{k.get('error', 0) + k.get('reference error', 0)} | {cnt(cc.get('verdicts'))} | "
+                f"{cnt(m.get('pd_concurrent_vs_single_concurrent'))} | "
+                f"{cnt(m.get('control_single_concurrent_vs_sequential'))} | {gaps}; {gaps_n} | "
+                f"{m.get('transfers_completed')} / {m.get('pd_requests')} / {m.get('transfers_failed')} | "
+                f"{m.get('staging_granted')} | {kv_s} | {'yes' if idle_ok else '**NO**'} | "
+                f"{'yes' if m.get('pass') else '**no**'} |")
+    lines += ["", "(at once: equal/near-tie/mismatch counts of the prompts sent at once.)", ""]
+    pr = r.get("backend_probe") or {}
+    if pr:
+        lines += [f"vLLM's attention selector on this GPU ({pr.get('capability', '?')}): valid backends in priority "
+                  "order (the first is vLLM's pick), and why others are not.", "",
+                  "| model kind : KV dtype | valid | not valid (reasons) |", "|---|---|---|"]
+        if pr.get("error"):
+            lines.append(f"| probe failed | {str(pr['error'])[:300]} | |")
+        for k, v in pr.items():
+            if not isinstance(v, dict):
+                continue
+            inv = "; ".join(f"{b}: {', '.join(rs)[:120]}" for b, rs in v.get("invalid", {}).items())
+            lines.append(f"| {k} | {', '.join(v.get('valid', [])) or v.get('error', '-')} | {inv.replace('|', '/')} |")
+        lines.append("")
+    return lines
+
+
 def report(d: Path) -> str:
     """summary.md from the stage files in ``d``."""
     d = Path(d)
@@ -1923,6 +2559,10 @@ def report(d: Path) -> str:
             lines.append("Control, the single engine's own 16 concurrent answers against its one-by-one answers: " + "; ".join(
                 f"{k}: " + ", ".join(f"{v.count(x)} {x}" for x in sorted(set(v))) for k, v in ctrl.items()))
         lines.append("")
+    for st in ("m-mla", "f-fp8"):
+        r = _load(d, st)
+        if r:
+            lines += cell_report(st, r)
     for st in ("b-default", "b-eager"):
         r = _load(d, st)
         if not r:
@@ -2193,6 +2833,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ttft-reps", type=int, default=7)
     p.add_argument("--ttft-warmup", type=int, default=2)
     p.add_argument("--ttft-gen", type=int, default=2)
+    p.add_argument("--mla-backends", default="FLASH_ATTN_MLA,FLASHMLA,TRITON_MLA",
+                   help="m-mla: the MLA attention backends, BACKEND[:KV_DTYPE[:MODES]] comma separated (auto: vLLM's pick); "
+                        "each a cell: one engine and an OrbitKV pair per --cell-modes, all of that backend")
+    p.add_argument("--mla-layers", type=int, default=4, help="m-mla: layers of the DeepSeek-V2-Lite-shaped model")
+    p.add_argument("--mla-boundary-lengths", default="5,15,16,17,63,64,65,127,128,129",
+                   help="m-mla: block-boundary prompt lengths (the MLA backends' blocks are 16 or 64 tokens)")
+    p.add_argument("--cell-modes", default="direct,staging",
+                   help="m-mla: the OrbitKV pairs per cell: direct (staging off, the default), staging "
+                        "(orbitkv.pd.staging_mb --cell-staging-mb, staging_min_ranges 1: every request)")
+    p.add_argument("--kv-cache-dtypes", default="fp8,fp8_e4m3,fp8_e5m2",
+                   help="f-fp8: the KV cache dtypes, KV_DTYPE[:BACKEND[:MODES]] comma separated (no backend: "
+                        "vLLM's pick; MODES e.g. direct+staging: this cell's pairs, else --fp8-modes); each a "
+                        "cell of the small bf16 Llama")
+    p.add_argument("--fp8-modes", default="direct,staging", help="f-fp8: the OrbitKV pairs per cell (as --cell-modes)")
+    p.add_argument("--cell-kv-gib", type=float, default=1.0, help="m-mla, f-fp8: KV of each instance")
+    p.add_argument("--cell-staging-mb", type=int, default=1024, help="m-mla, f-fp8: staging_mb of a staging pair")
+    p.add_argument("--cell-concurrent", type=int, default=24, help="m-mla, f-fp8: prompts sent at once")
+    p.add_argument("--cell-eager", action="store_true", help="m-mla, f-fp8: --enforce-eager")
+    p.add_argument("--cell-parallel", type=int, default=8, help="m-mla, f-fp8: cells checked at once")
+    p.add_argument("--cell-compile-threads", type=int, default=2,
+                   help="m-mla, f-fp8: TORCHINDUCTOR_COMPILE_THREADS per instance (many start at once)")
+    p.add_argument("--no-kv-digest", dest="kv_digest", action="store_false",
+                   help="m-mla, f-fp8: skip the byte-for-byte comparison of prefill's and decode's KV "
+                        "(kv_digest.py through vLLM's dev-mode /collective_rpc)")
+    p.add_argument("--chunk-split-reps", type=int, default=0,
+                   help="m-mla, f-fp8: times to send three prompts at once so that the third's final block spans "
+                        "two prefill steps (its last chunk starts inside it), KV compared after")
+    p.add_argument("--tol-fp8", type=float, default=0.25,
+                   help="f-fp8: near-tie tolerance in nats (the model computes in bf16; the KV is fp8)")
     p.add_argument("--storm-requests", type=int, default=48)
     p.add_argument("--storm-in-flight", type=int, default=16)
     p.add_argument("--storm-min-tokens", type=int, default=1536)
@@ -2213,6 +2882,13 @@ def main(argv: list[str] | None = None) -> int:
     a.boundary_lengths = [int(x) for x in a.boundary_lengths.split(",") if x]
     a.long_lengths = [int(x) for x in a.long_lengths.split(",") if x]
     a.ttft_lengths = [int(x) for x in a.ttft_lengths.split(",") if x]
+    a.mla_boundary_lengths = [int(x) for x in a.mla_boundary_lengths.split(",") if x]
+    for opt, sep in (("cell_modes", ","), ("fp8_modes", ","), ("mla_backends", None), ("kv_cache_dtypes", None)):
+        text = getattr(a, opt)
+        wanted = text.split(",") if sep else [m for c in parse_cells(text, "backend") for m in (c[2] or [])]
+        bad = [m for m in wanted if m and m not in CELL_MODES]
+        if bad:
+            p.error(f"--{opt.replace('_', '-')}: unknown mode(s) {bad} (modes: {', '.join(CELL_MODES)})")
     if a.ab == "auto":
         a.ab = "none" if (a.one_gpu and a.device == "cuda") else "device-wait"
     if (a.ab == "custom") != bool(a.ab_config):

@@ -124,3 +124,65 @@ def test_the_counters_table_shows_the_submit_per_range_and_staging(tmp_path: Pat
     assert rows["| orbit"][col["staging: layers / grants / full"]] == "-"
     assert rows["| orbit"][col["stops: budget / GPU"]] == "-"
     assert len(staged) == len(header.split(" | "))
+
+
+def test_cells_of_the_mla_and_fp8_stages() -> None:
+    """--mla-backends is BACKEND[:KV_DTYPE[:MODES]], --kv-cache-dtypes
+    KV_DTYPE[:BACKEND[:MODES]]; auto or nothing: vLLM's pick; no modes: the stage's."""
+    assert driver.parse_cells("FLASH_ATTN_MLA, FLASHMLA:fp8,auto", "backend") == [
+        ("FLASH_ATTN_MLA", None, None), ("FLASHMLA", "fp8", None), (None, None, None)]
+    assert driver.parse_cells("fp8,fp8_e5m2:TRITON_ATTN:direct,fp8_e4m3::direct+staging,", "dtype") == [
+        (None, "fp8", None), ("TRITON_ATTN", "fp8_e5m2", ["direct"]), (None, "fp8_e4m3", ["direct", "staging"])]
+    assert driver.cell_key(None, "fp8") == "auto+fp8"
+    assert driver.cell_key("FLASHMLA", None) == "FLASHMLA"
+    assert driver.backend_used(None) is None
+
+
+@pytest.mark.parametrize("argv", [["--cell-modes", "direct,stagin"], ["--kv-cache-dtypes", "fp8::drect"]])
+def test_cell_modes_are_checked_before_anything_runs(argv: list[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as e:
+        driver.main([*argv, "--device", "cpu", "--stages", "m-mla", "--deadline-s", "5",
+                     "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")])
+    assert e.value.code == 2
+    assert not (tmp_path / "o").exists()
+
+
+def _kv_digest() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("kv_digest", DRIVER.parent / "kv_digest.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_kv_digest_finds_the_token_slots_of_vllm_layouts_and_equal_bytes_give_equal_digests() -> None:
+    torch = pytest.importorskip("torch")
+    kd = _kv_digest()
+    # (block dim, slot dim, kernel block size) of the layouts of vLLM 0.26 on CUDA
+    assert kd._layout(torch.empty(10, 16, 576), 10, 16) == (0, 1, 16)           # MLA
+    assert kd._layout(torch.empty(2, 10, 16, 8, 128), 10, 16) == (1, 2, 16)     # FlashAttention
+    assert kd._layout(torch.empty(10, 2, 16, 8, 128), 10, 16) == (0, 2, 16)     # FlashInfer / Triton
+    assert kd._layout(torch.empty(40, 16, 576), 10, 64) == (0, 1, 16)           # kernel blocks of 16 in blocks of 64
+
+    class Worker(kd.KvDigest):
+        def __init__(self, caches: list, num_blocks: int, block_size: int) -> None:
+            self.model_runner = type("R", (), {"kv_caches": caches})()
+            self.cache_config = type("C", (), {"num_gpu_blocks": num_blocks, "block_size": block_size,
+                                               "cache_dtype": "auto"})()
+
+    g = torch.Generator().manual_seed(1)
+    a = [torch.zeros(6, 4, 24, dtype=torch.bfloat16) for _ in range(2)]
+    for t in a:
+        t[2, :3] = torch.randn(3, 24, generator=g).to(torch.bfloat16)  # a prompt of 3 tokens in block 2
+        t[0, 0] = 1  # block 0, vLLM's null block: left out
+    b = [torch.zeros_like(t) for t in a]
+    for s, d in zip(a, b):
+        d[5, :3] = s[2, :3]  # the same bytes in another block
+    b[1][5, 3] = 7  # and one more token
+    ra, rb = Worker(a, 6, 4).orbitkv_kv_digest("index"), Worker(b, 6, 4).orbitkv_kv_digest("index")
+    assert ra["written"] == 3 and rb["written"] == 4 and ra["slot_granularity"] == "token"
+    assert kd.decode_digests(ra, "index") == [8, 9, 10]
+    assert set(kd.decode_digests(ra)) < set(kd.decode_digests(rb))
+    b[1][5, 1, 0] += 1  # one element of one layer
+    rc = Worker(b, 6, 4).orbitkv_kv_digest()
+    assert len(set(kd.decode_digests(ra)) - set(kd.decode_digests(rc))) == 1
