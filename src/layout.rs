@@ -362,8 +362,9 @@ impl KvLayout {
             return Err(GeometryError::Groups(format!("group {g} has no layer")));
         }
         let expected = self.layers[0].planes.len();
-        // (start, end, layer, plane); a plane may alias another only as an
-        // exact copy in another group (vLLM's shared tensors).
+        // (start, end, layer, plane); a plane may alias another only on the
+        // same pages (base and stride) in another group (vLLM's shared
+        // tensors, attention KV and Mamba state alike).
         let mut spans: Vec<(u64, u64, u32, usize)> = Vec::new();
         for (li, layer) in self.layers.iter().enumerate() {
             let li = li as u32;
@@ -409,16 +410,18 @@ impl KvLayout {
         }
         spans.sort_unstable();
         let plane = |l: u32, p: usize| (self.layers[l as usize].group, self.layers[l as usize].planes[p]);
-        // The groups of the run of identical planes the window is in.
+        // The groups of the run of planes on one page array the window is in.
         let mut run: Vec<u32> = Vec::new();
         for w in spans.windows(2) {
             let (a, b) = (w[0], w[1]);
             let (ga, pa) = plane(a.2, a.3);
             let (gb, pb) = plane(b.2, b.3);
-            if pa == pb {
-                // The same tensor given to one layer of each group: a block
-                // id names the same bytes in all of them, and one pool hands
-                // it out. Two layers of one group may not share.
+            if pa.base == pb.base && pa.block_stride == pb.block_stride {
+                // One array of pages given to one layer of each group (a
+                // block of attention KV, or of recurrent state, at the start
+                // of its page): a block id names the same page in all of
+                // them, and one pool hands it to one group at a time. Two
+                // layers of one group may not share.
                 if run.is_empty() {
                     run.push(ga);
                 }
@@ -937,10 +940,29 @@ pub(crate) mod tests {
         // Two layers of group 0 on one tensor (through a layer of group 1).
         let same = grouped(0x1000, &[(0, 0), (1, 0), (0, 0)], 8, 256);
         assert!(matches!(same.validate(), Err(GeometryError::Overlap { .. })));
-        // A plane of another group overlapping without being the same.
+        // A plane of another group overlapping without being on the same pages.
         let mut part = grouped(0x1000, &[(0, 0), (1, 1)], 8, 256);
         part.layers[1].planes[0].base = 0x1000 + 256;
         assert!(matches!(part.validate(), Err(GeometryError::Overlap { .. })));
+        // On the same pages with a shorter block (vLLM's Mamba state at the
+        // start of a page an attention group's block fills): accepted, in
+        // another group only.
+        let mut state = grouped(0x1000, &[(0, 0), (1, 0)], 8, 256);
+        state.layers[1].planes[0].block_bytes = 100;
+        state.validate().unwrap();
+        let mut stride = state.clone();
+        stride.layers[1].planes[0].block_stride = 128;
+        assert!(matches!(stride.validate(), Err(GeometryError::Overlap { .. })));
+        let mut same_group = state.clone();
+        same_group.layers[1].group = 0;
+        same_group.layers.push(LayerGeometry {
+            planes: same_group.layers[1].planes.clone(),
+            group: 1,
+        });
+        assert!(matches!(
+            same_group.validate(),
+            Err(GeometryError::Overlap { .. })
+        ));
         // A group with no layer, and too many groups.
         let gap = grouped(0x1000, &[(0, 0), (2, 1)], 8, 256);
         assert!(matches!(gap.validate(), Err(GeometryError::Groups(_))));

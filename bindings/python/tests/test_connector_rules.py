@@ -1332,3 +1332,43 @@ def test_mooncake_with_an_open_allow_list_is_warned_about(caplog: pytest.LogCapt
     with caplog.at_level("WARNING", logger="orbitkv.vllm.scheduler"):
         mooncake_scheduler(**{"orbitkv.pd.allowed_prefill": "*"})
     assert "allowed_prefill is '*'" in caplog.text
+
+
+@dataclass
+class FakeStateRequest(FakeRequest):
+    """A FakeRequest with what vLLM's Request keeps beside its prompt."""
+
+    num_prompt_tokens: int = 0
+    max_tokens: int = 16
+    _all_token_ids: list[int] = field(default_factory=list)
+
+
+def test_a_model_with_recurrent_state_loads_all_but_the_last_prompt_token() -> None:
+    """Decode needs the state after all but the prompt's last token (it
+    computes that one itself on it): prefill drops the last token of its
+    half, once, and decode claims and authorizes one token less; a model
+    without state claims the whole prompt as before."""
+    from orbitkv.vllm.groups import KvGroups
+
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS), parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    groups = KvGroups(2, BS, {"m": 0, "a": 1}, frozenset({0}))
+    s = PdScheduler(cfg, PdConfig(), groups)  # type: ignore[arg-type]
+    p = producer("p1", 40)
+    half = FakeStateRequest(p.request_id, list(p.prompt_token_ids), p.kv_transfer_params, num_prompt_tokens=40,
+                            _all_token_ids=list(p.prompt_token_ids))
+    s.on_new_request(half)  # type: ignore[arg-type]
+    s.on_new_request(half)  # type: ignore[arg-type]  # once only (a preempted request is seen again)
+    assert (len(half.prompt_token_ids), len(half._all_token_ids), half.num_prompt_tokens, half.max_tokens) == (39, 39, 39, 1)
+    c = consumer("d1", 40, pd="pd-d")
+    assert s.get_num_new_matched_tokens(c, 0) == (39, True)  # type: ignore[arg-type]
+    assert s.get_num_new_matched_tokens(c, 32) == (7, True)  # type: ignore[arg-type]
+    # A consumer is never truncated; a model without state never either.
+    s.on_new_request(c)  # type: ignore[arg-type]
+    assert len(c.prompt_token_ids) == 40
+    dense = scheduler()
+    p2 = producer("p2", 40, pd="pd-2")
+    whole = FakeStateRequest(p2.request_id, list(p2.prompt_token_ids), p2.kv_transfer_params, num_prompt_tokens=40,
+                             _all_token_ids=list(p2.prompt_token_ids))
+    dense.on_new_request(whole)  # type: ignore[arg-type]
+    assert len(whole.prompt_token_ids) == 40
+    assert dense.get_num_new_matched_tokens(consumer("d2", 40, pd="pd-3"), 0) == (40, True)  # type: ignore[arg-type]

@@ -376,6 +376,36 @@ def test_cpu_kernel_parts_refuse_a_kernel_that_keeps_tokens_otherwise(monkeypatc
     assert cpu_kernel_parts(torch.float32, 32, 64) is None
 
 
+def test_recurrent_state_pages_share_the_attention_pages(accepts: Accepts) -> None:
+    """vLLM 0.32's hybrid of Mamba / linear attention and attention: one
+    backing, each group's layer on the same pages from byte 0; a state
+    layer's tensor is ``[blocks, 1, 1, state_bytes]`` int8 at the page
+    stride, the state at the page's start and padding after it. Its plane is
+    the state only, on the attention plane's pages, in another group."""
+    heads, d, state_bytes = 2, 64, 3000
+    page = heads * BS * 2 * d * ES
+    raw = torch.zeros(NB * page, dtype=torch.int8)
+    attn = raw.view(DT).view(NB, heads, BS, 2 * d)
+    state = torch.as_strided(raw, (NB, 1, 1, state_bytes), (page, state_bytes, state_bytes, 1))
+    caches = {name(0): state, name(1): attn}
+    lay, _ = kv_layout_of(
+        caches, NB, heads, heads, BS, 0, 1, layer_group={name(0): 0, name(1): 1}, state_layers=frozenset({name(0)})
+    )
+    accepts(lay)
+    base = raw.data_ptr()
+    assert lay["layers"][0] == {"planes": [{"base": base, "block_stride": page, "block_bytes": state_bytes}]}
+    assert lay["layers"][1] == {"planes": [{"base": base, "block_stride": page, "block_bytes": page}], "group": 1}
+    assert not lay["head_major"] and "token_order" not in lay
+    # The same two layers in one group overlap: refused by the runtime.
+    same, _ = kv_layout_of(caches, NB, heads, heads, BS, 0, 1, state_layers=frozenset({name(0)}))
+    with pytest.raises(orbitkv.GeometryError, match="overlaps"):
+        accepts(same)
+    # A state tensor whose blocks are not dense states: refused by name.
+    holes = torch.as_strided(raw, (NB, 1, 1, state_bytes), (page, state_bytes, state_bytes, 2))
+    with pytest.raises(ValueError, match="one dense state of a request a block"):
+        kv_layout_of({name(0): holes}, NB, heads, heads, BS, 0, 1, state_layers=frozenset({name(0)}))
+
+
 # ---- layouts that cannot be served -------------------------------------------
 
 

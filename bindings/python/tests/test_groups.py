@@ -1,6 +1,7 @@
 """vLLM's KV cache groups as the connector hands them to the runtime
 (orbitkv.vllm.groups, issue 46): one table per request, group-major, the
-null block a hole; groups OrbitKV does not serve are refused by name."""
+null block a hole; recurrent state in vLLM's align mode is a state group;
+groups OrbitKV does not serve are refused by name."""
 
 from __future__ import annotations
 
@@ -47,10 +48,35 @@ def test_hybrid_tables_are_group_major_with_the_null_block_a_hole() -> None:
         g.table([[1], [2], [3]])
 
 
-def test_recurrent_state_and_mixed_block_sizes_are_refused_by_name() -> None:
+def test_recurrent_state_in_vllms_align_mode_is_a_state_group() -> None:
+    """A Mamba / linear-attention group in vLLM's ``align`` cache mode (its
+    table follows the token blocks; the block at each position holds the
+    state after its tokens) is served: its layers are state layers."""
+    m = group("MambaSpec", ["m0", "m1"])
+    m.kv_cache_spec.mamba_cache_mode = "align"
+    m.kv_cache_spec.num_speculative_blocks = 0
+    g = kv_groups_of(SimpleNamespace(kv_cache_groups=[m, group("FullAttentionSpec", ["a"])]), 16)
+    assert (g.count, g.state_groups, g.has_state) == (2, frozenset({0}), True)
+    assert g.state_layers == frozenset({"m0", "m1"})
+    # The state group's table: holes but where a state is kept.
+    assert g.table([[0, 0, 7], [3, 4, 5]]) == [HOLE, HOLE, 7, 3, 4, 5]
+    dense = kv_groups_of(SimpleNamespace(kv_cache_groups=[group("FullAttentionSpec", ["a"])]), 16)
+    assert not dense.has_state and dense.state_layers == frozenset()
+
+
+def test_recurrent_state_outside_align_mode_and_mixed_block_sizes_are_refused_by_name() -> None:
     mamba = SimpleNamespace(kv_cache_groups=[group("FullAttentionSpec", ["a"]), group("MambaSpec", ["m"])])
-    with pytest.raises(GroupsError, match=r"MambaSpec.*not recurrent state yet"):
+    with pytest.raises(GroupsError, match=r"'none' cache mode.*serves the 'align' mode"):
         kv_groups_of(mamba, 16)
+    spec = group("MambaSpec", ["m"])
+    spec.kv_cache_spec.mamba_cache_mode = "align"
+    spec.kv_cache_spec.num_speculative_blocks = 2
+    with pytest.raises(GroupsError, match="speculative"):
+        kv_groups_of(SimpleNamespace(kv_cache_groups=[group("FullAttentionSpec", ["a"]), spec]), 16)
+    other = SimpleNamespace(kv_cache_groups=[group("FullAttentionSpec", ["a"]), group("CrossAttentionSpec", ["x"])])
+    other.kv_cache_groups[1].kv_cache_spec.__dict__.pop("num_kv_heads")
+    with pytest.raises(GroupsError, match="CrossAttentionSpec"):
+        kv_groups_of(other, 16)
     mixed = SimpleNamespace(
         kv_cache_groups=[group("FullAttentionSpec", ["a"], 16), group("SlidingWindowSpec", ["b"], 64)]
     )

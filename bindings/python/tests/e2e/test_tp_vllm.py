@@ -17,6 +17,10 @@ blocks are one run, or into its staging grant (scattered on decode) when
 they are not (``orbitkv.pd.staging_min_ranges`` 4: two runs and more); the
 other pairs write pages directly.
 
+The 2 -> 1 pair of two KV heads runs prefill with 32-token blocks and
+decode with 128-token blocks (issue 47): each prefill rank writes its
+heads' slices of each token piece into decode's blocks.
+
 On the 2-core CI machine a TP 2 instance binds its ranks to cores 0 and 1
 (``VLLM_CPU_OMP_THREADS_BIND="0|1"``); the tiny model keeps it fast.
 """
@@ -51,8 +55,11 @@ GEN = 8
 PD_TIMEOUT_S = 15.0
 MAX_BATCHED_TOKENS = 600
 
-# (prefill TP, decode TP, KV heads)
-PAIRS = [(2, 1, 2), (1, 2, 2), (2, 2, 2), (2, 1, 1)]
+# (prefill TP, decode TP, KV heads, (prefill, decode) block sizes or None:
+# vLLM CPU's 128 on both). The 2 -> 1 pair of two KV heads also runs prefill
+# and decode of different block sizes (issue 47: head slices cut by token,
+# test_block_sizes_vllm.py has the same-TP pairs).
+PAIRS = [(2, 1, 2, (32, 128)), (1, 2, 2, None), (2, 2, 2, None), (2, 1, 1, None)]
 # The pair that stages under ORBITKV_TEST_STAGING=1 (module docstring).
 STAGED_PAIR = (1, 2, 2)
 STAGING = os.environ.get("ORBITKV_TEST_STAGING", "0") == "1"
@@ -60,10 +67,15 @@ STAGING_CONFIG = {"orbitkv.pd.staging_mb": 64, "orbitkv.pd.staging_min_ranges": 
 LAYERS_STAGED = "vllm:orbitkv_layers_staged_total"
 
 
-@pytest.fixture(scope="module", params=PAIRS, ids=[f"prefill-tp{p}-decode-tp{d}-kvheads{h}" for p, d, h in PAIRS])
+def _pair_id(p: int, d: int, h: int, sizes: tuple[int, int] | None) -> str:
+    blocks = f"-blocks{sizes[0]}-{sizes[1]}" if sizes else ""
+    return f"prefill-tp{p}-decode-tp{d}-kvheads{h}{blocks}"
+
+
+@pytest.fixture(scope="module", params=PAIRS, ids=[_pair_id(*pair) for pair in PAIRS])
 def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    ptp, dtp, heads = request.param
-    staged = STAGING and request.param == STAGED_PAIR
+    ptp, dtp, heads, sizes = request.param
+    staged = STAGING and request.param[:3] == STAGED_PAIR
     staging = STAGING_CONFIG if staged else {}
     model = make_tiny_model(tmp_path_factory.mktemp(f"model-kv{heads}") / "tiny", TinyModelSpec(num_kv_heads=heads))
     run = tmp_path_factory.mktemp(f"tp-{ptp}-{dtp}-{heads}")
@@ -79,6 +91,8 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
         decode_config={"orbitkv.pd.quarantine_s": 5.0, **staging},
         prefill_env={"ORBITKV_TESTING_WRITE_DELAY": str(run / "write-delay")},
         vllm_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), "--no-enable-prefix-caching"],
+        prefill_args=["--block-size", str(sizes[0])] if sizes else [],
+        decode_args=["--block-size", str(sizes[1])] if sizes else [],
         kv_load_failure_policy="fail",
     )
     c.kv_heads = heads  # type: ignore[attr-defined]

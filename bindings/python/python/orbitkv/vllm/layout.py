@@ -139,6 +139,21 @@ def _layer_planes(
     raise ValueError(f"{where}: a block is not one dense range of memory, which OrbitKV needs; {FIX}")
 
 
+def _state_plane(name: str, t: torch.Tensor, num_blocks: int) -> _Plane:
+    """A recurrent-state layer's one plane: vLLM hands the connector its
+    pages as ``[num_blocks, 1, 1, state_bytes]`` int8 (vLLM 0.32), a page a
+    block at ``stride(0)``, the state (conv, then SSM) at the page's start
+    and padding after it. Only the state is sent."""
+    es = t.element_size()
+    dense = t.dim() >= 2 and t.shape[0] == num_blocks and t[0].is_contiguous()
+    if not dense or (num_blocks > 1 and t.stride(0) < t[0].numel()):
+        raise ValueError(
+            f"state cache {name!r} (shape {tuple(t.shape)}, strides {tuple(t.stride())}, {t.dtype}): OrbitKV "
+            f"needs one dense state of a request a block ({num_blocks} blocks first)"
+        )
+    return _Plane(t.data_ptr(), t.stride(0) * es, t[0].numel() * es)
+
+
 def kv_layout_of(
     kv_caches: dict[str, torch.Tensor],
     num_blocks: int,
@@ -150,6 +165,7 @@ def kv_layout_of(
     layer_group: dict[str, int] | None = None,
     cpu: bool = False,
     cpu_parts: list[dict[str, int]] | None = None,
+    state_layers: frozenset[str] = frozenset(),
 ) -> tuple[dict[str, Any], list[str]]:
     """The OrbitKV layout (as the JSON-ready dict the runtime takes) of a
     rank's KV tensors, and the layer names in layer order.
@@ -162,16 +178,21 @@ def kv_layout_of(
     for exact copies of a plane in different groups. ``cpu``: the tensors
     are vLLM's CPU backend's, whose kernels keep a block's tokens in their
     own order, ``cpu_parts`` (:func:`cpu_kernel_parts`; ``None``: not
-    known); otherwise the order is read from the shape. Raises
-    ``ValueError`` naming the tensor and the fix when a layout cannot be
-    served.
+    known); otherwise the order is read from the shape. ``state_layers``:
+    layers of recurrent state (vLLM's Mamba groups), each block one page
+    holding a request's state (:func:`_state_plane`); such a layout says no
+    token order. Raises ``ValueError`` naming the tensor and the fix when a
+    layout cannot be served.
     """
     names = sorted(kv_caches, key=_layer_index)
     layers = []
     head_major = True
     orders = []
     for name in names:
-        planes, hm, order = _layer_planes(name, kv_caches[name], num_blocks, local_heads, block_size)
+        if name in state_layers:
+            planes, hm, order = [_state_plane(name, kv_caches[name], num_blocks)], False, None
+        else:
+            planes, hm, order = _layer_planes(name, kv_caches[name], num_blocks, local_heads, block_size)
         head_major = head_major and hm
         orders.append(order)
         layer: dict[str, Any] = {"planes": [p.as_dict() for p in planes]}
@@ -192,7 +213,9 @@ def kv_layout_of(
     # size): on vLLM's CPU backend the kernel's own order (``cpu_parts``, a
     # head a unit; ``None``: not known), else as the shape says, where every
     # layer agrees.
-    if cpu:
+    if state_layers:
+        order = None  # a state block holds no tokens
+    elif cpu:
         order = {"units": local_heads, "parts": cpu_parts} if cpu_parts and head_major else None
     else:
         order = orders[0] if orders and all(o == orders[0] for o in orders) else None

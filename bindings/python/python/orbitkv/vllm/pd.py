@@ -90,8 +90,8 @@ class PdConnector(KVConnectorBase_V1):
         # (recurrent state, mixed block sizes) before anything starts.
         groups = kv_groups_of(kv_cache_config, vllm_config.cache_config.block_size)
         if groups.count > 1:
-            logger.info("OrbitKV: %d KV cache groups (hybrid KV cache manager), block size %d",
-                        groups.count, groups.block_size)
+            logger.info("OrbitKV: %d KV cache groups (hybrid KV cache manager), block size %d, %d of recurrent state",
+                        groups.count, groups.block_size, len(groups.state_groups))
         self.scheduler: PdScheduler | None = None
         self.worker = None
         if role == KVConnectorRole.SCHEDULER:
@@ -102,6 +102,10 @@ class PdConnector(KVConnectorBase_V1):
             self.worker = PdWorker(vllm_config, self.config, groups)
 
     # ---- scheduler side ----------------------------------------------------
+
+    def on_new_request(self, request: Request) -> None:
+        assert self.scheduler is not None
+        self.scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler is not None

@@ -121,6 +121,8 @@ class PdScheduler:
         self.block_size = self.groups.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._producers: dict[str, _Producer] = {}
+        # Prefill halves whose last prompt token was dropped (on_new_request).
+        self._truncated: set[str] = set()
         self._consumers: dict[str, _Consumer] = {}
         # What the next step's metadata tells the workers (its producer
         # chunks are added when it is built).
@@ -260,17 +262,44 @@ class PdScheduler:
             )
 
     def _forget(self, rid: str) -> None:
+        self._truncated.discard(rid)
         p = self._params.pop(rid, None)
         if p is not None and self._live.get(p.request) == rid:
             del self._live[p.request]
 
     # ---- hooks -------------------------------------------------------------
 
+    def on_new_request(self, request: Request) -> None:
+        """vLLM (0.32 on) tells of each new request. A prefill half of a model
+        with recurrent state computes all but the prompt's last token: decode
+        needs the state after those (it computes the last token on it
+        itself; a state after all of them would take the last token twice)."""
+        if not self.groups.has_state or request.request_id in self._truncated:
+            return
+        p = self.params_of(request)
+        if p is None or p.role != PRODUCER:
+            return
+        prompt = request.prompt_token_ids
+        if prompt is None or len(prompt) < 2:
+            return
+        del prompt[-1]
+        del request._all_token_ids[-1]
+        request.num_prompt_tokens -= 1
+        request.max_tokens = 1
+        self._truncated.add(request.request_id)
+
+    def _loaded_tokens(self, request: Request) -> int:
+        """The prompt tokens decode loads: all of them, or, for a model with
+        recurrent state, all but the last (which decode computes on the
+        state after the others, as prefill stopped before it)."""
+        n = len(request.prompt_token_ids or ())
+        return n - 1 if self.groups.has_state and n > 1 else n
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         p = self.params_of(request)
         if p is None or p.role != CONSUMER or request.request_id in self._consumers:
             return 0, False
-        n = len(request.prompt_token_ids or ()) - num_computed_tokens
+        n = self._loaded_tokens(request) - num_computed_tokens
         return (n, True) if n > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -314,7 +343,7 @@ class PdScheduler:
                 list(fresh),
                 p.prefill_kv,
                 p.prefill_tp,
-                tokens=len(request.prompt_token_ids or ()),
+                tokens=self._loaded_tokens(request),
             )
         )
 

@@ -178,6 +178,7 @@ class PdWorker:
             layer_group=self.groups.layer_group,
             cpu=not self.is_cuda,
             cpu_parts=cpu_parts,
+            state_layers=self.groups.state_layers,
         )
         self._layer_index = {n: i for i, n in enumerate(names)}
         self._layer_names = list(names)
@@ -622,6 +623,16 @@ class PdWorker:
         if rt is None:
             return
         missing = [i for i in range(len(self._layer_index)) if i not in self._step_layers]
+        # Recurrent-state layers (Mamba, linear attention) have no per-layer
+        # save in vLLM: their state of this step is sent here, once the
+        # forward wrote it (a block's state is final once the prefill is
+        # past its tokens; the last one goes with the last step).
+        names = self._groups.state_layers if self._groups is not None else frozenset()
+        state = [i for i in missing if self._layer_names[i] in names] if names else []
+        if self._step_chunks and state:
+            for idx in state:
+                self._save_layer(idx)
+            missing = [i for i in missing if i not in state]
         if self._step_chunks and missing:
             # vLLM skipped save_kv_layer for these layers (some model paths
             # do: vllm-project/vllm#56762). The forward is over, so they are
