@@ -619,6 +619,24 @@ impl KvLayout {
         Ok(())
     }
 
+    /// Layer `layer` of this layout and of `consumer`.
+    fn layer_pair<'a>(
+        &'a self,
+        consumer: &'a KvLayout,
+        layer: u32,
+    ) -> Result<(&'a LayerGeometry, &'a LayerGeometry), GeometryError> {
+        match (
+            self.layers.get(layer as usize),
+            consumer.layers.get(layer as usize),
+        ) {
+            (Some(pl), Some(cl)) => Ok((pl, cl)),
+            _ => Err(GeometryError::LayerOutOfRange {
+                layer,
+                num_layers: self.layers.len(),
+            }),
+        }
+    }
+
     /// The byte ranges that write request blocks `indices` of `layer` from
     /// this producer into `consumer`. `src_blocks[i]` goes to `dst_blocks[i]`.
     /// Contiguous runs are coalesced into one range. Every destination range
@@ -633,13 +651,7 @@ impl KvLayout {
         indices: std::ops::Range<u32>,
         out: &mut Vec<WriteRange>,
     ) -> Result<(), GeometryError> {
-        let num_layers = self.layers.len();
-        let (Some(pl), Some(cl)) = (
-            self.layers.get(layer as usize),
-            consumer.layers.get(layer as usize),
-        ) else {
-            return Err(GeometryError::LayerOutOfRange { layer, num_layers });
-        };
+        let (pl, cl) = self.layer_pair(consumer, layer)?;
         if indices.end as usize > dst_blocks.len() {
             return Err(GeometryError::OutsideAuthorization {
                 index: indices.end - 1,
@@ -808,13 +820,7 @@ impl KvLayout {
                 "the handshake does not say how many tokens the consumer loads",
             ));
         }
-        let num_layers = self.layers.len();
-        let (Some(pl), Some(cl)) = (
-            self.layers.get(layer as usize),
-            consumer.layers.get(layer as usize),
-        ) else {
-            return Err(GeometryError::LayerOutOfRange { layer, num_layers });
-        };
+        let (pl, cl) = self.layer_pair(consumer, layer)?;
         let (pb, cb) = (self.block_size as u64, consumer.block_size as u64);
         let first = auth.first_block as u64;
         let lo = (blocks.start as u64 * pb).max(first * cb);

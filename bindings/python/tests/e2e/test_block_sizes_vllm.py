@@ -25,7 +25,7 @@ import pytest
 
 import orbitkv.testing.cluster as tc
 from orbitkv import producer_ranks
-from orbitkv.testing.cluster import Abandoned, Cluster, Completion, Metric, complete, prompt_source
+from orbitkv.testing.cluster import Cluster, Completion, Metric, complete, prompt_source
 from orbitkv.testing.tiny_model import TinyModelSpec, make_tiny_model
 
 # Prompts no other module shares a prefix with.
@@ -165,19 +165,7 @@ def test_a_local_prefix_hit_on_decode_loads_the_rest(cluster: Cluster) -> None:
 
 
 def test_abort_mid_transfer_leaves_nothing_held(cluster: Cluster) -> None:
-    delay = cluster.run_dir / "write-delay"
-    p0 = cluster.metrics("prefill")
-    delay.write_text("0.5")
-    try:
-        req = Abandoned(cluster.proxy_url, fresh_prompt(300), GEN, stream=True)
-        try:
-            cluster.wait_finished(p0)
-        finally:
-            req.drop()
-    finally:
-        delay.unlink(missing_ok=True)
-    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
-    cluster.check_alive()
+    cluster.drop_mid_transfer(fresh_prompt(300), GEN)
     prompt = fresh_prompt(250)
     got = ok(complete(cluster.proxy_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S), "P/D after the abort")
     assert got == reference(cluster, prompt, "after the abort")

@@ -563,6 +563,27 @@ class Cluster:
             every_s=0.01,
         )
 
+    def drop_mid_transfer(self, prompt: list[int], max_tokens: int, delay_s: float = 0.5) -> None:
+        """A client that walks away while the KV still moves: slows prefill's
+        writes (the ``write-delay`` hook: start prefill with
+        ``ORBITKV_TESTING_WRITE_DELAY`` at ``run_dir / "write-delay"``),
+        streams ``prompt`` through the proxy, drops the connection once
+        prefill finished its half, then waits until neither instance holds
+        a block and checks that every process still lives."""
+        delay = self.run_dir / "write-delay"
+        before = self.metrics("prefill")
+        delay.write_text(str(delay_s))
+        try:
+            req = Abandoned(self.proxy_url, prompt, max_tokens, stream=True)
+            try:
+                self.wait_finished(before)
+            finally:
+                req.drop()
+        finally:
+            delay.unlink(missing_ok=True)
+        self.wait_idle(timeout_s=IDLE_TIMEOUT_S)
+        self.check_alive()
+
     def stop_when_running(self, name: str) -> float:
         """Waits until instance ``name`` runs a request (``wait_running``),
         then stops its whole process group (SIGSTOP), also when the wait
