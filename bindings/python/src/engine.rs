@@ -5,6 +5,13 @@
 //! `Python::detach`. Arguments are converted to plain Rust values first, so
 //! nothing on the data path touches a Python object. While waiting, the GIL is
 //! taken back every 50 ms only to check for signals (Ctrl-C).
+//!
+//! Lock rule: no lock is waited for with the GIL held. The engine's lock
+//! (`Shared::engine`) is read by calls that may run for seconds (a write, a
+//! wait) and written by `close`, which waits for them; a reader that came
+//! after a waiting `close` waits too. So every access to it goes through
+//! `Python::detach` (the getters too), and `__repr__`s only try the locks
+//! they read (a batch's slot is held by its `wait()` for up to its timeout).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -248,11 +255,8 @@ impl PyEngine {
 
     /// The transport Mooncake installed (the engine closed: an error).
     fn kind(&self, py: Python<'_>) -> PyResult<orbitkv::transport::TransportKind> {
-        self.shared
-            .engine
-            .read()
-            .as_ref()
-            .map(|e| e.kind())
+        let shared = &self.shared;
+        py.detach(|| shared.engine.read().as_ref().map(|e| e.kind()))
             .ok_or_else(|| closed_error(py))
     }
 }
@@ -362,8 +366,9 @@ impl PyEngine {
 
     /// True once `close()` ran.
     #[getter]
-    fn closed(&self) -> bool {
-        self.shared.engine.read().is_none()
+    fn closed(&self, py: Python<'_>) -> bool {
+        let shared = &self.shared;
+        py.detach(|| shared.engine.read().is_none())
     }
 
     /// Registers memory so it can be a WRITE source here and a WRITE target
@@ -413,8 +418,8 @@ impl PyEngine {
 
     /// True when `[addr, addr + length)` lies inside one registered region.
     fn is_registered(&self, py: Python<'_>, addr: u64, length: u64) -> PyResult<bool> {
-        self.shared
-            .with(|e| Ok(e.is_registered(addr, length)))
+        let shared = &self.shared;
+        py.detach(|| shared.with(|e| Ok(e.is_registered(addr, length))))
             .map_err(|f| f.into_pyerr(py))
     }
 
@@ -514,7 +519,12 @@ impl PyEngine {
     }
 
     fn __repr__(&self) -> String {
-        let state = if self.closed() { " closed" } else { "" };
+        // Never waits: `close` may be waiting for a long write to end.
+        let state = match self.shared.engine.try_read() {
+            Some(engine) if engine.is_none() => " closed",
+            Some(_) => "",
+            None => " closing",
+        };
         format!(
             "<MooncakeTransferEngine endpoint={:?} mooncake={}{state}>",
             self.endpoint,
@@ -626,10 +636,12 @@ impl PyBatch {
     }
 
     fn __repr__(&self) -> String {
-        let state = match &*self.slot.lock() {
-            Slot::Pending(_) => "pending",
-            Slot::Completed(_) => "completed",
-            Slot::Failed(_) => "failed",
+        // Never waits: a `wait()` holds the slot for up to its timeout.
+        let state = match self.slot.try_lock().as_deref() {
+            Some(Slot::Pending(_)) => "pending",
+            Some(Slot::Completed(_)) => "completed",
+            Some(Slot::Failed(_)) => "failed",
+            None => "being waited for",
         };
         format!(
             "<Batch peer={:?} tasks={} nbytes={} {state}>",

@@ -1,8 +1,12 @@
 //! `Runtime` and `RuntimeEvent` for Python: the request runtime of one rank
 //! (the core's `orbitkv::Runtime`, actors on their own threads).
 //!
-//! Every call only sends a message or reads a channel; `next_event` and
-//! `shutdown`, which can wait, release the GIL. Nothing calls back into Python.
+//! Every call that can wait releases the GIL (`Python::detach`): the ones
+//! that ask the request directory for an answer (`consumer_open`,
+//! `producer_open`, `producer_handshake`, the `producer_*` and `layer*`
+//! calls that hand a layer or an end to a producer, `staging_in_use`,
+//! `live_requests`), `next_event` (up to its timeout) and `shutdown` (the
+//! actors' drain). Nothing calls back into Python.
 
 use std::ops::Range;
 use std::sync::Arc;

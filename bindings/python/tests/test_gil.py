@@ -77,3 +77,23 @@ def test_write_releases_the_gil(pair, big):
     assert np.array_equal(dst[::4096], src[::4096])
     assert took >= 0.2, f"the write took only {took:.3f} s: nothing to measure"
     assert longest_pause < took / 2, f"main thread paused {longest_pause:.3f} s of a {took:.3f} s write"
+
+
+def test_a_batchs_repr_does_not_wait_for_its_wait(pair, big):
+    """`repr(batch)` while another thread waits on it (holding its slot for
+    up to the wait's timeout) answers at once instead of waiting, GIL held,
+    for the wait to end."""
+    a, b = pair
+    src, dst = big
+    batch = a.submit_write(b.endpoint, [(addr(src), addr(dst), SIZE)])
+    waiter = threading.Thread(target=lambda: batch.wait(timeout_s=120.0))
+    waiter.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    text = repr(batch)
+    took = time.monotonic() - t0
+    waiter.join()
+    assert "being waited for" in text or "completed" in text, text
+    assert took < 0.05, f"repr took {took:.3f} s"
+    assert batch.wait(timeout_s=1.0) == SIZE
+
