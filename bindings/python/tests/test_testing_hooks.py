@@ -125,3 +125,23 @@ def test_corrupt_block_changes_exactly_one_block(shape: tuple[int, ...]) -> None
             changed, same = (t[:, 4], b[:, 4]), (torch.cat([t[:, :4], t[:, 5:]], 1), torch.cat([b[:, :4], b[:, 5:]], 1))
         assert torch.equal(changed[0], -changed[1]), name
         assert torch.equal(same[0], same[1]), name
+
+
+def test_a_production_worker_never_imports_the_test_hooks() -> None:
+    """The worker reaches the hooks through ``faults.py``; ``_testing.py``
+    is imported only when an ``ORBITKV_TESTING_*`` variable asks for a hook."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import orbitkv.vllm.worker\n"
+        "from orbitkv.vllm.faults import Faults, faults_from_env\n"
+        "assert type(faults_from_env()) is Faults\n"
+        "print('_testing' if 'orbitkv.vllm._testing' in sys.modules else 'clean')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ORBITKV_TESTING_")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "clean", out.stdout

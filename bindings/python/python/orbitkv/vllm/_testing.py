@@ -39,34 +39,20 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from orbitkv import OrbitKVError
+from orbitkv.vllm.faults import CORRUPT_ENV, WRITE_DELAY_ENV, Faults
+from orbitkv.vllm.faults import faults_from_env as _faults_from_env
 
 if TYPE_CHECKING:
     from orbitkv import Runtime
 
 logger = logging.getLogger("orbitkv.vllm.testing")
 
-CORRUPT_ENV = "ORBITKV_TESTING_CORRUPT_AFTER_LOAD"
-WRITE_DELAY_ENV = "ORBITKV_TESTING_WRITE_DELAY"
-
-
-class Faults:
-    """The worker's one seam to the test hooks: what it calls on its data
-    path. These are the production no-ops; :class:`TestingHooks` overrides
-    them. :func:`faults_from_env` makes the worker's one instance."""
-
-    def wrap_runtime(self, runtime: Runtime) -> Runtime:
-        """The runtime the worker makes its calls on: ``runtime`` itself
-        (the test hooks may put a slow link in front of it)."""
-        return runtime
-
-    def after_load(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, blocks: list[int] | None) -> None:
-        """A consumer's KV load into ``blocks`` completed (after any staging
-        scatter, before the request is reported to vLLM)."""
 
 
 def faults_from_env() -> Faults:
-    """The test hooks the environment asks for, else the no-ops."""
-    return TestingHooks.from_env() or Faults()
+    """The test hooks the environment asks for, else the no-ops
+    (``faults.faults_from_env``, which the worker calls)."""
+    return _faults_from_env()
 
 
 class SlowLink:

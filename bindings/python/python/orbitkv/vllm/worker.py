@@ -29,8 +29,8 @@ from orbitkv import (
     producer_ranks,
 )
 from orbitkv.staging import BlockIndex, StagingCopier
-from orbitkv.vllm._testing import faults_from_env
 from orbitkv.vllm.config import PdConfig
+from orbitkv.vllm.faults import faults_from_env
 from orbitkv.vllm.groups import KvGroups, blocks_of
 from orbitkv.vllm.layout import cpu_kernel_parts, kv_layout_of
 from orbitkv.vllm.ledger import Ledger
@@ -108,8 +108,8 @@ class PdWorker:
         self.side_channel: SideChannel | None = None
         self._layer_index: dict[str, int] = {}
         self._layer_names: list[str] = []
-        # Test-only fault hooks (_testing.py): no-ops unless their environment
-        # variables are set.
+        # Test-only fault hooks (faults.py; _testing.py is imported only when
+        # their environment variables are set).
         self._faults = faults_from_env()
         # One layer dispatch per platform (_save_layer): on GPU the runtime's
         # layer gate (a CUDA event waited for in Rust, no GIL); on CPU one
