@@ -612,6 +612,31 @@ mod tests {
         }
     }
 
+    /// `tokens` from the network: said only where it fits the authorized
+    /// blocks (3 blocks of 16 from block 0: 33..=48 tokens, or fewer with
+    /// blocks to spare); left out of the wire when 0.
+    #[test]
+    fn a_token_count_past_the_authorized_blocks_is_refused() {
+        let mut h = handshake();
+        assert!(!h.to_json().contains("tokens"));
+        h.tokens = 48;
+        let back = Handshake::from_json(&h.to_json()).unwrap();
+        assert_eq!(back.tokens, 48);
+        h.tokens = 20;
+        h.validate().unwrap();
+        for bad in [49, u32::MAX] {
+            h.tokens = bad;
+            let err = Handshake::from_json(&h.to_json()).unwrap_err();
+            assert!(err.to_string().contains("tokens take"), "{err}");
+        }
+        // With a held prefix the blocks start later: 3 blocks from block 1.
+        h.first_block = 1;
+        h.tokens = 64;
+        h.validate().unwrap();
+        h.tokens = 65;
+        assert!(h.validate().is_err());
+    }
+
     #[test]
     fn the_consumer_deadline_travels_and_expires() {
         let mut h = handshake();
