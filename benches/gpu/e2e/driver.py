@@ -876,7 +876,8 @@ STAGING_CFG = {"orbitkv.pd.staging_mb": 8192, "orbitkv.pd.staging_min_ranges": 1
 
 def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, tol: float, *,
                 seed_extra: int = 0, boundary: list[int] | None = None, conc_n: int = 16,
-                staged: bool | None = None, digest: bool = False, split_reps: int = 0) -> dict[str, Any]:
+                staged: bool | None = None, digest: bool = False, split_reps: int = 0,
+                release: bool = False) -> dict[str, Any]:
     """Stage a's checks of one OrbitKV pair against one engine (the cases
     below). The keywords serve the m-/f- stages: ``seed_extra`` other fresh
     prompts (two pairs that share one engine must not hit its prefix cache
@@ -884,7 +885,10 @@ def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, t
     ``conc_n`` the prompts sent at once, ``staged`` whether every P/D request
     must have had a staging grant (default ``--staging``), ``digest``: once
     both are idle, prefill's and decode's KV slots compared byte for byte
-    (kv_digest.py)."""
+    (kv_digest.py); ``release``: each request's KV compared token for token
+    as decode loaded it and as prefill held it when it released it (the
+    test hook ``ORBITKV_TESTING_KV_DIGEST``, :func:`release_digest_check`),
+    which then decides the pair's KV verdict."""
     single, pre, dec = trio
     rng = random.Random(ctx.args.seed + (1 if spec.dtype == "bfloat16" else 0) + (2 if single.eager else 0)
                         + seed_extra)
@@ -993,6 +997,8 @@ def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, t
     res["idle_after"] = wait_idle([pre, dec], 60)
     if digest:
         res["kv_bytes"] = kv_bytes_check(ctx, pre, dec, n_pd)
+    if release:
+        res["kv_release"] = release_digest_check(ctx, pre, dec, n_pd)
     after = {s.name: snapshot(s.url) for s in (pre, dec)}
     res["metrics_delta"] = {s.name: delta(before[s.name], after[s.name]) for s in (pre, dec)}
     flat = [c["verdict"] for c in res["cases"] if c is not cc] + cc["verdicts"]
@@ -1006,7 +1012,7 @@ def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, t
     res["layers_staged"] = p.get("vllm:orbitkv_layers_staged_total")
     staged_ok = not (ctx.args.staging if staged is None else staged) or (res["staging_granted"] or 0) >= n_pd
     ok_tokens = all(v in ("equal", "near-tie") for v in flat)
-    kvb = res.get("kv_bytes")
+    kvb = res.get("kv_release") or res.get("kv_bytes")
     bytes_ok = kvb is None or bool(kvb.get("ok"))
     # every P/D request must have had its KV over the connector (a request the
     # connector refuses is served as a plain request on decode: equal output,
@@ -1151,6 +1157,85 @@ def kv_bytes_check(ctx: Ctx, pre: Server, dec: Server, requests: int) -> dict[st
     ctx.log(f"  KV bytes: {len(p)} slots written on prefill, {len(missing)} of them not on decode "
             f"({len(explained)} a block's last written slot, {len(unexplained)} elsewhere; {len(blocks)} blocks; "
             f"{requests} P/D requests): {'ok' if out['ok'] else 'NOT EQUAL'}")
+    return out
+
+
+def release_dir(ctx: Ctx, s: Server) -> Path:
+    """Where an instance's test hook writes its per-request KV digests
+    (``ORBITKV_TESTING_KV_DIGEST``)."""
+    return ctx.work / "kv-release" / s.name
+
+
+def read_release(d: Path) -> list[dict[str, Any]]:
+    out = []
+    for f in sorted(d.glob("kvd-*.jsonl")):
+        with contextlib.suppress(OSError):
+            for line in f.read_text().splitlines():
+                with contextlib.suppress(ValueError):
+                    out.append(json.loads(line))
+    return out
+
+
+def release_digest_check(ctx: Ctx, pre: Server, dec: Server, requests: int) -> dict[str, Any]:
+    """Per request, decode's KV as loaded (right after its load completed)
+    against prefill's as it released it (right before its sending was
+    reported finished), token for token over all layers: every token decode
+    loaded must have prefill's digest at the same position of the prompt.
+    Taken at those moments, no later reuse of a freed block on either side
+    can touch it (unlike :func:`kv_bytes_check`, taken once both are idle).
+    Per-token digests do not depend on the block size or layout, so a
+    prefill and a decode of other block sizes compare."""
+    from orbitkv.vllm._testing import decode_b64
+
+    t0 = time.monotonic()
+    pl, dl = read_release(release_dir(ctx, pre)), read_release(release_dir(ctx, dec))
+    by_pd: dict[str, dict[str, Any]] = {}
+    for x in pl:
+        by_pd[x["pd"]] = x  # one release per request
+    out: dict[str, Any] = {"requests": requests, "decode_records": len(dl), "prefill_records": len(pl)}
+    compared = tokens = bad_tokens = 0
+    bad_requests: list[dict[str, Any]] = []
+    no_prefill: list[str] = []
+    seen: set[str] = set()
+    for d in dl:
+        p = by_pd.get(d["pd"])
+        if p is None:
+            no_prefill.append(d["pd"])
+            continue
+        seen.add(d["pd"])
+        dd, pd_ = decode_b64(d["digests"]), decode_b64(p["digests"])
+        first = d["first_token"]
+        dlay = [decode_b64(x) for x in d.get("per_layer", [])]
+        play = [decode_b64(x) for x in p.get("per_layer", [])]
+        miss = []
+        for i, x in enumerate(dd):
+            pos = first + i
+            if pos >= len(pd_) or pd_[pos] != x:
+                miss.append(pos)
+        compared += 1
+        tokens += len(dd)
+        bad_tokens += len(miss)
+        if miss:
+            dbs, pbs = d["block_size"], p["block_size"]
+            bad_requests.append({
+                "pd": d["pd"], "decode_tokens": [first, d["end_token"]], "mismatched": len(miss),
+                "first": [{"pos": pos, "decode": [d["blocks"][pos // dbs - first // dbs], pos % dbs],
+                           "prefill": ([p["blocks"][pos // pbs], pos % pbs] if pos // pbs < len(p["blocks"])
+                                       else None),
+                           "layers": ["=" if pos < len(pl_) and pl_[pos] == dl_[pos - first] else "differs"
+                                      for pl_, dl_ in zip(play, dlay)]}
+                          for pos in miss[:8]],
+                "last_position": d["end_token"] - 1 in miss})
+    out.update({"requests_compared": compared, "tokens_compared": tokens, "tokens_mismatched": bad_tokens,
+                "requests_mismatched": len(bad_requests), "mismatches": bad_requests[:40],
+                "decode_without_prefill": no_prefill[:40], "prefill_without_decode": len(set(by_pd) - seen),
+                "block_sizes": {"prefill": sorted({x["block_size"] for x in pl}),
+                                "decode": sorted({x["block_size"] for x in dl})},
+                "seconds": round(time.monotonic() - t0, 2)})
+    out["ok"] = bool(compared >= requests and not bad_tokens and not no_prefill)
+    ctx.log(f"  KV at release: {compared} requests, {tokens} tokens compared, {bad_tokens} differ "
+            f"({len(bad_requests)} requests), {len(no_prefill)} loads without a prefill record: "
+            f"{'ok' if out['ok'] else 'NOT EQUAL'}")
     return out
 
 
@@ -1303,20 +1388,58 @@ def backend_used(log: Path | None) -> str | None:
     return None
 
 
-def parse_cells(text: str, first: str) -> list[tuple[str | None, str | None, list[str] | None]]:
+@dataclass
+class Cell:
+    """One engine and an OrbitKV pair per mode, started alike: ``backend``
+    and ``dtype`` on all of them; ``sides``: more arguments per role
+    (``single``, ``prefill``, ``decode``), e.g. a block size and backend per
+    side; ``spec``/``model``: another model than the stage's."""
+
+    backend: str | None
+    dtype: str | None
+    modes: list[str] | None
+    key: str = ""
+    sides: dict[str, list[str]] = field(default_factory=dict)
+    spec: ModelSpec | None = None
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        self.key = self.key or cell_key(self.backend, self.dtype)
+
+
+def parse_cells(text: str, first: str) -> list[Cell]:
     """``--mla-backends`` (``BACKEND[:KV_DTYPE[:MODES]]``) or
     ``--kv-cache-dtypes`` (``KV_DTYPE[:BACKEND[:MODES]]``), comma separated,
-    as (backend, kv dtype, modes) triples; ``auto`` or an empty backend:
+    as cells (backend, kv dtype, modes); ``auto`` or an empty backend:
     vLLM's pick; MODES (``direct+staging``, ``direct``): this cell's pairs
     (None: the stage's modes)."""
-    out: list[tuple[str | None, str | None, list[str] | None]] = []
+    out: list[Cell] = []
     for item in (x.strip() for x in text.split(",")):
         if not item:
             continue
         a, b, m = (item.split(":") + ["", ""])[:3]
         backend, dtype = (a, b) if first == "backend" else (b, a)
         modes = [x for x in m.split("+") if x] or None
-        out.append((None if backend in ("", "auto") else backend, dtype or None, modes))
+        out.append(Cell(None if backend in ("", "auto") else backend, dtype or None, modes))
+    return out
+
+
+def parse_block_pairs(text: str) -> list[tuple[str, str | None, int, str | None, int, list[str] | None]]:
+    """``--block-pairs``: ``MODEL:PBACKEND/PBS>DBACKEND/DBS[:MODES]`` comma
+    separated (MODEL ``dense`` or ``mla``; a backend ``auto``: vLLM's pick) as
+    (model, prefill backend, prefill block size, decode backend, decode
+    block size, modes)."""
+    out = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        parts = item.split(":")
+        m = re.fullmatch(r"([^/>]+)/(\d+)>([^/>]+)/(\d+)", parts[1] if len(parts) > 1 else "")
+        if parts[0] not in ("dense", "mla") or not m:
+            raise SystemExit(f"--block-pairs: {item!r} is not MODEL:PBACKEND/PBS>DBACKEND/DBS[:MODES]")
+        pb, pbs, db, dbs = m.groups()
+        modes = [x for x in (parts[2] if len(parts) > 2 else "").split("+") if x] or None
+        out.append((parts[0], None if pb == "auto" else pb, int(pbs), None if db == "auto" else db, int(dbs), modes))
     return out
 
 
@@ -1327,8 +1450,7 @@ def cell_key(backend: str | None, dtype: str | None) -> str:
 CELL_MODES = ("direct", "staging")
 
 
-def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str,
-                cells: list[tuple[str | None, str | None, list[str] | None]],
+def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str, cells: list[Cell],
                 modes: list[str], boundary: list[int], tol: float) -> dict[str, Any]:
     """One engine and an OrbitKV pair per mode (``direct``: staging off, the
     default; ``staging``: every request through ``orbitkv.pd.staging_mb``)
@@ -1340,7 +1462,7 @@ def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str,
     at-once answers, and prefill's KV compared with decode's byte for byte."""
     a = ctx.args
     ctx.log(f"stage {name}: start ({len(cells)} cells, model {spec.name}): "
-            + ", ".join(f"{cell_key(b, d)} {m or modes}" for b, d, m in cells))
+            + ", ".join(f"{c.key} {c.modes or modes}" for c in cells))
     out: dict[str, Any] = {"stage": name, "started": time.time(), "model": spec.__dict__, "modes": modes,
                            "eager": a.cell_eager, "kv_gib": a.cell_kv_gib, "tolerance_nats": tol,
                            "concurrent": a.cell_concurrent, "cells": {}, "startup": {}}
@@ -1349,8 +1471,9 @@ def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str,
     probe_t.start()
     tag = name.split("-", 1)[1]
     groups: dict[str, dict[str, Any]] = {}
-    for backend, dtype, cell_modes in cells:
-        key = cell_key(backend, dtype)
+    for cell in cells:
+        key, backend, dtype, cell_modes = cell.key, cell.backend, cell.dtype, cell.modes
+        cspec, cmodel = cell.spec or spec, cell.model or model
         extra = []
         if backend:
             extra += ["--attention-backend", backend]
@@ -1364,11 +1487,21 @@ def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str,
             env["VLLM_SERVER_DEV_MODE"] = "1"
             env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p)
         slug = re.sub(r"[^a-z0-9]+", "-", key.lower()).strip("-")
-        # (on CPU, a dry run: decode instances on core 1, the rest on core 0)
-        mk = lambda role, conn, slug=slug, extra=extra, env=env: Server(  # noqa: E731
-            f"{tag}-{slug}-{role}", model, spec, int(not ctx.cuda and "decode" in role), conn, a.cell_eager, a.cell_kv_gib * GIB, spec.max_pos,
-            ctx.port(), ctx.port(), dict(env), list(extra))
-        g: dict[str, Any] = {"backend": backend, "kv_cache_dtype": dtype, "single": mk("single", "none"), "pairs": {}}
+
+        def mk(role: str, conn: str, slug: str = slug, extra: list[str] = extra, env: dict[str, str] = env,
+               cell: Cell = cell, cspec: ModelSpec = cspec, cmodel: str = cmodel) -> Server:
+            s = Server(f"{tag}-{slug}-{role}", cmodel, cspec,
+                       # (on CPU, a dry run: decode instances on core 1, the rest on core 0)
+                       int(not ctx.cuda and "decode" in role), conn, a.cell_eager, a.cell_kv_gib * GIB,
+                       cspec.max_pos, ctx.port(), ctx.port(), dict(env),
+                       list(extra) + cell.sides.get(role.split("-")[0], []))
+            if conn == "orbit" and a.release_digest:
+                # the test hook: per request, decode's KV as loaded and prefill's as released
+                s.extra_env["ORBITKV_TESTING_KV_DIGEST"] = str(release_dir(ctx, s))
+            return s
+
+        g: dict[str, Any] = {"backend": backend, "kv_cache_dtype": dtype, "single": mk("single", "none"), "pairs": {},
+                             "spec": cspec, "sides": cell.sides}
         for mode in cell_modes or modes:
             sfx = "" if mode == "direct" else "-st"
             pre, dec = mk("prefill" + sfx, "orbit"), mk("decode" + sfx, "orbit")
@@ -1404,6 +1537,7 @@ def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str,
                     "error": s.error, "argv": server_argv(ctx, s), "log_facts": log_facts(s.log),
                     "backend": backend_used(s.log), **({"why": exception_line(s.log)} if s.error else {})}
         c: dict[str, Any] = {"backend_asked": g["backend"], "kv_cache_dtype": g["kv_cache_dtype"],
+                             "sides": g["sides"], "model": g["spec"].name,
                              "backend_used": {s.name: backend_used(s.log) for s in
                                               (single, *(x for p in g["pairs"].values() for x in p))},
                              "pairs": {}}
@@ -1428,9 +1562,9 @@ def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str,
             try:
                 proxy, purl = start_proxy(ctx, "orbit", f"{pre.name}-proxy", pre, dec)
                 ctx.log(f"  {key} {mode}:")
-                r.update(correctness(ctx, spec, [single, pre, dec], purl, tol, seed_extra=100 * i, boundary=boundary,
-                                     conc_n=a.cell_concurrent, staged=(mode == "staging"), digest=a.kv_digest,
-                                     split_reps=a.chunk_split_reps))
+                r.update(correctness(ctx, g["spec"], [single, pre, dec], purl, tol, seed_extra=100 * i,
+                                     boundary=boundary, conc_n=a.cell_concurrent, staged=(mode == "staging"),
+                                     digest=a.kv_digest, split_reps=a.chunk_split_reps, release=a.release_digest))
             except Exception as e:  # noqa: BLE001
                 r["pass"] = False
                 r["error"] = f"{type(e).__name__}: {e}"
@@ -1456,10 +1590,18 @@ def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str,
     return out
 
 
+MODEL_LOCK = threading.Lock()  # stages run at once (--cell-stages-together) share models
+
+
+def made(ctx: Ctx, spec: ModelSpec) -> str:
+    with MODEL_LOCK:
+        return make_model(spec, ctx.work / "models")
+
+
 def stage_mla(ctx: Ctx) -> dict[str, Any]:
     spec = mla_spec(ctx)
     t = time.monotonic()
-    model = make_model(spec, ctx.work / "models")
+    model = made(ctx, spec)
     ctx.log(f"MLA model made in {time.monotonic() - t:.1f}s: {model}")
     modes = [m for m in ctx.args.cell_modes.split(",") if m]
     return stage_cells(ctx, "m-mla", spec, model, parse_cells(ctx.args.mla_backends, "backend"), modes,
@@ -1468,10 +1610,31 @@ def stage_mla(ctx: Ctx) -> dict[str, Any]:
 
 def stage_fp8(ctx: Ctx) -> dict[str, Any]:
     spec = small_spec(ctx, "bfloat16")
-    model = make_model(spec, ctx.work / "models")
+    model = made(ctx, spec)
     modes = [m for m in ctx.args.fp8_modes.split(",") if m]
     return stage_cells(ctx, "f-fp8", spec, model, parse_cells(ctx.args.kv_cache_dtypes, "dtype"), modes,
                        ctx.args.boundary_lengths, ctx.args.tol_fp8)
+
+
+def stage_blocks(ctx: Ctx) -> dict[str, Any]:
+    """``k-blocks``: prefill and decode of different ``--block-size`` (and,
+    for MLA, backends), per ``--block-pairs`` entry; the one engine runs
+    decode's backend and block size."""
+    a = ctx.args
+    dense, mla = small_spec(ctx, "bfloat16"), None
+    cells = []
+    for kind, pb, pbs, db, dbs, modes in parse_block_pairs(a.block_pairs):
+        spec = dense
+        if kind == "mla":
+            mla = mla or mla_spec(ctx)
+            spec = mla
+        side = lambda b, n: (["--attention-backend", b] if b else []) + ["--block-size", str(n)]  # noqa: E731
+        key = f"{kind} {pb or 'auto'}/{pbs} to {db or 'auto'}/{dbs}"
+        cells.append(Cell(None, None, modes, key=key, spec=spec, model=made(ctx, spec),
+                          sides={"prefill": side(pb, pbs), "decode": side(db, dbs), "single": side(db, dbs)}))
+    modes = [m for m in a.block_modes.split(",") if m]
+    tol = a.tol_bf16 if ctx.cuda else a.tol_fp32
+    return stage_cells(ctx, "k-blocks", dense, made(ctx, dense), cells, modes, a.mla_boundary_lengths, tol)
 
 
 # ---- the Llama-3-8B-shaped instances (stages b and c) -------------------------------------------
@@ -2242,12 +2405,20 @@ def run(ctx: Ctx) -> int:
     stages = a.stages.split(",")
     ctx.log(f"driver: device={a.device} stages={stages} deadline={a.deadline_s}s out={ctx.out}")
     ctx.save("environment", environment(ctx))
-    # the new stages first (a run that names them is about them): MLA, then fp8 KV
+    # the new stages first (a run that names them is about them): block sizes, MLA, then fp8 KV
     try:
-        if "m-mla" in stages:
-            stage_mla(ctx)
-        if "f-fp8" in stages and ctx.left() > 150:
-            stage_fp8(ctx)
+        cell_stages = [(st, fn) for st, fn in (("k-blocks", stage_blocks), ("m-mla", stage_mla), ("f-fp8", stage_fp8))
+                       if st in stages]
+        if a.cell_stages_together and len(cell_stages) > 1:
+            # every instance of these stages starts at once (one warm-up on a fresh machine)
+            with cf.ThreadPoolExecutor(len(cell_stages)) as ex:
+                futs = [ex.submit(fn, ctx) for _, fn in cell_stages]
+                for f in futs:
+                    f.result()
+        else:
+            for st, fn in cell_stages:
+                if st == "k-blocks" or st == "m-mla" or ctx.left() > 150:
+                    fn(ctx)
     except BaseException as e:
         ctx.log(f"driver: ERROR {type(e).__name__}: {e}")
         ctx.save("driver-error", {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()})
@@ -2430,7 +2601,9 @@ def cell_report(st: str, r: dict[str, Any]) -> list[str]:
     """The m-mla / f-fp8 tables: per cell and pair, the cases, the prompts
     sent at once against both references, the gaps at the differences, the
     KV counted and compared, idle, pass; then what vLLM's selector offers."""
-    what = "MLA (DeepSeek-V2-Lite shape)" if st == "m-mla" else "fp8 KV cache (small bf16 Llama)"
+    what = {"m-mla": "MLA (DeepSeek-V2-Lite shape)", "f-fp8": "fp8 KV cache (small bf16 Llama)",
+            "k-blocks": "prefill and decode of different block sizes (cell: prefill backend/block to decode's; "
+                        "the one engine runs decode's)"}.get(st, st)
     n = r.get("concurrent", 24)
     lines = [f"## {st}: {what}, OrbitKV P/D vs one engine of the same backend and KV dtype"
              + (" (eager)" if r.get("eager") else ""), "",
@@ -2440,20 +2613,20 @@ def cell_report(st: str, r: dict[str, Any]) -> list[str]:
              "the reference's log-probability of its token minus that of the P/D token.", "",
              "| cell | backend used | mode | cases equal / near-tie / mismatch / error | at once vs ref 1 | "
              "at once vs ref n | engine at once vs ref 1 | gaps at differences (vs ref 1; vs ref n) | "
-             "transfers / P/D requests / failed | staging grants | KV slots: prefill written / not on decode | "
-             "idle after | pass |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "transfers / P/D requests / failed | staging grants | KV slots (idle): prefill written / not on decode | "
+             "KV at release: requests / tokens compared / tokens differing | idle after | pass |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     cnt = lambda v: "/".join(str(v.count(x)) for x in ("equal", "near-tie", "mismatch")) if v else "-"  # noqa: E731
     for key, c in r.get("cells", {}).items():
         used = sorted({v for v in c.get("backend_used", {}).values() if v})
         used_s = ", ".join(used) or "-"
         if c.get("refused") and not c.get("pairs"):
-            lines.append(f"| {key} | {used_s} | | refused: {c['refused']} | | | | | | | | | **no** |")
+            lines.append(f"| {key} | {used_s} | | refused: {c['refused']} | | | | | | | | | | **no** |")
         for mode, m in c.get("pairs", {}).items():
             if "counts" not in m:
                 why = ("did not start: " + "; ".join(f"{k.rsplit('-', 1)[-1]}: {v}" for k, v in m["why"].items())
                        if m.get("why") else str(m.get("error", ""))[:300].replace("\n", " "))
-                lines.append(f"| {key} | {used_s} | {mode} | {why.replace('|', '/')} | | | | | | | | | **no** |")
+                lines.append(f"| {key} | {used_s} | {mode} | {why.replace('|', '/')} | | | | | | | | | | **no** |")
                 continue
             k = m["counts"]
             cc = next((x for x in m["cases"] if "verdicts" in x), {})
@@ -2466,6 +2639,9 @@ def cell_report(st: str, r: dict[str, Any]) -> list[str]:
                     f"({kvb.get('missing_elsewhere')} not a block's last, {kvb.get('blocks_with_missing')} blocks)"
                     + ("" if kvb.get("ok") else (" **not equal**" if kvb.get("ok") is False else " (not compared)"))
                     if kvb else "-")
+            rel = m.get("kv_release") or {}
+            rel_s = (f"{rel.get('requests_compared')} / {rel.get('tokens_compared')} / {rel.get('tokens_mismatched')}"
+                     + ("" if rel.get("ok") else " **not equal**") if rel else "-")
             idle_ok = all(v.get("idle") for v in m.get("idle_after", {}).values())
             lines.append(
                 f"| {key} | {used_s} | {mode} | {k.get('equal', 0)} / {k.get('near-tie', 0)} / {k.get('mismatch', 0)} / "
@@ -2473,9 +2649,12 @@ def cell_report(st: str, r: dict[str, Any]) -> list[str]:
                 f"{cnt(m.get('pd_concurrent_vs_single_concurrent'))} | "
                 f"{cnt(m.get('control_single_concurrent_vs_sequential'))} | {gaps}; {gaps_n} | "
                 f"{m.get('transfers_completed')} / {m.get('pd_requests')} / {m.get('transfers_failed')} | "
-                f"{m.get('staging_granted')} | {kv_s} | {'yes' if idle_ok else '**NO**'} | "
+                f"{m.get('staging_granted')} | {kv_s} | {rel_s} | {'yes' if idle_ok else '**NO**'} | "
                 f"{'yes' if m.get('pass') else '**no**'} |")
-    lines += ["", "(at once: equal/near-tie/mismatch counts of the prompts sent at once.)", ""]
+    lines += ["", "(at once: equal/near-tie/mismatch counts of the prompts sent at once. KV slots (idle): "
+              "digests of every slot once both instances are idle (kv_digest.py); KV at release: per request, "
+              "decode's tokens as loaded against prefill's as released (ORBITKV_TESTING_KV_DIGEST), which "
+              "decides the pass when present.)", ""]
     pr = r.get("backend_probe") or {}
     if pr:
         lines += [f"vLLM's attention selector on this GPU ({pr.get('capability', '?')}): valid backends in priority "
@@ -2559,7 +2738,7 @@ def report(d: Path) -> str:
             lines.append("Control, the single engine's own 16 concurrent answers against its one-by-one answers: " + "; ".join(
                 f"{k}: " + ", ".join(f"{v.count(x)} {x}" for x in sorted(set(v))) for k, v in ctrl.items()))
         lines.append("")
-    for st in ("m-mla", "f-fp8"):
+    for st in ("k-blocks", "m-mla", "f-fp8"):
         r = _load(d, st)
         if r:
             lines += cell_report(st, r)
@@ -2860,6 +3039,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-split-reps", type=int, default=0,
                    help="m-mla, f-fp8: times to send three prompts at once so that the third's final block spans "
                         "two prefill steps (its last chunk starts inside it), KV compared after")
+    p.add_argument("--block-pairs", default="dense:FLASH_ATTN/16>FLASH_ATTN/64,dense:FLASH_ATTN/64>FLASH_ATTN/16,"
+                   "mla:FLASH_ATTN_MLA/16>FLASHMLA/64,mla:FLASHMLA/64>FLASH_ATTN_MLA/16",
+                   help="k-blocks: MODEL:PBACKEND/PBS>DBACKEND/DBS[:MODES] comma separated (MODEL dense: the "
+                        "small bf16 Llama; mla: the m-mla model; a backend auto: vLLM's pick); the one engine "
+                        "runs decode's backend and block size")
+    p.add_argument("--block-modes", default="direct", help="k-blocks: the OrbitKV pairs per cell (as --cell-modes)")
+    p.add_argument("--no-release-digest", dest="release_digest", action="store_false",
+                   help="k-blocks, m-mla, f-fp8: no per-request KV digests at load (decode) and release (prefill) "
+                        "(the test hook ORBITKV_TESTING_KV_DIGEST)")
+    p.add_argument("--cell-stages-together", action="store_true",
+                   help="k-blocks, m-mla, f-fp8: run these stages at once (every instance starts together)")
     p.add_argument("--tol-fp8", type=float, default=0.25,
                    help="f-fp8: near-tie tolerance in nats (the model computes in bf16; the KV is fp8)")
     p.add_argument("--storm-requests", type=int, default=48)
@@ -2883,9 +3073,12 @@ def main(argv: list[str] | None = None) -> int:
     a.long_lengths = [int(x) for x in a.long_lengths.split(",") if x]
     a.ttft_lengths = [int(x) for x in a.ttft_lengths.split(",") if x]
     a.mla_boundary_lengths = [int(x) for x in a.mla_boundary_lengths.split(",") if x]
-    for opt, sep in (("cell_modes", ","), ("fp8_modes", ","), ("mla_backends", None), ("kv_cache_dtypes", None)):
+    for opt, sep in (("cell_modes", ","), ("fp8_modes", ","), ("block_modes", ","), ("mla_backends", None),
+                     ("kv_cache_dtypes", None), ("block_pairs", "pairs")):
         text = getattr(a, opt)
-        wanted = text.split(",") if sep else [m for c in parse_cells(text, "backend") for m in (c[2] or [])]
+        wanted = (text.split(",") if sep == "," else
+                  [m for c in parse_block_pairs(text) for m in (c[5] or [])] if sep == "pairs" else
+                  [m for c in parse_cells(text, "backend") for m in (c.modes or [])])
         bad = [m for m in wanted if m and m not in CELL_MODES]
         if bad:
             p.error(f"--{opt.replace('_', '-')}: unknown mode(s) {bad} (modes: {', '.join(CELL_MODES)})")

@@ -16,7 +16,17 @@ from orbitkv.vllm import _testing as hooks  # noqa: E402
 def test_off_without_the_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(hooks.CORRUPT_ENV, raising=False)
     monkeypatch.delenv(hooks.WRITE_DELAY_ENV, raising=False)
+    monkeypatch.delenv(hooks.KV_DIGEST_ENV, raising=False)
     assert hooks.TestingHooks.from_env() is None
+
+
+def test_the_kv_digest_variable_turns_the_hooks_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv(hooks.CORRUPT_ENV, raising=False)
+    monkeypatch.delenv(hooks.WRITE_DELAY_ENV, raising=False)
+    monkeypatch.setenv(hooks.KV_DIGEST_ENV, str(tmp_path))
+    h = hooks.faults_from_env()
+    assert isinstance(h, hooks.TestingHooks) and h.kv_digest_dir == str(tmp_path)
+    assert not h.take_corruption() and h.write_delay_s() == 0.0
 
 
 def test_corruption_always_or_one_shot(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

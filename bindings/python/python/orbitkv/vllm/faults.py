@@ -19,6 +19,7 @@ if TYPE_CHECKING:
 # The variables that turn a test hook on (``_testing.py`` reads them).
 CORRUPT_ENV = "ORBITKV_TESTING_CORRUPT_AFTER_LOAD"
 WRITE_DELAY_ENV = "ORBITKV_TESTING_WRITE_DELAY"
+KV_DIGEST_ENV = "ORBITKV_TESTING_KV_DIGEST"
 
 
 class Faults:
@@ -31,15 +32,30 @@ class Faults:
         (the test hooks may put a slow link in front of it)."""
         return runtime
 
-    def after_load(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, blocks: list[int] | None) -> None:
+    def after_load(
+        self, kv_caches: dict[str, torch.Tensor], num_blocks: int, blocks: list[int] | None, pd_id: str | None = None
+    ) -> None:
         """A consumer's KV load into ``blocks`` completed (after any staging
-        scatter, before the request is reported to vLLM)."""
+        scatter, before the request is reported to vLLM); ``pd_id``: its P/D
+        request id (the one both sides share)."""
+
+    def consumer_opened(self, pd_id: str, first_block: int, block_ids: list[int], tokens: int) -> None:
+        """A consumer authorized ``block_ids`` (the request's blocks from
+        ``first_block`` on) for its tokens up to ``tokens``."""
+
+    def producer_chunk(self, pd_id: str, new_block_ids: list[int]) -> None:
+        """A producer's step chunk: the blocks vLLM gave the request in this
+        step (its first chunk: every block it holds), in request order."""
+
+    def before_send_done(self, kv_caches: dict[str, torch.Tensor], num_blocks: int, pd_id: str) -> None:
+        """A producer's sending is over (nothing reads its blocks any more):
+        right before the worker reports it to vLLM, which frees the blocks."""
 
 
 def faults_from_env() -> Faults:
     """The test hooks the environment asks for, else the no-ops (without
     importing the hooks' module)."""
-    if not (os.environ.get(CORRUPT_ENV) or os.environ.get(WRITE_DELAY_ENV)):
+    if not any(os.environ.get(v) for v in (CORRUPT_ENV, WRITE_DELAY_ENV, KV_DIGEST_ENV)):
         return Faults()
     from orbitkv.vllm._testing import TestingHooks
 

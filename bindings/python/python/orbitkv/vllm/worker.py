@@ -389,6 +389,7 @@ class PdWorker:
         self._step_layers = set()
         self._step_index = {}
         for ch in meta.producer_chunks:
+            self._faults.producer_chunk(ch.pd_id, ch.new_block_ids)
             if ch.opens:
                 prod = led.producers.get(ch.pd_id)
                 prod.req_id = ch.req_id
@@ -544,6 +545,7 @@ class PdWorker:
             return
         cons = self.ledger.consumers.get(c.pd_id)
         cons.req_id, cons.blocks = c.req_id, list(c.block_ids)
+        self._faults.consumer_opened(c.pd_id, c.first_block, c.block_ids, c.tokens)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor) -> None:
         if not self._step_chunks:
@@ -712,7 +714,7 @@ class PdWorker:
                             logger.warning("staging of %s could not be scattered (%s): recomputed", pd, e)
                             self._fail_load(cons.req_id, cons.blocks or ())
                     if ev.kind == "consumer_completed":  # test hook (after any scatter)
-                        self._faults.after_load(self._kv_caches, self._num_blocks, blocks_of(cons.blocks or ()))
+                        self._faults.after_load(self._kv_caches, self._num_blocks, blocks_of(cons.blocks or ()), pd)
                     led.consumers.get(pd).reported = True
                     recving.add(cons.req_id)
             elif ev.kind == "consumer_quiesced":
@@ -746,6 +748,7 @@ class PdWorker:
         self._free_source_staging()
         for pd, prod in led.ended_and_released():
             if prod.req_id is not None:
+                self._faults.before_send_done(self._kv_caches, self._num_blocks, pd)
                 sending.add(prod.req_id)
             led.producers.pop(pd)
         return (sending or None), (recving or None)
