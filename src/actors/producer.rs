@@ -121,16 +121,64 @@ pub struct ProducerCell {
 /// [`Self::try_append`]: chunked prefill grows it) and every member reads
 /// when it plans a write. A chunk's blocks are appended before the call
 /// that added them answers, so the layers handed over after it find them.
+///
+/// It also holds the order each staged chunk was gathered in, when not the
+/// request's ([`StagedPlan::gather_order`], recorded by [`gather_order`]
+/// before the worker gathers the chunk): a write from source staging must
+/// know which request block each slot holds.
 #[derive(Clone, Default)]
-pub struct SourceBlocks(Arc<parking_lot::RwLock<Vec<u32>>>);
+pub struct SourceBlocks(Arc<SourceState>);
+
+#[derive(Default)]
+struct SourceState {
+    blocks: parking_lot::RwLock<Vec<u32>>,
+    /// Chunks gathered out of request order: start -> (end, order).
+    orders: parking_lot::RwLock<std::collections::BTreeMap<u32, (u32, Arc<[u32]>)>>,
+}
+
+/// A write of blocks that overlap a chunk gathered out of request order
+/// without being exactly that chunk: its slots cannot be named.
+#[derive(Debug)]
+struct OrderUnknown;
 
 impl SourceBlocks {
     pub fn new(blocks: Vec<u32>) -> Self {
-        Self(Arc::new(parking_lot::RwLock::new(blocks)))
+        Self(Arc::new(SourceState {
+            blocks: parking_lot::RwLock::new(blocks),
+            orders: Default::default(),
+        }))
     }
 
     pub fn len(&self) -> usize {
-        self.0.read().len()
+        self.0.blocks.read().len()
+    }
+
+    /// The order chunk `blocks` was gathered in: `None` the request's.
+    fn order_of(&self, blocks: &std::ops::Range<u32>) -> Result<Option<Arc<[u32]>>, OrderUnknown> {
+        let orders = self.0.orders.read();
+        let mut overlapping = orders
+            .range(..blocks.end)
+            .filter(|(&s, &(e, _))| s < blocks.end && blocks.start < e);
+        match (overlapping.next(), overlapping.next()) {
+            (None, _) => Ok(None),
+            (Some((&s, (e, order))), None) if s == blocks.start && *e == blocks.end => Ok(Some(order.clone())),
+            _ => Err(OrderUnknown),
+        }
+    }
+
+    /// Records the order chunk `blocks` is gathered in (`None`: the
+    /// request's), replacing what any overlapping chunk had.
+    fn record_order(&self, blocks: std::ops::Range<u32>, order: Option<Vec<u32>>) {
+        let mut orders = self.0.orders.write();
+        orders.retain(|&s, &mut (e, _)| !(s < blocks.end && blocks.start < e));
+        if let Some(order) = order {
+            orders.insert(blocks.start, (blocks.end, order.into()));
+        }
+    }
+
+    /// Whether any chunk was gathered out of request order.
+    fn any_reordered(&self) -> bool {
+        !self.0.orders.read().is_empty()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -146,7 +194,7 @@ impl SourceBlocks {
         groups: u32,
         check: impl FnOnce(&[u32]) -> Result<(), E>,
     ) -> Result<(), E> {
-        let mut blocks = self.0.write();
+        let mut blocks = self.0.blocks.write();
         let all = append_segments(&blocks, more, groups as usize);
         check(&all)?;
         *blocks = all;
@@ -154,7 +202,7 @@ impl SourceBlocks {
     }
 
     fn read(&self) -> parking_lot::RwLockReadGuard<'_, Vec<u32>> {
-        self.0.read()
+        self.0.blocks.read()
     }
 }
 
@@ -242,6 +290,31 @@ impl std::fmt::Debug for ProducerRef {
             .field("inbox", &self.0.inbox.load(Ordering::Relaxed))
             .finish()
     }
+}
+
+/// The order in which the worker gathers chunk `blocks` of a request into
+/// its source staging, recorded for the writes that follow
+/// ([`StagedPlan::gather_order`]; `None`: the request's order). Reordered
+/// only when the request has one member (one consumer rank), whose current
+/// authorization is written from source staging into pages: decided and
+/// recorded under that member's lock, so a plan made for a later
+/// authorization sees the record (and then writes no grant).
+pub fn gather_order(members: &[ProducerRef], blocks: std::ops::Range<u32>) -> Option<Vec<u32>> {
+    let [member] = members else {
+        if let Some(m) = members.first() {
+            m.0.core.lock().src_blocks.record_order(blocks, None);
+        }
+        return None;
+    };
+    let mut core = member.0.core.lock();
+    let order = match core.machine.authorization().cloned() {
+        Some(auth) if core.machine.phase() != ProducerPhase::Released => {
+            core.staged_into(&auth).and_then(|plan| plan.gather_order(blocks.clone()))
+        }
+        _ => None,
+    };
+    core.src_blocks.record_order(blocks, order.clone());
+    order
 }
 
 impl ProducerRef {
@@ -391,6 +464,10 @@ impl ProducerCore {
             .inspect_err(|e| tracing::warn!(error = %e, "staging grant not usable: writing pages"))
             .ok()
             .flatten()
+            // A grant is staged in request order: a chunk gathered in
+            // another (for an earlier authorization's pages) cannot go
+            // there, so this authorization is written from the pages.
+            .filter(|p| !(p.into_grant() && self.src_blocks.any_reordered()))
             .map(Arc::new)
         });
         self.staged = Some((auth.generation, plan.clone()));
@@ -433,9 +510,31 @@ impl ProducerCore {
                         reason: EXPIRED.into(),
                     });
                 }
-                let staged = self.staged_into(&auth);
+                let mut staged = self.staged_into(&auth);
+                let order = match &staged {
+                    Some(_) => match self.src_blocks.order_of(&blocks) {
+                        Ok(order) => order,
+                        Err(OrderUnknown) if staged.as_ref().is_some_and(|p| p.into_grant()) => {
+                            // Never: a plan into a grant is not made once a
+                            // chunk was reordered, nor a chunk reordered under one.
+                            return Some(ProducerEvent::WriteFailed {
+                                write,
+                                generation,
+                                reason: "a staged chunk's order is unknown".into(),
+                            });
+                        }
+                        Err(OrderUnknown) => {
+                            // Not a chunk as it was gathered (never from this
+                            // worker): from the pages, which prefill still holds.
+                            tracing::warn!(layer, ?blocks, "blocks across a reordered chunk: writing from the pages");
+                            staged = None;
+                            None
+                        }
+                    },
+                    None => None,
+                };
                 let planned = match &staged {
-                    Some(plan) => plan.plan_layer(layer, blocks.clone(), &mut self.planned),
+                    Some(plan) => plan.plan_layer(layer, blocks.clone(), order.as_deref(), &mut self.planned),
                     None => plan_write(
                         &self.shared.local,
                         &self.src_blocks.read(),

@@ -527,6 +527,27 @@ impl Runtime {
         self.ask(move |d, _| d.producer_add_blocks(&request, blocks))
     }
 
+    /// Prefill side: the order in which the worker gathers request blocks
+    /// `blocks` (one chunk of this step) into the request's source staging,
+    /// before it gathers any layer of them: `order[k]` is the request block
+    /// for staging slot `blocks.start + k`; `None`: the request's order.
+    /// The chunk's blocks sorted by the consumer's block IDs when its
+    /// authorization is written from staging into its pages
+    /// ([`crate::staging::StagedPlan::gather_order`]); the writes of the
+    /// chunk's layers then follow the recorded order. A request not open
+    /// here: `UnknownRequest`.
+    pub fn producer_gather_order(
+        &self,
+        request: &RequestId,
+        blocks: std::ops::Range<u32>,
+    ) -> Result<Option<Vec<u32>>, RuntimeError> {
+        let group = self
+            .producers
+            .live_group(request)
+            .ok_or_else(|| RuntimeError::UnknownRequest(request.0.clone()))?;
+        Ok(super::producer::gather_order(&group, blocks))
+    }
+
     /// Admits a consumer's handshake: validated strictly, checked against
     /// this rank's layout and against the request's capability. On any
     /// error nothing changes. It may arrive before `producer_open` (it is

@@ -162,6 +162,11 @@ impl ProducerMachine {
         self.auth.as_ref().map(|a| a.generation)
     }
 
+    /// The authorization writes go under now (the latest handshake).
+    pub fn authorization(&self) -> Option<&Arc<Handshake>> {
+        self.auth.as_ref()
+    }
+
     pub fn has_handshake(&self) -> bool {
         self.auth.is_some()
     }

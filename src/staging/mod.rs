@@ -88,11 +88,12 @@ pub struct StagedKv {
 /// The group of the source staging a producer of layout `local` gathers
 /// for a consumer instance of TP size `consumer_tp`: the heads of one
 /// consumer rank when each consumer rank holds a whole, distinct part of
-/// this rank's heads (the consumer's TP size a multiple of this one's, head
-/// counts dividing evenly), else 1 (unit-major).
+/// this rank's heads (the consumer's TP size this one's or a multiple of
+/// it, head counts dividing evenly: under equal TP that is the whole block,
+/// so the staging lies in the consumer's page order), else 1 (unit-major).
 pub fn source_group(local: &KvLayout, consumer_tp: u32) -> u32 {
     let (tp, total) = (local.tp_size.max(1), local.total_kv_heads);
-    if !local.head_major || consumer_tp <= tp || consumer_tp % tp != 0 || total % consumer_tp != 0 {
+    if !local.head_major || consumer_tp < tp || consumer_tp % tp != 0 || total % consumer_tp != 0 {
         return 1;
     }
     let per = total / consumer_tp;
@@ -105,7 +106,7 @@ pub fn source_group(local: &KvLayout, consumer_tp: u32) -> u32 {
 
 /// The group of the staging grant a consumer of layout `local` gives a
 /// producer instance of TP size `producer_tp`: its whole block (every unit)
-/// when all its heads come from one producer rank of a smaller TP size
+/// when all its heads come from one producer rank of the same or a smaller TP size
 /// (the producer then stages grouped by exactly these heads,
 /// [`source_group`]), else 1 (unit-major).
 pub fn grant_group(local: &KvLayout, producer_tp: u32) -> u32 {
@@ -113,7 +114,7 @@ pub fn grant_group(local: &KvLayout, producer_tp: u32) -> u32 {
     let u = units(local);
     if local.head_major
         && producer_tp >= 1
-        && producer_tp < tp
+        && producer_tp <= tp
         && tp % producer_tp == 0
         && local.total_kv_heads % tp == 0
     {
@@ -375,6 +376,40 @@ impl StagedPlan {
         matches!(self.dest, Dest::Grant { .. })
     }
 
+    /// The order in which the worker should gather request blocks `blocks`
+    /// (one chunk) into source staging slots `blocks` so that this plan
+    /// writes them into the consumer's pages in the fewest ranges: the
+    /// chunk's blocks sorted by the consumer's block ID (those before the
+    /// handshake's `first_block`, never sent, first and in place). `order[k]`
+    /// is the request block slot `blocks.start + k` holds. vLLM hands a
+    /// cycled pool's blocks out in runs whose direction flips with every
+    /// reuse, so prefill's and decode's blocks of a request run in opposite
+    /// directions about half the time (`benches/fragmentation.py`): page to
+    /// page that is a range per block, sorted it is one per set of
+    /// consecutive decode IDs. `None`: request order (a plan into a grant,
+    /// whose staged order is the request's; a chunk outside the
+    /// authorization; or one already in order).
+    pub fn gather_order(&self, blocks: Range<u32>) -> Option<Vec<u32>> {
+        let Dest::Pages { block_ids, .. } = &self.dest else {
+            return None;
+        };
+        let first = self.first_block;
+        if blocks.end <= blocks.start || blocks.end > self.src.capacity {
+            return None;
+        }
+        if blocks.end.checked_sub(first).is_none_or(|n| n as usize > block_ids.len()) {
+            return None;
+        }
+        let mut order: Vec<u32> = blocks.clone().collect();
+        let from = (blocks.start.max(first) - blocks.start) as usize;
+        order[from..].sort_by_key(|&i| block_ids[(i - first) as usize]);
+        if order.iter().copied().eq(blocks) {
+            None
+        } else {
+            Some(order)
+        }
+    }
+
     /// The staged counterpart of [`crate::layout::plan_write`]: the ranges
     /// that write request blocks `blocks` of `layer` from the source staging
     /// into the grant or the pages. Request blocks before the handshake's
@@ -388,9 +423,28 @@ impl StagedPlan {
         &self,
         layer: u32,
         blocks: Range<u32>,
+        order: Option<&[u32]>,
         out: &mut Vec<WriteRange>,
     ) -> Result<(), GeometryError> {
         out.clear();
+        // A chunk gathered in another order than the request's
+        // ([`Self::gather_order`]): slot `blocks.start + k` holds request
+        // block `order[k]`, a permutation of the chunk's blocks.
+        if let Some(order) = order {
+            let permutation = order.len() == blocks.len() && {
+                let mut seen = vec![false; order.len()];
+                order.iter().all(|&i| {
+                    blocks.contains(&i) && !std::mem::replace(&mut seen[(i - blocks.start) as usize], true)
+                })
+            };
+            if !permutation || self.into_grant() {
+                return Err(GeometryError::GatherOrder {
+                    start: blocks.start,
+                    end: blocks.end,
+                    what: if permutation { "staging grant" } else { "permutation" },
+                });
+            }
+        }
         let li = layer as usize;
         let layers = self.src_order.slots.len();
         let dest_layers = match &self.dest {
@@ -483,6 +537,29 @@ impl StagedPlan {
                 }
             }
             Dest::Pages {
+                planes, block_ids, ..
+            } if order.is_some() => {
+                // Slot by slot: a run of slots holding consecutive decode
+                // blocks (in either direction of the request's order) is
+                // contiguous on both sides and merges into one range.
+                let order = order.unwrap_or_default();
+                for (plane, dp) in planes[li].iter().enumerate() {
+                    let first_range = out.len();
+                    for (k, &i) in order.iter().enumerate() {
+                        if i < lo {
+                            continue;
+                        }
+                        let r = WriteRange {
+                            src: src_at(plane, self.src_unit, blocks.start + k as u32)?,
+                            dst: dp.block_addr(block_ids[(i - first) as usize]),
+                            len: dp.block_bytes,
+                        };
+                        src_inside(&r)?;
+                        push_merged(out, first_range, r);
+                    }
+                }
+            }
+            Dest::Pages {
                 planes,
                 block_ids,
                 runs,
@@ -519,15 +596,20 @@ impl StagedPlan {
     }
 }
 
-/// Ranges a layer of `block_ids` takes in `layout`'s pages: one per run of
-/// blocks consecutive in memory, summed over the planes (of the first
-/// layer). Padded blocks (a stride past the block's bytes) are each a run
+/// Ranges a layer of `block_ids` takes in `layout`'s pages when a producer
+/// writes them from its source staging: one per run of blocks consecutive
+/// in memory (in any order of the request), summed over the planes (of the
+/// first layer). Padded blocks (a stride past the block's bytes) are each a run
 /// of their own.
 pub fn page_runs(layout: &KvLayout, block_ids: &[u32]) -> usize {
     let Some(l) = layout.layers.first() else {
         return 0;
     };
-    let runs = id_runs(block_ids).len();
+    // A producer that stages gathers each chunk in the order of these IDs
+    // ([`StagedPlan::gather_order`]): the runs of the sorted IDs.
+    let mut sorted = block_ids.to_vec();
+    sorted.sort_unstable();
+    let runs = id_runs(&sorted).len();
     l.planes
         .iter()
         .map(|p| {

@@ -113,6 +113,36 @@ fn gather(
     }
 }
 
+/// [`gather`] of a chunk gathered out of request order: slot
+/// `range.start + k` holds request block `order[k]`.
+#[allow(clippy::too_many_arguments)] // the memory and the order, spelled out
+fn gather_ordered(
+    local: &KvLayout,
+    src_blocks: &[u32],
+    kv: &mut Mem,
+    stage: &mut Mem,
+    at: u64,
+    cap: u32,
+    group: u32,
+    range: Range<u32>,
+    order: &[u32],
+) {
+    let staged = StagedOrder::grouped(local, cap, group).unwrap();
+    for (li, l) in local.layers.iter().enumerate() {
+        for (pi, p) in l.planes.iter().enumerate() {
+            let ub = staged.slots[li][pi].1;
+            for unit in 0..units(local) {
+                for (k, &i) in order.iter().enumerate() {
+                    let from = p.block_addr(src_blocks[i as usize]) + unit as u64 * ub;
+                    let data = kv.at(from, ub).to_vec();
+                    let to = at + staged.offset(li, pi, unit, range.start + k as u32).unwrap();
+                    stage.at(to, ub).copy_from_slice(&data);
+                }
+            }
+        }
+    }
+}
+
 /// The worker's scatter on decode: `units` of each authorized block back
 /// from the grant (in its staged order) into the pages.
 fn scatter(consumer: &KvLayout, h: &Handshake, units_sent: Range<u32>, stage: &mut Mem, kv: &mut Mem) {
@@ -149,7 +179,7 @@ fn plan(
 ) -> Result<(), GeometryError> {
     let plan = plan_for(local, src, h, 0)?.expect("both sides stage");
     assert!(plan.into_grant(), "{plan:?} writes pages");
-    plan.plan_layer(layer, blocks, out)
+    plan.plan_layer(layer, blocks, None, out)
 }
 
 fn apply(ranges: &[WriteRange], src: &mut Mem, dst: &mut Mem) {
@@ -488,7 +518,8 @@ fn check_grouped(
     let ids: Vec<u32> = if consecutive {
         (0..req - first).map(|i| i + 2).collect()
     } else {
-        (0..req - first).map(|i| (i * 5 + 1) % blocks).collect()
+        // no two consecutive, in any order (a staging producer sorts them)
+        (0..req - first).map(|i| (i * 2 + 1) % blocks).rev().collect()
     };
     let (pbytes, cbytes, direct) = direct_pages(&producer, &consumer, &src_blocks, first, &ids, chunks);
     let mut out = Vec::new();
@@ -530,7 +561,7 @@ fn check_grouped(
             c.clone(),
         );
         for l in 0..producer.layers.len() as u32 {
-            plan.plan_layer(l, c.clone(), &mut out).unwrap();
+            plan.plan_layer(l, c.clone(), None, &mut out).unwrap();
             // one range per plane and chunk (the consecutive blocks are one
             // run of pages, the grant one run of whole blocks)
             assert!(out.len() <= 2, "{} ranges: {out:?}", out.len());
@@ -612,8 +643,9 @@ fn groups_are_chosen_only_where_a_consumer_block_is_one_group() {
     assert_eq!(source_group(&l((0, 1), 8, true), 2), 4);
     assert_eq!(source_group(&l((0, 2), 8, true), 8), 1);
     assert_eq!(source_group(&l((0, 1), 8, true), 8), 1);
-    // the same or a smaller TP, replicated heads, token-major: unit-major
-    assert_eq!(source_group(&l((0, 2), 8, true), 2), 1);
+    // the same TP: the whole block (the staging lies in the pages' order)
+    assert_eq!(source_group(&l((0, 2), 8, true), 2), 4);
+    // a smaller TP, replicated heads, token-major: unit-major
     assert_eq!(source_group(&l((0, 2), 8, true), 1), 1);
     assert_eq!(source_group(&l((0, 1), 2, true), 4), 1);
     assert_eq!(source_group(&l((0, 1), 8, false), 2), 1);
@@ -622,7 +654,7 @@ fn groups_are_chosen_only_where_a_consumer_block_is_one_group() {
     assert_eq!(grant_group(&l((1, 2), 8, true), 1), 4);
     assert_eq!(grant_group(&l((3, 4), 8, true), 2), 2);
     assert_eq!(grant_group(&l((0, 1), 8, true), 2), 1);
-    assert_eq!(grant_group(&l((1, 2), 8, true), 2), 1);
+    assert_eq!(grant_group(&l((1, 2), 8, true), 2), 4);
     assert_eq!(grant_group(&l((3, 4), 2, true), 1), 1);
     assert_eq!(grant_group(&l((1, 2), 8, false), 1), 1);
     // an order's group must divide the block's units
@@ -659,7 +691,7 @@ fn a_grouped_source_never_writes_a_grant_of_another_order() {
     let plan = plan_for(&p, src, &h, MIN_RANGES).unwrap().unwrap();
     assert!(!plan.into_grant());
     let mut out = Vec::new();
-    plan.plan_layer(1, 0..n, &mut out).unwrap();
+    plan.plan_layer(1, 0..n, None, &mut out).unwrap();
     assert_eq!(out.len(), 2 * n as usize);
     for (r, &b) in out.iter().zip(scattered.iter().chain(&scattered)) {
         let plane = if r.dst >= c.layers[1].planes[1].base { 1 } else { 0 };
@@ -676,14 +708,14 @@ fn a_grouped_source_never_writes_a_grant_of_another_order() {
     let h = handshake(&c, 0, (0..n).collect(), None);
     let plan = plan_for(&p, src, &h, MIN_RANGES).unwrap().unwrap();
     assert!(matches!(
-        plan.plan_layer(0, 0..n + 1, &mut out),
+        plan.plan_layer(0, 0..n + 1, None, &mut out),
         Err(GeometryError::OutsideAuthorization { .. })
     ));
     let small = plan_for(&p, SourceStaging { capacity: 3, ..src }, &h, MIN_RANGES)
         .unwrap()
         .unwrap();
     assert!(matches!(
-        small.plan_layer(0, 0..4, &mut out),
+        small.plan_layer(0, 0..4, None, &mut out),
         Err(GeometryError::OutsideSource { .. })
     ));
 }
@@ -693,7 +725,9 @@ fn page_runs_count_blocks_consecutive_in_memory() {
     // K and V planes apart: consecutive IDs are one run per plane
     let apart = kv(0x10_0000, 1, 16, 8, (0, 1), 2, true);
     assert_eq!(page_runs(&apart, &[3, 4, 5, 6]), 2);
-    assert_eq!(page_runs(&apart, &[3, 4, 9, 10, 2]), 6);
+    // in any order: a staging producer sorts a chunk by decode's IDs
+    assert_eq!(page_runs(&apart, &[3, 4, 9, 10, 2]), 4);
+    assert_eq!(page_runs(&apart, &[6, 5, 4, 3]), 2);
     // padded blocks (a stride past the block's bytes): each block is a run
     // of its own, whatever its ID
     let mut padded = apart.clone();
@@ -739,7 +773,7 @@ fn pages_from_a_grouped_source_follow_the_planes_and_the_block_size() {
     let plan = plan_for(&p, src, &h, MIN_RANGES).unwrap().expect("pages");
     assert!(!plan.into_grant());
     let mut out = Vec::new();
-    plan.plan_layer(1, 0..10, &mut out).unwrap();
+    plan.plan_layer(1, 0..10, None, &mut out).unwrap();
     assert_eq!(out.len(), 2 * ids.len());
     for (k, plane) in c.layers[1].planes.iter().enumerate() {
         for (j, &b) in ids.iter().enumerate() {
@@ -767,4 +801,175 @@ fn plan_for(
     min_ranges: usize,
 ) -> Result<Option<StagedPlan>, GeometryError> {
     StagedPlan::new(local, src, h.target(), h.staging, min_ranges)
+}
+
+/// Equal TP, from a source staging gathered in decode's block order
+/// ([`StagedPlan::gather_order`]) into decode's pages: the pages end exactly
+/// as the direct plan leaves them (so nothing outside the authorized
+/// blocks changes), and a layer of a chunk takes one range per plane and
+/// set of consecutive decode IDs, whatever their direction.
+fn check_sorted(head_major: bool, src_blocks: &[u32], ids: &[u32], first: u32, chunks: &[Range<u32>]) {
+    let (producer, consumer) = pair(4, (0, 1), (0, 1), 64, head_major);
+    let (pbytes, cbytes, direct) = direct_pages(&producer, &consumer, src_blocks, first, ids, chunks);
+    let req = chunks.last().unwrap().end;
+    let group = source_group(&producer, 1);
+    assert_eq!(group, units(&producer), "equal TP stages whole blocks");
+    let (sat, cap) = (0x500_0000, req + 1);
+    let src = SourceStaging {
+        base: sat,
+        capacity: cap,
+        group,
+    };
+    let sbytes = StagedOrder::grouped(&producer, cap, group).unwrap().bytes;
+    let mut pstage = Mem::new(sat, sbytes as usize, 7);
+    let mut kvsrc = Mem::new(0x10_0000, pbytes as usize, 1);
+    let mut pages = Mem::new(0x80_0000, cbytes as usize, 99);
+    let h = handshake(&consumer, first, ids.to_vec(), None);
+    h.validate().unwrap();
+    let plan = plan_for(&producer, src, &h, MIN_RANGES).unwrap().expect("pages from staging");
+    assert!(!plan.into_grant());
+    let mut out = Vec::new();
+    for c in chunks {
+        let order = plan.gather_order(c.clone());
+        let slots: Vec<u32> = order.clone().unwrap_or_else(|| c.clone().collect());
+        gather_ordered(&producer, src_blocks, &mut kvsrc, &mut pstage, sat, cap, group, c.clone(), &slots);
+        // decode's IDs of the chunk's sent blocks, sorted: their runs
+        let mut sent: Vec<u32> = (c.start.max(first)..c.end).map(|i| ids[(i - first) as usize]).collect();
+        sent.sort_unstable();
+        let runs = (!sent.is_empty()) as usize + sent.windows(2).filter(|w| w[1] != w[0] + 1).count();
+        for l in 0..producer.layers.len() as u32 {
+            plan.plan_layer(l, c.clone(), order.as_deref(), &mut out).unwrap();
+            assert_eq!(out.len(), 2 * runs, "layer {l} of {c:?}: {out:?}");
+            apply(&out, &mut pstage, &mut pages);
+        }
+    }
+    assert_eq!(pages.bytes, direct.bytes, "sorted staging != direct: first {first}, {chunks:?}");
+}
+
+#[test]
+fn a_chunk_gathered_in_decode_order_is_one_range_per_run_of_decode_ids() {
+    // prefill's blocks ascending, decode's descending (a pool cycled once
+    // more on one side): page to page that is a range per block
+    let src: Vec<u32> = (10..22).collect();
+    let ids: Vec<u32> = (30..42).rev().collect();
+    for hm in [true, false] {
+        check_sorted(hm, &src, &ids, 0, &[0..12]);
+        check_sorted(hm, &src, &ids, 0, &[0..5, 5..12]);
+        check_sorted(hm, &src, &ids[3..], 3, &[0..7, 7..12]);
+        // two descending runs and a stray block
+        let ids: Vec<u32> = [45, 44, 43, 42, 7, 20, 19, 18, 17, 16, 15, 50].to_vec();
+        check_sorted(hm, &src, &ids, 0, &[0..12]);
+        check_sorted(hm, &src, &ids, 0, &[0..3, 3..8, 8..12]);
+    }
+    let (producer, consumer) = pair(4, (0, 1), (0, 1), 64, true);
+    let h = handshake(&consumer, 0, ids, None);
+    let src = SourceStaging {
+        base: 0x500_0000,
+        capacity: 12,
+        group: 4,
+    };
+    let plan = plan_for(&producer, src, &h, MIN_RANGES).unwrap().unwrap();
+    assert_eq!(plan.gather_order(0..4), Some(vec![3, 2, 1, 0]));
+    // already in decode's order, past the capacity or the authorization: none
+    let h2 = handshake(&consumer, 0, (30..42).collect(), None);
+    let plan2 = plan_for(&producer, src, &h2, MIN_RANGES).unwrap().unwrap();
+    assert_eq!(plan2.gather_order(0..12), None);
+    assert_eq!(plan.gather_order(0..13), None);
+    assert_eq!(plan.gather_order(4..4), None);
+}
+
+#[test]
+fn a_reordered_chunk_is_refused_where_its_order_cannot_be_written() {
+    let (producer, consumer) = pair(4, (0, 1), (0, 1), 64, true);
+    let ids: Vec<u32> = (30..42).rev().collect();
+    let src = SourceStaging {
+        base: 0x500_0000,
+        capacity: 12,
+        group: 4,
+    };
+    let plan = plan_for(&producer, src, &handshake(&consumer, 0, ids.clone(), None), MIN_RANGES)
+        .unwrap()
+        .unwrap();
+    let mut out = Vec::new();
+    for bad in [vec![0, 1, 2], vec![0, 1, 1, 3], vec![0, 1, 2, 4]] {
+        assert!(
+            matches!(
+                plan.plan_layer(0, 0..4, Some(&bad), &mut out),
+                Err(GeometryError::GatherOrder { what: "permutation", .. })
+            ),
+            "{bad:?}"
+        );
+    }
+    // a grant is staged in request order: a reordered chunk never goes there
+    let grant = StagingGrant {
+        base: 0x900_0000,
+        len: staged_bytes(&consumer, 12).unwrap(),
+        group: 4,
+    };
+    let into_grant = plan_for(&producer, src, &handshake(&consumer, 0, ids, Some(grant)), 0)
+        .unwrap()
+        .unwrap();
+    assert!(into_grant.into_grant());
+    assert_eq!(into_grant.gather_order(0..4), None);
+    assert!(matches!(
+        into_grant.plan_layer(0, 0..4, Some(&[3, 2, 1, 0]), &mut out),
+        Err(GeometryError::GatherOrder { what: "staging grant", .. })
+    ));
+}
+
+mod sorted_props {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// A request's block IDs as vLLM hands them out of a cycled pool:
+    /// runs of consecutive IDs, each ascending or descending, from a pool
+    /// of 64 (no ID twice).
+    fn blocks(n: usize) -> impl Strategy<Value = Vec<u32>> {
+        (Just(n), proptest::collection::vec((1u32..6, any::<bool>()), n), Just(()))
+            .prop_perturb(|(n, runs, ()), mut rng| {
+                let mut free: Vec<u32> = (0..64).collect();
+                // shuffled pool, then runs carved from it where they fit
+                for i in (1..free.len()).rev() {
+                    free.swap(i, rng.random_range(0..=i));
+                }
+                let mut out: Vec<u32> = Vec::new();
+                let mut used = [false; 64];
+                let mut runs = runs.into_iter();
+                while out.len() < n {
+                    let (len, down) = runs.next().unwrap_or((1, false));
+                    let start = free.iter().copied().find(|&b| !used[b as usize]).unwrap();
+                    let mut b = start;
+                    for _ in 0..len {
+                        if out.len() == n || used[b as usize] {
+                            break;
+                        }
+                        used[b as usize] = true;
+                        out.push(b);
+                        b = if down { b.wrapping_sub(1) } else { b + 1 };
+                        if b >= 64 {
+                            break;
+                        }
+                    }
+                }
+                out
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+        #[test]
+        fn sorted_staging_into_pages_equals_direct(
+            (src, ids, first, cuts, hm) in (2usize..24).prop_flat_map(|n| (
+                blocks(n), blocks(n), 0..n as u32, proptest::collection::vec(1..n as u32, 0..4), any::<bool>(),
+            ))
+        ) {
+            let n = src.len() as u32;
+            let mut cuts: Vec<u32> = cuts.into_iter().chain([n]).collect();
+            cuts.sort_unstable();
+            cuts.dedup();
+            let chunks: Vec<Range<u32>> = std::iter::once(0).chain(cuts.iter().copied())
+                .zip(cuts.iter().copied()).map(|(a, b)| a..b).filter(|r| !r.is_empty()).collect();
+            check_sorted(hm, &src, &ids[first as usize..], first, &chunks);
+        }
+    }
 }

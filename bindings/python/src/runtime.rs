@@ -582,6 +582,24 @@ impl PyRuntime {
             .map_err(|e| runtime_error(py, e))
     }
 
+    /// Prefill side: the order in which to gather request blocks
+    /// `start_block..end_block` (this step's chunk) into the request's
+    /// source staging, asked once before its first layer is gathered:
+    /// `order[k]` is the request block for slot `start_block + k`; `None`:
+    /// the request's order. The writes of the chunk follow it.
+    fn producer_gather_order(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        start_block: u32,
+        end_block: u32,
+    ) -> PyResult<Option<Vec<u32>>> {
+        let rt = self.rt(py)?;
+        let request = RequestId::new(request_id);
+        py.detach(move || rt.producer_gather_order(&request, start_block..end_block))
+            .map_err(|e| runtime_error(py, e))
+    }
+
     /// Prefill side: admits a consumer's handshake (JSON). Strict: a bad one
     /// raises `HandshakeError`/`GeometryError`, one without the request's
     /// capability `ForbiddenError`, one over the parking budget

@@ -121,13 +121,15 @@ def test_scattered_blocks_go_through_staging_as_few_ranges(pair: tuple[Rank, Ran
     grant = json.loads(hs)["staging"]
     assert grant is not None and grant["len"] >= 2 * LAYERS * len(dst) * HEADS * BLOCK * HEAD_DIM * 4
     base, cap, slots, group = p.open_staged("st", src)
-    assert group == 1
+    assert group == HEADS, "equal TP stages whole blocks (the pages' order)"
     p.runtime.producer_handshake(hs)
     # two chunks, as chunked prefill computes them
     for lo, hi in ((0, 6), (6, 10)):
+        # into a grant: the request's order
+        assert p.runtime.producer_gather_order("st", lo, hi) is None
         idx = p.copier.index(src[lo:hi])
         for layer in range(LAYERS):
-            p.copier.gather(layer, idx, lo, base, cap, slots)
+            p.copier.gather(layer, idx, lo, base, cap, slots, group)
             assert p.runtime.layers_ready(layer, [("st", lo, hi)]) == []
     p.runtime.producer_finish("st")
     assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
@@ -141,8 +143,8 @@ def test_scattered_blocks_go_through_staging_as_few_ranges(pair: tuple[Rank, Ran
     stats = p.runtime.stats()
     assert stats["layers_staged"] == 2 * LAYERS
     assert stats["layers_staged_to_pages"] == 0
-    # per chunk and layer: one range per (plane, head) at most, against 2 x blocks direct
-    assert stats["write_ranges"] <= 2 * LAYERS * 2 * HEADS
+    # per chunk and layer: one range per plane (a whole-block grant), against 2 x blocks direct
+    assert stats["write_ranges"] == 2 * LAYERS * 2
     # staging outside the grant untouched
     g0 = (grant["base"] - c.grants.data_ptr()) // 4
     g1 = g0 + grant["len"] // 4
@@ -186,11 +188,11 @@ def test_contiguous_blocks_get_no_grant_and_a_consumer_without_staging_gets_page
         src, dst = [2, 11, 6], [7, 0, 14]
         hs2 = c2.runtime.consumer_open("nogrant", CAP, 0, dst, 1)
         assert json.loads(hs2).get("staging") is None
-        base, cap, slots, _ = p.open_staged("nogrant", src)
+        base, cap, slots, group = p.open_staged("nogrant", src)
         p.runtime.producer_handshake(hs2)
         idx = p.copier.index(src)
         for layer in range(LAYERS):
-            p.copier.gather(layer, idx, 0, base, cap, slots)
+            p.copier.gather(layer, idx, 0, base, cap, slots, group)
             p.runtime.layer_ready("nogrant", layer, 0, 3)
         p.runtime.producer_finish("nogrant")
         ev = wait_event(c2.runtime, {"consumer_completed", "consumer_failed"})
@@ -200,6 +202,50 @@ def test_contiguous_blocks_get_no_grant_and_a_consumer_without_staging_gets_page
         p.arena.free(base)
     finally:
         c2.close()
+
+
+def test_a_chunk_gathered_in_decode_order_goes_into_its_pages_as_one_range_per_run() -> None:
+    """The default (decode grants nothing): prefill's blocks ascending,
+    decode's descending — page to page a range per block. The runtime names
+    the order to gather each chunk in (decode's block IDs sorted); the chunk
+    then goes from the source staging into decode's pages as one range per
+    plane and run of consecutive decode IDs, and the pages hold exactly the
+    producer's blocks, nothing written elsewhere."""
+    p, c = Rank(None, grants=False, sources=True), Rank(GUARD, grants=False, sources=False)
+    try:
+        src = [2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+        dst = [19, 18, 17, 16, 15, 14, 13, 12, 11, 3]  # one descending run and a stray block
+        hs = c.runtime.consumer_open("sorted", CAP, 0, dst, 1)
+        assert json.loads(hs).get("staging") is None
+        base, cap, slots, group = p.open_staged("sorted", src)
+        p.runtime.producer_handshake(hs)
+        for lo, hi in ((0, 4), (4, 10)):
+            order = p.runtime.producer_gather_order("sorted", lo, hi)
+            assert order is not None and sorted(order) == list(range(lo, hi))
+            assert [dst[i] for i in order] == sorted(dst[lo:hi]), order
+            idx = p.copier.index([src[i] for i in order])
+            for layer in range(LAYERS):
+                p.copier.gather(layer, idx, lo, base, cap, slots, group)
+                assert p.runtime.layers_ready(layer, [("sorted", lo, hi)]) == []
+        p.runtime.producer_finish("sorted")
+        assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
+        ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
+        assert ev.kind == "consumer_completed" and ev.staged is None, ev
+        check_pages(p, c, src, dst)
+        stats = p.runtime.stats()
+        assert stats["layers_staged"] == stats["layers_staged_to_pages"] == 2 * LAYERS
+        # chunk 1: one run; chunk 2: a run and the stray block; per plane
+        assert stats["write_ranges"] == LAYERS * 2 * (1 + 2), stats
+        # a request the runtime does not know: refused, nothing recorded
+        with pytest.raises(orbitkv.UnknownRequestError):
+            p.runtime.producer_gather_order("nobody", 0, 4)
+        c.runtime.consumer_release("sorted")
+        wait_event(c.runtime, {"consumer_released"})
+        p.arena.free(base)
+        assert (p.runtime.live_requests(), c.runtime.live_requests()) == ((0, 0), (0, 0))
+    finally:
+        p.close()
+        c.close()
 
 
 @pytest.mark.parametrize("staging_ranks", [(0, 1), (1,)])

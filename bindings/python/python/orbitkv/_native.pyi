@@ -435,6 +435,13 @@ class Runtime:
     def producer_add_blocks(self, request_id: str, block_ids: list[int]) -> None:
         """Prefill side: appends source blocks (chunked prefill)."""
 
+    def producer_gather_order(self, request_id: str, start_block: int, end_block: int) -> list[int] | None:
+        """Prefill side: the order in which to gather request blocks
+        `start_block..end_block` (this step's chunk) into the request's
+        source staging, asked once before its first layer is gathered:
+        `order[k]` is the request block for slot `start_block + k`; `None`:
+        the request's order. The writes of the chunk follow it."""
+
     def producer_handshake(self, handshake_json: str) -> None:
         """Prefill side: admits a consumer's handshake (JSON). Strict: a bad one
         raises `HandshakeError`/`GeometryError`, one without the request's

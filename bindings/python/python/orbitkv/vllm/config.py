@@ -61,6 +61,11 @@ DEFAULT_ALLOWED_PREFILL = tuple(
 # KV cache and this many requests together; beyond, the oldest are given up
 # (docs/security.md: a stranger's unclaimed halves must not pin the prefill).
 DEFAULT_CLAIM_TIMEOUT_S = 30.0
+# orbitkv.pd.staging_mb "auto" (the default): a prefill rank gathers each
+# chunk in decode's block order into a source staging of at most this many
+# MiB, and at most AUTO_STAGING_KV_SHARE of its KV cache.
+AUTO_STAGING_MAX_MB = 1024
+AUTO_STAGING_KV_SHARE = 0.10
 DEFAULT_UNCLAIMED_KV_SHARE = 0.25
 DEFAULT_UNCLAIMED_MAX_REQUESTS = 64
 
@@ -117,8 +122,8 @@ class ExtraConfig(BaseModel):
         "layer", alias="orbitkv.pd.mooncake_submit_wait", description="'layer' or 'device'"
     )
     trace: str | None = Field(None, alias="orbitkv.pd.trace", description="a file path")
-    staging_mb: Annotated[int, Field(ge=0, description="a size in MiB (0: off)")] = Field(
-        0, alias="orbitkv.pd.staging_mb"
+    staging_mb: Annotated[int, Field(ge=0, description="a size in MiB (0: off) or 'auto'")] | Literal["auto"] = (
+        Field("auto", alias="orbitkv.pd.staging_mb")
     )
     staging_min_ranges: Positive = Field(int(_RT["staging_min_ranges"]), alias="orbitkv.pd.staging_min_ranges")
     allowed_prefill: tuple[Endpoints, ...] = Field(DEFAULT_ALLOWED_PREFILL, alias="orbitkv.pd.allowed_prefill")
@@ -259,8 +264,10 @@ class PdConfig:
     # does it: also everything queued on the legacy default stream.
     mooncake_submit_wait: str = "layer"
     trace: str | None = None
-    # Staging memory per rank, MiB, on the KV device (0: off; docs/configuration.md).
-    staging_mb: int = 0
+    # Staging memory per rank, MiB, on the KV device (0: off; "auto": a
+    # prefill rank's source staging of min(AUTO_STAGING_MAX_MB, a tenth of
+    # its KV cache), no grants; docs/configuration.md).
+    staging_mb: int | Literal["auto"] = "auto"
     staging_min_ranges: int = ExtraConfig.model_fields["staging_min_ranges"].default
     # The side channels decode may post to; ANY ("*") allows every one
     # (trusts whoever reaches decode's API).

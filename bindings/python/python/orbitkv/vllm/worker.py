@@ -29,7 +29,7 @@ from orbitkv import (
     producer_ranks,
 )
 from orbitkv.staging import BlockIndex, StagingCopier
-from orbitkv.vllm.config import PdConfig
+from orbitkv.vllm.config import AUTO_STAGING_KV_SHARE, AUTO_STAGING_MAX_MB, PdConfig
 from orbitkv.vllm.faults import faults_from_env
 from orbitkv.vllm.groups import KvGroups, blocks_of
 from orbitkv.vllm.layout import cpu_kernel_parts, kv_layout_of
@@ -291,24 +291,45 @@ class PdWorker:
     def _make_staging(self, kv_caches: dict[str, torch.Tensor]) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
         """Staging memory (orbitkv.pd.staging_mb) on the KV device, registered:
         the grants decode gives producers, the sources prefill gathers into
-        (half each for kv_both). Returns the two regions (None: none)."""
+        (half each for kv_both). ``auto``: sources only, on a rank that may
+        prefill, of min(AUTO_STAGING_MAX_MB, AUTO_STAGING_KV_SHARE of the KV
+        cache); memory the device does not have then means no staging, not
+        a failed start. Returns the two regions (None: none)."""
         mb = self.config.staging_mb
-        if mb <= 0:
+        role = getattr(getattr(self.vllm_config, "kv_transfer_config", None), "kv_role", "kv_both")
+        auto = mb == "auto"
+        if auto:
+            seen: dict[int, int] = {}
+            for t in kv_caches.values():
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+            kv_mb = sum(seen.values()) >> 20
+            parts = (0, 0 if role == "kv_consumer" else min(AUTO_STAGING_MAX_MB, int(kv_mb * AUTO_STAGING_KV_SHARE)))
+        else:
+            assert isinstance(mb, int)
+            parts = {"kv_producer": (0, mb), "kv_consumer": (mb, 0)}.get(role, (mb - mb // 2, mb // 2))
+        if max(parts) <= 0:
             return None, None
         if self._hybrid:
             # Staged orders follow one block table: a model of several KV
             # cache groups is written straight into its pages.
             logger.info("OrbitKV: no staging for a model of %d KV cache groups", self.groups.count)
             return None, None
-        role = getattr(getattr(self.vllm_config, "kv_transfer_config", None), "kv_role", "kv_both")
         dev = next(iter(kv_caches.values())).device
-        parts = {"kv_producer": (0, mb), "kv_consumer": (mb, 0)}.get(role, (mb - mb // 2, mb // 2))
         regions: list[tuple[int, int] | None] = []
         for part in parts:
             if part <= 0:
                 regions.append(None)
                 continue
-            t = torch.empty(part << 20, dtype=torch.uint8, device=dev)
+            try:
+                t = torch.empty(part << 20, dtype=torch.uint8, device=dev)
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if not auto:
+                    raise
+                logger.warning("OrbitKV rank %d: no %d MiB for staging (%s): every layer is written from "
+                               "the pages", self.tp_rank, part, e)
+                regions.append(None)
+                continue
             assert self.engine is not None
             loc = f"cuda:{dev.index}" if dev.type == "cuda" else "cpu:0"
             self.engine.register_memory(t.data_ptr(), t.numel(), location=loc)
@@ -441,7 +462,19 @@ class PdWorker:
         on the KV device: made once per step, used by every layer."""
         prod = self.ledger.producers.peek(ch.pd_id)
         if self._copier is not None and prod.staging is not None and ch.end_block > ch.start_block:
-            self._step_index[ch.pd_id] = self._copier.index(prod.blocks[ch.start_block : ch.end_block])
+            blocks = prod.blocks[ch.start_block : ch.end_block]
+            # In decode's block order when its authorization is written from
+            # staging into its pages (the runtime records the order for the
+            # chunk's writes); a request the runtime released gathers as is.
+            rt = self.runtime
+            assert rt is not None
+            try:
+                order = rt.producer_gather_order(ch.pd_id, ch.start_block, ch.end_block)
+            except OrbitKVError:
+                order = None
+            if order is not None:
+                blocks = [prod.blocks[i] for i in order]
+            self._step_index[ch.pd_id] = self._copier.index(blocks)
 
     def _gather(self, idx: int) -> None:
         """Copies layer ``idx`` of this step's staging chunks into their
