@@ -176,7 +176,11 @@ pub enum GeometryError {
     #[error("a staging grant at address 0, or staging addresses or sizes that overflow")]
     StagingOverflow,
     #[error("a staged chunk of request blocks {start}..{end} gathered in another order than a {what} can be written from")]
-    GatherOrder { start: u32, end: u32, what: &'static str },
+    GatherOrder {
+        start: u32,
+        end: u32,
+        what: &'static str,
+    },
     #[error("staging grant of {granted} bytes is smaller than the {needed} bytes its blocks stage to")]
     StagingTooSmall { granted: u64, needed: u64 },
     #[error("KV cache groups: {0}")]

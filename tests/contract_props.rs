@@ -515,7 +515,8 @@ impl Prod {
         });
         match staged {
             Some(plan) => (
-                plan.plan_layer(layer, blocks, None, out).map_err(|e| e.to_string()),
+                plan.plan_layer(layer, blocks, None, out)
+                    .map_err(|e| e.to_string()),
                 if plan.into_grant() {
                     Into::Grant
                 } else {

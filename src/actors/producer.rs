@@ -133,8 +133,11 @@ pub struct SourceBlocks(Arc<SourceState>);
 struct SourceState {
     blocks: parking_lot::RwLock<Vec<u32>>,
     /// Chunks gathered out of request order: start -> (end, order).
-    orders: parking_lot::RwLock<std::collections::BTreeMap<u32, (u32, Arc<[u32]>)>>,
+    orders: parking_lot::RwLock<GatherOrders>,
 }
+
+/// Chunks gathered out of request order: start -> (end, order).
+type GatherOrders = std::collections::BTreeMap<u32, (u32, Arc<[u32]>)>;
 
 /// A write of blocks that overlap a chunk gathered out of request order
 /// without being exactly that chunk: its slots cannot be named.
@@ -161,7 +164,9 @@ impl SourceBlocks {
             .filter(|(&s, &(e, _))| s < blocks.end && blocks.start < e);
         match (overlapping.next(), overlapping.next()) {
             (None, _) => Ok(None),
-            (Some((&s, (e, order))), None) if s == blocks.start && *e == blocks.end => Ok(Some(order.clone())),
+            (Some((&s, (e, order))), None) if s == blocks.start && *e == blocks.end => {
+                Ok(Some(order.clone()))
+            }
             _ => Err(OrderUnknown),
         }
     }
@@ -308,9 +313,9 @@ pub fn gather_order(members: &[ProducerRef], blocks: std::ops::Range<u32>) -> Op
     };
     let mut core = member.0.core.lock();
     let order = match core.machine.authorization().cloned() {
-        Some(auth) if core.machine.phase() != ProducerPhase::Released => {
-            core.staged_into(&auth).and_then(|plan| plan.gather_order(blocks.clone()))
-        }
+        Some(auth) if core.machine.phase() != ProducerPhase::Released => core
+            .staged_into(&auth)
+            .and_then(|plan| plan.gather_order(blocks.clone())),
         _ => None,
     };
     core.src_blocks.record_order(blocks, order.clone());
@@ -526,7 +531,11 @@ impl ProducerCore {
                         Err(OrderUnknown) => {
                             // Not a chunk as it was gathered (never from this
                             // worker): from the pages, which prefill still holds.
-                            tracing::warn!(layer, ?blocks, "blocks across a reordered chunk: writing from the pages");
+                            tracing::warn!(
+                                layer,
+                                ?blocks,
+                                "blocks across a reordered chunk: writing from the pages"
+                            );
                             staged = None;
                             None
                         }

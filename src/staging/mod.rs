@@ -397,7 +397,11 @@ impl StagedPlan {
         if blocks.end <= blocks.start || blocks.end > self.src.capacity {
             return None;
         }
-        if blocks.end.checked_sub(first).is_none_or(|n| n as usize > block_ids.len()) {
+        if blocks
+            .end
+            .checked_sub(first)
+            .map_or(true, |n| n as usize > block_ids.len())
+        {
             return None;
         }
         let mut order: Vec<u32> = blocks.clone().collect();
@@ -441,7 +445,11 @@ impl StagedPlan {
                 return Err(GeometryError::GatherOrder {
                     start: blocks.start,
                     end: blocks.end,
-                    what: if permutation { "staging grant" } else { "permutation" },
+                    what: if permutation {
+                        "staging grant"
+                    } else {
+                        "permutation"
+                    },
                 });
             }
         }

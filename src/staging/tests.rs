@@ -826,15 +826,29 @@ fn check_sorted(head_major: bool, src_blocks: &[u32], ids: &[u32], first: u32, c
     let mut pages = Mem::new(0x80_0000, cbytes as usize, 99);
     let h = handshake(&consumer, first, ids.to_vec(), None);
     h.validate().unwrap();
-    let plan = plan_for(&producer, src, &h, MIN_RANGES).unwrap().expect("pages from staging");
+    let plan = plan_for(&producer, src, &h, MIN_RANGES)
+        .unwrap()
+        .expect("pages from staging");
     assert!(!plan.into_grant());
     let mut out = Vec::new();
     for c in chunks {
         let order = plan.gather_order(c.clone());
         let slots: Vec<u32> = order.clone().unwrap_or_else(|| c.clone().collect());
-        gather_ordered(&producer, src_blocks, &mut kvsrc, &mut pstage, sat, cap, group, c.clone(), &slots);
+        gather_ordered(
+            &producer,
+            src_blocks,
+            &mut kvsrc,
+            &mut pstage,
+            sat,
+            cap,
+            group,
+            c.clone(),
+            &slots,
+        );
         // decode's IDs of the chunk's sent blocks, sorted: their runs
-        let mut sent: Vec<u32> = (c.start.max(first)..c.end).map(|i| ids[(i - first) as usize]).collect();
+        let mut sent: Vec<u32> = (c.start.max(first)..c.end)
+            .map(|i| ids[(i - first) as usize])
+            .collect();
         sent.sort_unstable();
         let runs = (!sent.is_empty()) as usize + sent.windows(2).filter(|w| w[1] != w[0] + 1).count();
         for l in 0..producer.layers.len() as u32 {
@@ -843,7 +857,10 @@ fn check_sorted(head_major: bool, src_blocks: &[u32], ids: &[u32], first: u32, c
             apply(&out, &mut pstage, &mut pages);
         }
     }
-    assert_eq!(pages.bytes, direct.bytes, "sorted staging != direct: first {first}, {chunks:?}");
+    assert_eq!(
+        pages.bytes, direct.bytes,
+        "sorted staging != direct: first {first}, {chunks:?}"
+    );
 }
 
 #[test]
@@ -887,15 +904,23 @@ fn a_reordered_chunk_is_refused_where_its_order_cannot_be_written() {
         capacity: 12,
         group: 4,
     };
-    let plan = plan_for(&producer, src, &handshake(&consumer, 0, ids.clone(), None), MIN_RANGES)
-        .unwrap()
-        .unwrap();
+    let plan = plan_for(
+        &producer,
+        src,
+        &handshake(&consumer, 0, ids.clone(), None),
+        MIN_RANGES,
+    )
+    .unwrap()
+    .unwrap();
     let mut out = Vec::new();
     for bad in [vec![0, 1, 2], vec![0, 1, 1, 3], vec![0, 1, 2, 4]] {
         assert!(
             matches!(
                 plan.plan_layer(0, 0..4, Some(&bad), &mut out),
-                Err(GeometryError::GatherOrder { what: "permutation", .. })
+                Err(GeometryError::GatherOrder {
+                    what: "permutation",
+                    ..
+                })
             ),
             "{bad:?}"
         );
@@ -913,7 +938,10 @@ fn a_reordered_chunk_is_refused_where_its_order_cannot_be_written() {
     assert_eq!(into_grant.gather_order(0..4), None);
     assert!(matches!(
         into_grant.plan_layer(0, 0..4, Some(&[3, 2, 1, 0]), &mut out),
-        Err(GeometryError::GatherOrder { what: "staging grant", .. })
+        Err(GeometryError::GatherOrder {
+            what: "staging grant",
+            ..
+        })
     ));
 }
 
@@ -925,7 +953,11 @@ mod sorted_props {
     /// runs of consecutive IDs, each ascending or descending, from a pool
     /// of 64 (no ID twice).
     fn blocks(n: usize) -> impl Strategy<Value = Vec<u32>> {
-        (Just(n), proptest::collection::vec((1u32..6, any::<bool>()), n), Just(()))
+        (
+            Just(n),
+            proptest::collection::vec((1u32..6, any::<bool>()), n),
+            Just(()),
+        )
             .prop_perturb(|(n, runs, ()), mut rng| {
                 let mut free: Vec<u32> = (0..64).collect();
                 // shuffled pool, then runs carved from it where they fit

@@ -37,6 +37,8 @@ pub struct FakeTransport {
     next_id: AtomicU64,
     submits: AtomicU64,
     ranges: AtomicU64,
+    /// Every accepted range, in submit order ([`FakeTransport::submitted`]).
+    log: Mutex<Vec<WriteRange>>,
     last_submit_ns: AtomicU64,
     notices_sent: AtomicU64,
     /// `forget_peer` calls, by peer.
@@ -60,6 +62,7 @@ impl FakeTransport {
             next_id: AtomicU64::new(1),
             submits: AtomicU64::new(0),
             ranges: AtomicU64::new(0),
+            log: Mutex::new(Vec::new()),
             last_submit_ns: AtomicU64::new(0),
             notices_sent: AtomicU64::new(0),
             forgotten: Mutex::new(Vec::new()),
@@ -103,6 +106,12 @@ impl FakeTransport {
     /// Ranges in them.
     pub fn ranges(&self) -> u64 {
         self.ranges.load(Ordering::Acquire)
+    }
+
+    /// Every range of every accepted `submit_write`, in order (where the
+    /// writes would have gone: nothing is copied).
+    pub fn submitted(&self) -> Vec<WriteRange> {
+        self.log.lock().clone()
     }
 
     /// Notifications sent so far.
@@ -158,6 +167,7 @@ impl Transport for FakeTransport {
         self.last_submit_ns.store(ns, Ordering::Release);
         let bytes = ranges.iter().map(|r| r.len).sum();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        self.log.lock().extend_from_slice(ranges);
         self.ranges.fetch_add(ranges.len() as u64, Ordering::Release);
         self.submits.fetch_add(1, Ordering::Release);
         Ok(BatchHandle::new(id, peer, ranges.len(), bytes))

@@ -233,6 +233,8 @@ def test_every_setting_is_documented() -> None:
         ("orbitkv.pd.staging_mb", "64"),
         ("orbitkv.pd.staging_mb", 1.5),
         ("orbitkv.pd.staging_mb", None),
+        ("orbitkv.pd.staging_mb", "AUTO"),
+        ("orbitkv.pd.staging_mb", True),
         ("orbitkv.pd.staging_min_ranges", 0),
         ("orbitkv.pd.staging_min_ranges", True),
         ("orbitkv.pd.inline_submit_max_ranges", -1),
@@ -274,3 +276,21 @@ def test_the_range_cap_left_out_or_null_is_the_transports_default(given: dict[st
     passed on as None: the runtime takes the transport's default when it
     starts (test_runtime: 768 on TCP); a number is passed on as it is."""
     assert PdConfig.from_extra_config(given).max_inflight_ranges == want
+
+
+def test_staging_defaults_to_a_source_staging_on_prefill_only() -> None:
+    from orbitkv.vllm.config import staging_parts
+
+    assert PdConfig.from_extra_config({}).staging_mb == "auto"
+    gib = 1 << 30
+    # a tenth of the KV cache, at most 1 GiB, only where the rank may prefill
+    assert staging_parts("auto", "kv_producer", 4 * gib) == (0, 409)
+    assert staging_parts("auto", "kv_both", 4 * gib) == (0, 409)
+    assert staging_parts("auto", "kv_producer", 64 * gib) == (0, 1024)
+    assert staging_parts("auto", "kv_consumer", 64 * gib) == (0, 0)
+    assert staging_parts("auto", "kv_producer", 5 << 20) == (0, 0)
+    # a size: split by role as before
+    assert staging_parts(256, "kv_producer", gib) == (0, 256)
+    assert staging_parts(256, "kv_consumer", gib) == (256, 0)
+    assert staging_parts(256, "kv_both", gib) == (128, 128)
+    assert staging_parts(0, "kv_both", gib) == (0, 0)

@@ -126,6 +126,15 @@ def test_pd_equals_single_engine(cluster: Cluster, n: int) -> None:
         granted, staged = "vllm:orbitkv_staging_granted_total", "vllm:orbitkv_layers_staged_total"
         assert after_d.get(granted, 0) - before_d.get(granted, 0) == 3, "a request was not given staging"
         assert after_p.get(staged, 0) > before_p.get(staged, 0), "no layer went through staging"
+    else:
+        # the defaults (orbitkv.pd.staging_mb "auto"): prefill gathers each
+        # chunk in decode's block order and writes it into decode's pages,
+        # when the prompt fits the source staging (a tenth of the 128 MiB KV
+        # cache: 12 MiB, 3000 tokens of the tiny model at 4 KiB a token do not)
+        to_pages = "vllm:orbitkv_layers_staged_to_pages_total"
+        if n <= 1000:
+            assert after_p.get(to_pages, 0) > before_p.get(to_pages, 0), "no layer went from staging into pages"
+        assert after_d.get("vllm:orbitkv_staging_granted_total", 0) == 0, "decode granted staging by default"
     cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
 
 

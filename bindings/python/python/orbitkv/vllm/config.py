@@ -66,6 +66,21 @@ DEFAULT_CLAIM_TIMEOUT_S = 30.0
 # MiB, and at most AUTO_STAGING_KV_SHARE of its KV cache.
 AUTO_STAGING_MAX_MB = 1024
 AUTO_STAGING_KV_SHARE = 0.10
+
+
+def staging_parts(staging_mb: int | str, role: str, kv_bytes: int) -> tuple[int, int]:
+    """MiB of staging for grants and for sources on a rank of ``role``
+    (vLLM's ``kv_role``) whose KV cache holds ``kv_bytes``: ``auto``, a
+    source staging of min(AUTO_STAGING_MAX_MB, AUTO_STAGING_KV_SHARE of
+    the KV cache) where the rank may prefill, no grants; a size, split by
+    role (half each under ``kv_both``)."""
+    if staging_mb == "auto":
+        if role == "kv_consumer":
+            return 0, 0
+        return 0, min(AUTO_STAGING_MAX_MB, int((kv_bytes >> 20) * AUTO_STAGING_KV_SHARE))
+    assert isinstance(staging_mb, int)
+    mb = staging_mb
+    return {"kv_producer": (0, mb), "kv_consumer": (mb, 0)}.get(role, (mb - mb // 2, mb // 2))
 DEFAULT_UNCLAIMED_KV_SHARE = 0.25
 DEFAULT_UNCLAIMED_MAX_REQUESTS = 64
 
@@ -122,9 +137,7 @@ class ExtraConfig(BaseModel):
         "layer", alias="orbitkv.pd.mooncake_submit_wait", description="'layer' or 'device'"
     )
     trace: str | None = Field(None, alias="orbitkv.pd.trace", description="a file path")
-    staging_mb: Annotated[int, Field(ge=0, description="a size in MiB (0: off) or 'auto'")] | Literal["auto"] = (
-        Field("auto", alias="orbitkv.pd.staging_mb")
-    )
+    staging_mb: int | Literal["auto"] = Field("auto", alias="orbitkv.pd.staging_mb")
     staging_min_ranges: Positive = Field(int(_RT["staging_min_ranges"]), alias="orbitkv.pd.staging_min_ranges")
     allowed_prefill: tuple[Endpoints, ...] = Field(DEFAULT_ALLOWED_PREFILL, alias="orbitkv.pd.allowed_prefill")
     side_channel_key_file: Text | None = Field(
@@ -143,6 +156,13 @@ class ExtraConfig(BaseModel):
     # (vLLM's do_remote_decode, as vllm-router sends it) with signed decode
     # params all the same (off: such a request is served plainly).
     two_stage_unsigned: bool = Field(False, alias="orbitkv.pd.two_stage_unsigned", description="true or false")
+
+    @field_validator("staging_mb", mode="before")
+    @classmethod
+    def _staging_mb(cls, v: Any) -> Any:
+        if v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 0):
+            return v
+        raise ValueError("must be a size in MiB (0: off) or 'auto'")
 
     @field_validator("bind_host", "side_channel_host", mode="after")
     @classmethod

@@ -29,7 +29,7 @@ from orbitkv import (
     producer_ranks,
 )
 from orbitkv.staging import BlockIndex, StagingCopier
-from orbitkv.vllm.config import AUTO_STAGING_KV_SHARE, AUTO_STAGING_MAX_MB, PdConfig
+from orbitkv.vllm.config import PdConfig, staging_parts
 from orbitkv.vllm.faults import faults_from_env
 from orbitkv.vllm.groups import KvGroups, blocks_of
 from orbitkv.vllm.layout import cpu_kernel_parts, kv_layout_of
@@ -291,23 +291,15 @@ class PdWorker:
     def _make_staging(self, kv_caches: dict[str, torch.Tensor]) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
         """Staging memory (orbitkv.pd.staging_mb) on the KV device, registered:
         the grants decode gives producers, the sources prefill gathers into
-        (half each for kv_both). ``auto``: sources only, on a rank that may
-        prefill, of min(AUTO_STAGING_MAX_MB, AUTO_STAGING_KV_SHARE of the KV
-        cache); memory the device does not have then means no staging, not
-        a failed start. Returns the two regions (None: none)."""
+        (half each for kv_both; ``auto``, the default: sources only, on a
+        rank that may prefill, ``config.staging_parts``); under ``auto``
+        memory the device does not have means no staging, not a failed
+        start. Returns the two regions (None: none)."""
         mb = self.config.staging_mb
         role = getattr(getattr(self.vllm_config, "kv_transfer_config", None), "kv_role", "kv_both")
         auto = mb == "auto"
-        if auto:
-            seen: dict[int, int] = {}
-            for t in kv_caches.values():
-                st = t.untyped_storage()
-                seen[st.data_ptr()] = st.nbytes()
-            kv_mb = sum(seen.values()) >> 20
-            parts = (0, 0 if role == "kv_consumer" else min(AUTO_STAGING_MAX_MB, int(kv_mb * AUTO_STAGING_KV_SHARE)))
-        else:
-            assert isinstance(mb, int)
-            parts = {"kv_producer": (0, mb), "kv_consumer": (mb, 0)}.get(role, (mb - mb // 2, mb // 2))
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kv_caches.values()}
+        parts = staging_parts(mb, role, sum(storages.values()))
         if max(parts) <= 0:
             return None, None
         if self._hybrid:
