@@ -52,7 +52,7 @@ says what happened when):
 ``b-eager``
     The load runs again in eager mode, if time is left.
 
-Two stages run only when named, before the others (issue 47):
+Three stages run only when named, before the others (issue 47):
 
 ``m-mla``
     MLA: a DeepSeek-V2-Lite-shaped model (random weights, made here: latent
@@ -70,6 +70,14 @@ Two stages run only when named, before the others (issue 47):
     The same for the small bf16 Llama per KV cache dtype of
     ``--kv-cache-dtypes`` (``--kv-cache-dtype``; optionally a backend), with
     what vLLM's attention selector offers on the GPU per dtype.
+``k-blocks``
+    The same checks for prefill and decode of different ``--block-size``
+    (and, for MLA, backends) per ``--block-pairs`` entry, the one engine on
+    decode's backend and block size. In these three stages each request's
+    KV is also compared token for token as decode loaded it and as prefill
+    released it (the test hook ``ORBITKV_TESTING_KV_DIGEST``,
+    :func:`release_digest_check`); ``--cell-stages-together`` runs them at
+    once.
 
 With ``--router`` the systems of stages b and c gain ``orbit-router``: the
 same OrbitKV prefill + decode pair as ``orbit`` (no other instances), fronted
