@@ -97,6 +97,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     )
     c.kv_heads = heads  # type: ignore[attr-defined]
     c.staged = staged  # type: ignore[attr-defined]
+    c.block_sizes = sizes  # type: ignore[attr-defined]
     with c:  # started here, stopped after the module
         yield c
     print(f"\ncluster logs: {run}")
@@ -140,6 +141,15 @@ def test_pd_equals_single_engine_of_the_decode_tp(cluster: Cluster) -> None:
         # every layer of every request went out of the source staging (into
         # pages or a grant); the output equality above checks its bytes
         assert p1.get(LAYERS_STAGED, 0) > p0.get(LAYERS_STAGED, 0), "no layer went through staging"
+    elif cluster.block_sizes is None:  # type: ignore[attr-defined]
+        # the defaults: each decode block is one group of prefill's staging
+        # here (equal TP, decode's larger, or one head), so the layers went
+        # from the source staging into decode's pages
+        to_pages = "vllm:orbitkv_layers_staged_to_pages_total"
+        assert p1.get(to_pages, 0) > p0.get(to_pages, 0), "no layer went from staging into pages"
+    else:
+        # prefill and decode of different block sizes: never staged
+        assert p1.get(LAYERS_STAGED, 0) == p0.get(LAYERS_STAGED, 0)
     cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
 
 

@@ -143,6 +143,7 @@ class PdWorker:
         self._source_arena: StagingArena | None = None
         # This step's block indices of staging chunks, by P/D id.
         self._step_index: dict[str, BlockIndex] = {}
+        self._heads: tuple[bool, int] = (False, 0)
 
     @property
     def groups(self) -> KvGroups:
@@ -256,6 +257,9 @@ class PdWorker:
         logger.info("OrbitKV rank %d: Mooncake transport %s, %d ranges in flight per peer%s", self.tp_rank,
                     self.runtime.transport, self.runtime.max_ranges_in_flight_per_peer,
                     "" if self.config.max_inflight_ranges else " (the transport's default)")
+        # Heads per decode rank of each TP size staged chunks can go into
+        # pages for (a source group that is a decode rank's whole block).
+        self._heads = (bool(layout["head_major"]), int(layout["total_kv_heads"]))
         if grants or sources:
             units = self.runtime.staged_layout(1)["units"]
             self._copier = StagingCopier(layout, units, [*kv_caches.values(), *self._staging_tensors])
@@ -431,13 +435,18 @@ class PdWorker:
         assert rt is not None
         arena, cap = self._source_arena, max(ch.prompt_blocks, ch.end_block)
         base = None
+        group = rt.staging_group(ch.consumer_tp) if arena is not None else 1
+        if self.config.staging_mb == "auto" and not self._stages_into_pages(group, ch.consumer_tp):
+            # By default decode gives no grant, so a staging only pays where
+            # it can go into decode's pages (each decode block one group of
+            # it: equal TP, decode's TP larger; not a larger prefill TP).
+            arena = None
         if arena is not None and cap > 0:
             sl = rt.staged_layout(cap)
             base = arena.alloc(sl["bytes"])
             if base is not None:
-                # grouped by a decode rank's heads when decode's TP is larger:
-                # then written straight into its pages, or a whole-block grant
-                group = rt.staging_group(ch.consumer_tp)
+                # grouped by a decode rank's heads: written straight into its
+                # pages (in its block order), or into a whole-block grant
                 ok = self._producer_call(
                     rt.producer_open, ch.pd_id, ch.new_block_ids, ch.capability, ch.consumer_tp,
                     staging_base=base, staging_blocks=cap, staging_group=group,
@@ -448,6 +457,16 @@ class PdWorker:
                     arena.free(base)
                 return ok
         return self._producer_call(rt.producer_open, ch.pd_id, ch.new_block_ids, ch.capability, ch.consumer_tp)
+
+    def _stages_into_pages(self, group: int, consumer_tp: int) -> bool:
+        """Whether a source staging grouped by ``group`` units holds each of
+        a decode rank's blocks whole (decode of TP ``consumer_tp``), so that
+        it can be written into decode's pages (``StagedPlan``)."""
+        head_major, total = self._heads
+        if not head_major:
+            return True
+        tp = max(1, consumer_tp)
+        return total % tp == 0 and group == total // tp
 
     def _index_staged_chunk(self, ch: ProducerChunk) -> None:
         """The block IDs this step gathers for a staging request, as an index

@@ -1,0 +1,131 @@
+"""Mooncake ranges per layer write through real vLLM (CPU), once vLLM's block
+pools have cycled: page to page (``orbitkv.pd.staging_mb`` 0) against the
+default (``auto``: prefill gathers each chunk in decode's block order),
+side by side in one run. Not a timed test and not a GPU figure: it counts
+what the writer submits (the range count is what Mooncake's per-range
+submit cost multiplies, docs/qualification.md runs 37-38), and checks
+every P/D answer against the prefill engine's own.
+
+    .venv/bin/python benches/ranges_cpu.py [--requests 64] [--in-flight 4] [--json out.json]
+
+Two P/D clusters of two vLLM CPU servers (tiny random-weight model, 4 KiB
+of KV a token; KV caches of 160 MiB on the prefill and 288 MiB on the
+decode, 2560 and 4608 blocks of 16 tokens, in the ratio of the GPU runs
+37-38, so the pools cycle at different rates after ~30 and ~55 prompts),
+one after the other, the same fresh prompts
+(300-1400 tokens, greedy, 8 tokens out) at ``--in-flight`` at once through
+the proxy. The first ``--warmup`` requests (pools not yet cycled) are not
+counted. Per cluster: the prefill's ``write_ranges`` and ``layers_written``
+over the counted requests, ranges per layer write, and how many layers went
+from staging into pages. A prompt whose KV does not fit the free part of the
+source staging (16 MiB with ``auto`` here) is written page to page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("ORBITKV_TESTING_SHM_SPIN_S", "1")
+
+from orbitkv.testing.cluster import Cluster, complete
+from orbitkv.testing.tiny_model import make_tiny_model
+from orbitkv.vllm.stats import _PROM
+
+COUNTERS = ("write_ranges", "layers_written", "layers_staged_to_pages", "bytes_written")
+
+
+def counters(c: Cluster) -> dict[str, float]:
+    m = c.metrics("prefill")
+    return {k: m[f"{_PROM[k][0]}_total"] for k in COUNTERS}
+
+
+def run(model: str, run_dir: Path, name: str, config: dict[str, Any], prompts: list[list[int]],
+        a: argparse.Namespace) -> dict[str, Any]:
+    in_flight, warmup, gen = a.in_flight, a.warmup, a.gen
+    t0 = time.monotonic()
+    with Cluster(model, run_dir / name, prefill_config=config, decode_config=config,
+                 prefill_args=["--kv-cache-memory-bytes", str(a.prefill_kv_mib << 20)],
+                 decode_args=["--kv-cache-memory-bytes", str(a.decode_kv_mib << 20)]) as c:
+        print(f"# {name}: cluster up in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
+
+        def one(p: list[int]) -> list[int]:
+            r = complete(c.proxy_url, p, gen, timeout_s=300)
+            if r.failed(gen):
+                raise RuntimeError(f"P/D: HTTP {r.status}: {r.error}")
+            return r.token_ids
+
+        with cf.ThreadPoolExecutor(in_flight) as ex:
+            list(ex.map(one, prompts[:warmup]))
+            c.wait_idle()
+            before = counters(c)
+            got = list(ex.map(one, prompts[warmup:]))
+            c.wait_idle()
+            after = counters(c)
+        # every answer checked against the prefill engine alone (its own
+        # prefix cache is salted per request by the fresh prompts)
+        mismatches = 0
+        for p, toks in zip(prompts[warmup:], got):
+            r = complete(c.prefill_url, p, gen, timeout_s=300)
+            mismatches += r.token_ids != toks
+    d = {k: after[k] - before[k] for k in COUNTERS}
+    return {
+        "name": name,
+        "config": config,
+        "requests": len(prompts) - warmup,
+        "mismatches": mismatches,
+        **d,
+        "ranges_per_layer_write": d["write_ranges"] / max(1.0, d["layers_written"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--warmup", type=int, default=64)
+    p.add_argument("--in-flight", type=int, default=4)
+    p.add_argument("--gen", type=int, default=8)
+    # pools of different sizes cycle at different rates, as on the GPU runs
+    # 37-38 (6.5 GiB prefill, 12 GiB decode); equal pools keep their runs
+    # in step and understate what page to page costs
+    p.add_argument("--prefill-kv-mib", type=int, default=160)
+    p.add_argument("--decode-kv-mib", type=int, default=288)
+    p.add_argument("--seed", type=int, default=20261204)
+    p.add_argument("--run-dir", type=Path)
+    p.add_argument("--json", type=Path)
+    a = p.parse_args(argv)
+    run_dir = (a.run_dir or Path(tempfile.mkdtemp(prefix="orbitkv-ranges-"))).resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model = make_tiny_model(run_dir / "tiny-model")
+    rng = random.Random(a.seed)
+    prompts = [[rng.randrange(3, 1024) for _ in range(rng.randint(300, 1400))]
+               for _ in range(a.warmup + a.requests)]
+    rows = [
+        run(model, run_dir, "page-to-page", {"orbitkv.pd.staging_mb": 0}, prompts, a),
+        run(model, run_dir, "default", {}, prompts, a),
+    ]
+    print("| writes | requests | P/D != prefill alone | layer writes | ranges | ranges per layer write "
+          "| layers from staging into pages |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['name']} | {r['requests']} | {r['mismatches']} | {r['layers_written']:.0f} | "
+              f"{r['write_ranges']:.0f} | {r['ranges_per_layer_write']:.2f} | {r['layers_staged_to_pages']:.0f} |")
+    a0, b0 = rows
+    print(f"\npage to page / default, ranges per layer write: "
+          f"{a0['ranges_per_layer_write'] / max(1e-9, b0['ranges_per_layer_write']):.1f}")
+    if a.json:
+        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=1))
+    return 0 if all(r["mismatches"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
