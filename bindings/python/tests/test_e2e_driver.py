@@ -129,9 +129,12 @@ def test_the_counters_table_shows_the_submit_per_range_and_staging(tmp_path: Pat
 def test_cells_of_the_mla_and_fp8_stages() -> None:
     """--mla-backends is BACKEND[:KV_DTYPE[:MODES]], --kv-cache-dtypes
     KV_DTYPE[:BACKEND[:MODES]]; auto or nothing: vLLM's pick; no modes: the stage's."""
-    assert driver.parse_cells("FLASH_ATTN_MLA, FLASHMLA:fp8,auto", "backend") == [
+    def cells(text: str, first: str) -> list[tuple[str | None, str | None, list[str] | None]]:
+        return [(c.backend, c.dtype, c.modes) for c in driver.parse_cells(text, first)]
+
+    assert cells("FLASH_ATTN_MLA, FLASHMLA:fp8,auto", "backend") == [
         ("FLASH_ATTN_MLA", None, None), ("FLASHMLA", "fp8", None), (None, None, None)]
-    assert driver.parse_cells("fp8,fp8_e5m2:TRITON_ATTN:direct,fp8_e4m3::direct+staging,", "dtype") == [
+    assert cells("fp8,fp8_e5m2:TRITON_ATTN:direct,fp8_e4m3::direct+staging,", "dtype") == [
         (None, "fp8", None), ("TRITON_ATTN", "fp8_e5m2", ["direct"]), (None, "fp8_e4m3", ["direct", "staging"])]
     assert driver.cell_key(None, "fp8") == "auto+fp8"
     assert driver.cell_key("FLASHMLA", None) == "FLASHMLA"
