@@ -69,6 +69,31 @@ fn check_ranges(ranges: &[WriteRange], src_of_slot: impl Fn(u64) -> Option<u32>,
     }
 }
 
+/// `req` opened on both runtimes: decode authorizes `dst` (no grant), the
+/// producer holds `src` with a source staging of `src.len()` blocks at
+/// `STAGE`; returns decode's handshake, not yet handed over.
+fn open_staged(
+    producer: &orbitkv::Runtime,
+    consumer: &orbitkv::Runtime,
+    req: &RequestId,
+    src: &[u32],
+    dst: &[u32],
+) -> orbitkv::Handshake {
+    let hs = consumer
+        .consumer_open(req.clone(), capability(), 0, dst.to_vec(), 1)
+        .unwrap();
+    assert!(hs.staging.is_none(), "decode grants nothing here");
+    let staging = SourceStaging {
+        base: STAGE,
+        capacity: src.len() as u32,
+        group: 1,
+    };
+    producer
+        .producer_open_staged(req.clone(), src.to_vec(), capability(), 1, Some(staging))
+        .unwrap();
+    hs
+}
+
 #[test]
 fn a_chunk_named_in_decode_order_is_written_from_its_slots_into_decode_pages_as_one_range_per_run() {
     let (producer, wire, consumer) = held_fake_pair(&layout(), cfg());
@@ -77,18 +102,7 @@ fn a_chunk_named_in_decode_order_is_written_from_its_slots_into_decode_pages_as_
     let src: Vec<u32> = (0..12).collect();
     // one descending run of decode blocks and one ascending, interleaved
     let dst: Vec<u32> = vec![30, 29, 28, 27, 26, 25, 10, 11, 24, 12, 13, 23];
-    let hs = consumer
-        .consumer_open(req.clone(), capability(), 0, dst.clone(), 1)
-        .unwrap();
-    assert!(hs.staging.is_none(), "decode grants nothing here");
-    let src_stage = SourceStaging {
-        base: STAGE,
-        capacity: 12,
-        group: 1,
-    };
-    producer
-        .producer_open_staged(req.clone(), src.clone(), capability(), 1, Some(src_stage))
-        .unwrap();
+    let hs = open_staged(&producer, &consumer, &req, &src, &dst);
     producer.producer_handshake(hs).unwrap();
     let mut orders = Vec::new();
     for chunk in [0..5, 5..12] {
@@ -143,17 +157,7 @@ fn a_later_authorization_with_a_grant_after_a_reordered_chunk_is_written_from_th
     let src: Vec<u32> = (0..16).collect();
     // no two consecutive: a grant would be chosen when there is one
     let dst: Vec<u32> = (0..16).map(|i| 30 - 2 * i).collect();
-    let hs1 = consumer
-        .consumer_open(req.clone(), capability(), 0, dst.clone(), 1)
-        .unwrap();
-    let src_stage = SourceStaging {
-        base: STAGE,
-        capacity: 16,
-        group: 1,
-    };
-    producer
-        .producer_open_staged(req.clone(), src.clone(), capability(), 1, Some(src_stage))
-        .unwrap();
+    let hs1 = open_staged(&producer, &consumer, &req, &src, &dst);
     producer.producer_handshake(hs1.clone()).unwrap();
     // no grant: pages from the staging, in decode's order
     let order = producer.producer_gather_order(&req, 0..16).unwrap();

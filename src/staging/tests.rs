@@ -97,20 +97,8 @@ fn gather(
     group: u32,
     range: Range<u32>,
 ) {
-    let order = StagedOrder::grouped(local, cap, group).unwrap();
-    for (li, l) in local.layers.iter().enumerate() {
-        for (pi, p) in l.planes.iter().enumerate() {
-            let ub = order.slots[li][pi].1;
-            for unit in 0..units(local) {
-                for i in range.clone() {
-                    let from = p.block_addr(src_blocks[i as usize]) + unit as u64 * ub;
-                    let data = kv.at(from, ub).to_vec();
-                    let to = at + order.offset(li, pi, unit, i).unwrap();
-                    stage.at(to, ub).copy_from_slice(&data);
-                }
-            }
-        }
-    }
+    let order: Vec<u32> = range.clone().collect();
+    gather_ordered(local, src_blocks, kv, stage, at, cap, group, range, &order);
 }
 
 /// [`gather`] of a chunk gathered out of request order: slot
