@@ -142,6 +142,7 @@ fn a_chunk_named_in_decode_order_is_written_from_its_slots_into_decode_pages_as_
     // chunk 0..5: decode 26..=30, one run; chunk 5..12: 10..=13 and 23..=25, two
     assert_eq!(ranges.len() as u32, LAYERS * (1 + 2), "{ranges:?}");
     assert_eq!(producer.stats().layers_staged_to_pages, 2 * LAYERS as u64);
+    assert_eq!(producer.stats().chunks_reordered, 2);
     // a request the runtime does not hold: refused, nothing recorded
     assert!(matches!(
         producer.producer_gather_order(&RequestId::new("nobody"), 0..4),

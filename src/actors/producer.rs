@@ -319,6 +319,9 @@ pub fn gather_order(members: &[ProducerRef], blocks: std::ops::Range<u32>) -> Op
         _ => None,
     };
     core.src_blocks.record_order(blocks, order.clone());
+    if order.is_some() {
+        core.shared.stats.chunks_reordered.inc();
+    }
     order
 }
 

@@ -119,6 +119,11 @@ pub struct Stats {
     /// Prefill side: of those, the ones written straight into the
     /// consumer's pages (no grant, no scatter on decode).
     pub layers_staged_to_pages: Counter,
+    /// Prefill side: staged chunks the worker was told to gather in the
+    /// consumer's block order (`Runtime::producer_gather_order`; the
+    /// others, in the request's order, were in order already or not
+    /// written into pages).
+    pub chunks_reordered: Counter,
     /// Prefill side: layers whose `LayerReady` ran on the thread that
     /// handed them over (no message to the system thread).
     pub layers_ready_inline: Counter,
@@ -175,6 +180,7 @@ pub struct StatsSnapshot {
     pub staging_exhausted: u64,
     pub layers_staged: u64,
     pub layers_staged_to_pages: u64,
+    pub chunks_reordered: u64,
     pub layers_ready_inline: u64,
     pub writes_inline: u64,
     pub peers_reclaimed: u64,
@@ -225,6 +231,7 @@ impl Stats {
             staging_exhausted: self.staging_exhausted.get(),
             layers_staged: self.layers_staged.get(),
             layers_staged_to_pages: self.layers_staged_to_pages.get(),
+            chunks_reordered: self.chunks_reordered.get(),
             layers_ready_inline: self.layers_ready_inline.get(),
             writes_inline: self.writes_inline.get(),
             peers_reclaimed: self.peers_reclaimed.get(),

@@ -234,6 +234,7 @@ def test_a_chunk_gathered_in_decode_order_goes_into_its_pages_as_one_range_per_r
         check_pages(p, c, src, dst)
         stats = p.runtime.stats()
         assert stats["layers_staged"] == stats["layers_staged_to_pages"] == 2 * LAYERS
+        assert stats["chunks_reordered"] == 2
         # chunk 1: one run; chunk 2: a run and the stray block; per plane
         assert stats["write_ranges"] == LAYERS * 2 * (1 + 2), stats
         # a request the runtime does not know: refused, nothing recorded

@@ -157,6 +157,11 @@ _PROM = {
         "vllm:orbitkv_layers_staged_to_pages",
         "Of the staged layer writes, those written straight into the consumer's pages (no grant, no scatter).",
     ),
+    "chunks_reordered": (
+        "vllm:orbitkv_chunks_reordered",
+        "Staged chunks prefill gathered in decode's block order (written into decode's pages as one range per run "
+        "of decode's IDs).",
+    ),
     "layers_ready_inline": (
         "vllm:orbitkv_layers_ready_inline",
         "Prefill layers handed to their producer on the worker's own thread (no message to the runtime's thread).",
