@@ -13,7 +13,8 @@ of KV a token; KV caches of 160 MiB on the prefill and 288 MiB on the
 decode, 2560 and 4608 blocks of 16 tokens, in the ratio of the GPU runs
 37-38, so the pools cycle at different rates after ~30 and ~55 prompts),
 one after the other, the same fresh prompts
-(300-1400 tokens, greedy, 8 tokens out) at ``--in-flight`` at once through
+(300-1400 tokens, greedy, 8 tokens out; chunked prefill at 512 tokens a
+step, so most prompts take 2-3 chunks) at ``--in-flight`` at once through
 the proxy. The first ``--warmup`` requests (pools not yet cycled) are not
 counted. Per cluster: the prefill's ``write_ranges`` and ``layers_written``
 over the counted requests, ranges per layer write, and how many layers went
@@ -40,7 +41,7 @@ from orbitkv.testing.cluster import Cluster, complete
 from orbitkv.testing.tiny_model import make_tiny_model
 from orbitkv.vllm.stats import _PROM
 
-COUNTERS = ("write_ranges", "layers_written", "layers_staged_to_pages", "bytes_written")
+COUNTERS = ("write_ranges", "layers_written", "layers_staged_to_pages", "chunks_reordered", "bytes_written")
 
 
 def counters(c: Cluster) -> dict[str, float]:
@@ -53,6 +54,7 @@ def run(model: str, run_dir: Path, name: str, config: dict[str, Any], prompts: l
     in_flight, warmup, gen = a.in_flight, a.warmup, a.gen
     t0 = time.monotonic()
     with Cluster(model, run_dir / name, prefill_config=config, decode_config=config,
+                 vllm_args=["--max-num-batched-tokens", str(a.max_batched_tokens)],
                  prefill_args=["--kv-cache-memory-bytes", str(a.prefill_kv_mib << 20)],
                  decode_args=["--kv-cache-memory-bytes", str(a.decode_kv_mib << 20)]) as c:
         print(f"# {name}: cluster up in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
@@ -96,6 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     # pools of different sizes cycle at different rates, as on the GPU runs
     # 37-38 (6.5 GiB prefill, 12 GiB decode); equal pools keep their runs
     # in step and understate what page to page costs
+    # chunked prefill: prompts longer than this take several steps, whose
+    # chunks share the block a step ended inside
+    p.add_argument("--max-batched-tokens", type=int, default=512)
     p.add_argument("--prefill-kv-mib", type=int, default=160)
     p.add_argument("--decode-kv-mib", type=int, default=288)
     p.add_argument("--seed", type=int, default=20261204)
@@ -114,11 +119,12 @@ def main(argv: list[str] | None = None) -> int:
         run(model, run_dir, "default", {}, prompts, a),
     ]
     print("| writes | requests | P/D != prefill alone | layer writes | ranges | ranges per layer write "
-          "| layers from staging into pages |")
-    print("|---|---|---|---|---|---|---|")
+          "| layers from staging into pages | chunks reordered |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['name']} | {r['requests']} | {r['mismatches']} | {r['layers_written']:.0f} | "
-              f"{r['write_ranges']:.0f} | {r['ranges_per_layer_write']:.2f} | {r['layers_staged_to_pages']:.0f} |")
+              f"{r['write_ranges']:.0f} | {r['ranges_per_layer_write']:.2f} | {r['layers_staged_to_pages']:.0f} | "
+              f"{r['chunks_reordered']:.0f} |")
     a0, b0 = rows
     print(f"\npage to page / default, ranges per layer write: "
           f"{a0['ranges_per_layer_write'] / max(1e-9, b0['ranges_per_layer_write']):.1f}")

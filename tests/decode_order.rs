@@ -104,18 +104,27 @@ fn a_chunk_named_in_decode_order_is_written_from_its_slots_into_decode_pages_as_
     let dst: Vec<u32> = vec![30, 29, 28, 27, 26, 25, 10, 11, 24, 12, 13, 23];
     let hs = open_staged(&producer, &consumer, &req, &src, &dst);
     producer.producer_handshake(hs).unwrap();
+    // two chunks as chunked prefill makes them: the first ended inside
+    // block 4, which the second gathers again; the worker pins the shared
+    // block in both (the first chunk's last, the second's first)
     let mut orders = Vec::new();
-    for chunk in [0..5, 5..12] {
+    for (chunk, pinned) in [(0..5, (false, true)), (4..12, (true, false))] {
         let order = producer
-            .producer_gather_order(&req, chunk.clone())
+            .producer_gather_order(&req, chunk.clone(), pinned)
             .unwrap()
             .expect("reordered");
-        let mut ids: Vec<u32> = order.iter().map(|&i| dst[i as usize]).collect();
+        assert!(order.contains(&4));
+        let at4 = order.iter().position(|&i| i == 4).unwrap() as u32 + chunk.start;
+        assert_eq!(at4, 4, "the shared block stays in its slot: {order:?}");
+        let free: Vec<u32> = order
+            .iter()
+            .filter(|&&i| i != 4)
+            .map(|&i| dst[i as usize])
+            .collect();
         assert!(
-            ids.windows(2).all(|w| w[0] < w[1]),
-            "sorted by decode's IDs: {ids:?}"
+            free.windows(2).all(|w| w[0] < w[1]),
+            "the others sorted by decode's IDs: {free:?}"
         );
-        ids.sort_unstable();
         orders.push((chunk.clone(), order));
         for l in 0..LAYERS {
             producer.layer_ready(&req, l, chunk.clone()).unwrap();
@@ -139,13 +148,14 @@ fn a_chunk_named_in_decode_order_is_written_from_its_slots_into_decode_pages_as_
         "every range from the staging"
     );
     check_ranges(&ranges, slot_of, &src, &dst);
-    // chunk 0..5: decode 26..=30, one run; chunk 5..12: 10..=13 and 23..=25, two
-    assert_eq!(ranges.len() as u32, LAYERS * (1 + 2), "{ranges:?}");
+    // chunk 0..5: decode 27..=30 and the pinned 26; chunk 4..12: the
+    // pinned 26, 10..=13 and 23..=25: 2 + 3 ranges a layer (page to page: 12)
+    assert_eq!(ranges.len() as u32, LAYERS * (2 + 3), "{ranges:?}");
     assert_eq!(producer.stats().layers_staged_to_pages, 2 * LAYERS as u64);
     assert_eq!(producer.stats().chunks_reordered, 2);
     // a request the runtime does not hold: refused, nothing recorded
     assert!(matches!(
-        producer.producer_gather_order(&RequestId::new("nobody"), 0..4),
+        producer.producer_gather_order(&RequestId::new("nobody"), 0..4, (false, false)),
         Err(orbitkv::RuntimeError::UnknownRequest(_))
     ));
 }
@@ -161,7 +171,9 @@ fn a_later_authorization_with_a_grant_after_a_reordered_chunk_is_written_from_th
     let hs1 = open_staged(&producer, &consumer, &req, &src, &dst);
     producer.producer_handshake(hs1.clone()).unwrap();
     // no grant: pages from the staging, in decode's order
-    let order = producer.producer_gather_order(&req, 0..16).unwrap();
+    let order = producer
+        .producer_gather_order(&req, 0..16, (false, false))
+        .unwrap();
     assert_eq!(order, Some((0..16).rev().collect::<Vec<u32>>()));
     // decode authorizes again (its request ID reused), now with a grant
     let grant = StagingGrant {

@@ -156,26 +156,34 @@ impl SourceBlocks {
         self.0.blocks.read().len()
     }
 
-    /// The order chunk `blocks` was gathered in: `None` the request's.
+    /// The order chunk `blocks` was gathered in: `None` the request's. A
+    /// chunk recorded with exactly these blocks is that chunk (consecutive
+    /// chunks share the block one of them ended inside, so a chunk may
+    /// overlap its neighbours); blocks that are no recorded chunk but overlap
+    /// a reordered one cannot be named.
     fn order_of(&self, blocks: &std::ops::Range<u32>) -> Result<Option<Arc<[u32]>>, OrderUnknown> {
         let orders = self.0.orders.read();
-        let mut overlapping = orders
-            .range(..blocks.end)
-            .filter(|(&s, &(e, _))| s < blocks.end && blocks.start < e);
-        match (overlapping.next(), overlapping.next()) {
-            (None, _) => Ok(None),
-            (Some((&s, (e, order))), None) if s == blocks.start && *e == blocks.end => {
-                Ok(Some(order.clone()))
+        if let Some((e, order)) = orders.get(&blocks.start) {
+            if *e == blocks.end {
+                return Ok(Some(order.clone()));
             }
-            _ => Err(OrderUnknown),
         }
+        if orders
+            .range(..blocks.end)
+            .any(|(&s, &(e, _))| blocks.start < e && s < blocks.end)
+        {
+            return Err(OrderUnknown);
+        }
+        Ok(None)
     }
 
     /// Records the order chunk `blocks` is gathered in (`None`: the
-    /// request's), replacing what any overlapping chunk had.
+    /// request's), in place of an earlier record of a chunk starting there
+    /// (the same chunk gathered again). Neighbouring chunks keep theirs:
+    /// their writes may still be planned.
     fn record_order(&self, blocks: std::ops::Range<u32>, order: Option<Vec<u32>>) {
         let mut orders = self.0.orders.write();
-        orders.retain(|&s, &mut (e, _)| !(s < blocks.end && blocks.start < e));
+        orders.remove(&blocks.start);
         if let Some(order) = order {
             orders.insert(blocks.start, (blocks.end, order.into()));
         }
@@ -299,12 +307,17 @@ impl std::fmt::Debug for ProducerRef {
 
 /// The order in which the worker gathers chunk `blocks` of a request into
 /// its source staging, recorded for the writes that follow
-/// ([`StagedPlan::gather_order`]; `None`: the request's order). Reordered
+/// ([`StagedPlan::gather_order`], `pinned` as there; `None`: the request's
+/// order). Reordered
 /// only when the request has one member (one consumer rank), whose current
 /// authorization is written from source staging into pages: decided and
 /// recorded under that member's lock, so a plan made for a later
 /// authorization sees the record (and then writes no grant).
-pub fn gather_order(members: &[ProducerRef], blocks: std::ops::Range<u32>) -> Option<Vec<u32>> {
+pub fn gather_order(
+    members: &[ProducerRef],
+    blocks: std::ops::Range<u32>,
+    pinned: (bool, bool),
+) -> Option<Vec<u32>> {
     let [member] = members else {
         if let Some(m) = members.first() {
             m.0.core.lock().src_blocks.record_order(blocks, None);
@@ -315,7 +328,7 @@ pub fn gather_order(members: &[ProducerRef], blocks: std::ops::Range<u32>) -> Op
     let order = match core.machine.authorization().cloned() {
         Some(auth) if core.machine.phase() != ProducerPhase::Released => core
             .staged_into(&auth)
-            .and_then(|plan| plan.gather_order(blocks.clone())),
+            .and_then(|plan| plan.gather_order(blocks.clone(), pinned)),
         _ => None,
     };
     core.src_blocks.record_order(blocks, order.clone());

@@ -534,18 +534,22 @@ impl Runtime {
     /// The chunk's blocks sorted by the consumer's block IDs when its
     /// authorization is written from staging into its pages
     /// ([`crate::staging::StagedPlan::gather_order`]); the writes of the
-    /// chunk's layers then follow the recorded order. A request not open
+    /// chunk's layers then follow the recorded order. `pinned` (first,
+    /// last): those blocks of the chunk stay in their slots (a block a chunk
+    /// may share with its neighbour: every chunk's first but a request's
+    /// first, every chunk's last but a request's last). A request not open
     /// here: `UnknownRequest`.
     pub fn producer_gather_order(
         &self,
         request: &RequestId,
         blocks: std::ops::Range<u32>,
+        pinned: (bool, bool),
     ) -> Result<Option<Vec<u32>>, RuntimeError> {
         let group = self
             .producers
             .live_group(request)
             .ok_or_else(|| RuntimeError::UnknownRequest(request.0.clone()))?;
-        Ok(super::producer::gather_order(&group, blocks))
+        Ok(super::producer::gather_order(&group, blocks, pinned))
     }
 
     /// Admits a consumer's handshake: validated strictly, checked against

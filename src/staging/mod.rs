@@ -389,7 +389,15 @@ impl StagedPlan {
     /// consecutive decode IDs. `None`: request order (a plan into a grant,
     /// whose staged order is the request's; a chunk outside the
     /// authorization; or one already in order).
-    pub fn gather_order(&self, blocks: Range<u32>) -> Option<Vec<u32>> {
+    ///
+    /// `pinned` (first, last): that block of the chunk stays in its own
+    /// slot. A chunk that ends inside a block shares that block, and its
+    /// slot, with the next chunk, which gathers it again (with more tokens)
+    /// while a write of the earlier chunk may still read the slot: the slot
+    /// must hold the same request block in both chunks, as it does in
+    /// request order. The worker pins the first block of every chunk but a
+    /// request's first and the last block of every chunk but its last.
+    pub fn gather_order(&self, blocks: Range<u32>, pinned: (bool, bool)) -> Option<Vec<u32>> {
         let Dest::Pages { block_ids, .. } = &self.dest else {
             return None;
         };
@@ -405,8 +413,11 @@ impl StagedPlan {
             return None;
         }
         let mut order: Vec<u32> = blocks.clone().collect();
-        let from = (blocks.start.max(first) - blocks.start) as usize;
-        order[from..].sort_by_key(|&i| block_ids[(i - first) as usize]);
+        let from = ((blocks.start.max(first) - blocks.start) as usize).max(pinned.0 as usize);
+        let to = order.len() - pinned.1 as usize;
+        if from < to {
+            order[from..to].sort_by_key(|&i| block_ids[(i - first) as usize]);
+        }
         if order.iter().copied().eq(blocks) {
             None
         } else {

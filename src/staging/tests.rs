@@ -795,7 +795,14 @@ fn plan_for(
 /// ([`StagedPlan::gather_order`]) into decode's pages: the pages end exactly
 /// as the direct plan leaves them (so nothing outside the authorized
 /// blocks changes), and a layer of a chunk takes one range per plane and
-/// set of consecutive decode IDs, whatever their direction.
+/// run of consecutive decode IDs in slot order, at most the sorted runs and
+/// one per pinned block more. Chunks are as vLLM's chunked prefill makes
+/// them: a chunk that ended inside a block shares it with the next one
+/// (`chunks` may overlap by one block, even the first two when the first
+/// was shorter than a block), the worker pins every chunk's first block but
+/// the first chunk's and its last but the last chunk's, and each
+/// chunk's layer writes run only after the next chunk was gathered (a write
+/// that is late while the forward goes on).
 fn check_sorted(head_major: bool, src_blocks: &[u32], ids: &[u32], first: u32, chunks: &[Range<u32>]) {
     let (producer, consumer) = pair(4, (0, 1), (0, 1), 64, head_major);
     let (pbytes, cbytes, direct) = direct_pages(&producer, &consumer, src_blocks, first, ids, chunks);
@@ -819,8 +826,32 @@ fn check_sorted(head_major: bool, src_blocks: &[u32], ids: &[u32], first: u32, c
         .expect("pages from staging");
     assert!(!plan.into_grant());
     let mut out = Vec::new();
-    for c in chunks {
-        let order = plan.gather_order(c.clone());
+    let mut late: Option<(Range<u32>, Option<Vec<u32>>, usize)> = None;
+    let mut write =
+        |c: &Range<u32>, order: &Option<Vec<u32>>, pins: usize, pstage: &mut Mem, pages: &mut Mem| {
+            let slots: Vec<u32> = order.clone().unwrap_or_else(|| c.clone().collect());
+            // decode's IDs of the sent blocks, in slot order and sorted: runs
+            let in_slots: Vec<u32> = slots
+                .iter()
+                .filter(|&&i| i >= first)
+                .map(|&i| ids[(i - first) as usize])
+                .collect();
+            let runs =
+                |v: &[u32]| (!v.is_empty()) as usize + v.windows(2).filter(|w| w[1] != w[0] + 1).count();
+            let mut sorted = in_slots.clone();
+            sorted.sort_unstable();
+            assert!(runs(&in_slots) <= runs(&sorted) + pins, "{c:?}: {slots:?}");
+            for l in 0..producer.layers.len() as u32 {
+                plan.plan_layer(l, c.clone(), order.as_deref(), &mut out).unwrap();
+                assert_eq!(out.len(), 2 * runs(&in_slots), "layer {l} of {c:?}: {out:?}");
+                apply(&out, pstage, pages);
+            }
+        };
+    for (k, c) in chunks.iter().enumerate() {
+        // what the worker pins: every chunk's first block but the request's
+        // first chunk's, every chunk's last block but its last chunk's
+        let pinned = (k > 0, k + 1 < chunks.len());
+        let order = plan.gather_order(c.clone(), pinned);
         let slots: Vec<u32> = order.clone().unwrap_or_else(|| c.clone().collect());
         gather_ordered(
             &producer,
@@ -833,17 +864,13 @@ fn check_sorted(head_major: bool, src_blocks: &[u32], ids: &[u32], first: u32, c
             c.clone(),
             &slots,
         );
-        // decode's IDs of the chunk's sent blocks, sorted: their runs
-        let mut sent: Vec<u32> = (c.start.max(first)..c.end)
-            .map(|i| ids[(i - first) as usize])
-            .collect();
-        sent.sort_unstable();
-        let runs = (!sent.is_empty()) as usize + sent.windows(2).filter(|w| w[1] != w[0] + 1).count();
-        for l in 0..producer.layers.len() as u32 {
-            plan.plan_layer(l, c.clone(), order.as_deref(), &mut out).unwrap();
-            assert_eq!(out.len(), 2 * runs, "layer {l} of {c:?}: {out:?}");
-            apply(&out, &mut pstage, &mut pages);
+        if let Some((lc, lo, lp)) = late.take() {
+            write(&lc, &lo, lp, &mut pstage, &mut pages);
         }
+        late = Some((c.clone(), order, pinned.0 as usize + pinned.1 as usize));
+    }
+    if let Some((lc, lo, lp)) = late.take() {
+        write(&lc, &lo, lp, &mut pstage, &mut pages);
     }
     assert_eq!(
         pages.bytes, direct.bytes,
@@ -860,11 +887,15 @@ fn a_chunk_gathered_in_decode_order_is_one_range_per_run_of_decode_ids() {
     for hm in [true, false] {
         check_sorted(hm, &src, &ids, 0, &[0..12]);
         check_sorted(hm, &src, &ids, 0, &[0..5, 5..12]);
+        // chunks that ended inside a block share it with the next
+        check_sorted(hm, &src, &ids, 0, &[0..5, 4..9, 8..12]);
         check_sorted(hm, &src, &ids[3..], 3, &[0..7, 7..12]);
+        check_sorted(hm, &src, &ids[3..], 3, &[0..4, 3..12]);
         // two descending runs and a stray block
         let ids: Vec<u32> = [45, 44, 43, 42, 7, 20, 19, 18, 17, 16, 15, 50].to_vec();
         check_sorted(hm, &src, &ids, 0, &[0..12]);
         check_sorted(hm, &src, &ids, 0, &[0..3, 3..8, 8..12]);
+        check_sorted(hm, &src, &ids, 0, &[0..3, 2..8, 7..12]);
     }
     let (producer, consumer) = pair(4, (0, 1), (0, 1), 64, true);
     let h = handshake(&consumer, 0, ids, None);
@@ -874,13 +905,18 @@ fn a_chunk_gathered_in_decode_order_is_one_range_per_run_of_decode_ids() {
         group: 4,
     };
     let plan = plan_for(&producer, src, &h, MIN_RANGES).unwrap().unwrap();
-    assert_eq!(plan.gather_order(0..4), Some(vec![3, 2, 1, 0]));
+    assert_eq!(plan.gather_order(0..4, (false, false)), Some(vec![3, 2, 1, 0]));
+    // a block shared with a neighbouring chunk stays in its slot
+    assert_eq!(plan.gather_order(0..4, (true, false)), Some(vec![0, 3, 2, 1]));
+    assert_eq!(plan.gather_order(0..4, (false, true)), Some(vec![2, 1, 0, 3]));
+    assert_eq!(plan.gather_order(0..4, (true, true)), Some(vec![0, 2, 1, 3]));
+    assert_eq!(plan.gather_order(0..2, (true, true)), None);
     // already in decode's order, past the capacity or the authorization: none
     let h2 = handshake(&consumer, 0, (30..42).collect(), None);
     let plan2 = plan_for(&producer, src, &h2, MIN_RANGES).unwrap().unwrap();
-    assert_eq!(plan2.gather_order(0..12), None);
-    assert_eq!(plan.gather_order(0..13), None);
-    assert_eq!(plan.gather_order(4..4), None);
+    assert_eq!(plan2.gather_order(0..12, (false, false)), None);
+    assert_eq!(plan.gather_order(0..13, (false, false)), None);
+    assert_eq!(plan.gather_order(4..4, (false, false)), None);
 }
 
 #[test]
@@ -923,7 +959,7 @@ fn a_reordered_chunk_is_refused_where_its_order_cannot_be_written() {
         .unwrap()
         .unwrap();
     assert!(into_grant.into_grant());
-    assert_eq!(into_grant.gather_order(0..4), None);
+    assert_eq!(into_grant.gather_order(0..4, (false, false)), None);
     assert!(matches!(
         into_grant.plan_layer(0, 0..4, Some(&[3, 2, 1, 0]), &mut out),
         Err(GeometryError::GatherOrder {
@@ -980,15 +1016,24 @@ mod sorted_props {
         #[test]
         fn sorted_staging_into_pages_equals_direct(
             (src, ids, first, cuts, hm) in (2usize..24).prop_flat_map(|n| (
-                blocks(n), blocks(n), 0..n as u32, proptest::collection::vec(1..n as u32, 0..4), any::<bool>(),
+                blocks(n), blocks(n), 0..n as u32,
+                proptest::collection::vec((1..n as u32, any::<bool>()), 0..4), any::<bool>(),
             ))
         ) {
+            // chunk ends; one that ended inside a block (`partial`) shares
+            // it with the next chunk, as vLLM's chunked prefill does
             let n = src.len() as u32;
-            let mut cuts: Vec<u32> = cuts.into_iter().chain([n]).collect();
+            let mut cuts: Vec<(u32, bool)> = cuts;
             cuts.sort_unstable();
-            cuts.dedup();
-            let chunks: Vec<Range<u32>> = std::iter::once(0).chain(cuts.iter().copied())
-                .zip(cuts.iter().copied()).map(|(a, b)| a..b).filter(|r| !r.is_empty()).collect();
+            cuts.dedup_by_key(|c| c.0);
+            let mut chunks: Vec<Range<u32>> = Vec::new();
+            let mut start = 0;
+            for (end, partial) in cuts.into_iter().chain([(n, false)]) {
+                if end > start {
+                    chunks.push(start..end);
+                    start = if partial && end < n { end - 1 } else { end };
+                }
+            }
             check_sorted(hm, &src, &ids[first as usize..], first, &chunks);
         }
     }

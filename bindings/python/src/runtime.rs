@@ -586,17 +586,23 @@ impl PyRuntime {
     /// `start_block..end_block` (this step's chunk) into the request's
     /// source staging, asked once before its first layer is gathered:
     /// `order[k]` is the request block for slot `start_block + k`; `None`:
-    /// the request's order. The writes of the chunk follow it.
+    /// the request's order. The writes of the chunk follow it. `pin_first`,
+    /// `pin_last`: those blocks stay in their slots (a block the chunk may
+    /// share with the one before or after it: set both unless the chunk is
+    /// the request's first, resp. last).
+    #[pyo3(signature = (request_id, start_block, end_block, *, pin_first=true, pin_last=true))]
     fn producer_gather_order(
         &self,
         py: Python<'_>,
         request_id: &str,
         start_block: u32,
         end_block: u32,
+        pin_first: bool,
+        pin_last: bool,
     ) -> PyResult<Option<Vec<u32>>> {
         let rt = self.rt(py)?;
         let request = RequestId::new(request_id);
-        py.detach(move || rt.producer_gather_order(&request, start_block..end_block))
+        py.detach(move || rt.producer_gather_order(&request, start_block..end_block, (pin_first, pin_last)))
             .map_err(|e| runtime_error(py, e))
     }
 

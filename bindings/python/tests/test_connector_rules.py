@@ -298,7 +298,9 @@ class RecordingRuntime:
     def staged_layout(self, capacity: int) -> dict[str, Any]:
         return {"units": 1, "bytes": 4096 * capacity, "slots": [[(0, 4096)]]}
 
-    def producer_gather_order(self, request_id: str, start_block: int, end_block: int) -> list[int] | None:
+    def producer_gather_order(
+        self, request_id: str, start_block: int, end_block: int, *, pin_first: bool = True, pin_last: bool = True
+    ) -> list[int] | None:
         return None  # the request's order (no authorization written into pages here)
 
     def layers_ready(self, layer: int, chunks: list[tuple[str, int, int]]) -> list[tuple[str, Exception]]:

@@ -219,10 +219,14 @@ def test_a_chunk_gathered_in_decode_order_goes_into_its_pages_as_one_range_per_r
         assert json.loads(hs).get("staging") is None
         base, cap, slots, group = p.open_staged("sorted", src)
         p.runtime.producer_handshake(hs)
-        for lo, hi in ((0, 4), (4, 10)):
-            order = p.runtime.producer_gather_order("sorted", lo, hi)
+        # chunked prefill: the first chunk ended inside block 4, which the
+        # second gathers again; the shared block stays in its slot (pinned)
+        for lo, hi, first_chunk, last_chunk in ((0, 5, True, False), (4, 10, False, True)):
+            order = p.runtime.producer_gather_order("sorted", lo, hi, pin_first=not first_chunk, pin_last=not last_chunk)
             assert order is not None and sorted(order) == list(range(lo, hi))
-            assert [dst[i] for i in order] == sorted(dst[lo:hi]), order
+            assert order[4 - lo] == 4, order
+            free = [dst[i] for i in order if i != 4]
+            assert free == sorted(free), order
             idx = p.copier.index([src[i] for i in order])
             for layer in range(LAYERS):
                 p.copier.gather(layer, idx, lo, base, cap, slots, group)
@@ -235,8 +239,9 @@ def test_a_chunk_gathered_in_decode_order_goes_into_its_pages_as_one_range_per_r
         stats = p.runtime.stats()
         assert stats["layers_staged"] == stats["layers_staged_to_pages"] == 2 * LAYERS
         assert stats["chunks_reordered"] == 2
-        # chunk 1: one run; chunk 2: a run and the stray block; per plane
-        assert stats["write_ranges"] == LAYERS * 2 * (1 + 2), stats
+        # chunk 0..5: decode 16..19 and the pinned 15; chunk 4..10: the pinned
+        # 15, the stray 3 and 11..14; per plane (page to page: 10 + 12)
+        assert stats["write_ranges"] == LAYERS * 2 * (2 + 3), stats
         # a request the runtime does not know: refused, nothing recorded
         with pytest.raises(orbitkv.UnknownRequestError):
             p.runtime.producer_gather_order("nobody", 0, 4)

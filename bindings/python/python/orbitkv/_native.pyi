@@ -435,12 +435,17 @@ class Runtime:
     def producer_add_blocks(self, request_id: str, block_ids: list[int]) -> None:
         """Prefill side: appends source blocks (chunked prefill)."""
 
-    def producer_gather_order(self, request_id: str, start_block: int, end_block: int) -> list[int] | None:
+    def producer_gather_order(
+        self, request_id: str, start_block: int, end_block: int, *, pin_first: bool = True, pin_last: bool = True
+    ) -> list[int] | None:
         """Prefill side: the order in which to gather request blocks
         `start_block..end_block` (this step's chunk) into the request's
         source staging, asked once before its first layer is gathered:
         `order[k]` is the request block for slot `start_block + k`; `None`:
-        the request's order. The writes of the chunk follow it."""
+        the request's order. The writes of the chunk follow it. `pin_first`,
+        `pin_last`: those blocks stay in their slots (a block the chunk may
+        share with the one before or after it: set both unless the chunk is
+        the request's first, resp. last)."""
 
     def producer_handshake(self, handshake_json: str) -> None:
         """Prefill side: admits a consumer's handshake (JSON). Strict: a bad one

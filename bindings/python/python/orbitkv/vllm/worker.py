@@ -480,7 +480,9 @@ class PdWorker:
             rt = self.runtime
             assert rt is not None
             try:
-                order = rt.producer_gather_order(ch.pd_id, ch.start_block, ch.end_block)
+                # a block shared with the chunk before or after stays in its slot
+                order = rt.producer_gather_order(ch.pd_id, ch.start_block, ch.end_block,
+                                                 pin_first=not ch.opens, pin_last=not ch.last)
             except OrbitKVError:
                 order = None
             if order is not None:
