@@ -243,6 +243,12 @@ impl Runtime {
         self.stats.layers_saved_at_wait.add(layers);
     }
 
+    /// Counts `requests` the embedding worker opened without a source
+    /// staging because its region had no room (`source_staging_full`).
+    pub fn note_source_staging_full(&self, requests: u64) {
+        self.stats.source_staging_full.add(requests);
+    }
+
     /// Counts `requests` the embedding connector served plainly because
     /// their P/D parameters were refused (`params_refused`).
     pub fn note_params_refused(&self, requests: u64) {

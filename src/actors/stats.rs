@@ -124,6 +124,10 @@ pub struct Stats {
     /// others, in the request's order, were in order already or not
     /// written into pages).
     pub chunks_reordered: Counter,
+    /// Prefill side: requests the worker opened without a source staging
+    /// because its region had no room for the prompt (written page to
+    /// page; `orbitkv.pd.staging_mb`).
+    pub source_staging_full: Counter,
     /// Prefill side: layers whose `LayerReady` ran on the thread that
     /// handed them over (no message to the system thread).
     pub layers_ready_inline: Counter,
@@ -181,6 +185,7 @@ pub struct StatsSnapshot {
     pub layers_staged: u64,
     pub layers_staged_to_pages: u64,
     pub chunks_reordered: u64,
+    pub source_staging_full: u64,
     pub layers_ready_inline: u64,
     pub writes_inline: u64,
     pub peers_reclaimed: u64,
@@ -232,6 +237,7 @@ impl Stats {
             layers_staged: self.layers_staged.get(),
             layers_staged_to_pages: self.layers_staged_to_pages.get(),
             chunks_reordered: self.chunks_reordered.get(),
+            source_staging_full: self.source_staging_full.get(),
             layers_ready_inline: self.layers_ready_inline.get(),
             writes_inline: self.writes_inline.get(),
             peers_reclaimed: self.peers_reclaimed.get(),

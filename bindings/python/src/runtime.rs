@@ -787,6 +787,13 @@ impl PyRuntime {
         Ok(())
     }
 
+    /// Counts `requests` opened without a source staging because the
+    /// staging region had no room for them (`source_staging_full`).
+    fn note_source_staging_full(&self, py: Python<'_>, requests: u64) -> PyResult<()> {
+        self.rt(py)?.note_source_staging_full(requests);
+        Ok(())
+    }
+
     /// Counts `layers` request-layers admitted at `wait_for_save` because
     /// vLLM skipped `save_kv_layer` for them (`layers_saved_at_wait`).
     fn note_layers_saved_at_wait(&self, py: Python<'_>, layers: u64) -> PyResult<()> {

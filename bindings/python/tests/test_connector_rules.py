@@ -862,6 +862,22 @@ def test_a_failed_staging_gather_aborts_that_request_alone(worker: PdWorker) -> 
     assert worker._copier.gathered == [[2], [2]]  # type: ignore[attr-defined]
 
 
+def test_a_request_that_finds_the_source_staging_full_is_written_page_to_page_and_counted(worker: PdWorker) -> None:
+    import orbitkv
+
+    worker._copier = GatherFailsFor([])  # type: ignore[assignment]
+    worker._source_arena = orbitkv.StagingArena(1 << 20, 2 * 4096)  # room for two one-block prompts
+    meta = PdConnectorMetadata()
+    for i in (1, 2, 3):
+        meta.producer_chunks.append(ProducerChunk(f"p{i}", f"pd-{i}", CAP, 1, True, [i], 0, 1, True, 1))
+    worker.start_load_kv(meta)
+    opens = [c for c in worker.runtime.calls if c[0] == "producer_open"]  # type: ignore[attr-defined]
+    staged = [c[1] for c in opens if ("staging_blocks", 1) in c]
+    assert [c[1] for c in opens] == ["pd-1", "pd-2", "pd-3"] and staged == ["pd-1", "pd-2"]
+    full = [c for c in worker.runtime.calls if c[0] == "note_source_staging_full"]  # type: ignore[attr-defined]
+    assert full == [("note_source_staging_full", 1)]
+
+
 def test_a_refused_authorization_fails_that_request_alone(worker: PdWorker) -> None:
     worker.runtime = RaisingRuntime()  # type: ignore[assignment]
     worker.start_load_kv(PdConnectorMetadata(consumers_open=[ConsumerOpen("d1", "pd-1", CAP, 0, [3, 4], "127.0.0.1:1", 1)]))

@@ -517,6 +517,10 @@ class Runtime:
         from now, without waiting; calls made meanwhile wait for it, the GIL
         released."""
 
+    def note_source_staging_full(self, requests: int) -> None:
+        """Counts requests opened without a source staging because the
+        staging region had no room for them (`source_staging_full`)."""
+
     def note_layers_saved_at_wait(self, layers: int) -> None:
         """Counts request-layers admitted at `wait_for_save` because vLLM
         skipped `save_kv_layer` for them (`layers_saved_at_wait`)."""

@@ -162,6 +162,10 @@ _PROM = {
         "Staged chunks prefill gathered in decode's block order (written into decode's pages as one range per run "
         "of decode's IDs).",
     ),
+    "source_staging_full": (
+        "vllm:orbitkv_source_staging_full",
+        "Prefill requests opened without a source staging because its region had no room (written page to page).",
+    ),
     "layers_ready_inline": (
         "vllm:orbitkv_layers_ready_inline",
         "Prefill layers handed to their producer on the worker's own thread (no message to the runtime's thread).",

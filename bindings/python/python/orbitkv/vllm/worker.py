@@ -456,6 +456,8 @@ class PdWorker:
                 else:
                     arena.free(base)
                 return ok
+            # no room: page to page (counted: a rising count says the region is small)
+            rt.note_source_staging_full(1)
         return self._producer_call(rt.producer_open, ch.pd_id, ch.new_block_ids, ch.capability, ch.consumer_tp)
 
     def _stages_into_pages(self, group: int, consumer_tp: int) -> bool:
