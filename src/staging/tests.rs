@@ -796,7 +796,7 @@ fn plan_for(
 /// as the direct plan leaves them (so nothing outside the authorized
 /// blocks changes), and a layer of a chunk takes one range per plane and
 /// run of consecutive decode IDs in slot order, at most the sorted runs and
-/// one per pinned block more. Chunks are as vLLM's chunked prefill makes
+/// two per pinned block more (itself, and the run it split). Chunks are as vLLM's chunked prefill makes
 /// them: a chunk that ended inside a block shares it with the next one
 /// (`chunks` may overlap by one block, even the first two when the first
 /// was shorter than a block), the worker pins every chunk's first block but
@@ -840,7 +840,8 @@ fn check_sorted(head_major: bool, src_blocks: &[u32], ids: &[u32], first: u32, c
                 |v: &[u32]| (!v.is_empty()) as usize + v.windows(2).filter(|w| w[1] != w[0] + 1).count();
             let mut sorted = in_slots.clone();
             sorted.sort_unstable();
-            assert!(runs(&in_slots) <= runs(&sorted) + pins, "{c:?}: {slots:?}");
+            // a pinned block is a run of its own and may split the run it sat in
+            assert!(runs(&in_slots) <= runs(&sorted) + 2 * pins, "{c:?}: {slots:?}");
             for l in 0..producer.layers.len() as u32 {
                 plan.plan_layer(l, c.clone(), order.as_deref(), &mut out).unwrap();
                 assert_eq!(out.len(), 2 * runs(&in_slots), "layer {l} of {c:?}: {out:?}");
