@@ -94,6 +94,7 @@ impl Rank {
             staging_min_ranges: cfg.staging_min_ranges,
             stats: stats.clone(),
             buffers: Default::default(),
+            source_arena: None,
         });
         let publisher = Arc::new(Publisher::new(1, None, Duration::from_secs(1), stats.clone()));
         let directory = RequestDirectory::new(shared, cfg, router, tx, Default::default(), publisher).start();

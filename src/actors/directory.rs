@@ -43,7 +43,7 @@ use crate::fsm::ConsumerMachine;
 use crate::ids::{Capability, Generation, ProducerRank, RequestId, Sequence};
 use crate::layout::KvLayout;
 use crate::staging::arena::StagingArena;
-use crate::staging::{grant_group, page_runs, staged_bytes, SharedArena, SourceStaging, StagingGrant};
+use crate::staging::{grant_group, page_runs, staged_bytes, SharedArena, SourceKind, StagingGrant};
 use crate::wire::{Cancel, Fence, Handshake, Outcome};
 
 /// Work for the directory, run on its thread in arrival order (the façade's
@@ -427,7 +427,7 @@ impl RequestDirectory {
         src_blocks: Vec<u32>,
         capability: Capability,
         consumer_tp: u32,
-        staging: Option<SourceStaging>,
+        staging: Option<SourceKind>,
         ctx: &mut Context<Self>,
     ) -> Result<(), RuntimeError> {
         if self.producers.get(&request).is_some_and(ProducerGroup::live) {
@@ -465,6 +465,9 @@ impl RequestDirectory {
                 )
             })
             .collect();
+        if let (Some(SourceKind::ByLayer { .. }), Some(arena)) = (staging, &self.shared.source_arena) {
+            src_blocks.stage_by_layer(arena.clone(), members.len() as u32);
+        }
         let group = ProducerGroup {
             token,
             capability,
@@ -501,7 +504,7 @@ impl RequestDirectory {
         &self,
         request: &RequestId,
         src_blocks: SourceBlocks,
-        staging: Option<SourceStaging>,
+        staging: Option<SourceKind>,
         token: u64,
         ctx: &mut Context<Self>,
     ) -> ProducerRef {
@@ -777,13 +780,15 @@ impl Handler<ProducerEnded> for RequestDirectory {
             Some(g) if group != 0 => match g.ended(outcome, reason) {
                 None => return,
                 Some(last) => {
+                    // Every write of the group ended: its layer pieces go back.
                     if current {
                         if let Some(g) = self.producers.remove(&request) {
+                            g.src_blocks.close();
                             self.remember_ended(request.clone(), g.capability);
                         }
                         self.index.withdraw(&request);
-                    } else {
-                        self.ending.remove(&group);
+                    } else if let Some(g) = self.ending.remove(&group) {
+                        g.src_blocks.close();
                     }
                     last
                 }

@@ -34,7 +34,7 @@ use crate::fsm::*;
 use crate::ids::{Generation, ProducerRank, RequestId};
 use crate::layout::HOLE;
 use crate::layout::{plan_write, KvLayout};
-use crate::staging::{SourceStaging, StagedPlan};
+use crate::staging::{GivenPiece, LayerSource, SharedArena, SourceKind, StagedPlan};
 use crate::wire::{Handshake, Notice, WIRE_VERSION};
 
 /// Why a write was not submitted once the consumer's deadline passed.
@@ -55,6 +55,9 @@ pub struct ProducerShared {
     /// Range lists the producers of this runtime plan into (given back with
     /// each `LayerWritten`).
     pub buffers: RangeBuffers,
+    /// Where the layer pieces of requests staged by layer come from
+    /// (`source_staging_region`; `None`: no such region).
+    pub source_arena: Option<SharedArena>,
 }
 
 /// Range lists kept for the next layers' plans, shared by the producers of
@@ -126,6 +129,13 @@ pub struct ProducerCell {
 /// request's ([`StagedPlan::gather_order`], recorded by [`gather_order`]
 /// before the worker gathers the chunk): a write from source staging must
 /// know which request block each slot holds.
+///
+/// And, for a request staged by layer ([`SourceKind::ByLayer`]), the pieces
+/// of the source region each layer of each chunk was gathered into
+/// ([`Self::stage_layer`]): a write of that layer and chunk reads its piece
+/// ([`Self::take_piece`]), and the piece goes back to the region once every
+/// member wrote it and no write reads it ([`Self::piece_read`]); a later
+/// write of it (a newer authorization) is written from the pages.
 #[derive(Clone, Default)]
 pub struct SourceBlocks(Arc<SourceState>);
 
@@ -134,6 +144,64 @@ struct SourceState {
     blocks: parking_lot::RwLock<Vec<u32>>,
     /// Chunks gathered out of request order: start -> (end, order).
     orders: parking_lot::RwLock<GatherOrders>,
+    pieces: parking_lot::Mutex<Pieces>,
+}
+
+impl Drop for SourceState {
+    fn drop(&mut self) {
+        self.pieces.get_mut().close();
+    }
+}
+
+/// The layer pieces of a request staged by layer.
+#[derive(Default)]
+struct Pieces {
+    /// The region they come from (`None`: not staged by layer).
+    arena: Option<SharedArena>,
+    /// Producers of the group: each writes every piece (its own units).
+    members: u32,
+    /// The latest piece of each (layer, chunk start, chunk end).
+    live: std::collections::BTreeMap<(u32, u32, u32), Piece>,
+    /// Pieces a later gather of the same layer and chunk replaced while a
+    /// write still read them: freed when the last such write ends.
+    retired: Vec<Piece>,
+    next_id: u64,
+    /// The group ended: every piece is back, none is given any more.
+    closed: bool,
+}
+
+/// A piece a write reads: its ID, where it is, the chunk's gather order.
+type TakenPiece = (u64, LayerSource, Option<Arc<[u32]>>);
+
+struct Piece {
+    id: u64,
+    source: LayerSource,
+    /// The order the chunk was gathered in (`None`: the request's).
+    order: Option<Arc<[u32]>>,
+    /// Writes planned from it that did not end yet.
+    readers: u32,
+    /// Writes from it that ended well (one per member is all it takes).
+    written: u32,
+}
+
+impl Pieces {
+    fn free(&self, p: &Piece) {
+        if let Some(arena) = &self.arena {
+            if let Err(e) = arena.lock().free(p.source.base) {
+                tracing::error!(error = %e, "a layer piece was not in use");
+            }
+        }
+    }
+
+    fn close(&mut self) {
+        self.closed = true;
+        for p in std::mem::take(&mut self.live)
+            .into_values()
+            .chain(std::mem::take(&mut self.retired))
+        {
+            self.free(&p);
+        }
+    }
 }
 
 /// Chunks gathered out of request order: start -> (end, order).
@@ -149,6 +217,7 @@ impl SourceBlocks {
         Self(Arc::new(SourceState {
             blocks: parking_lot::RwLock::new(blocks),
             orders: Default::default(),
+            pieces: Default::default(),
         }))
     }
 
@@ -187,6 +256,110 @@ impl SourceBlocks {
         if let Some(order) = order {
             orders.insert(blocks.start, (blocks.end, order.into()));
         }
+    }
+
+    /// Stages request blocks by layer from `arena`, for a group of
+    /// `members` producers.
+    pub(super) fn stage_by_layer(&self, arena: SharedArena, members: u32) {
+        let mut p = self.0.pieces.lock();
+        p.arena = Some(arena);
+        p.members = members.max(1);
+    }
+
+    /// A piece of `bytes` for layer `layer` of chunk `blocks`, which the
+    /// worker gathers next, in the order recorded for that chunk
+    /// ([`gather_order`]); it replaces an earlier piece of the same layer
+    /// and chunk (freed now, or when the last write reading it ends).
+    /// `None`: no room in the region (that layer is written from the
+    /// pages), or the group ended.
+    fn stage_layer(&self, layer: u32, blocks: std::ops::Range<u32>, bytes: u64) -> Option<LayerSource> {
+        let order = self
+            .0
+            .orders
+            .read()
+            .get(&blocks.start)
+            .filter(|(e, _)| *e == blocks.end)
+            .map(|(_, o)| o.clone());
+        let mut p = self.0.pieces.lock();
+        if p.closed {
+            return None;
+        }
+        let key = (layer, blocks.start, blocks.end);
+        if let Some(old) = p.live.remove(&key) {
+            if old.readers == 0 {
+                p.free(&old);
+            } else {
+                p.retired.push(old);
+            }
+        }
+        let base = p.arena.as_ref()?.lock().alloc(bytes).ok()?;
+        let source = LayerSource {
+            base,
+            start: blocks.start,
+            blocks: blocks.len() as u32,
+        };
+        p.next_id += 1;
+        let id = p.next_id;
+        p.live.insert(
+            key,
+            Piece {
+                id,
+                source,
+                order,
+                readers: 0,
+                written: 0,
+            },
+        );
+        Some(source)
+    }
+
+    /// The piece layer `layer` of chunk `blocks` was gathered into, for a
+    /// write that reads it (`None`: none, it is written from the pages):
+    /// its ID (for [`Self::piece_read`]), where it is, the chunk's order.
+    fn take_piece(&self, layer: u32, blocks: &std::ops::Range<u32>) -> Option<TakenPiece> {
+        let mut p = self.0.pieces.lock();
+        let piece = p.live.get_mut(&(layer, blocks.start, blocks.end))?;
+        piece.readers += 1;
+        Some((piece.id, piece.source, piece.order.clone()))
+    }
+
+    /// A write that read piece `id` ended (`written`: well). The piece goes
+    /// back to the region once no write reads it and every member wrote it,
+    /// or, replaced by a later gather, once no write reads it.
+    fn piece_read(&self, id: u64, written: bool) {
+        let mut p = self.0.pieces.lock();
+        let members = p.members;
+        if let Some(i) = p.retired.iter().position(|x| x.id == id) {
+            let x = &mut p.retired[i];
+            x.readers = x.readers.saturating_sub(1);
+            if x.readers == 0 {
+                let x = p.retired.swap_remove(i);
+                p.free(&x);
+            }
+            return;
+        }
+        let Some((&key, x)) = p.live.iter_mut().find(|(_, x)| x.id == id) else {
+            return;
+        };
+        x.readers = x.readers.saturating_sub(1);
+        x.written += written as u32;
+        if x.readers == 0 && x.written >= members {
+            if let Some(x) = p.live.remove(&key) {
+                p.free(&x);
+            }
+        }
+    }
+
+    /// The group ended: every piece goes back (no write is in flight any
+    /// more), and none is given from now on.
+    pub(super) fn close(&self) {
+        self.0.pieces.lock().close();
+    }
+
+    /// Layer pieces held now (staged by layer).
+    pub fn pieces_held(&self) -> usize {
+        let p = self.0.pieces.lock();
+        p.live.len() + p.retired.len()
     }
 
     /// Whether any chunk was gathered out of request order.
@@ -265,7 +438,9 @@ struct ProducerCore {
     planned: Vec<crate::transport::WriteRange>,
     /// Where the worker gathers this request's blocks (`None`: it does not
     /// stage; every write goes to the pages).
-    staging: Option<SourceStaging>,
+    staging: Option<SourceKind>,
+    /// Writes in flight that read a layer piece: (write, piece).
+    reading: Vec<(WriteId, u64)>,
     /// The staged plan of the authorization of this generation (`None`
     /// inside: that authorization is written into pages), made once.
     staged: Option<(Generation, Option<Arc<StagedPlan>>)>,
@@ -325,6 +500,12 @@ pub fn gather_order(
         return None;
     };
     let mut core = member.0.core.lock();
+    // A chunk staged by layer has pieces of its own: no slot is shared
+    // with its neighbours, nothing is pinned.
+    let pinned = match core.staging {
+        Some(SourceKind::ByLayer { .. }) => (false, false),
+        _ => pinned,
+    };
     let order = match core.machine.authorization().cloned() {
         Some(auth) if core.machine.phase() != ProducerPhase::Released => core
             .staged_into(&auth)
@@ -338,12 +519,56 @@ pub fn gather_order(
     order
 }
 
+/// A piece of the source region for layer `layer` of chunk `blocks` of a
+/// request staged by layer, which the worker gathers into now
+/// ([`SourceBlocks::stage_layer`]): where it is and each plane's (offset,
+/// unit bytes) in it. `Ok(None)`: no room (that layer and chunk is written
+/// from the pages). An error: the request is not staged by layer here, or
+/// `layer` or `blocks` are not the request's.
+pub fn stage_layer(
+    members: &[ProducerRef],
+    layer: u32,
+    blocks: std::ops::Range<u32>,
+) -> Result<Option<GivenPiece>, crate::error::GeometryError> {
+    use crate::error::GeometryError;
+    let Some(m) = members.first() else {
+        return Ok(None);
+    };
+    let (src_blocks, local) = {
+        let core = m.0.core.lock();
+        if !matches!(core.staging, Some(SourceKind::ByLayer { .. })) {
+            return Err(GeometryError::GatherOrder {
+                start: blocks.start,
+                end: blocks.end,
+                what: "request staged by layer",
+            });
+        }
+        (core.src_blocks.clone(), core.shared.local.clone())
+    };
+    let have = src_blocks.len();
+    if blocks.start >= blocks.end || blocks.end as usize > have {
+        return Err(GeometryError::OutsideSource {
+            index: blocks.end.saturating_sub(1),
+            available: have,
+        });
+    }
+    let (slots, bytes) = crate::staging::layer_slots(&local, layer as usize, blocks.len() as u32).ok_or(
+        GeometryError::LayerOutOfRange {
+            layer,
+            num_layers: local.layers.len(),
+        },
+    )?;
+    Ok(src_blocks
+        .stage_layer(layer, blocks, bytes)
+        .map(|src| (src, slots)))
+}
+
 impl ProducerRef {
     /// Starts a producer actor on the current arbiter (the system thread).
     pub fn start(
         request: RequestId,
         src_blocks: SourceBlocks,
-        staging: Option<SourceStaging>,
+        staging: Option<SourceKind>,
         shared: Arc<ProducerShared>,
         released_to: (u64, Recipient<ProducerEnded>),
     ) -> Self {
@@ -437,7 +662,7 @@ impl ProducerCore {
     fn new(
         request: RequestId,
         src_blocks: SourceBlocks,
-        staging: Option<SourceStaging>,
+        staging: Option<SourceKind>,
         shared: Arc<ProducerShared>,
         released_to: (u64, Recipient<ProducerEnded>),
         me: Addr<ProducerActor>,
@@ -458,6 +683,7 @@ impl ProducerCore {
             span,
             planned: Vec::new(),
             staging,
+            reading: Vec::new(),
             staged: None,
         }
     }
@@ -475,13 +701,11 @@ impl ProducerCore {
             }
         }
         let plan = self.staging.and_then(|src| {
-            StagedPlan::new(
-                &self.shared.local,
-                src,
-                auth.target(),
-                auth.staging,
-                self.shared.staging_min_ranges,
-            )
+            let (local, min) = (&self.shared.local, self.shared.staging_min_ranges);
+            match src {
+                SourceKind::Whole(src) => StagedPlan::new(local, src, auth.target(), auth.staging, min),
+                SourceKind::ByLayer { group } => StagedPlan::by_layer(local, group, auth.target(), min),
+            }
             .inspect_err(|e| tracing::warn!(error = %e, "staging grant not usable: writing pages"))
             .ok()
             .flatten()
@@ -502,6 +726,11 @@ impl ProducerCore {
         let mut effects = std::mem::take(&mut self.effects);
         let mut next = Some(ev);
         while let Some(ev) = next.take().or_else(|| queue.pop_front()) {
+            match &ev {
+                ProducerEvent::WriteDone { write, .. } => self.read_ended(*write, true),
+                ProducerEvent::WriteFailed { write, .. } => self.read_ended(*write, false),
+                _ => {}
+            }
             self.machine.on_event_into(ev, &mut effects);
             for fx in effects.drain(..) {
                 if let Some(follow) = self.apply(fx, via) {
@@ -510,6 +739,15 @@ impl ProducerCore {
             }
         }
         self.effects = effects;
+    }
+
+    /// Write `write` ended (`ok`: well): the layer piece it read, if any,
+    /// has one reader less.
+    fn read_ended(&mut self, write: WriteId, ok: bool) {
+        if let Some(i) = self.reading.iter().position(|&(w, _)| w == write) {
+            let (_, piece) = self.reading.swap_remove(i);
+            self.src_blocks.piece_read(piece, ok);
+        }
     }
 
     /// Carries out one effect; may return an event to feed back.
@@ -532,7 +770,23 @@ impl ProducerCore {
                     });
                 }
                 let mut staged = self.staged_into(&auth);
+                let mut piece = None;
                 let order = match &staged {
+                    Some(_) if matches!(self.staging, Some(SourceKind::ByLayer { .. })) => {
+                        match self.src_blocks.take_piece(layer, &blocks) {
+                            Some((id, src, order)) => {
+                                self.reading.push((write, id));
+                                piece = Some(src);
+                                order
+                            }
+                            // Not gathered (no room in the region), or
+                            // written already and given back: from the pages.
+                            None => {
+                                staged = None;
+                                None
+                            }
+                        }
+                    }
                     Some(_) => match self.src_blocks.order_of(&blocks) {
                         Ok(order) => order,
                         Err(OrderUnknown) if staged.as_ref().is_some_and(|p| p.into_grant()) => {
@@ -558,9 +812,14 @@ impl ProducerCore {
                     },
                     None => None,
                 };
-                let planned = match &staged {
-                    Some(plan) => plan.plan_layer(layer, blocks.clone(), order.as_deref(), &mut self.planned),
-                    None => plan_write(
+                let planned = match (&staged, piece) {
+                    (Some(plan), Some(src)) => {
+                        plan.plan_piece(layer, blocks.clone(), src, order.as_deref(), &mut self.planned)
+                    }
+                    (Some(plan), None) => {
+                        plan.plan_layer(layer, blocks.clone(), order.as_deref(), &mut self.planned)
+                    }
+                    (None, _) => plan_write(
                         &self.shared.local,
                         &self.src_blocks.read(),
                         auth.target(),

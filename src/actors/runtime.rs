@@ -25,7 +25,7 @@ use crate::error::{GeometryError, RuntimeError};
 use crate::fsm::ConsumerMachine;
 use crate::ids::{Capability, Generation, MarkSeq, NoticeKey, RequestId, Sequence};
 use crate::layout::KvLayout;
-use crate::staging::{group_fits, staged_bytes, SourceStaging};
+use crate::staging::{group_fits, staged_bytes, GivenPiece, SourceKind, SourceStaging};
 use crate::transport::Transport;
 use crate::wire::{Cancel, Fence, Handshake, WIRE_VERSION};
 
@@ -62,6 +62,9 @@ pub struct Runtime {
     /// Sends this (decode) rank's handshakes, cancels and fences, off any GIL.
     publisher: Arc<Publisher>,
     stats: Arc<Stats>,
+    /// The source staging region's pieces (layer pieces of requests staged
+    /// by layer), shared with the producers.
+    source_arena: Option<crate::staging::SharedArena>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -141,7 +144,14 @@ impl Runtime {
             staging_min_ranges: cfg.staging_min_ranges,
             stats: stats.clone(),
             buffers: Default::default(),
+            // `validate` refused a region the arena cannot take.
+            source_arena: cfg.source_staging_region.and_then(|(base, len)| {
+                crate::staging::arena::StagingArena::new(base, len)
+                    .map(|a| Arc::new(parking_lot::Mutex::new(a)))
+                    .ok()
+            }),
         });
+        let source_arena = shared.source_arena.clone();
         let producers = ProducerIndex::default();
         let directory = RequestDirectory::new(
             shared,
@@ -169,6 +179,7 @@ impl Runtime {
             events_rx,
             publisher,
             stats,
+            source_arena,
         })
     }
 
@@ -429,12 +440,6 @@ impl Runtime {
         consumer_tp: u32,
         staging: Option<SourceStaging>,
     ) -> Result<(), RuntimeError> {
-        self.local.validate_blocks(&src_blocks)?;
-        if staging.is_some() && self.local.groups() > 1 {
-            return Err(invalid_argument(
-                "source staging for a layout of several KV cache groups: open the producer without it".into(),
-            ));
-        }
         if let Some(s) = staging {
             if !group_fits(&self.local, s.group) {
                 return Err(invalid_argument(format!(
@@ -454,6 +459,66 @@ impl Runtime {
                 )));
             }
         }
+        self.open_producer(
+            request,
+            src_blocks,
+            capability,
+            consumer_tp,
+            staging.map(SourceKind::Whole),
+        )
+    }
+
+    /// [`Self::producer_open`] of a request staged by layer and chunk: the
+    /// worker asks for a piece of `source_staging_region` for each layer of
+    /// each chunk as it gathers it ([`Self::producer_stage_layer`]), in the
+    /// order grouped by `group` units ([`crate::staging::source_group`] of
+    /// `consumer_tp`: writes go into decode's pages only when each decode
+    /// block is one group; else from the pages), and each piece goes back
+    /// as soon as every write of it ended. A request then holds only its
+    /// layers in flight; a layer that finds no room is written from the
+    /// pages. Never into a staging grant.
+    pub fn producer_open_by_layer(
+        &self,
+        request: RequestId,
+        src_blocks: Vec<u32>,
+        capability: Capability,
+        consumer_tp: u32,
+        group: u32,
+    ) -> Result<(), RuntimeError> {
+        if self.cfg.source_staging_region.is_none() {
+            return Err(invalid_argument(
+                "staging by layer needs a source staging region: open the producer without it".into(),
+            ));
+        }
+        if !group_fits(&self.local, group) {
+            return Err(invalid_argument(format!(
+                "a source staging grouped by {group} units: the group must divide the {} units of a block",
+                crate::staging::units(&self.local)
+            )));
+        }
+        self.open_producer(
+            request,
+            src_blocks,
+            capability,
+            consumer_tp,
+            Some(SourceKind::ByLayer { group }),
+        )
+    }
+
+    fn open_producer(
+        &self,
+        request: RequestId,
+        src_blocks: Vec<u32>,
+        capability: Capability,
+        consumer_tp: u32,
+        staging: Option<SourceKind>,
+    ) -> Result<(), RuntimeError> {
+        self.local.validate_blocks(&src_blocks)?;
+        if staging.is_some() && self.local.groups() > 1 {
+            return Err(invalid_argument(
+                "source staging for a layout of several KV cache groups: open the producer without it".into(),
+            ));
+        }
         let total = self.local.total_kv_heads;
         if consumer_tp == 0 || (total % consumer_tp != 0 && consumer_tp % total != 0) {
             return Err(GeometryError::TensorParallel(format!(
@@ -462,6 +527,40 @@ impl Runtime {
             .into());
         }
         self.ask(move |d, ctx| d.producer_open(request, src_blocks, capability, consumer_tp, staging, ctx))
+    }
+
+    /// `(bytes, pieces)` of the source staging region given out as layer
+    /// pieces now (0 when every piece is back; a request staged by layer
+    /// holds only the layers whose writes did not end).
+    pub fn source_staging_in_use(&self) -> (u64, usize) {
+        self.source_arena.as_ref().map_or((0, 0), |a| {
+            let a = a.lock();
+            (a.used_bytes(), a.pieces())
+        })
+    }
+
+    /// A piece of the source staging region for layer `layer` of request
+    /// blocks `blocks` (one chunk) of a request opened with
+    /// [`Self::producer_open_by_layer`], which the worker gathers that
+    /// layer of the chunk into now, in the order
+    /// [`Self::producer_gather_order`] gave for the chunk: where it is, and
+    /// each plane's (offset, unit bytes) in it (the staged order of
+    /// `blocks.len()` blocks). Nothing else may touch it until the
+    /// request's `ProducerReleased`; the runtime takes it back itself.
+    /// `Ok(None)`: no room now (that layer of the chunk is written from the
+    /// pages). A request not open here: `UnknownRequest`; one not staged by
+    /// layer, or a layer or blocks not its own: `Geometry`.
+    pub fn producer_stage_layer(
+        &self,
+        request: &RequestId,
+        layer: u32,
+        blocks: std::ops::Range<u32>,
+    ) -> Result<Option<GivenPiece>, RuntimeError> {
+        let group = self
+            .producers
+            .live_group(request)
+            .ok_or_else(|| RuntimeError::UnknownRequest(request.0.clone()))?;
+        Ok(super::producer::stage_layer(&group, layer, blocks)?)
     }
 
     /// The consumer gave up `request` (e.g. the client went away) before it

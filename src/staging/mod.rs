@@ -73,6 +73,61 @@ pub struct SourceStaging {
     pub group: u32,
 }
 
+/// How a producer stages one request on its side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SourceKind {
+    /// One staging of every layer of the whole request, given by the
+    /// worker at open and held until the request's release.
+    Whole(SourceStaging),
+    /// A piece per layer and chunk, grouped by `group` units, given by the
+    /// runtime from its source region as the worker gathers each layer
+    /// (`Runtime::producer_stage_layer`) and taken back as soon as every
+    /// write of it ended: a request holds only the layers still in flight.
+    ByLayer { group: u32 },
+}
+
+impl SourceKind {
+    /// Units per group of the staged order.
+    pub fn group(&self) -> u32 {
+        match self {
+            Self::Whole(s) => s.group,
+            Self::ByLayer { group } => *group,
+        }
+    }
+}
+
+/// The staged copy of one layer of request blocks `start..start + blocks`
+/// at local address `base`: the layer's planes one after the other, each
+/// in the staged order of `blocks` blocks ([`layer_slots`]). A producer
+/// that stages by layer ([`Self`] given by the runtime per layer and chunk,
+/// `Runtime::producer_stage_layer`) has one per layer and chunk; a whole
+/// [`SourceStaging`] is one per layer over every request block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LayerSource {
+    pub base: u64,
+    pub start: u32,
+    pub blocks: u32,
+}
+
+/// A layer piece given to the worker: where it is, and each plane's
+/// (offset from its start, unit bytes) in it ([`layer_slots`]).
+pub type GivenPiece = (LayerSource, Vec<(u64, u64)>);
+
+/// Layer `layer` of `layout` staged for `blocks` blocks: each plane's
+/// (offset from the layer's start, unit bytes), and the layer's bytes;
+/// `None` past the layers or on overflow. The same offsets as the layer's
+/// part of a [`StagedOrder`] of `blocks` blocks, less its first offset.
+pub fn layer_slots(layout: &KvLayout, layer: usize, blocks: u32) -> Option<(Vec<(u64, u64)>, u64)> {
+    let u = units(layout) as u64;
+    let mut off: u64 = 0;
+    let mut planes = Vec::new();
+    for p in &layout.layers.get(layer)?.planes {
+        planes.push((off, p.block_bytes / u));
+        off = off.checked_add(p.block_bytes.checked_mul(blocks as u64)?)?;
+    }
+    Some((planes, off))
+}
+
 /// What a consumer scatters once every producer reported done: its grant,
 /// the authorized blocks staged there (in request order, from the
 /// handshake's `first_block`), and the consumer-local units (heads) that
@@ -275,8 +330,16 @@ enum Dest {
 /// order, straight into the consumer's pages.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StagedPlan {
-    src: SourceStaging,
-    src_order: StagedOrder,
+    /// The request's whole source staging, when it has one
+    /// ([`Self::plan_layer`]); `None`: it stages by layer and chunk
+    /// ([`Self::plan_piece`] with each [`LayerSource`]).
+    region: Option<SourceStaging>,
+    /// Units per group of the source's staged order.
+    group: u32,
+    /// Units per block of this (the producer's) layout.
+    units: u32,
+    /// Block bytes of each plane of each layer of this layout.
+    src_planes: Vec<Vec<u64>>,
     dest: Dest,
     first_block: u32,
     /// The sent units: the first in the producer's and in the consumer's
@@ -303,6 +366,32 @@ impl StagedPlan {
         staging: Option<StagingGrant>,
         min_ranges: usize,
     ) -> Result<Option<Self>, GeometryError> {
+        Self::build(local, Some(src), src.group, auth, staging, min_ranges)
+    }
+
+    /// The plan of a producer that stages by layer and chunk (grouped by
+    /// `group` units): into the consumer's pages when its block is exactly
+    /// one group, else `Ok(None)` (from the pages). Never into a grant: a
+    /// grant is scattered whole once the request is done, so every layer
+    /// must be in it, and a layer that finds no room in the source region
+    /// is written from the pages.
+    pub fn by_layer(
+        local: &KvLayout,
+        group: u32,
+        auth: Target<'_>,
+        min_ranges: usize,
+    ) -> Result<Option<Self>, GeometryError> {
+        Self::build(local, None, group, auth, None, min_ranges)
+    }
+
+    fn build(
+        local: &KvLayout,
+        region: Option<SourceStaging>,
+        g: u32,
+        auth: Target<'_>,
+        staging: Option<StagingGrant>,
+        min_ranges: usize,
+    ) -> Result<Option<Self>, GeometryError> {
         let consumer = auth.layout;
         if !staging_compatible(local, consumer) {
             return Ok(None);
@@ -319,9 +408,19 @@ impl StagedPlan {
             (0, 0, 1)
         };
         let overflow = GeometryError::StagingOverflow;
-        let g = src.group;
-        let src_order = StagedOrder::grouped(local, src.capacity, g).ok_or(overflow.clone())?;
-        src.base.checked_add(src_order.bytes).ok_or(overflow.clone())?;
+        if !group_fits(local, g) {
+            return Err(overflow);
+        }
+        if let Some(src) = region {
+            let bytes = staged_bytes(local, src.capacity).ok_or(overflow.clone())?;
+            src.base.checked_add(bytes).ok_or(overflow.clone())?;
+        }
+        let u = units(local);
+        let src_planes: Vec<Vec<u64>> = local
+            .layers
+            .iter()
+            .map(|l| l.planes.iter().map(|p| p.block_bytes).collect())
+            .collect();
         // The sent units are whole in the source order: each unit a run of
         // blocks (unit-major), or exactly one group.
         let whole_group = g == count && src_unit % g == 0;
@@ -340,13 +439,13 @@ impl StagedPlan {
         };
         // A consumer block is exactly the sent group, in every layer and plane.
         let same_blocks = || {
-            consumer.layers.len() == src_order.slots.len()
-                && consumer.layers.iter().zip(&src_order.slots).all(|(l, s)| {
+            consumer.layers.len() == src_planes.len()
+                && consumer.layers.iter().zip(&src_planes).all(|(l, s)| {
                     l.planes.len() == s.len()
                         && l.planes
                             .iter()
                             .zip(s)
-                            .all(|(p, &(_, ub))| Some(p.block_bytes) == ub.checked_mul(count as u64))
+                            .all(|(p, &bb)| Some(p.block_bytes) == (bb / u as u64).checked_mul(count as u64))
                 })
         };
         let pages = count > 0 && whole_group && dst_unit == 0 && count == units(consumer) && same_blocks();
@@ -360,8 +459,10 @@ impl StagedPlan {
             _ => return Ok(None),
         };
         Ok(Some(Self {
-            src,
-            src_order,
+            region,
+            group: g,
+            units: u,
+            src_planes,
             dest,
             first_block: auth.first_block,
             src_unit,
@@ -402,7 +503,7 @@ impl StagedPlan {
             return None;
         };
         let first = self.first_block;
-        if blocks.end <= blocks.start || blocks.end > self.src.capacity {
+        if blocks.end <= blocks.start || self.region.is_some_and(|r| blocks.end > r.capacity) {
             return None;
         }
         if blocks
@@ -442,6 +543,51 @@ impl StagedPlan {
         out: &mut Vec<WriteRange>,
     ) -> Result<(), GeometryError> {
         out.clear();
+        let li = layer as usize;
+        let Some(src) = self.region else {
+            return Err(GeometryError::OutsideSource {
+                index: blocks.end.saturating_sub(1),
+                available: 0,
+            });
+        };
+        if li >= self.src_planes.len() {
+            return Err(GeometryError::LayerOutOfRange {
+                layer,
+                num_layers: self.src_planes.len(),
+            });
+        }
+        // Layer `li` of the whole staging: after every earlier layer's.
+        let before = self.src_planes[..li]
+            .iter()
+            .flatten()
+            .try_fold(0u64, |acc, &bb| {
+                acc.checked_add(bb.checked_mul(src.capacity as u64)?)
+            })
+            .ok_or(GeometryError::StagingOverflow)?;
+        let piece = LayerSource {
+            base: src
+                .base
+                .checked_add(before)
+                .ok_or(GeometryError::StagingOverflow)?,
+            start: 0,
+            blocks: src.capacity,
+        };
+        self.plan_piece(layer, blocks, piece, order, out)
+    }
+
+    /// [`Self::plan_layer`] from `src`, the staged copy of `layer` that
+    /// holds `blocks` (one chunk: a producer that stages by layer and chunk
+    /// has one per layer and chunk). With `order`, slot
+    /// `blocks.start - src.start + k` holds request block `order[k]`.
+    pub fn plan_piece(
+        &self,
+        layer: u32,
+        blocks: Range<u32>,
+        src: LayerSource,
+        order: Option<&[u32]>,
+        out: &mut Vec<WriteRange>,
+    ) -> Result<(), GeometryError> {
+        out.clear();
         // A chunk gathered in another order than the request's
         // ([`Self::gather_order`]): slot `blocks.start + k` holds request
         // block `order[k]`, a permutation of the chunk's blocks.
@@ -465,7 +611,7 @@ impl StagedPlan {
             }
         }
         let li = layer as usize;
-        let layers = self.src_order.slots.len();
+        let layers = self.src_planes.len();
         let dest_layers = match &self.dest {
             Dest::Grant { order, .. } => order.slots.len(),
             Dest::Pages { planes, .. } => planes.len(),
@@ -476,7 +622,7 @@ impl StagedPlan {
                 num_layers: layers,
             });
         }
-        let (first, cap) = (self.first_block, self.src.capacity);
+        let first = self.first_block;
         let n = match &self.dest {
             Dest::Grant { order, .. } => order.capacity,
             Dest::Pages { block_ids, .. } => block_ids.len() as u32,
@@ -491,10 +637,11 @@ impl StagedPlan {
                 authorized: n as usize,
             });
         }
-        if hi > cap {
+        let held = src.start as u64 + src.blocks as u64;
+        if blocks.start < src.start || hi as u64 > held {
             return Err(GeometryError::OutsideSource {
                 index: hi - 1,
-                available: cap as usize,
+                available: held.min(usize::MAX as u64) as usize,
             });
         }
         if self.count == 0 {
@@ -503,31 +650,49 @@ impl StagedPlan {
         let inside = |at: u64, len: u64, base: u64, size: u64| {
             at >= base && at.checked_add(len).is_some_and(|end| end <= base + size)
         };
+        // The piece's layout: each plane's staged blocks after the one before.
+        let planes = &self.src_planes[li];
+        let n = src.blocks as u64;
+        let piece_bytes = planes
+            .iter()
+            .try_fold(0u64, |acc, &bb| acc.checked_add(bb.checked_mul(n)?))
+            .ok_or(GeometryError::StagingOverflow)?;
+        let (g, u) = (self.group as u64, self.units as u64);
+        // Unit `unit` of request block `block` (in the piece's slot `block - src.start`).
         let src_at = |plane: usize, unit: u32, block: u32| {
-            self.src_order
-                .offset(li, plane, unit, block)
-                .and_then(|o| self.src.base.checked_add(o))
+            let slot = block
+                .checked_sub(src.start)
+                .ok_or(GeometryError::StagingOverflow)? as u64;
+            let before: u64 = planes[..plane].iter().map(|&bb| bb * n).sum();
+            let (q, r) = (unit as u64 / g, unit as u64 % g);
+            (q * n + slot)
+                .checked_mul(g)
+                .and_then(|x| x.checked_add(r))
+                .and_then(|x| x.checked_mul(planes[plane] / u))
+                .and_then(|x| x.checked_add(before))
+                .and_then(|o| src.base.checked_add(o))
                 .ok_or(GeometryError::StagingOverflow)
         };
         let src_inside = |r: &WriteRange| {
-            if inside(r.src, r.len, self.src.base, self.src_order.bytes) {
+            if inside(r.src, r.len, src.base, piece_bytes) {
                 Ok(())
             } else {
                 Err(GeometryError::OutsideSource {
                     index: hi - 1,
-                    available: cap as usize,
+                    available: held.min(usize::MAX as u64) as usize,
                 })
             }
         };
         // Units per range: each sent unit alone (unit-major), or the group.
-        let (reps, per) = if self.src.group == 1 {
+        let (reps, per) = if self.group == 1 {
             (self.count, 1)
         } else {
             (1, self.count)
         };
         match &self.dest {
             Dest::Grant { grant, order } => {
-                for (plane, &(_, unit)) in self.src_order.slots[li].iter().enumerate() {
+                for (plane, &bb) in planes.iter().enumerate() {
+                    let unit = bb / u;
                     let first_range = out.len();
                     for k in 0..reps {
                         let dst = order

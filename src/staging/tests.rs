@@ -879,6 +879,202 @@ fn check_sorted(head_major: bool, src_blocks: &[u32], ids: &[u32], first: u32, c
     );
 }
 
+/// The worker's gather of layer `layer` of one chunk into its own piece at
+/// `at` (staged by layer): slot `k` holds request block `order[k]`.
+#[allow(clippy::too_many_arguments)] // the memory and the order, spelled out
+fn gather_piece(
+    local: &KvLayout,
+    src_blocks: &[u32],
+    kv: &mut Mem,
+    stage: &mut Mem,
+    at: u64,
+    layer: usize,
+    group: u32,
+    order: &[u32],
+) {
+    let n = order.len() as u64;
+    let (slots, _) = layer_slots(local, layer, n as u32).unwrap();
+    let g = group as u64;
+    for (pi, p) in local.layers[layer].planes.iter().enumerate() {
+        let (off, ub) = slots[pi];
+        for unit in 0..units(local) as u64 {
+            for (k, &i) in order.iter().enumerate() {
+                let from = p.block_addr(src_blocks[i as usize]) + unit * ub;
+                let data = kv.at(from, ub).to_vec();
+                let to = at + off + ((unit / g * n + k as u64) * g + unit % g) * ub;
+                stage.at(to, ub).copy_from_slice(&data);
+            }
+        }
+    }
+}
+
+/// [`check_sorted`] for a producer that stages by layer and chunk: each
+/// layer of each chunk is gathered, sorted by decode's block IDs with
+/// nothing pinned, into a piece of its own, and that piece's memory is
+/// given to the next gather as soon as its write ran (written late, after
+/// the next chunk's gather, as under load). The pages end exactly as the
+/// direct plan leaves them, and each layer write takes exactly one range
+/// per plane and run of the chunk's sorted decode IDs.
+fn check_by_layer(head_major: bool, src_blocks: &[u32], ids: &[u32], first: u32, chunks: &[Range<u32>]) {
+    let (producer, consumer) = pair(4, (0, 1), (0, 1), 64, head_major);
+    let (pbytes, cbytes, direct) = direct_pages(&producer, &consumer, src_blocks, first, ids, chunks);
+    let group = source_group(&producer, 1);
+    let h = handshake(&consumer, first, ids.to_vec(), None);
+    h.validate().unwrap();
+    let plan = StagedPlan::by_layer(&producer, group, h.target(), MIN_RANGES)
+        .unwrap()
+        .expect("pages from staging");
+    assert!(!plan.into_grant());
+    // two piece-sized places, used in turn: a piece is reused once written
+    let (_, piece_max) = layer_slots(&producer, 0, 64).unwrap();
+    let bases = [0x500_0000u64, 0x500_0000 + piece_max];
+    let mut pstage = Mem::new(bases[0], 2 * piece_max as usize, 7);
+    let mut kvsrc = Mem::new(0x10_0000, pbytes as usize, 1);
+    let mut pages = Mem::new(0x80_0000, cbytes as usize, 99);
+    let mut out = Vec::new();
+    let runs = |v: &[u32]| (!v.is_empty()) as usize + v.windows(2).filter(|w| w[1] != w[0] + 1).count();
+    let layers = producer.layers.len();
+    let mut late: Option<(Range<u32>, Option<Vec<u32>>, u64)> = None;
+    let mut turn = 0;
+    for c in chunks {
+        let order = plan.gather_order(c.clone(), (false, false));
+        let slots: Vec<u32> = order.clone().unwrap_or_else(|| c.clone().collect());
+        let mut sent: Vec<u32> = slots
+            .iter()
+            .filter(|&&i| i >= first)
+            .map(|&i| ids[(i - first) as usize])
+            .collect();
+        let in_slots = runs(&sent);
+        sent.sort_unstable();
+        assert_eq!(in_slots, runs(&sent), "{c:?}: {slots:?}");
+        for l in 0..layers {
+            let at = bases[turn % 2];
+            turn += 1;
+            gather_piece(
+                &producer,
+                src_blocks,
+                &mut kvsrc,
+                &mut pstage,
+                at,
+                l,
+                group,
+                &slots,
+            );
+            // the write of the layer before: its piece is then free again
+            if let Some((lc, lo, lat)) = late.take() {
+                let li = (l + layers - 1) % layers;
+                let src = LayerSource {
+                    base: lat,
+                    start: lc.start,
+                    blocks: lc.len() as u32,
+                };
+                plan.plan_piece(li as u32, lc.clone(), src, lo.as_deref(), &mut out)
+                    .unwrap();
+                apply(&out, &mut pstage, &mut pages);
+            }
+            let _ = at;
+            late = Some((c.clone(), order.clone(), at));
+            let src = LayerSource {
+                base: at,
+                start: c.start,
+                blocks: c.len() as u32,
+            };
+            plan.plan_piece(l as u32, c.clone(), src, order.as_deref(), &mut out)
+                .unwrap();
+            assert_eq!(out.len(), 2 * in_slots, "layer {l} of {c:?}: {out:?}");
+            // a piece holds only its chunk: another chunk's blocks are refused
+            if c.start > 0 && c.end > first {
+                assert!(matches!(
+                    plan.plan_piece(l as u32, c.start - 1..c.end, src, None, &mut out),
+                    Err(GeometryError::OutsideSource { .. })
+                ));
+            }
+        }
+    }
+    if let Some((lc, lo, lat)) = late.take() {
+        let src = LayerSource {
+            base: lat,
+            start: lc.start,
+            blocks: lc.len() as u32,
+        };
+        plan.plan_piece(layers as u32 - 1, lc.clone(), src, lo.as_deref(), &mut out)
+            .unwrap();
+        apply(&out, &mut pstage, &mut pages);
+    }
+    assert_eq!(
+        pages.bytes, direct.bytes,
+        "by-layer staging != direct: first {first}, {chunks:?}"
+    );
+}
+
+#[test]
+fn layers_staged_by_chunk_in_decode_order_equal_the_direct_write() {
+    let src: Vec<u32> = (10..22).collect();
+    let ids: Vec<u32> = (30..42).rev().collect();
+    for hm in [true, false] {
+        check_by_layer(hm, &src, &ids, 0, &[0..12]);
+        // chunks that ended inside a block share it with the next
+        check_by_layer(hm, &src, &ids, 0, &[0..5, 4..9, 8..12]);
+        check_by_layer(hm, &src, &ids[3..], 3, &[0..4, 3..12]);
+        // a chunk of less than a block, then the same block again
+        check_by_layer(hm, &src, &ids, 0, &[0..1, 0..1, 0..12]);
+        let ids: Vec<u32> = [45, 44, 43, 42, 7, 20, 19, 18, 17, 16, 15, 50].to_vec();
+        check_by_layer(hm, &src, &ids, 0, &[0..3, 2..8, 7..12]);
+    }
+}
+
+#[test]
+fn a_whole_staging_plans_each_layer_as_its_piece() {
+    // plan_layer over a whole staging is plan_piece over that layer's part
+    let (producer, consumer) = pair(4, (0, 1), (0, 1), 64, true);
+    let ids: Vec<u32> = (30..42).rev().collect();
+    let src = SourceStaging {
+        base: 0x500_0000,
+        capacity: 12,
+        group: 4,
+    };
+    let h = handshake(&consumer, 2, ids[2..].to_vec(), None);
+    let plan = plan_for(&producer, src, &h, MIN_RANGES).unwrap().unwrap();
+    let order = StagedOrder::grouped(&producer, 12, 4).unwrap();
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for l in 0..producer.layers.len() as u32 {
+        plan.plan_layer(l, 3..9, None, &mut a).unwrap();
+        let piece = LayerSource {
+            base: src.base + order.slots[l as usize][0].0,
+            start: 0,
+            blocks: 12,
+        };
+        plan.plan_piece(l, 3..9, piece, None, &mut b).unwrap();
+        assert_eq!(a, b);
+        assert!(!a.is_empty());
+        let (slots, bytes) = layer_slots(&producer, l as usize, 12).unwrap();
+        assert_eq!(
+            slots[1].0,
+            order.slots[l as usize][1].0 - order.slots[l as usize][0].0
+        );
+        assert_eq!(bytes, 2 * 12 * producer.layers[0].planes[0].block_bytes);
+    }
+    // a plan made by layer has no whole staging
+    let by_layer = StagedPlan::by_layer(&producer, 4, h.target(), MIN_RANGES)
+        .unwrap()
+        .unwrap();
+    assert!(matches!(
+        by_layer.plan_layer(0, 3..9, None, &mut a),
+        Err(GeometryError::OutsideSource { .. })
+    ));
+    // and never writes a grant
+    let grant = StagingGrant {
+        base: 0x900_0000,
+        len: staged_bytes(&consumer, 10).unwrap(),
+        group: 4,
+    };
+    let hg = handshake(&consumer, 2, ids[2..].to_vec(), Some(grant));
+    assert!(!StagedPlan::by_layer(&producer, 4, hg.target(), 0)
+        .unwrap()
+        .unwrap()
+        .into_grant());
+}
+
 #[test]
 fn a_chunk_gathered_in_decode_order_is_one_range_per_run_of_decode_ids() {
     // prefill's blocks ascending, decode's descending (a pool cycled once
@@ -1036,6 +1232,7 @@ mod sorted_props {
                 }
             }
             check_sorted(hm, &src, &ids[first as usize..], first, &chunks);
+            check_by_layer(hm, &src, &ids[first as usize..], first, &chunks);
         }
     }
 }

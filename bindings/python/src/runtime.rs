@@ -23,6 +23,9 @@ use pyo3::types::PyDict;
 use crate::engine::PyEngine;
 use crate::errors::{core_error, invalid_argument, transport_error};
 
+/// Each plane's (offset, unit bytes) in a layer piece.
+type PlaneSlots = Vec<(u64, u64)>;
+
 /// Request blocks `[start, end)`; a reversed range is an
 /// `InvalidArgumentError`.
 fn block_range(py: Python<'_>, start: u32, end: u32) -> PyResult<Range<u32>> {
@@ -513,7 +516,14 @@ impl PyRuntime {
     /// pages. `staging_group`: the units per group of its staged order
     /// (default: `staging_group(consumer_tp)`, the one that lets it write
     /// a consumer of a larger TP size straight into its pages).
-    #[pyo3(signature = (request_id, block_ids, capability_hex, consumer_tp=1, *, staging_base=None, staging_blocks=0, staging_group=None))]
+    ///
+    /// With `stage_by_layer` (and no `staging_base`) the request is staged
+    /// by layer and chunk: before gathering a layer of a chunk the caller
+    /// asks `producer_stage_layer` for a piece of the source staging region
+    /// (the runtime gives it and takes it back as soon as its writes ended),
+    /// and a layer given no piece is written from the pages. Grouped by
+    /// `staging_group` as above; never into a staging grant.
+    #[pyo3(signature = (request_id, block_ids, capability_hex, consumer_tp=1, *, staging_base=None, staging_blocks=0, staging_group=None, stage_by_layer=false))]
     #[allow(clippy::too_many_arguments)] // mirrors the Python signature
     fn producer_open(
         &self,
@@ -525,18 +535,59 @@ impl PyRuntime {
         staging_base: Option<u64>,
         staging_blocks: u32,
         staging_group: Option<u32>,
+        stage_by_layer: bool,
     ) -> PyResult<()> {
         let cap = capability(py, capability_hex)?;
         let rt = self.rt(py)?;
         let group = staging_group.unwrap_or_else(|| source_group(rt.layout(), consumer_tp));
+        let request = RequestId::new(request_id);
+        if stage_by_layer {
+            if staging_base.is_some() {
+                return Err(invalid_argument(
+                    py,
+                    "stage_by_layer takes its pieces from the runtime: no staging_base",
+                ));
+            }
+            return py
+                .detach(move || rt.producer_open_by_layer(request, block_ids, cap, consumer_tp, group))
+                .map_err(|e| runtime_error(py, e));
+        }
         let staging = staging_base.map(|base| SourceStaging {
             base,
             capacity: staging_blocks,
             group,
         });
-        let request = RequestId::new(request_id);
         py.detach(move || rt.producer_open_staged(request, block_ids, cap, consumer_tp, staging))
             .map_err(|e| runtime_error(py, e))
+    }
+
+    /// Prefill side: a piece of the source staging region for layer
+    /// `layer` of request blocks `start_block..end_block` (this step's
+    /// chunk) of a request opened with `stage_by_layer`, to gather that
+    /// layer of the chunk into now, in the order `producer_gather_order`
+    /// gave: `(address, planes)`, each plane's `(offset, unit bytes)` in
+    /// the piece (`StagingCopier.gather_piece`'s `slots`). `None`: no room
+    /// now (the layer is written from the pages). The runtime takes the
+    /// piece back itself (when its writes ended, or at the release).
+    fn producer_stage_layer(
+        &self,
+        py: Python<'_>,
+        request_id: &str,
+        layer: u32,
+        start_block: u32,
+        end_block: u32,
+    ) -> PyResult<Option<(u64, PlaneSlots)>> {
+        let rt = self.rt(py)?;
+        let request = RequestId::new(request_id);
+        py.detach(move || rt.producer_stage_layer(&request, layer, start_block..end_block))
+            .map(|got| got.map(|(piece, slots)| (piece.base, slots)))
+            .map_err(|e| runtime_error(py, e))
+    }
+
+    /// `(bytes, pieces)` of the source staging region given out as layer
+    /// pieces now (`(0, 0)` once every write from them ended).
+    fn source_staging_in_use(&self, py: Python<'_>) -> PyResult<(u64, usize)> {
+        Ok(self.rt(py)?.source_staging_in_use())
     }
 
     /// The units per group of the source staging a request for a decode of
@@ -589,7 +640,8 @@ impl PyRuntime {
     /// the request's order. The writes of the chunk follow it. `pin_first`,
     /// `pin_last`: those blocks stay in their slots (a block the chunk may
     /// share with the one before or after it: set both unless the chunk is
-    /// the request's first, resp. last).
+    /// the request's first, resp. last); a request staged by layer pins
+    /// nothing (each chunk has pieces of its own).
     #[pyo3(signature = (request_id, start_block, end_block, *, pin_first=true, pin_last=true))]
     fn producer_gather_order(
         &self,

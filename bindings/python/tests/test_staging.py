@@ -10,6 +10,7 @@ then scatters only the heads of producers that staged."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -48,12 +49,13 @@ def layout_of(caches: list[torch.Tensor], tp: tuple[int, int]) -> dict:
 
 
 class Rank:
-    def __init__(self, fill: float | None, tp: tuple[int, int] = (0, 1), *, grants: bool, sources: bool) -> None:
+    def __init__(self, fill: float | None, tp: tuple[int, int] = (0, 1), *, grants: bool, sources: bool,
+                 source_floats: int = STAGE_FLOATS) -> None:
         heads = HEADS // tp[1]
         shape = (2, BLOCKS, heads, BLOCK, HEAD_DIM)
         self.caches = [torch.randn(shape) if fill is None else torch.full(shape, fill) for _ in range(LAYERS)]
         self.grants = torch.full((STAGE_FLOATS,), STAGE_GUARD)
-        self.sources = torch.full((STAGE_FLOATS,), STAGE_GUARD)
+        self.sources = torch.full((source_floats,), STAGE_GUARD)
         self.engine = orbitkv.MooncakeTransferEngine()
         for t in [*self.caches, self.grants, self.sources]:
             self.engine.register_memory(t)
@@ -248,6 +250,84 @@ def test_a_chunk_gathered_in_decode_order_goes_into_its_pages_as_one_range_per_r
         c.runtime.consumer_release("sorted")
         wait_event(c.runtime, {"consumer_released"})
         p.arena.free(base)
+        assert (p.runtime.live_requests(), c.runtime.live_requests()) == ((0, 0), (0, 0))
+    finally:
+        p.close()
+        c.close()
+
+
+def all_back(p: Rank) -> None:
+    """Waits until the runtime gave every layer piece back (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while p.runtime.source_staging_in_use() != (0, 0):
+        assert time.monotonic() < deadline, p.runtime.source_staging_in_use()
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("short", [False, True])
+def test_layers_staged_by_chunk_go_into_decode_pages_and_their_pieces_come_back_at_once(short: bool) -> None:
+    """The default (staged by layer): each layer of each chunk is gathered
+    into a piece the runtime gives, in decode's block order with nothing
+    pinned, written into decode's pages as one range per plane and run of
+    the chunk's sorted decode IDs, and the piece is back in the region as
+    soon as its write ended, before the request is even finished. With room
+    for a layer of the first chunk only (5 blocks), the second chunk's
+    layers (6 blocks) are given no piece and written from the pages: the
+    same bytes either way, nothing written elsewhere."""
+    piece5 = 2 * 5 * HEADS * BLOCK * HEAD_DIM  # floats of a layer piece of 5 blocks
+    floats = piece5 + 64 if short else STAGE_FLOATS  # 64 floats: the region's alignment
+    p = Rank(None, grants=False, sources=True, source_floats=floats)
+    c = Rank(GUARD, grants=False, sources=False)
+    try:
+        src = [2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+        dst = [19, 18, 17, 16, 15, 14, 13, 12, 11, 3]  # one descending run and a stray block
+        hs = c.runtime.consumer_open("layers", CAP, 0, dst, 1)
+        group = p.runtime.staging_group(1)
+        p.runtime.producer_open("layers", src, CAP, 1, staging_group=group, stage_by_layer=True)
+        p.runtime.producer_handshake(hs)
+        given = none = 0
+        # chunked prefill: the first chunk ended inside block 4, which the second gathers again
+        for lo, hi in ((0, 5), (4, 10)):
+            # nothing pinned: decode's IDs of the chunk fully sorted
+            order = p.runtime.producer_gather_order("layers", lo, hi)
+            assert order is not None and [dst[i] for i in order] == sorted(dst[lo:hi]), order
+            idx = p.copier.index([src[i] for i in order])
+            for layer in range(LAYERS):
+                got = p.runtime.producer_stage_layer("layers", layer, lo, hi)
+                if got is None:
+                    none += 1
+                else:
+                    given += 1
+                    base, slots = got
+                    p.copier.gather_piece(layer, idx, base, slots, group)
+                assert p.runtime.layers_ready(layer, [("layers", lo, hi)]) == []
+                if short:
+                    # its write ends before the next layer: the room is given again
+                    all_back(p)
+        # every piece back while the request is still open
+        all_back(p)
+        p.runtime.producer_finish("layers")
+        assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
+        ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
+        assert ev.kind == "consumer_completed" and ev.staged is None, ev
+        check_pages(p, c, src, dst)
+        stats = p.runtime.stats()
+        assert stats["chunks_reordered"] == 2
+        assert stats["layers_staged_to_pages"] == given
+        if not short:
+            assert (given, none) == (2 * LAYERS, 0)
+            # chunk 0..5: decode 15..19; chunk 4..10: 3 and 11..15; per plane
+            # (page to page: 10 + 12; a whole staging with pinned blocks: 2 + 3)
+            assert stats["write_ranges"] == LAYERS * 2 * (1 + 2), stats
+        else:
+            # the first chunk's layers one after the other, the second's from the pages
+            assert (given, none) == (LAYERS, LAYERS)
+            assert stats["source_staging_full"] == 0, "counted by the worker, not here"
+        assert p.runtime.source_staging_in_use() == (0, 0)
+        with pytest.raises(orbitkv.UnknownRequestError):
+            p.runtime.producer_stage_layer("layers", 0, 0, 5)
+        c.runtime.consumer_release("layers")
+        wait_event(c.runtime, {"consumer_released"})
         assert (p.runtime.live_requests(), c.runtime.live_requests()) == ((0, 0), (0, 0))
     finally:
         p.close()

@@ -291,3 +291,42 @@ def test_grouped_scatter_copies_whole_groups_and_refuses_part_of_one(kind: str, 
                         assert now == before[layer][at : at + ub], (layer, q, b, u)
     with pytest.raises(ValueError, match="grouped by 3"):
         c.copier.gather(0, c.copier.index(src), 0, c.stage.data_ptr(), n, slots, 3)
+
+
+PIECES = [(*c[:2], 1, c[2]) for c in CASES] + GROUPED
+
+
+@pytest.mark.parametrize(("kind", "units", "group", "dtype"), PIECES)
+def test_a_layer_piece_holds_one_layer_of_one_chunk_and_nothing_else(kind: str, units: int, group: int,
+                                                                     dtype: torch.dtype) -> None:
+    """``gather_piece`` (staged by layer): the chunk's blocks, in the order
+    given, at slots ``0..n`` of the layer's planes laid out one after the
+    other for ``n`` blocks (``producer_stage_layer``'s slots), grouped by
+    ``group`` units; every other byte keeps its guard, the pages are
+    untouched, and one layer's piece never reaches another's."""
+    s = Side(kind, units, dtype, 5)
+    blocks = [10, 3, 7, 0, 5]
+    n = len(blocks)
+    kv_before = [snapshot(t) for t in s.kv]
+    expect = bytearray([0xA5]) * s.stage.numel()
+    at = 512
+    for layer in range(LAYERS):
+        planes = s.layout["layers"][layer]["planes"]
+        slots, off = [], 0
+        for p in planes:
+            slots.append((off, p["block_bytes"] // units))
+            off += p["block_bytes"] * n
+        s.copier.gather_piece(layer, s.copier.index(blocks), s.stage.data_ptr() + at, slots, group)
+        for p, (po, ub) in enumerate(slots):
+            for u in range(units):
+                for k, b in enumerate(blocks):
+                    o = at + po + ((u // group * n + k) * group + u % group) * ub
+                    expect[o : o + ub] = s.page(layer, p, b, u)
+        at += off + 256  # the next layer's piece elsewhere, a gap between
+    assert snapshot(s.stage) == bytes(expect)
+    assert [snapshot(t) for t in s.kv] == kv_before, "a gather changed the pages"
+    with pytest.raises(ValueError):
+        s.copier.gather_piece(LAYERS, s.copier.index(blocks), s.stage.data_ptr(), slots, group)
+    with pytest.raises(ValueError):
+        # a piece past the registered memory
+        s.copier.gather_piece(0, s.copier.index(blocks), s.stage.data_ptr() + s.stage.numel() - 8, slots, group)

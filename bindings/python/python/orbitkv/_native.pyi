@@ -398,6 +398,7 @@ class Runtime:
         staging_base: int | None = None,
         staging_blocks: int = 0,
         staging_group: int | None = None,
+        stage_by_layer: bool = False,
     ) -> None:
         """Prefill side: opens the request with its source blocks (request
         order) for a decode instance of TP size `consumer_tp`; only
@@ -411,7 +412,30 @@ class Runtime:
         runtime then writes from it into consumers' staging grants or
         pages. `staging_group`: the units per group of its staged order
         (default: `staging_group(consumer_tp)`, the one that lets it write
-        a consumer of a larger TP size straight into its pages)."""
+        a consumer of a larger TP size straight into its pages).
+
+        With `stage_by_layer` (and no `staging_base`) the request is staged
+        by layer and chunk: before gathering a layer of a chunk the caller
+        asks `producer_stage_layer` for a piece of the source staging region
+        (the runtime gives it and takes it back as soon as its writes ended),
+        and a layer given no piece is written from the pages. Grouped by
+        `staging_group` as above; never into a staging grant."""
+
+    def producer_stage_layer(
+        self, request_id: str, layer: int, start_block: int, end_block: int
+    ) -> tuple[int, list[tuple[int, int]]] | None:
+        """Prefill side: a piece of the source staging region for layer
+        `layer` of request blocks `start_block..end_block` (this step's
+        chunk) of a request opened with `stage_by_layer`, to gather that
+        layer of the chunk into now, in the order `producer_gather_order`
+        gave: `(address, planes)`, each plane's `(offset, unit bytes)` in
+        the piece (`StagingCopier.gather_piece`'s `slots`). `None`: no room
+        now (the layer is written from the pages). The runtime takes the
+        piece back itself (when its writes ended, or at the release)."""
+
+    def source_staging_in_use(self) -> tuple[int, int]:
+        """`(bytes, pieces)` of the source staging region given out as layer
+        pieces now (`(0, 0)` once every write from them ended)."""
 
     def staging_group(self, consumer_tp: int) -> int:
         """The units per group of the source staging a request for a decode of
@@ -445,7 +469,8 @@ class Runtime:
         the request's order. The writes of the chunk follow it. `pin_first`,
         `pin_last`: those blocks stay in their slots (a block the chunk may
         share with the one before or after it: set both unless the chunk is
-        the request's first, resp. last)."""
+        the request's first, resp. last); a request staged by layer pins
+        nothing (each chunk has pieces of its own)."""
 
     def producer_handshake(self, handshake_json: str) -> None:
         """Prefill side: admits a consumer's handshake (JSON). Strict: a bad one

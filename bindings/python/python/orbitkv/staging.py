@@ -306,6 +306,29 @@ class StagingCopier:
         for src, out in zip(kv, outs):
             torch.index_select(src, 1, src_blocks.tensor, out=out[:, start:end] if part else out)
 
+    def gather_piece(
+        self,
+        layer: int,
+        src_blocks: BlockIndex,
+        base: int,
+        slots: Sequence[Sequence[int]],
+        group: int = 1,
+    ) -> None:
+        """Copies ``layer`` of the blocks in ``src_blocks`` (one chunk, in the
+        order of the piece's slots) into a piece of its own at ``base``: the
+        layer's planes in the staged order of ``len(src_blocks)`` blocks,
+        each plane's ``(offset, unit bytes)`` in ``slots``
+        (``Runtime.producer_stage_layer``'s), grouped by ``group`` units."""
+        if group < 1 or self.units % group:
+            raise ValueError(f"a staging grouped by {group} units for blocks of {self.units}")
+        if not 0 <= layer < len(self._groups):
+            raise ValueError(f"layer {layer} of a KV of {len(self._groups)}")
+        n = len(src_blocks)
+        kv = self._units_of(0, self.units, group)[layer]
+        for g, src in zip(self._groups[layer], kv):
+            out = _flat_units(self._staged(g, base, slots, n, group).permute(0, 3, 1, 2, 4), group)
+            torch.index_select(src, 1, src_blocks.tensor, out=out)
+
     def scatter(
         self,
         dst_blocks: BlockIndex,

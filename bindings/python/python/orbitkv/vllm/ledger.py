@@ -103,13 +103,17 @@ class ProducerRecord:
     # staged layout's slots, its group), freed once the runtime released the
     # request and vLLM no longer schedules it (nothing reads or gathers into it).
     staging: tuple[int, int, list[Any], int] | None = None
+    # Staged by layer (the default): the units per group of its pieces,
+    # which the runtime gives per layer and chunk and takes back itself.
+    layer_group: int | None = None
     # A staging request's source blocks so far, in request order (gathered from).
     blocks: list[int] = field(default_factory=list)
     # vLLM ended or aborted it: no chunk of it will be computed any more.
     vllm_done: bool = False
 
     def empty(self) -> bool:
-        return self.req_id is None and self.staging is None and not (self.ended or self.released or self.finished)
+        return (self.req_id is None and self.staging is None and self.layer_group is None
+                and not (self.ended or self.released or self.finished))
 
 
 @dataclass

@@ -141,6 +141,8 @@ class PdWorker:
         self._staging_tensors: list[torch.Tensor] = []
         self._copier: StagingCopier | None = None
         self._source_arena: StagingArena | None = None
+        # Staged by layer (staging_mb "auto"): the runtime gives the pieces.
+        self._by_layer = False
         # This step's block indices of staging chunks, by P/D id.
         self._step_index: dict[str, BlockIndex] = {}
         self._heads: tuple[bool, int] = (False, 0)
@@ -263,8 +265,12 @@ class PdWorker:
         if grants or sources:
             units = self.runtime.staged_layout(1)["units"]
             self._copier = StagingCopier(layout, units, [*kv_caches.values(), *self._staging_tensors])
-            if sources:
+            if sources and self.config.staging_mb != "auto":
+                # A size set by hand: a staging of the whole request each
+                # (what decode's grants need). By default the runtime gives
+                # pieces per layer and chunk from the region itself.
                 self._source_arena = StagingArena(*sources)
+            self._by_layer = bool(sources) and self.config.staging_mb == "auto"
             logger.info("OrbitKV rank %d: staging %d MiB for grants, %d MiB for sources",
                         self.tp_rank, (grants or (0, 0))[1] >> 20, (sources or (0, 0))[1] >> 20)
         # The side channel (Rust, actix-web) serves this rank's producer side
@@ -411,7 +417,7 @@ class PdWorker:
                 prod = led.producers.get(ch.pd_id)
                 prod.req_id = ch.req_id
                 ok = self._open_producer(ch)
-                if ok and prod.staging is not None:
+                if ok and (prod.staging is not None or prod.layer_group is not None):
                     prod.blocks = list(ch.new_block_ids)
                 if not ok:
                     # Never opened, so no release event will come: vLLM gets
@@ -419,7 +425,8 @@ class PdWorker:
                     led.producers.get(ch.pd_id).released = True
             elif ch.new_block_ids:
                 ok = self._producer_call(rt.producer_add_blocks, ch.pd_id, ch.new_block_ids)
-                if ok and led.producers.peek(ch.pd_id).staging is not None:
+                peek = led.producers.peek(ch.pd_id)
+                if ok and (peek.staging is not None or peek.layer_group is not None):
                     led.producers.get(ch.pd_id).blocks.extend(ch.new_block_ids)
             else:
                 ok = True
@@ -428,19 +435,29 @@ class PdWorker:
                 self._index_staged_chunk(ch)
 
     def _open_producer(self, ch: Any) -> bool:
-        """``producer_open``, with a source staging for the whole prompt when
-        this rank stages and the staging region has room (else the request
-        writes pages directly; decided once, before anything is written)."""
+        """``producer_open``: by default staged by layer (the runtime gives a
+        piece per layer and chunk as it is gathered, ``_gather``) where that
+        can go into decode's pages; with a staging size set by hand, a
+        source staging for the whole prompt when the region has room (else
+        the request writes pages directly; decided once, before anything
+        is written)."""
         rt = self.runtime
         assert rt is not None
-        arena, cap = self._source_arena, max(ch.prompt_blocks, ch.end_block)
-        base = None
-        group = rt.staging_group(ch.consumer_tp) if arena is not None else 1
-        if self.config.staging_mb == "auto" and not self._stages_into_pages(group, ch.consumer_tp):
+        if self._by_layer:
+            group = rt.staging_group(ch.consumer_tp)
             # By default decode gives no grant, so a staging only pays where
             # it can go into decode's pages (each decode block one group of
             # it: equal TP, decode's TP larger; not a larger prefill TP).
-            arena = None
+            if self._stages_into_pages(group, ch.consumer_tp) and (ch.end_block > 0 or ch.prompt_blocks > 0):
+                ok = self._producer_call(rt.producer_open, ch.pd_id, ch.new_block_ids, ch.capability,
+                                         ch.consumer_tp, staging_group=group, stage_by_layer=True)
+                if ok:
+                    self.ledger.producers.get(ch.pd_id).layer_group = group
+                return ok
+            return self._producer_call(rt.producer_open, ch.pd_id, ch.new_block_ids, ch.capability, ch.consumer_tp)
+        arena, cap = self._source_arena, max(ch.prompt_blocks, ch.end_block)
+        base = None
+        group = rt.staging_group(ch.consumer_tp) if arena is not None else 1
         if arena is not None and cap > 0:
             sl = rt.staged_layout(cap)
             base = arena.alloc(sl["bytes"])
@@ -474,7 +491,8 @@ class PdWorker:
         """The block IDs this step gathers for a staging request, as an index
         on the KV device: made once per step, used by every layer."""
         prod = self.ledger.producers.peek(ch.pd_id)
-        if self._copier is not None and prod.staging is not None and ch.end_block > ch.start_block:
+        staged = prod.staging is not None or prod.layer_group is not None
+        if self._copier is not None and staged and ch.end_block > ch.start_block:
             blocks = prod.blocks[ch.start_block : ch.end_block]
             # In decode's block order when its authorization is written from
             # staging into its pages (the runtime records the order for the
@@ -498,13 +516,30 @@ class PdWorker:
         copier = self._copier
         if copier is None:
             return
+        full = 0
         for ch in self._step_chunks:
             blocks = self._step_index.get(ch.pd_id)
-            staging = self.ledger.producers.peek(ch.pd_id).staging
-            if blocks is None or staging is None:
+            prod = self.ledger.producers.peek(ch.pd_id)
+            if blocks is None or (prod.staging is None and prod.layer_group is None):
                 continue
-            base, cap, slots, group = staging
             try:
+                if prod.layer_group is not None:
+                    # A piece of its own for this layer of this chunk; none
+                    # left: this layer is written from the pages (counted).
+                    assert self.runtime is not None
+                    try:
+                        piece = self.runtime.producer_stage_layer(ch.pd_id, idx, ch.start_block, ch.end_block)
+                    except UnknownRequestError:
+                        # released under us (aborted, expired): nothing more to send
+                        del self._step_index[ch.pd_id]
+                        continue
+                    if piece is None:
+                        full += 1
+                        continue
+                    copier.gather_piece(idx, blocks, piece[0], piece[1], prod.layer_group)
+                    continue
+                assert prod.staging is not None
+                base, cap, slots, group = prod.staging
                 copier.gather(idx, blocks, ch.start_block, base, cap, slots, group)
             except Exception as e:  # noqa: BLE001 - nothing may escape vLLM's hook
                 # This request's staged copy is incomplete: fail it alone
@@ -513,6 +548,9 @@ class PdWorker:
                 del self._step_index[ch.pd_id]
                 assert self.runtime is not None
                 self._producer_call(self.runtime.producer_abort, ch.pd_id, f"staging gather failed: {e}")
+        if full and self.runtime is not None:
+            # no room: written from the pages (a rising count says the region is small)
+            self.runtime.note_source_staging_full(full)
 
     def _scatter(self, pd: str, staged: tuple[int, int, list[tuple[int, int]], int], blocks: list[int]) -> None:
         """Copies a completed request's staging grant into its pages (before
@@ -542,7 +580,11 @@ class PdWorker:
 
     def _free_source_staging(self) -> None:
         """Gives back the source staging of requests the runtime released and
-        vLLM no longer schedules."""
+        vLLM no longer schedules (staged by layer: the runtime took its
+        pieces back itself; only the record goes)."""
+        for pd, prod in self.ledger.producers.where(lambda r: r.layer_group is not None and r.released and r.vllm_done):
+            prod.layer_group = None
+            self.ledger.producers.tidy(pd)
         if self._source_arena is None:
             return
         for pd, prod in self.ledger.producers.where(lambda r: r.staging is not None and r.released and r.vllm_done):
