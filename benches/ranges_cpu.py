@@ -1,7 +1,9 @@
 """Mooncake ranges per layer write through real vLLM (CPU), once vLLM's block
 pools have cycled: page to page (``orbitkv.pd.staging_mb`` 0) against the
-default (``auto``: prefill gathers each chunk in decode's block order),
-side by side in one run. Not a timed test and not a GPU figure: it counts
+default (``auto``: prefill gathers each layer of each chunk in decode's
+block order into a piece of the source region it holds until that layer's
+write ended), and with ``--whole`` whole-prompt source stagings of the
+same region size (the default before layer pieces), side by side in one run. Not a timed test and not a GPU figure: it counts
 what the writer submits (the range count is what Mooncake's per-range
 submit cost multiplies, docs/qualification.md runs 37-38), and checks
 every P/D answer against the prefill engine's own.
@@ -18,8 +20,9 @@ step, so most prompts take 2-3 chunks) at ``--in-flight`` at once through
 the proxy. The first ``--warmup`` requests (pools not yet cycled) are not
 counted. Per cluster: the prefill's ``write_ranges`` and ``layers_written``
 over the counted requests, ranges per layer write, and how many layers went
-from staging into pages. A prompt whose KV does not fit the free part of the
-source staging (16 MiB with ``auto`` here) is written page to page.
+from staging into pages, and how many found no room (``source_staging_full``:
+layers of a chunk under ``auto``, requests with a whole-prompt staging),
+which are written page to page (16 MiB of sources here either way).
 """
 
 from __future__ import annotations
@@ -41,7 +44,8 @@ from orbitkv.testing.cluster import Cluster, complete
 from orbitkv.testing.tiny_model import make_tiny_model
 from orbitkv.vllm.stats import _PROM
 
-COUNTERS = ("write_ranges", "layers_written", "layers_staged_to_pages", "chunks_reordered", "bytes_written")
+COUNTERS = ("write_ranges", "layers_written", "layers_staged_to_pages", "chunks_reordered", "bytes_written",
+            "source_staging_full")
 
 
 def counters(c: Cluster) -> dict[str, float]:
@@ -50,10 +54,11 @@ def counters(c: Cluster) -> dict[str, float]:
 
 
 def run(model: str, run_dir: Path, name: str, config: dict[str, Any], prompts: list[list[int]],
-        a: argparse.Namespace) -> dict[str, Any]:
+        a: argparse.Namespace, decode_config: dict[str, Any] | None = None) -> dict[str, Any]:
     in_flight, warmup, gen = a.in_flight, a.warmup, a.gen
     t0 = time.monotonic()
-    with Cluster(model, run_dir / name, prefill_config=config, decode_config=config,
+    with Cluster(model, run_dir / name, prefill_config=config,
+                 decode_config=config if decode_config is None else decode_config,
                  vllm_args=["--max-num-batched-tokens", str(a.max_batched_tokens)],
                  prefill_args=["--kv-cache-memory-bytes", str(a.prefill_kv_mib << 20)],
                  decode_args=["--kv-cache-memory-bytes", str(a.decode_kv_mib << 20)]) as c:
@@ -106,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=20261204)
     p.add_argument("--run-dir", type=Path)
     p.add_argument("--json", type=Path)
+    p.add_argument("--whole", action="store_true",
+                   help="a third cluster: whole-prompt source stagings of the default's region size")
     a = p.parse_args(argv)
     run_dir = (a.run_dir or Path(tempfile.mkdtemp(prefix="orbitkv-ranges-"))).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -114,18 +121,25 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(a.seed)
     prompts = [[rng.randrange(3, 1024) for _ in range(rng.randint(300, 1400))]
                for _ in range(a.warmup + a.requests)]
+    # the default's source region (10 % of the prefill's KV) as a whole-prompt
+    # staging each (a size set by hand: half of it for sources under kv_both;
+    # decode 0, so no grant): the default before layer pieces
+    whole_mb = 2 * int(a.prefill_kv_mib * 0.10)
     rows = [
         run(model, run_dir, "page-to-page", {"orbitkv.pd.staging_mb": 0}, prompts, a),
         run(model, run_dir, "default", {}, prompts, a),
     ]
+    if a.whole:
+        rows.append(run(model, run_dir, f"whole-prompt-{whole_mb // 2}MiB", {"orbitkv.pd.staging_mb": whole_mb},
+                        prompts, a, decode_config={"orbitkv.pd.staging_mb": 0}))
     print("| writes | requests | P/D != prefill alone | layer writes | ranges | ranges per layer write "
-          "| layers from staging into pages | chunks reordered |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| layers from staging into pages | chunks reordered | no room in the source region |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['name']} | {r['requests']} | {r['mismatches']} | {r['layers_written']:.0f} | "
               f"{r['write_ranges']:.0f} | {r['ranges_per_layer_write']:.2f} | {r['layers_staged_to_pages']:.0f} | "
-              f"{r['chunks_reordered']:.0f} |")
-    a0, b0 = rows
+              f"{r['chunks_reordered']:.0f} | {r['source_staging_full']:.0f} |")
+    a0, b0 = rows[:2]
     print(f"\npage to page / default, ranges per layer write: "
           f"{a0['ranges_per_layer_write'] / max(1e-9, b0['ranges_per_layer_write']):.1f}")
     if a.json:

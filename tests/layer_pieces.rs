@@ -146,6 +146,7 @@ fn a_layer_without_room_is_written_from_the_pages_and_a_release_gives_every_piec
         producer.producer_stage_layer(&req, 1, 0..8).unwrap().is_none(),
         "no room"
     );
+    assert_eq!(producer.stats().source_staging_full, 1, "counted");
     // blocks or layers not the request's: refused, nothing given
     assert!(producer.producer_stage_layer(&req, 0, 0..9).is_err());
     assert!(producer.producer_stage_layer(&req, LAYERS, 0..8).is_err());

@@ -534,8 +534,8 @@ pub fn stage_layer(
     let Some(m) = members.first() else {
         return Ok(None);
     };
-    let (src_blocks, local) = {
-        let core = m.0.core.lock();
+    let (src_blocks, local, stats) = {
+        let mut core = m.0.core.lock();
         if !matches!(core.staging, Some(SourceKind::ByLayer { .. })) {
             return Err(GeometryError::GatherOrder {
                 start: blocks.start,
@@ -543,7 +543,18 @@ pub fn stage_layer(
                 what: "request staged by layer",
             });
         }
-        (core.src_blocks.clone(), core.shared.local.clone())
+        // Decode's authorization is here already and is not written from
+        // staging (blocks of another size, another order): no gather.
+        if let ([_], Some(auth)) = (members, core.machine.authorization().cloned()) {
+            if core.staged_into(&auth).is_none() {
+                return Ok(None);
+            }
+        }
+        (
+            core.src_blocks.clone(),
+            core.shared.local.clone(),
+            core.shared.stats.clone(),
+        )
     };
     let have = src_blocks.len();
     if blocks.start >= blocks.end || blocks.end as usize > have {
@@ -558,9 +569,12 @@ pub fn stage_layer(
             num_layers: local.layers.len(),
         },
     )?;
-    Ok(src_blocks
-        .stage_layer(layer, blocks, bytes)
-        .map(|src| (src, slots)))
+    let got = src_blocks.stage_layer(layer, blocks, bytes);
+    if got.is_none() {
+        // no room: this layer of the chunk is written from the pages
+        stats.source_staging_full.inc();
+    }
+    Ok(got.map(|src| (src, slots)))
 }
 
 impl ProducerRef {

@@ -316,13 +316,14 @@ def test_layers_staged_by_chunk_go_into_decode_pages_and_their_pieces_come_back_
         assert stats["layers_staged_to_pages"] == given
         if not short:
             assert (given, none) == (2 * LAYERS, 0)
+            assert stats["source_staging_full"] == 0
             # chunk 0..5: decode 15..19; chunk 4..10: 3 and 11..15; per plane
             # (page to page: 10 + 12; a whole staging with pinned blocks: 2 + 3)
             assert stats["write_ranges"] == LAYERS * 2 * (1 + 2), stats
         else:
             # the first chunk's layers one after the other, the second's from the pages
             assert (given, none) == (LAYERS, LAYERS)
-            assert stats["source_staging_full"] == 0, "counted by the worker, not here"
+            assert stats["source_staging_full"] == LAYERS, "each layer given no piece, counted"
         assert p.runtime.source_staging_in_use() == (0, 0)
         with pytest.raises(orbitkv.UnknownRequestError):
             p.runtime.producer_stage_layer("layers", 0, 0, 5)

@@ -516,7 +516,6 @@ class PdWorker:
         copier = self._copier
         if copier is None:
             return
-        full = 0
         for ch in self._step_chunks:
             blocks = self._step_index.get(ch.pd_id)
             prod = self.ledger.producers.peek(ch.pd_id)
@@ -525,7 +524,8 @@ class PdWorker:
             try:
                 if prod.layer_group is not None:
                     # A piece of its own for this layer of this chunk; none
-                    # left: this layer is written from the pages (counted).
+                    # (no room, counted by the runtime; or decode's blocks
+                    # are not written from staging): from the pages.
                     assert self.runtime is not None
                     try:
                         piece = self.runtime.producer_stage_layer(ch.pd_id, idx, ch.start_block, ch.end_block)
@@ -534,7 +534,6 @@ class PdWorker:
                         del self._step_index[ch.pd_id]
                         continue
                     if piece is None:
-                        full += 1
                         continue
                     copier.gather_piece(idx, blocks, piece[0], piece[1], prod.layer_group)
                     continue
@@ -548,9 +547,6 @@ class PdWorker:
                 del self._step_index[ch.pd_id]
                 assert self.runtime is not None
                 self._producer_call(self.runtime.producer_abort, ch.pd_id, f"staging gather failed: {e}")
-        if full and self.runtime is not None:
-            # no room: written from the pages (a rising count says the region is small)
-            self.runtime.note_source_staging_full(full)
 
     def _scatter(self, pd: str, staged: tuple[int, int, list[tuple[int, int]], int], blocks: list[int]) -> None:
         """Copies a completed request's staging grant into its pages (before
