@@ -59,6 +59,25 @@ fn dest_block(d: u64) -> (u32, u32) {
         .unwrap_or_else(|| panic!("{d:#x} lands outside the KV"))
 }
 
+/// `req` opened on both runtimes: decode authorizes `dst` (no grant), the
+/// producer holds `src` staged by layer (one unit a group), and decode's
+/// handshake is handed over.
+fn open_by_layer(
+    producer: &orbitkv::Runtime,
+    consumer: &orbitkv::Runtime,
+    req: &RequestId,
+    src: &[u32],
+    dst: &[u32],
+) {
+    let hs = consumer
+        .consumer_open(req.clone(), capability(), 0, dst.to_vec(), 1)
+        .unwrap();
+    producer
+        .producer_open_by_layer(req.clone(), src.to_vec(), capability(), 1, 1)
+        .unwrap();
+    producer.producer_handshake(hs).unwrap();
+}
+
 #[test]
 fn each_layer_piece_goes_back_when_its_write_ended_and_writes_follow_decode_order() {
     let (producer, wire, consumer) = held_fake_pair(&layout(), cfg(1 << 20));
@@ -66,13 +85,7 @@ fn each_layer_piece_goes_back_when_its_write_ended_and_writes_follow_decode_orde
     let src: Vec<u32> = (0..12).collect();
     // decode's blocks descending: one run once sorted, a range per block unsorted
     let dst: Vec<u32> = (20..32).rev().collect();
-    let hs = consumer
-        .consumer_open(req.clone(), capability(), 0, dst.clone(), 1)
-        .unwrap();
-    producer
-        .producer_open_by_layer(req.clone(), src.clone(), capability(), 1, 1)
-        .unwrap();
-    producer.producer_handshake(hs).unwrap();
+    open_by_layer(&producer, &consumer, &req, &src, &dst);
     // nothing pinned: a chunk staged by layer shares no slot with another
     let order = producer
         .producer_gather_order(&req, 0..12, (true, true))
@@ -125,13 +138,7 @@ fn a_layer_without_room_is_written_from_the_pages_and_a_release_gives_every_piec
     let req = RequestId::new("full");
     let src: Vec<u32> = (0..8).collect();
     let dst: Vec<u32> = (10..18).collect();
-    let hs = consumer
-        .consumer_open(req.clone(), capability(), 0, dst.clone(), 1)
-        .unwrap();
-    producer
-        .producer_open_by_layer(req.clone(), src.clone(), capability(), 1, 1)
-        .unwrap();
-    producer.producer_handshake(hs).unwrap();
+    open_by_layer(&producer, &consumer, &req, &src, &dst);
     assert_eq!(
         producer
             .producer_gather_order(&req, 0..8, (false, false))
@@ -186,13 +193,7 @@ fn a_layer_without_room_is_written_from_the_pages_and_a_release_gives_every_piec
     ));
     // a group that ends while writes still held its pieces: all back
     let req3 = RequestId::new("aborted");
-    let hs3 = consumer
-        .consumer_open(req3.clone(), capability(), 0, vec![1, 2], 1)
-        .unwrap();
-    producer
-        .producer_open_by_layer(req3.clone(), vec![3, 4], capability(), 1, 1)
-        .unwrap();
-    producer.producer_handshake(hs3).unwrap();
+    open_by_layer(&producer, &consumer, &req3, &[3, 4], &[1, 2]);
     wire.hold(true);
     producer
         .producer_stage_layer(&req3, 0, 0..2)

@@ -878,6 +878,62 @@ def test_a_request_that_finds_the_source_staging_full_is_written_page_to_page_an
     assert full == [("note_source_staging_full", 1)]
 
 
+class PiecesRuntime(RecordingRuntime):
+    """`RecordingRuntime` of a prefill that stages by layer: `pd-1` is given
+    a piece for every layer, `pd-2` none (no room), `pd-3` was released by
+    the runtime (aborted under the worker)."""
+
+    def staging_group(self, consumer_tp: int) -> int:
+        return 1
+
+    def producer_stage_layer(self, request_id: str, layer: int, start_block: int,
+                             end_block: int) -> tuple[int, list[tuple[int, int]]] | None:
+        self.calls.append(("producer_stage_layer", request_id, layer, start_block, end_block))
+        if request_id == "pd-3":
+            raise orbitkv.UnknownRequestError(request_id)
+        return (0x10000 + 0x1000 * layer, [(0, 4096)]) if request_id == "pd-1" else None
+
+
+class PieceCopier(GatherFailsFor):
+    """`GatherFailsFor` that records gathers into layer pieces."""
+
+    def gather_piece(self, layer: int, blocks: list[int], base: int, slots: Any, group: int = 1) -> None:
+        self.gathered.append([layer, base, *blocks])
+
+
+def test_staged_by_layer_each_layer_is_gathered_into_the_piece_the_runtime_gives(worker: PdWorker) -> None:
+    """The default (`staging_mb` auto): producers open staged by layer; per
+    layer the worker asks the runtime for a piece and gathers exactly into
+    it; no piece (no room) means no gather but the layer is still handed
+    over (written from the pages); a request the runtime released is
+    skipped quietly from then on (no abort, no warning path); the worker
+    counts nothing itself (the runtime does)."""
+    worker.runtime = PiecesRuntime()  # type: ignore[assignment]
+    worker._copier = PieceCopier([])  # type: ignore[assignment]
+    worker._by_layer = True
+    worker._heads = (False, 2)
+    worker._layer_index = {"layer.0": 0, "layer.1": 1}
+    meta = PdConnectorMetadata()
+    for i in (1, 2, 3):
+        meta.producer_chunks.append(ProducerChunk(f"p{i}", f"pd-{i}", CAP, 1, True, [10 * i, 10 * i + 1], 0, 2,
+                                                  True, 2))
+    worker.start_load_kv(meta)
+    calls = worker.runtime.calls  # type: ignore[attr-defined]
+    opens = [c for c in calls if c[0] == "producer_open"]
+    assert [c[1] for c in opens] == ["pd-1", "pd-2", "pd-3"]
+    assert all(("stage_by_layer", True) in c and ("staging_group", 1) in c for c in opens), opens
+    assert all(worker.ledger.producers.peek(f"pd-{i}").layer_group == 1 for i in (1, 2, 3))
+    worker.save_kv_layer("layer.0", None)  # type: ignore[arg-type]
+    worker.save_kv_layer("layer.1", None)  # type: ignore[arg-type]
+    asked = [(c[1], c[2]) for c in calls if c[0] == "producer_stage_layer"]
+    assert asked == [("pd-1", 0), ("pd-2", 0), ("pd-3", 0), ("pd-1", 1), ("pd-2", 1)], asked
+    # gathered into the piece given, and only there
+    assert worker._copier.gathered == [[0, 0x10000, 10, 11], [1, 0x11000, 10, 11]]  # type: ignore[attr-defined]
+    ready = [c for c in calls if c[0] == "layers_ready"]
+    assert [sorted(pd for pd, _, _ in c[2]) for c in ready] == [["pd-1", "pd-2", "pd-3"]] * 2
+    assert not [c for c in calls if c[0] in ("producer_abort", "note_source_staging_full")]
+
+
 def test_a_refused_authorization_fails_that_request_alone(worker: PdWorker) -> None:
     worker.runtime = RaisingRuntime()  # type: ignore[assignment]
     worker.start_load_kv(PdConnectorMetadata(consumers_open=[ConsumerOpen("d1", "pd-1", CAP, 0, [3, 4], "127.0.0.1:1", 1)]))
