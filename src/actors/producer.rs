@@ -1086,8 +1086,63 @@ impl Handler<FenceQuery> for ProducerActor {
 
 #[cfg(test)]
 mod tests {
-    use super::{append_segments, RangeBuffers};
+    use super::{append_segments, RangeBuffers, SourceBlocks};
+    use crate::staging::arena::StagingArena;
     use crate::transport::WriteRange;
+
+    #[test]
+    fn a_layer_piece_goes_back_once_written_by_every_member_and_read_by_none() {
+        let arena = std::sync::Arc::new(parking_lot::Mutex::new(
+            StagingArena::new(0x10_0000, 1 << 16).unwrap(),
+        ));
+        let used = || arena.lock().pieces();
+        let src = SourceBlocks::new((0..8).collect());
+        // two members: each writes its own units of every piece
+        src.stage_by_layer(arena.clone(), 2);
+        let a = src.stage_layer(0, 0..4, 4096).unwrap();
+        assert_eq!((a.start, a.blocks, used()), (0, 4, 1));
+        let (id, got, order) = src.take_piece(0, &(0..4)).unwrap();
+        assert_eq!((got, order), (a, None));
+        assert!(src.take_piece(0, &(0..5)).is_none(), "another chunk");
+        assert!(src.take_piece(1, &(0..4)).is_none(), "another layer");
+        src.piece_read(id, true);
+        assert_eq!(used(), 1, "one member of two wrote it");
+        let (id2, _, _) = src.take_piece(0, &(0..4)).unwrap();
+        src.piece_read(id2, false);
+        assert_eq!(used(), 1, "a failed write is no write");
+        let (id3, _, _) = src.take_piece(0, &(0..4)).unwrap();
+        src.piece_read(id3, true);
+        assert_eq!(used(), 0, "both members wrote it: back");
+        assert!(
+            src.take_piece(0, &(0..4)).is_none(),
+            "later writes read the pages"
+        );
+        // gathered again (the same chunk sent again) while a write reads the
+        // first: the write keeps its piece, the next write reads the new one
+        let b = src.stage_layer(1, 4..8, 4096).unwrap();
+        let (rb, _, _) = src.take_piece(1, &(4..8)).unwrap();
+        let c = src.stage_layer(1, 4..8, 4096).unwrap();
+        assert_ne!(b.base, c.base, "the first is still read");
+        assert_eq!(used(), 2);
+        let (rc, got, _) = src.take_piece(1, &(4..8)).unwrap();
+        assert_eq!(got, c);
+        src.piece_read(rb, true);
+        assert_eq!(used(), 1, "the replaced piece back when its reader ended");
+        // the group ends: every piece back, none given any more
+        src.close();
+        assert_eq!(used(), 0);
+        src.piece_read(rc, true); // late: nothing to free twice
+        assert!(src.stage_layer(2, 0..1, 256).is_none());
+        assert_eq!(used(), 0);
+        // a region without room gives none
+        let small = SourceBlocks::new((0..8).collect());
+        small.stage_by_layer(arena.clone(), 1);
+        assert!(small.stage_layer(0, 0..8, 1 << 20).is_none());
+        let d = small.stage_layer(0, 0..1, 256).unwrap();
+        drop(small);
+        assert_eq!(used(), 0, "dropped with its last owner: back");
+        let _ = d;
+    }
 
     #[test]
     fn a_chunks_blocks_go_after_each_groups_own() {
