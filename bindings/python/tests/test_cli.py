@@ -33,6 +33,20 @@ def test_doctor_passes_here_and_moves_bytes() -> None:
     assert "nothing blocks P/D here" in r.stdout
     # what the default allow-list exposes, said plainly
     assert "decode's default orbitkv.pd.allowed_prefill: ports 17500-17507 on 127.0.0.1, localhost, ::1" in r.stdout
+    # what the default staging reserves, and that it lies beside vLLM's budget
+    assert "reserves min(1024 MiB, 10 % of its KV cache) on its KV device" in r.stdout
+    assert "beside gpu_memory_utilization, not inside it" in r.stdout
+
+
+def test_doctor_states_the_staging_share_of_the_smallest_gpu() -> None:
+    from orbitkv.cli import Report, _note_staging_reservation
+
+    r = Report()
+    _note_staging_reservation(r, [141 << 30, 80 << 30])
+    assert "1024 MiB is 1.2 % of this machine's smallest GPU, 80 GiB" in r.lines[0], r.lines
+    r = Report()
+    _note_staging_reservation(r, [])
+    assert "smallest GPU" not in r.lines[0] and r.problems == 0
 
 
 def test_doctor_without_the_mooncake_library_names_the_fix() -> None:

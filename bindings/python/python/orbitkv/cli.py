@@ -3,7 +3,8 @@
 ``orbitkv doctor``
     Checks what a P/D instance needs on this machine: the Mooncake library and
     its version against the pin, an engine that starts on the bind host, the
-    side-channel port, vLLM's version, RDMA devices and GPUs; with
+    side-channel port, vLLM's version, RDMA devices and GPUs, and what the
+    default staging reserves per prefill rank; with
     ``--write-test`` it also moves 4 MiB between two engines on the bind host
     and compares the bytes. Each problem is printed with its fix; the exit
     status is 1 when something blocks P/D, 0 otherwise.
@@ -211,11 +212,43 @@ def _note_default_exposure(r: Report) -> None:
     )
 
 
+def _note_staging_reservation(r: Report, gpu_bytes: list[int]) -> None:
+    """What the default ``orbitkv.pd.staging_mb`` reserves, and where: beside
+    vLLM's memory budget, so an operator can leave room for it."""
+    from orbitkv.vllm.config import AUTO_STAGING_KV_SHARE, AUTO_STAGING_MAX_MB
+
+    share = int(AUTO_STAGING_KV_SHARE * 100)
+    here = ""
+    if gpu_bytes:
+        small = min(gpu_bytes)
+        here = f" ({AUTO_STAGING_MAX_MB} MiB is {100 * (AUTO_STAGING_MAX_MB << 20) / small:.1f} % of this machine's " \
+               f"smallest GPU, {small / (1 << 30):.0f} GiB)"
+    r.note(
+        f"orbitkv.pd.staging_mb 'auto' (the default): each rank that may prefill (kv_producer, kv_both) reserves "
+        f"min({AUTO_STAGING_MAX_MB} MiB, {share} % of its KV cache) on its KV device for source staging, after vLLM "
+        f"sized its KV cache, so beside gpu_memory_utilization, not inside it{here}; kv_consumer ranks reserve "
+        "nothing. Leave that much free (or set staging_mb to 0 or a size); each worker logs what it took, and one "
+        "without the memory runs without staging"
+    )
+
+
+def _gpu_bytes() -> list[int]:
+    """Total memory of each visible GPU (none: no torch or no GPU)."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    return [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+
+
 def doctor(bind_host: str, side_channel_port: int | None, write_test: bool) -> Report:
     """Runs every check; see the module documentation."""
     r = Report()
     _check_host(r, bind_host, side_channel_port)
     _note_default_exposure(r)
+    _note_staging_reservation(r, _gpu_bytes())
     if _check_mooncake(r, bind_host) and write_test:
         _check_write(r, bind_host)
     _check_vllm(r)
