@@ -254,8 +254,10 @@ impl Runtime {
         self.stats.layers_saved_at_wait.add(layers);
     }
 
-    /// Counts `requests` the embedding worker opened without a source
-    /// staging because its region had no room (`source_staging_full`).
+    /// Counts `requests` the embedding worker opened without a whole
+    /// source staging because its region had no room
+    /// (`source_staging_full`; a request staged by layer is counted here
+    /// per layer and chunk, by [`Self::producer_stage_layer`]).
     pub fn note_source_staging_full(&self, requests: u64) {
         self.stats.source_staging_full.add(requests);
     }

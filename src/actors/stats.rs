@@ -124,9 +124,10 @@ pub struct Stats {
     /// others, in the request's order, were in order already or not
     /// written into pages).
     pub chunks_reordered: Counter,
-    /// Prefill side: requests the worker opened without a source staging
-    /// because its region had no room for the prompt (written page to
-    /// page; `orbitkv.pd.staging_mb`).
+    /// Prefill side: layers of a chunk given no layer piece (staged by
+    /// layer, the default), or requests the worker opened without a whole
+    /// source staging (a size set by hand), because the source region had
+    /// no room (written page to page; `orbitkv.pd.staging_mb`).
     pub source_staging_full: Counter,
     /// Prefill side: layers whose `LayerReady` ran on the thread that
     /// handed them over (no message to the system thread).

@@ -164,7 +164,8 @@ _PROM = {
     ),
     "source_staging_full": (
         "vllm:orbitkv_source_staging_full",
-        "Prefill requests opened without a source staging because its region had no room (written page to page).",
+        "Prefill layers of a chunk given no layer piece (the default), or requests opened without a whole source "
+        "staging (a size set by hand), because the source region had no room (written page to page).",
     ),
     "layers_ready_inline": (
         "vllm:orbitkv_layers_ready_inline",
