@@ -155,3 +155,19 @@ def test_a_production_worker_never_imports_the_test_hooks() -> None:
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "clean", out.stdout
+
+
+def test_a_server_that_lost_vllms_rendezvous_port_is_recognised(tmp_path: Path) -> None:
+    """`Cluster` starts a vLLM server again only when its log says it lost its
+    own torch.distributed rendezvous port (EADDRINUSE); any other failure is
+    raised as it is."""
+    from orbitkv.testing.cluster import _lost_rendezvous
+
+    log = tmp_path / "decode.log"
+    log.write_text("(Worker pid=1) torch.distributed.DistNetworkError: The server socket has failed to listen on any "
+                   "local network address. port: 36851, useIpv6: false, code: -98, name: EADDRINUSE, message: address "
+                   "already in use\n")
+    assert _lost_rendezvous(log)
+    log.write_text("RuntimeError: Engine core initialization failed. See root cause above.\n")
+    assert not _lost_rendezvous(log)
+    assert not _lost_rendezvous(tmp_path / "missing.log")

@@ -466,7 +466,7 @@ class Cluster:
         try:
             for name in self.servers:
                 self.start_server(name, wait=False)
-            self.wait_healthy(self.servers)
+            self._wait_servers_healthy()
             if self.connector:
                 env = dict(os.environ, PYTHONUNBUFFERED="1")
                 self.procs["proxy"] = Proc("proxy", self.proxy_argv(), env, self.log("proxy"))
@@ -484,6 +484,30 @@ class Cluster:
             self.stop()
             raise
         return self
+
+    # vLLM picks a free port for its own torch.distributed rendezvous and binds
+    # it a moment later; another process starting then (several vLLM servers
+    # start at once here) may take it first, and that server exits at start
+    # with EADDRINUSE. Such a server is started again, this many times at most.
+    RENDEZVOUS_RETRIES = 2
+
+    def _wait_servers_healthy(self) -> None:
+        """``wait_healthy`` of every server, starting again a server that lost
+        its rendezvous port at start (``RENDEZVOUS_RETRIES``); any other
+        failure is raised as it is."""
+        for attempt in range(self.RENDEZVOUS_RETRIES + 1):
+            try:
+                self.wait_healthy(self.servers)
+                return
+            except ClusterError:
+                lost = [n for n in self.servers if self.procs[n].popen.poll() is not None and _lost_rendezvous(self.log(n))]
+                if attempt == self.RENDEZVOUS_RETRIES or not lost:
+                    raise
+                for name in lost:
+                    print(f"cluster: {name} lost vLLM's rendezvous port at start (EADDRINUSE): starting it again",
+                          file=sys.stderr, flush=True)
+                    self.log(name).rename(self.log(name).with_suffix(f".eaddrinuse{attempt}.log"))
+                    self.start_server(name, wait=False)
 
     def start_server(self, name: str, wait: bool = True) -> Proc:
         """(Re)starts the prefill or decode server."""
@@ -687,3 +711,13 @@ class Cluster:
             return f"unavailable: {e}"
         keys = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc")
         return ", ".join(f"{k}={m.get(k)}" for k in keys)
+
+
+def _lost_rendezvous(log: Path) -> bool:
+    """Whether a vLLM server's log says it could not bind torch.distributed's
+    rendezvous port (taken by another process between vLLM's pick and its bind)."""
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return False
+    return "DistNetworkError" in text and "EADDRINUSE" in text
