@@ -10,9 +10,10 @@
 //! consumer does not expect.
 //!
 //! The model does what the actors do with each effect: a `Submit` is planned
-//! into byte ranges with the actor's own `orbitkv::layout::plan_write`
-//! (a refused plan becomes a failed write, an empty one a done write, as in
-//! `ProducerActor::apply`) and becomes an in-flight write in a pool the
+//! into byte ranges by the actor's own planning function
+//! (`orbitkv::actors::producer::plan_submit`, which the producer actor calls
+//! too; a refused plan becomes a failed write, an empty one a done write, as
+//! in `ProducerActor::apply`) and becomes an in-flight write in a pool the
 //! strategy picks from; a `Notify` becomes a pending notice that the
 //! `NotificationRouter` would deliver only to the consumer of its generation
 //! while that one is registered (else it is dropped and counted).
@@ -45,8 +46,8 @@
 //!   producer, generation and layer into some of the same request blocks is
 //!   in flight (rule 8: chunked prefill sends a partial block twice);
 //! * with staging (half the cases: every generation's handshake carries a
-//!   staging grant and each producer a source staging, planned as
-//!   `ProducerActor` does with `StagedPlan`), (a) reads: every staged range
+//!   staging grant and each producer a source staging, planned by
+//!   `plan_submit` with the actor's `StagedPlan`), (a) reads: every staged range
 //!   lies inside its own generation's grant and in no other generation's
 //!   grant or blocks; the grant is freed with the blocks, so (f) and (g)
 //!   cover it too; a write from source staging straight into pages (a
@@ -81,6 +82,7 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 
+use orbitkv::actors::producer::{plan_submit, Planned, SubmitSource};
 use orbitkv::fsm::{
     ConsumerEffect, ConsumerEvent, ConsumerMachine, ConsumerPhase, Dropped, ProducerEffect, ProducerEvent,
     ProducerMachine, ProducerPhase, WriteId,
@@ -508,37 +510,27 @@ impl Prod {
             let r = plan_write(&local, src, auth.target(), layer, blocks, out);
             return (r.map_err(|e| e.to_string()), Into::Pages);
         }
+        // the staged plan as the actor makes it for an authorization, then
+        // the actor's own planning of a `Submit` (`plan_submit`)
         let staged = self.source.and_then(|src| {
             StagedPlan::new(&self.layout, src, auth.target(), auth.staging, MIN_RANGES)
                 .ok()
                 .flatten()
         });
-        match staged {
-            Some(plan) => (
-                plan.plan_layer(layer, blocks, None, out)
-                    .map_err(|e| e.to_string()),
-                if plan.into_grant() {
-                    Into::Grant
-                } else {
-                    Into::PagesFromStaging
-                },
-            ),
-            None => (
-                plan_write(&self.layout, &self.src, auth.target(), layer, blocks, out)
-                    .map_err(|e| e.to_string()),
-                Into::Pages,
-            ),
+        let from = SubmitSource {
+            staged: staged.as_ref(),
+            ..SubmitSource::default()
+        };
+        match plan_submit(&self.layout, &self.src, auth, from, layer, blocks, out) {
+            Ok(into) => (Ok(()), into),
+            // where it would have gone does not matter: nothing is written
+            Err(e) => (Err(e.to_string()), Into::Pages),
         }
     }
 }
 
-/// Where a planned write goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Into {
-    Pages,
-    PagesFromStaging,
-    Grant,
-}
+/// Where a planned write goes (the actor's own answer).
+type Into = Planned;
 
 struct Write {
     p: usize,

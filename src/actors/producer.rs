@@ -519,6 +519,58 @@ pub fn gather_order(
     order
 }
 
+/// Where a planned layer write reads and writes ([`plan_submit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Planned {
+    /// From prefill's pages into decode's pages.
+    Pages,
+    /// From the source staging into decode's pages.
+    PagesFromStaging,
+    /// From the source staging into decode's staging grant.
+    Grant,
+}
+
+/// What a write may read besides prefill's pages: the authorization's
+/// staged plan (`None`: written from the pages), the layer piece it took
+/// (a request staged by layer; `None` with a plan: the whole staging), and
+/// the chunk's gather order.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SubmitSource<'a> {
+    pub staged: Option<&'a StagedPlan>,
+    pub piece: Option<LayerSource>,
+    pub order: Option<&'a [u32]>,
+}
+
+/// Plans one layer write under `auth` into `out`, the producer actor's rule
+/// for a `Submit` (also what `tests/contract_props.rs` plans with): from the
+/// source staging (`from.staged`: its piece, or its whole staging) into the
+/// grant or decode's pages, else from prefill's pages (`src_blocks`) into
+/// decode's pages. Says which; any range outside the authorization or the
+/// source is an error, never a range.
+pub fn plan_submit(
+    local: &KvLayout,
+    src_blocks: &[u32],
+    auth: &Handshake,
+    from: SubmitSource<'_>,
+    layer: u32,
+    blocks: std::ops::Range<u32>,
+    out: &mut Vec<crate::transport::WriteRange>,
+) -> Result<Planned, crate::error::GeometryError> {
+    let Some(plan) = from.staged else {
+        plan_write(local, src_blocks, auth.target(), layer, blocks, out)?;
+        return Ok(Planned::Pages);
+    };
+    match from.piece {
+        Some(src) => plan.plan_piece(layer, blocks, src, from.order, out)?,
+        None => plan.plan_layer(layer, blocks, from.order, out)?,
+    }
+    Ok(if plan.into_grant() {
+        Planned::Grant
+    } else {
+        Planned::PagesFromStaging
+    })
+}
+
 /// A piece of the source region for layer `layer` of chunk `blocks` of a
 /// request staged by layer, which the worker gathers into now
 /// ([`SourceBlocks::stage_layer`]): where it is and each plane's (offset,
@@ -826,30 +878,30 @@ impl ProducerCore {
                     },
                     None => None,
                 };
-                let planned = match (&staged, piece) {
-                    (Some(plan), Some(src)) => {
-                        plan.plan_piece(layer, blocks.clone(), src, order.as_deref(), &mut self.planned)
+                let planned = plan_submit(
+                    &self.shared.local,
+                    &self.src_blocks.read(),
+                    &auth,
+                    SubmitSource {
+                        staged: staged.as_deref(),
+                        piece,
+                        order: order.as_deref(),
+                    },
+                    layer,
+                    blocks.clone(),
+                    &mut self.planned,
+                );
+                let into = match planned {
+                    Ok(into) => into,
+                    Err(e) => {
+                        tracing::warn!(layer, error = %e, "layer cannot be written inside the authorization");
+                        return Some(ProducerEvent::WriteFailed {
+                            write,
+                            generation,
+                            reason: e.to_string(),
+                        });
                     }
-                    (Some(plan), None) => {
-                        plan.plan_layer(layer, blocks.clone(), order.as_deref(), &mut self.planned)
-                    }
-                    (None, _) => plan_write(
-                        &self.shared.local,
-                        &self.src_blocks.read(),
-                        auth.target(),
-                        layer,
-                        blocks.clone(),
-                        &mut self.planned,
-                    ),
                 };
-                if let Err(e) = planned {
-                    tracing::warn!(layer, error = %e, "layer cannot be written inside the authorization");
-                    return Some(ProducerEvent::WriteFailed {
-                        write,
-                        generation,
-                        reason: e.to_string(),
-                    });
-                }
                 if self.planned.is_empty() {
                     return Some(ProducerEvent::WriteDone {
                         write,
@@ -858,11 +910,11 @@ impl ProducerCore {
                     });
                 }
                 let bytes = self.planned.iter().map(|r| r.len).sum();
-                if let Some(plan) = &staged {
+                if into != Planned::Pages {
                     self.shared.stats.layers_staged.inc();
-                    if !plan.into_grant() {
-                        self.shared.stats.layers_staged_to_pages.inc();
-                    }
+                }
+                if into == Planned::PagesFromStaging {
+                    self.shared.stats.layers_staged_to_pages.inc();
                 }
                 tracing::debug!(
                     write,
