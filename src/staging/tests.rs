@@ -972,7 +972,6 @@ fn check_by_layer(head_major: bool, src_blocks: &[u32], ids: &[u32], first: u32,
                     .unwrap();
                 apply(&out, &mut pstage, &mut pages);
             }
-            let _ = at;
             late = Some((c.clone(), order.clone(), at));
             let src = LayerSource {
                 base: at,

@@ -445,7 +445,31 @@ def test_bad_staging_is_refused_and_changes_nothing(pair: tuple[Rank, Rank]) -> 
     with pytest.raises(orbitkv.InvalidArgumentError, match="group"):
         p.runtime.producer_open("bad", [1, 2], CAP, 2, staging_base=p.sources.data_ptr(), staging_blocks=2,
                                 staging_group=3)
-    assert p.runtime.live_requests() == (0, 0)
+    # staged by layer: pieces come from the runtime, never from the caller
+    with pytest.raises(orbitkv.InvalidArgumentError, match="staging_base"):
+        p.runtime.producer_open("bad", [1, 2], CAP, stage_by_layer=True, staging_base=p.sources.data_ptr(),
+                                staging_blocks=2)
+    with pytest.raises(orbitkv.InvalidArgumentError, match="group"):
+        p.runtime.producer_open("bad", [1, 2], CAP, stage_by_layer=True, staging_group=3)
+    # a runtime without a source region stages nothing by layer
+    with pytest.raises(orbitkv.InvalidArgumentError, match="source staging region"):
+        c.runtime.producer_open("bad", [1, 2], CAP, stage_by_layer=True)
+    assert p.runtime.live_requests() == (0, 0) and c.runtime.live_requests() == (0, 0)
+    # pieces for a request staged by layer: only its own layers and blocks
+    p.runtime.producer_open("layers", [1, 2], CAP, stage_by_layer=True)
+    for layer, lo, hi in ((LAYERS, 0, 2), (0, 0, 3), (0, 2, 2), (0, 1, 0)):
+        with pytest.raises(orbitkv.GeometryError):
+            p.runtime.producer_stage_layer("layers", layer, lo, hi)
+    # one not staged by layer has no pieces to give; an unknown one is unknown
+    p.runtime.producer_open("plain", [3, 4], CAP)
+    with pytest.raises(orbitkv.GeometryError):
+        p.runtime.producer_stage_layer("plain", 0, 0, 2)
+    with pytest.raises(orbitkv.UnknownRequestError):
+        p.runtime.producer_stage_layer("nobody", 0, 0, 2)
+    assert p.runtime.source_staging_in_use() == (0, 0), "nothing given to a bad call"
+    for rid in ("layers", "plain"):
+        p.runtime.producer_abort(rid, "test over")
+        wait_event(p.runtime, {"producer_released"})
     # a grant shorter than its blocks stage to: the producer refuses the handshake
     hs = json.loads(c.runtime.consumer_open("short", CAP, 0, [1, 9, 3, 20, 7], 1))
     hs["staging"]["len"] -= 1
