@@ -22,7 +22,11 @@ counted. Per cluster: the prefill's ``write_ranges`` and ``layers_written``
 over the counted requests, ranges per layer write, and how many layers went
 from staging into pages, and how many found no room (``source_staging_full``:
 layers of a chunk under ``auto``, requests with a whole-prompt staging),
-which are written page to page (16 MiB of sources here either way).
+which are written page to page (16 MiB of sources here either way). And
+the prefill's KV in use while the counted requests run (vLLM's
+``kv_cache_usage_perc``, sampled every 20 ms: peak and mean), with the
+requests whose pages went back to vLLM before their writes ended
+(``producer_pages_given_back``: under ``auto``, every layer in a piece).
 """
 
 from __future__ import annotations
@@ -45,7 +49,33 @@ from orbitkv.testing.tiny_model import make_tiny_model
 from orbitkv.vllm.stats import _PROM
 
 COUNTERS = ("write_ranges", "layers_written", "layers_staged_to_pages", "chunks_reordered", "bytes_written",
-            "source_staging_full")
+            "source_staging_full", "producer_pages_given_back")
+
+
+class KvUse:
+    """Samples the prefill's ``vllm:kv_cache_usage_perc`` every 20 ms on a
+    thread until stopped: its peak and mean."""
+
+    def __init__(self, c: Cluster) -> None:
+        import threading
+
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, args=(c,), daemon=True)
+        self._t.start()
+
+    def _run(self, c: Cluster) -> None:
+        while not self._stop.wait(0.02):
+            try:
+                self.samples.append(c.metrics("prefill").get("vllm:kv_cache_usage_perc", 0.0))
+            except Exception:  # noqa: BLE001 - a missed sample is not a result
+                continue
+
+    def stop(self) -> tuple[float, float]:
+        self._stop.set()
+        self._t.join()
+        s = self.samples or [0.0]
+        return max(s), sum(s) / len(s)
 
 
 def counters(c: Cluster) -> dict[str, float]:
@@ -74,7 +104,9 @@ def run(model: str, run_dir: Path, name: str, config: dict[str, Any], prompts: l
             list(ex.map(one, prompts[:warmup]))
             c.wait_idle()
             before = counters(c)
+            use = KvUse(c)
             got = list(ex.map(one, prompts[warmup:]))
+            peak, mean = use.stop()
             c.wait_idle()
             after = counters(c)
         # every answer checked against the prefill engine alone (its own
@@ -91,6 +123,9 @@ def run(model: str, run_dir: Path, name: str, config: dict[str, Any], prompts: l
         "mismatches": mismatches,
         **d,
         "ranges_per_layer_write": d["write_ranges"] / max(1.0, d["layers_written"]),
+        "prefill_kv_peak": peak,
+        "prefill_kv_mean": mean,
+        "kv_samples": len(use.samples),
     }
 
 
@@ -133,12 +168,15 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(run(model, run_dir, f"whole-prompt-{whole_mb // 2}MiB", {"orbitkv.pd.staging_mb": whole_mb},
                         prompts, a, decode_config={"orbitkv.pd.staging_mb": 0}))
     print("| writes | requests | P/D != prefill alone | layer writes | ranges | ranges per layer write "
-          "| layers from staging into pages | chunks reordered | no room in the source region |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| layers from staging into pages | chunks reordered | no room in the source region "
+          "| pages back before the writes | prefill KV in use: peak / mean |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['name']} | {r['requests']} | {r['mismatches']} | {r['layers_written']:.0f} | "
               f"{r['write_ranges']:.0f} | {r['ranges_per_layer_write']:.2f} | {r['layers_staged_to_pages']:.0f} | "
-              f"{r['chunks_reordered']:.0f} | {r['source_staging_full']:.0f} |")
+              f"{r['chunks_reordered']:.0f} | {r['source_staging_full']:.0f} | "
+              f"{r['producer_pages_given_back']:.0f} | {100 * r['prefill_kv_peak']:.1f} / "
+              f"{100 * r['prefill_kv_mean']:.1f} % |")
     a0, b0 = rows[:2]
     print(f"\npage to page / default, ranges per layer write: "
           f"{a0['ranges_per_layer_write'] / max(1e-9, b0['ranges_per_layer_write']):.1f}")

@@ -14,8 +14,10 @@
 
 use std::time::{Duration, Instant};
 
+use orbitkv::layout::{TokenOrder, TokenPart};
 use orbitkv::staging::LayerSource;
 use orbitkv::testing::{capability, held_fake_pair, wait_released};
+use orbitkv::transport::fake::FakeTransport;
 use orbitkv::{KvLayout, Outcome, RequestId, RuntimeConfig, RuntimeError, WriteRange};
 
 const LAYERS: u32 = 2;
@@ -25,7 +27,20 @@ const KV: u64 = 0x10_0000;
 const STAGE: u64 = 0x400_0000;
 
 fn layout() -> KvLayout {
-    KvLayout::packed(KV, LAYERS, BLOCKS, BB, (0, 1), 1)
+    with_tokens(KvLayout::packed(KV, LAYERS, BLOCKS, BB, (0, 1), 1))
+}
+
+/// `l` saying how its blocks hold their tokens (one row a token), which a
+/// decode of another block size needs.
+fn with_tokens(mut l: KvLayout) -> KvLayout {
+    l.token_order = Some(TokenOrder {
+        units: 1,
+        parts: vec![TokenPart {
+            rows: 1,
+            token_bytes: l.layers[0].planes[0].block_bytes / l.block_size as u64,
+        }],
+    });
+    l
 }
 
 fn cfg(region: u64) -> RuntimeConfig {
@@ -215,5 +230,228 @@ fn a_layer_without_room_is_written_from_the_pages_and_a_release_gives_every_piec
             .producer_open_by_layer(RequestId::new("x"), vec![1], capability(), 1, 3)
             .is_err(),
         "a group that does not divide a block's units"
+    );
+}
+
+/// Waits until the runtime lets `req`'s pages go (the finish reaches the
+/// producer on its own thread), or fails after 5 s.
+fn wait_given_back(rt: &orbitkv::Runtime, req: &RequestId) {
+    let until = Instant::now() + Duration::from_secs(5);
+    while !rt.producer_give_back_pages(req).unwrap() {
+        assert!(Instant::now() < until, "{req:?}: pages never given back");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Asks for 200 ms (the finish had time to arrive) that `req`'s pages
+/// never go.
+fn never_given_back(rt: &orbitkv::Runtime, req: &RequestId, why: &str) {
+    let until = Instant::now() + Duration::from_millis(200);
+    while Instant::now() < until {
+        assert!(!rt.producer_give_back_pages(req).unwrap(), "{why}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Stages each layer of chunk `c` of `req` (in request order when decode
+/// did not authorize yet) and hands them over; the pieces, by layer.
+fn stage_all(
+    producer: &orbitkv::Runtime,
+    req: &RequestId,
+    c: std::ops::Range<u32>,
+) -> Vec<(u32, std::ops::Range<u32>, LayerSource)> {
+    producer
+        .producer_gather_order(req, c.clone(), (false, false))
+        .unwrap();
+    (0..LAYERS)
+        .map(|l| {
+            let (piece, _) = producer
+                .producer_stage_layer(req, l, c.clone())
+                .unwrap()
+                .expect("room");
+            producer.layer_ready(req, l, c.clone()).unwrap();
+            (l, c.clone(), piece)
+        })
+        .collect()
+}
+
+/// One request written from its pieces end to end (decode authorized
+/// first): the runtime has seen a decode that takes layer pieces.
+fn one_staged_request(producer: &orbitkv::Runtime, consumer: &orbitkv::Runtime, wire: &FakeTransport) {
+    let req = RequestId::new("first");
+    open_by_layer(producer, consumer, &req, &[0, 1], &[30, 31]);
+    assert!(!producer.producer_give_back_pages(&req).unwrap(), "not finished");
+    stage_all(producer, &req, 0..2);
+    producer.producer_finish(&req).unwrap();
+    wire.hold(false);
+    let (outcome, why) = wait_released(producer, &req);
+    assert_eq!(outcome, Outcome::Done, "{why:?}");
+    wait_all_back(producer);
+    consumer.consumer_release(&req).unwrap();
+    wire.hold(true);
+}
+
+#[test]
+fn pages_go_back_before_decode_authorized_and_every_write_then_reads_its_piece() {
+    let (producer, wire, consumer) = held_fake_pair(&layout(), cfg(1 << 20));
+    let req = RequestId::new("early");
+    let src: Vec<u32> = (0..12).collect();
+    let open = |req: &RequestId| {
+        producer
+            .producer_open_by_layer(req.clone(), src[..6].to_vec(), capability(), 1, 1)
+            .unwrap()
+    };
+    // no decode seen yet: it might not take the pieces, so the pages stay
+    let cold = RequestId::new("cold");
+    open(&cold);
+    stage_all(&producer, &cold, 0..6);
+    producer.producer_finish(&cold).unwrap();
+    never_given_back(&producer, &cold, "no decode seen yet");
+    producer.producer_abort(&cold, "done with it").unwrap();
+    wait_released(&producer, &cold);
+    one_staged_request(&producer, &consumer, &wire);
+
+    open(&req);
+    let mut pieces = stage_all(&producer, &req, 0..6);
+    assert!(
+        !producer.producer_give_back_pages(&req).unwrap(),
+        "vLLM may still hand layers over: not finished"
+    );
+    producer.producer_add_blocks(&req, src[6..].to_vec()).unwrap();
+    // chunks that share a block (a chunk of less than a block ends inside it)
+    pieces.extend(stage_all(&producer, &req, 5..12));
+    producer.producer_finish(&req).unwrap();
+    wait_given_back(&producer, &req);
+    assert!(producer.producer_give_back_pages(&req).unwrap(), "asked again");
+    assert_eq!(producer.stats().producer_pages_given_back, 1, "counted once");
+    // decode authorizes only now: every write reads its own piece
+    let dst: Vec<u32> = (20..32).collect();
+    let before = wire.submitted().len();
+    let hs = consumer
+        .consumer_open(req.clone(), capability(), 0, dst.clone(), 1)
+        .unwrap();
+    producer.producer_handshake(hs).unwrap();
+    wire.hold(false);
+    let (outcome, why) = wait_released(&producer, &req);
+    assert_eq!(outcome, Outcome::Done, "{why:?}");
+    let ranges = &wire.submitted()[before..];
+    assert!(!ranges.is_empty());
+    let mut seen = std::collections::BTreeSet::new();
+    for r in ranges {
+        assert!(
+            (STAGE..STAGE + (1 << 20)).contains(&r.src),
+            "{r:?} read prefill's pages after they went back"
+        );
+        let (layer, d) = dest_block(r.dst);
+        let (_, chunk, piece) = pieces
+            .iter()
+            .find(|(l, c, p)| *l == layer && (p.base..p.base + c.len() as u64 * BB).contains(&r.src))
+            .unwrap_or_else(|| panic!("{r:?} from no piece of its layer"));
+        // slot k of a piece in request order holds request block start + k
+        let first = chunk.start + ((r.src - piece.base) / BB) as u32;
+        assert_eq!(d, 20 + first, "{r:?}");
+        for k in 0..(r.len / BB) as u32 {
+            seen.insert((layer, first + k));
+        }
+    }
+    assert_eq!(
+        seen.len() as u32,
+        LAYERS * 12,
+        "every layer of every block written"
+    );
+    // every piece went back at the release
+    wait_all_back(&producer);
+}
+
+#[test]
+fn pages_stay_while_a_layer_has_no_piece_and_a_decode_that_cannot_take_pieces_fails_alone() {
+    // room for three pieces of 4 blocks
+    let (producer, wire, consumer) = held_fake_pair(&layout(), cfg(3 * 4 * BB + 512));
+    one_staged_request(&producer, &consumer, &wire);
+    let req = RequestId::new("no-room");
+    producer
+        .producer_open_by_layer(req.clone(), (0..4).collect(), capability(), 1, 1)
+        .unwrap();
+    stage_all(&producer, &req, 0..4);
+    // the second chunk's layer 1 finds no room: it needs the pages
+    producer.producer_add_blocks(&req, (4..8).collect()).unwrap();
+    producer
+        .producer_gather_order(&req, 4..8, (false, false))
+        .unwrap();
+    producer
+        .producer_stage_layer(&req, 0, 4..8)
+        .unwrap()
+        .expect("room");
+    producer.layer_ready(&req, 0, 4..8).unwrap();
+    assert!(producer.producer_stage_layer(&req, 1, 4..8).unwrap().is_none());
+    producer.layer_ready(&req, 1, 4..8).unwrap();
+    producer.producer_finish(&req).unwrap();
+    never_given_back(&producer, &req, "layer 1 of 4..8 reads the pages");
+    assert_eq!(producer.stats().producer_pages_given_back, 0);
+    let before = wire.submitted().len();
+    let hs = consumer
+        .consumer_open(req.clone(), capability(), 0, (20..28).collect(), 1)
+        .unwrap();
+    producer.producer_handshake(hs).unwrap();
+    wire.hold(false);
+    let (outcome, why) = wait_released(&producer, &req);
+    assert_eq!(outcome, Outcome::Done, "{why:?}");
+    let from_pages = wire.submitted()[before..]
+        .iter()
+        .filter(|r| r.src < STAGE)
+        .count();
+    assert_eq!(from_pages, 1, "layer 1 of the second chunk, from the pages");
+    assert!(matches!(
+        producer.producer_give_back_pages(&req),
+        Err(RuntimeError::UnknownRequest(_))
+    ));
+    wait_all_back(&producer);
+
+    // The pages went back, then a decode of another block size authorizes
+    // (it cannot take pieces): its writes fail, none reads a page, the
+    // request fails alone; from then on the pages stay until decode
+    // authorized.
+    wire.hold(true);
+    let mut other = KvLayout::packed(KV, LAYERS, BLOCKS, 2 * BB, (0, 1), 1);
+    other.block_size *= 2;
+    let other = with_tokens(other);
+    let odd = orbitkv::Runtime::start(
+        std::sync::Arc::new(FakeTransport::new("127.0.0.1:3")),
+        other,
+        RuntimeConfig::default(),
+    )
+    .unwrap();
+    let req = RequestId::new("other-size");
+    producer
+        .producer_open_by_layer(req.clone(), (0..4).collect(), capability(), 1, 1)
+        .unwrap();
+    stage_all(&producer, &req, 0..4);
+    producer.producer_finish(&req).unwrap();
+    wait_given_back(&producer, &req);
+    let before = wire.submitted().len();
+    let hs = odd
+        .consumer_open_tokens(req.clone(), capability(), 0, vec![3, 4], 1, 4 * 16)
+        .unwrap();
+    producer.producer_handshake(hs).unwrap();
+    wire.hold(false);
+    let (outcome, why) = wait_released(&producer, &req);
+    assert_ne!(outcome, Outcome::Done);
+    assert!(
+        why.as_deref()
+            .is_some_and(|w| w.contains("gave its KV pages back")),
+        "{why:?}"
+    );
+    assert_eq!(wire.submitted().len(), before, "nothing written");
+    wait_all_back(&producer);
+    let req = RequestId::new("after");
+    producer
+        .producer_open_by_layer(req.clone(), (0..4).collect(), capability(), 1, 1)
+        .unwrap();
+    stage_all(&producer, &req, 0..4);
+    producer.producer_finish(&req).unwrap();
+    never_given_back(
+        &producer,
+        &req,
+        "a decode that cannot take pieces was seen: the pages wait for the authorization",
     );
 }

@@ -95,6 +95,7 @@ impl Rank {
             stats: stats.clone(),
             buffers: Default::default(),
             source_arena: None,
+            decode_staged: Default::default(),
         });
         let publisher = Arc::new(Publisher::new(1, None, Duration::from_secs(1), stats.clone()));
         let directory = RequestDirectory::new(shared, cfg, router, tx, Default::default(), publisher).start();

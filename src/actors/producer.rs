@@ -41,6 +41,13 @@ use crate::wire::{Handshake, Notice, WIRE_VERSION};
 pub const EXPIRED: &str =
     "the consumer's authorization expired (its deadline passed): nothing more is written";
 
+/// Why a write was not submitted after the prefill's pages went back to
+/// vLLM ([`give_back_pages`]): its layer has no piece (a newer
+/// authorization, after the piece was written and given back, or one not
+/// written from staging).
+pub const PAGES_GONE: &str = "prefill gave its KV pages back to vLLM and this layer is in no layer piece: \
+     decode recomputes it";
+
 /// What every producer actor of a rank shares (the request directory holds
 /// it and hands each actor a reference).
 pub struct ProducerShared {
@@ -58,6 +65,43 @@ pub struct ProducerShared {
     /// Where the layer pieces of requests staged by layer come from
     /// (`source_staging_region`; `None`: no such region).
     pub source_arena: Option<SharedArena>,
+    /// What the authorizations of requests staged by layer were like
+    /// (whether prefill's pages may go back before decode authorized).
+    pub decode_staged: DecodeStaged,
+}
+
+/// Whether the decode instances this rank wrote to so far take its layer
+/// pieces: every authorization of a request staged by layer written from
+/// staging (`Yes`), or one was not (`No`: blocks of another size, other
+/// heads; sticky). Prefill's pages go back before decode authorized only
+/// under `Yes` ([`give_back_pages`]): a decode that cannot take the pieces
+/// would find no pages to be written from.
+#[derive(Debug, Default)]
+pub struct DecodeStaged(std::sync::atomic::AtomicU8);
+
+impl DecodeStaged {
+    const YES: u8 = 1;
+    const NO: u8 = 2;
+
+    /// An authorization of a request staged by layer was planned: written
+    /// from staging (`staged`) or not.
+    pub fn saw(&self, staged: bool) {
+        if staged {
+            let _ = self
+                .0
+                .compare_exchange(0, Self::YES, Ordering::AcqRel, Ordering::Acquire);
+        } else if self.0.swap(Self::NO, Ordering::AcqRel) != Self::NO {
+            tracing::warn!(
+                "a decode authorization cannot be written from layer pieces (blocks of another size or \
+                 other heads): prefill's pages are no longer given back before decode authorizes"
+            );
+        }
+    }
+
+    /// Whether every authorization so far (one at least) took the pieces.
+    pub fn all_staged(&self) -> bool {
+        self.0.load(Ordering::Acquire) == Self::YES
+    }
 }
 
 /// Range lists kept for the next layers' plans, shared by the producers of
@@ -136,6 +180,11 @@ pub struct ProducerCell {
 /// ([`Self::take_piece`]), and the piece goes back to the region once every
 /// member wrote it and no write reads it ([`Self::piece_read`]); a later
 /// write of it (a newer authorization) is written from the pages.
+///
+/// Once every layer of every chunk the producers were handed is in a
+/// piece (or written), the prefill's pages may go back to vLLM before the
+/// writes ([`give_back_pages`]): from then on no write reads a page (one
+/// that would is failed instead, [`Self::take_pages`]).
 #[derive(Clone, Default)]
 pub struct SourceBlocks(Arc<SourceState>);
 
@@ -165,10 +214,22 @@ struct Pieces {
     /// Pieces a later gather of the same layer and chunk replaced while a
     /// write still read them: freed when the last such write ends.
     retired: Vec<Piece>,
+    /// (layer, chunk start, chunk end) whose piece went back once every
+    /// member wrote it: that layer of that chunk is at decode already.
+    written: std::collections::BTreeSet<(u32, u32, u32)>,
+    /// Writes in flight that read prefill's pages (a layer without a piece).
+    page_reads: u32,
+    /// The prefill's pages went back to vLLM ([`give_back_pages`]): no write
+    /// may read them.
+    pages_gone: bool,
     next_id: u64,
     /// The group ended: every piece is back, none is given any more.
     closed: bool,
 }
+
+/// The `reading` entry of a write that reads prefill's pages, not a piece
+/// (piece IDs start at 1).
+const PAGES: u64 = 0;
 
 /// A piece a write reads: its ID, where it is, the chunk's gather order.
 type TakenPiece = (u64, LayerSource, Option<Arc<[u32]>>);
@@ -328,6 +389,10 @@ impl SourceBlocks {
     /// or, replaced by a later gather, once no write reads it.
     fn piece_read(&self, id: u64, written: bool) {
         let mut p = self.0.pieces.lock();
+        if id == PAGES {
+            p.page_reads = p.page_reads.saturating_sub(1);
+            return;
+        }
         let members = p.members;
         if let Some(i) = p.retired.iter().position(|x| x.id == id) {
             let x = &mut p.retired[i];
@@ -343,11 +408,52 @@ impl SourceBlocks {
         };
         x.readers = x.readers.saturating_sub(1);
         x.written += written as u32;
+        // Every member wrote it under its authorization; a producer takes
+        // no newer one once finished, so with the pages gone too nothing
+        // reads this layer of the chunk again.
         if x.readers == 0 && x.written >= members {
             if let Some(x) = p.live.remove(&key) {
                 p.free(&x);
+                p.written.insert(key);
             }
         }
+    }
+
+    /// A write is about to read prefill's pages (`true`, and counted until
+    /// [`Self::piece_read`] of [`PAGES`]), unless they went back to vLLM
+    /// (`false`: the write must fail, nothing may read them).
+    fn take_pages(&self) -> bool {
+        let mut p = self.0.pieces.lock();
+        if p.pages_gone {
+            return false;
+        }
+        p.page_reads += 1;
+        true
+    }
+
+    /// Lets the prefill's pages go if every write there will be, of `ready`
+    /// (every layer and chunk handed over, non-empty), reads a live piece or
+    /// was written by every member already, no write reads a page now, and
+    /// the group did not end. From then on [`Self::take_pages`] refuses.
+    fn let_pages_go(&self, ready: &[(u32, std::ops::Range<u32>)]) -> bool {
+        let mut p = self.0.pieces.lock();
+        if p.pages_gone {
+            return true;
+        }
+        if p.closed || p.arena.is_none() || p.page_reads > 0 {
+            return false;
+        }
+        let covered = ready.iter().all(|(layer, b)| {
+            let key = (*layer, b.start, b.end);
+            b.is_empty() || p.live.contains_key(&key) || p.written.contains(&key)
+        });
+        p.pages_gone = covered;
+        covered
+    }
+
+    /// Whether the prefill's pages went back to vLLM.
+    fn pages_gone(&self) -> bool {
+        self.0.pieces.lock().pages_gone
     }
 
     /// The group ended: every piece goes back (no write is in flight any
@@ -623,6 +729,58 @@ pub fn stage_layer(
     Ok(got.map(|src| (src, slots)))
 }
 
+/// Whether the prefill's pages of a request staged by layer may go back to
+/// vLLM now, before its writes ended; if so they are given up for good
+/// (asked again: `true`). They may when every producer of the group was
+/// finished (vLLM handed every layer over), none's current authorization is
+/// written from the pages, and each layer of each chunk handed over is in a
+/// live piece or was written by every member: from then on a write with no
+/// piece fails ([`SourceBlocks::take_pages`]). A finished producer takes no
+/// newer authorization once it has one, so a layer every member wrote is
+/// never read again. `false`: the pages are still read or may be (a layer found
+/// no room, a write reads them now, a member is not finished), or the
+/// request is not staged by layer.
+pub fn give_back_pages(members: &[ProducerRef]) -> bool {
+    if members.is_empty() {
+        return false;
+    }
+    let mut ready = Vec::new();
+    let mut src = None;
+    for m in members {
+        let mut core = m.0.core.lock();
+        if !matches!(core.staging, Some(SourceKind::ByLayer { .. }))
+            || !core.machine.finished()
+            || core.machine.phase() == ProducerPhase::Released
+        {
+            return false;
+        }
+        match core.machine.authorization().cloned() {
+            Some(auth) if core.staged_into(&auth).is_none() => return false,
+            Some(_) => {}
+            // Decode's authorization comes later: only where every one so
+            // far took the pieces (none could be written otherwise).
+            None if !core.shared.decode_staged.all_staged() => return false,
+            None => {}
+        }
+        ready.extend(core.machine.ready_layers());
+        src.get_or_insert_with(|| core.src_blocks.clone());
+    }
+    let src = src.expect("one member at least");
+    if src.pages_gone() {
+        return true;
+    }
+    ready.sort_by_key(|(l, b)| (*l, b.start, b.end));
+    ready.dedup();
+    let gone = src.let_pages_go(&ready);
+    if gone {
+        let core = members[0].0.core.lock();
+        core.shared.stats.producer_pages_given_back.inc();
+        tracing::info!(parent: &core.span, layers = ready.len(),
+            "prefill's pages given back before the writes: every layer is in a layer piece");
+    }
+    gone
+}
+
 impl ProducerRef {
     /// Starts a producer actor on the current arbiter (the system thread).
     pub fn start(
@@ -775,6 +933,9 @@ impl ProducerCore {
             .filter(|p| !(p.into_grant() && self.src_blocks.any_reordered()))
             .map(Arc::new)
         });
+        if matches!(self.staging, Some(SourceKind::ByLayer { .. })) {
+            self.shared.decode_staged.saw(plan.is_some());
+        }
         self.staged = Some((auth.generation, plan.clone()));
         plan
     }
@@ -872,6 +1033,26 @@ impl ProducerCore {
                     },
                     None => None,
                 };
+                // Staged by layer, a write from the pages holds them until it
+                // ends; once they went back to vLLM it cannot be written.
+                if staged.is_none()
+                    && !blocks.is_empty()
+                    && matches!(self.staging, Some(SourceKind::ByLayer { .. }))
+                {
+                    if !self.src_blocks.take_pages() {
+                        tracing::warn!(
+                            layer,
+                            ?blocks,
+                            "prefill's pages went back to vLLM and this layer has no piece"
+                        );
+                        return Some(ProducerEvent::WriteFailed {
+                            write,
+                            generation,
+                            reason: PAGES_GONE.into(),
+                        });
+                    }
+                    self.reading.push((write, PAGES));
+                }
                 let planned = plan_submit(
                     &self.shared.local,
                     &self.src_blocks.read(),
@@ -1188,6 +1369,39 @@ mod tests {
         assert_eq!(used(), 1);
         drop(small);
         assert_eq!(used(), 0, "dropped with its last owner: back");
+    }
+
+    #[test]
+    fn pages_go_only_when_every_layer_handed_over_is_in_a_piece_or_written_and_none_reads_them() {
+        let arena = std::sync::Arc::new(parking_lot::Mutex::new(
+            StagingArena::new(0x10_0000, 1 << 16).unwrap(),
+        ));
+        let src = SourceBlocks::new((0..8).collect());
+        let ready = [(0, 0..4), (1, 0..4), (0, 4..4)];
+        assert!(!src.let_pages_go(&ready), "not staged by layer");
+        src.stage_by_layer(arena.clone(), 1);
+        src.stage_layer(0, 0..4, 4096).unwrap();
+        assert!(!src.let_pages_go(&ready), "layer 1 has no piece");
+        src.stage_layer(1, 0..4, 4096).unwrap();
+        // layer 0 written and back: at decode, so it counts
+        let (id, _, _) = src.take_piece(0, &(0..4)).unwrap();
+        src.piece_read(id, true);
+        assert_eq!(arena.lock().pieces(), 1);
+        // a write reading the pages holds them
+        assert!(src.take_pages());
+        assert!(!src.let_pages_go(&ready), "a write reads the pages");
+        src.piece_read(super::PAGES, true);
+        assert!(!src.pages_gone());
+        assert!(src.let_pages_go(&ready), "an empty chunk needs no piece");
+        assert!(src.pages_gone() && src.let_pages_go(&ready));
+        assert!(!src.take_pages(), "no write reads them any more");
+        // a group that ended has no pieces to write from
+        let ended = SourceBlocks::new((0..4).collect());
+        ended.stage_by_layer(arena.clone(), 1);
+        ended.stage_layer(0, 0..4, 4096).unwrap();
+        ended.close();
+        assert!(!ended.let_pages_go(&[(0, 0..4)]));
+        assert!(ended.take_pages());
     }
 
     #[test]

@@ -150,6 +150,7 @@ impl Runtime {
                     .map(|a| Arc::new(parking_lot::Mutex::new(a)))
                     .ok()
             }),
+            decode_staged: Default::default(),
         });
         let source_arena = shared.source_arena.clone();
         let producers = ProducerIndex::default();
@@ -563,6 +564,27 @@ impl Runtime {
             .live_group(request)
             .ok_or_else(|| RuntimeError::UnknownRequest(request.0.clone()))?;
         Ok(super::producer::stage_layer(&group, layer, blocks)?)
+    }
+
+    /// Prefill side: whether vLLM may free `request`'s pages now, before its
+    /// writes ended (a request opened with [`Self::producer_open_by_layer`]
+    /// that vLLM finished). `true` once every layer of every chunk is in a
+    /// layer piece (or at decode already), no write reads the pages and
+    /// every producer of the group was finished: from then on nothing reads
+    /// them (a write that would, under an authorization not written from
+    /// staging, fails, and decode recomputes); each piece still goes back
+    /// once its writes ended. Given back only while every decode
+    /// authorization this runtime has seen took the pieces (one at least):
+    /// before decode authorized, that is the evidence it can. Asked again:
+    /// `true`. `false`: the pages are still needed; ask again later (the
+    /// release frees them as before). A request not open here:
+    /// `UnknownRequest`.
+    pub fn producer_give_back_pages(&self, request: &RequestId) -> Result<bool, RuntimeError> {
+        let group = self
+            .producers
+            .live_group(request)
+            .ok_or_else(|| RuntimeError::UnknownRequest(request.0.clone()))?;
+        Ok(super::producer::give_back_pages(&group))
     }
 
     /// The consumer gave up `request` (e.g. the client went away) before it

@@ -129,6 +129,10 @@ pub struct Stats {
     /// source staging (a size set by hand), because the source region had
     /// no room (written page to page; `orbitkv.pd.staging_mb`).
     pub source_staging_full: Counter,
+    /// Prefill side: requests staged by layer whose pages went back to vLLM
+    /// before their writes ended (every layer in a layer piece,
+    /// `Runtime::producer_give_back_pages`).
+    pub producer_pages_given_back: Counter,
     /// Prefill side: layers whose `LayerReady` ran on the thread that
     /// handed them over (no message to the system thread).
     pub layers_ready_inline: Counter,
@@ -187,6 +191,7 @@ pub struct StatsSnapshot {
     pub layers_staged_to_pages: u64,
     pub chunks_reordered: u64,
     pub source_staging_full: u64,
+    pub producer_pages_given_back: u64,
     pub layers_ready_inline: u64,
     pub writes_inline: u64,
     pub peers_reclaimed: u64,
@@ -239,6 +244,7 @@ impl Stats {
             layers_staged_to_pages: self.layers_staged_to_pages.get(),
             chunks_reordered: self.chunks_reordered.get(),
             source_staging_full: self.source_staging_full.get(),
+            producer_pages_given_back: self.producer_pages_given_back.get(),
             layers_ready_inline: self.layers_ready_inline.get(),
             writes_inline: self.writes_inline.get(),
             peers_reclaimed: self.peers_reclaimed.get(),

@@ -176,6 +176,11 @@ impl ProducerMachine {
         self.finished
     }
 
+    /// Every (layer, blocks) prefill handed over so far, in order.
+    pub fn ready_layers(&self) -> impl Iterator<Item = (u32, Range<u32>)> + '_ {
+        self.ready.iter().map(|(l, b, _)| (*l, b.clone()))
+    }
+
     /// Rule 8: whether a write of `layer`, `blocks` under the current
     /// authorization must wait, because an earlier one into some of the same
     /// blocks is in flight or waits itself.

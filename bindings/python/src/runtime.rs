@@ -750,6 +750,19 @@ impl PyRuntime {
             .map_err(|e| runtime_error(py, e))
     }
 
+    /// Prefill side: whether vLLM may free the pages of `request_id` (opened
+    /// with `stage_by_layer`, finished) now, before its writes ended: every
+    /// layer of every chunk is in a layer piece or at decode already, and
+    /// no write reads the pages. `True`: given up for good (nothing reads
+    /// them any more; each piece goes back once its writes ended); `False`: ask
+    /// again later, or wait for the release as usual.
+    fn producer_give_back_pages(&self, py: Python<'_>, request_id: &str) -> PyResult<bool> {
+        let rt = self.rt(py)?;
+        let request = RequestId::new(request_id);
+        py.detach(move || rt.producer_give_back_pages(&request))
+            .map_err(|e| runtime_error(py, e))
+    }
+
     /// Prefill side: stop; writes in flight still drain, then the consumer is
     /// told the request was aborted.
     fn producer_abort(&self, py: Python<'_>, request_id: &str, reason: &str) -> PyResult<()> {

@@ -268,6 +268,33 @@ def test_producer_blocks_are_held_until_its_writes_drained() -> None:
     assert s.request_finished(q, []) == (False, None)
 
 
+def test_vllm_keeps_stepping_while_requests_reported_sent_early_still_drain() -> None:
+    """A request whose pages went back early is reported sent before its
+    release; the workers say how many such still drain (summed over the
+    ranks), and vLLM keeps stepping until none does, so their release is
+    seen (and counted) without waiting for the next request."""
+    from orbitkv.vllm.pd import PdWorkerMeta
+
+    s = scheduler()
+    r = producer("p1", 20)
+    s.update_state_after_alloc(r, FakeBlocks([]), 0)
+    s.build_connector_meta(sched_output([FakeNewReq("p1", ([1, 2],), 0)], scheduled={"p1": 20}))
+    r.status = "FINISHED_LENGTH_CAPPED"
+    assert s.request_finished(r, [1, 2]) == (True, None)
+    s.build_connector_meta(sched_output())
+    ranks = PdWorkerMeta(1).aggregate(PdWorkerMeta(1)).aggregate(None)
+    early = out(sending={"p1"})
+    early.kv_connector_worker_meta = ranks
+    s.update_connector_output(early)
+    assert s.has_pending_push_work(), "two ranks still drain it"
+    s.update_connector_output(out())  # a step without the workers' word: as it was
+    assert s.has_pending_push_work()
+    done = out()
+    done.kv_connector_worker_meta = PdWorkerMeta(0).aggregate(PdWorkerMeta(0))
+    s.update_connector_output(done)
+    assert not s.has_pending_push_work()
+
+
 # ---- worker reporting ---------------------------------------------------------------
 
 
@@ -932,6 +959,53 @@ def test_staged_by_layer_each_layer_is_gathered_into_the_piece_the_runtime_gives
     ready = [c for c in calls if c[0] == "layers_ready"]
     assert [sorted(pd for pd, _, _ in c[2]) for c in ready] == [["pd-1", "pd-2", "pd-3"]] * 2
     assert not [c for c in calls if c[0] in ("producer_abort", "note_source_staging_full")]
+
+
+class PagesBackRuntime(PiecesRuntime):
+    """`PiecesRuntime` that lets `pd-1`'s pages go as soon as it is asked,
+    `pd-2`'s never (a layer found no room), and no longer knows `pd-3`."""
+
+    def producer_give_back_pages(self, request_id: str) -> bool:
+        self.calls.append(("producer_give_back_pages", request_id))
+        if request_id == "pd-3":
+            raise orbitkv.UnknownRequestError(request_id)
+        return request_id == "pd-1"
+
+
+def test_a_request_whose_pages_went_back_is_reported_sent_at_once_and_once(worker: PdWorker) -> None:
+    """vLLM finished three requests staged by layer: the one whose pages the
+    runtime lets go is reported as sent at once, before its release, and not
+    again at the release; the others are reported at their release as
+    before; nothing is asked before vLLM finished a request, nor after."""
+    rt = worker.runtime = PagesBackRuntime()  # type: ignore[assignment]
+    worker._copier = PieceCopier([])  # type: ignore[assignment]
+    worker._by_layer = True
+    worker._heads = (False, 2)
+    worker._layer_index = {"layer.0": 0, "layer.1": 1}
+    chunks = [ProducerChunk(f"p{i}", f"pd-{i}", CAP, 1, True, [10 * i, 10 * i + 1], 0, 2, True, 2) for i in (1, 2, 3)]
+    worker.start_load_kv(PdConnectorMetadata(producer_chunks=chunks))
+    worker.save_kv_layer("layer.0", None)  # type: ignore[arg-type]
+    worker.save_kv_layer("layer.1", None)  # type: ignore[arg-type]
+    worker.wait_for_save()
+    asked = lambda: [c[1] for c in rt.calls if c[0] == "producer_give_back_pages"]  # noqa: E731
+    assert worker.get_finished() == (None, None)
+    assert asked() == [], "vLLM did not finish them yet"
+    worker.start_load_kv(PdConnectorMetadata(
+        producers_end=[RequestEnd(f"p{i}", f"pd-{i}", False, "done", report=True) for i in (1, 2, 3)]))
+    assert worker.get_finished() == ({"p1"}, None)
+    assert sorted(asked()) == ["pd-1", "pd-2", "pd-3"]
+    assert worker.draining() == 1, "its writes still go out of the pieces"
+    rt.calls.clear()
+    assert worker.get_finished() == (None, None)
+    assert sorted(asked()) == ["pd-2", "pd-3"], "pd-1's pages are back: not asked again"
+    for i in (1, 2, 3):
+        rt.events.append(ev("producer_released", f"pd-{i}", outcome="done"))
+    rt.calls.clear()
+    assert worker.get_finished() == ({"p2", "p3"}, None), "p1 was reported already"
+    assert asked() == []
+    assert worker.draining() == 0
+    assert worker.get_finished() == (None, None)
+    assert worker.ledger.sizes() == {"consumers": 0, "producers": 0, "released_after_report": 0}
 
 
 def test_a_refused_authorization_fails_that_request_alone(worker: PdWorker) -> None:

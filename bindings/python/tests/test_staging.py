@@ -335,6 +335,80 @@ def test_layers_staged_by_chunk_go_into_decode_pages_and_their_pieces_come_back_
         c.close()
 
 
+def stage_chunks(p: Rank, rid: str, src: list[int], chunks: list[tuple[int, int]]) -> None:
+    """Gathers every layer of each chunk of `rid` into the piece the runtime
+    gives (each must be given) and hands it over."""
+    group = p.runtime.staging_group(1)
+    for lo, hi in chunks:
+        order = p.runtime.producer_gather_order(rid, lo, hi) or list(range(lo, hi))
+        idx = p.copier.index([src[i] for i in order])
+        for layer in range(LAYERS):
+            got = p.runtime.producer_stage_layer(rid, layer, lo, hi)
+            assert got is not None, (rid, layer, lo, hi)
+            p.copier.gather_piece(layer, idx, got[0], got[1], group)
+            assert p.runtime.layers_ready(layer, [(rid, lo, hi)]) == []
+
+
+def test_pages_go_back_before_decode_authorized_and_decode_gets_the_kv_they_held() -> None:
+    """The prefill's pages go back to vLLM once every layer of every chunk is
+    in a layer piece and vLLM finished the request, before decode even
+    authorized (once a decode that takes pieces was seen): then the pages
+    are overwritten (vLLM reused them) and decode authorizes; what lands in
+    its pages is the KV the prefill computed, nothing is written elsewhere,
+    and every piece is back at the release."""
+    p = Rank(None, grants=False, sources=True)
+    c = Rank(GUARD, grants=False, sources=False)
+    try:
+        # a first request, decode authorizing first: a decode that takes pieces
+        hs = c.runtime.consumer_open("first", CAP, 0, [22, 23], 1)
+        p.runtime.producer_open("first", [0, 1], CAP, 1, staging_group=p.runtime.staging_group(1),
+                                stage_by_layer=True)
+        p.runtime.producer_handshake(hs)
+        stage_chunks(p, "first", [0, 1], [(0, 2)])
+        p.runtime.producer_finish("first")
+        assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
+        assert wait_event(c.runtime, {"consumer_completed", "consumer_failed"}).kind == "consumer_completed"
+        c.runtime.consumer_release("first")
+        wait_event(c.runtime, {"consumer_released"})
+        for t in c.caches:
+            t[:, 22:].fill_(GUARD)
+
+        src = [2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
+        dst = [19, 18, 17, 16, 15, 14, 13, 12, 11, 3]
+        p.runtime.producer_open("early", src[:5], CAP, 1, staging_group=p.runtime.staging_group(1),
+                                stage_by_layer=True)
+        stage_chunks(p, "early", src, [(0, 5)])
+        assert not p.runtime.producer_give_back_pages("early"), "vLLM may hand more over"
+        p.runtime.producer_add_blocks("early", src[5:])
+        stage_chunks(p, "early", src, [(4, 10)])
+        p.runtime.producer_finish("early")
+        deadline = time.monotonic() + 10
+        while not p.runtime.producer_give_back_pages("early"):
+            assert time.monotonic() < deadline, "pages never given back"
+            time.sleep(0.002)
+        assert p.runtime.stats()["producer_pages_given_back"] == 1
+        computed = [t.clone() for t in p.caches]
+        for t in p.caches:
+            t.fill_(123.0)  # vLLM gave the blocks to other requests
+        hs = c.runtime.consumer_open("early", CAP, 0, dst, 1)
+        p.runtime.producer_handshake(hs)
+        assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
+        ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
+        assert ev.kind == "consumer_completed", ev
+        for layer in range(LAYERS):
+            for s_, d in zip(src, dst):
+                assert torch.equal(c.caches[layer][:, d], computed[layer][:, s_]), (layer, s_, d)
+            untouched = [b for b in range(BLOCKS) if b not in dst]
+            assert bool((c.caches[layer][:, untouched] == GUARD).all()), f"layer {layer}: unauthorized block written"
+        assert p.runtime.source_staging_in_use() == (0, 0)
+        c.runtime.consumer_release("early")
+        wait_event(c.runtime, {"consumer_released"})
+        assert (p.runtime.live_requests(), c.runtime.live_requests()) == ((0, 0), (0, 0))
+    finally:
+        p.close()
+        c.close()
+
+
 @pytest.mark.parametrize("staging_ranks", [(0, 1), (1,)])
 def test_tp2_to_tp1_scatters_only_the_heads_of_producers_that_staged(staging_ranks: tuple[int, ...]) -> None:
     c = Rank(GUARD, grants=True, sources=False)

@@ -433,6 +433,14 @@ class Runtime:
         now (the layer is written from the pages). The runtime takes the
         piece back itself (when its writes ended, or at the release)."""
 
+    def producer_give_back_pages(self, request_id: str) -> bool:
+        """Prefill side: whether vLLM may free the pages of `request_id`
+        (opened with `stage_by_layer`, finished) now, before its writes
+        ended: every layer of every chunk is in a layer piece or at decode
+        already, and no write reads the pages. `True`: given up for good
+        (nothing reads them any more; each piece goes back once its writes
+        ended); `False`: ask again later, or wait for the release as usual."""
+
     def source_staging_in_use(self) -> tuple[int, int]:
         """`(bytes, pieces)` of the source staging region given out as layer
         pieces now (`(0, 0)` once every write from them ended)."""

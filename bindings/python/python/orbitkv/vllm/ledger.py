@@ -110,10 +110,13 @@ class ProducerRecord:
     blocks: list[int] = field(default_factory=list)
     # vLLM ended or aborted it: no chunk of it will be computed any more.
     vllm_done: bool = False
+    # Reported to vLLM as sent before the release: the runtime gave its
+    # pages back (every layer in a layer piece); the release reports nothing.
+    pages_back: bool = False
 
     def empty(self) -> bool:
         return (self.req_id is None and self.staging is None and self.layer_group is None
-                and not (self.ended or self.released or self.finished))
+                and not (self.ended or self.released or self.finished or self.pages_back))
 
 
 @dataclass

@@ -27,6 +27,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+try:  # vLLM's worker -> scheduler channel (0.26 has it)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+except ImportError:  # pragma: no cover - a vLLM without it: the scheduler never hears
+    KVConnectorWorkerMetadata = object  # type: ignore[assignment,misc]
+
 from orbitkv.vllm import compat
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.groups import FAILED_RECVING, TRANSFER_RESULTS, kv_groups_of
@@ -44,7 +49,23 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["OrbitKVConnector", "PdConnector", "PdConnectorMetadata"]
+__all__ = ["OrbitKVConnector", "PdConnector", "PdConnectorMetadata", "PdWorkerMeta"]
+
+
+class PdWorkerMeta(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler each step: ``draining``, the
+    prefill requests reported sent early (their pages went back to vLLM)
+    whose writes still go out of their layer pieces, summed over the ranks."""
+
+    def __init__(self, draining: int = 0) -> None:
+        self.draining = draining
+
+    def aggregate(self, other: Any) -> PdWorkerMeta:
+        self.draining += int(getattr(other, "draining", 0))
+        return self
+
+    def __repr__(self) -> str:
+        return f"PdWorkerMeta(draining={self.draining})"
 
 logger = logging.getLogger("orbitkv.vllm.pd")
 
@@ -242,6 +263,12 @@ class PdConnector(KVConnectorBase_V1):
 
     def get_kv_connector_stats(self) -> PdConnectorStats | None:
         return self.worker.get_kv_connector_stats() if self.worker is not None else None
+
+    def build_connector_worker_meta(self) -> PdWorkerMeta | None:
+        """Each step, on a rank that stages by layer: how many requests it
+        reported sent early still drain (:class:`PdWorkerMeta`)."""
+        n = self.worker.draining() if self.worker is not None else None
+        return None if n is None else PdWorkerMeta(n)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -129,6 +129,11 @@ class PdScheduler:
         self._next = PdConnectorMetadata()
         # Requests whose block free vLLM delayed on our word.
         self._delayed: set[str] = set()
+        # Prefill requests the workers reported sent whose writes still go
+        # out of their layer pieces (their pages went back early), summed
+        # over the ranks (the workers' PdWorkerMeta): vLLM keeps stepping
+        # while any does, so their release is seen and counted.
+        self._draining = 0
         # vLLM request id -> its OrbitKV params (None: a plain request, or
         # one whose params were refused), decided once per request.
         self._params: dict[str, PdParams | None] = {}
@@ -572,6 +577,9 @@ class PdScheduler:
             self._unclaimed.pop(rid, None)
             self._producers.pop(rid, None)
             self._forget(rid)
+        meta = getattr(out, "kv_connector_worker_meta", None)
+        if meta is not None:
+            self._draining = max(0, int(getattr(meta, "draining", 0)))
 
     def has_pending_push_work(self) -> bool:
         return bool(
@@ -583,4 +591,5 @@ class PdScheduler:
             or self._next.consumers_end
             or self._next.producers_end
             or any(p.opened for p in self._producers.values())
+            or self._draining > 0
         )

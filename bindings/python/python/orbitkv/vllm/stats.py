@@ -167,6 +167,11 @@ _PROM = {
         "Prefill layers of a chunk given no layer piece (the default), or requests opened without a whole source "
         "staging (a size set by hand), because the source region had no room (written page to page).",
     ),
+    "producer_pages_given_back": (
+        "vllm:orbitkv_producer_pages_given_back",
+        "Prefill requests whose KV pages went back to vLLM before their writes ended: every layer of every chunk "
+        "was in a layer piece of the source staging (the default), which the writes then read.",
+    ),
     "layers_ready_inline": (
         "vllm:orbitkv_layers_ready_inline",
         "Prefill layers handed to their producer on the worker's own thread (no message to the runtime's thread).",

@@ -832,12 +832,34 @@ class PdWorker:
                 if led.producers.peek(pd).req_id is not None:  # not a discarded request's answer
                     led.producers.get(pd).released = True
         self._free_source_staging()
+        self._give_back_pages(sending)
         for pd, prod in led.ended_and_released():
-            if prod.req_id is not None:
+            if prod.req_id is not None and not prod.pages_back:
                 self._faults.before_send_done(self._kv_caches, self._num_blocks, pd)
                 sending.add(prod.req_id)
             led.producers.pop(pd)
         return (sending or None), (recving or None)
+
+    def _give_back_pages(self, sending: set[str]) -> None:
+        """Reports as sent the requests staged by layer that vLLM finished
+        and whose every layer is in a layer piece (the runtime says so and
+        stops reading their pages): vLLM frees their blocks now, while the
+        writes still go out of the pieces, instead of at the release."""
+        rt = self.runtime
+        assert rt is not None
+        for pd, prod in self.ledger.producers.where(
+            lambda r: r.ended and r.finished and not r.released and not r.pages_back
+            and r.layer_group is not None and r.req_id is not None
+        ):
+            try:
+                back = rt.producer_give_back_pages(pd)
+            except OrbitKVError:
+                continue  # released under us: the release reports it
+            if back:
+                assert prod.req_id is not None
+                prod.pages_back = True
+                self._faults.before_send_done(self._kv_caches, self._num_blocks, pd)
+                sending.add(prod.req_id)
 
     def _fail_load(self, req_id: str | None, table: Any) -> None:
         """The KV of vLLM request ``req_id`` into ``table`` failed to load:
@@ -865,6 +887,14 @@ class PdWorker:
             return set()
         out, self._failed_loads = self._failed_loads, set()
         return out
+
+    def draining(self) -> int | None:
+        """Requests reported sent early (their pages went back) whose
+        release this worker has not seen yet; ``None`` where none can be
+        (no request is staged by layer here)."""
+        if not self._by_layer:
+            return None
+        return len(self.ledger.producers.where(lambda r: r.pages_back and not r.released))
 
     def get_kv_connector_stats(self) -> PdConnectorStats | None:
         if self.runtime is None:
