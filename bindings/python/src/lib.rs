@@ -56,6 +56,14 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         }
     }
     m.add("RUNTIME_DEFAULTS", defaults)?;
+    // Every setting `Runtime(...)` takes, by name (the core's
+    // `RuntimeSettings`; the deployment key is not serialized).
+    let mut names: Vec<String> = match serde_json::to_value(orbitkv::RuntimeSettings::default()) {
+        Ok(serde_json::Value::Object(map)) => map.keys().cloned().collect(),
+        _ => Vec::new(),
+    };
+    names.push("side_channel_key".to_string());
+    m.add("RUNTIME_SETTINGS", pyo3::types::PyTuple::new(m.py(), names)?)?;
     // The range cap left out, by the transport Mooncake installed (the
     // core's `TransportKind::default_ranges_in_flight`).
     let caps = pyo3::types::PyDict::new(m.py());

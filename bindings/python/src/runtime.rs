@@ -26,6 +26,81 @@ use crate::errors::{core_error, invalid_argument, transport_error};
 /// Each plane's (offset, unit bytes) in a layer piece.
 type PlaneSlots = Vec<(u64, u64)>;
 
+/// `Runtime(...)`'s keyword settings as the core's [`RuntimeSettings`], by
+/// name: numbers, pairs of numbers, None (the default), and bytes for
+/// `side_channel_key`. A name the core does not know, or a value of the
+/// wrong kind, is an `InvalidArgumentError` naming the setting.
+fn settings_from(py: Python<'_>, kw: Option<&Bound<'_, PyDict>>) -> PyResult<RuntimeSettings> {
+    use serde_json::{Map, Value};
+    let mut map = Map::new();
+    let mut key = None;
+    for (k, v) in kw.into_iter().flat_map(|d| d.iter()) {
+        let name: String = k.extract()?;
+        if name == "side_channel_key" {
+            key = v
+                .extract::<Option<Vec<u8>>>()
+                .map_err(|_| invalid_argument(py, "side_channel_key must be bytes or None".to_string()))?;
+            continue;
+        }
+        let value = setting_value(&v).ok_or_else(|| {
+            invalid_argument(
+                py,
+                format!("{name}: a number, a pair of numbers or None, not {v}"),
+            )
+        })?;
+        map.insert(name, value);
+    }
+    let mut s: RuntimeSettings = serde_json::from_value(Value::Object(map.clone())).map_err(|e| {
+        // serde names a setting it does not know, not one of the wrong kind
+        let culprit = map.iter().find(|(k, v)| {
+            let one = Map::from_iter([((*k).clone(), (*v).clone())]);
+            serde_json::from_value::<RuntimeSettings>(Value::Object(one)).is_err()
+        });
+        let msg = match culprit {
+            Some((k, v)) => format!("{k} = {v}: {e}"),
+            None => e.to_string(),
+        };
+        invalid_argument(py, msg)
+    })?;
+    s.side_channel_key = key;
+    Ok(s)
+}
+
+/// One setting's value as JSON: None, a bool (refused by every setting), an
+/// integer, a float (a non-finite one as its text, which no setting takes),
+/// or a tuple or list of those; `None` for anything else.
+fn setting_value(v: &Bound<'_, PyAny>) -> Option<serde_json::Value> {
+    use pyo3::types::{PyBool, PyFloat, PyInt, PyList, PyTuple};
+    use serde_json::Value;
+    if v.is_none() {
+        return Some(Value::Null);
+    }
+    if v.is_instance_of::<PyBool>() {
+        return v.extract::<bool>().ok().map(Value::Bool);
+    }
+    if v.is_instance_of::<PyInt>() {
+        return match v.extract::<i64>() {
+            Ok(i) => Some(Value::from(i)),
+            Err(_) => v.extract::<u64>().ok().map(Value::from),
+        };
+    }
+    if v.is_instance_of::<PyFloat>() {
+        let f: f64 = v.extract().ok()?;
+        return Some(
+            serde_json::Number::from_f64(f).map_or_else(|| Value::String(f.to_string()), Value::Number),
+        );
+    }
+    if v.is_instance_of::<PyTuple>() || v.is_instance_of::<PyList>() {
+        let items: Vec<Bound<'_, PyAny>> = v.try_iter().ok()?.collect::<PyResult<_>>().ok()?;
+        return items
+            .iter()
+            .map(setting_value)
+            .collect::<Option<Vec<_>>>()
+            .map(Value::Array);
+    }
+    None
+}
+
 /// Request blocks `[start, end)`; a reversed range is an
 /// `InvalidArgumentError`.
 fn block_range(py: Python<'_>, start: u32, end: u32) -> PyResult<Range<u32>> {
@@ -310,41 +385,17 @@ impl PyRuntime {
 #[pymethods]
 impl PyRuntime {
     #[new]
-    #[allow(clippy::too_many_arguments)]
-    // mirrors the keyword-only Python signature
-    // Every setting left out (None) is `RuntimeConfig::default()`'s: the
-    // one place the defaults are written (Python reads them as
-    // `orbitkv._native.RUNTIME_DEFAULTS`).
-    #[pyo3(signature = (engine, layout_json, *, consumer_timeout_s=None, handshake_timeout_s=None,
-        write_timeout_s=None, quarantine_s=None, max_bytes_in_flight_per_peer=None,
-        max_ranges_in_flight_per_peer=None, writer_lanes_per_peer=None, notify_poll_ms=None, max_parked=None,
-        max_parked_bytes=None, max_parked_per_source=None, max_parked_bytes_per_source=None,
-        side_channel_key=None, publish_timeout_s=None, staging_region=None,
-        source_staging_region=None, staging_min_ranges=None, inline_submit_max_ranges=None,
-        peer_idle_reclaim_s=None))]
+    // Every setting is a keyword (`RuntimeSettings`' field names); one left
+    // out (or None) is `RuntimeConfig::default()`'s: the one place the
+    // defaults are written (Python reads them as
+    // `orbitkv._native.RUNTIME_DEFAULTS`). A setting is added in the core
+    // alone: this binding passes them through by name.
+    #[pyo3(signature = (engine, layout_json, **settings))]
     fn new(
         py: Python<'_>,
         engine: &PyEngine,
         layout_json: &str,
-        consumer_timeout_s: Option<f64>,
-        handshake_timeout_s: Option<f64>,
-        write_timeout_s: Option<f64>,
-        quarantine_s: Option<f64>,
-        max_bytes_in_flight_per_peer: Option<u64>,
-        max_ranges_in_flight_per_peer: Option<usize>,
-        writer_lanes_per_peer: Option<usize>,
-        notify_poll_ms: Option<f64>,
-        max_parked: Option<usize>,
-        max_parked_bytes: Option<usize>,
-        max_parked_per_source: Option<usize>,
-        max_parked_bytes_per_source: Option<usize>,
-        side_channel_key: Option<Vec<u8>>,
-        publish_timeout_s: Option<f64>,
-        staging_region: Option<(u64, u64)>,
-        source_staging_region: Option<(u64, u64)>,
-        staging_min_ranges: Option<usize>,
-        inline_submit_max_ranges: Option<usize>,
-        peer_idle_reclaim_s: Option<f64>,
+        settings: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let layout: KvLayout = serde_json::from_str(layout_json).map_err(|e| {
             runtime_error(
@@ -357,29 +408,9 @@ impl PyRuntime {
             )
         })?;
         // One settings object; the core checks and bounds it.
-        let cfg = RuntimeSettings {
-            consumer_timeout_s,
-            handshake_timeout_s,
-            write_timeout_s,
-            quarantine_s,
-            max_bytes_in_flight_per_peer,
-            max_ranges_in_flight_per_peer,
-            writer_lanes_per_peer,
-            notify_poll_ms,
-            max_parked,
-            max_parked_bytes,
-            max_parked_per_source,
-            max_parked_bytes_per_source,
-            side_channel_key,
-            publish_timeout_s,
-            staging_region,
-            source_staging_region,
-            staging_min_ranges,
-            inline_submit_max_ranges,
-            peer_idle_reclaim_s,
-        }
-        .config()
-        .map_err(|e| runtime_error(py, e))?;
+        let cfg = settings_from(py, settings)?
+            .config()
+            .map_err(|e| runtime_error(py, e))?;
         let transport = engine.transport(py)?;
         let endpoint = transport.endpoint().to_string();
         // This binding embeds the library in Python: unless the process

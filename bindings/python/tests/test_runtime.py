@@ -161,6 +161,57 @@ def test_runtime_errors_are_typed_and_change_nothing(ranks: tuple[Rank, Rank]) -
     assert bool(all((t == GUARD).all() for t in c.caches))
 
 
+@pytest.mark.parametrize(
+    ("settings", "named"),
+    [
+        ({"writer_lanes": 2}, "writer_lanes"),  # not a runtime setting (the connector's name)
+        ({"max_parked": "5"}, "max_parked"),
+        ({"max_parked": 1.5}, "max_parked"),
+        ({"max_parked": -1}, "max_parked"),
+        ({"max_parked": True}, "max_parked"),
+        ({"consumer_timeout_s": "1"}, "consumer_timeout_s"),
+        ({"staging_region": (1,)}, "staging_region"),
+        ({"staging_region": "x"}, "staging_region"),
+        ({"side_channel_key": "not bytes"}, "side_channel_key"),
+    ],
+)
+def test_a_setting_the_core_does_not_take_is_refused_by_name(
+    ranks: tuple[Rank, Rank], settings: dict, named: str
+) -> None:
+    """`Runtime(...)` passes its keywords to the core's one settings object
+    by name: an unknown name, or a value of the wrong kind, is refused
+    naming the setting, and nothing starts."""
+    p, _ = ranks
+    with pytest.raises(orbitkv.InvalidArgumentError, match=named):
+        orbitkv.Runtime(p.engine, p.layout_json, **settings)
+
+
+def test_the_connectors_settings_and_the_stub_name_every_runtime_setting(ranks: tuple[Rank, Rank]) -> None:
+    """One list of runtime settings (the core's `RuntimeSettings`,
+    `RUNTIME_SETTINGS`): the stub's keywords are exactly those, what the
+    connector passes (`PdConfig.runtime_settings`) is among them, and a
+    runtime starts with them (None: the default)."""
+    import ast
+    from pathlib import Path
+
+    from orbitkv import _native
+    from orbitkv.vllm.config import PdConfig
+
+    stub = ast.parse(Path(_native.__file__).with_name("_native.pyi").read_text())
+    (td,) = [n for n in stub.body if isinstance(n, ast.ClassDef) and n.name == "_RuntimeSettings"]
+    typed = {n.target.id for n in td.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    assert typed == set(_native.RUNTIME_SETTINGS)
+    assert set(_native.RUNTIME_DEFAULTS) <= set(_native.RUNTIME_SETTINGS)
+    cfg = PdConfig.from_extra_config({"orbitkv.pd.writer_lanes": 3})
+    given = cfg.runtime_settings()
+    assert set(given) <= set(_native.RUNTIME_SETTINGS)
+    assert given["writer_lanes_per_peer"] == 3
+    p, _ = ranks
+    rt = orbitkv.Runtime(p.engine, p.layout_json, **given, max_parked=None)
+    assert rt.max_ranges_in_flight_per_peer == 768  # left out: TCP's default
+    rt.shutdown()
+
+
 @pytest.mark.parametrize("key", ["notify_poll_ms", "peer_idle_reclaim_s"])
 @pytest.mark.parametrize("bad", [0.0, -1.0, float("nan"), float("inf")])
 def test_a_bad_notify_poll_is_refused_before_anything_starts(ranks: tuple[Rank, Rank], bad: float, key: str) -> None:

@@ -20,6 +20,7 @@ __all__: list[str] = []
 __all__ += [name for name in _native.__all__ if not name.startswith("_")]
 __all__ += errors.__all__
 __all__.remove("RUNTIME_DEFAULTS")
+__all__.remove("RUNTIME_SETTINGS")
 __all__.remove("DEFAULT_RANGES_IN_FLIGHT")
 __all__.remove("STATS_FIELDS")
 for _name in _native.__all__:  # the side channel's protocol: orbitkv.vllm.side_channel names it

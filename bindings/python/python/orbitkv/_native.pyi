@@ -3,14 +3,15 @@
 import os
 from collections.abc import Iterable
 from types import TracebackType
-from typing import Any, Literal, TypeAlias, final
+from typing import Any, Literal, TypeAlias, TypedDict, final
 
-from typing_extensions import Self
+from typing_extensions import Self, Unpack
 
 __all__ = [
     "DEFAULT_RANGES_IN_FLIGHT",
     "PINNED_MOONCAKE_VERSION",
     "RUNTIME_DEFAULTS",
+    "RUNTIME_SETTINGS",
     "SIDE_CHANNEL_CANCEL_PATH",
     "SIDE_CHANNEL_DEFAULTS",
     "SIDE_CHANNEL_HANDSHAKE_PATH",
@@ -45,6 +46,9 @@ STATS_FIELDS: tuple[str, ...]
 RUNTIME_DEFAULTS: dict[str, float | int]
 """The runtime's defaults (Rust's `RuntimeConfig::default()`), keyed by
 `Runtime(...)`'s keyword names: the one place they are written."""
+
+RUNTIME_SETTINGS: tuple[str, ...]
+"""Every keyword setting `Runtime(...)` takes (Rust's `RuntimeSettings`)."""
 
 DEFAULT_RANGES_IN_FLIGHT: dict[str, int]
 """The range cap (`max_ranges_in_flight_per_peer`) left out, by the
@@ -297,6 +301,31 @@ class RuntimeEvent:
         authorized block from the grant (staged grouped by `group` units)
         into its pages before the KV is used."""
 
+class _RuntimeSettings(TypedDict, total=False):
+    """`Runtime(...)`'s keyword settings: the core's `RuntimeSettings`, by
+    name (`RUNTIME_SETTINGS`); each optional, None or left out is the
+    default (`RUNTIME_DEFAULTS`)."""
+
+    consumer_timeout_s: float | None
+    handshake_timeout_s: float | None
+    write_timeout_s: float | None
+    quarantine_s: float | None
+    max_bytes_in_flight_per_peer: int | None
+    max_ranges_in_flight_per_peer: int | None
+    writer_lanes_per_peer: int | None
+    notify_poll_ms: float | None
+    max_parked: int | None
+    max_parked_bytes: int | None
+    max_parked_per_source: int | None
+    max_parked_bytes_per_source: int | None
+    side_channel_key: bytes | None
+    publish_timeout_s: float | None
+    staging_region: tuple[int, int] | None
+    source_staging_region: tuple[int, int] | None
+    staging_min_ranges: int | None
+    inline_submit_max_ranges: int | None
+    peer_idle_reclaim_s: float | None
+
 @final
 class Runtime:
     """The request runtime of one rank: a request actor per P/D request and
@@ -310,34 +339,13 @@ class Runtime:
     Calls only send messages; `next_event` and `shutdown` release the GIL.
     """
 
-    def __new__(
-        cls,
-        engine: MooncakeTransferEngine,
-        layout_json: str,
-        *,
-        consumer_timeout_s: float | None = None,
-        handshake_timeout_s: float | None = None,
-        write_timeout_s: float | None = None,
-        quarantine_s: float | None = None,
-        max_bytes_in_flight_per_peer: int | None = None,
-        max_ranges_in_flight_per_peer: int | None = None,
-        writer_lanes_per_peer: int | None = None,
-        notify_poll_ms: float | None = None,
-        max_parked: int | None = None,
-        max_parked_bytes: int | None = None,
-        max_parked_per_source: int | None = None,
-        max_parked_bytes_per_source: int | None = None,
-        side_channel_key: bytes | None = None,
-        publish_timeout_s: float | None = None,
-        staging_region: tuple[int, int] | None = None,
-        source_staging_region: tuple[int, int] | None = None,
-        staging_min_ranges: int | None = None,
-        inline_submit_max_ranges: int | None = None,
-        peer_idle_reclaim_s: float | None = None,
-    ) -> Self:
-        """Each setting left out (None) is the Rust `RuntimeConfig::default()`'s
-        (`RUNTIME_DEFAULTS`); ``max_ranges_in_flight_per_peer`` left out is
-        the transport's default (8192 on ``nvlink_intra``, 768 otherwise)."""
+    def __new__(cls, engine: MooncakeTransferEngine, layout_json: str, **settings: Unpack[_RuntimeSettings]) -> Self:
+        """Each setting (:class:`_RuntimeSettings`, keywords) left out or None
+        is the Rust `RuntimeConfig::default()`'s (`RUNTIME_DEFAULTS`);
+        ``max_ranges_in_flight_per_peer`` left out is the transport's
+        default (8192 on ``nvlink_intra``, 768 otherwise). A name the core
+        does not know, or a value of the wrong kind or out of range, is an
+        `InvalidArgumentError` naming the setting."""
     @property
     def endpoint(self) -> str:
         """This rank's Mooncake endpoint (`ip:port`)."""

@@ -298,6 +298,24 @@ class PdConfig:
     unclaimed_max_requests: int = DEFAULT_UNCLAIMED_MAX_REQUESTS
     two_stage_unsigned: bool = False
 
+    def runtime_settings(self) -> dict[str, Any]:
+        """The settings of this configuration the runtime takes
+        (``orbitkv.Runtime(...)``'s keywords, ``RUNTIME_SETTINGS``), in its
+        names and units; the worker adds the staging regions it allocated."""
+        return {
+            "consumer_timeout_s": self.timeout_s,
+            "handshake_timeout_s": self.handshake_timeout_s,
+            "write_timeout_s": self.write_timeout_s,
+            "quarantine_s": self.quarantine_s,
+            "max_bytes_in_flight_per_peer": self.max_inflight_mb << 20,
+            "max_ranges_in_flight_per_peer": self.max_inflight_ranges,
+            "writer_lanes_per_peer": self.writer_lanes,
+            "inline_submit_max_ranges": self.inline_submit_max_ranges,
+            "side_channel_key": self.side_channel_key,
+            "publish_timeout_s": min(10.0, self.timeout_s),
+            "staging_min_ranges": self.staging_min_ranges,
+        }
+
     def prefill_allowed(self, host: str, port: int, tp: int = 1) -> bool:
         """Whether decode may send a request's handshakes and cancels to the
         side channels of a prefill of TP ``tp`` whose rank 0 is ``host:port``
