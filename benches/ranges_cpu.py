@@ -27,6 +27,10 @@ the prefill's KV in use while the counted requests run (vLLM's
 ``kv_cache_usage_perc``, sampled every 20 ms: peak and mean), with the
 requests whose pages went back to vLLM before their writes ended
 (``producer_pages_given_back``: under ``auto``, every layer in a piece).
+Through OrbitKV's proxy decode authorizes while the prefill runs, so the
+writes mostly end with it; ``--via-router`` sends the requests through
+vllm-router's two-stage flow instead (decode gets its half only after the
+prefill answered), where the prefill's KV waits for decode.
 """
 
 from __future__ import annotations
@@ -91,11 +95,12 @@ def run(model: str, run_dir: Path, name: str, config: dict[str, Any], prompts: l
                  decode_config=config if decode_config is None else decode_config,
                  vllm_args=["--max-num-batched-tokens", str(a.max_batched_tokens)],
                  prefill_args=["--kv-cache-memory-bytes", str(a.prefill_kv_mib << 20)],
-                 decode_args=["--kv-cache-memory-bytes", str(a.decode_kv_mib << 20)]) as c:
+                 decode_args=["--kv-cache-memory-bytes", str(a.decode_kv_mib << 20)],
+                 vllm_router=a.via_router) as c:
         print(f"# {name}: cluster up in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
 
         def one(p: list[int]) -> list[int]:
-            r = complete(c.proxy_url, p, gen, timeout_s=300)
+            r = complete(c.router_url if a.via_router else c.proxy_url, p, gen, timeout_s=300)
             if r.failed(gen):
                 raise RuntimeError(f"P/D: HTTP {r.status}: {r.error}")
             return r.token_ids
@@ -146,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=20261204)
     p.add_argument("--run-dir", type=Path)
     p.add_argument("--json", type=Path)
+    p.add_argument("--via-router", action="store_true",
+                   help="through vllm-router (two-stage: decode gets its half after the prefill's answer) "
+                        "instead of OrbitKV's proxy (both halves at once)")
     p.add_argument("--whole", action="store_true",
                    help="a third cluster: whole-prompt source stagings of the default's region size")
     a = p.parse_args(argv)

@@ -29,6 +29,7 @@ pub mod layout;
 pub mod mac;
 #[cfg(feature = "runtime")]
 pub mod side_channel;
+pub mod side_channel_client;
 pub mod staging;
 #[cfg(feature = "testing")]
 pub mod testing;

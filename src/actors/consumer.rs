@@ -154,7 +154,7 @@ impl ConsumerActor {
                     body: body.clone(),
                     generation: self.machine.generation,
                     producer_rank: rank.0,
-                    consumer: ctx.address(),
+                    consumer: ctx.address().recipient(),
                 });
             }
         }

@@ -30,13 +30,13 @@ use std::sync::Arc;
 use actix::prelude::*;
 use crossbeam_channel::Sender;
 
+use super::config::RuntimeConfig;
 use super::consumer::{ConsumerActor, ConsumerStaging, FenceTargets, Published};
 use super::messages::*;
 use super::preopen::{Parked, PreOpen, PreOpenLimits};
 use super::producer::{ProducerActor, ProducerRef, ProducerShared, SourceBlocks};
 use super::publisher::Publisher;
 use super::router::NotificationRouter;
-use super::runtime::RuntimeConfig;
 use super::stats::Stats;
 use crate::error::{GeometryError, RuntimeError};
 use crate::fsm::ConsumerMachine;

@@ -161,10 +161,25 @@ pub struct WriteLayer {
     /// batch not yet submitted by then is not submitted.
     pub expires_unix_ms: u64,
     /// The producer actor that admitted it (`LayerWritten` or
-    /// `LayerWriteFailed` go there; an address, not a recipient: cloning
-    /// it allocates nothing on the per-layer path).
-    pub reply_to: Addr<crate::actors::producer::ProducerActor>,
+    /// `LayerWriteFailed` go there).
+    pub reply_to: ReplyTo,
 }
+
+/// Why a write was not submitted once the consumer's deadline passed.
+pub const EXPIRED: &str =
+    "the consumer's authorization expired (its deadline passed): nothing more is written";
+
+/// Where a layer writer reports how a write ended: the producer actor that
+/// admitted it. A shared handle made once per producer (cloning it
+/// allocates nothing on the per-layer path), so that neither these
+/// messages nor the writer depend on the producer's actor type.
+pub trait WriteEnds: Send + Sync + 'static {
+    fn written(&self, m: LayerWritten);
+    fn failed(&self, m: LayerWriteFailed);
+}
+
+/// A producer's [`WriteEnds`], as each `WriteLayer` carries it.
+pub type ReplyTo = Arc<dyn WriteEnds>;
 
 /// Send a notice to the writer's peer (after the request's writes drained).
 #[derive(Message, Debug)]

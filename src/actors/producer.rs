@@ -37,9 +37,7 @@ use crate::layout::{plan_write, KvLayout};
 use crate::staging::{GivenPiece, LayerSource, SharedArena, SourceKind, StagedPlan};
 use crate::wire::{Handshake, Notice, WIRE_VERSION};
 
-/// Why a write was not submitted once the consumer's deadline passed.
-pub const EXPIRED: &str =
-    "the consumer's authorization expired (its deadline passed): nothing more is written";
+pub use super::messages::EXPIRED;
 
 /// Why a write was not submitted after the prefill's pages went back to
 /// vLLM ([`give_back_pages`]): its layer has no piece (a newer
@@ -544,8 +542,10 @@ struct ProducerCore {
     /// The staged plan of the authorization of this generation (`None`
     /// inside: that authorization is written into pages), made once.
     staged: Option<(Generation, Option<Arc<StagedPlan>>)>,
-    /// Where the writers report (this actor).
+    /// This actor (for its own `Stop`).
     me: Addr<ProducerActor>,
+    /// Where the writers report (this actor, behind [`WriteEnds`]).
+    replies: ReplyTo,
     /// The machine's effects, one event at a time (reused).
     effects: Vec<ProducerEffect>,
     /// Range lists the writers gave back, to plan layers into.
@@ -888,6 +888,7 @@ impl ProducerCore {
         let span = tracing::info_span!("request", side = "producer", request = %request,
             rank = shared.local.tp_rank, blocks = src_blocks.len());
         Self {
+            replies: std::sync::Arc::new(me.clone()),
             me,
             effects: Vec::new(),
             spare: Vec::new(),
@@ -1116,7 +1117,7 @@ impl ProducerCore {
                     bytes,
                     after,
                     expires_unix_ms: auth.expires_unix_ms,
-                    reply_to: self.me.clone(),
+                    reply_to: self.replies.clone(),
                 };
                 // Submitted here only on the caller's thread: the system
                 // thread never waits on Mooncake.
@@ -1251,6 +1252,16 @@ producer_handler!(true, HandshakeArrived, |m| ProducerEvent::Handshake(m.0);
     generation = m.0.generation.0, blocks = m.0.block_ids.len());
 producer_handler!(true, LayerReady, |m| ProducerEvent::LayerReady { layer: m.layer, blocks: m.blocks, after: m.after };
     layer = m.layer, blocks = ?m.blocks);
+/// The writers report a write's end to the producer actor that admitted it.
+impl WriteEnds for Addr<ProducerActor> {
+    fn written(&self, m: LayerWritten) {
+        self.do_send(m);
+    }
+    fn failed(&self, m: LayerWriteFailed) {
+        self.do_send(m);
+    }
+}
+
 impl Handler<LayerWritten> for ProducerActor {
     type Result = ();
     fn handle(&mut self, m: LayerWritten, ctx: &mut Context<Self>) {

@@ -23,15 +23,14 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use actix::Addr;
+use actix::Recipient;
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
-use super::consumer::ConsumerActor;
 use super::messages::RankEnded;
 use super::stats::Stats;
 use crate::ids::{Generation, ProducerRank, RequestId};
-use crate::side_channel::client::{post, post_while_busy, CANCEL_PATH, HANDSHAKE_PATH};
+use crate::side_channel_client::{post, post_while_busy, CANCEL_PATH, HANDSHAKE_PATH};
 use crate::wire::{Fence, Outcome};
 
 /// Where a handshake goes and whom to tell when it is refused.
@@ -41,7 +40,8 @@ pub struct HandshakeJob {
     pub request: RequestId,
     pub generation: Generation,
     pub producer_rank: u32,
-    pub consumer: Addr<ConsumerActor>,
+    /// The consumer actor (told of a refusal).
+    pub consumer: Recipient<RankEnded>,
     /// Until when a `503` is tried again (the consumer's deadline).
     pub retry_until: Instant,
 }
@@ -53,7 +53,8 @@ pub struct FenceJob {
     pub body: Arc<str>,
     pub generation: Generation,
     pub producer_rank: u32,
-    pub consumer: Addr<ConsumerActor>,
+    /// The consumer actor (told what the rank answered).
+    pub consumer: Recipient<RankEnded>,
 }
 
 enum Job {

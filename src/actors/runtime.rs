@@ -353,7 +353,9 @@ impl Runtime {
     ) -> Result<(), RuntimeError> {
         let (request, generation) = (handshake.request_id.clone(), handshake.generation);
         let published = targets.clone();
-        let consumer = self.ask(move |d, _| d.consumer_published(&request, generation, published))?;
+        let consumer = self
+            .ask(move |d, _| d.consumer_published(&request, generation, published))?
+            .recipient();
         let body: Arc<str> = handshake.to_json().into();
         // A busy prefill (503) is tried again until the consumer's deadline.
         let retry_until = std::time::Instant::now() + self.cfg.consumer_timeout;

@@ -167,7 +167,7 @@ struct Job {
     failed: Option<String>,
     /// The consumer's deadline (0: none): nothing is submitted after it.
     expires_unix_ms: u64,
-    reply_to: Addr<super::producer::ProducerActor>,
+    reply_to: super::messages::ReplyTo,
     /// The write in flight, for the trace (closed when the job ends).
     span: tracing::Span,
     /// When the writer took the write.
@@ -350,7 +350,7 @@ impl LaneCell {
             {
                 // Queued past the consumer's deadline: it failed the request
                 // and may reuse the blocks once its quarantine passes.
-                job.failed = Some(super::producer::EXPIRED.into());
+                job.failed = Some(super::messages::EXPIRED.into());
             }
             if job.failed.is_none() && job.next < job.ranges.len() && st.pending.len() >= BATCHES_PER_LANE {
                 // One batch at a time per lane: what queues meanwhile goes
@@ -522,7 +522,7 @@ impl LaneCell {
                 self.lane.stats.layers_written.inc();
                 let mut spare = job.ranges;
                 spare.clear();
-                job.reply_to.do_send(LayerWritten {
+                job.reply_to.written(LayerWritten {
                     request: job.request,
                     write: job.write,
                     generation: job.generation,
@@ -534,7 +534,7 @@ impl LaneCell {
                 job.span.record("result", "failed");
                 self.lane.stats.writes_failed.inc();
                 tracing::warn!(peer = %self.peer, request = %job.request, %reason, "write failed");
-                job.reply_to.do_send(LayerWriteFailed {
+                job.reply_to.failed(LayerWriteFailed {
                     request: job.request,
                     write: job.write,
                     generation: job.generation,

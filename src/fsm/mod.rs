@@ -74,7 +74,7 @@ pub(crate) mod test_support {
     use crate::ids::{NoticeKey, RequestId, Sequence};
     use crate::layout::tests::layout;
     use crate::wire::{Handshake, WIRE_VERSION};
-    use crate::Generation;
+    use crate::ids::Generation;
 
     pub(crate) fn rid() -> RequestId {
         RequestId::new("r1")

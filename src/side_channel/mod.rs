@@ -58,10 +58,8 @@
 //!
 //! [`RuntimeError::class_name`]: crate::RuntimeError::class_name
 
-pub mod client;
 mod conn;
 mod routes;
-mod signature;
 
 use std::future::Future;
 use std::net::{SocketAddr, TcpListener};
@@ -81,7 +79,12 @@ use crossbeam_channel::Receiver;
 use parking_lot::Mutex;
 use tokio::net::TcpStream;
 
-pub use signature::{sign, verify, SIGNATURE_HEADER};
+/// The sender's side of this protocol (paths, signature, HTTP client),
+/// which depends on nothing of the server or the actors.
+pub use crate::side_channel_client as client;
+pub use crate::side_channel_client::{
+    sign, verify, CANCEL_PATH, HANDSHAKE_PATH, HEALTH_PATH, SIGNATURE_HEADER,
+};
 
 use crate::actors::stats::Counter;
 use crate::actors::Runtime;
@@ -89,9 +92,6 @@ pub use crate::error::SideChannelError;
 use conn::{Admission, Conn, Gate};
 use routes::Shared;
 
-pub const HEALTH_PATH: &str = "/orbitkv/v1/health";
-pub const HANDSHAKE_PATH: &str = "/orbitkv/v1/handshake";
-pub const CANCEL_PATH: &str = "/orbitkv/v1/cancel";
 /// Where a Mooncake bootstrap server answers a router's query (vLLM's
 /// `MooncakeBootstrapServer`); served only with a [`MooncakeBootstrap`].
 pub const QUERY_PATH: &str = "/query";

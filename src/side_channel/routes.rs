@@ -22,10 +22,10 @@ use actix_web::web::{self, Bytes};
 use actix_web::{App, HttpRequest, HttpResponse};
 
 use super::conn::ConnState;
-use super::signature::{verify, SIGNATURE_HEADER};
 use super::{Counters, CANCEL_PATH, HANDSHAKE_PATH, HEALTH_PATH, QUERY_PATH};
 use crate::actors::Runtime;
 use crate::error::{untrusted, ProtocolError, RuntimeError};
+use crate::side_channel_client::{verify, SIGNATURE_HEADER};
 use crate::wire::Fence;
 
 /// The most characters of a refusal's message (escaped, [`untrusted`]):

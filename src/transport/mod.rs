@@ -173,13 +173,13 @@ pub trait Transport: Send + Sync + 'static {
     /// The local endpoint peers address (`ip:port`).
     fn endpoint(&self) -> &str;
     /// Submits a batch of WRITEs without waiting.
-    fn submit_write(&self, peer: &str, ranges: &[WriteRange]) -> crate::TransportResult<BatchHandle>;
+    fn submit_write(&self, peer: &str, ranges: &[WriteRange]) -> crate::error::TransportResult<BatchHandle>;
     /// Polls a batch; a terminal state releases it.
-    fn poll(&self, handle: &mut BatchHandle) -> crate::TransportResult<BatchState>;
+    fn poll(&self, handle: &mut BatchHandle) -> crate::error::TransportResult<BatchState>;
     /// Sends a notification to a peer.
-    fn send_notification(&self, peer: &str, name: &str, message: &[u8]) -> crate::TransportResult<()>;
+    fn send_notification(&self, peer: &str, name: &str, message: &[u8]) -> crate::error::TransportResult<()>;
     /// Drains the notifications that arrived.
-    fn take_notifications(&self) -> crate::TransportResult<Vec<Notification>>;
+    fn take_notifications(&self) -> crate::error::TransportResult<Vec<Notification>>;
     /// Drops what the transport keeps for `peer` (an open segment): the
     /// writers of this process no longer write to it. The next write to it
     /// opens it again. Default: nothing is kept.
@@ -195,16 +195,16 @@ impl Transport for MooncakeTransferEngine {
     fn endpoint(&self) -> &str {
         MooncakeTransferEngine::endpoint(self)
     }
-    fn submit_write(&self, peer: &str, ranges: &[WriteRange]) -> crate::TransportResult<BatchHandle> {
+    fn submit_write(&self, peer: &str, ranges: &[WriteRange]) -> crate::error::TransportResult<BatchHandle> {
         MooncakeTransferEngine::submit_write(self, peer, ranges)
     }
-    fn poll(&self, handle: &mut BatchHandle) -> crate::TransportResult<BatchState> {
+    fn poll(&self, handle: &mut BatchHandle) -> crate::error::TransportResult<BatchState> {
         MooncakeTransferEngine::poll(self, handle)
     }
-    fn send_notification(&self, peer: &str, name: &str, message: &[u8]) -> crate::TransportResult<()> {
+    fn send_notification(&self, peer: &str, name: &str, message: &[u8]) -> crate::error::TransportResult<()> {
         MooncakeTransferEngine::send_notification(self, peer, name, message)
     }
-    fn take_notifications(&self) -> crate::TransportResult<Vec<Notification>> {
+    fn take_notifications(&self) -> crate::error::TransportResult<Vec<Notification>> {
         MooncakeTransferEngine::take_notifications(self)
     }
     fn forget_peer(&self, peer: &str) {

@@ -1,7 +1,10 @@
-//! The side channel's HTTP client: one POST ([`post`]) and a POST tried
-//! again while the answer is `503` ([`post_while_busy`]), signed with the
-//! deployment key when given. Pure HTTP over `std::net`: it knows nothing of
-//! the actors. Its users: the decode side's publisher
+//! The side channel's protocol as a sender sees it: its paths, the
+//! deployment key's signature ([`sign`], [`verify`]), and its HTTP client:
+//! one POST ([`post`]) and a POST tried again while the answer is `503`
+//! ([`post_while_busy`]), signed with the deployment key when given. Pure
+//! HTTP over `std::net`: it knows nothing of the actors or of the server
+//! ([`crate::side_channel`], which serves these paths on a prefill rank and
+//! checks these signatures). Its users: the decode side's publisher
 //! ([`crate::actors::publisher`], which reports what a prefill rank
 //! answered to the consumer that sent it) and Python's
 //! `orbitkv.vllm.side_channel` (through the binding's `side_channel_post`).
@@ -10,8 +13,13 @@ use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
-use super::signature::{sign, SIGNATURE_HEADER};
-pub use super::{CANCEL_PATH, HANDSHAKE_PATH};
+mod signature;
+
+pub use signature::{sign, verify, SIGNATURE_HEADER};
+
+pub const HEALTH_PATH: &str = "/orbitkv/v1/health";
+pub const HANDSHAKE_PATH: &str = "/orbitkv/v1/handshake";
+pub const CANCEL_PATH: &str = "/orbitkv/v1/cancel";
 
 /// Longest reply read back (error bodies are small).
 const MAX_REPLY: u64 = 64 << 10;
