@@ -48,7 +48,7 @@ from typing import Any
 
 os.environ.setdefault("ORBITKV_TESTING_SHM_SPIN_S", "1")
 
-from orbitkv.testing.cluster import Cluster, complete
+from orbitkv.testing.cluster import Cluster, Metric, complete
 from orbitkv.testing.tiny_model import make_tiny_model
 from orbitkv.vllm.stats import _PROM
 
@@ -96,7 +96,9 @@ def run(model: str, run_dir: Path, name: str, config: dict[str, Any], prompts: l
                  vllm_args=["--max-num-batched-tokens", str(a.max_batched_tokens)],
                  prefill_args=["--kv-cache-memory-bytes", str(a.prefill_kv_mib << 20)],
                  decode_args=["--kv-cache-memory-bytes", str(a.decode_kv_mib << 20)],
-                 vllm_router=a.via_router) as c:
+                 vllm_router=a.via_router,
+                 # a decode whose prefill gave its request up recomputes (counted)
+                 kv_load_failure_policy="recompute") as c:
         print(f"# {name}: cluster up in {time.monotonic() - t0:.0f}s", file=sys.stderr, flush=True)
 
         def one(p: list[int]) -> list[int]:
@@ -109,11 +111,13 @@ def run(model: str, run_dir: Path, name: str, config: dict[str, Any], prompts: l
             list(ex.map(one, prompts[:warmup]))
             c.wait_idle()
             before = counters(c)
+            failed0 = c.metrics("decode")[Metric.FAILED]
             use = KvUse(c)
             got = list(ex.map(one, prompts[warmup:]))
             peak, mean = use.stop()
             c.wait_idle()
             after = counters(c)
+            failed = c.metrics("decode")[Metric.FAILED] - failed0
         # every answer checked against the prefill engine alone (its own
         # prefix cache is salted per request by the fresh prompts)
         mismatches = 0
@@ -128,6 +132,7 @@ def run(model: str, run_dir: Path, name: str, config: dict[str, Any], prompts: l
         "mismatches": mismatches,
         **d,
         "ranges_per_layer_write": d["write_ranges"] / max(1.0, d["layers_written"]),
+        "decode_loads_failed": failed,
         "prefill_kv_peak": peak,
         "prefill_kv_mean": mean,
         "kv_samples": len(use.samples),
@@ -177,14 +182,14 @@ def main(argv: list[str] | None = None) -> int:
                         prompts, a, decode_config={"orbitkv.pd.staging_mb": 0}))
     print("| writes | requests | P/D != prefill alone | layer writes | ranges | ranges per layer write "
           "| layers from staging into pages | chunks reordered | no room in the source region "
-          "| pages back before the writes | prefill KV in use: peak / mean |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| pages back before the writes | prefill KV in use: peak / mean | decode loads failed (recomputed) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['name']} | {r['requests']} | {r['mismatches']} | {r['layers_written']:.0f} | "
               f"{r['write_ranges']:.0f} | {r['ranges_per_layer_write']:.2f} | {r['layers_staged_to_pages']:.0f} | "
               f"{r['chunks_reordered']:.0f} | {r['source_staging_full']:.0f} | "
               f"{r['producer_pages_given_back']:.0f} | {100 * r['prefill_kv_peak']:.1f} / "
-              f"{100 * r['prefill_kv_mean']:.1f} % |")
+              f"{100 * r['prefill_kv_mean']:.1f} % | {r['decode_loads_failed']:.0f} |")
     a0, b0 = rows[:2]
     print(f"\npage to page / default, ranges per layer write: "
           f"{a0['ranges_per_layer_write'] / max(1e-9, b0['ranges_per_layer_write']):.1f}")

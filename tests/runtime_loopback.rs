@@ -608,6 +608,28 @@ fn an_unclaimed_producer_is_given_up_and_a_claimed_one_writes_on() {
         (Outcome::Aborted, Some("no decode claimed it"))
     );
     assert_eq!(producer.runtime.stats().producers_unclaimed_released, 1);
+    // Its decode claims it only now (vllm-router's flow under load): the
+    // handshake is answered `aborted` at once, not parked until the
+    // consumer's deadline, and nothing is written.
+    let start = Instant::now();
+    let late = consumer
+        .runtime
+        .consumer_open(lone.clone(), cap(), 0, vec![6, 7], 1)
+        .unwrap();
+    producer.runtime.producer_handshake(late).unwrap();
+    let ev = outcome(&consumer.runtime);
+    assert!(
+        matches!(&ev, RuntimeEvent::ConsumerFailed { reason, .. }
+            if reason.contains("prefill gave the request up: no decode claimed it")),
+        "{ev:?}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(5), "{:?}", start.elapsed());
+    consumer.runtime.consumer_release(&lone).unwrap();
+    wait_for(&consumer.runtime, "release", |e| {
+        matches!(e, RuntimeEvent::ConsumerReleased { .. })
+    });
+    assert_untouched(&consumer, 0, 6);
+    assert_untouched(&consumer, 1, 7);
     // Claimed (its handshake came): the ask changes nothing, the KV lands.
     let req = RequestId::new("req-claimed");
     let hs = orbitkv::testing::open_both(&producer.runtime, &consumer.runtime, &req, &[2, 3], &[4, 5]);

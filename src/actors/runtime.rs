@@ -972,14 +972,13 @@ impl Runtime {
     /// wait for a decode past the claim deadline or beyond the unclaimed
     /// cap. A claimed producer ignores it; either way its release is
     /// reported as usual (`RuntimeEvent::ProducerReleased`). Counted in
-    /// `producers_unclaimed_released` when it ends one.
+    /// `producers_unclaimed_released` when it ends one. A handshake for the
+    /// request that arrives once its group ended (its decode claims it
+    /// late) is answered `aborted` at once, so that decode fails (and
+    /// recomputes) now rather than at its deadline.
     pub fn producer_release_unclaimed(&self, request: &RequestId, reason: &str) -> Result<(), RuntimeError> {
-        self.to_producer(
-            request,
-            ReleaseUnclaimed {
-                reason: reason.to_string(),
-            },
-        )
+        let (request, reason) = (request.clone(), reason.to_string());
+        self.ask(move |d, _| d.producer_release_unclaimed(&request, reason))
     }
 
     // ---- events ---------------------------------------------------------

@@ -998,6 +998,14 @@ def test_a_request_whose_pages_went_back_is_reported_sent_at_once_and_once(worke
     rt.calls.clear()
     assert worker.get_finished() == (None, None)
     assert sorted(asked()) == ["pd-2", "pd-3"], "pd-1's pages are back: not asked again"
+    # out of the scheduler's unclaimed count now: the claim deadline is the
+    # worker's, asked once (a claimed producer ignores it)
+    unclaimed = lambda: [c[1:] for c in rt.calls if c[0] == "producer_release_unclaimed"]  # noqa: E731
+    assert unclaimed() == []
+    worker.config = dataclasses.replace(worker.config, claim_timeout_s=0.0)
+    assert worker.get_finished() == (None, None)
+    assert worker.get_finished() == (None, None)
+    assert unclaimed() == [("pd-1", "no decode claimed it within orbitkv.pd.claim_timeout_s (0s)")]
     for i in (1, 2, 3):
         rt.events.append(ev("producer_released", f"pd-{i}", outcome="done"))
     rt.calls.clear()

@@ -113,6 +113,10 @@ class ProducerRecord:
     # Reported to vLLM as sent before the release: the runtime gave its
     # pages back (every layer in a layer piece); the release reports nothing.
     pages_back: bool = False
+    # When its pages went back (time.monotonic()): its decode must claim it
+    # within orbitkv.pd.claim_timeout_s of that, or it is given up (asked once).
+    back_at: float | None = None
+    unclaimed_asked: bool = False
 
     def empty(self) -> bool:
         return (self.req_id is None and self.staging is None and self.layer_group is None

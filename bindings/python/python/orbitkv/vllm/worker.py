@@ -13,6 +13,7 @@ import contextlib
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -847,9 +848,22 @@ class PdWorker:
                 continue  # released under us: the release reports it
             if back:
                 assert prod.req_id is not None
-                prod.pages_back = True
+                prod.pages_back, prod.back_at = True, time.monotonic()
                 self._faults.before_send_done(self._kv_caches, self._num_blocks, pd)
                 sending.add(prod.req_id)
+        # vLLM no longer counts them among the finished requests that wait
+        # for a decode (the scheduler's claim deadline and caps): the claim
+        # deadline is kept here, so a decode that never comes (a stranger's
+        # two-stage half) holds their layer pieces only that long.
+        limit = self.config.claim_timeout_s
+        now = time.monotonic()
+        for pd, prod in self.ledger.producers.where(
+            lambda r: r.pages_back and not r.released and not r.unclaimed_asked
+            and r.back_at is not None and now - r.back_at >= limit
+        ):
+            prod.unclaimed_asked = True
+            self._producer_call(rt.producer_release_unclaimed, pd,
+                                f"no decode claimed it within orbitkv.pd.claim_timeout_s ({limit:g}s)")
 
     def _fail_load(self, req_id: str | None, table: Any) -> None:
         """The KV of vLLM request ``req_id`` into ``table`` failed to load:
