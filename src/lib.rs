@@ -10,6 +10,7 @@
 //! * [`fsm`]: the pure state machines of a request, one rule of the safety contract per transition.
 //! * [`actors`]: the request runtime (actix) that carries out their effects.
 //! * [`side_channel`]: the HTTP server decode ranks POST handshakes and cancels to (actix-web).
+//! * [`side_channel_client`]: the side channel as a sender sees it (paths, signature, HTTP client).
 //! * [`error`]: typed errors.
 //! * [`mac`]: HMAC-SHA256 tags (the deployment key's signature, a notice's tag).
 //! * [`trace`]: Chrome trace (Perfetto) export of the actors' spans (`ORBITKV_TRACE=path`).
@@ -29,6 +30,7 @@ pub mod layout;
 pub mod mac;
 #[cfg(feature = "runtime")]
 pub mod side_channel;
+#[cfg(feature = "runtime")]
 pub mod side_channel_client;
 pub mod staging;
 #[cfg(feature = "testing")]
@@ -51,3 +53,54 @@ pub use side_channel::{MooncakeBootstrap, Refused, SideChannel, SideChannelConfi
 #[cfg(feature = "runtime")]
 pub use transport::{BatchHandle, BatchState, EngineConfig, MooncakeTransferEngine, Notification, Transport};
 pub use wire::{Cancel, Handshake, Notice, Outcome};
+
+/// The side channel's HTTP client ([`side_channel_client`]) as the
+/// publisher's [`actors::publisher::SideChannelPost`]: what
+/// [`Runtime::start`] gives a runtime, whose actors know no HTTP.
+#[cfg(feature = "runtime")]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HttpPost;
+
+#[cfg(feature = "runtime")]
+impl actors::publisher::SideChannelPost for HttpPost {
+    fn handshake(
+        &self,
+        addr: &str,
+        body: &str,
+        key: Option<&[u8]>,
+        timeout: std::time::Duration,
+        until: std::time::Instant,
+    ) -> std::io::Result<(u16, String)> {
+        side_channel_client::post_while_busy(
+            addr,
+            side_channel_client::HANDSHAKE_PATH,
+            body,
+            key,
+            timeout,
+            until,
+        )
+    }
+
+    fn cancel(
+        &self,
+        addr: &str,
+        body: &str,
+        key: Option<&[u8]>,
+        timeout: std::time::Duration,
+    ) -> std::io::Result<(u16, String)> {
+        side_channel_client::post(addr, side_channel_client::CANCEL_PATH, body, key, timeout)
+    }
+}
+
+#[cfg(feature = "runtime")]
+impl Runtime {
+    /// [`Runtime::start_with`] over the side channel's HTTP client
+    /// ([`HttpPost`]): how every rank starts its runtime.
+    pub fn start(
+        transport: std::sync::Arc<dyn Transport>,
+        local: KvLayout,
+        cfg: RuntimeConfig,
+    ) -> Result<Self, RuntimeError> {
+        Self::start_with(transport, local, cfg, std::sync::Arc::new(HttpPost))
+    }
+}

@@ -97,7 +97,13 @@ impl Rank {
             source_arena: None,
             decode_staged: Default::default(),
         });
-        let publisher = Arc::new(Publisher::new(1, None, Duration::from_secs(1), stats.clone()));
+        let publisher = Arc::new(Publisher::new(
+            1,
+            None,
+            Duration::from_secs(1),
+            stats.clone(),
+            Arc::new(orbitkv::HttpPost),
+        ));
         let directory = RequestDirectory::new(shared, cfg, router, tx, Default::default(), publisher).start();
         Self {
             directory,
@@ -143,7 +149,13 @@ fn start_consumer(
         notice_key(),
     );
     let fence = FenceTargets {
-        publisher: Arc::new(Publisher::new(1, None, Duration::from_secs(1), stats.clone())),
+        publisher: Arc::new(Publisher::new(
+            1,
+            None,
+            Duration::from_secs(1),
+            stats.clone(),
+            Arc::new(orbitkv::HttpPost),
+        )),
         capability: cap(),
         consumer_rank: 0,
         targets: Vec::new(),

@@ -695,12 +695,18 @@ impl RequestDirectory {
     /// is done with the request: a handshake that arrives once the group
     /// ended is answered `aborted` at once (its consumer fails now, not at
     /// its deadline), as for a request given up before it opened.
-    pub fn producer_release_unclaimed(&mut self, request: &RequestId, reason: String) -> Result<(), RuntimeError> {
+    pub fn producer_release_unclaimed(
+        &mut self,
+        request: &RequestId,
+        reason: String,
+    ) -> Result<(), RuntimeError> {
         let Some(group) = self.producers.get(request).filter(|g| g.live()) else {
             return Err(RuntimeError::UnknownRequest(request.0.clone()));
         };
         let capability = group.capability.clone();
-        group.send(ReleaseUnclaimed { reason: reason.clone() });
+        group.send(ReleaseUnclaimed {
+            reason: reason.clone(),
+        });
         let why = format!("prefill gave the request up: {reason}");
         if let Err(e) = self.pre_open.discard(request, &capability, why) {
             // no room to remember it: a late handshake waits for its deadline

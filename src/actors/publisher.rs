@@ -2,8 +2,10 @@
 //! prefill rank that sends to it, and a cancel to every one of them, from a
 //! few Rust threads — never from Python, so a worker whose GIL is held
 //! elsewhere (vLLM's CPU TP ranks spin in C++ while they wait for each
-//! other) still publishes its authorization at once. The HTTP is the side
-//! channel's client ([`crate::side_channel::client`]); what a prefill rank
+//! other) still publishes its authorization at once. How a POST reaches a
+//! prefill rank is given to the runtime ([`SideChannelPost`]: the side
+//! channel's HTTP client, `crate::side_channel_client::HttpPost`, is what
+//! `Runtime::start` passes): the actors know no HTTP. What a prefill rank
 //! answered goes back to the consumer actor that sent the POST.
 //!
 //! A handshake a prefill rank refused (any HTTP error: nothing was admitted)
@@ -30,8 +32,32 @@ use parking_lot::Mutex;
 use super::messages::RankEnded;
 use super::stats::Stats;
 use crate::ids::{Generation, ProducerRank, RequestId};
-use crate::side_channel_client::{post, post_while_busy, CANCEL_PATH, HANDSHAKE_PATH};
 use crate::wire::{Fence, Outcome};
+
+/// How the publisher's threads POST to a prefill rank's side channel at
+/// `addr`, signed with `key` when given, each try bounded by `timeout`:
+/// the answer's status and body, or why it was not delivered
+/// (`ConnectionRefused`: nothing listens there).
+pub trait SideChannelPost: Send + Sync + 'static {
+    /// A handshake, tried again while the rank answers `503` (busy: nothing
+    /// was admitted) until `until`; the last answer.
+    fn handshake(
+        &self,
+        addr: &str,
+        body: &str,
+        key: Option<&[u8]>,
+        timeout: Duration,
+        until: Instant,
+    ) -> std::io::Result<(u16, String)>;
+    /// A cancel (or a fence: a cancel naming a generation), once.
+    fn cancel(
+        &self,
+        addr: &str,
+        body: &str,
+        key: Option<&[u8]>,
+        timeout: Duration,
+    ) -> std::io::Result<(u16, String)>;
+}
 
 /// Where a handshake goes and whom to tell when it is refused.
 pub struct HandshakeJob {
@@ -71,16 +97,22 @@ pub struct Publisher {
 }
 
 impl Publisher {
-    pub fn new(threads: usize, key: Option<Arc<Vec<u8>>>, timeout: Duration, stats: Arc<Stats>) -> Self {
+    pub fn new(
+        threads: usize,
+        key: Option<Arc<Vec<u8>>>,
+        timeout: Duration,
+        stats: Arc<Stats>,
+        post: Arc<dyn SideChannelPost>,
+    ) -> Self {
         let (tx, rx): (Sender<Job>, Receiver<Job>) = crossbeam_channel::unbounded();
         let threads = (0..threads.max(1))
             .map(|i| {
-                let (rx, key, stats) = (rx.clone(), key.clone(), stats.clone());
+                let (rx, key, stats, post) = (rx.clone(), key.clone(), stats.clone(), post.clone());
                 std::thread::Builder::new()
                     .name(format!("orbitkv-publish-{i}"))
                     .spawn(move || {
                         for job in rx {
-                            run(job, key.as_deref().map(Vec::as_slice), timeout, &stats);
+                            run(&*post, job, key.as_deref().map(Vec::as_slice), timeout, &stats);
                         }
                     })
                     .expect("spawn a publisher thread")
@@ -127,16 +159,16 @@ impl Drop for Publisher {
     }
 }
 
-fn run(job: Job, key: Option<&[u8]>, timeout: Duration, stats: &Stats) {
+fn run(post: &dyn SideChannelPost, job: Job, key: Option<&[u8]>, timeout: Duration, stats: &Stats) {
     match job {
         Job::Cancel { addr, body } => {
-            if let Err(e) = post(&addr, CANCEL_PATH, &body, key, timeout) {
+            if let Err(e) = post.cancel(&addr, &body, key, timeout) {
                 tracing::warn!(%addr, "cancel not delivered: {e}");
             }
         }
         Job::Fence(j) => {
             stats.fences_sent.inc();
-            match post(&j.addr, CANCEL_PATH, &j.body, key, timeout) {
+            match post.cancel(&j.addr, &j.body, key, timeout) {
                 Ok((200, reply)) => match Fence::from_reply(&reply) {
                     Some(Fence::Fenced) => {
                         stats.ranks_fenced.inc();
@@ -164,7 +196,7 @@ fn run(job: Job, key: Option<&[u8]>, timeout: Duration, stats: &Stats) {
             }
         }
         Job::Handshake(j) => {
-            let answer = post_while_busy(&j.addr, HANDSHAKE_PATH, &j.body, key, timeout, j.retry_until);
+            let answer = post.handshake(&j.addr, &j.body, key, timeout, j.retry_until);
             let refused = match answer {
                 Ok((200, _)) => None,
                 Ok((status, reply)) => Some(format!("{} answered {status}: {}", j.addr, reply.trim())),

@@ -81,10 +81,14 @@ impl Runtime {
     /// subscriber: the embedding process may install OrbitKV's
     /// ([`crate::trace::install_global`]: stderr warnings, a Chrome trace of
     /// the actors); every runtime's shutdown then rewrites the trace file.
-    pub fn start(
+    /// `post`: how the decode side's publisher reaches a prefill rank's
+    /// side channel (`Runtime::start` passes the HTTP client,
+    /// `crate::HttpPost`; the actors know no HTTP).
+    pub fn start_with(
         transport: Arc<dyn Transport>,
         local: KvLayout,
         cfg: RuntimeConfig,
+        post: Arc<dyn super::publisher::SideChannelPost>,
     ) -> Result<Self, RuntimeError> {
         local.validate()?;
         check_staging_regions(&cfg)?;
@@ -135,6 +139,7 @@ impl Runtime {
             cfg.side_channel_key.clone(),
             cfg.publish_timeout,
             stats.clone(),
+            post,
         ));
         let local = Arc::new(local);
         let shared = Arc::new(ProducerShared {

@@ -71,10 +71,10 @@ pub enum Dropped {
 pub(crate) mod test_support {
     use std::sync::Arc;
 
+    use crate::ids::Generation;
     use crate::ids::{NoticeKey, RequestId, Sequence};
     use crate::layout::tests::layout;
     use crate::wire::{Handshake, WIRE_VERSION};
-    use crate::ids::Generation;
 
     pub(crate) fn rid() -> RequestId {
         RequestId::new("r1")
