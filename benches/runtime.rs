@@ -35,7 +35,7 @@ mod support;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
-use orbitkv::actors::gate::{GateCall, Mark};
+use orbitkv::actors::prefill::gate::{GateCall, Mark};
 
 /// A layer mark already reached (a CUDA event whose kernels ran): the GPU
 /// worker's path with the GPU ahead of nothing.

@@ -126,7 +126,7 @@ impl Sequence {
     }
 }
 
-/// The number of a layer mark (a recorded GPU event, `actors::gate`) that a
+/// The number of a layer mark (a recorded GPU event, `actors::prefill::gate`) that a
 /// write waits for before it is submitted; 0: none (the data is written).
 pub type MarkSeq = u64;
 

@@ -55,14 +55,14 @@ pub use transport::{BatchHandle, BatchState, EngineConfig, MooncakeTransferEngin
 pub use wire::{Cancel, Handshake, Notice, Outcome};
 
 /// The side channel's HTTP client ([`side_channel_client`]) as the
-/// publisher's [`actors::publisher::SideChannelPost`]: what
+/// publisher's [`actors::decode::publisher::SideChannelPost`]: what
 /// [`Runtime::start`] gives a runtime, whose actors know no HTTP.
 #[cfg(feature = "runtime")]
 #[derive(Debug, Clone, Copy, Default)]
 pub struct HttpPost;
 
 #[cfg(feature = "runtime")]
-impl actors::publisher::SideChannelPost for HttpPost {
+impl actors::decode::publisher::SideChannelPost for HttpPost {
     fn handshake(
         &self,
         addr: &str,

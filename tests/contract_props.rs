@@ -11,7 +11,7 @@
 //!
 //! The model does what the actors do with each effect: a `Submit` is planned
 //! into byte ranges by the actor's own planning function
-//! (`orbitkv::actors::producer::plan_submit`, which the producer actor calls
+//! (`orbitkv::actors::prefill::producer::plan_submit`, which the producer actor calls
 //! too; a refused plan becomes a failed write, an empty one a done write, as
 //! in `ProducerActor::apply`) and becomes an in-flight write in a pool the
 //! strategy picks from; a `Notify` becomes a pending notice that the
@@ -82,7 +82,7 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 
-use orbitkv::actors::producer::{plan_submit, Planned, SubmitSource};
+use orbitkv::actors::prefill::producer::{plan_submit, Planned, SubmitSource};
 use orbitkv::fsm::{
     ConsumerEffect, ConsumerEvent, ConsumerMachine, ConsumerPhase, Dropped, ProducerEffect, ProducerEvent,
     ProducerMachine, ProducerPhase, WriteId,

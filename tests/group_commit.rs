@@ -104,7 +104,7 @@ fn a_group_commit_ends_at_the_lanes_range_budget_and_says_so() {
 /// be polled, so a write behind it never joins a group commit early).
 struct Hand(crossbeam_channel::Receiver<()>);
 
-impl orbitkv::actors::gate::Mark for Hand {
+impl orbitkv::actors::prefill::gate::Mark for Hand {
     fn wait(&mut self) -> Result<(), String> {
         self.0
             .recv_timeout(Duration::from_secs(30))
@@ -114,7 +114,7 @@ impl orbitkv::actors::gate::Mark for Hand {
 
 #[test]
 fn a_group_commit_ends_at_a_layer_the_gpu_has_not_written_and_says_so() {
-    use orbitkv::actors::gate::GateCall;
+    use orbitkv::actors::prefill::gate::GateCall;
     let layout = KvLayout::packed(0x10_0000, 3, 8, 4096, (0, 1), 1);
     let cfg = RuntimeConfig {
         writer_lanes_per_peer: 1,

@@ -1,6 +1,6 @@
-//! A layer handed over on the caller's thread (`actors::producer`: the
+//! A layer handed over on the caller's thread (`actors::prefill::producer`: the
 //! producer actor's `LayerReady` run inline when nothing sent to it before
-//! is unhandled; `actors::writer`: the write submitted inline when its lane
+//! is unhandled; `actors::prefill::writer`: the write submitted inline when its lane
 //! is idle, the write waits for no mark and is small enough).
 //!
 //! Over the transport test double (`FakeTransport`, which counts submits
@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use orbitkv::actors::gate::{GateCall, Mark};
+use orbitkv::actors::prefill::gate::{GateCall, Mark};
 use orbitkv::testing::{block, capability as cap, host_rank, wait_for, wait_released, FakeTransport};
 use orbitkv::{KvLayout, Outcome, RequestId, Runtime, RuntimeConfig, RuntimeEvent};
 

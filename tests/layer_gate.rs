@@ -1,4 +1,4 @@
-//! The layer gate (`orbitkv::actors::gate`, `Runtime::layers_ready_after`)
+//! The layer gate (`orbitkv::actors::prefill::gate`, `Runtime::layers_ready_after`)
 //! against the real Mooncake engine on 127.0.0.1: a layer handed over with a
 //! mark is not written before the mark is reached (its layer writer waits),
 //! the request's finish waits for its layers, a mark that fails fails the
@@ -11,7 +11,7 @@
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, Sender};
-use orbitkv::actors::gate::{GateCall, Mark};
+use orbitkv::actors::prefill::gate::{GateCall, Mark};
 use orbitkv::{Outcome, RequestId, Runtime, RuntimeEvent};
 
 use orbitkv::testing::{block, host_rank as rank, HostRank as Rank};

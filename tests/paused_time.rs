@@ -13,14 +13,14 @@ use std::time::Duration;
 use actix::clock::Instant;
 use actix::prelude::*;
 use crossbeam_channel::Receiver;
-use orbitkv::actors::consumer::{ConsumerActor, FenceTargets};
+use orbitkv::actors::decode::consumer::{ConsumerActor, FenceTargets};
+use orbitkv::actors::decode::publisher::Publisher;
+use orbitkv::actors::decode::router::NotificationRouter;
 use orbitkv::actors::directory::{Call, RequestDirectory};
 use orbitkv::actors::messages::{ProducerEnded, ReleaseRequest};
-use orbitkv::actors::producer::ProducerShared;
-use orbitkv::actors::publisher::Publisher;
-use orbitkv::actors::router::NotificationRouter;
+use orbitkv::actors::prefill::producer::ProducerShared;
+use orbitkv::actors::prefill::writer::{spawn_poller, WriterPool};
 use orbitkv::actors::stats::Stats;
-use orbitkv::actors::writer::{spawn_poller, WriterPool};
 use orbitkv::fsm::ConsumerMachine;
 use orbitkv::testing::capability as cap;
 use orbitkv::transport::fake::FakeTransport;
@@ -75,7 +75,7 @@ impl Rank {
             transport,
             (
                 poll_tx,
-                Arc::new(orbitkv::actors::gate::LayerMarks::new(stats.clone())),
+                Arc::new(orbitkv::actors::prefill::gate::LayerMarks::new(stats.clone())),
             ),
             (cfg.write_timeout, cfg.quarantine),
             cfg.max_bytes_in_flight_per_peer,
@@ -135,7 +135,7 @@ impl Rank {
 fn start_consumer(
     request: &str,
     ranks: &[u32],
-    staging: Option<orbitkv::actors::consumer::ConsumerStaging>,
+    staging: Option<orbitkv::actors::decode::consumer::ConsumerStaging>,
 ) -> (Addr<ConsumerActor>, Arc<Stats>, Receiver<RuntimeEvent>) {
     let cfg = RuntimeConfig::default();
     let transport = Arc::new(FakeTransport::new("127.0.0.1:1"));
@@ -400,7 +400,7 @@ fn notice_key() -> orbitkv::NoticeKey {
 
 #[test]
 fn only_the_first_done_notice_of_an_expected_rank_says_what_to_scatter_and_the_grant_outlives_nothing() {
-    use orbitkv::actors::consumer::ConsumerStaging;
+    use orbitkv::actors::decode::consumer::ConsumerStaging;
     use orbitkv::actors::messages::NoticeArrived;
     use orbitkv::staging::arena::StagingArena;
     use orbitkv::staging::{staged_bytes, StagingGrant};

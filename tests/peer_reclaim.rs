@@ -2,7 +2,7 @@
 //! has written to: a peer whose writer lanes sat idle for
 //! `peer_idle_reclaim`, with no request holding them, has its lanes
 //! (threads) stopped and its transport state (a Mooncake segment) dropped
-//! (`actors::writer::WriterPool`).
+//! (`actors::prefill::writer::WriterPool`).
 //!
 //! Over the transport test double (`FakeTransport`: counts the peers it is
 //! told to forget, holds batches in flight on demand), and over the real

@@ -47,7 +47,7 @@ pub struct RuntimeConfig {
     pub inline_submit_max_ranges: usize,
     /// How often the router drains Mooncake's notifications while a
     /// consumer waits for one (below 1 ms on a thread of its own, which
-    /// parks while none waits; see [`super::router`]).
+    /// parks while none waits; see [`super::decode::router`]).
     pub notify_poll: Duration,
     /// Handshakes parked and cancels remembered before their request opened
     /// on this (prefill) side, all requests together; more are refused.
@@ -56,7 +56,7 @@ pub struct RuntimeConfig {
     /// are refused.
     pub max_parked_bytes: usize,
     /// Of `max_parked`, how many one source address (the side channel's
-    /// peer; an IPv6 one's /64) may hold (`super::preopen`); `None`: a
+    /// peer; an IPv6 one's /64) may hold (`super::prefill::preopen`); `None`: a
     /// quarter of `max_parked` ([`Self::parked_per_source`]).
     pub max_parked_per_source: Option<usize>,
     /// Of `max_parked_bytes`, how many one source address may hold;
@@ -111,7 +111,7 @@ impl RuntimeConfig {
     /// setting, else a quarter of `max_parked` (at least 1), at most
     /// `max_parked`.
     pub fn parked_per_source(&self) -> usize {
-        let share = self.max_parked / super::preopen::PER_SOURCE_SHARE;
+        let share = self.max_parked / super::prefill::preopen::PER_SOURCE_SHARE;
         self.max_parked_per_source
             .unwrap_or(share)
             .clamp(1, self.max_parked.max(1))
@@ -121,7 +121,7 @@ impl RuntimeConfig {
     /// else a quarter of `max_parked_bytes` (at least 1), at most
     /// `max_parked_bytes`.
     pub fn parked_bytes_per_source(&self) -> usize {
-        let share = self.max_parked_bytes / super::preopen::PER_SOURCE_SHARE;
+        let share = self.max_parked_bytes / super::prefill::preopen::PER_SOURCE_SHARE;
         self.max_parked_bytes_per_source
             .unwrap_or(share)
             .clamp(1, self.max_parked_bytes.max(1))

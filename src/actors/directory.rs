@@ -8,7 +8,7 @@
 //! caller needs, waits for it. One thing is published for others to read:
 //! the [`ProducerIndex`], request ID → the open producer group's members,
 //! which the façade looks layer hand-overs up in (they go to the producer
-//! actors themselves, see [`super::producer`]); the directory alone
+//! actors themselves, see [`super::prefill::producer`]); the directory alone
 //! publishes and withdraws its groups, in step with its own map, before it
 //! answers the call that changed it (the façade only reads it, and closes
 //! it at shutdown).
@@ -19,7 +19,7 @@
 //! [`PreOpen`], taken up by the open) or after it (the open group is
 //! aborted), never in between. The request actors it starts own each
 //! request's authorization, generation and expected producers
-//! ([`super::consumer`], [`super::producer`]); a producer group's releases
+//! ([`super::decode::consumer`], [`super::prefill::producer`]); a producer group's releases
 //! come back here ([`ProducerEnded`]) and leave as one
 //! `RuntimeEvent::ProducerReleased` once the last member released.
 
@@ -31,12 +31,12 @@ use actix::prelude::*;
 use crossbeam_channel::Sender;
 
 use super::config::RuntimeConfig;
-use super::consumer::{ConsumerActor, ConsumerStaging, FenceTargets, Published};
+use super::decode::consumer::{ConsumerActor, ConsumerStaging, FenceTargets, Published};
+use super::decode::publisher::Publisher;
+use super::decode::router::NotificationRouter;
 use super::messages::*;
-use super::preopen::{Parked, PreOpen, PreOpenLimits};
-use super::producer::{ProducerActor, ProducerRef, ProducerShared, SourceBlocks};
-use super::publisher::Publisher;
-use super::router::NotificationRouter;
+use super::prefill::preopen::{Parked, PreOpen, PreOpenLimits};
+use super::prefill::producer::{ProducerActor, ProducerRef, ProducerShared, SourceBlocks};
 use super::stats::Stats;
 use crate::error::{GeometryError, RuntimeError};
 use crate::fsm::ConsumerMachine;
@@ -521,7 +521,7 @@ impl RequestDirectory {
     /// cancel is a fence (rule 10), answered for that generation and the
     /// consumer's rank; without one it answers nothing.
     /// `source`: the peer it came from (its per-source budget,
-    /// `super::preopen`); `None`: the process itself.
+    /// `super::prefill::preopen`); `None`: the process itself.
     pub fn producer_cancel(
         &mut self,
         cancel: &Cancel,

@@ -3,34 +3,34 @@
 //! The rules of the safety contract live in [`crate::fsm`], a pure state
 //! machine under each request actor; the actors carry out its effects.
 //!
-//! * [`runtime::Runtime`]: the thread-safe façade the binding calls; it
-//!   keeps no per-request state.
-//! * [`directory`]: the `RequestDirectory`, the one actor that owns every
-//!   per-request map of a rank (consumer actors, producer groups, what
-//!   waits for its request to open).
-//! * [`consumer`]: `ConsumerActor` (decode side); [`producer`]: `ProducerActor` (prefill side).
-//! * [`writer`]: `LayerWriter` per peer, the completion poller.
-//! * [`router`]: the `NotificationRouter`.
-//! * [`publisher`]: the decode side's POSTs (handshakes, cancels, fences)
-//!   and what their answers end, over the side channel's HTTP client.
-//! * [`messages`]: every message, one struct each.
-//! * [`gate`]: the layer marks: a GPU layer's write is submitted by its
-//!   layer writer once the layer's kernels ran (a CUDA event), off any
-//!   Python lock; no thread of its own.
-//! * [`config`]: the runtime's settings and their checks.
+//! By role:
+//!
+//! * [`prefill`]: what sends. [`prefill::producer`]: `ProducerActor` (and
+//!   the layer pieces of its source staging); [`prefill::writer`]: the
+//!   `LayerWriter` lanes per peer and the completion poller;
+//!   [`prefill::gate`]: the layer marks (a GPU layer's write is submitted
+//!   once its kernels ran, a CUDA event; no thread of its own);
+//!   [`prefill::preopen`]: what waits for its request to open (handshakes,
+//!   cancels, discards), owned by the directory.
+//! * [`decode`]: what receives. [`decode::consumer`]: `ConsumerActor`;
+//!   [`decode::router`]: the `NotificationRouter`; [`decode::publisher`]:
+//!   the POSTs of handshakes, cancels and fences (through a
+//!   `SideChannelPost` the runtime is given: no HTTP here) and what their
+//!   answers end.
+//! * Shared: [`runtime::Runtime`], the thread-safe façade the binding calls
+//!   (no per-request state); [`directory`], the `RequestDirectory`, the one
+//!   actor that owns every per-request map of a rank, both sides;
+//!   [`messages`]: every message, one struct each (and the handles the
+//!   sides report through); [`config`]: the runtime's settings and their
+//!   checks; [`stats`]: the counters.
 
 pub mod config;
-pub mod consumer;
+pub mod decode;
 pub mod directory;
-pub mod gate;
 pub mod messages;
-pub mod preopen;
-pub mod producer;
-pub mod publisher;
-pub mod router;
+pub mod prefill;
 pub mod runtime;
 pub mod stats;
-pub mod writer;
 
 pub use config::RuntimeSettings;
 pub use messages::RuntimeEvent;

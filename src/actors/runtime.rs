@@ -13,14 +13,14 @@ use crossbeam_channel::{Receiver, Sender};
 
 pub use super::config::RuntimeConfig;
 use super::config::{check_staging_regions, invalid_argument, resolve_range_cap};
+use super::decode::publisher::{HandshakeJob, Publisher};
+use super::decode::router::NotificationRouter;
 use super::directory::{check_layer, Call, CancelReply, ProducerIndex, RequestDirectory};
-use super::gate::LayerMarks;
 use super::messages::*;
-use super::producer::{ProducerActor, ProducerShared};
-use super::publisher::{HandshakeJob, Publisher};
-use super::router::NotificationRouter;
+use super::prefill::gate::LayerMarks;
+use super::prefill::producer::{ProducerActor, ProducerShared};
+use super::prefill::writer::{spawn_poller, PollJob, WriterPool};
 use super::stats::{Stats, StatsSnapshot};
-use super::writer::{spawn_poller, PollJob, WriterPool};
 use crate::error::{GeometryError, RuntimeError};
 use crate::fsm::ConsumerMachine;
 use crate::ids::{Capability, Generation, MarkSeq, NoticeKey, RequestId, Sequence};
@@ -88,7 +88,7 @@ impl Runtime {
         transport: Arc<dyn Transport>,
         local: KvLayout,
         cfg: RuntimeConfig,
-        post: Arc<dyn super::publisher::SideChannelPost>,
+        post: Arc<dyn super::decode::publisher::SideChannelPost>,
     ) -> Result<Self, RuntimeError> {
         local.validate()?;
         check_staging_regions(&cfg)?;
@@ -570,7 +570,7 @@ impl Runtime {
             .producers
             .live_group(request)
             .ok_or_else(|| RuntimeError::UnknownRequest(request.0.clone()))?;
-        Ok(super::producer::stage_layer(&group, layer, blocks)?)
+        Ok(super::prefill::producer::stage_layer(&group, layer, blocks)?)
     }
 
     /// Prefill side: whether vLLM may free `request`'s pages now, before its
@@ -591,7 +591,7 @@ impl Runtime {
             .producers
             .live_group(request)
             .ok_or_else(|| RuntimeError::UnknownRequest(request.0.clone()))?;
-        Ok(super::producer::give_back_pages(&group))
+        Ok(super::prefill::producer::give_back_pages(&group))
     }
 
     /// The consumer gave up `request` (e.g. the client went away) before it
@@ -618,7 +618,7 @@ impl Runtime {
     /// [`Self::producer_cancel`] of a cancel that came from `source` (the
     /// side channel's peer): a cancel remembered before its request opens
     /// is charged to that address's share of the pre-open table
-    /// ([`crate::actors::preopen`]), `Overloaded` beyond it. `None`: the
+    /// ([`crate::actors::prefill::preopen`]), `Overloaded` beyond it. `None`: the
     /// process itself (the table's budget only).
     pub fn producer_cancel_from(
         &self,
@@ -685,7 +685,7 @@ impl Runtime {
             .producers
             .live_group(request)
             .ok_or_else(|| RuntimeError::UnknownRequest(request.0.clone()))?;
-        Ok(super::producer::gather_order(&group, blocks, pinned))
+        Ok(super::prefill::producer::gather_order(&group, blocks, pinned))
     }
 
     /// Admits a consumer's handshake: validated strictly, checked against
@@ -700,7 +700,7 @@ impl Runtime {
     /// [`Self::producer_handshake`] of a handshake that came from `source`
     /// (the side channel's peer): parked before its request opens, it is
     /// charged to that address's share of the pre-open table
-    /// ([`crate::actors::preopen`]), `Overloaded` beyond it. `None`: the
+    /// ([`crate::actors::prefill::preopen`]), `Overloaded` beyond it. `None`: the
     /// process itself (the table's budget only).
     pub fn producer_handshake_from(
         &self,
@@ -768,7 +768,7 @@ impl Runtime {
     /// `(request, blocks)`, whose kernels were launched before mark `after`
     /// (0: written already). Each member of the request's open group that
     /// is idle runs it on this thread
-    /// ([`ProducerRef::try_layer_ready_inline`], see [`super::producer`]);
+    /// ([`ProducerRef::try_layer_ready_inline`], see [`super::prefill::producer`]);
     /// a busy one is sent it as a message, as `busy` says. Returns the
     /// requests it could not hand the layer to, each with its error.
     fn hand_over(
@@ -853,14 +853,14 @@ impl Runtime {
     /// finish). Numbers the mark and hands the calls to the producers, in
     /// order after every call before, without waiting; each write is
     /// submitted by its layer writer once the mark was reached
-    /// (`super::gate`). A request released meanwhile is skipped; a mark
+    /// (`super::prefill::gate`). A request released meanwhile is skipped; a mark
     /// whose wait fails fails the writes that wait for it.
     pub fn layers_ready_after(
         &self,
-        mark: Option<Box<dyn super::gate::Mark>>,
-        calls: Vec<super::gate::GateCall>,
+        mark: Option<Box<dyn super::prefill::gate::Mark>>,
+        calls: Vec<super::prefill::gate::GateCall>,
     ) {
-        use super::gate::GateCall;
+        use super::prefill::gate::GateCall;
         let after = mark.map_or(0, |m| self.marks.push(m));
         for call in calls {
             let known = match call {
@@ -924,13 +924,13 @@ impl Runtime {
         let mark = events.record(stream)?;
         let calls = chunks
             .into_iter()
-            .map(|(request, blocks)| super::gate::GateCall::Ready {
+            .map(|(request, blocks)| super::prefill::gate::GateCall::Ready {
                 request,
                 layer,
                 blocks,
             })
             .collect();
-        self.layers_ready_after(Some(Box::new(mark) as Box<dyn super::gate::Mark>), calls);
+        self.layers_ready_after(Some(Box::new(mark) as Box<dyn super::prefill::gate::Mark>), calls);
         Ok(())
     }
 
@@ -944,7 +944,7 @@ impl Runtime {
         }
         self.layers_ready_after(
             None,
-            vec![super::gate::GateCall::Finish {
+            vec![super::prefill::gate::GateCall::Finish {
                 request: request.clone(),
             }],
         );
@@ -952,7 +952,7 @@ impl Runtime {
     }
 
     /// The layer marks (for tests and benchmarks: what was reached).
-    pub fn layer_marks(&self) -> &super::gate::LayerMarks {
+    pub fn layer_marks(&self) -> &super::prefill::gate::LayerMarks {
         &self.marks
     }
 

@@ -5,7 +5,7 @@
 //! HTTP over `std::net`: it knows nothing of the actors or of the server
 //! ([`crate::side_channel`], which serves these paths on a prefill rank and
 //! checks these signatures). Its users: the decode side's publisher
-//! ([`crate::actors::publisher`], which reports what a prefill rank
+//! ([`crate::actors::decode::publisher`], which reports what a prefill rank
 //! answered to the consumer that sent it) and Python's
 //! `orbitkv.vllm.side_channel` (through the binding's `side_channel_post`).
 

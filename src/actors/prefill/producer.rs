@@ -27,9 +27,9 @@ use actix::prelude::*;
 use parking_lot::Mutex;
 use tracing::Span;
 
-use super::messages::*;
-use super::stats::Stats;
 use super::writer::WriterPool;
+use crate::actors::messages::*;
+use crate::actors::stats::Stats;
 use crate::fsm::*;
 use crate::ids::{Generation, ProducerRank, RequestId};
 use crate::layout::HOLE;
@@ -37,7 +37,7 @@ use crate::layout::{plan_write, KvLayout};
 use crate::staging::{GivenPiece, LayerSource, SharedArena, SourceKind, StagedPlan};
 use crate::wire::{Handshake, Notice, WIRE_VERSION};
 
-pub use super::messages::EXPIRED;
+pub use crate::actors::messages::EXPIRED;
 
 /// Why a write was not submitted after the prefill's pages went back to
 /// vLLM ([`give_back_pages`]): its layer has no piece (a newer
@@ -319,7 +319,7 @@ impl SourceBlocks {
 
     /// Stages request blocks by layer from `arena`, for a group of
     /// `members` producers.
-    pub(super) fn stage_by_layer(&self, arena: SharedArena, members: u32) {
+    pub(in crate::actors) fn stage_by_layer(&self, arena: SharedArena, members: u32) {
         let mut p = self.0.pieces.lock();
         p.arena = Some(arena);
         p.members = members.max(1);
@@ -456,7 +456,7 @@ impl SourceBlocks {
 
     /// The group ended: every piece goes back (no write is in flight any
     /// more), and none is given from now on.
-    pub(super) fn close(&self) {
+    pub(in crate::actors) fn close(&self) {
         self.0.pieces.lock().close();
     }
 
@@ -472,7 +472,7 @@ impl SourceBlocks {
     /// Appends `more` (a block table of `groups` equal segments, like the
     /// list: each segment goes after the same group's) if the whole list
     /// then passes `check`; unchanged if not.
-    pub(super) fn try_append<E>(
+    pub(in crate::actors) fn try_append<E>(
         &self,
         more: &[u32],
         groups: u32,

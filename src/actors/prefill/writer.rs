@@ -22,8 +22,8 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
 use super::gate::LayerMarks;
-use super::messages::{BatchFinished, LayerWriteFailed, LayerWritten, SendNotice, WriteLayer};
-use super::stats::Stats;
+use crate::actors::messages::{BatchFinished, LayerWriteFailed, LayerWritten, SendNotice, WriteLayer};
+use crate::actors::stats::Stats;
 use crate::transport::{BatchHandle, BatchState, Transport};
 use crate::wire::Notice;
 use crate::wire::NOTIFY_NAME;
@@ -167,7 +167,7 @@ struct Job {
     failed: Option<String>,
     /// The consumer's deadline (0: none): nothing is submitted after it.
     expires_unix_ms: u64,
-    reply_to: super::messages::ReplyTo,
+    reply_to: crate::actors::messages::ReplyTo,
     /// The write in flight, for the trace (closed when the job ends).
     span: tracing::Span,
     /// When the writer took the write.
@@ -350,7 +350,7 @@ impl LaneCell {
             {
                 // Queued past the consumer's deadline: it failed the request
                 // and may reuse the blocks once its quarantine passes.
-                job.failed = Some(super::messages::EXPIRED.into());
+                job.failed = Some(crate::actors::messages::EXPIRED.into());
             }
             if job.failed.is_none() && job.next < job.ranges.len() && st.pending.len() >= BATCHES_PER_LANE {
                 // One batch at a time per lane: what queues meanwhile goes

@@ -29,8 +29,8 @@ use actix::Recipient;
 use crossbeam_channel::{Receiver, Sender};
 use parking_lot::Mutex;
 
-use super::messages::RankEnded;
-use super::stats::Stats;
+use crate::actors::messages::RankEnded;
+use crate::actors::stats::Stats;
 use crate::ids::{Generation, ProducerRank, RequestId};
 use crate::wire::{Fence, Outcome};
 

@@ -30,7 +30,7 @@ use std::time::Instant;
 
 use parking_lot::Mutex;
 
-use super::stats::Stats;
+use crate::actors::stats::Stats;
 use crate::ids::RequestId;
 
 /// Something to wait for before a layer may be sent.

@@ -11,10 +11,10 @@ use actix::prelude::*;
 use crossbeam_channel::Sender;
 use tracing::Span;
 
-use super::messages::*;
 use super::publisher::{FenceJob, Publisher};
 use super::router::NotificationRouter;
-use super::stats::Stats;
+use crate::actors::messages::*;
+use crate::actors::stats::Stats;
 use crate::fsm::*;
 use crate::ids::{Capability, ProducerRank};
 use crate::staging::{staged_units, SharedArena, StagedKv, StagingGrant};

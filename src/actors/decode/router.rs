@@ -25,8 +25,8 @@ use std::time::Duration;
 use actix::prelude::*;
 use actix::WeakAddr;
 
-use super::messages::{NoticeArrived, NotificationsTaken, RegisterConsumer, UnregisterConsumer};
-use super::stats::Stats;
+use crate::actors::messages::{NoticeArrived, NotificationsTaken, RegisterConsumer, UnregisterConsumer};
+use crate::actors::stats::Stats;
 use crate::ids::{Generation, RequestId};
 use crate::transport::Transport;
 use crate::wire::{Notice, NOTIFY_NAME};
