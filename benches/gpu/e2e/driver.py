@@ -2817,13 +2817,18 @@ def report(d: Path) -> str:
             per_range = f"{1e6 * c(pre, 'write_submit_seconds') / ranges:.1f}" if ranges else "-"
             staging = (f"{c(pre, 'layers_staged'):.0f} / {c(dec or {}, 'staging_granted'):.0f} / "
                        f"{c(dec or {}, 'staging_exhausted'):.0f}" if has("layers_staged") else "-")
+            # the layer pieces' reach: layers of a chunk that found no room in
+            # the source region, and requests whose pages went back to vLLM
+            # before their writes (37f6a3b)
+            pieces = (f"{c(pre, 'source_staging_full'):.0f} / {c(pre, 'producer_pages_given_back'):.0f}"
+                      if has("producer_pages_given_back") else "-")
             rows.append(f"| {system} | {items:.0f} | {per(c(pre, 'ready_lag_seconds'), items)} | {batches:.0f} | "
                         f"{grouped:.0f} | {stops} | "
                         f"{(ranges / batches if batches else 0):.0f} | {(nbytes / ranges / 1024 if ranges else 0):.0f} | "
                         f"{per(c(pre, 'write_submit_seconds'), batches)} | {per_range} | "
                         f"{per(c(pre, 'write_batch_seconds'), batches)} | "
                         f"{lw:.0f} | {per(c(pre, 'layer_write_seconds'), lw)} | {queued} | {on_gpu} | {staging} | "
-                        f"{done:.0f} | {per(c(dec or {}, 'transfer_seconds'), done)} |")
+                        f"{pieces} | {done:.0f} | {per(c(dec or {}, 'transfer_seconds'), done)} |")
         if rows:
             lines += ["OrbitKV's counters over the whole system run (mean ms): a step's layer launched → admitted "
                       "(GPU lag + gate), Mooncake submit call, batch submitted → ended, layer write admitted → "
@@ -2831,12 +2836,13 @@ def report(d: Path) -> str:
                       "complete; group commits ended by the lane's budget / at a layer the GPU had not written; "
                       "the submit call per range in µs; seconds the writer lanes spent blocked on the GPU, all "
                       "lanes together; staging: layers written from source staging / decode's grants / requests "
-                      "that found decode's staging full.", "",
+                      "that found decode's staging full; pieces: layers of a chunk that found no room in the source "
+                      "region / requests whose pages went back to vLLM before their writes.", "",
                       "| system | layers admitted | launched → admitted | batches | writes grouped | stops: budget / GPU "
                       "| ranges per batch | KiB per range | submit call | submit per range, µs | batch | layer writes | "
-                      "layer write | queued | lanes on GPU, s | staging: layers / grants / full | transfers | "
-                      "authorized → complete |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
+                      "layer write | queued | lanes on GPU, s | staging: layers / grants / full | "
+                      "pieces: no room / pages back | transfers | authorized → complete |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
         rows = []
         for system, sr in r.get("systems", {}).items():
             mt = sr.get("mc_transfer_metrics")
