@@ -134,12 +134,6 @@ def test_pd_equals_single_engine(cluster: Cluster, n: int) -> None:
         to_pages = "vllm:orbitkv_layers_staged_to_pages_total"
         if n <= 1000:
             assert after_p.get(to_pages, 0) > before_p.get(to_pages, 0), "no layer went from staging into pages"
-            # every layer in a layer piece and a decode that takes them seen
-            # (by the warm requests at the latest): the prefill's pages went
-            # back to vLLM before the writes, and decode's answers above
-            # still equal one engine's
-            back = "vllm:orbitkv_producer_pages_given_back_total"
-            assert after_p.get(back, 0) > before_p.get(back, 0), "no prefill's pages went back before its writes"
         assert after_d.get("vllm:orbitkv_staging_granted_total", 0) == 0, "decode granted staging by default"
     cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
 
@@ -162,6 +156,41 @@ def test_pd_text_prompts_and_streaming(cluster: Cluster) -> None:
 def test_pd_concurrent_requests(cluster: Cluster) -> None:
     """Several P/D requests at once (batched on both instances)."""
     run_concurrently(cluster, cluster.proxy_url, "concurrent")
+
+
+PAGES_BACK = "vllm:orbitkv_producer_pages_given_back_total"
+
+
+def test_a_finished_prefill_gives_its_pages_back_before_its_decode_claims_it(cluster: Cluster) -> None:
+    """The defaults (layer pieces): a prefill half sent alone (vLLM's
+    two-stage flow) whose every layer is in a layer piece gives its KV
+    pages back to vLLM once it finished, before its decode half even
+    arrives (this prefill has seen a decode that takes pieces); the decode
+    half sent afterwards gets the KV from the pieces and answers as one
+    engine does."""
+    if STAGING:
+        pytest.skip("a staging size set by hand (this module's run on vLLM 0.26) keeps whole stagings, "
+                    "which hold the pages; CI's run on the newest vLLM has the defaults")
+    warm = fresh_prompt(200)
+    assert pd(cluster, warm).token_ids == baseline(cluster, warm)  # a decode that takes pieces
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
+    before_p, before_d = snapshot(cluster, "prefill"), snapshot(cluster, "decode")
+    prompt = fresh_prompt(600)  # two chunks: a block shared by both
+    half = complete(cluster.prefill_url, prompt, 1, timeout_s=tc.REQ_TIMEOUT_S,
+                    kv_transfer_params={"do_remote_decode": True})
+    assert half.status == 200, half.error
+    params = (half.body or {}).get("kv_transfer_params")
+    assert params, f"the prefill half carried no kv_transfer_params: {half.body}"
+    # no decode has claimed it: its blocks are back all the same
+    wait_until(
+        lambda: (lambda m: m.get(PAGES_BACK, 0) > before_p.get(PAGES_BACK, 0)
+                 and m.get("vllm:kv_cache_usage_perc", 1) == 0)(snapshot(cluster, "prefill")),
+        30, "the prefill to give its pages back before the decode half came", [cluster.procs["prefill"]])
+    assert snapshot(cluster, "decode")[Metric.COMPLETED] == before_d[Metric.COMPLETED]
+    c = complete(cluster.decode_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S, kv_transfer_params=params)
+    assert ok(c, "the decode half").token_ids == baseline(cluster, prompt)
+    assert snapshot(cluster, "decode")[Metric.COMPLETED] - before_d[Metric.COMPLETED] == 1, "a double prefill"
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
 
 
 # ---- (a2) the same P/D through vllm-router --------------------------------------
