@@ -18,7 +18,7 @@ use orbitkv::layout::{TokenOrder, TokenPart};
 use orbitkv::staging::LayerSource;
 use orbitkv::testing::{capability, held_fake_pair, wait_released};
 use orbitkv::transport::fake::FakeTransport;
-use orbitkv::{KvLayout, Outcome, RequestId, RuntimeConfig, RuntimeError, WriteRange};
+use orbitkv::{KvLayout, Outcome, PagesBack, RequestId, RuntimeConfig, RuntimeError, WriteRange};
 
 const LAYERS: u32 = 2;
 const BLOCKS: u32 = 32;
@@ -237,18 +237,18 @@ fn a_layer_without_room_is_written_from_the_pages_and_a_release_gives_every_piec
 /// producer on its own thread), or fails after 5 s.
 fn wait_given_back(rt: &orbitkv::Runtime, req: &RequestId) {
     let until = Instant::now() + Duration::from_secs(5);
-    while !rt.producer_give_back_pages(req).unwrap() {
+    while !rt.producer_give_back_pages(req).unwrap().gone() {
         assert!(Instant::now() < until, "{req:?}: pages never given back");
         std::thread::sleep(Duration::from_millis(1));
     }
 }
 
 /// Asks for 200 ms (the finish had time to arrive) that `req`'s pages
-/// never go.
-fn never_given_back(rt: &orbitkv::Runtime, req: &RequestId, why: &str) {
+/// do not go, the runtime saying `expect` each time.
+fn never_given_back(rt: &orbitkv::Runtime, req: &RequestId, expect: PagesBack, why: &str) {
     let until = Instant::now() + Duration::from_millis(200);
     while Instant::now() < until {
-        assert!(!rt.producer_give_back_pages(req).unwrap(), "{why}");
+        assert_eq!(rt.producer_give_back_pages(req).unwrap(), expect, "{why}");
         std::thread::sleep(Duration::from_millis(5));
     }
 }
@@ -280,7 +280,11 @@ fn stage_all(
 fn one_staged_request(producer: &orbitkv::Runtime, consumer: &orbitkv::Runtime, wire: &FakeTransport) {
     let req = RequestId::new("first");
     open_by_layer(producer, consumer, &req, &[0, 1], &[30, 31]);
-    assert!(!producer.producer_give_back_pages(&req).unwrap(), "not finished");
+    assert_eq!(
+        producer.producer_give_back_pages(&req).unwrap(),
+        PagesBack::NotYet,
+        "not finished"
+    );
     stage_all(producer, &req, 0..2);
     producer.producer_finish(&req).unwrap();
     wire.hold(false);
@@ -306,15 +310,16 @@ fn pages_go_back_before_decode_authorized_and_every_write_then_reads_its_piece()
     open(&cold);
     stage_all(&producer, &cold, 0..6);
     producer.producer_finish(&cold).unwrap();
-    never_given_back(&producer, &cold, "no decode seen yet");
+    never_given_back(&producer, &cold, PagesBack::NotYet, "no decode seen yet");
     producer.producer_abort(&cold, "done with it").unwrap();
     wait_released(&producer, &cold);
     one_staged_request(&producer, &consumer, &wire);
 
     open(&req);
     let mut pieces = stage_all(&producer, &req, 0..6);
-    assert!(
-        !producer.producer_give_back_pages(&req).unwrap(),
+    assert_eq!(
+        producer.producer_give_back_pages(&req).unwrap(),
+        PagesBack::NotYet,
         "vLLM may still hand layers over: not finished"
     );
     producer.producer_add_blocks(&req, src[6..].to_vec()).unwrap();
@@ -322,7 +327,11 @@ fn pages_go_back_before_decode_authorized_and_every_write_then_reads_its_piece()
     pieces.extend(stage_all(&producer, &req, 5..12));
     producer.producer_finish(&req).unwrap();
     wait_given_back(&producer, &req);
-    assert!(producer.producer_give_back_pages(&req).unwrap(), "asked again");
+    assert_eq!(
+        producer.producer_give_back_pages(&req).unwrap(),
+        PagesBack::Before,
+        "asked again"
+    );
     assert_eq!(producer.stats().producer_pages_given_back, 1, "counted once");
     // decode authorizes only now: every write reads its own piece
     let dst: Vec<u32> = (20..32).collect();
@@ -386,7 +395,12 @@ fn pages_stay_while_a_layer_has_no_piece_and_a_decode_that_cannot_take_pieces_fa
     assert!(producer.producer_stage_layer(&req, 1, 4..8).unwrap().is_none());
     producer.layer_ready(&req, 1, 4..8).unwrap();
     producer.producer_finish(&req).unwrap();
-    never_given_back(&producer, &req, "layer 1 of 4..8 reads the pages");
+    never_given_back(
+        &producer,
+        &req,
+        PagesBack::NotYet,
+        "layer 1 of 4..8 reads the pages",
+    );
     assert_eq!(producer.stats().producer_pages_given_back, 0);
     let before = wire.submitted().len();
     let hs = consumer
@@ -452,6 +466,28 @@ fn pages_stay_while_a_layer_has_no_piece_and_a_decode_that_cannot_take_pieces_fa
     never_given_back(
         &producer,
         &req,
+        PagesBack::NotYet,
         "a decode that cannot take pieces was seen: the pages wait for the authorization",
+    );
+    // that authorization cannot take the pieces either: only the release
+    // frees the pages, and the worker need not ask again
+    wire.hold(true);
+    let hs = odd
+        .consumer_open_tokens(req.clone(), capability(), 0, vec![5, 6], 1, 4 * 16)
+        .unwrap();
+    producer.producer_handshake(hs).unwrap();
+    never_given_back(
+        &producer,
+        &req,
+        PagesBack::Never,
+        "decode's authorization is written from the pages",
+    );
+    wire.hold(false);
+    let (outcome, why) = wait_released(&producer, &req);
+    assert_eq!(outcome, Outcome::Done, "{why:?}");
+    assert_eq!(
+        producer.stats().producer_pages_given_back,
+        1,
+        "only the request before the odd decode"
     );
 }

@@ -260,3 +260,28 @@ pub enum RuntimeEvent {
         reason: Option<String>,
     },
 }
+
+/// Whether a request's prefill pages may go back to vLLM before its writes
+/// ended (`Runtime::producer_give_back_pages`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PagesBack {
+    /// Given up by this call: nothing reads them from now on.
+    Now,
+    /// Given up by an earlier call.
+    Before,
+    /// Still read or may be (a member not finished, a layer without a piece
+    /// not written yet, a write reading them now, decode's authorization not
+    /// known and not every one so far took the pieces): ask again later.
+    NotYet,
+    /// Never before the release: the request is not staged by layer, was
+    /// released, its group ended, or a member's authorization (final once
+    /// it finished) is written from the pages. Asking again is pointless.
+    Never,
+}
+
+impl PagesBack {
+    /// Whether the pages are given up (now or before).
+    pub fn gone(self) -> bool {
+        matches!(self, Self::Now | Self::Before)
+    }
+}

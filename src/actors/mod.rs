@@ -33,6 +33,6 @@ pub mod runtime;
 pub mod stats;
 
 pub use config::RuntimeSettings;
-pub use messages::RuntimeEvent;
+pub use messages::{PagesBack, RuntimeEvent};
 pub use runtime::{Runtime, RuntimeConfig};
 pub use stats::StatsSnapshot;

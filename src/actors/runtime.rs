@@ -582,11 +582,13 @@ impl Runtime {
     /// staging, fails, and decode recomputes); each piece still goes back
     /// once its writes ended. Given back only while every decode
     /// authorization this runtime has seen took the pieces (one at least):
-    /// before decode authorized, that is the evidence it can. Asked again:
-    /// `true`. `false`: the pages are still needed; ask again later (the
-    /// release frees them as before). A request not open here:
+    /// before decode authorized, that is the evidence it can.
+    /// [`PagesBack::Now`] the first time, [`PagesBack::Before`] when asked
+    /// again; [`PagesBack::NotYet`]: ask again later; [`PagesBack::Never`]:
+    /// only the release frees them (not staged by layer, or decode's
+    /// authorization is written from the pages). A request not open here:
     /// `UnknownRequest`.
-    pub fn producer_give_back_pages(&self, request: &RequestId) -> Result<bool, RuntimeError> {
+    pub fn producer_give_back_pages(&self, request: &RequestId) -> Result<PagesBack, RuntimeError> {
         let group = self
             .producers
             .live_group(request)

@@ -14,7 +14,8 @@ use std::time::Duration;
 
 use orbitkv::staging::{source_group, units as staging_units, SourceStaging, StagedOrder};
 use orbitkv::{
-    Cancel, Capability, KvLayout, Outcome, RequestId, Runtime, RuntimeError, RuntimeEvent, RuntimeSettings,
+    Cancel, Capability, KvLayout, Outcome, PagesBack, RequestId, Runtime, RuntimeError, RuntimeEvent,
+    RuntimeSettings,
 };
 use parking_lot::RwLock;
 use pyo3::prelude::*;
@@ -784,14 +785,22 @@ impl PyRuntime {
     /// Prefill side: whether vLLM may free the pages of `request_id` (opened
     /// with `stage_by_layer`, finished) now, before its writes ended: every
     /// layer of every chunk is in a layer piece or at decode already, and
-    /// no write reads the pages. `True`: given up for good (nothing reads
-    /// them any more; each piece goes back once its writes ended); `False`: ask
-    /// again later, or wait for the release as usual.
-    fn producer_give_back_pages(&self, py: Python<'_>, request_id: &str) -> PyResult<bool> {
+    /// no write reads the pages. `"now"`: given up for good by this call
+    /// (nothing reads them any more; each piece goes back once its writes
+    /// ended); `"before"`: by an earlier call; `"not_yet"`: ask again later;
+    /// `"never"`: only the release frees them (do not ask again).
+    fn producer_give_back_pages(&self, py: Python<'_>, request_id: &str) -> PyResult<&'static str> {
         let rt = self.rt(py)?;
         let request = RequestId::new(request_id);
-        py.detach(move || rt.producer_give_back_pages(&request))
-            .map_err(|e| runtime_error(py, e))
+        let back = py
+            .detach(move || rt.producer_give_back_pages(&request))
+            .map_err(|e| runtime_error(py, e))?;
+        Ok(match back {
+            PagesBack::Now => "now",
+            PagesBack::Before => "before",
+            PagesBack::NotYet => "not_yet",
+            PagesBack::Never => "never",
+        })
     }
 
     /// Prefill side: stop; writes in flight still drain, then the consumer is

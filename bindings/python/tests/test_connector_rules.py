@@ -963,26 +963,28 @@ def test_staged_by_layer_each_layer_is_gathered_into_the_piece_the_runtime_gives
 
 class PagesBackRuntime(PiecesRuntime):
     """`PiecesRuntime` that lets `pd-1`'s pages go as soon as it is asked,
-    `pd-2`'s never (a layer found no room), and no longer knows `pd-3`."""
+    `pd-2`'s not yet (a layer found no room), `pd-4`'s never (its decode's
+    authorization is written from the pages), and no longer knows `pd-3`."""
 
-    def producer_give_back_pages(self, request_id: str) -> bool:
+    def producer_give_back_pages(self, request_id: str) -> str:
         self.calls.append(("producer_give_back_pages", request_id))
         if request_id == "pd-3":
             raise orbitkv.UnknownRequestError(request_id)
-        return request_id == "pd-1"
+        return {"pd-1": "now", "pd-4": "never"}.get(request_id, "not_yet")
 
 
 def test_a_request_whose_pages_went_back_is_reported_sent_at_once_and_once(worker: PdWorker) -> None:
-    """vLLM finished three requests staged by layer: the one whose pages the
+    """vLLM finished four requests staged by layer: the one whose pages the
     runtime lets go is reported as sent at once, before its release, and not
     again at the release; the others are reported at their release as
-    before; nothing is asked before vLLM finished a request, nor after."""
+    before; nothing is asked before vLLM finished a request, nor after, nor
+    again once the runtime said never."""
     rt = worker.runtime = PagesBackRuntime()  # type: ignore[assignment]
     worker._copier = PieceCopier([])  # type: ignore[assignment]
     worker._by_layer = True
     worker._heads = (False, 2)
     worker._layer_index = {"layer.0": 0, "layer.1": 1}
-    chunks = [ProducerChunk(f"p{i}", f"pd-{i}", CAP, 1, True, [10 * i, 10 * i + 1], 0, 2, True, 2) for i in (1, 2, 3)]
+    chunks = [ProducerChunk(f"p{i}", f"pd-{i}", CAP, 1, True, [10 * i, 10 * i + 1], 0, 2, True, 2) for i in (1, 2, 3, 4)]
     worker.start_load_kv(PdConnectorMetadata(producer_chunks=chunks))
     worker.save_kv_layer("layer.0", None)  # type: ignore[arg-type]
     worker.save_kv_layer("layer.1", None)  # type: ignore[arg-type]
@@ -991,13 +993,13 @@ def test_a_request_whose_pages_went_back_is_reported_sent_at_once_and_once(worke
     assert worker.get_finished() == (None, None)
     assert asked() == [], "vLLM did not finish them yet"
     worker.start_load_kv(PdConnectorMetadata(
-        producers_end=[RequestEnd(f"p{i}", f"pd-{i}", False, "done", report=True) for i in (1, 2, 3)]))
+        producers_end=[RequestEnd(f"p{i}", f"pd-{i}", False, "done", report=True) for i in (1, 2, 3, 4)]))
     assert worker.get_finished() == ({"p1"}, None)
-    assert sorted(asked()) == ["pd-1", "pd-2", "pd-3"]
+    assert sorted(asked()) == ["pd-1", "pd-2", "pd-3", "pd-4"]
     assert worker.draining() == 1, "its writes still go out of the pieces"
     rt.calls.clear()
     assert worker.get_finished() == (None, None)
-    assert sorted(asked()) == ["pd-2", "pd-3"], "pd-1's pages are back: not asked again"
+    assert sorted(asked()) == ["pd-2", "pd-3"], "pd-1's pages are back, pd-4's never go: not asked again"
     # out of the scheduler's unclaimed count now: the claim deadline is the
     # worker's, asked once (a claimed producer ignores it)
     unclaimed = lambda: [c[1:] for c in rt.calls if c[0] == "producer_release_unclaimed"]  # noqa: E731
@@ -1006,10 +1008,10 @@ def test_a_request_whose_pages_went_back_is_reported_sent_at_once_and_once(worke
     assert worker.get_finished() == (None, None)
     assert worker.get_finished() == (None, None)
     assert unclaimed() == [("pd-1", "no decode claimed it within orbitkv.pd.claim_timeout_s (0s)")]
-    for i in (1, 2, 3):
+    for i in (1, 2, 3, 4):
         rt.events.append(ev("producer_released", f"pd-{i}", outcome="done"))
     rt.calls.clear()
-    assert worker.get_finished() == ({"p2", "p3"}, None), "p1 was reported already"
+    assert worker.get_finished() == ({"p2", "p3", "p4"}, None), "p1 was reported already"
     assert asked() == []
     assert worker.draining() == 0
     assert worker.get_finished() == (None, None)

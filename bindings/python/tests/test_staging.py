@@ -378,14 +378,15 @@ def test_pages_go_back_before_decode_authorized_and_decode_gets_the_kv_they_held
         p.runtime.producer_open("early", src[:5], CAP, 1, staging_group=p.runtime.staging_group(1),
                                 stage_by_layer=True)
         stage_chunks(p, "early", src, [(0, 5)])
-        assert not p.runtime.producer_give_back_pages("early"), "vLLM may hand more over"
+        assert p.runtime.producer_give_back_pages("early") == "not_yet", "vLLM may hand more over"
         p.runtime.producer_add_blocks("early", src[5:])
         stage_chunks(p, "early", src, [(4, 10)])
         p.runtime.producer_finish("early")
         deadline = time.monotonic() + 10
-        while not p.runtime.producer_give_back_pages("early"):
-            assert time.monotonic() < deadline, "pages never given back"
+        while (back := p.runtime.producer_give_back_pages("early")) != "now":
+            assert back == "not_yet" and time.monotonic() < deadline, f"pages never given back: {back}"
             time.sleep(0.002)
+        assert p.runtime.producer_give_back_pages("early") == "before"
         assert p.runtime.stats()["producer_pages_given_back"] == 1
         computed = [t.clone() for t in p.caches]
         for t in p.caches:

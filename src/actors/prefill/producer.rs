@@ -40,9 +40,9 @@ use crate::wire::{Handshake, Notice, WIRE_VERSION};
 pub use crate::actors::messages::EXPIRED;
 
 /// Why a write was not submitted after the prefill's pages went back to
-/// vLLM ([`give_back_pages`]): its layer has no piece (a newer
-/// authorization, after the piece was written and given back, or one not
-/// written from staging).
+/// vLLM ([`give_back_pages`]): its layer has no piece, because decode's
+/// authorization came after the pages went and cannot be written from the
+/// pieces (blocks of another size or other heads).
 pub const PAGES_GONE: &str = "prefill gave its KV pages back to vLLM and this layer is in no layer piece: \
      decode recomputes it";
 
@@ -433,20 +433,29 @@ impl SourceBlocks {
     /// (every layer and chunk handed over, non-empty), reads a live piece or
     /// was written by every member already, no write reads a page now, and
     /// the group did not end. From then on [`Self::take_pages`] refuses.
-    fn let_pages_go(&self, ready: &[(u32, std::ops::Range<u32>)]) -> bool {
+    /// Says whether this call let them go ([`PagesBack::Now`]), so that
+    /// callers at once count them once.
+    fn let_pages_go(&self, ready: &[(u32, std::ops::Range<u32>)]) -> PagesBack {
         let mut p = self.0.pieces.lock();
         if p.pages_gone {
-            return true;
+            return PagesBack::Before;
         }
-        if p.closed || p.arena.is_none() || p.page_reads > 0 {
-            return false;
+        if p.closed || p.arena.is_none() {
+            return PagesBack::Never;
+        }
+        if p.page_reads > 0 {
+            return PagesBack::NotYet;
         }
         let covered = ready.iter().all(|(layer, b)| {
             let key = (*layer, b.start, b.end);
             b.is_empty() || p.live.contains_key(&key) || p.written.contains(&key)
         });
         p.pages_gone = covered;
-        covered
+        if covered {
+            PagesBack::Now
+        } else {
+            PagesBack::NotYet
+        }
     }
 
     /// Whether the prefill's pages went back to vLLM.
@@ -730,55 +739,57 @@ pub fn stage_layer(
 }
 
 /// Whether the prefill's pages of a request staged by layer may go back to
-/// vLLM now, before its writes ended; if so they are given up for good
-/// (asked again: `true`). They may when every producer of the group was
-/// finished (vLLM handed every layer over), none's current authorization is
-/// written from the pages, and each layer of each chunk handed over is in a
-/// live piece or was written by every member: from then on a write with no
-/// piece fails ([`SourceBlocks::take_pages`]). A finished producer takes no
-/// newer authorization once it has one, so a layer every member wrote is
-/// never read again. `false`: the pages are still read or may be (a layer found
-/// no room, a write reads them now, a member is not finished), or the
-/// request is not staged by layer.
-pub fn give_back_pages(members: &[ProducerRef]) -> bool {
-    if members.is_empty() {
-        return false;
+/// vLLM now, before its writes ended; if so they are given up for good. They
+/// may when every producer of the group was finished (vLLM handed every
+/// layer over), none's current authorization is written from the pages, and
+/// each layer of each chunk handed over is in a live piece or was written by
+/// every member: from then on a write with no piece fails
+/// ([`SourceBlocks::take_pages`]). A finished producer takes no newer
+/// authorization once it has one, so a layer every member wrote is never
+/// read again, and an authorization written from the pages stays so
+/// ([`PagesBack::Never`]). Counted once, by the call that gave them up.
+pub fn give_back_pages(members: &[ProducerRef]) -> PagesBack {
+    let Some(first) = members.first() else {
+        return PagesBack::Never;
+    };
+    // (one source region per group: every member holds the same)
+    if first.0.core.lock().src_blocks.pages_gone() {
+        return PagesBack::Before;
     }
     let mut ready = Vec::new();
     let mut src = None;
     for m in members {
         let mut core = m.0.core.lock();
         if !matches!(core.staging, Some(SourceKind::ByLayer { .. }))
-            || !core.machine.finished()
             || core.machine.phase() == ProducerPhase::Released
         {
-            return false;
+            return PagesBack::Never;
+        }
+        if !core.machine.finished() {
+            return PagesBack::NotYet;
         }
         match core.machine.authorization().cloned() {
-            Some(auth) if core.staged_into(&auth).is_none() => return false,
+            Some(auth) if core.staged_into(&auth).is_none() => return PagesBack::Never,
             Some(_) => {}
             // Decode's authorization comes later: only where every one so
             // far took the pieces (none could be written otherwise).
-            None if !core.shared.decode_staged.all_staged() => return false,
+            None if !core.shared.decode_staged.all_staged() => return PagesBack::NotYet,
             None => {}
         }
         ready.extend(core.machine.ready_layers());
         src.get_or_insert_with(|| core.src_blocks.clone());
     }
     let src = src.expect("one member at least");
-    if src.pages_gone() {
-        return true;
-    }
     ready.sort_by_key(|(l, b)| (*l, b.start, b.end));
     ready.dedup();
-    let gone = src.let_pages_go(&ready);
-    if gone {
+    let back = src.let_pages_go(&ready);
+    if back == PagesBack::Now {
         let core = members[0].0.core.lock();
         core.shared.stats.producer_pages_given_back.inc();
         tracing::info!(parent: &core.span, layers = ready.len(),
             "prefill's pages given back before the writes: every layer is in a layer piece");
     }
-    gone
+    back
 }
 
 impl ProducerRef {
@@ -1324,7 +1335,7 @@ impl Handler<FenceQuery> for ProducerActor {
 
 #[cfg(test)]
 mod tests {
-    use super::{append_segments, RangeBuffers, SourceBlocks};
+    use super::{append_segments, PagesBack, RangeBuffers, SourceBlocks};
     use crate::staging::arena::StagingArena;
     use crate::transport::WriteRange;
 
@@ -1389,10 +1400,14 @@ mod tests {
         ));
         let src = SourceBlocks::new((0..8).collect());
         let ready = [(0, 0..4), (1, 0..4), (0, 4..4)];
-        assert!(!src.let_pages_go(&ready), "not staged by layer");
+        assert_eq!(src.let_pages_go(&ready), PagesBack::Never, "not staged by layer");
         src.stage_by_layer(arena.clone(), 1);
         src.stage_layer(0, 0..4, 4096).unwrap();
-        assert!(!src.let_pages_go(&ready), "layer 1 has no piece");
+        assert_eq!(
+            src.let_pages_go(&ready),
+            PagesBack::NotYet,
+            "layer 1 has no piece"
+        );
         src.stage_layer(1, 0..4, 4096).unwrap();
         // layer 0 written and back: at decode, so it counts
         let (id, _, _) = src.take_piece(0, &(0..4)).unwrap();
@@ -1400,18 +1415,27 @@ mod tests {
         assert_eq!(arena.lock().pieces(), 1);
         // a write reading the pages holds them
         assert!(src.take_pages());
-        assert!(!src.let_pages_go(&ready), "a write reads the pages");
+        assert_eq!(
+            src.let_pages_go(&ready),
+            PagesBack::NotYet,
+            "a write reads the pages"
+        );
         src.piece_read(super::PAGES, true);
         assert!(!src.pages_gone());
-        assert!(src.let_pages_go(&ready), "an empty chunk needs no piece");
-        assert!(src.pages_gone() && src.let_pages_go(&ready));
+        assert_eq!(
+            src.let_pages_go(&ready),
+            PagesBack::Now,
+            "an empty chunk needs no piece"
+        );
+        assert!(src.pages_gone());
+        assert_eq!(src.let_pages_go(&ready), PagesBack::Before, "given up once");
         assert!(!src.take_pages(), "no write reads them any more");
         // a group that ended has no pieces to write from
         let ended = SourceBlocks::new((0..4).collect());
         ended.stage_by_layer(arena.clone(), 1);
         ended.stage_layer(0, 0..4, 4096).unwrap();
         ended.close();
-        assert!(!ended.let_pages_go(&[(0, 0..4)]));
+        assert_eq!(ended.let_pages_go(&[(0, 0..4)]), PagesBack::Never);
         assert!(ended.take_pages());
     }
 

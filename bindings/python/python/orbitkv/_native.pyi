@@ -441,13 +441,15 @@ class Runtime:
         now (the layer is written from the pages). The runtime takes the
         piece back itself (when its writes ended, or at the release)."""
 
-    def producer_give_back_pages(self, request_id: str) -> bool:
+    def producer_give_back_pages(self, request_id: str) -> Literal["now", "before", "not_yet", "never"]:
         """Prefill side: whether vLLM may free the pages of `request_id`
         (opened with `stage_by_layer`, finished) now, before its writes
         ended: every layer of every chunk is in a layer piece or at decode
-        already, and no write reads the pages. `True`: given up for good
-        (nothing reads them any more; each piece goes back once its writes
-        ended); `False`: ask again later, or wait for the release as usual."""
+        already, and no write reads the pages. `"now"`: given up for good by
+        this call (nothing reads them any more; each piece goes back once its
+        writes ended); `"before"`: by an earlier call; `"not_yet"`: ask again
+        later; `"never"`: only the release frees them (not staged by layer,
+        or decode's authorization is written from the pages): do not ask again."""
 
     def source_staging_in_use(self) -> tuple[int, int]:
         """`(bytes, pieces)` of the source staging region given out as layer

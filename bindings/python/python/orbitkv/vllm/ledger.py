@@ -117,6 +117,9 @@ class ProducerRecord:
     # within orbitkv.pd.claim_timeout_s of that, or it is given up (asked once).
     back_at: float | None = None
     unclaimed_asked: bool = False
+    # The runtime said its pages can only go at the release (decode's
+    # authorization is written from them): not asked again.
+    pages_never: bool = False
 
     def empty(self) -> bool:
         return (self.req_id is None and self.staging is None and self.layer_group is None

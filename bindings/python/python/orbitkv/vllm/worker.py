@@ -835,18 +835,22 @@ class PdWorker:
         """Reports as sent the requests staged by layer that vLLM finished
         and whose every layer is in a layer piece (the runtime says so and
         stops reading their pages): vLLM frees their blocks now, while the
-        writes still go out of the pieces, instead of at the release."""
+        writes still go out of the pieces, instead of at the release. A
+        request the runtime says never can (its decode's authorization is
+        written from the pages) is not asked again."""
         rt = self.runtime
         assert rt is not None
         for pd, prod in self.ledger.producers.where(
             lambda r: r.ended and r.finished and not r.released and not r.pages_back
-            and r.layer_group is not None and r.req_id is not None
+            and not r.pages_never and r.layer_group is not None and r.req_id is not None
         ):
             try:
                 back = rt.producer_give_back_pages(pd)
             except OrbitKVError:
                 continue  # released under us: the release reports it
-            if back:
+            if back == "never":
+                prod.pages_never = True
+            elif back in ("now", "before"):
                 assert prod.req_id is not None
                 prod.pages_back, prod.back_at = True, time.monotonic()
                 self._faults.before_send_done(self._kv_caches, self._num_blocks, pd)
