@@ -250,14 +250,22 @@ def test_producer_chunks_cover_every_block_and_resend_a_partial_one() -> None:
     assert s.build_connector_meta(sched_output(cached=cached, scheduled={"p1": 1})).producer_chunks == []
 
 
-def test_producer_blocks_are_held_until_its_writes_drained() -> None:
+def finished_producer() -> tuple[PdScheduler, Any]:
+    """A scheduler with prefill request `p1` (`pd-1`, blocks 1 and 2)
+    scheduled whole and finished by vLLM, its blocks held for the writes;
+    the step's metadata, which ends it on the workers."""
     s = scheduler()
     r = producer("p1", 20)
     s.update_state_after_alloc(r, FakeBlocks([]), 0)
     s.build_connector_meta(sched_output([FakeNewReq("p1", ([1, 2],), 0)], scheduled={"p1": 20}))
     r.status = "FINISHED_LENGTH_CAPPED"
     assert s.request_finished(r, [1, 2]) == (True, None)
-    (end,) = s.build_connector_meta(sched_output()).producers_end
+    return s, s.build_connector_meta(sched_output())
+
+
+def test_producer_blocks_are_held_until_its_writes_drained() -> None:
+    s, meta = finished_producer()
+    (end,) = meta.producers_end
     assert (end.pd_id, end.aborted, end.report) == ("pd-1", False, True)
     assert s.has_pending_push_work()
     s.update_connector_output(out(sending={"p1"}))
@@ -275,13 +283,7 @@ def test_vllm_keeps_stepping_while_requests_reported_sent_early_still_drain() ->
     seen (and counted) without waiting for the next request."""
     from orbitkv.vllm.pd import PdWorkerMeta
 
-    s = scheduler()
-    r = producer("p1", 20)
-    s.update_state_after_alloc(r, FakeBlocks([]), 0)
-    s.build_connector_meta(sched_output([FakeNewReq("p1", ([1, 2],), 0)], scheduled={"p1": 20}))
-    r.status = "FINISHED_LENGTH_CAPPED"
-    assert s.request_finished(r, [1, 2]) == (True, None)
-    s.build_connector_meta(sched_output())
+    s, _ = finished_producer()
     ranks = PdWorkerMeta(1).aggregate(PdWorkerMeta(1)).aggregate(None)
     early = out(sending={"p1"})
     early.kv_connector_worker_meta = ranks
