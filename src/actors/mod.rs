@@ -22,8 +22,11 @@
 //!   actor that owns every per-request map of a rank, both sides;
 //!   [`messages`]: every message, one struct each (and the handles the
 //!   sides report through); [`config`]: the runtime's settings and their
-//!   checks; [`stats`]: the counters.
+//!   checks; [`stats`]: the counters; [`cell`]: `ActorCell`, the one
+//!   execution model of the producer and the writer (an actor whose
+//!   message may run on its sender's thread) and its lock rules.
 
+pub mod cell;
 pub mod config;
 pub mod decode;
 pub mod directory;

@@ -6,12 +6,13 @@
 //! failures travel as messages.
 //!
 //! **A layer handed over on the caller's thread.** The actor's state sits
-//! behind its lock ([`ProducerCell`]), and the façade reaches it through a
+//! in an [`ActorCell`] (the execution model and its locking rules:
+//! [`crate::actors::cell`]), and the façade reaches it through a
 //! [`ProducerRef`], which counts every message it sends the actor until the
 //! actor handled it. A `LayerReady` runs the actor's handler on the
-//! caller's own thread, under that lock, when nothing sent to the actor
-//! before it is still unhandled; otherwise it is queued like any other
-//! message. Either way the machine sees every event
+//! caller's own thread (an inline run) when nothing sent to the actor
+//! before it is still unhandled and its lock is free; otherwise it is
+//! queued like any other message. Either way the machine sees every event
 //! one at a time and in the order the caller caused them (an
 //! `add_blocks` answered before a `layer_ready` is handled before it), so
 //! the rules and their proofs are unchanged; what changes is that the
@@ -19,7 +20,7 @@
 //! when that writer is idle and the write waits for no mark, none to reach
 //! `submit_write` ([`super::writer::LaneRef::write`]).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -28,6 +29,7 @@ use parking_lot::Mutex;
 use tracing::Span;
 
 use super::writer::WriterPool;
+use crate::actors::cell::ActorCell;
 use crate::actors::messages::*;
 use crate::actors::stats::Stats;
 use crate::fsm::*;
@@ -151,15 +153,11 @@ pub struct ProducerActor {
     cell: Arc<ProducerCell>,
 }
 
-/// A producer actor's state and its inbox count, shared by the actor and
-/// the [`ProducerRef`]s that reach it.
-pub struct ProducerCell {
-    core: Mutex<ProducerCore>,
-    /// Messages sent through a [`ProducerRef`] and not yet handled: while
-    /// any is, a `LayerReady` is queued behind them, not run inline.
-    inbox: AtomicUsize,
-    addr: Addr<ProducerActor>,
-}
+/// A producer actor's state, address and inbox count, shared by the actor
+/// and the [`ProducerRef`]s that reach it: while a message sent through a
+/// [`ProducerRef`] is unhandled, a `LayerReady` is queued behind it, not
+/// run inline.
+type ProducerCell = ActorCell<ProducerCore, ProducerActor>;
 
 /// A producer group's source block list: one list for the group, which the
 /// request directory appends to (after validating the whole,
@@ -584,7 +582,7 @@ pub struct ProducerRef(Arc<ProducerCell>);
 impl std::fmt::Debug for ProducerRef {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ProducerRef")
-            .field("inbox", &self.0.inbox.load(Ordering::Relaxed))
+            .field("inbox", &self.0.pending())
             .finish()
     }
 }
@@ -604,11 +602,11 @@ pub fn gather_order(
 ) -> Option<Vec<u32>> {
     let [member] = members else {
         if let Some(m) = members.first() {
-            m.0.core.lock().src_blocks.record_order(blocks, None);
+            m.0.lock().src_blocks.record_order(blocks, None);
         }
         return None;
     };
-    let mut core = member.0.core.lock();
+    let mut core = member.0.lock();
     // A chunk staged by layer has pieces of its own: no slot is shared
     // with its neighbours, nothing is pinned.
     let pinned = match core.staging {
@@ -696,7 +694,7 @@ pub fn stage_layer(
         return Ok(None);
     };
     let (src_blocks, local, stats) = {
-        let mut core = m.0.core.lock();
+        let mut core = m.0.lock();
         if !matches!(core.staging, Some(SourceKind::ByLayer { .. })) {
             return Err(GeometryError::GatherOrder {
                 start: blocks.start,
@@ -753,13 +751,13 @@ pub fn give_back_pages(members: &[ProducerRef]) -> PagesBack {
         return PagesBack::Never;
     };
     // (one source region per group: every member holds the same)
-    if first.0.core.lock().src_blocks.pages_gone() {
+    if first.0.lock().src_blocks.pages_gone() {
         return PagesBack::Before;
     }
     let mut ready = Vec::new();
     let mut src = None;
     for m in members {
-        let mut core = m.0.core.lock();
+        let mut core = m.0.lock();
         if !matches!(core.staging, Some(SourceKind::ByLayer { .. }))
             || core.machine.phase() == ProducerPhase::Released
         {
@@ -784,7 +782,7 @@ pub fn give_back_pages(members: &[ProducerRef]) -> PagesBack {
     ready.dedup();
     let back = src.let_pages_go(&ready);
     if back == PagesBack::Now {
-        let core = members[0].0.core.lock();
+        let core = members[0].0.lock();
         core.shared.stats.producer_pages_given_back.inc();
         tracing::info!(parent: &core.span, layers = ready.len(),
             "prefill's pages given back before the writes: every layer is in a layer piece");
@@ -804,11 +802,8 @@ impl ProducerRef {
         let mut cell = None;
         ProducerActor::create(|ctx| {
             let core = ProducerCore::new(request, src_blocks, staging, shared, released_to, ctx.address());
-            let c = Arc::new(ProducerCell {
-                core: Mutex::new(core),
-                inbox: AtomicUsize::new(0),
-                addr: ctx.address(),
-            });
+            let c = Arc::new(ProducerCell::new(core));
+            c.started(ctx.address());
             cell = Some(c.clone());
             ProducerActor { cell: c }
         });
@@ -822,58 +817,48 @@ impl ProducerRef {
         M::Result: Send,
         ProducerActor: Handler<M>,
     {
-        self.0.inbox.fetch_add(1, Ordering::SeqCst);
-        self.0.addr.do_send(msg);
+        self.0.send(msg);
     }
 
     /// Whether the actor still runs.
     pub fn connected(&self) -> bool {
-        self.0.addr.connected()
+        self.0.addr().connected()
     }
 
     /// Layer `layer` of request blocks `blocks` was computed (`after`: the
     /// mark its kernels were launched before, 0: none): runs the actor's
-    /// `LayerReady` on this thread if nothing sent to the actor before is
-    /// unhandled and no write of it is held back (see the module's
-    /// documentation). `false`: not run; the caller sends it instead.
+    /// `LayerReady` on this thread (an inline run, [`ActorCell::try_inline`])
+    /// if nothing sent to the actor before is unhandled, its lock is free
+    /// and no write of it is held back. `false`: not run; the caller sends
+    /// it instead.
     pub fn try_layer_ready_inline(
         &self,
         layer: u32,
         blocks: &std::ops::Range<u32>,
         after: crate::ids::MarkSeq,
     ) -> bool {
-        let cell = &self.0;
-        if cell.inbox.load(Ordering::SeqCst) != 0 {
-            return false;
-        }
-        // The actor's handlers never wait on anything while they hold the
-        // lock (they plan and send messages), so this waits at most for
-        // one of them to end.
-        let mut core = cell.core.lock();
-        // Checked again under the lock: a message sent meanwhile was sent
-        // concurrently with this call (either order is one the caller
-        // could have seen); one sent before is counted or already handled.
-        // Writes held back by rule 8 end only on the actor's thread: while
-        // any wait, layers take the paced way there, so that a caller
-        // rewriting the same blocks faster than they complete cannot grow
-        // the held-back list without bound.
-        if cell.inbox.load(Ordering::SeqCst) != 0
-            || core.machine.phase() == ProducerPhase::Released
-            || core.machine.held_back() > 0
-        {
-            return false;
-        }
-        core.shared.stats.layers_ready_inline.inc();
-        let span = tracing::info_span!(parent: &core.span, "msg", kind = "LayerReady",
-            layer, blocks = ?blocks, inline = true);
-        let _g = span.enter();
-        let ev = ProducerEvent::LayerReady {
-            layer,
-            blocks: blocks.clone(),
-            after,
-        };
-        core.feed(ev, &mut Via::Caller);
-        true
+        self.0
+            .try_inline(|core| {
+                // Writes held back by rule 8 end only on the actor's
+                // thread: while any wait, layers take the paced way there,
+                // so that a caller rewriting the same blocks faster than
+                // they complete cannot grow the held-back list without bound.
+                if core.machine.phase() == ProducerPhase::Released || core.machine.held_back() > 0 {
+                    return None;
+                }
+                core.shared.stats.layers_ready_inline.inc();
+                let span = tracing::info_span!(parent: &core.span, "msg", kind = "LayerReady",
+                    layer, blocks = ?blocks, inline = true);
+                let _g = span.enter();
+                let ev = ProducerEvent::LayerReady {
+                    layer,
+                    blocks: blocks.clone(),
+                    after,
+                };
+                core.feed(ev, &mut Via::Caller);
+                Some(())
+            })
+            .is_some()
     }
 }
 
@@ -1198,17 +1183,17 @@ impl Actor for ProducerActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        let core = self.cell.core.lock();
+        let core = self.cell.lock();
         let _g = core.span.enter();
         tracing::info!("opened");
         ctx.run_later(core.shared.handshake_timeout, |a, ctx| {
-            let cell = a.cell.clone();
-            let mut core = cell.core.lock();
-            if !core.machine.has_handshake() {
-                let span = tracing::info_span!(parent: &core.span, "msg", kind = "TimedOut");
-                let _g = span.enter();
-                core.feed(ProducerEvent::TimedOut, &mut Via::Actor(ctx));
-            }
+            a.cell.clone().handle(false, |core| {
+                if !core.machine.has_handshake() {
+                    let span = tracing::info_span!(parent: &core.span, "msg", kind = "TimedOut");
+                    let _g = span.enter();
+                    core.feed(ProducerEvent::TimedOut, &mut Via::Actor(ctx));
+                }
+            });
         });
     }
 }
@@ -1223,12 +1208,9 @@ impl ProducerActor {
         counted: bool,
         f: impl FnOnce(&mut ProducerCore, &mut Via<'_>),
     ) {
-        let cell = self.cell.clone();
-        let mut core = cell.core.lock();
-        f(&mut core, &mut Via::Actor(ctx));
-        if counted {
-            cell.inbox.fetch_sub(1, Ordering::SeqCst);
-        }
+        self.cell
+            .clone()
+            .handle(counted, |core| f(core, &mut Via::Actor(ctx)));
     }
 }
 

@@ -1,16 +1,17 @@
-//! Layer writers (one actor per peer, each on its own arbiter thread, so a
-//! slow or dead peer holds up nobody else) and the completion poller (one
-//! thread per runtime, polling every batch in flight without blocking a
-//! thread per batch).
+//! Layer writers (`writer_lanes` actors per peer, each on its own arbiter
+//! thread, so a slow or dead peer holds up nobody else; [`WriterPool`]) and
+//! the completion poller (one thread per runtime, polling every batch in
+//! flight without blocking a thread per batch).
 //!
-//! A writer's state sits behind its lock ([`LaneRef`]): a write handed
-//! over on the thread that computed the layer (a producer's `LayerReady`
-//! run inline, see [`super::producer`]) is submitted right there when the
-//! writer is idle — nothing queued or on its way to it, its lock free —
+//! A writer's state sits in an [`ActorCell`] (the execution model and its
+//! locking rules: [`crate::actors::cell`]): a write handed over on the
+//! thread that computed the layer (a producer's `LayerReady` run inline,
+//! see [`super::producer`]) is submitted right there (an inline run) when
+//! the writer is idle — nothing queued or on its way to it, its lock free —
 //! the write waits for no layer mark, and it has at most
 //! `inline_submit_max_ranges` ranges; every other write goes to the
-//! writer's thread as a `WriteLayer` message, as before. Completions always
-//! come back through the writer's thread (poller → writer → producer).
+//! writer's thread as a `WriteLayer` message. Completions always come back
+//! through the writer's thread (poller → writer → producer).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -22,6 +23,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
 use super::gate::LayerMarks;
+use crate::actors::cell::ActorCell;
 use crate::actors::messages::{BatchFinished, LayerWriteFailed, LayerWritten, SendNotice, WriteLayer};
 use crate::actors::stats::Stats;
 use crate::transport::{BatchHandle, BatchState, Transport};
@@ -201,20 +203,17 @@ pub struct LayerWriter {
     cell: Arc<LaneCell>,
 }
 
-/// A writer's settings, state and inbox count, shared by the actor and the
-/// [`LaneRef`]s that reach it.
+/// A writer's settings, and its actor's state and inbox count, shared by
+/// the actor and the [`LaneRef`]s that reach it.
 pub struct LaneCell {
     peer: Arc<str>,
     lane: LaneSettings,
-    state: Mutex<LaneState>,
-    /// `WriteLayer`s sent to the actor and not yet queued: while any is, a
-    /// write is not submitted inline ahead of it.
-    inbox: AtomicUsize,
+    /// The state; its inbox counts the `WriteLayer`s sent and not yet
+    /// queued: while any is, a write is not submitted inline ahead of it.
+    actor: ActorCell<LaneState, LayerWriter>,
     /// `SendNotice`s sent to the actor and not yet sent on: while any is,
     /// the lane is not idle (its peer is not reclaimed).
     notices: AtomicUsize,
-    /// The actor (set once it started, before anyone can reach the cell).
-    addr: std::sync::OnceLock<Addr<LayerWriter>>,
 }
 
 /// How producers reach a writer.
@@ -255,22 +254,25 @@ impl LaneRef {
     /// on this thread (not the system thread) and may submit it here.
     pub fn write(&self, msg: WriteLayer, inline: bool) {
         let cell = &self.0;
+        let mut msg = Some(msg);
         if inline
-            && msg.after == 0
-            && msg.ranges.len() <= cell.lane.inline_max_ranges
-            && cell.inbox.load(Ordering::SeqCst) == 0
+            && msg
+                .as_ref()
+                .is_some_and(|m| m.after == 0 && m.ranges.len() <= cell.lane.inline_max_ranges)
         {
-            if let Some(mut st) = cell.state.try_lock() {
-                if st.queue.is_empty() && cell.inbox.load(Ordering::SeqCst) == 0 {
-                    cell.lane.stats.writes_inline.inc();
-                    cell.admit(&mut st, msg);
-                    cell.pump(&mut st);
-                    return;
+            cell.actor.try_inline(|st| {
+                if !st.queue.is_empty() {
+                    return None;
                 }
-            }
+                cell.lane.stats.writes_inline.inc();
+                cell.admit(st, msg.take()?);
+                cell.pump(st);
+                Some(())
+            });
         }
-        cell.inbox.fetch_add(1, Ordering::SeqCst);
-        cell.addr().do_send(msg);
+        if let Some(msg) = msg {
+            cell.actor.send(msg);
+        }
     }
 
     /// Sends `notice` from this writer's thread.
@@ -278,22 +280,18 @@ impl LaneRef {
         // Counted before this reference can be dropped: a reclaim that sees
         // no reference but the pool's sees the notice too.
         self.0.notices.fetch_add(1, Ordering::SeqCst);
-        self.0.addr().do_send(SendNotice(notice));
+        self.0.actor.addr().do_send(SendNotice(notice));
     }
 }
 
 impl LaneCell {
-    fn addr(&self) -> &Addr<LayerWriter> {
-        self.addr.get().expect("a lane's address is set when it starts")
-    }
-
     /// No batch in flight and nothing queued or on its way: a write handed
     /// over now goes out at once (its lock taken by someone else counts as
     /// not free).
     fn free(&self) -> bool {
-        self.inbox.load(Ordering::SeqCst) == 0
+        self.actor.pending() == 0
             && self
-                .state
+                .actor
                 .try_lock()
                 .is_some_and(|st| st.pending.is_empty() && st.queue.is_empty())
     }
@@ -301,10 +299,10 @@ impl LaneCell {
     /// Nothing on its way to this lane, queued, or in flight (its lock
     /// taken by someone else counts as busy).
     fn idle(&self) -> bool {
-        if self.inbox.load(Ordering::SeqCst) != 0 || self.notices.load(Ordering::SeqCst) != 0 {
+        if self.actor.pending() != 0 || self.notices.load(Ordering::SeqCst) != 0 {
             return false;
         }
-        self.state
+        self.actor
             .try_lock()
             .is_some_and(|st| st.queue.is_empty() && st.jobs.is_empty() && st.pending.is_empty())
     }
@@ -476,7 +474,7 @@ impl LaneCell {
                 late_at: now + self.lane.write_timeout,
                 deadline: now + self.lane.write_timeout + self.lane.quarantine,
                 token,
-                reply: self.addr().clone(),
+                reply: self.actor.addr().clone(),
                 peer: self.peer.clone(),
                 warned: false,
             };
@@ -553,11 +551,11 @@ impl Handler<WriteLayer> for LayerWriter {
     type Result = ();
     fn handle(&mut self, msg: WriteLayer, _ctx: &mut Context<Self>) {
         let cell = &self.cell;
-        let mut st = cell.state.lock();
-        cell.admit(&mut st, msg);
-        // Queued now: an inline write that looks sees it (under the lock).
-        cell.inbox.fetch_sub(1, Ordering::SeqCst);
-        cell.pump(&mut st);
+        // Queued under the lock: an inline write that looks sees it.
+        cell.actor.handle(true, |st| {
+            cell.admit(st, msg);
+            cell.pump(st);
+        });
     }
 }
 
@@ -565,7 +563,7 @@ impl Handler<BatchFinished> for LayerWriter {
     type Result = ();
     fn handle(&mut self, msg: BatchFinished, _ctx: &mut Context<Self>) {
         let cell = &self.cell;
-        let mut st = cell.state.lock();
+        let mut st = cell.actor.lock();
         let Some(batch) = st.pending.remove(&msg.token) else {
             return;
         };
@@ -752,7 +750,7 @@ impl WriterPool {
                 let cell = Arc::new(LaneCell {
                     peer: peer.into(),
                     lane: self.lane.clone(),
-                    state: Mutex::new(LaneState {
+                    actor: ActorCell::new(LaneState {
                         jobs: HashMap::new(),
                         queue: VecDeque::new(),
                         pending: HashMap::new(),
@@ -760,13 +758,11 @@ impl WriterPool {
                         next_token: 1,
                         next_job: 1,
                     }),
-                    inbox: AtomicUsize::new(0),
                     notices: AtomicUsize::new(0),
-                    addr: std::sync::OnceLock::new(),
                 });
                 let writer = LayerWriter { cell: cell.clone() };
                 let addr = LayerWriter::start_in_arbiter(&arbiter.handle(), move |_| writer);
-                let _ = cell.addr.set(addr);
+                cell.actor.started(addr);
                 (arbiter, LaneRef(cell))
             })
             .collect();
@@ -839,7 +835,7 @@ impl WriterPool {
             .values()
             .flat_map(|p| &p.lanes)
             .filter_map(|(_, l)| {
-                let st = l.0.state.try_lock()?;
+                let st = l.0.actor.try_lock()?;
                 Some(st.queue.iter().filter(|id| st.jobs[id].next == 0).count())
             })
             .sum()
