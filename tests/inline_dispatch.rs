@@ -96,6 +96,11 @@ fn an_idle_runtime_submits_the_layer_before_layer_ready_returns() {
     let (done, why) = wait_released(&d.producer, &req);
     assert_eq!(done, Outcome::Done, "{why:?}");
     assert_eq!(d.producer.live_requests(), (0, 0));
+    // the producer idle when a write ended: the lane that saw the end fed
+    // it into the machine itself, no message to the system thread (one walk)
+    let s = d.producer.stats();
+    assert!(s.writes_reported_inline >= 1, "{s:?}");
+    assert!(s.writes_reported_inline <= s.layers_written, "{s:?}");
 }
 
 #[test]

@@ -139,6 +139,10 @@ pub struct Stats {
     /// Prefill side: layer writes submitted to Mooncake on that thread
     /// (their writer was idle; no message to its thread).
     pub writes_inline: Counter,
+    /// Prefill side: write ends (done or failed) that the writer lane ran
+    /// on its own thread into the producer's machine (the producer was
+    /// idle; no message to the system thread).
+    pub writes_reported_inline: Counter,
     /// Prefill side: peers whose writer lanes and segment were reclaimed
     /// after `peer_idle_reclaim` idle.
     pub peers_reclaimed: Counter,
@@ -194,6 +198,7 @@ pub struct StatsSnapshot {
     pub producer_pages_given_back: u64,
     pub layers_ready_inline: u64,
     pub writes_inline: u64,
+    pub writes_reported_inline: u64,
     pub peers_reclaimed: u64,
 }
 
@@ -247,6 +252,7 @@ impl Stats {
             producer_pages_given_back: self.producer_pages_given_back.get(),
             layers_ready_inline: self.layers_ready_inline.get(),
             writes_inline: self.writes_inline.get(),
+            writes_reported_inline: self.writes_reported_inline.get(),
             peers_reclaimed: self.peers_reclaimed.get(),
         }
     }

@@ -551,7 +551,7 @@ struct ProducerCore {
     staged: Option<(Generation, Option<Arc<StagedPlan>>)>,
     /// This actor (for its own `Stop`).
     me: Addr<ProducerActor>,
-    /// Where the writers report (this actor, behind [`WriteEnds`]).
+    /// Where the writers report (this actor, [`WriterReports`]).
     replies: ReplyTo,
     /// The machine's effects, one event at a time (reused).
     effects: Vec<ProducerEffect>,
@@ -563,11 +563,13 @@ struct ProducerCore {
     lanes: Option<(String, Vec<super::writer::LaneRef>)>,
 }
 
-/// Who carries out an effect: the actor on its thread, or the caller that
-/// runs a `LayerReady` inline on its own.
+/// Who carries out an effect: the actor on its thread, the caller that
+/// runs a `LayerReady` inline on its own, or a writer lane that runs a
+/// write's end inline on its own ([`WriterReports`]).
 enum Via<'a> {
     Actor(&'a mut Context<ProducerActor>),
     Caller,
+    Writer,
 }
 
 /// Stops a producer actor whose machine released while a caller held it.
@@ -801,8 +803,21 @@ impl ProducerRef {
     ) -> Self {
         let mut cell = None;
         ProducerActor::create(|ctx| {
-            let core = ProducerCore::new(request, src_blocks, staging, shared, released_to, ctx.address());
-            let c = Arc::new(ProducerCell::new(core));
+            let c = Arc::new_cyclic(|cell| {
+                let replies: ReplyTo = Arc::new(WriterReports {
+                    cell: cell.clone(),
+                    addr: ctx.address(),
+                });
+                let me = (ctx.address(), replies);
+                ProducerCell::new(ProducerCore::new(
+                    request,
+                    src_blocks,
+                    staging,
+                    shared,
+                    released_to,
+                    me,
+                ))
+            });
             c.started(ctx.address());
             cell = Some(c.clone());
             ProducerActor { cell: c }
@@ -879,12 +894,12 @@ impl ProducerCore {
         staging: Option<SourceKind>,
         shared: Arc<ProducerShared>,
         released_to: (u64, Recipient<ProducerEnded>),
-        me: Addr<ProducerActor>,
+        (me, replies): (Addr<ProducerActor>, ReplyTo),
     ) -> Self {
         let span = tracing::info_span!("request", side = "producer", request = %request,
             rank = shared.local.tp_rank, blocks = src_blocks.len());
         Self {
-            replies: std::sync::Arc::new(me.clone()),
+            replies,
             me,
             effects: Vec::new(),
             spare: Vec::new(),
@@ -1117,6 +1132,7 @@ impl ProducerCore {
                 };
                 // Submitted here only on the caller's thread: the system
                 // thread never waits on Mooncake.
+                // (a writer lane's thread hands other writes to their lanes)
                 let inline = matches!(via, Via::Caller);
                 if !self
                     .lanes
@@ -1166,7 +1182,7 @@ impl ProducerCore {
                 });
                 match via {
                     Via::Actor(ctx) => ctx.stop(),
-                    Via::Caller => self.me.do_send(Stop),
+                    Via::Caller | Via::Writer => self.me.do_send(Stop),
                 }
                 None
             }
@@ -1245,42 +1261,104 @@ producer_handler!(true, HandshakeArrived, |m| ProducerEvent::Handshake(m.0);
     generation = m.0.generation.0, blocks = m.0.block_ids.len());
 producer_handler!(true, LayerReady, |m| ProducerEvent::LayerReady { layer: m.layer, blocks: m.blocks, after: m.after };
     layer = m.layer, blocks = ?m.blocks);
-/// The writers report a write's end to the producer actor that admitted it.
-impl WriteEnds for Addr<ProducerActor> {
+/// Where the writers report a write's end: the producer that admitted it.
+/// The completion path as one walk: the writer lane that saw the write end
+/// runs the producer's `LayerWritten` / `LayerWriteFailed` on its own
+/// thread when the producer is idle (an inline run,
+/// [`ActorCell::try_inline`]: nothing sent to it unhandled, its lock free),
+/// so the common write's end crosses no thread to reach the producer's
+/// machine; otherwise it is sent to the actor, as every message is. Under
+/// the lane's lock: the producer's lock is only tried (rule 3 of
+/// [`crate::actors::cell`] holds: no one waits for a lock while holding
+/// another).
+struct WriterReports {
+    cell: std::sync::Weak<ProducerCell>,
+    addr: Addr<ProducerActor>,
+}
+
+impl WriterReports {
+    /// Runs `f` with `m` on this thread if the producer is idle; sends `m`
+    /// otherwise (or drops it: the actor ended).
+    fn report<M>(&self, m: M, f: impl FnOnce(&mut ProducerCore, M))
+    where
+        M: Message<Result = ()> + Send + 'static,
+        ProducerActor: Handler<M>,
+    {
+        let mut m = Some(m);
+        if let Some(cell) = self.cell.upgrade() {
+            cell.try_inline(|core| {
+                // a released producer's actor takes what comes after
+                if core.machine.phase() == ProducerPhase::Released {
+                    return None;
+                }
+                core.shared.stats.writes_reported_inline.inc();
+                f(core, m.take()?);
+                Some(())
+            });
+        }
+        if let Some(m) = m {
+            self.addr.do_send(m);
+        }
+    }
+}
+
+impl WriteEnds for WriterReports {
     fn written(&self, m: LayerWritten) {
-        self.do_send(m);
+        self.report(m, |core, m| core.written(m, &mut Via::Writer));
     }
     fn failed(&self, m: LayerWriteFailed) {
-        self.do_send(m);
+        self.report(m, |core, m| core.write_failed(m, &mut Via::Writer));
+    }
+}
+
+impl ProducerCore {
+    /// A write ended well (`LayerWritten`, from its writer).
+    fn written(&mut self, m: LayerWritten, via: &mut Via<'_>) {
+        let span = tracing::info_span!(parent: &self.span, "msg", kind = "LayerWritten",
+            write = m.write, bytes = m.bytes);
+        let _g = span.enter();
+        // A few in reserve: as many as writes are usually in flight;
+        // beyond that, for any producer of this runtime.
+        if self.spare.len() < 8 && m.spare.capacity() > 0 {
+            self.spare.push(m.spare);
+        } else {
+            self.shared.buffers.give(m.spare);
+        }
+        let ev = ProducerEvent::WriteDone {
+            write: m.write,
+            generation: m.generation,
+            bytes: m.bytes,
+        };
+        self.feed(ev, via);
+    }
+
+    /// A write failed (`LayerWriteFailed`, from its writer).
+    fn write_failed(&mut self, m: LayerWriteFailed, via: &mut Via<'_>) {
+        let span = tracing::info_span!(parent: &self.span, "msg", kind = "LayerWriteFailed",
+            write = m.write, reason = %m.reason);
+        let _g = span.enter();
+        let ev = ProducerEvent::WriteFailed {
+            write: m.write,
+            generation: m.generation,
+            reason: m.reason,
+        };
+        self.feed(ev, via);
     }
 }
 
 impl Handler<LayerWritten> for ProducerActor {
     type Result = ();
     fn handle(&mut self, m: LayerWritten, ctx: &mut Context<Self>) {
-        self.handle_with(ctx, false, |core, via| {
-            let span = tracing::info_span!(parent: &core.span, "msg", kind = "LayerWritten",
-                write = m.write, bytes = m.bytes);
-            let _g = span.enter();
-            // A few in reserve: as many as writes are usually in flight;
-            // beyond that, for any producer of this runtime.
-            if core.spare.len() < 8 && m.spare.capacity() > 0 {
-                core.spare.push(m.spare);
-            } else {
-                core.shared.buffers.give(m.spare);
-            }
-            let ev = ProducerEvent::WriteDone {
-                write: m.write,
-                generation: m.generation,
-                bytes: m.bytes,
-            };
-            core.feed(ev, via);
-        });
+        self.handle_with(ctx, false, |core, via| core.written(m, via));
     }
 }
-producer_handler!(false, LayerWriteFailed,
-    |m| ProducerEvent::WriteFailed { write: m.write, generation: m.generation, reason: m.reason };
-    write = m.write, reason = %m.reason);
+
+impl Handler<LayerWriteFailed> for ProducerActor {
+    type Result = ();
+    fn handle(&mut self, m: LayerWriteFailed, ctx: &mut Context<Self>) {
+        self.handle_with(ctx, false, |core, via| core.write_failed(m, via));
+    }
+}
 producer_handler!(true, FinishRequest, |_m| ProducerEvent::Finish);
 producer_handler!(true, AbortRequest, |m| ProducerEvent::Abort { reason: m.reason }; reason = %m.reason);
 impl Handler<ReleaseUnclaimed> for ProducerActor {

@@ -180,6 +180,11 @@ _PROM = {
         "vllm:orbitkv_writes_inline",
         "Prefill layer writes submitted to Mooncake on the worker's own thread (their writer lane was idle).",
     ),
+    "writes_reported_inline": (
+        "vllm:orbitkv_writes_reported_inline",
+        "Prefill layer writes whose end the writer lane that saw it fed to its producer on the lane's own thread "
+        "(the producer was idle; no message to the runtime's thread).",
+    ),
     "peers_reclaimed": (
         "vllm:orbitkv_peers_reclaimed",
         "Decode endpoints whose writer lanes (threads) and Mooncake segment the prefill reclaimed after they sat idle.",
