@@ -215,15 +215,21 @@ fn wait_sleeping(done: impl Fn() -> bool) {
 fn breakdown(p: &mut Producer) {
     let n = 100_000u64;
     p.stream(5_000); // warm up
+    let s0 = p.runtime.stats();
     let before = support::thread_cpu();
     let (cpu, wall) = p.stream(n);
     let after = support::thread_cpu();
+    let s1 = p.runtime.stats();
     println!(
-        "steady state, {n} layers ({} blocks, {} ranges each): process CPU {:.2} µs/layer, wall {:.2} µs/layer",
+        "steady state, {n} layers ({} blocks, {} ranges each): process CPU {:.2} µs/layer, wall {:.2} µs/layer; \
+         {} handed over inline, {} submitted inline, {} write ends fed to the producer on the lane's thread",
         REQUEST_BLOCKS,
         ranges_per_layer(p),
         cpu.as_nanos() as f64 / n as f64 / 1e3,
-        wall.as_nanos() as f64 / n as f64 / 1e3
+        wall.as_nanos() as f64 / n as f64 / 1e3,
+        s1.layers_ready_inline - s0.layers_ready_inline,
+        s1.writes_inline - s0.writes_inline,
+        s1.writes_reported_inline - s0.writes_reported_inline
     );
     // The machine may be shared: repeat, and give the least disturbed run too.
     let m = 10_000u64;
