@@ -12,20 +12,26 @@
 //!    whole handler ([`ActorCell::handle`]); a counted message leaves the
 //!    inbox before the lock is let go.
 //! 2. **An inline run** ([`ActorCell::try_inline`]) runs a message's effect
-//!    on the sender's thread only if the inbox is empty, the lock is free
-//!    *now* (`try_lock`: an inline run never waits for a lock), and the
-//!    inbox is still empty under the lock. Otherwise the sender sends the
-//!    message instead. So the actor sees every message one at a time and in
-//!    the order its senders caused them: whatever was sent before is
-//!    handled before, whatever is sent concurrently is ordered either way.
-//! 3. **Locks are taken in one order**: a producer's, then a writer's (a
-//!    producer hands a layer to its writer under its own lock); a writer
-//!    reports to its producer by message only, never under its lock.
-//! 4. **What runs under a lock is bounded**: planning a layer's ranges and,
-//!    for a writer, one Mooncake submit of at most
-//!    `inline_submit_max_ranges` ranges (inline) or of one batch (on its
-//!    thread). No one sleeps, polls or waits for a peer under a lock, so a
-//!    handler waits for a lock at most that long.
+//!    on the sender's thread only if the inbox is empty and still is once
+//!    the sender has the lock. Otherwise the sender sends the message
+//!    instead. So the actor sees every message one at a time and in the
+//!    order its senders caused them: whatever was sent before is handled
+//!    before, whatever is sent concurrently is ordered either way.
+//! 3. **No one waits for a lock while holding another.** A sender that
+//!    holds no lock (the worker's thread handing a layer to its producer)
+//!    may wait for the lock ([`Wait::Yes`]); one that holds a lock (a
+//!    producer handing a write to its writer lane under its own lock, a
+//!    lane feeding a write's end to its producer under its own) only tries
+//!    it ([`Wait::No`]) and sends the message if it is taken. The other
+//!    locks of the data path (the writer pool's map, a request's source
+//!    blocks and layer pieces, the staging arena) are taken under an
+//!    actor's and their holders never take an actor's. So no two threads
+//!    can wait for each other.
+//! 4. **What runs under a lock is bounded**: planning a layer's ranges,
+//!    counting a write's end and, for a writer, one Mooncake submit of at
+//!    most `inline_submit_max_ranges` ranges (inline) or of one batch (on
+//!    its thread). No one sleeps, polls or waits for a peer under a lock, so
+//!    a handler or a waiting sender waits for a lock at most that long.
 //!
 //! Other readers (the façade's queries, e.g. whether a request's pages may
 //! go back) take the lock like a handler ([`ActorCell::lock`]) and change
@@ -36,6 +42,16 @@ use std::sync::OnceLock;
 
 use actix::prelude::*;
 use parking_lot::{Mutex, MutexGuard};
+
+/// Whether an inline run may wait for the actor's lock (rule 3).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Wait {
+    /// The sender holds no lock: it waits for a handler or another inline
+    /// run to end (rule 4 bounds that).
+    Yes,
+    /// The sender holds a lock: it only tries, and sends if it is taken.
+    No,
+}
 
 /// An actor's state, its address and its inbox count, shared by the actor
 /// and the references that reach it (the module's rules).
@@ -91,14 +107,18 @@ where
         self.inbox.load(Ordering::SeqCst)
     }
 
-    /// Rule 2: runs `f` on this thread under the lock if nothing sent is
-    /// unhandled and the lock is free now; `f` may still decline
-    /// (`None`: its own conditions). `None`: not run; send instead.
-    pub fn try_inline<R>(&self, f: impl FnOnce(&mut S) -> Option<R>) -> Option<R> {
+    /// Rules 2 and 3: runs `f` on this thread under the lock if nothing
+    /// sent is unhandled (and, with [`Wait::No`], the lock is free now); `f`
+    /// may still decline (`None`: its own conditions). `None`: not run;
+    /// send instead.
+    pub fn try_inline<R>(&self, wait: Wait, f: impl FnOnce(&mut S) -> Option<R>) -> Option<R> {
         if self.pending() != 0 {
             return None;
         }
-        let mut st = self.state.try_lock()?;
+        let mut st = match wait {
+            Wait::Yes => self.state.lock(),
+            Wait::No => self.state.try_lock()?,
+        };
         // Checked again under the lock: a message sent meanwhile was sent
         // concurrently with this call (either order is one the sender
         // could have seen); one sent before is counted or already handled.
@@ -150,54 +170,54 @@ mod tests {
         fn handle(&mut self, _: Add, _: &mut Context<Self>) {}
     }
 
+    /// Pushes `x` inline if the cell lets it.
+    fn push(cell: &ActorCell<Vec<u32>, Counter>, wait: Wait, x: u32) -> bool {
+        cell.try_inline(wait, |v| {
+            v.push(x);
+            Some(())
+        })
+        .is_some()
+    }
+
     #[test]
-    fn an_inline_run_waits_for_nothing_and_never_overtakes_a_sent_message() {
+    fn an_inline_run_waits_only_when_told_and_never_overtakes_a_sent_message() {
         let sys = System::new();
         sys.block_on(async {
             let cell = ActorCell::<Vec<u32>, Counter>::new(Vec::new());
             cell.started(Counter.start());
             // free and nothing pending: runs here
-            assert_eq!(
-                cell.try_inline(|v| {
-                    v.push(1);
-                    Some(())
-                }),
-                Some(())
-            );
+            assert!(push(&cell, Wait::No, 1));
             // its own conditions may decline
-            assert_eq!(cell.try_inline(|_| None::<()>), None);
-            // the lock taken (by a handler or a reader): not run, no wait
+            assert_eq!(cell.try_inline(Wait::Yes, |_| None::<()>), None);
+            // the lock taken (by a handler or a reader): a sender that
+            // holds a lock does not wait for it
             {
                 let _held = cell.lock();
-                assert_eq!(
-                    cell.try_inline(|v| {
-                        v.push(2);
-                        Some(())
-                    }),
-                    None
-                );
+                assert!(!push(&cell, Wait::No, 2));
             }
-            // a message sent and not handled: not run ahead of it
+            // a message sent and not handled: not run ahead of it, waiting or not
             cell.send(Add);
             assert_eq!(cell.pending(), 1);
-            assert_eq!(
-                cell.try_inline(|v| {
-                    v.push(4);
-                    Some(())
-                }),
-                None
-            );
+            assert!(!push(&cell, Wait::No, 4));
+            assert!(!push(&cell, Wait::Yes, 4));
             // handled (counted): the inbox is empty again, inline runs resume
             cell.handle(true, |v| v.push(3));
             assert_eq!(cell.pending(), 0);
-            assert_eq!(
-                cell.try_inline(|v| {
-                    v.push(5);
-                    Some(())
-                }),
-                Some(())
-            );
+            assert!(push(&cell, Wait::Yes, 5));
             assert_eq!(*cell.lock(), vec![1, 3, 5]);
         });
+    }
+
+    #[test]
+    fn a_sender_that_holds_no_lock_waits_for_the_one_held_now() {
+        let cell = std::sync::Arc::new(ActorCell::<Vec<u32>, Counter>::new(Vec::new()));
+        let held = cell.lock();
+        let other = cell.clone();
+        let t = std::thread::spawn(move || push(&other, Wait::Yes, 7));
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(!t.is_finished(), "it waits for the lock");
+        drop(held);
+        assert!(t.join().unwrap(), "and runs once it is free");
+        assert_eq!(*cell.lock(), vec![7]);
     }
 }

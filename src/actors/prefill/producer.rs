@@ -29,7 +29,7 @@ use parking_lot::Mutex;
 use tracing::Span;
 
 use super::writer::WriterPool;
-use crate::actors::cell::ActorCell;
+use crate::actors::cell::{ActorCell, Wait};
 use crate::actors::messages::*;
 use crate::actors::stats::Stats;
 use crate::fsm::*;
@@ -842,10 +842,10 @@ impl ProducerRef {
 
     /// Layer `layer` of request blocks `blocks` was computed (`after`: the
     /// mark its kernels were launched before, 0: none): runs the actor's
-    /// `LayerReady` on this thread (an inline run, [`ActorCell::try_inline`])
-    /// if nothing sent to the actor before is unhandled, its lock is free
-    /// and no write of it is held back. `false`: not run; the caller sends
-    /// it instead.
+    /// `LayerReady` on this thread (an inline run, [`ActorCell::try_inline`];
+    /// the caller holds no lock, so it waits for one held now) if nothing
+    /// sent to the actor before is unhandled and no write of it is held
+    /// back. `false`: not run; the caller sends it instead.
     pub fn try_layer_ready_inline(
         &self,
         layer: u32,
@@ -853,7 +853,7 @@ impl ProducerRef {
         after: crate::ids::MarkSeq,
     ) -> bool {
         self.0
-            .try_inline(|core| {
+            .try_inline(Wait::Yes, |core| {
                 // Writes held back by rule 8 end only on the actor's
                 // thread: while any wait, layers take the paced way there,
                 // so that a caller rewriting the same blocks faster than
@@ -1286,7 +1286,8 @@ impl WriterReports {
     {
         let mut m = Some(m);
         if let Some(cell) = self.cell.upgrade() {
-            cell.try_inline(|core| {
+            // under the lane's lock: only tried (rule 3)
+            cell.try_inline(Wait::No, |core| {
                 // a released producer's actor takes what comes after
                 if core.machine.phase() == ProducerPhase::Released {
                     return None;

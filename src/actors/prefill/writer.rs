@@ -23,7 +23,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
 use super::gate::LayerMarks;
-use crate::actors::cell::ActorCell;
+use crate::actors::cell::{ActorCell, Wait};
 use crate::actors::messages::{BatchFinished, LayerWriteFailed, LayerWritten, SendNotice, WriteLayer};
 use crate::actors::stats::Stats;
 use crate::transport::{BatchHandle, BatchState, Transport};
@@ -260,7 +260,8 @@ impl LaneRef {
                 .as_ref()
                 .is_some_and(|m| m.after == 0 && m.ranges.len() <= cell.lane.inline_max_ranges)
         {
-            cell.actor.try_inline(|st| {
+            // under the producer's lock: only tried (rule 3)
+            cell.actor.try_inline(Wait::No, |st| {
                 if !st.queue.is_empty() {
                     return None;
                 }
