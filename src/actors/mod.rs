@@ -19,7 +19,8 @@
 //!   answers end.
 //! * Shared: [`runtime::Runtime`], the thread-safe façade the binding calls
 //!   (no per-request state); [`directory`], the `RequestDirectory`, the one
-//!   actor that owns every per-request map of a rank, both sides;
+//!   actor that owns every per-request map of a rank, both sides (its
+//!   calls split by side: `directory/decode.rs`, `directory/prefill.rs`);
 //!   [`messages`]: every message, one struct each (and the handles the
 //!   sides report through); [`config`]: the runtime's settings and their
 //!   checks; [`stats`]: the counters; [`cell`]: `ActorCell`, the one

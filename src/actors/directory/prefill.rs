@@ -1,63 +1,8 @@
-//! The request directory: the one actor that knows which requests live on
-//! this rank. It owns every per-request map — the consumer actors by
-//! request ID, the producer groups, and what arrived before a request
-//! opened on prefill ([`PreOpen`]: parked handshakes, early cancels,
-//! discards) — and nothing outside it writes them. The façade
-//! ([`super::runtime::Runtime`]) validates what needs no state, then hands
-//! the rest to this actor as a [`Call`] and, for the calls whose answer the
-//! caller needs, waits for it. One thing is published for others to read:
-//! the [`ProducerIndex`], request ID → the open producer group's members,
-//! which the façade looks layer hand-overs up in (they go to the producer
-//! actors themselves, see [`super::prefill::producer`]); the directory alone
-//! publishes and withdraws its groups, in step with its own map, before it
-//! answers the call that changed it (the façade only reads it, and closes
-//! it at shutdown).
-//!
-//! Because one actor handles every open, handshake, cancel, discard and
-//! release of this rank, one after another, no two of them can interleave:
-//! a cancel that races an open is seen either before it (remembered in
-//! [`PreOpen`], taken up by the open) or after it (the open group is
-//! aborted), never in between. The request actors it starts own each
-//! request's authorization, generation and expected producers
-//! ([`super::decode::consumer`], [`super::prefill::producer`]); a producer group's releases
-//! come back here ([`ProducerEnded`]) and leave as one
-//! `RuntimeEvent::ProducerReleased` once the last member released.
+//! The request directory's prefill side: the producer groups and the index
+//! the façade reads them in, opening a group, handshakes, cancels,
+//! discards and releases, and what arrived before a request opened.
 
-use std::collections::{BTreeSet, HashMap};
-use std::net::IpAddr;
-use std::sync::Arc;
-
-use actix::prelude::*;
-use crossbeam_channel::Sender;
-
-use super::config::RuntimeConfig;
-use super::decode::consumer::{ConsumerActor, ConsumerStaging, FenceTargets, Published};
-use super::decode::publisher::Publisher;
-use super::decode::router::NotificationRouter;
-use super::messages::*;
-use super::prefill::preopen::{Parked, PreOpen, PreOpenLimits};
-use super::prefill::producer::{ProducerActor, ProducerRef, ProducerShared, SourceBlocks};
-use super::stats::Stats;
-use crate::error::{GeometryError, RuntimeError};
-use crate::fsm::ConsumerMachine;
-use crate::ids::{Capability, Generation, ProducerRank, RequestId, Sequence};
-use crate::layout::KvLayout;
-use crate::staging::arena::StagingArena;
-use crate::staging::{grant_group, page_runs, staged_bytes, SharedArena, SourceKind, StagingGrant};
-use crate::wire::{Cancel, Fence, Handshake, Outcome};
-
-/// Work for the directory, run on its thread in arrival order (the façade's
-/// calls; see [`super::runtime::Runtime`]). A call that answers carries its
-/// own reply channel.
-pub struct Call(pub Box<dyn DirectoryWork>);
-
-/// What a [`Call`] runs: one step on the directory's state.
-pub trait DirectoryWork: FnOnce(&mut RequestDirectory, &mut Context<RequestDirectory>) + Send {}
-impl<F: FnOnce(&mut RequestDirectory, &mut Context<RequestDirectory>) + Send> DirectoryWork for F {}
-
-impl Message for Call {
-    type Result = ();
-}
+use super::*;
 
 /// The open producer groups' members by request ID, published by the
 /// directory for the façade to read (see the module's documentation): the
@@ -112,7 +57,7 @@ impl ProducerIndex {
 /// decode's is smaller, several when decode's is larger (each decode rank
 /// holds its own copy of some of this rank's heads) — opened together,
 /// driven together, reported released once all are.
-struct ProducerGroup {
+pub(super) struct ProducerGroup {
     /// This group's token: its members' releases name it, so a release of
     /// an earlier group under the same request ID is never counted here.
     token: u64,
@@ -130,7 +75,7 @@ struct ProducerGroup {
 }
 
 impl ProducerGroup {
-    fn live(&self) -> bool {
+    pub(super) fn live(&self) -> bool {
         self.pending > 0 && any_running(self.members.iter().map(|(_, a)| a))
     }
 
@@ -175,252 +120,8 @@ impl ProducerGroup {
     }
 }
 
-/// The request directory of one rank (see the module's documentation).
-pub struct RequestDirectory {
-    /// The rank's layout, writers and counters, shared with its producers.
-    shared: Arc<ProducerShared>,
-    cfg: RuntimeConfig,
-    router: Addr<NotificationRouter>,
-    events: Sender<RuntimeEvent>,
-    /// The sequence of the last authorization given (see
-    /// [`Sequence::next_after`]).
-    last_sequence: Sequence,
-    next_group: u64,
-    consumers: HashMap<RequestId, (Generation, Addr<ConsumerActor>)>,
-    producers: HashMap<RequestId, ProducerGroup>,
-    /// What of `producers` the façade reads (kept in step with it).
-    index: ProducerIndex,
-    /// Groups replaced under their request ID (a new open after every
-    /// member had stopped) whose releases are still on their way, by token.
-    ending: HashMap<u64, ProducerGroup>,
-    pre_open: PreOpen,
-    /// Decode side: where staging grants come from (`cfg.staging_region`).
-    staging: Option<SharedArena>,
-    /// Decode side: sends a consumer's fences (its actor holds it).
-    publisher: Arc<Publisher>,
-    /// Prefill side: requests whose producer group ended here lately, with
-    /// their capability (at most [`RECENT`], oldest forgotten first): a
-    /// cancel for one is answered (fenced, or `403` without its capability)
-    /// rather than remembered for an open that will not come.
-    recent: HashMap<RequestId, Capability>,
-    recent_order: std::collections::VecDeque<RequestId>,
-}
-
-/// How many ended requests the directory remembers (see `recent`).
-pub const RECENT: usize = 4096;
-
-/// What a cancel gets from the directory: the answer, or the producer that
-/// will give it once it handled the abort.
-pub enum CancelReply {
-    Now(Option<Fence>),
-    /// The producer of the consumer's rank answers (dropped unanswered: it
-    /// was released, so nothing of it can land any more).
-    Later(crossbeam_channel::Receiver<Fence>),
-}
-
 impl RequestDirectory {
-    /// The directory of a rank whose producers share `shared`, sending its
-    /// events to `events`.
-    pub fn new(
-        shared: Arc<ProducerShared>,
-        cfg: RuntimeConfig,
-        router: Addr<NotificationRouter>,
-        events: Sender<RuntimeEvent>,
-        index: ProducerIndex,
-        publisher: Arc<Publisher>,
-    ) -> Self {
-        let pre_open = PreOpen::new(PreOpenLimits {
-            ttl: cfg.handshake_timeout,
-            max_entries: cfg.max_parked,
-            max_bytes: cfg.max_parked_bytes,
-            max_entries_per_source: cfg.parked_per_source(),
-            max_bytes_per_source: cfg.parked_bytes_per_source(),
-            ..PreOpenLimits::default()
-        });
-        // `Runtime::start` refused a region the arena cannot take.
-        let staging = cfg.staging_region.and_then(|(base, len)| {
-            StagingArena::new(base, len)
-                .map(|a| Arc::new(parking_lot::Mutex::new(a)))
-                .ok()
-        });
-        Self {
-            staging,
-            shared,
-            cfg,
-            router,
-            events,
-            last_sequence: Sequence(0),
-            next_group: 1,
-            consumers: HashMap::new(),
-            producers: HashMap::new(),
-            index,
-            ending: HashMap::new(),
-            pre_open,
-            publisher,
-            recent: HashMap::new(),
-            recent_order: Default::default(),
-        }
-    }
-
-    // ---- decode side ----------------------------------------------------
-
-    /// [`super::runtime::Runtime::consumer_open`], after its stateless
-    /// checks: `handshake` is built and validated (its notice key drawn)
-    /// but for its generation and sequence, which are the directory's to
-    /// give; `expected` are the producer ranks it names
-    /// (`expected_producers` of them).
-    ///
-    /// The generation is random ([`Generation::random`]), so it orders
-    /// nothing; the sequence does ([`Sequence::next_after`], strictly
-    /// increasing over this rank's authorizations), and is used for that
-    /// only: a producer takes up a re-authorization of a request ID (a
-    /// reused one) in place of the one it holds because its sequence is
-    /// greater, whatever order the two handshakes arrive in.
-    pub fn consumer_open(
-        &mut self,
-        mut handshake: Handshake,
-        expected: BTreeSet<ProducerRank>,
-        producer_tp: u32,
-    ) -> Result<Handshake, RuntimeError> {
-        let request = handshake.request_id.clone();
-        if self.consumers.get(&request).is_some_and(|(_, a)| a.connected()) {
-            return Err(RuntimeError::DuplicateRequest(request.0));
-        }
-        let generation = Generation::random();
-        let sequence = Sequence::next_after(self.last_sequence);
-        self.last_sequence = sequence;
-        (handshake.generation, handshake.sequence) = (generation, sequence);
-        let staging = self.grant_staging(&handshake, producer_tp).map(|(grant, arena)| {
-            handshake.staging = Some(grant);
-            ConsumerStaging {
-                grant,
-                arena,
-                blocks: handshake.block_ids.len() as u32,
-                producer_tp,
-                layout: self.shared.local.clone(),
-            }
-        });
-        let capability = handshake.capability.clone();
-        let machine = ConsumerMachine::new(
-            request.clone(),
-            generation,
-            expected,
-            handshake.notice_key.clone(),
-        );
-        let actor = ConsumerActor::new(
-            machine,
-            (self.cfg.consumer_timeout, self.cfg.quarantine),
-            self.router.clone(),
-            self.events.clone(),
-            self.shared.stats.clone(),
-            staging,
-            FenceTargets {
-                publisher: self.publisher.clone(),
-                capability,
-                consumer_rank: self.shared.local.tp_rank,
-                targets: Vec::new(),
-            },
-        );
-        // Routed before the handshake leaves the runtime (below), so no
-        // notice can arrive before its route exists.
-        let addr = actor.start_routed();
-        self.consumers.insert(request, (generation, addr));
-        Ok(handshake)
-    }
-
-    /// A staging grant for `handshake`'s blocks, when this rank stages and
-    /// writing its pages directly would take at least `staging_min_ranges`
-    /// ranges per layer: one per run of blocks consecutive in memory and
-    /// plane ([`page_runs`]: padded blocks are never consecutive), or one
-    /// per block and plane when a producer of another TP size writes head
-    /// slices, unless each block is a whole group of one producer's source
-    /// staging ([`grant_group`]: that producer writes runs of whole blocks
-    /// from it). The grant is staged in [`grant_group`]'s order. `None`
-    /// when the arena is full (counted; the request is written directly).
-    fn grant_staging(&self, handshake: &Handshake, producer_tp: u32) -> Option<(StagingGrant, SharedArena)> {
-        let arena = self.staging.as_ref()?;
-        let local = &self.shared.local;
-        if local.groups() > 1 {
-            // Staged orders are by request block of one table: a layout of
-            // several groups is written into its pages.
-            return None;
-        }
-        let ids = &handshake.block_ids;
-        let planes = local.layers.first().map_or(1, |l| l.planes.len());
-        let group = grant_group(local, producer_tp);
-        let ranges = if producer_tp != local.tp_size && local.head_major && group == 1 {
-            ids.len() * planes
-        } else {
-            page_runs(local, ids)
-        };
-        if ranges < self.cfg.staging_min_ranges {
-            return None;
-        }
-        let len = staged_bytes(local, ids.len() as u32)?;
-        match arena.lock().alloc(len) {
-            Ok(base) => {
-                self.shared.stats.staging_granted.inc();
-                Some((StagingGrant { base, len, group }, arena.clone()))
-            }
-            Err(e) => {
-                self.shared.stats.staging_exhausted.inc();
-                tracing::debug!(error = %e, "no staging grant: writing the pages directly");
-                None
-            }
-        }
-    }
-
-    /// Bytes and pieces of staging granted now (decode side).
-    pub fn staging_in_use(&self) -> (u64, usize) {
-        self.staging.as_ref().map_or((0, 0), |a| {
-            let a = a.lock();
-            (a.used_bytes(), a.pieces())
-        })
-    }
-
-    /// The consumer actor of `request`'s authorization `generation`.
-    pub fn consumer(
-        &self,
-        request: &RequestId,
-        generation: Generation,
-    ) -> Result<Addr<ConsumerActor>, RuntimeError> {
-        match self.consumers.get(request) {
-            Some((g, addr)) if *g == generation => Ok(addr.clone()),
-            Some((g, _)) => Err(RuntimeError::StaleGeneration {
-                request: request.0.clone(),
-                got: generation.0,
-                current: g.0,
-            }),
-            None => Err(RuntimeError::UnknownRequest(request.0.clone())),
-        }
-    }
-
-    /// The consumer of `request`'s `generation`, told where its handshake
-    /// was published (where its fence would go).
-    pub fn consumer_published(
-        &self,
-        request: &RequestId,
-        generation: Generation,
-        targets: Vec<(String, u32)>,
-    ) -> Result<Addr<ConsumerActor>, RuntimeError> {
-        let addr = self.consumer(request, generation)?;
-        addr.do_send(Published(targets));
-        Ok(addr)
-    }
-
-    /// [`super::runtime::Runtime::consumer_release`].
-    pub fn consumer_release(&mut self, request: &RequestId) -> Result<(), RuntimeError> {
-        let (_, addr) = self
-            .consumers
-            .remove(request)
-            .ok_or_else(|| RuntimeError::UnknownRequest(request.0.clone()))?;
-        addr.do_send(ReleaseRequest);
-        Ok(())
-    }
-
-    // ---- prefill side ---------------------------------------------------
-
-    /// [`super::runtime::Runtime::producer_open`], after its stateless checks.
+    /// [`crate::actors::runtime::Runtime::producer_open`], after its stateless checks.
     pub fn producer_open(
         &mut self,
         request: RequestId,
@@ -517,7 +218,7 @@ impl RequestDirectory {
         )
     }
 
-    /// [`super::runtime::Runtime::producer_cancel`]. With a generation the
+    /// [`crate::actors::runtime::Runtime::producer_cancel`]. With a generation the
     /// cancel is a fence (rule 10), answered for that generation and the
     /// consumer's rank; without one it answers nothing.
     /// `source`: the peer it came from (its per-source budget,
@@ -589,7 +290,7 @@ impl RequestDirectory {
         }
     }
 
-    /// [`super::runtime::Runtime::producer_add_blocks`].
+    /// [`crate::actors::runtime::Runtime::producer_add_blocks`].
     pub fn producer_add_blocks(&mut self, request: &RequestId, blocks: Vec<u32>) -> Result<(), RuntimeError> {
         let Some(group) = self.producers.get_mut(request).filter(|g| g.live()) else {
             return Err(RuntimeError::UnknownRequest(request.0.clone()));
@@ -602,7 +303,7 @@ impl RequestDirectory {
         Ok(())
     }
 
-    /// [`super::runtime::Runtime::producer_handshake`], after its stateless
+    /// [`crate::actors::runtime::Runtime::producer_handshake`], after its stateless
     /// checks (format, geometry, the expected producer count); `source`: the
     /// peer it came from (its per-source budget if it is parked), `None`:
     /// the process itself.
@@ -648,7 +349,7 @@ impl RequestDirectory {
         }
     }
 
-    /// [`super::runtime::Runtime::producer_discard`].
+    /// [`crate::actors::runtime::Runtime::producer_discard`].
     pub fn producer_discard(
         &mut self,
         request: &RequestId,
@@ -690,7 +391,7 @@ impl RequestDirectory {
         }
     }
 
-    /// [`super::runtime::Runtime::producer_release_unclaimed`]: asks the
+    /// [`crate::actors::runtime::Runtime::producer_release_unclaimed`]: asks the
     /// group to give up if no consumer claimed it, and remembers that vLLM
     /// is done with the request: a handshake that arrives once the group
     /// ended is answered `aborted` at once (its consumer fails now, not at
@@ -714,25 +415,6 @@ impl RequestDirectory {
         }
         Ok(())
     }
-
-    /// Requests with a live actor on either side (for leak checks).
-    pub fn live_requests(&self) -> (usize, usize) {
-        let c = self.consumers.values().filter(|(_, a)| a.connected()).count();
-        let p = self.producers.values().filter(|g| g.live()).count();
-        (c, p)
-    }
-}
-
-/// A request's layer index must exist in this rank's layout.
-pub fn check_layer(local: &KvLayout, layer: u32) -> Result<(), RuntimeError> {
-    if layer as usize >= local.layers.len() {
-        return Err(GeometryError::LayerOutOfRange {
-            layer,
-            num_layers: local.layers.len(),
-        }
-        .into());
-    }
-    Ok(())
 }
 
 /// Rule 1 at the door: a handshake or cancel for an open request must carry
@@ -751,39 +433,6 @@ fn check_capability(
         request: request.0.clone(),
         reason: "the capability does not match the request's".into(),
     })
-}
-
-impl Actor for RequestDirectory {
-    type Context = Context<Self>;
-
-    fn started(&mut self, ctx: &mut Context<Self>) {
-        // Parked handshakes expire on a timer, not only when the next one
-        // comes: an idle prefill must not keep a flood's memory.
-        let every = (self.cfg.handshake_timeout / 4).clamp(
-            std::time::Duration::from_millis(10),
-            std::time::Duration::from_secs(1),
-        );
-        ctx.run_interval(every, |d, _| {
-            let n = d.pre_open.expire(actix::clock::Instant::now());
-            d.shared.stats.parked_expired.add(n as u64);
-        });
-        // Idle peers' writer lanes and segments are reclaimed on a timer
-        // too: a prefill no decode endpoint writes to any more keeps none.
-        let every = (self.cfg.peer_idle_reclaim / 4).clamp(
-            std::time::Duration::from_millis(10),
-            std::time::Duration::from_secs(1),
-        );
-        ctx.run_interval(every, |d, _| {
-            d.shared.writers.reclaim_idle(std::time::Instant::now());
-        });
-    }
-}
-
-impl Handler<Call> for RequestDirectory {
-    type Result = ();
-    fn handle(&mut self, msg: Call, ctx: &mut Context<Self>) {
-        (msg.0)(self, ctx)
-    }
 }
 
 impl Handler<ProducerEnded> for RequestDirectory {
