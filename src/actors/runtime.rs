@@ -543,10 +543,7 @@ impl Runtime {
     /// pieces now (0 when every piece is back; a request staged by layer
     /// holds only the layers whose writes did not end).
     pub fn source_staging_in_use(&self) -> (u64, usize) {
-        self.source_arena.as_ref().map_or((0, 0), |a| {
-            let a = a.lock();
-            (a.used_bytes(), a.pieces())
-        })
+        crate::staging::in_use(self.source_arena.as_ref())
     }
 
     /// A piece of the source staging region for layer `layer` of request

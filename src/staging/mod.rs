@@ -183,6 +183,14 @@ pub fn grant_group(local: &KvLayout, producer_tp: u32) -> u32 {
 /// actor returns it when released).
 pub type SharedArena = std::sync::Arc<parking_lot::Mutex<arena::StagingArena>>;
 
+/// Bytes and pieces handed out of `arena` now ((0, 0) without one).
+pub fn in_use(arena: Option<&SharedArena>) -> (u64, usize) {
+    arena.map_or((0, 0), |a| {
+        let a = a.lock();
+        (a.used_bytes(), a.pieces())
+    })
+}
+
 /// Units per block of `layout`: its KV heads when head-major, else 1.
 pub fn units(layout: &KvLayout) -> u32 {
     if layout.head_major {

@@ -112,10 +112,7 @@ impl RequestDirectory {
 
     /// Bytes and pieces of staging granted now (decode side).
     pub fn staging_in_use(&self) -> (u64, usize) {
-        self.staging.as_ref().map_or((0, 0), |a| {
-            let a = a.lock();
-            (a.used_bytes(), a.pieces())
-        })
+        crate::staging::in_use(self.staging.as_ref())
     }
 
     /// The consumer actor of `request`'s authorization `generation`.
