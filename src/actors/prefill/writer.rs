@@ -1,4 +1,4 @@
-//! Layer writers (`writer_lanes` actors per peer, each on its own arbiter
+//! Layer writers (`writer_lanes_per_peer` actors per peer, each on its own arbiter
 //! thread, so a slow or dead peer holds up nobody else; [`WriterPool`]) and
 //! the completion poller (one thread per runtime, polling every batch in
 //! flight without blocking a thread per batch).
@@ -11,7 +11,9 @@
 //! the write waits for no layer mark, and it has at most
 //! `inline_submit_max_ranges` ranges; every other write goes to the
 //! writer's thread as a `WriteLayer` message. Completions always come back
-//! through the writer's thread (poller → writer → producer).
+//! through the writer's thread (poller → writer → producer; the writer runs
+//! the producer's bookkeeping of the write itself when the producer is
+//! idle, see `WriterReports` in [`super::producer`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
