@@ -11,8 +11,8 @@
 //! [`ProducerRef`], which counts every message it sends the actor until the
 //! actor handled it. A `LayerReady` runs the actor's handler on the
 //! caller's own thread (an inline run) when nothing sent to the actor
-//! before it is still unhandled and its lock is free; otherwise it is
-//! queued like any other message. Either way the machine sees every event
+//! before it is still unhandled; otherwise it is queued like any other
+//! message. Either way the machine sees every event
 //! one at a time and in the order the caller caused them (an
 //! `add_blocks` answered before a `layer_ready` is handled before it), so
 //! the rules and their proofs are unchanged; what changes is that the
@@ -752,12 +752,12 @@ pub fn give_back_pages(members: &[ProducerRef]) -> PagesBack {
     let Some(first) = members.first() else {
         return PagesBack::Never;
     };
-    // (one source region per group: every member holds the same)
-    if first.0.lock().src_blocks.pages_gone() {
+    // one source block list per group: every member holds the same
+    let src = first.0.lock().src_blocks.clone();
+    if src.pages_gone() {
         return PagesBack::Before;
     }
     let mut ready = Vec::new();
-    let mut src = None;
     for m in members {
         let mut core = m.0.lock();
         if !matches!(core.staging, Some(SourceKind::ByLayer { .. }))
@@ -777,14 +777,12 @@ pub fn give_back_pages(members: &[ProducerRef]) -> PagesBack {
             None => {}
         }
         ready.extend(core.machine.ready_layers());
-        src.get_or_insert_with(|| core.src_blocks.clone());
     }
-    let src = src.expect("one member at least");
     ready.sort_by_key(|(l, b)| (*l, b.start, b.end));
     ready.dedup();
     let back = src.let_pages_go(&ready);
     if back == PagesBack::Now {
-        let core = members[0].0.lock();
+        let core = first.0.lock();
         core.shared.stats.producer_pages_given_back.inc();
         tracing::info!(parent: &core.span, layers = ready.len(),
             "prefill's pages given back before the writes: every layer is in a layer piece");
@@ -854,10 +852,11 @@ impl ProducerRef {
     ) -> bool {
         self.0
             .try_inline(Wait::Yes, |core| {
-                // Writes held back by rule 8 end only on the actor's
-                // thread: while any wait, layers take the paced way there,
-                // so that a caller rewriting the same blocks faster than
-                // they complete cannot grow the held-back list without bound.
+                // Writes held back by rule 8 end only where write ends are
+                // handled (the actor's thread, or a lane's): while any wait,
+                // layers take the paced way through the actor, so that a
+                // caller rewriting the same blocks faster than they
+                // complete cannot grow the held-back list without bound.
                 if core.machine.phase() == ProducerPhase::Released || core.machine.held_back() > 0 {
                     return None;
                 }
