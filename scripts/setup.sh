@@ -20,6 +20,17 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 libnuma1 iproute2 >/dev/null
 fi
 
+# A run from a clean checkout takes about 16 GiB (the two vLLM venvs with
+# their torch, the Rust target folder, pip's unpacking in $TMPDIR): say so
+# before pip fails half-way with "No space left on device".
+need_gib=16
+for dir in "$ROOT" "${TMPDIR:-/tmp}"; do
+  free_kib=$(df -Pk "$dir" 2>/dev/null | awk 'NR==2 {print $4}')
+  if [ -n "$free_kib" ] && [ "$free_kib" -lt $((need_gib * 1024 * 1024)) ]; then
+    echo "setup: warning: $((free_kib / 1024)) MiB free under $dir; a run from a clean checkout needs about ${need_gib} GiB" >&2
+  fi
+done
+
 PY=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
   echo "setup: creating .venv"
