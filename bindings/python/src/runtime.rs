@@ -882,10 +882,13 @@ impl PyRuntime {
         Ok(py.detach(move || rt.live_requests()))
     }
 
-    /// For tests: occupies the runtime's request directory (the actor every
-    /// open, release, cancel and finish goes through) for `seconds`, from
-    /// now, without waiting; calls made meanwhile wait for it, the GIL
+    /// For tests, in a development build only (feature `testing`, which
+    /// `scripts/setup.sh` turns on for the editable install; the wheel has
+    /// no such method): occupies the runtime's request directory (the actor
+    /// every open, release, cancel and finish goes through) for `seconds`,
+    /// from now, without waiting; calls made meanwhile wait for it, the GIL
     /// released.
+    #[cfg(feature = "testing")]
     fn _stall_directory(&self, py: Python<'_>, for_s: f64) -> PyResult<()> {
         let d = seconds(py, "for_s", for_s)?;
         self.rt(py)?.stall_directory(d);

@@ -556,7 +556,8 @@ class Runtime:
         """`(consumers, producers)` with a live request actor (leak checks)."""
 
     def _stall_directory(self, for_s: float) -> None:
-        """For tests: occupies the runtime's request directory for `for_s` seconds,
+        """For tests, in the development build only (the binding's feature
+        `testing`, which `scripts/setup.sh` turns on; no wheel has it): occupies the runtime's request directory for `for_s` seconds,
         from now, without waiting; calls made meanwhile wait for it, the GIL
         released."""
 
