@@ -491,3 +491,57 @@ fn pages_stay_while_a_layer_has_no_piece_and_a_decode_that_cannot_take_pieces_fa
         "only the request before the odd decode"
     );
 }
+
+#[test]
+fn pages_go_back_once_the_layers_without_a_piece_are_at_decode_while_piece_writes_still_queue() {
+    // room for one piece of 8 blocks, or two of 4
+    let (producer, wire, consumer) = held_fake_pair(&layout(), cfg(8 * BB + 256));
+    one_staged_request(&producer, &consumer, &wire);
+    let req = RequestId::new("mixed");
+    let src: Vec<u32> = (0..12).collect();
+    let dst: Vec<u32> = (12..24).collect();
+    open_by_layer(&producer, &consumer, &req, &src[..8], &dst);
+    // the first chunk: layer 0 in a piece, layer 1 finds no room (pages)
+    producer
+        .producer_gather_order(&req, 0..8, (false, false))
+        .unwrap();
+    producer
+        .producer_stage_layer(&req, 0, 0..8)
+        .unwrap()
+        .expect("room");
+    producer.layer_ready(&req, 0, 0..8).unwrap();
+    assert!(producer.producer_stage_layer(&req, 1, 0..8).unwrap().is_none());
+    producer.layer_ready(&req, 1, 0..8).unwrap();
+    // both written: the piece back, the page-read layer at decode
+    wire.hold(false);
+    wait_all_back(&producer);
+    let until = Instant::now() + Duration::from_secs(5);
+    while producer.writes_queued() > 0 || wire.submitted().len() < 2 {
+        assert!(Instant::now() < until, "the first chunk's writes never ended");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // the second chunk: both layers in pieces, their writes held
+    wire.hold(true);
+    producer.producer_add_blocks(&req, src[8..].to_vec()).unwrap();
+    let before = wire.submitted().len();
+    stage_all(&producer, &req, 8..12);
+    producer.producer_finish(&req).unwrap();
+    // every layer is in a piece or at decode: the pages go, the writes queue
+    wait_given_back(&producer, &req);
+    assert_eq!(producer.source_staging_in_use().1, 2, "the second chunk's pieces");
+    assert_eq!(producer.stats().producer_pages_given_back, 1);
+    wire.hold(false);
+    let (outcome, why) = wait_released(&producer, &req);
+    assert_eq!(outcome, Outcome::Done, "{why:?}");
+    let after = &wire.submitted()[before..];
+    assert_eq!(after.len(), 2, "one range a layer of the second chunk: {after:?}");
+    for r in after {
+        assert!(
+            (STAGE..STAGE + 8 * BB + 256).contains(&r.src),
+            "{r:?} read prefill's pages after they went back"
+        );
+        let (_, d) = dest_block(r.dst);
+        assert_eq!(d, 20, "{r:?}: blocks 8..12 land in decode's 20..24");
+    }
+    wait_all_back(&producer);
+}

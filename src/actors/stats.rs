@@ -130,8 +130,8 @@ pub struct Stats {
     /// no room (written page to page; `orbitkv.pd.staging_mb`).
     pub source_staging_full: Counter,
     /// Prefill side: requests staged by layer whose pages went back to vLLM
-    /// before their writes ended (every layer in a layer piece,
-    /// `Runtime::producer_give_back_pages`).
+    /// before their writes ended (every layer in a layer piece or at
+    /// decode already, `Runtime::producer_give_back_pages`).
     pub producer_pages_given_back: Counter,
     /// Prefill side: layers whose `LayerReady` ran on the thread that
     /// handed them over (no message to the system thread).

@@ -175,12 +175,15 @@ type ProducerCell = ActorCell<ProducerCore, ProducerActor>;
 /// ([`Self::stage_layer`]): a write of that layer and chunk reads its piece
 /// ([`Self::take_piece`]), and the piece goes back to the region once every
 /// member wrote it and no write reads it ([`Self::piece_read`]); a later
-/// write of it (a newer authorization) is written from the pages.
+/// write of it (a newer authorization) is written from the pages. A layer
+/// of a chunk that found no room is written from the pages, and counts as
+/// written once every member's write of it ended well
+/// ([`Self::pages_read`]).
 ///
 /// Once every layer of every chunk the producers were handed is in a
-/// piece (or written), the prefill's pages may go back to vLLM before the
-/// writes ([`give_back_pages`]): from then on no write reads a page (one
-/// that would is failed instead, [`Self::take_pages`]).
+/// piece or written, the prefill's pages may go back to vLLM before the
+/// remaining writes ([`give_back_pages`]): from then on no write reads a
+/// page (one that would is failed instead, [`Self::take_pages`]).
 #[derive(Clone, Default)]
 pub struct SourceBlocks(Arc<SourceState>);
 
@@ -190,6 +193,9 @@ struct SourceState {
     /// Chunks gathered out of request order: start -> (end, order).
     orders: parking_lot::RwLock<GatherOrders>,
     pieces: parking_lot::Mutex<Pieces>,
+    /// Producers made with this list so far: each member's index
+    /// ([`SourceBlocks::join`]).
+    joined: std::sync::atomic::AtomicU32,
 }
 
 impl Drop for SourceState {
@@ -210,9 +216,13 @@ struct Pieces {
     /// Pieces a later gather of the same layer and chunk replaced while a
     /// write still read them: freed when the last such write ends.
     retired: Vec<Piece>,
-    /// (layer, chunk start, chunk end) whose piece went back once every
-    /// member wrote it: that layer of that chunk is at decode already.
+    /// (layer, chunk start, chunk end) that every member wrote, from its
+    /// piece or from the pages: that layer of that chunk is at decode
+    /// already. A later gather of it (the chunk computed again) removes it.
     written: std::collections::BTreeSet<(u32, u32, u32)>,
+    /// (layer, chunk start, chunk end) written from the pages by some
+    /// members, not all yet: bit `i` for member `i` whose write ended well.
+    page_written: std::collections::BTreeMap<(u32, u32, u32), u64>,
     /// Writes in flight that read prefill's pages (a layer without a piece).
     page_reads: u32,
     /// The prefill's pages went back to vLLM ([`give_back_pages`]): no write
@@ -223,9 +233,15 @@ struct Pieces {
     closed: bool,
 }
 
-/// The `reading` entry of a write that reads prefill's pages, not a piece
-/// (piece IDs start at 1).
-const PAGES: u64 = 0;
+/// What a write in flight of a request staged by layer reads.
+#[derive(Debug, Clone, Copy)]
+enum Reads {
+    /// Layer piece `id` ([`SourceBlocks::take_piece`]).
+    Piece(u64),
+    /// Prefill's pages, for this (layer, chunk start, chunk end)
+    /// ([`SourceBlocks::take_pages`]).
+    Pages((u32, u32, u32)),
+}
 
 /// A piece a write reads: its ID, where it is, the chunk's gather order.
 type TakenPiece = (u64, LayerSource, Option<Arc<[u32]>>);
@@ -275,11 +291,18 @@ impl SourceBlocks {
             blocks: parking_lot::RwLock::new(blocks),
             orders: Default::default(),
             pieces: Default::default(),
+            joined: Default::default(),
         }))
     }
 
     pub fn len(&self) -> usize {
         self.0.blocks.read().len()
+    }
+
+    /// A producer of the group joins: its member index (0, 1, … in the
+    /// order they are made), which [`Self::pages_read`] tells apart.
+    fn join(&self) -> u32 {
+        self.0.joined.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The order chunk `blocks` was gathered in: `None` the request's. A
@@ -342,6 +365,10 @@ impl SourceBlocks {
             return None;
         }
         let key = (layer, blocks.start, blocks.end);
+        // Gathered again (computed again): what was written of it is not
+        // what the pages hold now.
+        p.written.remove(&key);
+        p.page_written.remove(&key);
         if let Some(old) = p.live.remove(&key) {
             if old.readers == 0 {
                 p.free(&old);
@@ -385,10 +412,6 @@ impl SourceBlocks {
     /// or, replaced by a later gather, once no write reads it.
     fn piece_read(&self, id: u64, written: bool) {
         let mut p = self.0.pieces.lock();
-        if id == PAGES {
-            p.page_reads = p.page_reads.saturating_sub(1);
-            return;
-        }
         let members = p.members;
         if let Some(i) = p.retired.iter().position(|x| x.id == id) {
             let x = &mut p.retired[i];
@@ -415,9 +438,31 @@ impl SourceBlocks {
         }
     }
 
+    /// A write of layer `key.0` of chunk `key.1..key.2` by member `member`
+    /// that read prefill's pages ended (`written`: well). Once every member
+    /// wrote it, that layer of that chunk counts as written: no write of
+    /// the group reads it again (a finished producer takes no newer
+    /// authorization), so the pages may go back without it. Groups of more
+    /// than 64 members never count page writes (their pages stay until the
+    /// release).
+    fn pages_read(&self, key: (u32, u32, u32), member: u32, written: bool) {
+        let mut p = self.0.pieces.lock();
+        p.page_reads = p.page_reads.saturating_sub(1);
+        if !written || p.members > 64 || member >= p.members {
+            return;
+        }
+        let all = u64::MAX >> (64 - p.members);
+        let by = p.page_written.entry(key).or_default();
+        *by |= 1 << member;
+        if *by == all {
+            p.page_written.remove(&key);
+            p.written.insert(key);
+        }
+    }
+
     /// A write is about to read prefill's pages (`true`, and counted until
-    /// [`Self::piece_read`] of [`PAGES`]), unless they went back to vLLM
-    /// (`false`: the write must fail, nothing may read them).
+    /// [`Self::pages_read`]), unless they went back to vLLM (`false`: the
+    /// write must fail, nothing may read them).
     fn take_pages(&self) -> bool {
         let mut p = self.0.pieces.lock();
         if p.pages_gone {
@@ -544,8 +589,10 @@ struct ProducerCore {
     /// Where the worker gathers this request's blocks (`None`: it does not
     /// stage; every write goes to the pages).
     staging: Option<SourceKind>,
-    /// Writes in flight that read a layer piece: (write, piece).
-    reading: Vec<(WriteId, u64)>,
+    /// Writes in flight of a request staged by layer: what each reads.
+    reading: Vec<(WriteId, Reads)>,
+    /// This producer's index in its group ([`SourceBlocks::join`]).
+    member: u32,
     /// The staged plan of the authorization of this generation (`None`
     /// inside: that authorization is written into pages), made once.
     staged: Option<(Generation, Option<Arc<StagedPlan>>)>,
@@ -743,7 +790,8 @@ pub fn stage_layer(
 /// may when every producer of the group was finished (vLLM handed every
 /// layer over), none's current authorization is written from the pages, and
 /// each layer of each chunk handed over is in a live piece or was written by
-/// every member: from then on a write with no piece fails
+/// every member (from its piece, or from the pages where it found no room):
+/// from then on a write with no piece fails
 /// ([`SourceBlocks::take_pages`]). A finished producer takes no newer
 /// authorization once it has one, so a layer every member wrote is never
 /// read again, and an authorization written from the pages stays so
@@ -785,7 +833,7 @@ pub fn give_back_pages(members: &[ProducerRef]) -> PagesBack {
         let core = first.0.lock();
         core.shared.stats.producer_pages_given_back.inc();
         tracing::info!(parent: &core.span, layers = ready.len(),
-            "prefill's pages given back before the writes: every layer is in a layer piece");
+            "prefill's pages given back before the writes: every layer is in a layer piece or at decode");
     }
     back
 }
@@ -897,6 +945,7 @@ impl ProducerCore {
     ) -> Self {
         let span = tracing::info_span!("request", side = "producer", request = %request,
             rank = shared.local.tp_rank, blocks = src_blocks.len());
+        let member = src_blocks.join();
         Self {
             replies,
             me,
@@ -913,6 +962,7 @@ impl ProducerCore {
             planned: Vec::new(),
             staging,
             reading: Vec::new(),
+            member,
             staged: None,
         }
     }
@@ -974,11 +1024,13 @@ impl ProducerCore {
     }
 
     /// Write `write` ended (`ok`: well): the layer piece it read, if any,
-    /// has one reader less.
+    /// has one reader less; a read of the pages is counted as written.
     fn read_ended(&mut self, write: WriteId, ok: bool) {
         if let Some(i) = self.reading.iter().position(|&(w, _)| w == write) {
-            let (_, piece) = self.reading.swap_remove(i);
-            self.src_blocks.piece_read(piece, ok);
+            match self.reading.swap_remove(i).1 {
+                Reads::Piece(id) => self.src_blocks.piece_read(id, ok),
+                Reads::Pages(key) => self.src_blocks.pages_read(key, self.member, ok),
+            }
         }
     }
 
@@ -1007,7 +1059,7 @@ impl ProducerCore {
                     Some(_) if matches!(self.staging, Some(SourceKind::ByLayer { .. })) => {
                         match self.src_blocks.take_piece(layer, &blocks) {
                             Some((id, src, order)) => {
-                                self.reading.push((write, id));
+                                self.reading.push((write, Reads::Piece(id)));
                                 piece = Some(src);
                                 order
                             }
@@ -1062,7 +1114,8 @@ impl ProducerCore {
                             reason: PAGES_GONE.into(),
                         });
                     }
-                    self.reading.push((write, PAGES));
+                    self.reading
+                        .push((write, Reads::Pages((layer, blocks.start, blocks.end))));
                 }
                 let planned = plan_submit(
                     &self.shared.local,
@@ -1480,7 +1533,7 @@ mod tests {
             PagesBack::NotYet,
             "a write reads the pages"
         );
-        src.piece_read(super::PAGES, true);
+        src.pages_read((1, 0, 4), 0, true);
         assert!(!src.pages_gone());
         assert_eq!(
             src.let_pages_go(&ready),
@@ -1497,6 +1550,84 @@ mod tests {
         ended.close();
         assert_eq!(ended.let_pages_go(&[(0, 0..4)]), PagesBack::Never);
         assert!(ended.take_pages());
+    }
+
+    #[test]
+    fn a_layer_written_from_the_pages_counts_once_every_member_wrote_it() {
+        let arena = std::sync::Arc::new(parking_lot::Mutex::new(
+            StagingArena::new(0x10_0000, 1 << 16).unwrap(),
+        ));
+        let src = SourceBlocks::new((0..8).collect());
+        assert_eq!(
+            (src.join(), src.join()),
+            (0, 1),
+            "members in the order they are made"
+        );
+        src.stage_by_layer(arena.clone(), 2);
+        src.stage_layer(0, 0..4, 4096).unwrap();
+        // layer 1 found no room: both members write it from the pages
+        let ready = [(0, 0..4), (1, 0..4)];
+        let key = (1, 0, 4);
+        assert_eq!(
+            src.let_pages_go(&ready),
+            PagesBack::NotYet,
+            "layer 1 is on the pages only"
+        );
+        for _ in 0..2 {
+            assert!(src.take_pages());
+            src.pages_read(key, 0, true);
+        }
+        assert_eq!(
+            src.let_pages_go(&ready),
+            PagesBack::NotYet,
+            "member 0 twice is not every member"
+        );
+        assert!(src.take_pages());
+        src.pages_read(key, 1, false);
+        assert_eq!(
+            src.let_pages_go(&ready),
+            PagesBack::NotYet,
+            "member 1's write failed"
+        );
+        assert!(src.take_pages());
+        src.pages_read(key, 7, true);
+        assert_eq!(
+            src.let_pages_go(&ready),
+            PagesBack::NotYet,
+            "no member 7 in a group of 2"
+        );
+        // computed again before member 1 wrote it: member 0's old write is
+        // not of what the pages hold now (and no room this time)
+        let full = SourceBlocks::new((0..8).collect());
+        full.stage_by_layer(
+            std::sync::Arc::new(parking_lot::Mutex::new(
+                StagingArena::new(0x10_0000, 256).unwrap(),
+            )),
+            2,
+        );
+        assert!(full.take_pages());
+        full.pages_read(key, 0, true);
+        assert!(full.stage_layer(1, 0..4, 4096).is_none(), "no room");
+        assert!(full.take_pages());
+        full.pages_read(key, 1, true);
+        assert_eq!(
+            full.let_pages_go(&[(1, 0..4)]),
+            PagesBack::NotYet,
+            "member 0 wrote the old pages"
+        );
+        assert!(full.take_pages());
+        full.pages_read(key, 0, true);
+        assert_eq!(full.let_pages_go(&[(1, 0..4)]), PagesBack::Now);
+        // back in the first group: member 1 writes it too
+        assert!(src.take_pages());
+        src.pages_read(key, 1, true);
+        assert_eq!(
+            src.let_pages_go(&ready),
+            PagesBack::Now,
+            "layer 0 in its piece, layer 1 written by both"
+        );
+        assert!(!src.take_pages(), "no write reads them any more");
+        assert_eq!(arena.lock().pieces(), 1, "layer 0's piece stays for its writes");
     }
 
     #[test]

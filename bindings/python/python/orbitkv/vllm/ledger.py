@@ -111,7 +111,8 @@ class ProducerRecord:
     # vLLM ended or aborted it: no chunk of it will be computed any more.
     vllm_done: bool = False
     # Reported to vLLM as sent before the release: the runtime gave its
-    # pages back (every layer in a layer piece); the release reports nothing.
+    # pages back (every layer in a layer piece or at decode); the release
+    # reports nothing.
     pages_back: bool = False
     # When its pages went back (time.monotonic()): its decode must claim it
     # within orbitkv.pd.claim_timeout_s of that, or it is given up (asked once).

@@ -170,7 +170,8 @@ _PROM = {
     "producer_pages_given_back": (
         "vllm:orbitkv_producer_pages_given_back",
         "Prefill requests whose KV pages went back to vLLM before their writes ended: every layer of every chunk "
-        "was in a layer piece of the source staging (the default), which the writes then read.",
+        "was in a layer piece of the source staging (the default) or already at decode; the remaining writes "
+        "then read the pieces.",
     ),
     "layers_ready_inline": (
         "vllm:orbitkv_layers_ready_inline",

@@ -833,9 +833,10 @@ class PdWorker:
 
     def _give_back_pages(self, sending: set[str]) -> None:
         """Reports as sent the requests staged by layer that vLLM finished
-        and whose every layer is in a layer piece (the runtime says so and
-        stops reading their pages): vLLM frees their blocks now, while the
-        writes still go out of the pieces, instead of at the release. A
+        and whose every layer is in a layer piece or at decode already (the
+        runtime says so and stops reading their pages): vLLM frees their
+        blocks now, while the remaining writes go out of the pieces, instead
+        of at the release. A
         request the runtime says never can (its decode's authorization is
         written from the pages) is not asked again."""
         rt = self.runtime
