@@ -12,8 +12,8 @@
 //! The model does what the actors do with each effect: a `Submit` is planned
 //! into byte ranges by the actor's own planning function
 //! (`orbitkv::actors::prefill::producer::plan_submit`, which the producer actor calls
-//! too; a refused plan becomes a failed write, an empty one a done write, as
-//! in `ProducerActor::apply`) and becomes an in-flight write in a pool the
+//! too) and settled by its own rule (`settle_plan`: a refused plan becomes a
+//! failed write, an empty one a done write) and becomes an in-flight write in a pool the
 //! strategy picks from; a `Notify` becomes a pending notice that the
 //! `NotificationRouter` would deliver only to the consumer of its generation
 //! while that one is registered (else it is dropped and counted).
@@ -82,7 +82,7 @@ use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::ops::Range;
 use std::sync::Arc;
 
-use orbitkv::actors::prefill::producer::{plan_submit, Planned, SubmitSource};
+use orbitkv::actors::prefill::producer::{plan_submit, settle_plan, Planned, SubmitSource};
 use orbitkv::fsm::{
     ConsumerEffect, ConsumerEvent, ConsumerMachine, ConsumerPhase, Dropped, ProducerEffect, ProducerEvent,
     ProducerMachine, ProducerPhase, WriteId,
@@ -1198,8 +1198,10 @@ impl Model {
         Ok(())
     }
 
-    /// Carries out one producer effect as `ProducerActor::apply` does, checking
-    /// the invariants; may return an event to feed back.
+    /// Carries out one producer effect as `ProducerActor::apply` does (a
+    /// `Submit` planned by its `plan_submit` and settled by its
+    /// `settle_plan`), checking the invariants; may return an event to feed
+    /// back.
     fn apply_producer(&mut self, p: usize, e: ProducerEffect) -> Result<Option<ProducerEvent>, String> {
         match e {
             ProducerEffect::Submit {
@@ -1270,12 +1272,10 @@ impl Model {
                     );
                     self.cov.refused_plans += 1;
                 }
-                if let Err(err) = planned {
-                    return Ok(Some(ProducerEvent::WriteFailed {
-                        write,
-                        generation,
-                        reason: err,
-                    }));
+                // What the plan becomes, by the actor's own rule.
+                let settled = settle_plan(write, generation, layer, planned.map(|()| staged), &out);
+                if let Err(failed @ ProducerEvent::WriteFailed { .. }) = settled {
+                    return Ok(Some(failed));
                 }
                 self.check_ranges(generation, layer, staged == Into::Grant, &out)?;
                 if self.consumer_layout.layers[layer as usize].group == 1 && !out.is_empty() {
@@ -1286,12 +1286,8 @@ impl Model {
                     Into::PagesFromStaging => self.cov.staged_page_writes += 1,
                     Into::Pages => {}
                 }
-                if out.is_empty() {
-                    return Ok(Some(ProducerEvent::WriteDone {
-                        write,
-                        generation,
-                        bytes: 0,
-                    }));
+                if let Err(done) = settled {
+                    return Ok(Some(done));
                 }
                 let bytes = out.iter().map(|r| r.len).sum();
                 self.pool.push(Write {

@@ -727,6 +727,37 @@ pub fn plan_submit(
     })
 }
 
+/// What a `Submit` whose plan ([`plan_submit`]) put `ranges` out becomes,
+/// the producer actor's rule (also what `tests/contract_props.rs` applies):
+/// a write that goes out (`Ok`: where to), or the event it ends with at
+/// once: a plan refused (a range outside the authorization or the source)
+/// fails the write, an empty plan (none of its blocks authorized) is done
+/// with no bytes.
+pub fn settle_plan<E: std::fmt::Display>(
+    write: WriteId,
+    generation: Generation,
+    layer: u32,
+    planned: Result<Planned, E>,
+    ranges: &[crate::transport::WriteRange],
+) -> Result<Planned, ProducerEvent> {
+    match planned {
+        Err(e) => {
+            tracing::warn!(layer, error = %e, "layer cannot be written inside the authorization");
+            Err(ProducerEvent::WriteFailed {
+                write,
+                generation,
+                reason: e.to_string(),
+            })
+        }
+        Ok(_) if ranges.is_empty() => Err(ProducerEvent::WriteDone {
+            write,
+            generation,
+            bytes: 0,
+        }),
+        Ok(into) => Ok(into),
+    }
+}
+
 /// A piece of the source region for layer `layer` of chunk `blocks` of a
 /// request staged by layer, which the worker gathers into now
 /// ([`SourceBlocks::stage_layer`]): where it is and each plane's (offset,
@@ -1130,24 +1161,10 @@ impl ProducerCore {
                     blocks.clone(),
                     &mut self.planned,
                 );
-                let into = match planned {
+                let into = match settle_plan(write, generation, layer, planned, &self.planned) {
                     Ok(into) => into,
-                    Err(e) => {
-                        tracing::warn!(layer, error = %e, "layer cannot be written inside the authorization");
-                        return Some(ProducerEvent::WriteFailed {
-                            write,
-                            generation,
-                            reason: e.to_string(),
-                        });
-                    }
+                    Err(ended) => return Some(ended),
                 };
-                if self.planned.is_empty() {
-                    return Some(ProducerEvent::WriteDone {
-                        write,
-                        generation,
-                        bytes: 0,
-                    });
-                }
                 let bytes = self.planned.iter().map(|r| r.len).sum();
                 if into != Planned::Pages {
                     self.shared.stats.layers_staged.inc();
