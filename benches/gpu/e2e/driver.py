@@ -1460,8 +1460,9 @@ CELL_MODES = ("direct", "staging")
 
 def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str, cells: list[Cell],
                 modes: list[str], boundary: list[int], tol: float) -> dict[str, Any]:
-    """One engine and an OrbitKV pair per mode (``direct``: staging off, the
-    default; ``staging``: every request through ``orbitkv.pd.staging_mb``)
+    """One engine and an OrbitKV pair per mode (``direct``: no staging
+    setting, the shipped default (layer pieces since 2026-12-04);
+    ``staging``: every request through ``orbitkv.pd.staging_mb``)
     for each cell (an attention backend and/or a KV cache dtype, the same on
     all of the cell's instances), every instance started at once on GPU 0;
     then stage a's checks per pair (the cells in parallel, the pairs of one
@@ -3033,7 +3034,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mla-boundary-lengths", default="5,15,16,17,63,64,65,127,128,129",
                    help="m-mla: block-boundary prompt lengths (the MLA backends' blocks are 16 or 64 tokens)")
     p.add_argument("--cell-modes", default="direct,staging",
-                   help="m-mla: the OrbitKV pairs per cell: direct (staging off, the default), staging "
+                   help="m-mla: the OrbitKV pairs per cell: direct (no staging_mb set: the shipped default, "
+                        "which since 2026-12-04 is layer pieces of the source region), staging "
                         "(orbitkv.pd.staging_mb --cell-staging-mb, staging_min_ranges 1: every request)")
     p.add_argument("--kv-cache-dtypes", default="fp8,fp8_e4m3,fp8_e5m2",
                    help="f-fp8: the KV cache dtypes, KV_DTYPE[:BACKEND[:MODES]] comma separated (no backend: "
