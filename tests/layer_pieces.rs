@@ -275,6 +275,25 @@ fn stage_all(
         .collect()
 }
 
+/// Chunk `c` of `req` staged with room for its layer 0 only: layer 0 is
+/// gathered into a piece, layer 1 finds none (written from the pages);
+/// both handed over.
+fn stage_first_layer_only(producer: &orbitkv::Runtime, req: &RequestId, c: std::ops::Range<u32>) {
+    producer
+        .producer_gather_order(req, c.clone(), (false, false))
+        .unwrap();
+    producer
+        .producer_stage_layer(req, 0, c.clone())
+        .unwrap()
+        .expect("room");
+    producer.layer_ready(req, 0, c.clone()).unwrap();
+    assert!(producer
+        .producer_stage_layer(req, 1, c.clone())
+        .unwrap()
+        .is_none());
+    producer.layer_ready(req, 1, c).unwrap();
+}
+
 /// One request written from its pieces end to end (decode authorized
 /// first): the runtime has seen a decode that takes layer pieces.
 fn one_staged_request(producer: &orbitkv::Runtime, consumer: &orbitkv::Runtime, wire: &FakeTransport) {
@@ -384,16 +403,7 @@ fn pages_stay_while_a_layer_has_no_piece_and_a_decode_that_cannot_take_pieces_fa
     stage_all(&producer, &req, 0..4);
     // the second chunk's layer 1 finds no room: it needs the pages
     producer.producer_add_blocks(&req, (4..8).collect()).unwrap();
-    producer
-        .producer_gather_order(&req, 4..8, (false, false))
-        .unwrap();
-    producer
-        .producer_stage_layer(&req, 0, 4..8)
-        .unwrap()
-        .expect("room");
-    producer.layer_ready(&req, 0, 4..8).unwrap();
-    assert!(producer.producer_stage_layer(&req, 1, 4..8).unwrap().is_none());
-    producer.layer_ready(&req, 1, 4..8).unwrap();
+    stage_first_layer_only(&producer, &req, 4..8);
     producer.producer_finish(&req).unwrap();
     never_given_back(
         &producer,
@@ -502,16 +512,7 @@ fn pages_go_back_once_the_layers_without_a_piece_are_at_decode_while_piece_write
     let dst: Vec<u32> = (12..24).collect();
     open_by_layer(&producer, &consumer, &req, &src[..8], &dst);
     // the first chunk: layer 0 in a piece, layer 1 finds no room (pages)
-    producer
-        .producer_gather_order(&req, 0..8, (false, false))
-        .unwrap();
-    producer
-        .producer_stage_layer(&req, 0, 0..8)
-        .unwrap()
-        .expect("room");
-    producer.layer_ready(&req, 0, 0..8).unwrap();
-    assert!(producer.producer_stage_layer(&req, 1, 0..8).unwrap().is_none());
-    producer.layer_ready(&req, 1, 0..8).unwrap();
+    stage_first_layer_only(&producer, &req, 0..8);
     // both written: the piece back, the page-read layer at decode
     wire.hold(false);
     wait_all_back(&producer);

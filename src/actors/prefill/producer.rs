@@ -1590,29 +1590,20 @@ mod tests {
             PagesBack::NotYet,
             "layer 1 is on the pages only"
         );
-        for _ in 0..2 {
+        // a write of layer 1 by `member` from the pages ends (`ok`: well)
+        let from_pages = |src: &SourceBlocks, member: u32, ok: bool| {
             assert!(src.take_pages());
-            src.pages_read(key, 0, true);
+            src.pages_read(key, member, ok);
+        };
+        for (member, ok, why) in [
+            (0, true, "member 0 alone"),
+            (0, true, "member 0 twice is not every member"),
+            (1, false, "member 1's write failed"),
+            (7, true, "no member 7 in a group of 2"),
+        ] {
+            from_pages(&src, member, ok);
+            assert_eq!(src.let_pages_go(&ready), PagesBack::NotYet, "{why}");
         }
-        assert_eq!(
-            src.let_pages_go(&ready),
-            PagesBack::NotYet,
-            "member 0 twice is not every member"
-        );
-        assert!(src.take_pages());
-        src.pages_read(key, 1, false);
-        assert_eq!(
-            src.let_pages_go(&ready),
-            PagesBack::NotYet,
-            "member 1's write failed"
-        );
-        assert!(src.take_pages());
-        src.pages_read(key, 7, true);
-        assert_eq!(
-            src.let_pages_go(&ready),
-            PagesBack::NotYet,
-            "no member 7 in a group of 2"
-        );
         // computed again before member 1 wrote it: member 0's old write is
         // not of what the pages hold now (and no room this time)
         let full = SourceBlocks::new((0..8).collect());
@@ -1622,22 +1613,19 @@ mod tests {
             )),
             2,
         );
-        assert!(full.take_pages());
-        full.pages_read(key, 0, true);
+        from_pages(&full, 0, true);
         assert!(full.stage_layer(1, 0..4, 4096).is_none(), "no room");
-        assert!(full.take_pages());
-        full.pages_read(key, 1, true);
+        from_pages(&full, 1, true);
+        let only_layer_1 = [(1, 0..4)];
         assert_eq!(
-            full.let_pages_go(&[(1, 0..4)]),
+            full.let_pages_go(&only_layer_1),
             PagesBack::NotYet,
             "member 0 wrote the old pages"
         );
-        assert!(full.take_pages());
-        full.pages_read(key, 0, true);
-        assert_eq!(full.let_pages_go(&[(1, 0..4)]), PagesBack::Now);
+        from_pages(&full, 0, true);
+        assert_eq!(full.let_pages_go(&only_layer_1), PagesBack::Now);
         // back in the first group: member 1 writes it too
-        assert!(src.take_pages());
-        src.pages_read(key, 1, true);
+        from_pages(&src, 1, true);
         assert_eq!(
             src.let_pages_go(&ready),
             PagesBack::Now,
