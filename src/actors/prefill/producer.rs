@@ -1200,8 +1200,8 @@ impl ProducerCore {
                     reply_to: self.replies.clone(),
                 };
                 // Submitted here only on the caller's thread: the system
-                // thread never waits on Mooncake.
-                // (a writer lane's thread hands other writes to their lanes)
+                // thread never waits on Mooncake, and a writer lane's thread
+                // hands the writes to their lanes as messages.
                 let inline = matches!(via, Via::Caller);
                 if !self
                     .lanes

@@ -836,9 +836,9 @@ class PdWorker:
         and whose every layer is in a layer piece or at decode already (the
         runtime says so and stops reading their pages): vLLM frees their
         blocks now, while the remaining writes go out of the pieces, instead
-        of at the release. A
-        request the runtime says never can (its decode's authorization is
-        written from the pages) is not asked again."""
+        of at the release. A request the runtime says never can (its
+        decode's authorization is written from the pages) is not asked
+        again."""
         rt = self.runtime
         assert rt is not None
         for pd, prod in self.ledger.producers.where(
