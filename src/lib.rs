@@ -42,6 +42,7 @@ pub mod transport;
 pub mod wire;
 
 #[cfg(feature = "runtime")]
+pub use actors::stats::Timing;
 pub use actors::{PagesBack, Runtime, RuntimeConfig, RuntimeEvent, RuntimeSettings, StatsSnapshot};
 pub use error::{
     GeometryError, ProtocolError, RuntimeError, SideChannelError, TransportError, TransportResult,

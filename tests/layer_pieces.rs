@@ -333,6 +333,7 @@ fn pages_go_back_before_decode_authorized_and_every_write_then_reads_its_piece()
     producer.producer_abort(&cold, "done with it").unwrap();
     wait_released(&producer, &cold);
     one_staged_request(&producer, &consumer, &wire);
+    producer.take_timings();
 
     open(&req);
     let mut pieces = stage_all(&producer, &req, 0..6);
@@ -352,6 +353,14 @@ fn pages_go_back_before_decode_authorized_and_every_write_then_reads_its_piece()
         "asked again"
     );
     assert_eq!(producer.stats().producer_pages_given_back, 1, "counted once");
+    // the pages' time after the finish ends at the give-back, nothing is
+    // written yet
+    let timed = |t: &[(orbitkv::Timing, Vec<u32>)], w: orbitkv::Timing| {
+        t.iter().find(|(x, _)| *x == w).map_or(0, |(_, v)| v.len())
+    };
+    let t = producer.take_timings();
+    assert_eq!(timed(&t, orbitkv::Timing::PagesHeldAfterFinish), 1, "{t:?}");
+    assert_eq!(timed(&t, orbitkv::Timing::WrittenAfterFinish), 0, "{t:?}");
     // decode authorizes only now: every write reads its own piece
     let dst: Vec<u32> = (20..32).collect();
     let before = wire.submitted().len();
@@ -389,6 +398,11 @@ fn pages_go_back_before_decode_authorized_and_every_write_then_reads_its_piece()
     );
     // every piece went back at the release
     wait_all_back(&producer);
+    // written once decode authorized; the pages were timed at the give-back,
+    // not again at the release
+    let t = producer.take_timings();
+    assert_eq!(timed(&t, orbitkv::Timing::WrittenAfterFinish), 1, "{t:?}");
+    assert_eq!(timed(&t, orbitkv::Timing::PagesHeldAfterFinish), 0, "{t:?}");
 }
 
 #[test]

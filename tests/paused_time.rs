@@ -17,7 +17,7 @@ use orbitkv::actors::decode::consumer::{ConsumerActor, FenceTargets};
 use orbitkv::actors::decode::publisher::Publisher;
 use orbitkv::actors::decode::router::NotificationRouter;
 use orbitkv::actors::directory::{Call, RequestDirectory};
-use orbitkv::actors::messages::{ProducerEnded, ReleaseRequest};
+use orbitkv::actors::messages::{EventSender, ProducerEnded, ReleaseRequest};
 use orbitkv::actors::prefill::producer::ProducerShared;
 use orbitkv::actors::prefill::writer::{spawn_poller, WriterPool};
 use orbitkv::actors::stats::Stats;
@@ -37,10 +37,13 @@ fn paused(test: impl std::future::Future<Output = ()>) {
 
 /// The next runtime event, waiting on the paused clock (each nap lets the
 /// actors run and the clock jump); `None` after `within` of virtual time.
-async fn next(rx: &Receiver<RuntimeEvent>, within: Duration) -> Option<(RuntimeEvent, Instant)> {
+async fn next(
+    rx: &Receiver<(std::time::Instant, RuntimeEvent)>,
+    within: Duration,
+) -> Option<(RuntimeEvent, Instant)> {
     let end = Instant::now() + within;
     while Instant::now() < end {
-        if let Ok(ev) = rx.try_recv() {
+        if let Ok((_, ev)) = rx.try_recv() {
             return Some((ev, Instant::now()));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -51,7 +54,7 @@ async fn next(rx: &Receiver<RuntimeEvent>, within: Duration) -> Option<(RuntimeE
 /// One rank's directory with its router and writers, on the current system.
 struct Rank {
     directory: Addr<RequestDirectory>,
-    events: Receiver<RuntimeEvent>,
+    events: Receiver<(std::time::Instant, RuntimeEvent)>,
     stats: Arc<Stats>,
     poller_stop: Arc<AtomicBool>,
 }
@@ -104,7 +107,15 @@ impl Rank {
             stats.clone(),
             Arc::new(orbitkv::HttpPost),
         ));
-        let directory = RequestDirectory::new(shared, cfg, router, tx, Default::default(), publisher).start();
+        let directory = RequestDirectory::new(
+            shared,
+            cfg,
+            router,
+            EventSender::new(tx),
+            Default::default(),
+            publisher,
+        )
+        .start();
         Self {
             directory,
             events,
@@ -136,7 +147,11 @@ fn start_consumer(
     request: &str,
     ranks: &[u32],
     staging: Option<orbitkv::actors::decode::consumer::ConsumerStaging>,
-) -> (Addr<ConsumerActor>, Arc<Stats>, Receiver<RuntimeEvent>) {
+) -> (
+    Addr<ConsumerActor>,
+    Arc<Stats>,
+    Receiver<(std::time::Instant, RuntimeEvent)>,
+) {
     let cfg = RuntimeConfig::default();
     let transport = Arc::new(FakeTransport::new("127.0.0.1:1"));
     let stats = Arc::new(Stats::default());
@@ -164,7 +179,7 @@ fn start_consumer(
         machine,
         (cfg.consumer_timeout, cfg.quarantine),
         router,
-        tx,
+        EventSender::new(tx),
         stats.clone(),
         staging,
         fence,

@@ -1144,3 +1144,86 @@ fn blocks_of_another_size_are_written_token_by_token_through_mooncake() {
     let got = outcome(&c.runtime);
     assert!(matches!(got, RuntimeEvent::ConsumerFailed { .. }), "{got:?}");
 }
+
+/// The durations of a request's phases (`Runtime::take_timings`, vLLM's
+/// histograms): the transfer's tail after vLLM finished the prefill, how
+/// long the prefill's pages stayed held after it, and how long decode's
+/// completion waited to be taken. Decode authorizes 60 ms after the finish
+/// and the completion is taken 40 ms after it came, so each duration is at
+/// least that; an aborted request is not counted as written; each is
+/// taken once.
+#[test]
+fn the_time_after_the_prefill_finished_is_timed_on_both_sides() {
+    let (layers, blocks, bb) = (2, 8, 4096);
+    let producer = rank(layers, blocks, bb, (0, 1), 2, src_pattern);
+    let consumer = rank(layers, blocks, bb, (0, 1), 2, |_| GUARD);
+    let of = |t: &[(orbitkv::Timing, Vec<u32>)], w: orbitkv::Timing| {
+        t.iter().find(|(x, _)| *x == w).map(|(_, v)| v.clone()).unwrap()
+    };
+    let req = RequestId::new("timed");
+    let hs = orbitkv::testing::open_both(&producer.runtime, &consumer.runtime, &req, &[0, 1, 2], &[3, 4, 5]);
+    for l in 0..layers {
+        producer.runtime.layer_ready(&req, l, 0..3).unwrap();
+    }
+    producer.runtime.producer_finish(&req).unwrap();
+    std::thread::sleep(Duration::from_millis(60));
+    let authorized = Instant::now();
+    producer.runtime.producer_handshake(hs).unwrap();
+    let (done, why) = wait_released(&producer.runtime, &req);
+    assert_eq!(done, Outcome::Done, "{why:?}");
+    let since_authorized = authorized.elapsed();
+    // the completion (the notice goes after the release) waits 40 ms
+    // before the worker takes it
+    let until = Instant::now() + Duration::from_secs(5);
+    while consumer.runtime.stats().consumers_completed == 0 {
+        assert!(Instant::now() < until, "decode never completed");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(40));
+    assert!(matches!(
+        outcome(&consumer.runtime),
+        RuntimeEvent::ConsumerCompleted { .. }
+    ));
+    let p = producer.runtime.take_timings();
+    let (written, pages) = (
+        of(&p, orbitkv::Timing::WrittenAfterFinish),
+        of(&p, orbitkv::Timing::PagesHeldAfterFinish),
+    );
+    assert_eq!((written.len(), pages.len()), (1, 1), "{p:?}");
+    assert!(written[0] >= 60_000, "{p:?}");
+    assert!(
+        pages[0] >= written[0],
+        "pages go back after the last write: {p:?}"
+    );
+    assert!(
+        u128::from(pages[0]) <= (Duration::from_millis(60) + since_authorized).as_micros() + 50_000,
+        "{p:?}"
+    );
+    assert!(
+        of(&p, orbitkv::Timing::CompleteToTaken).is_empty(),
+        "prefill completes nothing"
+    );
+    let c = consumer.runtime.take_timings();
+    let taken = of(&c, orbitkv::Timing::CompleteToTaken);
+    assert_eq!(taken.len(), 1, "{c:?}");
+    assert!(taken[0] >= 40_000, "{c:?}");
+    assert!(of(&c, orbitkv::Timing::WrittenAfterFinish).is_empty());
+    // taken once
+    assert!(producer.runtime.take_timings().iter().all(|(_, v)| v.is_empty()));
+    assert!(consumer.runtime.take_timings().iter().all(|(_, v)| v.is_empty()));
+
+    // finished, then aborted before decode authorized: nothing written, the
+    // pages held until the release are timed
+    let gone = RequestId::new("timed-abort");
+    producer
+        .runtime
+        .producer_open(gone.clone(), vec![0, 1], cap(), 1)
+        .unwrap();
+    producer.runtime.producer_finish(&gone).unwrap();
+    producer.runtime.producer_abort(&gone, "client left").unwrap();
+    let (ended, _) = wait_released(&producer.runtime, &gone);
+    assert_eq!(ended, Outcome::Aborted);
+    let p = producer.runtime.take_timings();
+    assert!(of(&p, orbitkv::Timing::WrittenAfterFinish).is_empty(), "{p:?}");
+    assert_eq!(of(&p, orbitkv::Timing::PagesHeldAfterFinish).len(), 1, "{p:?}");
+}

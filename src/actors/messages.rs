@@ -220,6 +220,23 @@ pub struct NotificationsTaken(pub Vec<crate::transport::Notification>);
 
 // ---- from the actors to the façade --------------------------------------
 
+/// How the actors hand [`RuntimeEvent`]s to the façade: each with when it
+/// was sent, so the façade can time how long a completion waited to be
+/// taken ([`crate::actors::stats::Timing::CompleteToTaken`]).
+#[derive(Debug, Clone)]
+pub struct EventSender(crossbeam_channel::Sender<(std::time::Instant, RuntimeEvent)>);
+
+impl EventSender {
+    pub fn new(tx: crossbeam_channel::Sender<(std::time::Instant, RuntimeEvent)>) -> Self {
+        Self(tx)
+    }
+
+    /// Sends `ev`, stamped now; `false` once the façade is gone.
+    pub fn send(&self, ev: RuntimeEvent) -> bool {
+        self.0.send((std::time::Instant::now(), ev)).is_ok()
+    }
+}
+
 /// What the runtime tells its user (the vLLM connector) happened.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RuntimeEvent {

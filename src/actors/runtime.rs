@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use crossbeam_channel::{Receiver, Sender};
@@ -20,7 +20,7 @@ use super::messages::*;
 use super::prefill::gate::LayerMarks;
 use super::prefill::producer::{ProducerActor, ProducerShared};
 use super::prefill::writer::{spawn_poller, PollJob, WriterPool};
-use super::stats::{Stats, StatsSnapshot};
+use super::stats::{Stats, StatsSnapshot, Timing};
 use crate::error::{GeometryError, RuntimeError};
 use crate::fsm::ConsumerMachine;
 use crate::ids::{Capability, Generation, MarkSeq, NoticeKey, RequestId, Sequence};
@@ -58,7 +58,7 @@ pub struct Runtime {
     poller_tx: Option<Sender<PollJob>>,
     poller_stop: Arc<AtomicBool>,
     poller_thread: Option<std::thread::JoinHandle<()>>,
-    events_rx: Receiver<RuntimeEvent>,
+    events_rx: Receiver<(Instant, RuntimeEvent)>,
     /// Sends this (decode) rank's handshakes, cancels and fences, off any GIL.
     publisher: Arc<Publisher>,
     stats: Arc<Stats>,
@@ -163,7 +163,7 @@ impl Runtime {
             shared,
             cfg.clone(),
             router,
-            events_tx,
+            crate::actors::messages::EventSender::new(events_tx),
             producers.clone(),
             publisher.clone(),
         );
@@ -989,12 +989,30 @@ impl Runtime {
 
     /// Everything that happened since the last call.
     pub fn poll_events(&self) -> Vec<RuntimeEvent> {
-        self.events_rx.try_iter().collect()
+        self.events_rx.try_iter().map(|e| self.taken(e)).collect()
     }
 
     /// Waits up to `timeout` for the next event.
     pub fn next_event(&self, timeout: Duration) -> Option<RuntimeEvent> {
-        self.events_rx.recv_timeout(timeout).ok()
+        self.events_rx.recv_timeout(timeout).ok().map(|e| self.taken(e))
+    }
+
+    /// An event taken from the actors: a completion's wait to be taken is
+    /// timed ([`Timing::CompleteToTaken`]).
+    fn taken(&self, (sent, ev): (Instant, RuntimeEvent)) -> RuntimeEvent {
+        if matches!(ev, RuntimeEvent::ConsumerCompleted { .. }) {
+            self.stats
+                .timings
+                .observe(Timing::CompleteToTaken, sent.elapsed());
+        }
+        ev
+    }
+
+    /// Takes the durations of request phases kept since the last take
+    /// ([`crate::actors::stats::Timings`]), in µs, by timing. vLLM's stats
+    /// report takes them (one reader: a second one would split them).
+    pub fn take_timings(&self) -> Vec<(Timing, Vec<u32>)> {
+        self.stats.timings.take()
     }
 
     /// Peers (decode endpoints) this rank has writer lanes for now,

@@ -2,6 +2,7 @@
 //! vLLM's stats hooks.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 /// A monotonically increasing counter, on a cache line (two: adjacent-line
 /// prefetch) of its own: the per-layer path on the caller's thread and the
@@ -146,6 +147,84 @@ pub struct Stats {
     /// Prefill side: peers whose writer lanes and segment were reclaimed
     /// after `peer_idle_reclaim` idle.
     pub peers_reclaimed: Counter,
+    /// Durations of a request's phases, one per request, kept until vLLM's
+    /// stats report takes them ([`Timings`]).
+    pub timings: Timings,
+}
+
+/// A phase of a request whose duration is kept, one per request, for a
+/// histogram (where the time after vLLM finished a prefill goes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Timing {
+    /// Prefill side: vLLM finished the request (every layer handed over) →
+    /// its last write ended well and decode was told (`Notice` done). The
+    /// transfer's tail after the prefill answered.
+    WrittenAfterFinish,
+    /// Prefill side: vLLM finished the request → its KV pages went back to
+    /// vLLM (given back early, or the request released). What holds
+    /// prefill KV after its answer.
+    PagesHeldAfterFinish,
+    /// Decode side: every producer reported done (the KV is in place) → the
+    /// vLLM worker took the completion (`Runtime::poll_events`).
+    CompleteToTaken,
+}
+
+impl Timing {
+    pub const ALL: [Timing; 3] = [
+        Timing::WrittenAfterFinish,
+        Timing::PagesHeldAfterFinish,
+        Timing::CompleteToTaken,
+    ];
+
+    /// The name the binding and the metrics use.
+    pub fn name(self) -> &'static str {
+        match self {
+            Timing::WrittenAfterFinish => "written_after_finish",
+            Timing::PagesHeldAfterFinish => "pages_held_after_finish",
+            Timing::CompleteToTaken => "complete_to_taken",
+        }
+    }
+}
+
+/// Durations kept per [`Timing`] until taken ([`Timings::take`]); at most
+/// [`TIMINGS_KEPT`] of each between two takes (vLLM's stats report takes
+/// them every engine step), the rest counted in [`Timings::dropped`] and
+/// not kept: the runtime never grows without bound when nobody takes them.
+#[derive(Debug, Default)]
+pub struct Timings {
+    kept: parking_lot::Mutex<[Vec<u32>; 3]>,
+    dropped: Counter,
+}
+
+/// Durations of one [`Timing`] kept between two takes.
+pub const TIMINGS_KEPT: usize = 4096;
+
+impl Timings {
+    /// Keeps `d` (in µs, at most `u32::MAX`: 71 minutes) for `what`.
+    pub fn observe(&self, what: Timing, d: Duration) {
+        let micros = u32::try_from(d.as_micros()).unwrap_or(u32::MAX);
+        let mut kept = self.kept.lock();
+        let list = &mut kept[what as usize];
+        if list.len() < TIMINGS_KEPT {
+            list.push(micros);
+        } else {
+            self.dropped.inc();
+        }
+    }
+
+    /// Takes every duration kept since the last take, in µs, per timing.
+    pub fn take(&self) -> Vec<(Timing, Vec<u32>)> {
+        let mut kept = self.kept.lock();
+        Timing::ALL
+            .iter()
+            .map(|&t| (t, std::mem::take(&mut kept[t as usize])))
+            .collect()
+    }
+
+    /// Durations not kept because [`TIMINGS_KEPT`] were waiting to be taken.
+    pub fn dropped(&self) -> u64 {
+        self.dropped.get()
+    }
 }
 
 /// A point-in-time copy of [`Stats`].
@@ -255,5 +334,39 @@ impl Stats {
             writes_reported_inline: self.writes_reported_inline.get(),
             peers_reclaimed: self.peers_reclaimed.get(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn timings_are_kept_until_taken_and_bounded_meanwhile() {
+        let t = Timings::default();
+        t.observe(Timing::WrittenAfterFinish, Duration::from_millis(3));
+        t.observe(Timing::CompleteToTaken, Duration::from_secs(5000));
+        let taken = t.take();
+        assert_eq!(taken.len(), Timing::ALL.len());
+        let of = |taken: &[(Timing, Vec<u32>)], w: Timing| {
+            taken
+                .iter()
+                .find(|(x, _)| *x == w)
+                .map(|(_, v)| v.clone())
+                .unwrap()
+        };
+        assert_eq!(of(&taken, Timing::WrittenAfterFinish), vec![3000]);
+        assert_eq!(of(&taken, Timing::PagesHeldAfterFinish), Vec::<u32>::new());
+        // clipped at u32::MAX µs, not wrapped
+        assert_eq!(of(&taken, Timing::CompleteToTaken), vec![u32::MAX]);
+        // taken once
+        assert!(t.take().iter().all(|(_, v)| v.is_empty()));
+        for _ in 0..TIMINGS_KEPT + 5 {
+            t.observe(Timing::PagesHeldAfterFinish, Duration::from_micros(1));
+        }
+        assert_eq!(of(&t.take(), Timing::PagesHeldAfterFinish).len(), TIMINGS_KEPT);
+        assert_eq!(t.dropped(), 5);
+        let names: std::collections::HashSet<_> = Timing::ALL.iter().map(|t| t.name()).collect();
+        assert_eq!(names.len(), Timing::ALL.len());
     }
 }

@@ -1968,13 +1968,51 @@ def mooncake_lines(log: Path | None, limit: int = 12) -> list[str]:
     return out
 
 
+# OrbitKV's histograms of a request's phases after its prefill answered
+# (docs/configuration.md, metrics): the prefill's and the decode's.
+PHASES = ("written_after_finish", "pages_held_after_finish", "complete_to_taken")
+
+
+def phase_buckets(m: dict[str, float]) -> dict[str, dict[float, float]]:
+    """The cumulative bucket counts of each phase's histogram in ``m`` (a
+    ``metrics()`` answer): {phase: {le: count}}; empty for a wheel without them."""
+    out: dict[str, dict[float, float]] = {}
+    for k, v in m.items():
+        for ph in PHASES:
+            head = f'vllm:orbitkv_{ph}_seconds_bucket{{le="'
+            if k.startswith(head):
+                le = k[len(head):-2]
+                out.setdefault(ph, {})[float("inf") if le == "+Inf" else float(le)] = v
+    return out
+
+
+def bucket_quantile(cum: dict[float, float], q: float) -> float | None:
+    """Prometheus's ``histogram_quantile`` on cumulative counts {le: count}:
+    linear inside the bucket the quantile falls in (None without counts; the
+    highest finite bound when it falls in +Inf)."""
+    bounds = sorted(cum)
+    total = cum[bounds[-1]] if bounds else 0
+    if total <= 0:
+        return None
+    rank, lo, below = q * total, 0.0, 0.0
+    for le in bounds:
+        if cum[le] >= rank:
+            if le == float("inf"):
+                return lo
+            return lo + (le - lo) * (rank - below) / max(cum[le] - below, 1e-12)
+        lo, below = le, cum[le]
+    return lo
+
+
 class Sampler(threading.Thread):
-    """Polls the given servers' /metrics every ``every_s``: KV usage, running, waiting."""
+    """Polls the given servers' /metrics every ``every_s``: KV usage, running,
+    waiting, and OrbitKV's phase histograms (for each level's quantiles)."""
 
     def __init__(self, servers: list[Server], every_s: float = 0.25):
         super().__init__(daemon=True)
         self.servers, self.every_s = servers, every_s
         self.samples: list[tuple[float, str, float, float, float]] = []
+        self.phase_samples: list[tuple[float, str, dict[str, dict[float, float]]]] = []
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -1985,7 +2023,29 @@ class Sampler(threading.Thread):
                     self.samples.append((time.time(), s.name, m.get("vllm:kv_cache_usage_perc", -1),
                                          m.get("vllm:num_requests_running", -1),
                                          m.get("vllm:num_requests_waiting", -1)))
+                    b = phase_buckets(m)
+                    if b:
+                        self.phase_samples.append((time.time(), s.name, b))
             self._halt.wait(self.every_s)
+
+    def phases(self, t0: float, t1: float, grace_s: float = 1.0) -> dict[str, dict[str, float]]:
+        """Each phase's requests and p50 / p90 (ms) between t0 and t1 (+
+        ``grace_s``: a request's last observations reach /metrics a step
+        after its answer), from the bucket counts sampled nearest before each."""
+        out: dict[str, dict[str, float]] = {}
+        for name in {n for _, n, _ in self.phase_samples}:
+            mine = [(t, b) for t, n, b in self.phase_samples if n == name]
+            start = [b for t, b in mine if t <= t0] or [{}]
+            end = [b for t, b in mine if t <= t1 + grace_s]
+            if not end:
+                continue
+            for ph, cum in end[-1].items():
+                d = {le: c - start[-1].get(ph, {}).get(le, 0.0) for le, c in cum.items()}
+                n = d.get(float("inf"), 0.0)
+                if n > 0:
+                    out[ph] = {"n": n, **{f"p{int(q * 100)}_ms": round(1e3 * (bucket_quantile(d, q) or 0.0), 1)
+                                          for q in (0.5, 0.9)}}
+        return out
 
     def finish(self) -> None:
         self._halt.set()
@@ -2157,6 +2217,8 @@ def stage_b(ctx: Ctx, fleet: Fleet, name: str, acc: dict[str, Any] | None = None
                 if "traceback" in entry:
                     r["traceback"] = entry["traceback"][-3000:]
                 r["servers"] = sampler.peaks(entry["start"], entry["end"])
+                if sampler.phase_samples:
+                    r["orbit_phases"] = sampler.phases(entry["start"], entry["end"])
                 if system in fleet.proxy_logs:
                     r["proxy_breakdown"] = proxy_breakdown(fleet.proxy_logs[system], entry["start"], entry["end"])
                 sysres["runs"][entry["tag"]] = r
@@ -2777,7 +2839,24 @@ def report(d: Path) -> str:
                     f"{pre.get('kv_usage_peak', float('nan')):.1%} | {dec.get('waiting_peak', '-')} |")
         lines.append("")
         lines += ratio_rows(r)
-        # where the time goes: the proxies' per-request lines, OrbitKV's counters
+        # where the time goes: the proxies' per-request lines, OrbitKV's
+        # phase histograms, OrbitKV's counters
+        rows = []
+        for system, sr in r.get("systems", {}).items():
+            for tag, x in sr.get("runs", {}).items():
+                ph = x.get("orbit_phases")
+                if tag.startswith("warm") or not ph:
+                    continue
+                h = lambda k, ph=ph: (f"{ph[k]['p50_ms']:.0f} / {ph[k]['p90_ms']:.0f} ({ph[k]['n']:.0f})"  # noqa: E731
+                                      if k in ph else "-")
+                rows.append(f"| {system} | {x.get('concurrency')} | {h('written_after_finish')} | "
+                            f"{h('pages_held_after_finish')} | {h('complete_to_taken')} |")
+        if rows:
+            lines += ["OrbitKV's phase histograms per level (ms, p50 / p90 from the buckets, (requests)): prefill: "
+                      "vLLM finished the request → its last write ended and decode told, → its pages back to "
+                      "vLLM; decode: KV complete → taken by vLLM's worker.", "",
+                      "| system | in flight | written after finish | pages held after finish | complete → taken |",
+                      "|---|---|---|---|---|"] + rows + [""]
         rows = []
         for system, sr in r.get("systems", {}).items():
             for tag, x in sr.get("runs", {}).items():

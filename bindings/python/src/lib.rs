@@ -42,6 +42,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         .and_then(|v| v.as_object().map(|m| m.keys().cloned().collect()))
         .unwrap_or_default();
     m.add("STATS_FIELDS", pyo3::types::PyTuple::new(m.py(), fields)?)?;
+    // The request phases `Runtime.take_timings()` times, by name.
+    let timings: Vec<&str> = orbitkv::Timing::ALL.iter().map(|t| t.name()).collect();
+    m.add("TIMING_NAMES", pyo3::types::PyTuple::new(m.py(), timings)?)?;
     // The runtime's defaults, in `Runtime(...)`'s keyword names: the core's
     // `RuntimeSettings::defaults()` (from `RuntimeConfig::default()`, the one
     // place they are written), every setting that has one.

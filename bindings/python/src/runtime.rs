@@ -929,6 +929,19 @@ impl PyRuntime {
         Ok(d)
     }
 
+    /// The durations of request phases kept since the last call, in
+    /// seconds, by name (`TIMING_NAMES`): taken, so the connector's stats
+    /// report is their one reader.
+    fn take_timings<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let taken = self.rt(py)?.take_timings();
+        let d = PyDict::new(py);
+        for (what, micros) in taken {
+            let secs: Vec<f64> = micros.iter().map(|&m| f64::from(m) / 1e6).collect();
+            d.set_item(what.name(), secs)?;
+        }
+        Ok(d)
+    }
+
     /// Stops the actors (writes in flight are abandoned). Idempotent.
     fn shutdown(&self, py: Python<'_>) {
         let rt = self.inner.write().take();

@@ -189,3 +189,39 @@ def test_kv_digest_finds_the_token_slots_of_vllm_layouts_and_equal_bytes_give_eq
     b[1][5, 1, 0] += 1  # one element of one layer
     rc = Worker(b, 6, 4).orbitkv_kv_digest()
     assert len(set(kd.decode_digests(ra)) - set(kd.decode_digests(rc))) == 1
+
+
+def test_each_level_gets_its_phase_quantiles_from_the_sampled_buckets(tmp_path: Path) -> None:
+    """OrbitKV's phase histograms, sampled from /metrics during a load run:
+    a level's requests are the bucket counts' growth from the sample before
+    its start to the last one within a second after its end; p50 / p90 as
+    Prometheus's histogram_quantile gives them (linear inside a bucket)."""
+    name = "vllm:orbitkv_written_after_finish_seconds_bucket"
+
+    def sample(counts: dict[str, float]) -> dict[str, float]:
+        return {f'{name}{{le="{le}"}}': c for le, c in counts.items()} | {name: sum(counts.values())}
+
+    assert driver.phase_buckets({"vllm:num_requests_running": 1.0}) == {}
+    s = driver.Sampler([])
+    s.phase_samples = [
+        (10.0, "big-orbit-prefill", driver.phase_buckets(sample({"0.1": 2, "0.2": 2, "+Inf": 2}))),
+        # the level (11 .. 20): 10 requests, 4 below 100 ms, 10 below 200 ms
+        (20.5, "big-orbit-prefill", driver.phase_buckets(sample({"0.1": 6, "0.2": 12, "+Inf": 12}))),
+        # after the grace: the next level's
+        (30.0, "big-orbit-prefill", driver.phase_buckets(sample({"0.1": 6, "0.2": 112, "+Inf": 112}))),
+    ]
+    got = s.phases(11.0, 20.0)["written_after_finish"]
+    assert got["n"] == 10
+    assert got["p50_ms"] == pytest.approx(100 + 100 * (5 - 4) / 6, abs=0.1)
+    assert got["p90_ms"] == pytest.approx(100 + 100 * (9 - 4) / 6, abs=0.1)
+    assert driver.bucket_quantile({0.1: 0, float("inf"): 0}, 0.5) is None
+    assert driver.bucket_quantile({0.1: 1, float("inf"): 5}, 0.9) == 0.1, "in +Inf: the highest finite bound"
+    stage = {
+        "config": {"input_len": 1, "input_range": 0, "output_len": 1},
+        "systems": {"orbit": {"runs": {"c32": {"concurrency": 32, "orbit_phases": {"written_after_finish": got}}}}},
+    }
+    (tmp_path / "b-default.json").write_text(json.dumps(stage))
+    lines = driver.report(tmp_path).splitlines()
+    header = lines.index("| system | in flight | written after finish | pages held after finish | complete → taken |")
+    row = lines[header + 2]
+    assert row == "| orbit | 32 | 117 / 183 (10) | - | - |"

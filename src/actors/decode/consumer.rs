@@ -8,7 +8,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use crossbeam_channel::Sender;
 use tracing::Span;
 
 use super::publisher::{FenceJob, Publisher};
@@ -29,7 +28,7 @@ pub struct ConsumerActor {
     quarantine: Duration,
     opened: Instant,
     router: Addr<NotificationRouter>,
-    events: Sender<RuntimeEvent>,
+    events: crate::actors::messages::EventSender,
     stats: Arc<Stats>,
     span: Span,
     /// The request's staging grant, if it has one (returned to its arena on
@@ -95,7 +94,7 @@ impl ConsumerActor {
         machine: ConsumerMachine,
         (timeout, quarantine): (Duration, Duration),
         router: Addr<NotificationRouter>,
-        events: Sender<RuntimeEvent>,
+        events: crate::actors::messages::EventSender,
         stats: Arc<Stats>,
         staging: Option<ConsumerStaging>,
         fence: FenceTargets,

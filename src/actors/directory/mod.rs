@@ -33,7 +33,6 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use actix::prelude::*;
-use crossbeam_channel::Sender;
 
 use super::config::RuntimeConfig;
 use super::decode::consumer::{ConsumerActor, ConsumerStaging, FenceTargets, Published};
@@ -76,7 +75,7 @@ pub struct RequestDirectory {
     shared: Arc<ProducerShared>,
     cfg: RuntimeConfig,
     router: Addr<NotificationRouter>,
-    events: Sender<RuntimeEvent>,
+    events: crate::actors::messages::EventSender,
     /// The sequence of the last authorization given (see
     /// [`Sequence::next_after`]).
     last_sequence: Sequence,
@@ -120,7 +119,7 @@ impl RequestDirectory {
         shared: Arc<ProducerShared>,
         cfg: RuntimeConfig,
         router: Addr<NotificationRouter>,
-        events: Sender<RuntimeEvent>,
+        events: crate::actors::messages::EventSender,
         index: ProducerIndex,
         publisher: Arc<Publisher>,
     ) -> Self {

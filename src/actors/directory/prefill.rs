@@ -457,12 +457,12 @@ impl Handler<ProducerEnded> for RequestDirectory {
                     // Every write of the group ended: its layer pieces go back.
                     if current {
                         if let Some(g) = self.producers.remove(&request) {
-                            g.src_blocks.close();
+                            g.src_blocks.close(&self.shared.stats.timings);
                             self.remember_ended(request.clone(), g.capability);
                         }
                         self.index.withdraw(&request);
                     } else if let Some(g) = self.ending.remove(&group) {
-                        g.src_blocks.close();
+                        g.src_blocks.close(&self.shared.stats.timings);
                     }
                     last
                 }

@@ -22,7 +22,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use actix::prelude::*;
 use parking_lot::Mutex;
@@ -31,7 +31,7 @@ use tracing::Span;
 use super::writer::WriterPool;
 use crate::actors::cell::{ActorCell, Wait};
 use crate::actors::messages::*;
-use crate::actors::stats::Stats;
+use crate::actors::stats::{Stats, Timing, Timings};
 use crate::fsm::*;
 use crate::ids::{Generation, ProducerRank, RequestId};
 use crate::layout::HOLE;
@@ -196,6 +196,9 @@ struct SourceState {
     /// Producers made with this list so far: each member's index
     /// ([`SourceBlocks::join`]).
     joined: std::sync::atomic::AtomicU32,
+    /// When vLLM finished the request (the first member told so), for
+    /// [`Timing::PagesHeldAfterFinish`]; taken when the pages go back.
+    finished_at: parking_lot::Mutex<Option<Instant>>,
 }
 
 impl Drop for SourceState {
@@ -292,7 +295,20 @@ impl SourceBlocks {
             orders: Default::default(),
             pieces: Default::default(),
             joined: Default::default(),
+            finished_at: Default::default(),
         }))
+    }
+
+    /// vLLM finished the request (every layer handed over): the clock of
+    /// [`Timing::PagesHeldAfterFinish`] starts, at the first member told.
+    fn finished(&self, at: Instant) {
+        self.0.finished_at.lock().get_or_insert(at);
+    }
+
+    /// The pages go back to vLLM now: how long after vLLM finished the
+    /// request, once (`None` if it never finished, or was counted).
+    fn pages_back_after_finish(&self) -> Option<Duration> {
+        self.0.finished_at.lock().take().map(|t| t.elapsed())
     }
 
     pub fn len(&self) -> usize {
@@ -507,9 +523,14 @@ impl SourceBlocks {
     }
 
     /// The group ended: every piece goes back (no write is in flight any
-    /// more), and none is given from now on.
-    pub(in crate::actors) fn close(&self) {
+    /// more), and none is given from now on. The prefill's pages go back
+    /// to vLLM with it unless they went before: timed
+    /// ([`Timing::PagesHeldAfterFinish`]) into `timings`.
+    pub(in crate::actors) fn close(&self, timings: &Timings) {
         self.0.pieces.lock().close();
+        if let Some(held) = self.pages_back_after_finish() {
+            timings.observe(Timing::PagesHeldAfterFinish, held);
+        }
     }
 
     /// Whether any chunk was gathered out of request order.
@@ -596,6 +617,9 @@ struct ProducerCore {
     /// The staged plan of the authorization of this generation (`None`
     /// inside: that authorization is written into pages), made once.
     staged: Option<(Generation, Option<Arc<StagedPlan>>)>,
+    /// When vLLM finished the request here (`Finish`), for
+    /// [`Timing::WrittenAfterFinish`].
+    finished_at: Option<Instant>,
     /// This actor (for its own `Stop`).
     me: Addr<ProducerActor>,
     /// Where the writers report (this actor, [`WriterReports`]).
@@ -863,6 +887,12 @@ pub fn give_back_pages(members: &[ProducerRef]) -> PagesBack {
     if back == PagesBack::Now {
         let core = first.0.lock();
         core.shared.stats.producer_pages_given_back.inc();
+        if let Some(held) = src.pages_back_after_finish() {
+            core.shared
+                .stats
+                .timings
+                .observe(Timing::PagesHeldAfterFinish, held);
+        }
         tracing::info!(parent: &core.span, layers = ready.len(),
             "prefill's pages given back before the writes: every layer is in a layer piece or at decode");
     }
@@ -995,6 +1025,7 @@ impl ProducerCore {
             reading: Vec::new(),
             member,
             staged: None,
+            finished_at: None,
         }
     }
 
@@ -1042,6 +1073,11 @@ impl ProducerCore {
             match &ev {
                 ProducerEvent::WriteDone { write, .. } => self.read_ended(*write, true),
                 ProducerEvent::WriteFailed { write, .. } => self.read_ended(*write, false),
+                ProducerEvent::Finish if self.finished_at.is_none() => {
+                    let now = Instant::now();
+                    self.finished_at = Some(now);
+                    self.src_blocks.finished(now);
+                }
                 _ => {}
             }
             self.machine.on_event_into(ev, &mut effects);
@@ -1236,6 +1272,12 @@ impl ProducerCore {
                 // consumer believes nothing else (rule 2a).
                 .sign(&auth.notice_key);
                 tracing::info!(?outcome, bytes, notice.staged, "notifying the consumer");
+                if let (crate::wire::Outcome::Done, Some(at)) = (outcome, self.finished_at) {
+                    self.shared
+                        .stats
+                        .timings
+                        .observe(Timing::WrittenAfterFinish, at.elapsed());
+                }
                 self.shared.writers.get(&auth.endpoint).notice(notice);
                 None
             }
@@ -1508,7 +1550,7 @@ mod tests {
         src.piece_read(rb, true);
         assert_eq!(used(), 1, "the replaced piece back when its reader ended");
         // the group ends: every piece back, none given any more
-        src.close();
+        src.close(&crate::actors::stats::Timings::default());
         assert_eq!(used(), 0);
         src.piece_read(rc, true); // late: nothing to free twice
         assert!(src.stage_layer(2, 0..1, 256).is_none());
@@ -1564,7 +1606,7 @@ mod tests {
         let ended = SourceBlocks::new((0..4).collect());
         ended.stage_by_layer(arena.clone(), 1);
         ended.stage_layer(0, 0..4, 4096).unwrap();
-        ended.close();
+        ended.close(&crate::actors::stats::Timings::default());
         assert_eq!(ended.let_pages_go(&[(0, 0..4)]), PagesBack::Never);
         assert!(ended.take_pages());
     }

@@ -18,6 +18,7 @@ __all__ = [
     "SIDE_CHANNEL_HEALTH_PATH",
     "SIDE_CHANNEL_SIGNATURE_HEADER",
     "STATS_FIELDS",
+    "TIMING_NAMES",
     "Batch",
     "MooncakeTransferEngine",
     "Runtime",
@@ -42,6 +43,9 @@ PINNED_MOONCAKE_VERSION: str
 
 STATS_FIELDS: tuple[str, ...]
 """The runtime's counters: the keys of `Runtime.stats()` (Rust's `StatsSnapshot`)."""
+
+TIMING_NAMES: tuple[str, ...]
+"""The request phases `Runtime.take_timings()` times (Rust's `Timing`)."""
 
 RUNTIME_DEFAULTS: dict[str, float | int]
 """The runtime's defaults (Rust's `RuntimeConfig::default()`), keyed by
@@ -575,6 +579,11 @@ class Runtime:
 
     def stats(self) -> dict[str, int]:
         """The runtime's counters."""
+
+    def take_timings(self) -> dict[str, list[float]]:
+        """The durations of request phases kept since the last call, in
+        seconds, by name (``TIMING_NAMES``): taken, so the connector's stats
+        report is their one reader."""
 
     def shutdown(self) -> None:
         """Stops the actors (writes in flight are abandoned). Idempotent."""

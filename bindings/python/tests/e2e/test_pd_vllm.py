@@ -136,6 +136,32 @@ def test_pd_equals_single_engine(cluster: Cluster, n: int) -> None:
             assert after_p.get(to_pages, 0) > before_p.get(to_pages, 0), "no layer went from staging into pages"
         assert after_d.get("vllm:orbitkv_staging_granted_total", 0) == 0, "decode granted staging by default"
     cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
+    assert_phases_timed(cluster, before_p, before_d, 3)
+
+
+# The request phases timed once per P/D request (Prometheus histograms:
+# docs/configuration.md#metrics), by the side that times them.
+PHASES = {"prefill": ("vllm:orbitkv_written_after_finish_seconds", "vllm:orbitkv_pages_held_after_finish_seconds"),
+          "decode": ("vllm:orbitkv_complete_to_taken_seconds",)}
+
+
+def assert_phases_timed(cluster: Cluster, before_p: dict[str, float], before_d: dict[str, float], n: int) -> None:
+    """Each of `n` P/D requests since the snapshots was timed once in every
+    phase's histogram, each duration within the request's timeout (the last
+    observations reach the API server's /metrics a step after the release)."""
+    before = {"prefill": before_p, "decode": before_d}
+
+    def counts() -> dict[str, float]:
+        got = {}
+        for side, names in PHASES.items():
+            now = snapshot(cluster, side)
+            for name in names:
+                got[name] = now.get(f"{name}_count", 0) - before[side].get(f"{name}_count", 0)
+                assert now.get(f"{name}_sum", 0) - before[side].get(f"{name}_sum", 0) <= n * 120, name
+        return got
+
+    wait_until(lambda: all(c >= n for c in counts().values()), 10, lambda: f"every phase timed {n} times: {counts()}")
+    assert all(c == n for c in counts().values()), counts()
 
 
 def test_pd_text_prompts_and_streaming(cluster: Cluster) -> None:

@@ -10,6 +10,7 @@ import contextlib
 import http.client
 import json
 import random
+import re
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -78,7 +79,8 @@ def healthy(url: str) -> bool:
 
 def metrics(url: str, timeout_s: float = 5.0) -> dict[str, float]:
     """A server's Prometheus metrics, each name summed over its label sets
-    (``_created`` series left out)."""
+    (``_created`` series left out); a histogram's buckets also under
+    ``name{le="bound"}``, summed over the other labels (for quantiles)."""
     status, body = http_get(url, "/metrics", timeout_s)
     if status != 200:
         raise ClusterError(f"{url}/metrics answered {status}")
@@ -91,9 +93,15 @@ def metrics(url: str, timeout_s: float = 5.0) -> dict[str, float]:
         if name.endswith("_created"):
             continue
         try:
-            out[name] = out.get(name, 0.0) + float(value)
+            v = float(value)
         except ValueError:
             continue
+        out[name] = out.get(name, 0.0) + v
+        if name.endswith("_bucket"):
+            le = re.search(r'le="([^"]*)"', name_labels)
+            if le:
+                key = f'{name}{{le="{le.group(1)}"}}'
+                out[key] = out.get(key, 0.0) + v
     return out
 
 

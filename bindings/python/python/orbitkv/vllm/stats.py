@@ -11,37 +11,65 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from orbitkv._native import STATS_FIELDS
+from orbitkv._native import STATS_FIELDS, TIMING_NAMES
 
 # Counters the runtime keeps (``Runtime.stats()``) that travel to the
 # logger: every one, as Rust names them (the one list).
 COUNTERS: tuple[str, ...] = tuple(STATS_FIELDS)
 
+# Request phases the runtime times, one duration per request
+# (``Runtime.take_timings()``, Rust's ``Timing``): they travel as lists of
+# seconds under ``data["timings"]`` and become Prometheus histograms.
+TIMINGS: tuple[str, ...] = tuple(TIMING_NAMES)
+
+# The histograms' buckets, seconds: from a step's worth to the consumer's
+# default timeout.
+TIMING_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                                     0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 30.0, 120.0)
+
+
+def _quantile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
 
 @dataclass
 class PdConnectorStats(KVConnectorStats):
-    """Counter deltas since the last report: {name: int}."""
+    """Counter deltas since the last report, {name: int}, and the request
+    phases timed since then, ``data["timings"]``: {name: [seconds, ...]}."""
 
     def __post_init__(self) -> None:
         for k in COUNTERS:
             self.data.setdefault(k, 0)
+        self.data.setdefault("timings", {})
 
     def reset(self) -> None:
         self.data = {k: 0 for k in COUNTERS}
+        self.data["timings"] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k in COUNTERS:
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
+        mine, theirs = self.data.get("timings") or {}, other.data.get("timings") or {}
+        # new lists: the dicts vLLM hands over may be shared with its other readers
+        self.data["timings"] = {k: list(mine.get(k, [])) + list(theirs.get(k, []))
+                                for k in set(mine) | set(theirs)}
         return self
 
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {k: self.data.get(k, 0) for k in COUNTERS}
         done = self.data.get("consumers_completed", 0)
         out["avg_transfer_ms"] = (self.data.get("transfer_micros", 0) / done / 1000.0) if done else 0.0
+        for name, values in sorted((self.data.get("timings") or {}).items()):
+            if values:
+                out[f"{name}_n"] = len(values)
+                out[f"{name}_p50_ms"] = round(1e3 * _quantile(values, 0.5), 2)
+                out[f"{name}_p90_ms"] = round(1e3 * _quantile(values, 0.9), 2)
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k, 0) for k in COUNTERS)
+        return not any(self.data.get(k, 0) for k in COUNTERS) and not any(
+            (self.data.get("timings") or {}).values())
 
 
 _PROM = {
@@ -225,6 +253,25 @@ _SECONDS = {
 }
 
 
+# Histograms of the request phases (``TIMINGS``), in seconds.
+_HISTOGRAMS = {
+    "written_after_finish": (
+        "vllm:orbitkv_written_after_finish_seconds",
+        "Prefill: from vLLM finishing a request (its prefill answered) to its last layer write ended and decode "
+        "told: the transfer's tail after the prefill's answer.",
+    ),
+    "pages_held_after_finish": (
+        "vllm:orbitkv_pages_held_after_finish_seconds",
+        "Prefill: from vLLM finishing a request to its KV pages going back to vLLM (given back early, or the "
+        "request released): how long finished requests hold prefill KV.",
+    ),
+    "complete_to_taken": (
+        "vllm:orbitkv_complete_to_taken_seconds",
+        "Decode: from a request's KV complete (every producer done) to the vLLM worker taking the completion.",
+    ),
+}
+
+
 class PdPromMetrics(KVConnectorPromMetrics):
     """Prometheus counters named ``vllm:orbitkv_*`` (and the transfer time)."""
 
@@ -244,6 +291,11 @@ class PdPromMetrics(KVConnectorPromMetrics):
         for key, (name, doc) in _SECONDS.items():
             c = self._counter_cls(name=name, documentation=doc, labelnames=labelnames)
             self._seconds[key] = create_metric_per_engine(c, per_engine_labelvalues)
+        self._histograms: dict[str, dict[int, Any]] = {}
+        histogram: Any = self._histogram_cls  # vLLM types it as any of its three metric classes
+        for key, (name, doc) in _HISTOGRAMS.items():
+            h = histogram(name=name, documentation=doc, labelnames=labelnames, buckets=list(TIMING_BUCKETS))
+            self._histograms[key] = create_metric_per_engine(h, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, per_engine in self._counters.items():
@@ -254,3 +306,7 @@ class PdPromMetrics(KVConnectorPromMetrics):
             micros = transfer_stats_data.get(key, 0)
             if micros:
                 per_engine[engine_idx].inc(micros / 1e6)
+        timings = transfer_stats_data.get("timings") or {}
+        for key, per_engine in self._histograms.items():
+            for seconds in timings.get(key, ()):
+                per_engine[engine_idx].observe(seconds)

@@ -911,7 +911,9 @@ class PdWorker:
         now = self.runtime.stats()
         delta = {k: now.get(k, 0) - self._last_stats.get(k, 0) for k in COUNTERS}
         self._last_stats = {k: now.get(k, 0) for k in COUNTERS}
-        stats = PdConnectorStats(data=delta)
+        data: dict[str, Any] = dict(delta)
+        data["timings"] = {k: v for k, v in self.runtime.take_timings().items() if v}
+        stats = PdConnectorStats(data=data)
         return None if stats.is_empty() else stats
 
     def live_requests(self) -> tuple[int, int]:
