@@ -2004,6 +2004,30 @@ def bucket_quantile(cum: dict[float, float], q: float) -> float | None:
     return lo
 
 
+def level_rows(stage: dict[str, Any], key: str, cells: Callable[[Any], str]) -> list[str]:
+    """A summary row per system and load level (warm-ups left out) whose
+    run has ``key``: ``| system | in flight | `` and ``cells(run[key])``."""
+    return [f"| {system} | {x.get('concurrency')} | {cells(x[key])}"
+            for system, sr in stage.get("systems", {}).items()
+            for tag, x in sr.get("runs", {}).items() if not tag.startswith("warm") and x.get(key)]
+
+
+def phase_cells(ph: dict[str, Any]) -> str:
+    """A level's phase quantiles (``Sampler.phases``) as summary cells."""
+    def h(phase: str) -> str:
+        q = ph.get(phase)
+        return f"{q['p50_ms']:.0f} / {q['p90_ms']:.0f} ({q['n']:.0f})" if q else "-"
+    return f"{h('written_after_finish')} | {h('pages_held_after_finish')} | {h('complete_to_taken')} |"
+
+
+def proxy_cells(pb: dict[str, Any]) -> str:
+    """A level's proxy breakdown (``proxy_breakdown``) as summary cells."""
+    def g(what: str) -> str:
+        q = pb.get(what)
+        return f"{q['p50']:.0f} / {q['p90']:.0f}" if q else "-"
+    return f"{pb['requests']} | {g('prefill_answer_ms')} | {g('first_byte_ms')} | {g('first_byte_minus_prefill_ms')} |"
+
+
 class Sampler(threading.Thread):
     """Polls the given servers' /metrics every ``every_s``: KV usage, running,
     waiting, and OrbitKV's phase histograms (for each level's quantiles)."""
@@ -2841,31 +2865,14 @@ def report(d: Path) -> str:
         lines += ratio_rows(r)
         # where the time goes: the proxies' per-request lines, OrbitKV's
         # phase histograms, OrbitKV's counters
-        rows = []
-        for system, sr in r.get("systems", {}).items():
-            for tag, x in sr.get("runs", {}).items():
-                ph = x.get("orbit_phases")
-                if tag.startswith("warm") or not ph:
-                    continue
-                h = lambda k, ph=ph: (f"{ph[k]['p50_ms']:.0f} / {ph[k]['p90_ms']:.0f} ({ph[k]['n']:.0f})"  # noqa: E731
-                                      if k in ph else "-")
-                rows.append(f"| {system} | {x.get('concurrency')} | {h('written_after_finish')} | "
-                            f"{h('pages_held_after_finish')} | {h('complete_to_taken')} |")
+        rows = level_rows(r, "orbit_phases", phase_cells)
         if rows:
             lines += ["OrbitKV's phase histograms per level (ms, p50 / p90 from the buckets, (requests)): prefill: "
                       "vLLM finished the request → its last write ended and decode told, → its pages back to "
                       "vLLM; decode: KV complete → taken by vLLM's worker.", "",
                       "| system | in flight | written after finish | pages held after finish | complete → taken |",
                       "|---|---|---|---|---|"] + rows + [""]
-        rows = []
-        for system, sr in r.get("systems", {}).items():
-            for tag, x in sr.get("runs", {}).items():
-                pb = x.get("proxy_breakdown")
-                if tag.startswith("warm") or not pb:
-                    continue
-                g = lambda k, pb=pb: (f"{pb[k]['p50']:.0f} / {pb[k]['p90']:.0f}" if pb.get(k) else "-")  # noqa: E731
-                rows.append(f"| {system} | {x.get('concurrency')} | {pb['requests']} | {g('prefill_answer_ms')} | "
-                            f"{g('first_byte_ms')} | {g('first_byte_minus_prefill_ms')} |")
+        rows = level_rows(r, "proxy_breakdown", proxy_cells)
         if rows:
             lines += ["Proxy view per request (ms after the proxy took it, p50 / p90): when the prefill "
                       "answered, when decode's first byte came, and the gap between them.", "",
