@@ -43,6 +43,7 @@ pub mod wire;
 
 #[cfg(feature = "runtime")]
 pub use actors::stats::Timing;
+#[cfg(feature = "runtime")]
 pub use actors::{PagesBack, Runtime, RuntimeConfig, RuntimeEvent, RuntimeSettings, StatsSnapshot};
 pub use error::{
     GeometryError, ProtocolError, RuntimeError, SideChannelError, TransportError, TransportResult,

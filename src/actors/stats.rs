@@ -279,6 +279,9 @@ pub struct StatsSnapshot {
     pub writes_inline: u64,
     pub writes_reported_inline: u64,
     pub peers_reclaimed: u64,
+    /// Phase durations not kept because [`TIMINGS_KEPT`] of their kind were
+    /// waiting to be taken ([`Timings`]).
+    pub timings_dropped: u64,
 }
 
 impl Stats {
@@ -333,6 +336,7 @@ impl Stats {
             writes_inline: self.writes_inline.get(),
             writes_reported_inline: self.writes_reported_inline.get(),
             peers_reclaimed: self.peers_reclaimed.get(),
+            timings_dropped: self.timings.dropped(),
         }
     }
 }
@@ -366,6 +370,14 @@ mod tests {
         }
         assert_eq!(of(&t.take(), Timing::PagesHeldAfterFinish).len(), TIMINGS_KEPT);
         assert_eq!(t.dropped(), 5);
+        // what was dropped is a counter of the snapshot
+        let stats = Stats::default();
+        for _ in 0..=TIMINGS_KEPT {
+            stats
+                .timings
+                .observe(Timing::CompleteToTaken, Duration::from_micros(1));
+        }
+        assert_eq!(stats.snapshot().timings_dropped, 1);
         let names: std::collections::HashSet<_> = Timing::ALL.iter().map(|t| t.name()).collect();
         assert_eq!(names.len(), Timing::ALL.len());
     }

@@ -218,6 +218,11 @@ _PROM = {
         "vllm:orbitkv_peers_reclaimed",
         "Decode endpoints whose writer lanes (threads) and Mooncake segment the prefill reclaimed after they sat idle.",
     ),
+    "timings_dropped": (
+        "vllm:orbitkv_timings_dropped",
+        "Request phase durations left out of the vllm:orbitkv_*_after_finish / complete_to_taken histograms because "
+        "4096 of their kind waited for vLLM's stats report (never expected: the report takes them every step).",
+    ),
 }
 
 # Time sums the runtime keeps in microseconds, exported as seconds counters.
