@@ -85,6 +85,11 @@ def main() -> int:
                    help="Runtime writer_lanes_per_peer (orbitkv.pd.writer_lanes; default as there)")
     r.add_argument("--busy", choices=("none", "default", "side"), default="none",
                    help="keep the producer GPU computing (matmuls) on the legacy default stream or a side stream")
+    r.add_argument("--busy-in", choices=("producer", "consumer"), default="producer",
+                   help="which process runs --busy's matmuls: the producer (work beside the copies in their own "
+                        "CUDA context) or the consumer (another process's context; with --src-gpu = --dst-gpu the "
+                        "GPU time-slices between the two processes, as prefill and decode share one GPU in the "
+                        "one-GPU end-to-end runs)")
     r.add_argument("--submit-wait", choices=("layer", "device"), default="layer",
                    help="CUDA: Mooncake's submit-time wait on the writer's default stream redirected (the "
                    "PdConnector's default, orbitkv.pd.mooncake_submit_wait) or kept; process-wide, so it applies "

@@ -94,6 +94,7 @@ class Run:
                         "max_ranges_in_flight_per_peer": args.max_ranges_in_flight,
                         "writer_lanes_per_peer": args.writer_lanes},
             "busy": args.busy,
+            "busy_in": getattr(args, "busy_in", "producer"),
             "staging": getattr(args, "staging", "off") if args.suite == "mooncake" else None,
             "staging_min_ranges": getattr(args, "staging_min_ranges", None),
             "gather": getattr(args, "gather", None),

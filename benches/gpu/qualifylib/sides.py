@@ -98,11 +98,13 @@ class Side:
         w = (torch.arange(1, 32769, dtype=torch.int64) * 2654435761) % 2147483647 + 1
         self.w = w.to(self.dev)
         self.busy_iters = 0
-        if self.cuda and role == "producer" and opts.get("busy", "none") != "none":
+        if self.cuda and role == opts.get("busy_in", "producer") and opts.get("busy", "none") != "none":
             self.start_busy(opts["busy"])
 
     def start_busy(self, where: str) -> None:
-        """Keeps the producer's GPU computing, as a prefill's forward does:
+        """Keeps this process's GPU computing (the producer's by default, as a
+        prefill's forward does; ``--busy-in consumer``: the consumer's, as a
+        decode beside it on one GPU does):
         bf16 4096x4096 matmuls, ~16 queued at a time, on the legacy default
         stream or on a non-blocking side stream. Mooncake's NVLink transport
         waits, before each submit, for an event on the writer's

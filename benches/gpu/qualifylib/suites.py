@@ -378,6 +378,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "max_ranges_in_flight": args.max_ranges_in_flight,
         "writer_lanes": args.writer_lanes,
         "busy": args.busy,
+        "busy_in": args.busy_in,
         "submit_wait": args.submit_wait,
         # staging sized for the largest request (its staged copy is as large as its KV)
         "staging_blocks": max(args.tokens) // BLOCK_TOKENS if args.suite == "mooncake" and args.staging == "on" else 0,
