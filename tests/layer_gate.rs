@@ -208,3 +208,89 @@ fn a_mark_nobody_needs_is_waited_for_in_turn_and_later_layers_are_written() {
     assert_eq!(rt.stats().ready_items, 3);
     consumer.runtime.consumer_release(&req).unwrap();
 }
+
+/// A mark that says when a writer starts waiting for it, then waits for
+/// the test to reach it.
+struct Announced {
+    waiting: Sender<()>,
+    reach: Receiver<Result<(), String>>,
+}
+
+impl Mark for Announced {
+    fn wait(&mut self) -> Result<(), String> {
+        let _ = self.waiting.send(());
+        self.reach
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| Err("never reached".into()))
+    }
+}
+
+/// Under load a writer lane waits for the GPU to write the next step's
+/// layer (its mark) before it submits it, blocked, for as long as the GPU
+/// lags behind the worker. A request whose writes all ended sends its
+/// notice meanwhile: the notice must not queue behind that wait (before,
+/// notices went to lane 0, the lane this test blocks, and decode learnt the
+/// KV was in place only once the other request's mark was reached).
+#[test]
+fn a_finished_requests_notice_does_not_wait_behind_a_lane_blocked_on_the_gpu() {
+    let blocked = RequestId::new("gate-blocked");
+    let done = RequestId::new("gate-done");
+    let (producer, consumer, _) = pair(&blocked, &[1, 2], &[3, 4]);
+    let rt = &producer.runtime;
+    let hs = orbitkv::testing::open_both(rt, &consumer.runtime, &done, &[5, 6], &[0, 7]);
+    rt.producer_handshake(hs.clone()).unwrap();
+    // the pool's first write (lane 0): its writer blocks on the mark
+    let (waiting_tx, waiting) = bounded(1);
+    let (reach, reach_rx) = bounded(1);
+    rt.layers_ready_after(
+        Some(Box::new(Announced {
+            waiting: waiting_tx,
+            reach: reach_rx,
+        })),
+        vec![ready(&blocked, 0, 2)],
+    );
+    waiting
+        .recv_timeout(Duration::from_secs(10))
+        .expect("a writer waits for the mark");
+    // the other request's layers go to free lanes, one at a time, and end
+    for l in 0..2 {
+        let before = rt.stats().bytes_written;
+        rt.layer_ready(&done, l, 0..2).unwrap();
+        let until = Instant::now() + Duration::from_secs(10);
+        while rt.stats().bytes_written == before {
+            assert!(
+                Instant::now() < until,
+                "layer {l} of the free request not written"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    rt.producer_finish(&done).unwrap();
+    match next(&consumer.runtime, Duration::from_secs(5)) {
+        Some(RuntimeEvent::ConsumerCompleted {
+            request, generation, ..
+        }) => assert_eq!((request, generation), (done.clone(), hs.generation)),
+        other => panic!("the finished request's notice waited behind the blocked lane: {other:?}"),
+    }
+    for l in 0..2 {
+        assert_eq!(block(&consumer, l, 0), block(&producer, l, 5), "layer {l}");
+        assert_eq!(block(&consumer, l, 7), block(&producer, l, 6), "layer {l}");
+    }
+    // the blocked request goes on once its mark is reached
+    reach.send(Ok(())).unwrap();
+    rt.layers_ready_after(
+        None,
+        vec![
+            ready(&blocked, 1, 2),
+            GateCall::Finish {
+                request: blocked.clone(),
+            },
+        ],
+    );
+    match next(&consumer.runtime, Duration::from_secs(20)) {
+        Some(RuntimeEvent::ConsumerCompleted { request, .. }) => assert_eq!(request, blocked),
+        other => panic!("expected the blocked request complete, got {other:?}"),
+    }
+    consumer.runtime.consumer_release(&done).unwrap();
+    consumer.runtime.consumer_release(&blocked).unwrap();
+}

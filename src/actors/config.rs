@@ -33,7 +33,8 @@ pub struct RuntimeConfig {
     /// (`MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`) and fails the rest.
     pub max_ranges_in_flight_per_peer: Option<usize>,
     /// Writers per peer (threads that submit to Mooncake in turn, sharing
-    /// the per-peer budgets).
+    /// the per-peer budgets); each peer also has one thread that sends its
+    /// notices and takes no write.
     pub writer_lanes_per_peer: usize,
     /// Prefill side: a peer (decode endpoint) whose writers had nothing to
     /// do and no request held them for this long has its writer lanes

@@ -622,9 +622,13 @@ impl Handler<SendNotice> for LayerWriter {
 /// to one peer (CPU work per range inside Mooncake and the CUDA driver) run
 /// on several threads, and, with the NVLink transport, on as many CUDA
 /// streams (Mooncake keeps one per submitting thread and reports a batch
-/// done only when its stream is idle). Notices go to lane 0; a producer
-/// sends its notice only after every write it admitted ended, whatever lane
-/// carried them.
+/// done only when its stream is idle). Notices go to a lane of their own
+/// (one more writer per peer that takes no write): a writer lane blocks
+/// while the GPU has not yet written the layer at the front of its queue,
+/// and a finished request's notice must not wait behind that (under load,
+/// for as long as the GPU lags behind the worker). A producer sends its
+/// notice only after every write it admitted ended, whatever lane carried
+/// them, so it needs no order with the writes.
 ///
 /// A peer idle for `idle_reclaim` is reclaimed ([`Self::reclaim_idle`]):
 /// its arbiters stop, its entry goes, and the transport forgets it (closes
@@ -747,7 +751,8 @@ impl WriterPool {
                 System::set_current(sys.clone());
             }
         }
-        let lanes = (0..self.lanes)
+        // the writer lanes, then the notice lane
+        let lanes = (0..=self.lanes)
             .map(|_| {
                 let arbiter = Arbiter::new();
                 let cell = Arc::new(LaneCell {
@@ -775,14 +780,18 @@ impl WriterPool {
         f(&p.lanes)
     }
 
-    /// The writer that sends `peer` its notices (lane 0).
+    /// The writer that sends `peer` its notices: a lane of its own, which
+    /// is never handed a write (so never waits for the GPU or a batch).
     pub fn get(&self, peer: &str) -> LaneRef {
-        self.with_lanes(peer, |lanes| lanes[0].1.clone())
+        self.with_lanes(peer, |lanes| lanes[self.lanes].1.clone())
     }
 
-    /// Every writer of `peer`, for a producer to keep ([`Self::pick`]).
+    /// Every writer lane of `peer` (not its notice lane), for a producer to
+    /// keep ([`Self::pick`]).
     pub fn lanes(&self, peer: &str) -> Vec<LaneRef> {
-        self.with_lanes(peer, |lanes| lanes.iter().map(|(_, l)| l.clone()).collect())
+        self.with_lanes(peer, |lanes| {
+            lanes[..self.lanes].iter().map(|(_, l)| l.clone()).collect()
+        })
     }
 
     /// The writer for the next write among `lanes` (one peer's, from
