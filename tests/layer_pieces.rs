@@ -243,6 +243,19 @@ fn wait_given_back(rt: &orbitkv::Runtime, req: &RequestId) {
     }
 }
 
+/// Waits until `rt` sent `n` notices (or fails after 5 s).
+fn wait_notices_sent(rt: &orbitkv::Runtime, n: u64) {
+    let until = Instant::now() + Duration::from_secs(5);
+    while rt.stats().notices_sent < n {
+        assert!(
+            Instant::now() < until,
+            "{} of {n} notices sent",
+            rt.stats().notices_sent
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Asks for 200 ms (the finish had time to arrive) that `req`'s pages
 /// do not go, the runtime saying `expect` each time.
 fn never_given_back(rt: &orbitkv::Runtime, req: &RequestId, expect: PagesBack, why: &str) {
@@ -333,6 +346,8 @@ fn pages_go_back_before_decode_authorized_and_every_write_then_reads_its_piece()
     producer.producer_abort(&cold, "done with it").unwrap();
     wait_released(&producer, &cold);
     one_staged_request(&producer, &consumer, &wire);
+    // its notice is timed once sent, on the notice lane's thread
+    wait_notices_sent(&producer, 1);
     producer.take_timings();
 
     open(&req);
@@ -400,6 +415,7 @@ fn pages_go_back_before_decode_authorized_and_every_write_then_reads_its_piece()
     wait_all_back(&producer);
     // written once decode authorized; the pages were timed at the give-back,
     // not again at the release
+    wait_notices_sent(&producer, 2);
     let t = producer.take_timings();
     assert_eq!(timed(&t, orbitkv::Timing::WrittenAfterFinish), 1, "{t:?}");
     assert_eq!(timed(&t, orbitkv::Timing::PagesHeldAfterFinish), 0, "{t:?}");

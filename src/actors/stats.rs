@@ -157,7 +157,8 @@ pub struct Stats {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Timing {
     /// Prefill side: vLLM finished the request (every layer handed over) →
-    /// its last write ended well and decode was told (`Notice` done). The
+    /// its last write ended well and its `done` notice was sent to decode
+    /// (on the peer's notice lane). The
     /// transfer's tail after the prefill answered.
     WrittenAfterFinish,
     /// Prefill side: vLLM finished the request → its KV pages went back to

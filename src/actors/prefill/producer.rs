@@ -1272,13 +1272,12 @@ impl ProducerCore {
                 // consumer believes nothing else (rule 2a).
                 .sign(&auth.notice_key);
                 tracing::info!(?outcome, bytes, notice.staged, "notifying the consumer");
-                if let (crate::wire::Outcome::Done, Some(at)) = (outcome, self.finished_at) {
-                    self.shared
-                        .stats
-                        .timings
-                        .observe(Timing::WrittenAfterFinish, at.elapsed());
-                }
-                self.shared.writers.get(&auth.endpoint).notice(notice);
+                // timed once sent (`Timing::WrittenAfterFinish`)
+                let finished_at = self.finished_at.filter(|_| outcome == crate::wire::Outcome::Done);
+                self.shared
+                    .writers
+                    .get(&auth.endpoint)
+                    .notice(notice, finished_at);
                 None
             }
             ProducerEffect::Release { outcome, reason } => {

@@ -278,12 +278,13 @@ impl LaneRef {
         }
     }
 
-    /// Sends `notice` from this writer's thread.
-    pub fn notice(&self, notice: Notice) {
+    /// Sends `notice` from this writer's thread; `finished_at`: when vLLM
+    /// finished its request (timed to the notice sent).
+    pub fn notice(&self, notice: Notice, finished_at: Option<Instant>) {
         // Counted before this reference can be dropped: a reclaim that sees
         // no reference but the pool's sees the notice too.
         self.0.notices.fetch_add(1, Ordering::SeqCst);
-        self.0.actor.addr().do_send(SendNotice(notice));
+        self.0.actor.addr().do_send(SendNotice(notice, finished_at));
     }
 }
 
@@ -596,7 +597,7 @@ impl Handler<BatchFinished> for LayerWriter {
 impl Handler<SendNotice> for LayerWriter {
     type Result = ();
     fn handle(&mut self, msg: SendNotice, _ctx: &mut Context<Self>) {
-        let (n, cell) = (msg.0, &self.cell);
+        let (n, finished_at, cell) = (msg.0, msg.1, &self.cell);
         let _g = tracing::debug_span!("send_notice", request = %n.request_id, generation = n.generation.0,
             outcome = ?n.outcome, peer = %cell.peer)
         .entered();
@@ -605,7 +606,15 @@ impl Handler<SendNotice> for LayerWriter {
             .transport
             .send_notification(&cell.peer, NOTIFY_NAME, &n.to_json())
         {
-            Ok(()) => cell.lane.stats.notices_sent.inc(),
+            Ok(()) => {
+                cell.lane.stats.notices_sent.inc();
+                if let Some(at) = finished_at {
+                    cell.lane
+                        .stats
+                        .timings
+                        .observe(crate::actors::stats::Timing::WrittenAfterFinish, at.elapsed());
+                }
+            }
             Err(e) => {
                 // The consumer will fail the request at its deadline.
                 cell.lane.stats.notices_failed.inc();
