@@ -1016,7 +1016,7 @@ impl Runtime {
     }
 
     /// Peers (decode endpoints) this rank has writer lanes for now,
-    /// `writer_lanes_per_peer` threads each (for leak checks; idle ones are
+    /// `writer_lanes_per_peer` threads each and one for notices (for leak checks; idle ones are
     /// reclaimed after `peer_idle_reclaim`).
     pub fn writer_peers(&self) -> usize {
         self.writers.peers()
