@@ -188,6 +188,21 @@ pub fn block(r: &HostRank, layer: u32, b: u32) -> &[u8] {
     &r.mem[off..off + p.block_bytes as usize]
 }
 
+/// Waits until every producer of `request` on `rt` took its handshake
+/// (`Runtime::producer_handshake` answers before the producer's actor took
+/// it: a test that reads what the authorization decides, such as the
+/// gather order, waits for it first); panics after 10 s.
+pub fn wait_authorized(rt: &Runtime, request: &RequestId) {
+    let until = Instant::now() + Duration::from_secs(10);
+    while !rt.producer_authorized(request) {
+        assert!(
+            Instant::now() < until,
+            "{request:?}: no producer took the handshake in 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// The next event of `rt` that `pred` accepts (others are dropped); panics
 /// naming `what` after 30 s.
 pub fn wait_for(rt: &Runtime, what: &str, pred: impl Fn(&RuntimeEvent) -> bool) -> RuntimeEvent {

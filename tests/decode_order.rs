@@ -12,7 +12,7 @@
 //! direct plan, byte for byte: `src/staging/tests.rs`.
 
 use orbitkv::staging::{staged_bytes, SourceStaging, StagingGrant};
-use orbitkv::testing::{capability, held_fake_pair, wait_released};
+use orbitkv::testing::{capability, held_fake_pair, wait_authorized, wait_released};
 use orbitkv::{Generation, KvLayout, Outcome, RequestId, RuntimeConfig, Sequence, WriteRange};
 
 const LAYERS: u32 = 2;
@@ -104,6 +104,8 @@ fn a_chunk_named_in_decode_order_is_written_from_its_slots_into_decode_pages_as_
     let dst: Vec<u32> = vec![30, 29, 28, 27, 26, 25, 10, 11, 24, 12, 13, 23];
     let hs = open_staged(&producer, &consumer, &req, &src, &dst);
     producer.producer_handshake(hs).unwrap();
+    // the order is read from the authorization the producer took
+    wait_authorized(&producer, &req);
     // two chunks as chunked prefill makes them: the first ended inside
     // block 4, which the second gathers again; the worker pins the shared
     // block in both (the first chunk's last, the second's first)
@@ -170,6 +172,7 @@ fn a_later_authorization_with_a_grant_after_a_reordered_chunk_is_written_from_th
     let dst: Vec<u32> = (0..16).map(|i| 30 - 2 * i).collect();
     let hs1 = open_staged(&producer, &consumer, &req, &src, &dst);
     producer.producer_handshake(hs1.clone()).unwrap();
+    wait_authorized(&producer, &req);
     // no grant: pages from the staging, in decode's order
     let order = producer
         .producer_gather_order(&req, 0..16, (false, false))

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use orbitkv::layout::{TokenOrder, TokenPart};
 use orbitkv::staging::LayerSource;
-use orbitkv::testing::{capability, held_fake_pair, wait_released};
+use orbitkv::testing::{capability, held_fake_pair, wait_authorized, wait_released};
 use orbitkv::transport::fake::FakeTransport;
 use orbitkv::{KvLayout, Outcome, PagesBack, RequestId, RuntimeConfig, RuntimeError, WriteRange};
 
@@ -91,6 +91,8 @@ fn open_by_layer(
         .producer_open_by_layer(req.clone(), src.to_vec(), capability(), 1, 1)
         .unwrap();
     producer.producer_handshake(hs).unwrap();
+    // what the tests then read (the gather order) follows the authorization
+    wait_authorized(producer, req);
 }
 
 #[test]

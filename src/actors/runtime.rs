@@ -1034,6 +1034,17 @@ impl Runtime {
         self.ask(|d, _| Ok(d.live_requests())).unwrap_or((0, 0))
     }
 
+    /// For tests (feature `testing`): whether every producer of `request`
+    /// on this rank has taken a handshake (its actor handled it:
+    /// `producer_handshake` answers once the directory accepted it, before
+    /// the producer's actor took it).
+    #[cfg(feature = "testing")]
+    pub fn producer_authorized(&self, request: &RequestId) -> bool {
+        self.producers
+            .live_group(request)
+            .is_some_and(|g| super::prefill::producer::authorized(&g))
+    }
+
     /// For tests of the callers (feature `testing`, never in a release
     /// wheel): keeps the request directory busy for `d` (a sleep on its
     /// thread), from now, without waiting. Every call that needs the

@@ -699,6 +699,13 @@ pub fn gather_order(
     order
 }
 
+/// Whether every member has taken a handshake (for tests: the directory
+/// hands it to the producers' actors after it answered the caller).
+#[cfg(feature = "testing")]
+pub fn authorized(members: &[ProducerRef]) -> bool {
+    !members.is_empty() && members.iter().all(|m| m.0.lock().machine.has_handshake())
+}
+
 /// Where a planned layer write reads and writes ([`plan_submit`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Planned {
