@@ -181,12 +181,10 @@ pub trait WriteEnds: Send + Sync + 'static {
 /// A producer's [`WriteEnds`], as each `WriteLayer` carries it.
 pub type ReplyTo = Arc<dyn WriteEnds>;
 
-/// Send a notice to the writer's peer (after the request's writes drained);
-/// with when vLLM finished the request, if it did and the notice says
-/// `done`: sent, that is [`crate::actors::stats::Timing::WrittenAfterFinish`].
+/// Send a notice to the writer's peer (after the request's writes drained).
 #[derive(Message, Debug)]
 #[rtype(result = "()")]
-pub struct SendNotice(pub Notice, pub Option<std::time::Instant>);
+pub struct SendNotice(pub Notice);
 
 /// The completion poller's verdict on one batch.
 #[derive(Message, Debug)]

@@ -157,8 +157,9 @@ pub struct Stats {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Timing {
     /// Prefill side: vLLM finished the request (every layer handed over) →
-    /// its last write ended well and its `done` notice was sent to decode
-    /// (on the peer's notice lane). The
+    /// its last write ended well and its `done` notice was handed to the
+    /// peer's notice lane (timed before the release, so vLLM's stats report
+    /// of the step that sees the release carries it). The
     /// transfer's tail after the prefill answered.
     WrittenAfterFinish,
     /// Prefill side: vLLM finished the request → its KV pages went back to

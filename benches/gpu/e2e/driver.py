@@ -2868,7 +2868,7 @@ def report(d: Path) -> str:
         rows = level_rows(r, "orbit_phases", phase_cells)
         if rows:
             lines += ["OrbitKV's phase histograms per level (ms, p50 / p90 from the buckets, (requests)): prefill: "
-                      "vLLM finished the request → its last write ended and its notice sent, → its pages back to "
+                      "vLLM finished the request → its last write ended and its notice went out, → its pages back to "
                       "vLLM; decode: KV complete → taken by vLLM's worker.", "",
                       "| system | in flight | written after finish | pages held after finish | complete → taken |",
                       "|---|---|---|---|---|"] + rows + [""]

@@ -1279,12 +1279,16 @@ impl ProducerCore {
                 // consumer believes nothing else (rule 2a).
                 .sign(&auth.notice_key);
                 tracing::info!(?outcome, bytes, notice.staged, "notifying the consumer");
-                // timed once sent (`Timing::WrittenAfterFinish`)
-                let finished_at = self.finished_at.filter(|_| outcome == crate::wire::Outcome::Done);
-                self.shared
-                    .writers
-                    .get(&auth.endpoint)
-                    .notice(notice, finished_at);
+                // Timed here, before the release that follows: vLLM takes
+                // the stats after the release in the same step, so a
+                // request's timing is never left for a step that may not come.
+                if let (crate::wire::Outcome::Done, Some(at)) = (outcome, self.finished_at) {
+                    self.shared
+                        .stats
+                        .timings
+                        .observe(Timing::WrittenAfterFinish, at.elapsed());
+                }
+                self.shared.writers.get(&auth.endpoint).notice(notice);
                 None
             }
             ProducerEffect::Release { outcome, reason } => {

@@ -278,13 +278,12 @@ impl LaneRef {
         }
     }
 
-    /// Sends `notice` from this writer's thread; `finished_at`: when vLLM
-    /// finished its request (timed to the notice sent).
-    pub fn notice(&self, notice: Notice, finished_at: Option<Instant>) {
+    /// Sends `notice` from this writer's thread.
+    pub fn notice(&self, notice: Notice) {
         // Counted before this reference can be dropped: a reclaim that sees
         // no reference but the pool's sees the notice too.
         self.0.notices.fetch_add(1, Ordering::SeqCst);
-        self.0.actor.addr().do_send(SendNotice(notice, finished_at));
+        self.0.actor.addr().do_send(SendNotice(notice));
     }
 }
 
@@ -597,7 +596,7 @@ impl Handler<BatchFinished> for LayerWriter {
 impl Handler<SendNotice> for LayerWriter {
     type Result = ();
     fn handle(&mut self, msg: SendNotice, _ctx: &mut Context<Self>) {
-        let (n, finished_at, cell) = (msg.0, msg.1, &self.cell);
+        let (n, cell) = (msg.0, &self.cell);
         let _g = tracing::debug_span!("send_notice", request = %n.request_id, generation = n.generation.0,
             outcome = ?n.outcome, peer = %cell.peer)
         .entered();
@@ -606,15 +605,7 @@ impl Handler<SendNotice> for LayerWriter {
             .transport
             .send_notification(&cell.peer, NOTIFY_NAME, &n.to_json())
         {
-            Ok(()) => {
-                cell.lane.stats.notices_sent.inc();
-                if let Some(at) = finished_at {
-                    cell.lane
-                        .stats
-                        .timings
-                        .observe(crate::actors::stats::Timing::WrittenAfterFinish, at.elapsed());
-                }
-            }
+            Ok(()) => cell.lane.stats.notices_sent.inc(),
             Err(e) => {
                 // The consumer will fail the request at its deadline.
                 cell.lane.stats.notices_failed.inc();

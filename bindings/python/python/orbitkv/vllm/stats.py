@@ -262,8 +262,8 @@ _SECONDS = {
 _HISTOGRAMS = {
     "written_after_finish": (
         "vllm:orbitkv_written_after_finish_seconds",
-        "Prefill: from vLLM finishing a request (its prefill answered) to its done notice sent to decode (every "
-        "layer write ended): the transfer's tail after the prefill's answer.",
+        "Prefill: from vLLM finishing a request (its prefill answered) to its last layer write ended and its done "
+        "notice went to decode: the transfer's tail after the prefill's answer.",
     ),
     "pages_held_after_finish": (
         "vllm:orbitkv_pages_held_after_finish_seconds",
