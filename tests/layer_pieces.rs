@@ -518,6 +518,8 @@ fn pages_stay_while_a_layer_has_no_piece_and_a_decode_that_cannot_take_pieces_fa
         .consumer_open_tokens(req.clone(), capability(), 0, vec![5, 6], 1, 4 * 16)
         .unwrap();
     producer.producer_handshake(hs).unwrap();
+    // the producer's actor takes the handshake after it was accepted
+    wait_authorized(&producer, &req);
     never_given_back(
         &producer,
         &req,
