@@ -153,3 +153,94 @@ fn a_group_commit_ends_at_a_layer_the_gpu_has_not_written_and_says_so() {
     // The lane then waited for layer 2's mark at the front of its queue.
     assert!(s.write_gpu_wait_micros >= 50_000, "{s:?}");
 }
+
+/// Under load, decode authorizes many requests after their prefill ran
+/// (decode's queue was full): their layers were written by the GPU long
+/// ago, and their writes reach the writer lane behind writes of requests
+/// still computing. The lane sends those first instead of waiting for the
+/// GPU with them queued behind (before, nothing overtook a write: the lane
+/// blocked on the front write's mark, and the finished request — whose
+/// prefill had answered — waited a GPU lag for another request's layer).
+#[test]
+fn writes_the_gpu_already_wrote_go_before_a_write_still_waiting_for_the_gpu() {
+    use orbitkv::actors::prefill::gate::GateCall;
+    let layout = KvLayout::packed(0x10_0000, 2, 8, 4096, (0, 1), 1);
+    let cfg = RuntimeConfig {
+        writer_lanes_per_peer: 1,
+        ..RuntimeConfig::default()
+    };
+    let (producer, wire, consumer) = orbitkv::testing::held_fake_pair(&layout, cfg);
+    // `computing`: layer 0 in flight (held), layer 1 behind a mark the GPU
+    // has not reached.
+    let computing = RequestId::new("still-computing");
+    opened(&producer, &consumer, &computing);
+    producer.layer_ready(&computing, 0, 0..2).unwrap();
+    wire.wait_submits(1);
+    let (reach, mark) = crossbeam_channel::bounded(1);
+    producer.layers_ready_after(
+        Some(Box::new(Hand(mark))),
+        vec![GateCall::Ready {
+            request: computing.clone(),
+            layer: 1,
+            blocks: 0..2,
+        }],
+    );
+    producer.layers_ready_after(
+        None,
+        vec![GateCall::Finish {
+            request: computing.clone(),
+        }],
+    );
+    // `late`: decode authorized it after its prefill ran; both its layers
+    // reach the lane behind `computing`'s layer 1.
+    let late = RequestId::new("authorized-late");
+    let hs = orbitkv::testing::open_both(&producer, &consumer, &late, &[4, 5], &[6, 7]);
+    producer.producer_handshake(hs).unwrap();
+    orbitkv::testing::wait_authorized(&producer, &late);
+    for l in 0..2 {
+        producer.layer_ready(&late, l, 0..2).unwrap();
+    }
+    producer.producer_finish(&late).unwrap();
+    until("three writes queued", || producer.writes_queued() == 3);
+
+    // Layer 0's batch ends: the lane sends `late`'s two layers, as one
+    // batch, while `computing`'s layer 1 still waits for the GPU.
+    let before = wire.submitted().len();
+    wire.hold(false);
+    let (outcome, why) = wait_released(&producer, &late);
+    assert_eq!(outcome, Outcome::Done, "{why:?}");
+    let sent: Vec<u64> = wire.submitted()[before..].iter().map(|r| r.dst).collect();
+    let late_dst: std::collections::BTreeSet<u64> = layout
+        .layers
+        .iter()
+        .flat_map(|g| g.planes.iter())
+        .flat_map(|p| [6, 7].map(|b| p.block_addr(b)))
+        .collect();
+    assert!(
+        !sent.is_empty() && sent.iter().all(|d| late_dst.contains(d)),
+        "only the late request's blocks were written ahead: {sent:x?}"
+    );
+    let s = producer.stats();
+    assert_eq!(s.writes_ahead_of_gpu, 1, "{s:?}");
+    assert_eq!((s.layers_written, s.writes_grouped), (3, 1), "{s:?}");
+    assert_eq!(
+        s.group_stops_gpu, 1,
+        "the batch passed over the waiting write: {s:?}"
+    );
+    let submits = wire.submits();
+    std::thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        wire.submits(),
+        submits,
+        "the waiting write is not sent before its mark"
+    );
+    assert_eq!(producer.stats().layers_written, 3);
+
+    // The GPU reaches the mark: the write that waited goes, and ends well.
+    reach.send(()).unwrap();
+    let (outcome, why) = wait_released(&producer, &computing);
+    assert_eq!(outcome, Outcome::Done, "{why:?}");
+    let s = producer.stats();
+    assert_eq!((s.layers_written, s.write_batches), (4, 3), "{s:?}");
+    assert_eq!(producer.writes_queued(), 0);
+}

@@ -79,9 +79,14 @@ pub struct Stats {
     /// Sum of the time writer lanes were blocked waiting for the GPU to
     /// write the layer at the front of their queue, in µs.
     pub write_gpu_wait_micros: Counter,
-    /// Group commits that stopped at a queued write whose layer the GPU had
-    /// not written yet (it goes in a later batch).
+    /// Group commits that passed over a queued write whose layer the GPU
+    /// had not written yet (it goes in a later batch).
     pub group_stops_gpu: Counter,
+    /// Layer writes sent before an earlier write queued in the same writer
+    /// lane because the GPU had written their layer and not yet the earlier
+    /// one's (a decode that authorized late; the lane does not wait for the
+    /// GPU while it has something to send).
+    pub writes_ahead_of_gpu: Counter,
     /// Group commits that stopped at a queued write that did not fit the
     /// lane's range or byte budget (it goes in a later batch).
     pub group_stops_budget: Counter,
@@ -262,6 +267,7 @@ pub struct StatsSnapshot {
     pub write_queue_micros: u64,
     pub write_gpu_wait_micros: u64,
     pub group_stops_gpu: u64,
+    pub writes_ahead_of_gpu: u64,
     pub group_stops_budget: u64,
     pub writes_late: u64,
     pub writes_abandoned: u64,
@@ -319,6 +325,7 @@ impl Stats {
             write_queue_micros: self.write_queue_micros.get(),
             write_gpu_wait_micros: self.write_gpu_wait_micros.get(),
             group_stops_gpu: self.group_stops_gpu.get(),
+            writes_ahead_of_gpu: self.writes_ahead_of_gpu.get(),
             group_stops_budget: self.group_stops_budget.get(),
             writes_late: self.writes_late.get(),
             writes_abandoned: self.writes_abandoned.get(),

@@ -24,7 +24,7 @@ use actix::prelude::*;
 use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
-use super::gate::LayerMarks;
+use super::gate::{LayerMarks, MarkSeq};
 use crate::actors::cell::{ActorCell, Wait};
 use crate::actors::messages::{BatchFinished, LayerWriteFailed, LayerWritten, SendNotice, WriteLayer};
 use crate::actors::stats::Stats;
@@ -340,7 +340,9 @@ impl LaneCell {
         st.queue.push_back(id);
     }
 
-    /// Submits as many batches as the budgets allow, in arrival order.
+    /// Submits as many batches as the budgets allow, in arrival order but
+    /// for writes whose layer the GPU has not written yet (passed over by
+    /// those behind them that can go).
     fn pump(&self, st: &mut LaneState) {
         while let Some(&id) = st.queue.front() {
             let job = st.jobs.get_mut(&id).expect("queued job exists");
@@ -358,10 +360,30 @@ impl LaneCell {
                 // out together in the next (group commit, below).
                 break;
             }
+            if job.failed.is_none()
+                && job.next == 0
+                && job.after != 0
+                && self.lane.marks.try_reached(job.after).is_none()
+            {
+                // On a GPU: not before the kernels that wrote the layer ran.
+                // While they run, a write queued behind whose layer the GPU
+                // already wrote (its decode authorized late, or no mark)
+                // goes first: the lane sends what it can instead of waiting.
+                // Two writes into the same bytes are never queued together
+                // (rule 8 holds the later one in its producer), so only
+                // their order to decode's pages changes, never their bytes.
+                if let Some(pos) = self.ready_behind(st) {
+                    let ahead = st.queue.remove(pos).expect("a queued job");
+                    st.queue.push_front(ahead);
+                    self.lane.stats.writes_ahead_of_gpu.inc();
+                    continue;
+                }
+            }
+            let job = st.jobs.get_mut(&id).expect("queued job exists");
             if job.failed.is_none() && job.next == 0 && job.after != 0 {
-                // On a GPU: not before the kernels that wrote the layer ran
-                // (this lane waits; later writes to this peer on this lane
-                // were launched later still).
+                // Nothing ready behind it (or its layer written by now):
+                // this lane waits (what reaches the lane meanwhile waits in
+                // its inbox; later writes were launched later still).
                 let waiting = Instant::now();
                 if let Err(reason) = self.lane.marks.wait_for(job.after) {
                     job.failed = Some(format!("GPU event wait failed: {reason}"));
@@ -385,38 +407,42 @@ impl LaneCell {
             // the GPU already wrote ride in the same batch, whole, while the
             // budgets allow, so batches (Mooncake submits, and on the NVLink
             // transport CUDA batch copies) do not grow with the number of
-            // requests in flight. In queue order, stopping at the first that
-            // cannot come: nothing overtakes a write.
+            // requests in flight. In queue order; a write the GPU has not
+            // written yet is passed over (it goes in a later batch), a write
+            // that does not fit the budgets ends the batch.
             let mut parts = vec![(id, bytes)];
             let (mut total_n, mut total_bytes) = (n, bytes);
             if last_chunk {
                 let now_ms = crate::wire::unix_ms_now();
+                let mut passed_over = false;
                 for &other in st.queue.iter().skip(1) {
                     let o = &st.jobs[&other];
                     let (on, ob) = (o.ranges.len(), o.bytes);
-                    // The lane's budgets bound its one batch.
-                    let fits =
-                        total_n + on <= self.lane.max_ranges && total_bytes + ob <= self.lane.max_in_flight;
                     let whole = o.failed.is_none()
                         && o.next == 0
                         && on > 0
                         && (o.expires_unix_ms == 0 || now_ms <= o.expires_unix_ms);
-                    let ready = whole
-                        && (o.after == 0 || matches!(self.lane.marks.try_reached(o.after), Some(Ok(()))));
-                    if !(fits && ready) {
-                        // Why the batch ends here (the counters say which
-                        // bound batches under load: the lane's budget, or
-                        // the GPU not having written the next layer yet).
-                        if !fits {
-                            self.lane.stats.group_stops_budget.inc();
-                        } else if whole {
-                            self.lane.stats.group_stops_gpu.inc();
-                        }
+                    if !whole {
+                        // failed, expired or begun: reported in its turn
+                        break;
+                    }
+                    if !Self::gpu_wrote(&self.lane.marks, o.after) {
+                        passed_over = true;
+                        continue;
+                    }
+                    // The lane's budgets bound its one batch.
+                    if total_n + on > self.lane.max_ranges || total_bytes + ob > self.lane.max_in_flight {
+                        self.lane.stats.group_stops_budget.inc();
                         break;
                     }
                     parts.push((other, ob));
                     total_n += on;
                     total_bytes += ob;
+                }
+                // The counters say what bounds batches under load: the
+                // lane's budget, or the GPU not having written layers yet.
+                if passed_over {
+                    self.lane.stats.group_stops_gpu.inc();
                 }
             }
             let job = st.jobs.get_mut(&id).expect("queued job exists");
@@ -494,6 +520,13 @@ impl LaneCell {
                 o.after = 0;
                 o.outstanding += 1;
             }
+            if parts.len() > 1 {
+                // The writes that rode along are sent whole: out of the
+                // queue now (a write passed over may stand between them and
+                // the front; each is reported when its batch ends).
+                let rode: std::collections::HashSet<u64> = parts[1..].iter().map(|&(j, _)| j).collect();
+                st.queue.retain(|j| !rode.contains(j));
+            }
             st.pending.insert(
                 token,
                 Batch {
@@ -502,6 +535,31 @@ impl LaneCell {
                 },
             );
         }
+    }
+
+    /// Whether the GPU wrote the layer of a write marked `after` (`0`: no
+    /// mark), without blocking.
+    fn gpu_wrote(marks: &LayerMarks, after: MarkSeq) -> bool {
+        after == 0 || matches!(marks.try_reached(after), Some(Ok(())))
+    }
+
+    /// The queue position of the first write behind the front one that can
+    /// go now: whole (nothing of it sent, not failed) and its layer written
+    /// by the GPU.
+    fn ready_behind(&self, st: &LaneState) -> Option<usize> {
+        let now_ms = crate::wire::unix_ms_now();
+        st.queue
+            .iter()
+            .skip(1)
+            .position(|j| {
+                let o = &st.jobs[j];
+                o.failed.is_none()
+                    && o.next == 0
+                    && !o.ranges.is_empty()
+                    && (o.expires_unix_ms == 0 || now_ms <= o.expires_unix_ms)
+                    && Self::gpu_wrote(&self.lane.marks, o.after)
+            })
+            .map(|p| p + 1)
     }
 
     /// Reports a job once nothing of it is in flight and nothing is left to submit.

@@ -136,7 +136,11 @@ _PROM = {
     ),
     "group_stops_gpu": (
         "vllm:orbitkv_group_stops_gpu",
-        "Group commits ended at a queued layer write whose layer the GPU had not written yet.",
+        "Group commits that passed over a queued layer write whose layer the GPU had not written yet.",
+    ),
+    "writes_ahead_of_gpu": (
+        "vllm:orbitkv_writes_ahead_of_gpu",
+        "Layer writes sent before an earlier write in the same writer lane whose layer the GPU had not written yet.",
     ),
     "writes_late": (
         "vllm:orbitkv_writes_late",
