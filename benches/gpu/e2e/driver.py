@@ -2893,7 +2893,8 @@ def report(d: Path) -> str:
             grouped = c(pre, "writes_grouped")
             # (counters a wheel before these metrics lacks: "-")
             has = lambda k, m=pre: f"vllm:orbitkv_{k}_total" in m or f"vllm:orbitkv_{k}" in m  # noqa: E731
-            stops = (f"{c(pre, 'group_stops_budget'):.0f} / {c(pre, 'group_stops_gpu'):.0f}"
+            stops = (f"{c(pre, 'group_stops_budget'):.0f} / {c(pre, 'group_stops_gpu'):.0f} / "
+                     + (f"{c(pre, 'writes_ahead_of_gpu'):.0f}" if has("writes_ahead_of_gpu") else "-")
                      if has("group_stops_gpu") else "-")
             queued = per(c(pre, "write_queue_seconds"), lw) if has("write_queue_seconds") else "-"
             on_gpu = f"{c(pre, 'write_gpu_wait_seconds'):.1f}" if has("write_gpu_wait_seconds") else "-"
@@ -2920,12 +2921,13 @@ def report(d: Path) -> str:
             lines += ["OrbitKV's counters over the whole system run (mean ms): a step's layer launched → admitted "
                       "(GPU lag + gate), Mooncake submit call, batch submitted → ended, layer write admitted → "
                       "written and the part of it queued before its first batch, decode's authorization → KV "
-                      "complete; group commits ended by the lane's budget / at a layer the GPU had not written; "
+                      "complete; group commits ended by the lane's budget / that passed over a layer the GPU had not "
+                      "written / writes sent ahead of one waiting for the GPU; "
                       "the submit call per range in µs; seconds the writer lanes spent blocked on the GPU, all "
                       "lanes together; staging: layers written from source staging / decode's grants / requests "
                       "that found decode's staging full; pieces: layers of a chunk that found no room in the source "
                       "region / requests whose pages went back to vLLM before their writes.", "",
-                      "| system | layers admitted | launched → admitted | batches | writes grouped | stops: budget / GPU "
+                      "| system | layers admitted | launched → admitted | batches | writes grouped | stops: budget / GPU / ahead "
                       "| ranges per batch | KiB per range | submit call | submit per range, µs | batch | layer writes | "
                       "layer write | queued | lanes on GPU, s | staging: layers / grants / full | "
                       "pieces: no room / pages back | transfers | authorized → complete |",
