@@ -154,6 +154,20 @@ fn a_group_commit_ends_at_a_layer_the_gpu_has_not_written_and_says_so() {
     assert!(s.write_gpu_wait_micros >= 50_000, "{s:?}");
 }
 
+/// A mark the GPU already reached (a stand-in for a CUDA event that
+/// polls as done).
+struct Reached;
+
+impl orbitkv::actors::prefill::gate::Mark for Reached {
+    fn wait(&mut self) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn poll(&mut self) -> Option<Result<(), String>> {
+        Some(Ok(()))
+    }
+}
+
 /// Under load, decode authorizes many requests after their prefill ran
 /// (decode's queue was full): their layers were written by the GPU long
 /// ago, and their writes reach the writer lane behind writes of requests
@@ -170,8 +184,25 @@ fn writes_the_gpu_already_wrote_go_before_a_write_still_waiting_for_the_gpu() {
         ..RuntimeConfig::default()
     };
     let (producer, wire, consumer) = orbitkv::testing::held_fake_pair(&layout, cfg);
-    // `computing`: layer 0 in flight (held), layer 1 behind a mark the GPU
-    // has not reached.
+    // `late`: its prefill ran first (both layers handed over behind a mark
+    // the GPU reached, and finished), decode had not authorized it yet.
+    let late = RequestId::new("authorized-late");
+    let late_hs = orbitkv::testing::open_both(&producer, &consumer, &late, &[4, 5], &[6, 7]);
+    producer.layers_ready_after(
+        Some(Box::new(Reached)),
+        (0..2)
+            .map(|layer| GateCall::Ready {
+                request: late.clone(),
+                layer,
+                blocks: 0..2,
+            })
+            .chain([GateCall::Finish {
+                request: late.clone(),
+            }])
+            .collect(),
+    );
+    // `computing`: layer 0 in flight (held), layer 1 behind a later mark
+    // the GPU has not reached.
     let computing = RequestId::new("still-computing");
     opened(&producer, &consumer, &computing);
     producer.layer_ready(&computing, 0, 0..2).unwrap();
@@ -179,28 +210,20 @@ fn writes_the_gpu_already_wrote_go_before_a_write_still_waiting_for_the_gpu() {
     let (reach, mark) = crossbeam_channel::bounded(1);
     producer.layers_ready_after(
         Some(Box::new(Hand(mark))),
-        vec![GateCall::Ready {
-            request: computing.clone(),
-            layer: 1,
-            blocks: 0..2,
-        }],
+        vec![
+            GateCall::Ready {
+                request: computing.clone(),
+                layer: 1,
+                blocks: 0..2,
+            },
+            GateCall::Finish {
+                request: computing.clone(),
+            },
+        ],
     );
-    producer.layers_ready_after(
-        None,
-        vec![GateCall::Finish {
-            request: computing.clone(),
-        }],
-    );
-    // `late`: decode authorized it after its prefill ran; both its layers
-    // reach the lane behind `computing`'s layer 1.
-    let late = RequestId::new("authorized-late");
-    let hs = orbitkv::testing::open_both(&producer, &consumer, &late, &[4, 5], &[6, 7]);
-    producer.producer_handshake(hs).unwrap();
-    orbitkv::testing::wait_authorized(&producer, &late);
-    for l in 0..2 {
-        producer.layer_ready(&late, l, 0..2).unwrap();
-    }
-    producer.producer_finish(&late).unwrap();
+    // decode authorizes `late` now: its two writes reach the lane behind
+    // `computing`'s layer 1
+    producer.producer_handshake(late_hs).unwrap();
     until("three writes queued", || producer.writes_queued() == 3);
 
     // Layer 0's batch ends: the lane sends `late`'s two layers, as one

@@ -360,10 +360,11 @@ impl LaneCell {
                 // out together in the next (group commit, below).
                 break;
             }
+            let front_mark = job.after;
             if job.failed.is_none()
                 && job.next == 0
-                && job.after != 0
-                && self.lane.marks.try_reached(job.after).is_none()
+                && front_mark != 0
+                && self.lane.marks.try_reached(front_mark).is_none()
             {
                 // On a GPU: not before the kernels that wrote the layer ran.
                 // While they run, a write queued behind whose layer the GPU
@@ -372,7 +373,7 @@ impl LaneCell {
                 // Two writes into the same bytes are never queued together
                 // (rule 8 holds the later one in its producer), so only
                 // their order to decode's pages changes, never their bytes.
-                if let Some(pos) = self.ready_behind(st) {
+                if let Some(pos) = self.ready_behind(st, front_mark) {
                     let ahead = st.queue.remove(pos).expect("a queued job");
                     st.queue.push_front(ahead);
                     self.lane.stats.writes_ahead_of_gpu.inc();
@@ -545,19 +546,28 @@ impl LaneCell {
 
     /// The queue position of the first write behind the front one that can
     /// go now: whole (nothing of it sent, not failed) and its layer written
-    /// by the GPU.
-    fn ready_behind(&self, st: &LaneState) -> Option<usize> {
+    /// by the GPU. `waiting`: the front write's mark, not reached (marks
+    /// are reached in order: none after it is asked about).
+    fn ready_behind(&self, st: &LaneState, waiting: MarkSeq) -> Option<usize> {
         let now_ms = crate::wire::unix_ms_now();
+        let mut unreached = waiting;
         st.queue
             .iter()
             .skip(1)
             .position(|j| {
                 let o = &st.jobs[j];
-                o.failed.is_none()
+                let whole = o.failed.is_none()
                     && o.next == 0
                     && !o.ranges.is_empty()
-                    && (o.expires_unix_ms == 0 || now_ms <= o.expires_unix_ms)
-                    && Self::gpu_wrote(&self.lane.marks, o.after)
+                    && (o.expires_unix_ms == 0 || now_ms <= o.expires_unix_ms);
+                if !whole || o.after >= unreached {
+                    return false;
+                }
+                let ready = Self::gpu_wrote(&self.lane.marks, o.after);
+                if !ready {
+                    unreached = o.after;
+                }
+                ready
             })
             .map(|p| p + 1)
     }
