@@ -100,6 +100,25 @@ fn a_group_commit_ends_at_the_lanes_range_budget_and_says_so() {
     assert_eq!(s.write_gpu_wait_micros, 0, "no layer marks here");
 }
 
+/// A held pair of `layers` layers of 8 blocks of 4 KiB with one writer
+/// lane per peer.
+fn one_lane_pair(
+    layers: u32,
+) -> (
+    KvLayout,
+    orbitkv::Runtime,
+    std::sync::Arc<orbitkv::transport::fake::FakeTransport>,
+    orbitkv::Runtime,
+) {
+    let layout = KvLayout::packed(0x10_0000, layers, 8, 4096, (0, 1), 1);
+    let cfg = RuntimeConfig {
+        writer_lanes_per_peer: 1,
+        ..RuntimeConfig::default()
+    };
+    let (producer, wire, consumer) = orbitkv::testing::held_fake_pair(&layout, cfg);
+    (layout, producer, wire, consumer)
+}
+
 /// A mark the test reaches by hand (a stand-in for a CUDA event: it cannot
 /// be polled, so a write behind it never joins a group commit early).
 struct Hand(crossbeam_channel::Receiver<()>);
@@ -115,12 +134,7 @@ impl orbitkv::actors::prefill::gate::Mark for Hand {
 #[test]
 fn a_group_commit_ends_at_a_layer_the_gpu_has_not_written_and_says_so() {
     use orbitkv::actors::prefill::gate::GateCall;
-    let layout = KvLayout::packed(0x10_0000, 3, 8, 4096, (0, 1), 1);
-    let cfg = RuntimeConfig {
-        writer_lanes_per_peer: 1,
-        ..RuntimeConfig::default()
-    };
-    let (producer, wire, consumer) = orbitkv::testing::held_fake_pair(&layout, cfg);
+    let (_, producer, wire, consumer) = one_lane_pair(3);
     let req = RequestId::new("behind-the-gpu");
     opened(&producer, &consumer, &req);
     producer.layer_ready(&req, 0, 0..2).unwrap();
@@ -178,12 +192,7 @@ impl orbitkv::actors::prefill::gate::Mark for Reached {
 #[test]
 fn writes_the_gpu_already_wrote_go_before_a_write_still_waiting_for_the_gpu() {
     use orbitkv::actors::prefill::gate::GateCall;
-    let layout = KvLayout::packed(0x10_0000, 2, 8, 4096, (0, 1), 1);
-    let cfg = RuntimeConfig {
-        writer_lanes_per_peer: 1,
-        ..RuntimeConfig::default()
-    };
-    let (producer, wire, consumer) = orbitkv::testing::held_fake_pair(&layout, cfg);
+    let (layout, producer, wire, consumer) = one_lane_pair(2);
     // `late`: its prefill ran first (both layers handed over behind a mark
     // the GPU reached, and finished), decode had not authorized it yet.
     let late = RequestId::new("authorized-late");
