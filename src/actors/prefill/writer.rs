@@ -178,6 +178,17 @@ struct Job {
     admitted: Instant,
 }
 
+impl Job {
+    /// Nothing of it sent, not failed, not past the consumer's deadline:
+    /// it may go now, whole, in one batch (its GPU mark aside).
+    fn can_go_whole(&self, now_ms: u64) -> bool {
+        self.failed.is_none()
+            && self.next == 0
+            && !self.ranges.is_empty()
+            && (self.expires_unix_ms == 0 || now_ms <= self.expires_unix_ms)
+    }
+}
+
 /// Batches a lane keeps in flight. One: Mooncake's NVLink transport runs a
 /// submitting thread's batches on one CUDA stream and ends each only when
 /// that stream is idle, so a second batch of the lane adds no parallelism
@@ -419,11 +430,7 @@ impl LaneCell {
                 for &other in st.queue.iter().skip(1) {
                     let o = &st.jobs[&other];
                     let (on, ob) = (o.ranges.len(), o.bytes);
-                    let whole = o.failed.is_none()
-                        && o.next == 0
-                        && on > 0
-                        && (o.expires_unix_ms == 0 || now_ms <= o.expires_unix_ms);
-                    if !whole {
+                    if !o.can_go_whole(now_ms) {
                         // failed, expired or begun: reported in its turn
                         break;
                     }
@@ -556,11 +563,7 @@ impl LaneCell {
             .skip(1)
             .position(|j| {
                 let o = &st.jobs[j];
-                let whole = o.failed.is_none()
-                    && o.next == 0
-                    && !o.ranges.is_empty()
-                    && (o.expires_unix_ms == 0 || now_ms <= o.expires_unix_ms);
-                if !whole || o.after >= unreached {
+                if !o.can_go_whole(now_ms) || o.after >= unreached {
                     return false;
                 }
                 let ready = Self::gpu_wrote(&self.lane.marks, o.after);

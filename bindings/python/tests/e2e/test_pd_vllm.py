@@ -141,11 +141,9 @@ def test_pd_equals_single_engine(cluster: Cluster, n: int) -> None:
 
 # The request phases timed once per P/D request (Prometheus histograms:
 # docs/configuration.md#metrics), by the side that times them.
-PHASES = {"prefill": ("vllm:orbitkv_written_after_finish_seconds", "vllm:orbitkv_pages_held_after_finish_seconds"),
-          "decode": ("vllm:orbitkv_complete_to_taken_seconds",)}
-
-
 WRITTEN = "vllm:orbitkv_written_after_finish_seconds"
+PHASES = {"prefill": (WRITTEN, "vllm:orbitkv_pages_held_after_finish_seconds"),
+          "decode": ("vllm:orbitkv_complete_to_taken_seconds",)}
 
 
 def assert_phases_timed(cluster: Cluster, before_p: dict[str, float], before_d: dict[str, float], n: int) -> None:
