@@ -252,11 +252,26 @@ def test_every_setting_is_documented() -> None:
         ("orbitkv.pd.mooncake.rank_map", {"-1": {"nic": "mlx5_0"}}),
         ("orbitkv.pd.mooncake.rank_map", {"0": {"nic": ""}}),
         ("orbitkv.pd.mooncake.rank_map", {"0": {"nic": "mlx5_0", "port": 1}}),
+        ("orbitkv.pd.claim_timeout_s", 0),
+        ("orbitkv.pd.claim_timeout_s", float("inf")),
+        ("orbitkv.pd.unclaimed_grace_s", -1),
+        ("orbitkv.pd.unclaimed_grace_s", float("nan")),
+        ("orbitkv.pd.unclaimed_grace_s", "2"),
+        ("orbitkv.pd.unclaimed_grace_s", None),
+        ("orbitkv.pd.unclaimed_kv_share", 0),
+        ("orbitkv.pd.unclaimed_kv_share", 1.5),
+        ("orbitkv.pd.unclaimed_max_requests", 0),
+        ("orbitkv.pd.unclaimed_max_requests", True),
     ],
 )
 def test_every_key_is_strict_and_its_error_names_it(key: str, bad: object) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         PdConfig.from_extra_config({key: bad})
+
+
+def test_the_unclaimed_grace_may_be_zero() -> None:
+    assert PdConfig.from_extra_config({}).unclaimed_grace_s == 2.0
+    assert PdConfig.from_extra_config({"orbitkv.pd.unclaimed_grace_s": 0}).unclaimed_grace_s == 0.0
 
 
 def test_other_connectors_keys_are_left_alone_and_the_keys_are_the_models() -> None:

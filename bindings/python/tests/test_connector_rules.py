@@ -1256,6 +1256,46 @@ def test_unclaimed_producers_are_given_up_at_the_claim_deadline_and_beyond_the_c
     assert list(s._unclaimed) == ["p3"] and c != d
 
 
+def test_two_long_prompts_finished_back_to_back_are_not_given_up_while_their_decode_is_on_its_way() -> None:
+    """Seen on one H100 (2026-12-05, the GPU driver's chunk-split case on a
+    0.75 GiB KV cache): prompts of 8100 and 8000 tokens sent 10 ms apart
+    through the proxy finished on the prefill in consecutive steps, before
+    decode's handshake for the first came; together they held more than a
+    quarter of the cache, and the first was given up (decode failed it,
+    500). The share and count caps now give up only requests that waited
+    ``orbitkv.pd.unclaimed_grace_s`` (2 s)."""
+    # 100 blocks, a quarter for requests no decode claimed: 25 blocks.
+    s, now = unclaimed_scheduler(100)
+    asked: list[str] = []
+    a = finish_two_stage(s, "p0", 20 * BS, list(range(0, 20)), asked)
+    now[0] += 0.06
+    b = finish_two_stage(s, "p1", 19 * BS, list(range(20, 39)), asked)
+    now[0] += 0.05
+    assert s.build_connector_meta(sched_output()).producers_unclaimed == [] and asked == []
+    # decode's handshakes came; the workers wrote both and reported them sent
+    now[0] += 0.2
+    s.update_connector_output(out(sending={"p0", "p1"}))
+    now[0] += 10
+    assert s.build_connector_meta(sched_output()).producers_unclaimed == [] and s.unclaimed_asked == 0
+    assert a != b
+    # Two such halves that no decode claims: past the grace the oldest goes.
+    s, now = unclaimed_scheduler(100)
+    a = finish_two_stage(s, "p0", 20 * BS, list(range(0, 20)))
+    now[0] += 0.06
+    finish_two_stage(s, "p1", 19 * BS, list(range(20, 39)))
+    now[0] += 1.9
+    assert s.build_connector_meta(sched_output()).producers_unclaimed == []
+    now[0] += 0.1  # p0 waited 2.06 s, p1 2.0 s; 39 blocks > 25 without p0: 19
+    meta = s.build_connector_meta(sched_output())
+    assert [u.pd_id for u in meta.producers_unclaimed] == [a]
+    assert "unclaimed_kv_share" in meta.producers_unclaimed[0].reason
+    # A grace of 0: asked at the first step, as before.
+    s, now = unclaimed_scheduler(100, unclaimed_grace_s=0.0)
+    a = finish_two_stage(s, "p0", 20 * BS, list(range(0, 20)))
+    finish_two_stage(s, "p1", 19 * BS, list(range(20, 39)))
+    assert [u.pd_id for u in s.build_connector_meta(sched_output()).producers_unclaimed] == [a]
+
+
 def test_a_producer_that_did_not_complete_is_not_counted_as_unclaimed() -> None:
     # An aborted prefill's producer is aborted outright: nothing to ask.
     s, now = unclaimed_scheduler(4)

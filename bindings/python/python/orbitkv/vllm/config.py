@@ -61,6 +61,13 @@ DEFAULT_ALLOWED_PREFILL = tuple(
 # KV cache and this many requests together; beyond, the oldest are given up
 # (docs/security.md: a stranger's unclaimed halves must not pin the prefill).
 DEFAULT_CLAIM_TIMEOUT_S = 30.0
+# The share and count caps give up only requests that have waited at least
+# this long: a decode's handshake comes some milliseconds after the prefill
+# finished even when nothing queues (it is sent when decode's scheduler took
+# the request), and a short prompt can finish on the GPU before it. Without
+# it, two long prompts finished back to back on a small KV cache gave up the
+# first while its decode was on its way (one H100, 2026-12-05).
+DEFAULT_UNCLAIMED_GRACE_S = 2.0
 # orbitkv.pd.staging_mb "auto" (the default): a prefill rank gathers each
 # chunk in decode's block order into a source staging of at most this many
 # MiB, and at most AUTO_STAGING_KV_SHARE of its KV cache.
@@ -92,6 +99,9 @@ class ConfigError(ValueError):
 # Value types (strict: no bool for a number, no string for an int, no int
 # for a string).
 Seconds = Annotated[float, Field(gt=0, allow_inf_nan=False, description="a positive, finite number of seconds")]
+SecondsOrZero = Annotated[
+    float, Field(ge=0, allow_inf_nan=False, description="a finite number of seconds, 0 or more")
+]
 Port = Annotated[int, Field(ge=1, le=65535, description="a TCP port in 1..65535")]
 Positive = Annotated[int, Field(ge=1, description="a positive integer")]
 Text = Annotated[str, Field(min_length=1)]
@@ -146,6 +156,7 @@ class ExtraConfig(BaseModel):
     # Prefill: what may wait for a decode that has not claimed its request
     # (no handshake yet) once vLLM finished it here (docs/security.md).
     claim_timeout_s: Seconds = Field(DEFAULT_CLAIM_TIMEOUT_S, alias="orbitkv.pd.claim_timeout_s")
+    unclaimed_grace_s: SecondsOrZero = Field(DEFAULT_UNCLAIMED_GRACE_S, alias="orbitkv.pd.unclaimed_grace_s")
     unclaimed_kv_share: Annotated[
         float, Field(gt=0, le=1, allow_inf_nan=False, description="a share of the KV cache in (0, 1]")
     ] = Field(DEFAULT_UNCLAIMED_KV_SHARE, alias="orbitkv.pd.unclaimed_kv_share")
@@ -294,6 +305,7 @@ class PdConfig:
     allowed_prefill: tuple[Endpoints, ...] = DEFAULT_ALLOWED_PREFILL
     side_channel_key: bytes | None = field(default=None, repr=False)
     claim_timeout_s: float = DEFAULT_CLAIM_TIMEOUT_S
+    unclaimed_grace_s: float = DEFAULT_UNCLAIMED_GRACE_S
     unclaimed_kv_share: float = DEFAULT_UNCLAIMED_KV_SHARE
     unclaimed_max_requests: int = DEFAULT_UNCLAIMED_MAX_REQUESTS
     two_stage_unsigned: bool = False
@@ -387,6 +399,7 @@ class PdConfig:
             allowed_prefill=x.allowed_prefill,
             side_channel_key=read_side_channel_key(x.side_channel_key_file),
             claim_timeout_s=x.claim_timeout_s,
+            unclaimed_grace_s=x.unclaimed_grace_s,
             unclaimed_kv_share=x.unclaimed_kv_share,
             unclaimed_max_requests=x.unclaimed_max_requests,
             two_stage_unsigned=x.two_stage_unsigned,

@@ -414,12 +414,14 @@ class PdScheduler:
         """Asks the workers to give up, oldest first, the finished producers
         that wait for a decode past ``orbitkv.pd.claim_timeout_s``, or beyond
         ``unclaimed_max_requests`` requests or ``unclaimed_kv_share`` of the
-        KV cache together. Which of them a decode claimed only the workers
-        know (a handshake came): those ignore the ask and drain as usual,
-        so each producer is asked once. A stranger's unclaimed halves (the
-        two-stage flow's prefill half sent without its decode half) so hold
-        at most the cap, and only until the claim deadline: real requests
-        keep the rest of the KV cache."""
+        KV cache together once they waited ``unclaimed_grace_s`` (a real
+        decode's handshake may come some milliseconds after the prefill
+        finished). Which of them a decode claimed only the workers know (a
+        handshake came): those ignore the ask and drain as usual, so each
+        producer is asked once. A stranger's unclaimed halves (the two-stage
+        flow's prefill half sent without its decode half) so hold at most
+        the cap beyond the grace, and only until the claim deadline: real
+        requests keep the rest of the KV cache."""
         if not self._unclaimed:
             return
         now = self._clock()
@@ -429,6 +431,8 @@ class PdScheduler:
             rid, (at, blocks) = next(iter(self._unclaimed.items()))
             if now - at >= self.config.claim_timeout_s:
                 why = f"no decode claimed it within orbitkv.pd.claim_timeout_s ({self.config.claim_timeout_s:g}s)"
+            elif now - at < self.config.unclaimed_grace_s:
+                break  # the oldest is within its grace: so are the others
             elif len(self._unclaimed) > self.config.unclaimed_max_requests:
                 why = (
                     f"more than orbitkv.pd.unclaimed_max_requests ({self.config.unclaimed_max_requests}) "
