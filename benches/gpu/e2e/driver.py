@@ -1699,6 +1699,20 @@ def wanted_systems(ctx: Ctx) -> list[str]:
     return out
 
 
+def gpu_total_gib(smi: str = "nvidia-smi") -> float | None:
+    """The memory of the smallest visible GPU, GiB, from nvidia-smi (no CUDA
+    context in the driver); None where it cannot say."""
+    try:
+        r = subprocess.run([smi, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                           capture_output=True, text=True, timeout=30)
+        mib = [float(x) for x in r.stdout.split() if x.strip()]
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+    if r.returncode != 0 or not mib:
+        return None
+    return round(min(mib) / 1024, 2)
+
+
 def plan_big(ctx: Ctx, spec: ModelSpec) -> dict[str, Any]:
     """How the Llama-3-8B-shaped instances fit the GPUs: the KV size of each
     instance (``--big-kv-gib``, or 0: the most that fits, at most
@@ -1712,6 +1726,12 @@ def plan_big(ctx: Ctx, spec: ModelSpec) -> dict[str, Any]:
     a = ctx.args
     systems = wanted_systems(ctx)
     w = weights_gib(spec) + a.instance_overhead_gib
+    # the GPU's memory: as given, else as nvidia-smi says (an H100 is not an
+    # H200: run 41 planned six instances for 139 GiB on 80 and two of them
+    # ran out of memory), else an H200's
+    detected = gpu_total_gib() if ctx.cuda and not a.gpu_gib else None
+    gpu_gib = a.gpu_gib or detected or 139.0
+    gpu_gib_source = "--gpu-gib" if a.gpu_gib else ("nvidia-smi" if detected else "an H200's (nothing detected)")
     tok = kv_token_bytes(spec)
     widest = max((int(r.split(":")[1]) for r in a.bench_runs.split(",") if r), default=1)
     # the floor: the longest TTFT prompt must fit (a load level wider than the KV
@@ -1728,13 +1748,20 @@ def plan_big(ctx: Ctx, spec: ModelSpec) -> dict[str, Any]:
         if not ctx.cuda:
             return a.big_kv_gib or 0.25
         n = count(grp)
-        return max(0.0, (a.gpu_gib - a.gpu_reserve_gib - n * w) / n)
+        return max(0.0, (gpu_gib - a.gpu_reserve_gib - n * w) / n)
 
+    # what a system needs of the even share to join a group: the floor, and
+    # the KV asked for (on one GPU a prefill per decode: their mean)
+    need = floor_gib
+    if a.big_kv_gib:
+        need = max(need, a.big_kv_gib)
+    if a.big_decode_kv_gib and a.one_gpu:
+        need = max(need, ((a.big_kv_gib or floor_gib) + a.big_decode_kv_gib) / 2)
     first = [x for x in systems if x in ("single", "orbit", *FRONTS, "mc")]
     rest = [x for x in systems if x not in first]
     groups = [first]
     for x in rest:
-        if fit(groups[-1] + [x]) >= floor_gib:
+        if fit(groups[-1] + [x]) >= need:
             groups[-1].append(x)
         else:
             groups.append([x])
@@ -1746,7 +1773,7 @@ def plan_big(ctx: Ctx, spec: ModelSpec) -> dict[str, Any]:
         kv = max(0.25, int(kv * 4) / 4)  # quarter GiB steps
     plan = {"systems": systems, "groups": groups, "kv_gib": kv, "fit_kv_gib_per_group": [round(c, 2) for c in caps],
             "floor_kv_gib": round(floor_gib, 2), "weights_gib": round(weights_gib(spec), 2),
-            "instance_overhead_gib": a.instance_overhead_gib, "gpu_gib": a.gpu_gib,
+            "instance_overhead_gib": a.instance_overhead_gib, "gpu_gib": gpu_gib, "gpu_gib_source": gpu_gib_source,
             "kv_tokens_per_instance": int(kv * GIB // tok), "kv_token_bytes": tok,
             "widest_level_tokens": int(widest * (a.bench_input_len + a.bench_output_len)),
             "one_gpu": bool(a.one_gpu)}
@@ -3061,10 +3088,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--min-kv-gib", type=float, default=4,
                    help="systems that would leave less KV than this (or than the longest TTFT prompt) per instance "
                         "run in a later group, after the first group's instances are stopped")
-    p.add_argument("--gpu-gib", type=float, default=139.0, help="memory of one GPU (H200: ~139.8 GiB)")
+    p.add_argument("--gpu-gib", type=float, default=0.0,
+                   help="memory of one GPU, GiB (0: the smallest visible GPU's, from nvidia-smi; else an H200's 139)")
     p.add_argument("--gpu-reserve-gib", type=float, default=2.0)
-    p.add_argument("--instance-overhead-gib", type=float, default=4.0,
-                   help="per instance besides weights and KV: CUDA context, activations, CUDA graphs")
+    p.add_argument("--instance-overhead-gib", type=float, default=4.75,
+                   help="per instance besides weights and KV: CUDA context, activations, CUDA graphs, staging (run 41, one H100: 4.4-4.7)")
     p.add_argument("--big-layers", type=int, default=32,
                    help="layers of the Llama-3-8B-shaped model (fewer: more instances fit one GPU)")
     p.add_argument("--staging", action="store_true",

@@ -229,3 +229,54 @@ def test_each_level_gets_its_phase_quantiles_from_the_sampled_buckets(tmp_path: 
     header = lines.index("| system | in flight | written after finish | pages held after finish | complete → taken |")
     row = lines[header + 2]
     assert row == "| orbit | 32 | 117 / 183 (10) | - | - |"
+
+
+def _big_args(**kw: object) -> object:
+    from types import SimpleNamespace
+
+    a = dict(instance_overhead_gib=4.75, gpu_gib=0.0, gpu_reserve_gib=2.0, bench_runs="c4:4:48:12,c32:32:256:15",
+             ttft_lengths=[1024, 8192, 32768], ttft_gen=1, min_kv_gib=4, one_gpu=True, big_kv_gib=3.0,
+             big_kv_cap_gib=40.0, big_decode_kv_gib=5.5, bench_input_len=4609, bench_output_len=64, ab="control",
+             ab_config=None, single=False, router=False, router_mc=False, mc=True, nixl="auto", big_layers=8)
+    a.update(kw)
+    return SimpleNamespace(**a)
+
+
+def test_the_big_plan_reads_the_gpus_memory_and_runs_what_does_not_fit_in_a_later_group(tmp_path: Path) -> None:
+    """Run 41 (one H100): the plan took an H200's 139 GiB and started six
+    instances on 80 GB; MooncakeConnector's ran out of memory. The plan now
+    reads the GPU's memory (nvidia-smi, no CUDA context) and puts a system
+    that would not get the KV asked for in a later group."""
+    from types import SimpleNamespace
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 81559\n")
+    smi.chmod(0o755)
+    assert driver.gpu_total_gib(str(smi)) == 79.65
+    assert driver.gpu_total_gib(str(tmp_path / "absent")) is None
+    bad = tmp_path / "bad-smi"
+    bad.write_text("#!/bin/sh\necho 'No devices were found'\nexit 6\n")
+    bad.chmod(0o755)
+    assert driver.gpu_total_gib(str(bad)) is None
+
+    real = driver.gpu_total_gib
+    try:
+        driver.gpu_total_gib = lambda smi="": 79.65
+        ctx = SimpleNamespace(args=_big_args(), cuda=True)
+        spec = driver.big_spec(ctx)
+        plan = driver.plan_big(ctx, spec)
+        assert plan["gpu_gib"] == 79.65 and plan["gpu_gib_source"] == "nvidia-smi"
+        # OrbitKV and MC fit together (four instances); the A/A pair runs after them
+        assert plan["groups"] == [["orbit", "mc"], ["orbit-control"]]
+        # an H200's memory (given): all three together, as in run 40
+        ctx = SimpleNamespace(args=_big_args(gpu_gib=139.0, big_layers=16, big_kv_gib=6.5, big_decode_kv_gib=12.0),
+                              cuda=True)
+        plan = driver.plan_big(ctx, driver.big_spec(ctx))
+        assert plan["groups"] == [["orbit", "mc", "orbit-control"]] and plan["gpu_gib_source"] == "--gpu-gib"
+        # nothing detected: an H200's, said so
+        driver.gpu_total_gib = lambda smi="": None
+        ctx = SimpleNamespace(args=_big_args(), cuda=True)
+        plan = driver.plan_big(ctx, driver.big_spec(ctx))
+        assert plan["gpu_gib"] == 139.0 and "nothing detected" in plan["gpu_gib_source"]
+    finally:
+        driver.gpu_total_gib = real
