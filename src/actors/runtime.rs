@@ -1034,11 +1034,12 @@ impl Runtime {
         self.ask(|d, _| Ok(d.live_requests())).unwrap_or((0, 0))
     }
 
-    /// For tests (feature `testing`): whether every producer of `request`
-    /// on this rank has taken a handshake (its actor handled it:
+    /// Whether every producer of `request` on this rank has taken a
+    /// handshake, i.e. a decode claimed it here (its actor handled it:
     /// `producer_handshake` answers once the directory accepted it, before
-    /// the producer's actor took it).
-    #[cfg(feature = "testing")]
+    /// the producer's actor took it). No live producer: `false`. The
+    /// connector's workers tell their scheduler which finished requests are
+    /// claimed, so its unclaimed caps count only the others.
     pub fn producer_authorized(&self, request: &RequestId) -> bool {
         self.producers
             .live_group(request)

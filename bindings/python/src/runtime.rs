@@ -823,6 +823,14 @@ impl PyRuntime {
             .map_err(|e| runtime_error(py, e))
     }
 
+    /// Prefill side: whether a decode claimed the request on this rank
+    /// (every producer of it here took a handshake). `false` once it
+    /// released, or when it is unknown.
+    fn producer_claimed(&self, py: Python<'_>, request_id: &str) -> PyResult<bool> {
+        let rt = self.rt(py)?;
+        Ok(rt.producer_authorized(&RequestId::new(request_id)))
+    }
+
     /// Prefill side: the consumer gave the request up (no handshake will
     /// come, or it released an authorization); `cancel_json` is the wire
     /// message (`cancel_message`). An open producer is aborted; one not yet

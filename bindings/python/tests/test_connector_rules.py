@@ -332,6 +332,9 @@ class RecordingRuntime:
     ) -> list[int] | None:
         return None  # the request's order (no authorization written into pages here)
 
+    def producer_claimed(self, request_id: str) -> bool:
+        return False  # no decode's handshake reached it here
+
     def layers_ready(self, layer: int, chunks: list[tuple[str, int, int]]) -> list[tuple[str, Exception]]:
         self.calls.append(("layers_ready", layer, chunks))
         return []  # every request admitted
@@ -1294,6 +1297,88 @@ def test_two_long_prompts_finished_back_to_back_are_not_given_up_while_their_dec
     a = finish_two_stage(s, "p0", 20 * BS, list(range(0, 20)))
     finish_two_stage(s, "p1", 19 * BS, list(range(20, 39)))
     assert [u.pd_id for u in s.build_connector_meta(sched_output()).producers_unclaimed] == [a]
+
+
+def test_requests_a_decode_claimed_on_every_rank_leave_the_unclaimed_count() -> None:
+    """Under load most finished producers are claimed (their writes queue):
+    counted as unclaimed, they filled the share, and walking the oldest
+    past the grace reached a request whose decode was merely late. The
+    workers now say which their decode claimed; those leave the count."""
+    from orbitkv.vllm.pd import PdWorkerMeta
+
+    # 100 blocks: a quarter is 25
+    s, now = unclaimed_scheduler(100)
+    c1 = finish_two_stage(s, "c1", 20 * BS, list(range(0, 20)))
+    now[0] += 0.1
+    u1 = finish_two_stage(s, "u1", 10 * BS, list(range(20, 30)))
+    now[0] += 0.1
+    finish_two_stage(s, "c2", 20 * BS, list(range(30, 50)))
+    s.update_connector_output(SimpleNamespace(finished_sending=None, finished_recving=None, invalid_block_ids=set(),
+                                              kv_connector_worker_meta=PdWorkerMeta(0, ["c1", "c2"])))
+    now[0] += 5  # all past the grace; 10 unclaimed blocks: under the share
+    assert s.build_connector_meta(sched_output()).producers_unclaimed == []
+    assert list(s._unclaimed) == ["u1"]
+    # without the workers' word (before): c1 asked, then u1 with 30 left
+    s, now = unclaimed_scheduler(100)
+    c1 = finish_two_stage(s, "c1", 20 * BS, list(range(0, 20)))
+    now[0] += 0.1
+    u1 = finish_two_stage(s, "u1", 10 * BS, list(range(20, 30)))
+    now[0] += 0.1
+    finish_two_stage(s, "c2", 20 * BS, list(range(30, 50)))
+    now[0] += 5
+    assert [u.pd_id for u in s.build_connector_meta(sched_output()).producers_unclaimed] == [c1, u1]
+
+
+def test_a_claim_counts_once_every_rank_said_so() -> None:
+    from orbitkv.vllm.pd import PdWorkerMeta
+
+    s, _ = unclaimed_scheduler(100)
+    s.tp_size = 2
+    finish_two_stage(s, "a", 20 * BS, list(range(0, 20)))
+    finish_two_stage(s, "b", 20 * BS, list(range(20, 40)))
+
+    def step(*metas: PdWorkerMeta) -> None:
+        m = metas[0]
+        for other in metas[1:]:
+            m = m.aggregate(other)
+        s.update_connector_output(SimpleNamespace(finished_sending=None, finished_recving=None,
+                                                  invalid_block_ids=set(), kv_connector_worker_meta=m))
+
+    step(PdWorkerMeta(0, ["a", "b"]), PdWorkerMeta(1, ["a"]))  # rank 1 saw only a's handshake
+    assert list(s._unclaimed) == ["b"] and s._draining == 1
+    step(PdWorkerMeta(0, ["b", "unknown"]))  # b's second rank, a step later; an id it never had
+    assert list(s._unclaimed) == [] and s._claims == {}
+
+
+def test_the_worker_tells_each_claim_of_a_finished_producer_once(worker: PdWorker) -> None:
+    class Claims(RecordingRuntime):
+        def __init__(self) -> None:
+            super().__init__()
+            self.claimed: set[str] = set()
+
+        def producer_claimed(self, request_id: str) -> bool:
+            self.calls.append(("producer_claimed", request_id))
+            if request_id == "pd-3":
+                raise orbitkv.UnknownRequestError(request_id)
+            return request_id in self.claimed
+
+    rt = worker.runtime = Claims()  # type: ignore[assignment]
+    worker._layer_index = {"layer.0": 0}
+    meta = PdConnectorMetadata()
+    for i in (1, 2, 3):
+        meta.producer_chunks.append(ProducerChunk(f"p{i}", f"pd-{i}", CAP, 1, True, [i], 0, 1, True))
+    worker.start_load_kv(meta)
+    worker.save_kv_layer("layer.0", None)  # type: ignore[arg-type]
+    worker.wait_for_save()
+    rt.claimed = {"pd-1", "pd-2"}
+    assert worker.claimed() == [], "vLLM has not finished them: the scheduler does not count them"
+    worker.start_load_kv(PdConnectorMetadata(
+        producers_end=[RequestEnd(f"p{i}", f"pd-{i}", False, "done", report=True) for i in (1, 2, 3)]))
+    rt.claimed = {"pd-1"}
+    assert worker.claimed() == ["p1"]
+    rt.claimed = {"pd-1", "pd-2"}
+    assert worker.claimed() == ["p2"], "each once"
+    assert worker.claimed() == []
 
 
 def test_a_producer_that_did_not_complete_is_not_counted_as_unclaimed() -> None:

@@ -6,6 +6,7 @@ runtime error surfaces as its own exception class."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -80,7 +81,13 @@ def test_layers_stream_into_authorized_blocks(ranks: tuple[Rank, Rank]) -> None:
     hs = c.runtime.consumer_open("req-py", CAP, 0, dst, 1)
     p.runtime.producer_open("req-py", src[:2], CAP)
     p.runtime.layer_ready("req-py", 0, 0, 2)  # before the handshake: written on arrival
+    assert not p.runtime.producer_claimed("req-py") and not p.runtime.producer_claimed("nobody")
     p.runtime.producer_handshake(hs)
+    # the producer's actor takes the handshake after the directory answered
+    deadline = time.monotonic() + 10
+    while not p.runtime.producer_claimed("req-py"):
+        assert time.monotonic() < deadline, "the handshake never reached the producer"
+        time.sleep(0.001)
     p.runtime.producer_add_blocks("req-py", src[2:])
     p.runtime.layer_ready("req-py", 0, 2, 4)
     for layer in range(1, LAYERS):
@@ -89,6 +96,7 @@ def test_layers_stream_into_authorized_blocks(ranks: tuple[Rank, Rank]) -> None:
 
     done = wait_event(p.runtime, {"producer_released"})
     assert (done.outcome, done.request_id) == ("done", "req-py")
+    assert not p.runtime.producer_claimed("req-py"), "released: no live producer"
     ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
     assert ev.kind == "consumer_completed", ev
     assert ev.bytes == LAYERS * len(src) * c.caches[0][0].numel() * 4

@@ -699,9 +699,10 @@ pub fn gather_order(
     order
 }
 
-/// Whether every member has taken a handshake (for tests: the directory
-/// hands it to the producers' actors after it answered the caller).
-#[cfg(feature = "testing")]
+/// Whether every member has taken a handshake: a decode claimed the
+/// request on this rank (the directory hands a handshake to the producers'
+/// actors after it answered the caller, so one just accepted may not show
+/// yet).
 pub fn authorized(members: &[ProducerRef]) -> bool {
     !members.is_empty() && members.iter().all(|m| m.0.lock().machine.has_handshake())
 }

@@ -534,6 +534,11 @@ class Runtime:
         usual (`producer_released`); counted in `producers_unclaimed_released`
         when it ends one."""
 
+    def producer_claimed(self, request_id: str) -> bool:
+        """Prefill side: whether a decode claimed the request on this rank
+        (every producer of it here took a handshake). ``False`` once it
+        released, or when it is unknown."""
+
     def producer_cancel(self, cancel_json: str) -> str | None:
         """Prefill side: the consumer gave the request up (no handshake will
         come, or it released an authorization); `cancel_json` is the wire

@@ -118,6 +118,8 @@ class ProducerRecord:
     # within orbitkv.pd.claim_timeout_s of that, or it is given up (asked once).
     back_at: float | None = None
     unclaimed_asked: bool = False
+    # Told the scheduler its decode claimed it (PdWorker.claimed): once.
+    claim_reported: bool = False
     # The runtime said its pages can only go at the release (decode's
     # authorization is written from them): not asked again.
     pages_never: bool = False

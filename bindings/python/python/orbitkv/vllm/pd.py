@@ -17,6 +17,7 @@ connectors do.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,17 +56,23 @@ __all__ = ["OrbitKVConnector", "PdConnector", "PdConnectorMetadata", "PdWorkerMe
 class PdWorkerMeta(KVConnectorWorkerMetadata):
     """What the workers tell the scheduler each step: ``draining``, the
     prefill requests reported sent early (their pages went back to vLLM)
-    whose writes still go out of their layer pieces, summed over the ranks."""
+    whose writes still go out of their layer pieces, summed over the ranks;
+    ``claimed``, vLLM request id -> how many ranks newly saw its decode's
+    handshake (the scheduler's unclaimed caps leave a request out once
+    every rank did)."""
 
-    def __init__(self, draining: int = 0) -> None:
+    def __init__(self, draining: int = 0, claimed: Iterable[str] = ()) -> None:
         self.draining = draining
+        self.claimed: dict[str, int] = dict.fromkeys(claimed, 1)
 
     def aggregate(self, other: Any) -> PdWorkerMeta:
         self.draining += int(getattr(other, "draining", 0))
+        for rid, n in (getattr(other, "claimed", None) or {}).items():
+            self.claimed[rid] = self.claimed.get(rid, 0) + int(n)
         return self
 
     def __repr__(self) -> str:
-        return f"PdWorkerMeta(draining={self.draining})"
+        return f"PdWorkerMeta(draining={self.draining}, claimed={len(self.claimed)})"
 
 logger = logging.getLogger("orbitkv.vllm.pd")
 
@@ -265,10 +272,14 @@ class PdConnector(KVConnectorBase_V1):
         return self.worker.get_kv_connector_stats() if self.worker is not None else None
 
     def build_connector_worker_meta(self) -> PdWorkerMeta | None:
-        """Each step, on a rank that stages by layer: how many requests it
-        reported sent early still drain (:class:`PdWorkerMeta`)."""
-        n = self.worker.draining() if self.worker is not None else None
-        return None if n is None else PdWorkerMeta(n)
+        """Each step: on a rank that stages by layer, how many requests it
+        reported sent early still drain; the finished requests a decode
+        newly claimed here (:class:`PdWorkerMeta`)."""
+        if self.worker is None:
+            return None
+        n = self.worker.draining()
+        claimed = self.worker.claimed()
+        return None if n is None and not claimed else PdWorkerMeta(n or 0, claimed)
 
     def shutdown(self) -> None:
         if self.worker is not None:

@@ -145,6 +145,9 @@ class PdScheduler:
         # oldest first: vLLM request id -> (finished at, blocks held).
         self._unclaimed: OrderedDict[str, tuple[float, int]] = OrderedDict()
         self.unclaimed_asked = 0  # producers asked to give up (claimed ones ignore it)
+        # Of those, how many ranks said a decode claimed them so far (the
+        # workers' PdWorkerMeta); at tp_size they leave _unclaimed.
+        self._claims: dict[str, int] = {}
         # The cap in blocks; None when vLLM did not say how many it has.
         num_blocks = getattr(vllm_config.cache_config, "num_gpu_blocks", None)
         self._unclaimed_block_cap = (
@@ -446,6 +449,7 @@ class PdScheduler:
             else:
                 break
             del self._unclaimed[rid]
+            self._claims.pop(rid, None)
             held -= blocks
             p = self._producers.get(rid)
             if p is not None:
@@ -579,11 +583,29 @@ class PdScheduler:
         for rid in out.finished_sending or ():
             self._delayed.discard(rid)
             self._unclaimed.pop(rid, None)
+            self._claims.pop(rid, None)
             self._producers.pop(rid, None)
             self._forget(rid)
         meta = getattr(out, "kv_connector_worker_meta", None)
         if meta is not None:
             self._draining = max(0, int(getattr(meta, "draining", 0)))
+            self._count_claims(getattr(meta, "claimed", None) or {})
+
+    def _count_claims(self, claimed: dict[str, int]) -> None:
+        """Finished producers whose decode claimed them on every rank are no
+        longer waiting for a decode: they leave the unclaimed caps' count
+        (they write on and release as usual), so a request still waiting
+        for its handshake is not given up because claimed ones whose writes
+        queue fill the share."""
+        for rid, n in claimed.items():
+            if rid not in self._unclaimed:
+                continue
+            got = self._claims.get(rid, 0) + int(n)
+            if got >= self.tp_size:
+                del self._unclaimed[rid]
+                self._claims.pop(rid, None)
+            else:
+                self._claims[rid] = got
 
     def has_pending_push_work(self) -> bool:
         return bool(

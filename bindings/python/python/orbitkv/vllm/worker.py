@@ -897,6 +897,29 @@ class PdWorker:
         out, self._failed_loads = self._failed_loads, set()
         return out
 
+    def claimed(self) -> list[str]:
+        """The vLLM request IDs of the requests vLLM finished here whose
+        decode claimed them on this rank (its handshake reached every
+        producer of it here) since the last call, each once: the scheduler
+        counts them out of its unclaimed caps once every rank said so
+        (:class:`PdWorkerMeta`)."""
+        rt = self.runtime
+        if rt is None:
+            return []
+        out: list[str] = []
+        for pd, prod in self.ledger.producers.where(
+            lambda r: r.vllm_done and not r.released and not r.pages_back and not r.claim_reported
+            and r.req_id is not None
+        ):
+            try:
+                if not rt.producer_claimed(pd):
+                    continue
+            except OrbitKVError:
+                continue
+            prod.claim_reported = True
+            out.append(str(prod.req_id))
+        return out
+
     def draining(self) -> int | None:
         """Requests reported sent early (their pages went back) whose
         release this worker has not seen yet; ``None`` where none can be
