@@ -1306,27 +1306,30 @@ def test_requests_a_decode_claimed_on_every_rank_leave_the_unclaimed_count() -> 
     workers now say which their decode claimed; those leave the count."""
     from orbitkv.vllm.pd import PdWorkerMeta
 
-    # 100 blocks: a quarter is 25
-    s, now = unclaimed_scheduler(100)
-    c1 = finish_two_stage(s, "c1", 20 * BS, list(range(0, 20)))
-    now[0] += 0.1
-    u1 = finish_two_stage(s, "u1", 10 * BS, list(range(20, 30)))
-    now[0] += 0.1
-    finish_two_stage(s, "c2", 20 * BS, list(range(30, 50)))
-    s.update_connector_output(SimpleNamespace(finished_sending=None, finished_recving=None, invalid_block_ids=set(),
-                                              kv_connector_worker_meta=PdWorkerMeta(0, ["c1", "c2"])))
-    now[0] += 5  # all past the grace; 10 unclaimed blocks: under the share
+    def three(told: list[str]) -> tuple[PdScheduler, str]:
+        """c1, u1 and c2 finished 0.1 s apart on 100 blocks (a quarter: 25),
+        the workers told ``told`` claimed, all past the grace: the
+        scheduler, and u1's OrbitKV id."""
+        s, now = unclaimed_scheduler(100)
+        finish_two_stage(s, "c1", 20 * BS, list(range(0, 20)))
+        now[0] += 0.1
+        u1 = finish_two_stage(s, "u1", 10 * BS, list(range(20, 30)))
+        now[0] += 0.1
+        finish_two_stage(s, "c2", 20 * BS, list(range(30, 50)))
+        if told:
+            s.update_connector_output(SimpleNamespace(finished_sending=None, finished_recving=None,
+                                                      invalid_block_ids=set(),
+                                                      kv_connector_worker_meta=PdWorkerMeta(0, told)))
+        now[0] += 5
+        return s, u1
+
+    s, _ = three(["c1", "c2"])  # 10 unclaimed blocks: under the share
     assert s.build_connector_meta(sched_output()).producers_unclaimed == []
     assert list(s._unclaimed) == ["u1"]
     # without the workers' word (before): c1 asked, then u1 with 30 left
-    s, now = unclaimed_scheduler(100)
-    c1 = finish_two_stage(s, "c1", 20 * BS, list(range(0, 20)))
-    now[0] += 0.1
-    u1 = finish_two_stage(s, "u1", 10 * BS, list(range(20, 30)))
-    now[0] += 0.1
-    finish_two_stage(s, "c2", 20 * BS, list(range(30, 50)))
-    now[0] += 5
-    assert [u.pd_id for u in s.build_connector_meta(sched_output()).producers_unclaimed] == [c1, u1]
+    s, u1 = three([])
+    asked = [u.pd_id for u in s.build_connector_meta(sched_output()).producers_unclaimed]
+    assert len(asked) == 2 and asked[1] == u1
 
 
 def test_a_claim_counts_once_every_rank_said_so() -> None:
