@@ -828,7 +828,10 @@ impl PyRuntime {
     /// released, or when it is unknown.
     fn producer_claimed(&self, py: Python<'_>, request_id: &str) -> PyResult<bool> {
         let rt = self.rt(py)?;
-        Ok(rt.producer_authorized(&RequestId::new(request_id)))
+        let request = RequestId::new(request_id);
+        // Without the GIL: it takes each producer's lock, which a writer
+        // lane may hold for a moment.
+        Ok(py.detach(move || rt.producer_authorized(&request)))
     }
 
     /// Prefill side: the consumer gave the request up (no handshake will
