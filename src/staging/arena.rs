@@ -1,9 +1,16 @@
-//! A first-fit allocator over one registered staging region. It hands out
-//! disjoint, aligned pieces and takes each back exactly once; what it holds
-//! is the only record of which staging bytes are in use, so two live
-//! requests can never be given overlapping memory.
+//! A first-fit allocator over a registered staging region of one or more
+//! segments. It hands out disjoint, aligned pieces, each inside one
+//! segment, and takes each back exactly once; what it holds is the only
+//! record of which staging bytes are in use, so two live requests can never
+//! be given overlapping memory.
+//!
+//! A region of several segments is what the prefill's source staging is
+//! when it comes out of vLLM's KV cache (`orbitkv.pd.staging_memory`
+//! `kv_cache`): the blocks the scheduler took from vLLM's pool are a stripe
+//! of each layer tensor (and plane), not one address range, and a piece
+//! must lie inside one of them even where two stripes happen to touch.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Alignment of every piece (bytes): wide enough for any element type and
 /// for device copies that use vector loads.
@@ -16,16 +23,24 @@ pub enum ArenaError {
     Full { wanted: u64, free: u64 },
     #[error("{0:#x} is not the start of a piece in use")]
     NotInUse(u64),
-    #[error("a staging region of {len} bytes at {base:#x} is empty or overflows")]
+    #[error(
+        "a staging region of {len} bytes at {base:#x} is at 0, overflows or holds no 256-byte aligned byte"
+    )]
     BadRegion { base: u64, len: u64 },
+    #[error("a staging segment of {len} bytes at {base:#x} overlaps one the region has")]
+    Overlap { base: u64, len: u64 },
 }
 
-/// Pieces of `[base, base + len)`.
-#[derive(Debug, Clone)]
+/// Pieces of `[base, base + len)`, or of several such segments.
+#[derive(Debug, Clone, Default)]
 pub struct StagingArena {
-    base: u64,
-    len: u64,
-    /// Free pieces, start → length; adjacent ones are always merged.
+    /// The segments as given, start → end.
+    segments: BTreeMap<u64, u64>,
+    /// Each segment's first aligned address: free pieces never merge
+    /// across one, so no piece spans two segments.
+    starts: BTreeSet<u64>,
+    /// Free pieces, start → length; adjacent ones of one segment are
+    /// always merged.
     free: BTreeMap<u64, u64>,
     /// Pieces in use, start → length.
     used: BTreeMap<u64, u64>,
@@ -34,33 +49,60 @@ pub struct StagingArena {
 impl StagingArena {
     /// An arena over `len` bytes at `base` (the first aligned address on).
     pub fn new(base: u64, len: u64) -> Result<Self, ArenaError> {
+        let mut a = Self::default();
+        a.add_segment(base, len)?;
+        Ok(a)
+    }
+
+    /// An arena of no segment yet: every allocation is refused until
+    /// [`Self::add_segment`] gives it one.
+    pub fn empty() -> Self {
+        Self::default()
+    }
+
+    /// Adds `len` bytes at `base` (the first aligned address on) as a
+    /// segment of its own. Refused, with nothing changed, when it is empty,
+    /// at 0, overflows, holds no aligned byte, or overlaps a segment the
+    /// arena has.
+    pub fn add_segment(&mut self, base: u64, len: u64) -> Result<(), ArenaError> {
         let end = base.checked_add(len).ok_or(ArenaError::BadRegion { base, len })?;
         let start = base
             .checked_add(ALIGN - 1)
             .map(|b| b / ALIGN * ALIGN)
             .filter(|&s| s < end && base != 0)
             .ok_or(ArenaError::BadRegion { base, len })?;
-        let mut free = BTreeMap::new();
-        free.insert(start, end - start);
-        Ok(Self {
-            base,
-            len,
-            free,
-            used: BTreeMap::new(),
-        })
+        let before = self.segments.range(..end).next_back();
+        if before.is_some_and(|(_, &e)| e > base) {
+            return Err(ArenaError::Overlap { base, len });
+        }
+        self.segments.insert(base, end);
+        self.starts.insert(start);
+        self.free.insert(start, end - start);
+        Ok(())
     }
 
-    /// The region: `(base, len)`.
+    /// The first segment: `(base, len)` (`(0, 0)` with none).
     pub fn region(&self) -> (u64, u64) {
-        (self.base, self.len)
+        self.segments.iter().next().map_or((0, 0), |(&b, &e)| (b, e - b))
     }
 
-    /// Whether `[addr, addr + len)` lies inside the region.
+    /// Segments and their bytes in all.
+    pub fn segments(&self) -> (usize, u64) {
+        (
+            self.segments.len(),
+            self.segments.iter().map(|(b, e)| e - b).sum(),
+        )
+    }
+
+    /// Whether `[addr, addr + len)` lies inside one segment.
     pub fn contains(&self, addr: u64, len: u64) -> bool {
-        addr >= self.base
-            && addr
-                .checked_add(len)
-                .is_some_and(|end| end <= self.base + self.len)
+        let Some(end) = addr.checked_add(len) else {
+            return false;
+        };
+        self.segments
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(_, &e)| end <= e)
     }
 
     /// A piece of at least `len` bytes (rounded up to [`ALIGN`]), the lowest
@@ -85,15 +127,17 @@ impl StagingArena {
     pub fn free(&mut self, at: u64) -> Result<(), ArenaError> {
         let len = self.used.remove(&at).ok_or(ArenaError::NotInUse(at))?;
         let (mut start, mut end) = (at, at + len);
+        // Merged with its free neighbours of the same segment only.
         if let Some((&s, &l)) = self.free.range(..at).next_back() {
-            if s + l == at {
+            if s + l == at && !self.starts.contains(&at) {
                 self.free.remove(&s);
                 start = s;
             }
         }
-        if let Some(&l) = self.free.get(&end) {
-            self.free.remove(&end);
-            end += l;
+        if !self.starts.contains(&end) {
+            if let Some(l) = self.free.remove(&end) {
+                end += l;
+            }
         }
         self.free.insert(start, end - start);
         Ok(())
@@ -159,5 +203,48 @@ mod tests {
         assert!(StagingArena::new(0, 1 << 20).is_err());
         assert!(StagingArena::new(u64::MAX - 4, 8).is_err());
         assert!(StagingArena::new(ALIGN + 1, 10).is_err());
+    }
+
+    #[test]
+    fn pieces_stay_inside_one_segment_even_where_segments_touch() {
+        // Two touching segments of 4 units and one apart of 2; none empty.
+        let mut a = StagingArena::empty();
+        assert!(matches!(a.alloc(1), Err(ArenaError::Full { .. })));
+        a.add_segment(4 * ALIGN, 4 * ALIGN).unwrap();
+        a.add_segment(8 * ALIGN, 4 * ALIGN).unwrap();
+        a.add_segment(64 * ALIGN, 2 * ALIGN).unwrap();
+        assert_eq!(a.segments(), (3, 10 * ALIGN));
+        // 8 units are free side by side, but no piece of 5 crosses the seam
+        assert!(matches!(a.alloc(5 * ALIGN), Err(ArenaError::Full { .. })));
+        let x = a.alloc(4 * ALIGN).unwrap();
+        let y = a.alloc(3 * ALIGN).unwrap();
+        assert_eq!((x, y), (4 * ALIGN, 8 * ALIGN));
+        assert!(a.contains(y, 3 * ALIGN) && !a.contains(x, 5 * ALIGN));
+        // freed back to back: still two segments, not one run of 8
+        a.free(x).unwrap();
+        a.free(y).unwrap();
+        assert!(matches!(a.alloc(5 * ALIGN), Err(ArenaError::Full { .. })));
+        assert_eq!(a.alloc(2 * ALIGN).unwrap(), 4 * ALIGN);
+        // the far segment is used once the others are full
+        a.alloc(2 * ALIGN).unwrap();
+        a.alloc(4 * ALIGN).unwrap();
+        assert_eq!(a.alloc(ALIGN).unwrap(), 64 * ALIGN);
+    }
+
+    #[test]
+    fn overlapping_segments_are_refused_and_change_nothing() {
+        let mut a = StagingArena::new(8 * ALIGN, 4 * ALIGN).unwrap();
+        for (b, l) in [
+            (8 * ALIGN, ALIGN),
+            (6 * ALIGN, 3 * ALIGN),
+            (11 * ALIGN, 4 * ALIGN),
+            (4 * ALIGN, 16 * ALIGN),
+        ] {
+            assert_eq!(a.add_segment(b, l), Err(ArenaError::Overlap { base: b, len: l }));
+        }
+        assert_eq!(a.segments(), (1, 4 * ALIGN));
+        assert_eq!(a.region(), (8 * ALIGN, 4 * ALIGN));
+        a.add_segment(12 * ALIGN, ALIGN).unwrap();
+        assert_eq!(a.segments(), (2, 5 * ALIGN));
     }
 }
