@@ -76,6 +76,11 @@ pub struct RuntimeConfig {
     /// (each request's source staging must lie inside it); `None`: this
     /// rank never stages.
     pub source_staging_region: Option<(u64, u64)>,
+    /// Prefill side, in place of `source_staging_region`: this rank stages
+    /// by layer into segments it is given later
+    /// (`Runtime::add_source_staging`: the blocks the scheduler took out of
+    /// vLLM's KV cache); until then every layer is written from the pages.
+    pub source_staging_later: bool,
     /// Decode side: a request gets a staging grant only when writing its
     /// pages directly would take at least this many ranges per layer.
     pub staging_min_ranges: usize,
@@ -102,6 +107,7 @@ impl Default for RuntimeConfig {
             publish_timeout: Duration::from_secs(10),
             staging_region: None,
             source_staging_region: None,
+            source_staging_later: false,
             staging_min_ranges: 16,
         }
     }
@@ -167,6 +173,11 @@ pub(super) fn check_staging_regions(cfg: &RuntimeConfig) -> Result<(), RuntimeEr
         // The directory's arena over it (too small to hold one aligned piece: refused here).
         crate::staging::arena::StagingArena::new(base, len).map_err(|e| invalid_argument(e.to_string()))?;
     }
+    if cfg.source_staging_later && cfg.source_staging_region.is_some() {
+        return Err(invalid_argument(
+            "source_staging_later and source_staging_region: one source staging, not both".into(),
+        ));
+    }
     if let (Some((a, al)), Some((b, bl))) = (cfg.staging_region, cfg.source_staging_region) {
         if a < b + bl && b < a + al {
             return Err(invalid_argument(
@@ -212,6 +223,7 @@ pub struct RuntimeSettings {
     pub publish_timeout_s: Option<f64>,
     pub staging_region: Option<(u64, u64)>,
     pub source_staging_region: Option<(u64, u64)>,
+    pub source_staging_later: Option<bool>,
     pub staging_min_ranges: Option<usize>,
     pub inline_submit_max_ranges: Option<usize>,
     pub peer_idle_reclaim_s: Option<f64>,
@@ -244,6 +256,7 @@ impl RuntimeSettings {
             publish_timeout_s: Some(d.publish_timeout.as_secs_f64()),
             staging_region: None,
             source_staging_region: None,
+            source_staging_later: Some(d.source_staging_later),
             staging_min_ranges: Some(d.staging_min_ranges),
             inline_submit_max_ranges: Some(d.inline_submit_max_ranges),
             peer_idle_reclaim_s: Some(d.peer_idle_reclaim.as_secs_f64()),
@@ -304,6 +317,7 @@ impl RuntimeSettings {
             publish_timeout: secs("publish_timeout_s", self.publish_timeout_s, d.publish_timeout)?,
             staging_region: self.staging_region,
             source_staging_region: self.source_staging_region,
+            source_staging_later: self.source_staging_later.unwrap_or(d.source_staging_later),
             staging_min_ranges: self.staging_min_ranges.unwrap_or(d.staging_min_ranges),
             inline_submit_max_ranges: self
                 .inline_submit_max_ranges
@@ -326,6 +340,28 @@ mod tests {
             RuntimeSettings::defaults().config().unwrap(),
             RuntimeConfig::default()
         );
+    }
+
+    #[test]
+    fn a_source_staging_given_now_and_later_is_refused() {
+        let both = RuntimeConfig {
+            source_staging_region: Some((1 << 20, 1 << 20)),
+            source_staging_later: true,
+            ..Default::default()
+        };
+        let e = check_staging_regions(&both).unwrap_err();
+        assert!(
+            matches!(&e, RuntimeError::InvalidArgument(m) if m.contains("source_staging_later")),
+            "{e}"
+        );
+        let later = RuntimeSettings {
+            source_staging_later: Some(true),
+            ..Default::default()
+        }
+        .config()
+        .unwrap();
+        assert!(later.source_staging_later);
+        check_staging_regions(&later).unwrap();
     }
 
     #[test]

@@ -150,11 +150,16 @@ impl Runtime {
             stats: stats.clone(),
             buffers: Default::default(),
             // `validate` refused a region the arena cannot take.
-            source_arena: cfg.source_staging_region.and_then(|(base, len)| {
-                crate::staging::arena::StagingArena::new(base, len)
+            source_arena: match cfg.source_staging_region {
+                Some((base, len)) => crate::staging::arena::StagingArena::new(base, len)
                     .map(|a| Arc::new(parking_lot::Mutex::new(a)))
-                    .ok()
-            }),
+                    .ok(),
+                // segments come later (`add_source_staging`)
+                None if cfg.source_staging_later => Some(Arc::new(parking_lot::Mutex::new(
+                    crate::staging::arena::StagingArena::empty(),
+                ))),
+                None => None,
+            },
             decode_staged: Default::default(),
         });
         let source_arena = shared.source_arena.clone();
@@ -495,7 +500,7 @@ impl Runtime {
         consumer_tp: u32,
         group: u32,
     ) -> Result<(), RuntimeError> {
-        if self.cfg.source_staging_region.is_none() {
+        if self.source_arena.is_none() {
             return Err(invalid_argument(
                 "staging by layer needs a source staging region: open the producer without it".into(),
             ));
@@ -537,6 +542,43 @@ impl Runtime {
             .into());
         }
         self.ask(move |d, ctx| d.producer_open(request, src_blocks, capability, consumer_tp, staging, ctx))
+    }
+
+    /// Prefill side, on a runtime started with `source_staging_later`:
+    /// adds `segments` (`(address, bytes)`, registered memory nothing else
+    /// writes: the blocks the scheduler took out of vLLM's KV cache) to the
+    /// source staging region the layer pieces come from; a piece lies
+    /// inside one segment. All or nothing: a segment that is empty, at 0,
+    /// overflows, overlaps another or the grants' `staging_region` refuses
+    /// the call and adds none. Returns the region's `(segments, bytes)`
+    /// after the call.
+    pub fn add_source_staging(&self, segments: &[(u64, u64)]) -> Result<(usize, u64), RuntimeError> {
+        let arena = match &self.source_arena {
+            Some(a) if self.cfg.source_staging_later => a,
+            _ => {
+                return Err(invalid_argument(
+                    "source staging segments need a runtime started with source_staging_later".into(),
+                ))
+            }
+        };
+        if let Some((g, gl)) = self.cfg.staging_region {
+            if let Some(&(b, l)) = segments
+                .iter()
+                .find(|&&(b, l)| b < g.saturating_add(gl) && g < b.saturating_add(l))
+            {
+                return Err(invalid_argument(format!(
+                    "a source staging segment of {l} bytes at {b:#x} overlaps staging_region"
+                )));
+            }
+        }
+        let mut a = arena.lock();
+        let mut with = a.clone();
+        for &(base, len) in segments {
+            with.add_segment(base, len)
+                .map_err(|e| invalid_argument(e.to_string()))?;
+        }
+        *a = with;
+        Ok(a.segments())
     }
 
     /// `(bytes, pieces)` of the source staging region given out as layer

@@ -616,6 +616,19 @@ impl PyRuntime {
             .map_err(|e| runtime_error(py, e))
     }
 
+    /// Prefill, on a runtime started with `source_staging_later=True`:
+    /// adds `segments` (`(address, bytes)` each: registered memory nothing
+    /// else writes, such as the KV blocks the scheduler took out of vLLM's
+    /// pool) to the source staging the layer pieces come from; a piece lies
+    /// inside one segment. All or nothing (`InvalidArgumentError` for a
+    /// segment empty, at 0, overflowing or overlapping). Returns the
+    /// region's `(segments, bytes)`.
+    fn add_source_staging(&self, py: Python<'_>, segments: Vec<(u64, u64)>) -> PyResult<(usize, u64)> {
+        self.rt(py)?
+            .add_source_staging(&segments)
+            .map_err(|e| runtime_error(py, e))
+    }
+
     /// `(bytes, pieces)` of the source staging region given out as layer
     /// pieces now (`(0, 0)` once every write from them ended).
     fn source_staging_in_use(&self, py: Python<'_>) -> PyResult<(u64, usize)> {

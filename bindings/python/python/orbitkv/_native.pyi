@@ -326,6 +326,7 @@ class _RuntimeSettings(TypedDict, total=False):
     publish_timeout_s: float | None
     staging_region: tuple[int, int] | None
     source_staging_region: tuple[int, int] | None
+    source_staging_later: bool | None
     staging_min_ranges: int | None
     inline_submit_max_ranges: int | None
     peer_idle_reclaim_s: float | None
@@ -454,6 +455,15 @@ class Runtime:
         writes ended); `"before"`: by an earlier call; `"not_yet"`: ask again
         later; `"never"`: only the release frees them (not staged by layer,
         or decode's authorization is written from the pages): do not ask again."""
+
+    def add_source_staging(self, segments: list[tuple[int, int]]) -> tuple[int, int]:
+        """Prefill, on a runtime started with `source_staging_later=True`:
+        adds `segments` (`(address, bytes)` each: registered memory nothing
+        else writes, such as the KV blocks the scheduler took out of vLLM's
+        pool) to the source staging the layer pieces come from; a piece lies
+        inside one segment. All or nothing (`InvalidArgumentError` for a
+        segment empty, at 0, overflowing or overlapping). Returns the
+        region's `(segments, bytes)`."""
 
     def source_staging_in_use(self) -> tuple[int, int]:
         """`(bytes, pieces)` of the source staging region given out as layer
