@@ -36,6 +36,7 @@ def test_doctor_passes_here_and_moves_bytes() -> None:
     # what the default staging reserves, and that it lies beside vLLM's budget
     assert "reserves min(1024 MiB, 10 % of its KV cache) on its KV device" in r.stdout
     assert "beside gpu_memory_utilization, not inside it" in r.stdout
+    assert "With orbitkv.pd.staging_memory 'kv_cache' the same share is taken out of vLLM's KV cache" in r.stdout
 
 
 def test_doctor_states_the_staging_share_of_the_smallest_gpu() -> None:

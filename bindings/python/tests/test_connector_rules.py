@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import orbitkv
+from orbitkv.staging import StagingCopier
 from orbitkv.vllm import params as kvp
 from orbitkv.vllm.config import PdConfig
 from orbitkv.vllm.metadata import ConsumerOpen, PdConnectorMetadata, ProducerChunk, RequestEnd
@@ -334,6 +335,10 @@ class RecordingRuntime:
 
     def producer_claimed(self, request_id: str) -> bool:
         return False  # no decode's handshake reached it here
+
+    def add_source_staging(self, segments: list[tuple[int, int]]) -> tuple[int, int]:
+        self.calls.append(("add_source_staging", segments))
+        return len(segments), sum(n for _, n in segments)
 
     def layers_ready(self, layer: int, chunks: list[tuple[str, int, int]]) -> list[tuple[str, Exception]]:
         self.calls.append(("layers_ready", layer, chunks))
@@ -1663,3 +1668,109 @@ def test_a_model_with_recurrent_state_loads_all_but_the_last_prompt_token() -> N
     dense.on_new_request(whole)  # type: ignore[arg-type]
     assert len(whole.prompt_token_ids) == 40
     assert dense.get_num_new_matched_tokens(consumer("d2", 40, pd="pd-3"), 0) == (40, True)  # type: ignore[arg-type]
+
+
+# ---- the source staging taken out of vLLM's KV cache ---------------------------
+
+
+def kv_cache_config(num_blocks: int, block_bytes: int) -> Any:
+    """Test double of vLLM's KVCacheConfig: the fields the scheduler reads."""
+    return SimpleNamespace(num_blocks=num_blocks, kv_cache_tensors=[SimpleNamespace(size=num_blocks * block_bytes)])
+
+
+@pytest.mark.parametrize(
+    "extra,role,groups,taken",
+    [
+        ({"orbitkv.pd.staging_memory": "kv_cache"}, "kv_both", 1, 100),
+        ({"orbitkv.pd.staging_memory": "kv_cache"}, "kv_producer", 1, 100),
+        ({"orbitkv.pd.staging_memory": "kv_cache"}, "kv_consumer", 1, 0),
+        ({"orbitkv.pd.staging_memory": "kv_cache"}, "kv_both", 2, 0),  # hybrid: no staging
+        ({}, "kv_both", 1, 0),  # beside: nothing taken
+    ],
+)
+def test_the_scheduler_takes_the_staging_out_of_vllms_pool_only_where_it_stages(
+    extra: dict[str, Any], role: str, groups: int, taken: int
+) -> None:
+    """A tenth of a 1001-block pool (1 MiB blocks) on a rank that may
+    prefill with ``staging_memory`` ``kv_cache``: blocks 1..100 from vLLM's
+    real block pool, named in every step's metadata; the pool then counts
+    only the rest. Nowhere else is anything taken."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    from orbitkv.vllm.groups import KvGroups
+
+    cfg = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=BS, num_gpu_blocks=1001),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        model_config=SimpleNamespace(max_model_len=4096),
+    )
+    kg = KvGroups(2, BS, {"a": 0, "b": 1}) if groups == 2 else None
+    s = PdScheduler(cfg, PdConfig.from_extra_config(extra), kg)  # type: ignore[arg-type]
+    pool = BlockPool(num_gpu_blocks=1001, enable_caching=True, hash_block_size=BS)
+    s.bind_block_pool(pool, kv_cache_config(1001, 1 << 20), role)
+    want = [(1, 1 + taken)] if taken else []
+    for _ in range(2):
+        assert s.build_connector_meta(sched_output()).staging_blocks == want
+    assert (pool.num_gpu_blocks, pool.get_num_free_blocks()) == (1001 - taken, 1000 - taken)
+    if taken:
+        # the unclaimed cap is a share of what vLLM serves from
+        assert s._unclaimed_block_cap == int((1001 - taken) * 0.25)
+
+
+def test_a_pool_too_small_for_a_whole_request_gives_nothing_and_a_vllm_that_never_binds_is_said() -> None:
+    from vllm.v1.core.block_pool import BlockPool
+
+    cfg = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=BS), parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        model_config=SimpleNamespace(max_model_len=1000 * BS),
+    )
+    s = PdScheduler(cfg, PdConfig.from_extra_config({"orbitkv.pd.staging_memory": "kv_cache"}))  # type: ignore[arg-type]
+    pool = BlockPool(num_gpu_blocks=1001, enable_caching=True, hash_block_size=BS)
+    s.bind_block_pool(pool, kv_cache_config(1001, 1 << 20), "kv_both")
+    assert s.build_connector_meta(sched_output()).staging_blocks == []
+    assert pool.num_gpu_blocks == 1001
+    unbound = PdScheduler(cfg, PdConfig.from_extra_config({"orbitkv.pd.staging_memory": "kv_cache"}))  # type: ignore[arg-type]
+    logged: list[str] = []
+    import orbitkv.vllm.scheduler as sm
+
+    orig = sm.logger.warning
+    sm.logger.warning = lambda msg, *a: logged.append(msg % a)  # type: ignore[method-assign]
+    try:
+        for _ in range(3):
+            assert unbound.build_connector_meta(sched_output()).staging_blocks == []
+    finally:
+        sm.logger.warning = orig  # type: ignore[method-assign]
+    assert len(logged) == 1 and "bind_gpu_block_pool" in logged[0], logged
+
+
+def test_the_worker_takes_the_named_blocks_once_and_stages_by_layer_from_then_on(worker: PdWorker) -> None:
+    """A worker started for ``kv_cache`` hands the runtime the bytes of the
+    named blocks in its own KV tensors the first time a step's metadata
+    names them, and stages by layer from then on; blocks outside its KV
+    cache are refused (logged), and the rank stays page to page."""
+    kv = torch.zeros(2, 8, 4, dtype=torch.float32)  # [K/V, 8 blocks, 16-byte blocks]
+    es = kv.element_size()
+    layout = {"num_blocks": 8, "layers": [{"planes": [
+        {"base": kv[i].data_ptr(), "block_stride": 4 * es, "block_bytes": 4 * es} for i in (0, 1)
+    ]}]}
+    worker._kv_caches = {"l0": kv}
+    worker._layout = layout
+    worker._copier = StagingCopier(layout, 1, [kv])
+    rt: RecordingRuntime = worker.runtime  # type: ignore[assignment]
+    # not one run from block 1 (where vLLM's pool starts), or past the
+    # cache: refused, nothing handed over, never staged by layer
+    for bad in ([(2, 5)], [(1, 3), (4, 5)], [(1, 9)]):
+        worker._staging_later, rt.calls[:] = True, []
+        worker.start_load_kv(PdConnectorMetadata(staging_blocks=bad))
+        assert not [c for c in rt.calls if c[0] == "add_source_staging"], bad
+        assert not worker._by_layer and not worker._staging_later
+    worker._staging_later = True
+    worker.start_load_kv(PdConnectorMetadata(staging_blocks=[(1, 4)]))
+    added = [c for c in rt.calls if c[0] == "add_source_staging"]
+    assert added == [("add_source_staging", [(kv[0, 1].data_ptr(), 48), (kv[1, 1].data_ptr(), 48)])]
+    assert worker._by_layer and not worker._staging_later
+    worker.start_load_kv(PdConnectorMetadata(staging_blocks=[(1, 4)]))
+    assert len([c for c in rt.calls if c[0] == "add_source_staging"]) == 1, "taken twice"
+    # the copier's views start past the taken blocks
+    with pytest.raises(ValueError, match="below 4"):
+        worker._copier.index([5, 3])

@@ -50,7 +50,7 @@ def layout_of(caches: list[torch.Tensor], tp: tuple[int, int]) -> dict:
 
 class Rank:
     def __init__(self, fill: float | None, tp: tuple[int, int] = (0, 1), *, grants: bool, sources: bool,
-                 source_floats: int = STAGE_FLOATS) -> None:
+                 source_floats: int = STAGE_FLOATS, later: bool = False) -> None:
         heads = HEADS // tp[1]
         shape = (2, BLOCKS, heads, BLOCK, HEAD_DIM)
         self.caches = [torch.randn(shape) if fill is None else torch.full(shape, fill) for _ in range(LAYERS)]
@@ -67,6 +67,7 @@ class Rank:
             consumer_timeout_s=20.0,
             staging_region=region(self.grants) if grants else None,
             source_staging_region=region(self.sources) if sources else None,
+            source_staging_later=later,
             staging_min_ranges=4,
         )
         units = self.runtime.staged_layout(1)["units"]
@@ -586,4 +587,88 @@ def test_a_full_staging_region_writes_pages_directly() -> None:
         for k in range(5):
             c.runtime.consumer_release(f"r{k}")
     finally:
+        c.close()
+
+
+def test_layer_pieces_cut_from_the_producers_own_kv_blocks() -> None:
+    """``staging_memory`` ``kv_cache``: the runtime starts with no source
+    staging and is handed the bytes of KV blocks the scheduler took out of
+    vLLM's pool (``kv_staging.segments``). Before that every layer goes from
+    the pages; after, each piece lies inside one segment (one plane's
+    stripe of 5 blocks, less up to 255 bytes where the tensor is not
+    256-byte aligned: a layer of a chunk of 3 blocks, 6 blocks' planes,
+    never fits, though the segments hold 5 times as much in all), decode
+    gets the same bytes, and nothing of the producer's KV outside the taken
+    blocks changes."""
+    from orbitkv.vllm.kv_staging import segments
+
+    p = Rank(None, grants=False, sources=False, later=True)
+    c = Rank(GUARD, grants=False, sources=False)
+    try:
+        taken = (1, 6)  # from block 1, as vLLM's pool gives them (0 is its null block)
+        storages = [(t.data_ptr(), t.numel() * t.element_size()) for t in p.caches]
+        segs = segments(p.layout, [taken], storages)
+        p.copier.keep_out(taken[1])
+        plane = HEADS * BLOCK * HEAD_DIM * 4
+        assert len(segs) == 2 * LAYERS and all(n == 5 * plane for _, n in segs)
+        before = [t.clone() for t in p.caches]
+        group = p.runtime.staging_group(1)
+        # before the segments: opened by layer, every layer from the pages
+        src0, dst0 = [8, 9], [8, 9]
+        hs = c.runtime.consumer_open("early", CAP, 0, dst0, 1)
+        p.runtime.producer_open("early", src0, CAP, 1, staging_group=group, stage_by_layer=True)
+        p.runtime.producer_handshake(hs)
+        p.runtime.producer_gather_order("early", 0, 2)
+        for layer in range(LAYERS):
+            assert p.runtime.producer_stage_layer("early", layer, 0, 2) is None
+            assert p.runtime.layers_ready(layer, [("early", 0, 2)]) == []
+        p.runtime.producer_finish("early")
+        assert wait_event(c.runtime, {"consumer_completed", "consumer_failed"}).kind == "consumer_completed"
+        assert p.runtime.stats()["source_staging_full"] == LAYERS
+
+        assert p.runtime.add_source_staging(segs) == (2 * LAYERS, 10 * LAYERS * plane)
+        src, dst = [10, 11, 12, 13, 16, 17], [12, 13, 14, 15, 16, 17]
+        hs = c.runtime.consumer_open("kv", CAP, 0, dst, 1)
+        p.runtime.producer_open("kv", src, CAP, 1, staging_group=group, stage_by_layer=True)
+        p.runtime.producer_handshake(hs)
+        given = 0
+        for lo, hi in ((0, 2), (2, 4), (4, 6)):
+            order = p.runtime.producer_gather_order("kv", lo, hi) or list(range(lo, hi))
+            idx = p.copier.index([src[i] for i in order])
+            for layer in range(LAYERS):
+                got = p.runtime.producer_stage_layer("kv", layer, lo, hi)
+                if got is not None:
+                    given += 1
+                    base, slots = got
+                    assert any(a <= base and base + 2 * 2 * plane <= a + n for a, n in segs), hex(base)
+                    p.copier.gather_piece(layer, idx, base, slots, group)
+                assert p.runtime.layers_ready(layer, [("kv", lo, hi)]) == []
+        assert given >= LAYERS
+        p.runtime.producer_finish("kv")
+        ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
+        assert ev.kind == "consumer_completed", ev
+        check_pages(p, c, [*src0, *src], [*dst0, *dst])
+        all_back(p)
+        # a layer of 3 blocks needs 6 blocks' planes in one stripe of 5: never given
+        p.runtime.producer_open("wide", [10, 11, 12], CAP, 1, staging_group=group, stage_by_layer=True)
+        p.runtime.producer_gather_order("wide", 0, 3)
+        assert p.runtime.producer_stage_layer("wide", 0, 0, 3) is None
+        p.runtime.producer_abort("wide", "test over")
+        # the copier refuses a taken block as a request's
+        with pytest.raises(ValueError, match="below 6"):
+            p.copier.index([7, 5])
+        for t, b in zip(p.caches, before):
+            keep = [i for i in range(BLOCKS) if not taken[0] <= i < taken[1]]
+            assert torch.equal(t[:, keep], b[:, keep]), "a piece was written outside the taken blocks"
+        # all or nothing: an overlapping segment adds none; a runtime that
+        # was not started for it takes none
+        with pytest.raises(orbitkv.InvalidArgumentError, match="overlaps"):
+            p.runtime.add_source_staging([(p.caches[0][0, 20].data_ptr(), plane), (segs[0][0] - 4096, 8192)])
+        assert p.runtime.add_source_staging([]) == (2 * LAYERS, 10 * LAYERS * plane), "a segment was added"
+        with pytest.raises(orbitkv.InvalidArgumentError, match="source_staging_later"):
+            c.runtime.add_source_staging(segs)
+        for rid in ("early", "kv"):
+            c.runtime.consumer_release(rid)
+    finally:
+        p.close()
         c.close()

@@ -228,7 +228,9 @@ def _note_staging_reservation(r: Report, gpu_bytes: list[int]) -> None:
         f"min({AUTO_STAGING_MAX_MB} MiB, {share} % of its KV cache) on its KV device for source staging, after vLLM "
         f"sized its KV cache, so beside gpu_memory_utilization, not inside it{here}; kv_consumer ranks reserve "
         "nothing. Leave that much free (or set staging_mb to 0 or a size); each worker logs what it took, and one "
-        "without the memory runs without staging"
+        "without the memory runs without staging. With orbitkv.pd.staging_memory 'kv_cache' the same share is "
+        "taken out of vLLM's KV cache instead (inside gpu_memory_utilization; the prefill's scheduler logs how many "
+        "blocks)"
     )
 
 

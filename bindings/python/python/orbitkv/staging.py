@@ -152,6 +152,8 @@ class StagingCopier:
         self._regions: dict[tuple[int, int, int], _StagedRegion] = {}
         # KV views of a range of units, per (a, z, group): [layer][plane group]
         self._unit_views: dict[tuple[int, int, int], list[list[torch.Tensor]]] = {}
+        # The first block the KV views hold (keep_out): 0, or past staging's.
+        self._lo = 0
 
     def _layer_groups(self, planes: Sequence[dict[str, int]], num_blocks: int) -> list[_Group]:
         """All planes of the layer in one view when they share stride and
@@ -187,9 +189,27 @@ class StagingCopier:
                 return flat.as_strided(size, stride, (addr - base) // es)
         raise ValueError(f"{nbytes} bytes at {addr:#x} are in no registered tensor")
 
+    def keep_out(self, below: int) -> None:
+        """Blocks ``0 .. below`` are not a request's: they hold staging
+        (the source staging taken out of vLLM's KV cache, whose IDs start
+        after vLLM's null block 0). The KV views start at block ``below``
+        from now on, so that torch, which refuses a copy between two views
+        of one tensor whose memory spans overlap, sees a gather's source
+        blocks and a piece in those blocks as the disjoint memory they are;
+        :meth:`index` refuses a lower ID."""
+        if not 0 <= below < self.layout["num_blocks"]:
+            raise ValueError(f"blocks below {below} of a KV cache of {self.layout['num_blocks']}")
+        self._lo = below
+        self._unit_views.clear()
+
     def index(self, blocks: Sequence[int]) -> BlockIndex:
         """Block IDs, for `gather` (the source blocks of one step of one
         request: make it once per step, use it for every layer) or `scatter`."""
+        lo = self._lo
+        if lo:
+            if any(b < lo for b in blocks):
+                raise ValueError(f"block {min(blocks)} is below {lo}: staging, not a request's")
+            blocks = [b - lo for b in blocks]
         return BlockIndex(blocks, self.device)
 
     def _staged_geometry(self, g: _Group, slots: Sequence[Sequence[int]]) -> tuple[int, int, int]:
@@ -278,7 +298,8 @@ class StagingCopier:
                 raise ValueError(f"units {a}..{z} are not within the {self.units} of a block")
             if (z - a) % k:
                 raise ValueError(f"units {a}..{z} are not whole groups of {k}")
-            got = [[g.view[:, :, a:z] if k == 1 else g.view[:, :, a:z].unflatten(2, ((z - a) // k, k))
+            lo = self._lo
+            got = [[g.view[:, lo:, a:z] if k == 1 else g.view[:, lo:, a:z].unflatten(2, ((z - a) // k, k))
                     for g in groups] for groups in self._groups]
             self._unit_views[(a, z, k)] = got
         return got

@@ -149,6 +149,9 @@ class ExtraConfig(BaseModel):
     trace: str | None = Field(None, alias="orbitkv.pd.trace", description="a file path")
     staging_mb: int | Literal["auto"] = Field("auto", alias="orbitkv.pd.staging_mb")
     staging_min_ranges: Positive = Field(int(_RT["staging_min_ranges"]), alias="orbitkv.pd.staging_min_ranges")
+    staging_memory: Literal["beside", "kv_cache"] = Field(
+        "beside", alias="orbitkv.pd.staging_memory", description="'beside' or 'kv_cache'"
+    )
     allowed_prefill: tuple[Endpoints, ...] = Field(DEFAULT_ALLOWED_PREFILL, alias="orbitkv.pd.allowed_prefill")
     side_channel_key_file: Text | None = Field(
         None, alias="orbitkv.pd.side_channel_key_file", description="a file path"
@@ -300,6 +303,10 @@ class PdConfig:
     # its KV cache), no grants; docs/configuration.md).
     staging_mb: int | Literal["auto"] = "auto"
     staging_min_ranges: int = ExtraConfig.model_fields["staging_min_ranges"].default
+    # Where an "auto" source staging lives: "beside" vLLM's KV cache (memory
+    # of its own, outside gpu_memory_utilization) or in blocks taken out of
+    # it ("kv_cache": kv_staging.py).
+    staging_memory: str = "beside"
     # The side channels decode may post to; ANY ("*") allows every one
     # (trusts whoever reaches decode's API).
     allowed_prefill: tuple[Endpoints, ...] = DEFAULT_ALLOWED_PREFILL
@@ -374,6 +381,11 @@ class PdConfig:
             x = ExtraConfig.model_validate(given)
         except ValidationError as e:
             raise _config_error(e) from None
+        if x.staging_memory == "kv_cache" and x.staging_mb != "auto":
+            raise ConfigError(
+                "orbitkv.pd.staging_memory: 'kv_cache' holds the layer pieces of orbitkv.pd.staging_mb 'auto'; "
+                f"a size set by hand ({x.staging_mb} MiB) is memory beside the KV cache, got 'kv_cache'"
+            )
         bind_host = x.bind_host or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
         return PdConfig(
             bind_host=bind_host,
@@ -396,6 +408,7 @@ class PdConfig:
             trace=x.trace,
             staging_mb=x.staging_mb,
             staging_min_ranges=x.staging_min_ranges,
+            staging_memory=x.staging_memory,
             allowed_prefill=x.allowed_prefill,
             side_channel_key=read_side_channel_key(x.side_channel_key_file),
             claim_timeout_s=x.claim_timeout_s,

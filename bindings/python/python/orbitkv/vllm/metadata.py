@@ -104,3 +104,7 @@ class PdConnectorMetadata(KVConnectorMetadata):
     # Requests served plainly since the last step because their params were
     # refused (the worker counts them: `params_refused`).
     refused: int = 0
+    # The blocks the scheduler took out of vLLM's pool for the source
+    # staging (orbitkv.pd.staging_memory "kv_cache"), as runs [start, end):
+    # in every step's metadata, taken by each worker the first time.
+    staging_blocks: list[tuple[int, int]] = field(default_factory=list)

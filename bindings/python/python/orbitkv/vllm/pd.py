@@ -163,6 +163,14 @@ class PdConnector(KVConnectorBase_V1):
         assert self.scheduler is not None
         return self.scheduler.request_finished(request, block_ids)
 
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        """vLLM's block pool, once, before any request: with
+        ``orbitkv.pd.staging_memory`` ``kv_cache`` the source staging is
+        taken out of it (kv_staging.py)."""
+        if self.scheduler is not None:
+            role = getattr(self._kv_transfer_config, "kv_role", None) or "kv_both"
+            self.scheduler.bind_block_pool(gpu_block_pool, self._kv_cache_config, str(role))
+
     def has_pending_push_work(self) -> bool:
         return self.scheduler is not None and self.scheduler.has_pending_push_work()
 

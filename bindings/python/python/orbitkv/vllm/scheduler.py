@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from orbitkv._native import new_capability
 from orbitkv.vllm.config import ANY, PdConfig
 from orbitkv.vllm.groups import GroupsError, KvGroups, blocks_of
+from orbitkv.vllm.kv_staging import reserved_blocks, runs, take_blocks
 from orbitkv.vllm.metadata import (
     ConsumerCancel,
     ConsumerOpen,
@@ -155,6 +156,11 @@ class PdScheduler:
             else None
         )
         self._clock = time.monotonic
+        self._vllm_config = vllm_config
+        # The blocks taken out of vLLM's pool for the source staging
+        # (bind_block_pool), as runs; [] when none.
+        self.staging_runs: list[tuple[int, int]] = []
+        self._pool_seen = False  # bind_block_pool was called (before the first step)
         # Refusals are client-driven: a flood of them must not flood the log.
         self._refusal_log = RateLimitedLog(logger)
         if MOONCAKE in config.dialects:
@@ -355,8 +361,54 @@ class PdScheduler:
             )
         )
 
+    def bind_block_pool(self, pool: Any, kv_cache_config: Any, kv_role: str) -> None:
+        """vLLM's block pool, before any request: with ``staging_memory``
+        ``kv_cache`` on a rank that may prefill, takes the source staging's
+        blocks out of it for good (kv_staging.py) and names them in every
+        step's metadata from now on. Nothing is taken for a model of several
+        KV cache groups (no staging there), without the KV cache config, or
+        when the pool has not the room (logged)."""
+        self._pool_seen = True
+        if self.config.staging_memory != "kv_cache" or self.config.staging_mb != "auto":
+            return
+        if self.groups.count > 1:
+            return
+        tensors = getattr(kv_cache_config, "kv_cache_tensors", None)
+        num_blocks = getattr(kv_cache_config, "num_blocks", None)
+        if not tensors or not isinstance(num_blocks, int):
+            logger.warning("OrbitKV: vLLM gave no KV cache config: no source staging (orbitkv.pd.staging_memory "
+                           "kv_cache), every layer is written from the pages")
+            return
+        kv_bytes = sum(int(t.size) for t in tensors)
+        max_len = int(getattr(getattr(self._vllm_config, "model_config", None), "max_model_len", 0) or 0)
+        count = reserved_blocks(kv_bytes, num_blocks, kv_role, _cdiv(max_len, self.block_size))
+        if count <= 0:
+            if kv_role != "kv_consumer":
+                logger.warning("OrbitKV: a KV cache of %d blocks has none to spare beside a request of %d tokens: "
+                               "no source staging", num_blocks, max_len)
+            return
+        taken = take_blocks(pool, count)
+        if not taken:
+            logger.warning("OrbitKV: vLLM's block pool gave none of %d blocks for the source staging: every layer "
+                           "is written from the pages", count)
+            return
+        self.staging_runs = runs(taken)
+        left = num_blocks - len(taken)
+        if self._unclaimed_block_cap is not None:
+            self._unclaimed_block_cap = max(1, int(left * self.config.unclaimed_kv_share))
+        logger.info("OrbitKV: %d of vLLM's %d KV cache blocks (%d MiB per rank) taken for the source staging "
+                    "(orbitkv.pd.staging_memory kv_cache); vLLM serves requests from the other %d",
+                    len(taken), num_blocks, (kv_bytes // num_blocks * len(taken)) >> 20, left)
+
     def build_connector_meta(self, so: SchedulerOutput) -> PdConnectorMetadata:
         meta, self._next = self._next, PdConnectorMetadata()
+        meta.staging_blocks = self.staging_runs
+        if not self._pool_seen:
+            self._pool_seen = True
+            if self.config.staging_memory == "kv_cache":
+                logger.warning("OrbitKV: this vLLM never handed the connector its block pool "
+                               "(bind_gpu_block_pool): no source staging in its KV cache "
+                               "(orbitkv.pd.staging_memory kv_cache), every layer is written from the pages")
         self._give_up_unclaimed(meta)
         for new in so.scheduled_new_reqs:
             if new.req_id in self._producers:

@@ -33,6 +33,7 @@ from orbitkv.staging import BlockIndex, StagingCopier
 from orbitkv.vllm.config import PdConfig, staging_parts
 from orbitkv.vllm.faults import faults_from_env
 from orbitkv.vllm.groups import KvGroups, blocks_of
+from orbitkv.vllm.kv_staging import segments as kv_segments
 from orbitkv.vllm.layout import cpu_kernel_parts, kv_layout_of
 from orbitkv.vllm.ledger import Ledger
 from orbitkv.vllm.metadata import PdConnectorMetadata, ProducerChunk
@@ -144,6 +145,11 @@ class PdWorker:
         self._source_arena: StagingArena | None = None
         # Staged by layer (staging_mb "auto"): the runtime gives the pieces.
         self._by_layer = False
+        # orbitkv.pd.staging_memory "kv_cache": the runtime takes its source
+        # staging later, from the blocks the scheduler took out of vLLM's KV
+        # cache (kv_staging.py); until then every layer goes from the pages.
+        self._staging_later = False
+        self._layout: dict[str, Any] = {}  # the OrbitKV layout of this rank's KV cache
         # This step's block indices of staging chunks, by P/D id.
         self._step_index: dict[str, BlockIndex] = {}
         self._heads: tuple[bool, int] = (False, 0)
@@ -246,14 +252,16 @@ class PdWorker:
             **self.config.runtime_settings(),
             staging_region=grants,
             source_staging_region=sources,
+            source_staging_later=self._staging_later,
         )
+        self._layout = layout
         logger.info("OrbitKV rank %d: Mooncake transport %s, %d ranges in flight per peer%s", self.tp_rank,
                     self.runtime.transport, self.runtime.max_ranges_in_flight_per_peer,
                     "" if self.config.max_inflight_ranges else " (the transport's default)")
         # Heads per decode rank of each TP size staged chunks can go into
         # pages for (a source group that is a decode rank's whole block).
         self._heads = (bool(layout["head_major"]), int(layout["total_kv_heads"]))
-        if grants or sources:
+        if grants or sources or self._staging_later:
             units = self.runtime.staged_layout(1)["units"]
             self._copier = StagingCopier(layout, units, [*kv_caches.values(), *self._staging_tensors])
             if sources and self.config.staging_mb != "auto":
@@ -262,8 +270,12 @@ class PdWorker:
                 # pieces per layer and chunk from the region itself.
                 self._source_arena = StagingArena(*sources)
             self._by_layer = bool(sources) and self.config.staging_mb == "auto"
-            logger.info("OrbitKV rank %d: staging %d MiB for grants, %d MiB for sources",
-                        self.tp_rank, (grants or (0, 0))[1] >> 20, (sources or (0, 0))[1] >> 20)
+            if self._staging_later:
+                logger.info("OrbitKV rank %d: source staging in KV blocks the scheduler takes out of vLLM's cache "
+                            "(orbitkv.pd.staging_memory kv_cache), from the first step on", self.tp_rank)
+            else:
+                logger.info("OrbitKV rank %d: staging %d MiB for grants, %d MiB for sources",
+                            self.tp_rank, (grants or (0, 0))[1] >> 20, (sources or (0, 0))[1] >> 20)
         # The side channel (Rust, actix-web) serves this rank's producer side
         # on its own threads: handshakes never take the GIL.
         port = self.config.side_channel_port_for(self.tp_rank)
@@ -308,6 +320,12 @@ class PdWorker:
             # cache groups is written straight into its pages.
             logger.info("OrbitKV: no staging for a model of %d KV cache groups", self.groups.count)
             return None, None
+        if self.config.staging_memory == "kv_cache":
+            # The source staging comes out of vLLM's KV cache: blocks the
+            # scheduler names in its metadata (_take_kv_staging), no memory
+            # of its own. Grants (a size set by hand) are refused with it.
+            self._staging_later = parts[1] > 0
+            return None, None
         dev = next(iter(kv_caches.values())).device
         regions: list[tuple[int, int] | None] = []
         for part in parts:
@@ -332,9 +350,36 @@ class PdWorker:
 
     # ---- per step ----------------------------------------------------------
 
+    def _take_kv_staging(self, block_runs: list[tuple[int, int]]) -> None:
+        """Hands the runtime the bytes of the KV blocks the scheduler took
+        for the source staging (``staging_memory`` ``kv_cache``), once; from
+        then on requests are staged by layer there. A failure leaves this
+        rank writing every layer from the pages (logged, never retried)."""
+        self._staging_later = False
+        assert self.runtime is not None
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._kv_caches.values()}
+        try:
+            # vLLM's pool hands out its lowest IDs first: before any request
+            # that is one run from block 1 (0 is its null block), and the
+            # copier's KV views then start past it (StagingCopier.keep_out).
+            if len(block_runs) != 1 or block_runs[0][0] != 1 or self._copier is None:
+                raise ValueError(f"blocks {block_runs} are not one run from block 1")
+            segs = kv_segments(self._layout, block_runs, storages.items())
+            self._copier.keep_out(block_runs[0][1])
+            count, nbytes = self.runtime.add_source_staging(segs)
+        except (ValueError, OrbitKVError) as e:
+            logger.warning("OrbitKV rank %d: the KV blocks taken for staging cannot be used (%s): every layer is "
+                           "written from the pages", self.tp_rank, e)
+            return
+        self._by_layer = True
+        logger.info("OrbitKV rank %d: source staging of %d MiB in %d KV blocks of vLLM's cache (%d segments)",
+                    self.tp_rank, nbytes >> 20, sum(z - a for a, z in block_runs), count)
+
     def start_load_kv(self, meta: PdConnectorMetadata) -> None:
         rt = self.runtime
         assert rt is not None, "register_kv_caches was not called"
+        if self._staging_later and meta.staging_blocks:
+            self._take_kv_staging(meta.staging_blocks)
         led = self.ledger
         if meta.refused and self.tp_rank == 0:
             rt.note_params_refused(meta.refused)
