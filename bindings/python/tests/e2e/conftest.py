@@ -58,7 +58,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # gather, the staged writes and the scatter run through real vLLM; the other
 # e2e modules and the newest-vLLM run write pages directly.
 STAGING = os.environ.get("ORBITKV_TEST_STAGING", "0") == "1"
-STAGING_CONFIG = {"orbitkv.pd.staging_mb": 128, "orbitkv.pd.staging_min_ranges": 1} if STAGING else {}
+STAGING_CONFIG: dict[str, object] = (
+    {"orbitkv.pd.staging_mb": 128, "orbitkv.pd.staging_min_ranges": 1} if STAGING else {}
+)
+# ORBITKV_TEST_KV_STAGING=1 (scripts/test.sh on the newest vLLM): the pair's
+# layer pieces are cut out of blocks taken from vLLM's own KV cache
+# (orbitkv.pd.staging_memory "kv_cache") instead of memory beside it.
+KV_STAGING = os.environ.get("ORBITKV_TEST_KV_STAGING", "0") == "1"
+if KV_STAGING and not STAGING:
+    STAGING_CONFIG = {"orbitkv.pd.staging_memory": "kv_cache"}
 
 
 # The P/D pair also serves vllm-router's / llm-d's `mooncake` dialect
