@@ -1455,7 +1455,11 @@ def cell_key(backend: str | None, dtype: str | None) -> str:
     return "+".join(x for x in (backend or "auto", dtype) if x)
 
 
-CELL_MODES = ("direct", "staging")
+# direct: the shipped defaults; staging: every request through a staging of
+# --cell-staging-mb (grants); kv-cache: the defaults with the source staging
+# taken out of vLLM's KV cache (orbitkv.pd.staging_memory kv_cache)
+CELL_MODES = ("direct", "staging", "kv-cache")
+CELL_MODE_SUFFIX = {"direct": "", "staging": "-st", "kv-cache": "-kv"}
 
 
 def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str, cells: list[Cell],
@@ -1512,12 +1516,15 @@ def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str, cells: list[Ce
         g: dict[str, Any] = {"backend": backend, "kv_cache_dtype": dtype, "single": mk("single", "none"), "pairs": {},
                              "spec": cspec, "sides": cell.sides}
         for mode in cell_modes or modes:
-            sfx = "" if mode == "direct" else "-st"
+            sfx = CELL_MODE_SUFFIX[mode]
             pre, dec = mk("prefill" + sfx, "orbit"), mk("decode" + sfx, "orbit")
             allow_prefill(pre, dec)
             if mode == "staging":
                 for s in (pre, dec):
                     s.orbit_cfg.update({"orbitkv.pd.staging_mb": a.cell_staging_mb, "orbitkv.pd.staging_min_ranges": 1})
+            elif mode == "kv-cache":
+                for s in (pre, dec):
+                    s.orbit_cfg["orbitkv.pd.staging_memory"] = "kv_cache"
             g["pairs"][mode] = (pre, dec)
         groups[key] = g
     members = {k: [g["single"], *(x for p in g["pairs"].values() for x in p)] for k, g in groups.items()}
@@ -3152,7 +3159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cell-modes", default="direct,staging",
                    help="m-mla: the OrbitKV pairs per cell: direct (no staging_mb set: the shipped default, "
                         "which since 2026-12-04 is layer pieces of the source region), staging "
-                        "(orbitkv.pd.staging_mb --cell-staging-mb, staging_min_ranges 1: every request)")
+                        "(orbitkv.pd.staging_mb --cell-staging-mb, staging_min_ranges 1: every request), "
+                        "kv-cache (the default's layer pieces cut out of vLLM's KV cache: "
+                        "orbitkv.pd.staging_memory kv_cache)")
     p.add_argument("--kv-cache-dtypes", default="fp8,fp8_e4m3,fp8_e5m2",
                    help="f-fp8: the KV cache dtypes, KV_DTYPE[:BACKEND[:MODES]] comma separated (no backend: "
                         "vLLM's pick; MODES e.g. direct+staging: this cell's pairs, else --fp8-modes); each a "
