@@ -300,14 +300,22 @@ def test_cross_layer_packed_blocks(kv_layout: str, accepts: Accepts) -> None:
         check_bytes(raw, caches[name(i)], PACKED, expect[i], lay["head_major"], heads)
 
 
+def padded_layer(heads: int = 2, d: int = 64, pad: int = 512) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    """One layer of pages padded past the block by ``pad`` elements (vLLM's
+    `page_size_padded`): its raw allocation, vLLM's view, the layout."""
+    shape = PACKED.shape(heads, d, NB)
+    raw = torch.zeros(NB * (prod(shape[1:]) + pad) * ES, dtype=torch.int8)
+    t = vllm_view(raw, shape, NHD, page_elems=prod(shape[1:]) + pad)
+    lay, _ = kv_layout_of({name(0): t}, NB, heads, heads, BS, 0, 1)
+    return raw, t, lay
+
+
 def test_padded_pages(accepts: Accepts) -> None:
     """Pages padded past the block (vLLM's `page_size_padded`)."""
     heads, d, pad = 2, 64, 512
     shape = PACKED.shape(heads, d, NB)
     page_elems = prod(shape[1:]) + pad
-    raw = torch.zeros(NB * page_elems * ES, dtype=torch.int8)
-    t = vllm_view(raw, shape, NHD, page_elems=page_elems)
-    lay, _ = kv_layout_of({name(0): t}, NB, heads, heads, BS, 0, 1)
+    raw, t, lay = padded_layer(heads, d, pad)
     planes = lay["layers"][0]["planes"]
     assert planes == [{"base": raw.data_ptr(), "block_stride": page_elems * ES, "block_bytes": prod(shape[1:]) * ES}]
     accepts(lay)

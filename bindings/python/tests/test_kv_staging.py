@@ -7,11 +7,9 @@ own views of the taken blocks reach, each inside one layer's tensor."""
 
 from __future__ import annotations
 
-from math import prod
-
 import pytest
 import torch
-from test_gpu_layouts import BS, DT, ES, HPC, NB, NHD, PACKED, ROCM, Backend, llama, name, vllm_view
+from test_gpu_layouts import BS, DT, ES, HPC, NB, PACKED, ROCM, Backend, llama, name, padded_layer
 
 from orbitkv.vllm.config import ConfigError, PdConfig
 from orbitkv.vllm.kv_staging import reserved_blocks, runs, segments, take_blocks
@@ -122,12 +120,7 @@ def test_segments_cover_exactly_the_taken_blocks_of_each_layer(backend: Backend,
 def test_segments_of_padded_pages_leave_the_padding_out() -> None:
     """Pages padded past the block (vLLM's `page_size_padded`): a segment
     per block, the padding between them in none."""
-    heads, d, pad = 2, 64, 512
-    shape = PACKED.shape(heads, d, NB)
-    page_elems = prod(shape[1:]) + pad
-    raw = torch.zeros(NB * page_elems * ES, dtype=torch.int8)
-    t = vllm_view(raw, shape, NHD, page_elems=page_elems)
-    lay, _ = kv_layout_of({name(0): t}, NB, heads, heads, BS, 0, 1)
+    raw, t, lay = padded_layer()
     segs = segments(lay, TAKEN, [(raw.data_ptr(), raw.numel())])
     assert len(segs) == 4
     want = reached([raw], {name(0): t}, PACKED, [1, 2, 4, 5])
