@@ -885,7 +885,7 @@ STAGING_CFG = {"orbitkv.pd.staging_mb": 8192, "orbitkv.pd.staging_min_ranges": 1
 def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, tol: float, *,
                 seed_extra: int = 0, boundary: list[int] | None = None, conc_n: int = 16,
                 staged: bool | None = None, digest: bool = False, split_reps: int = 0,
-                release: bool = False) -> dict[str, Any]:
+                release: bool = False, in_kv_cache: bool = False) -> dict[str, Any]:
     """Stage a's checks of one OrbitKV pair against one engine (the cases
     below). The keywords serve the m-/f- stages: ``seed_extra`` other fresh
     prompts (two pairs that share one engine must not hit its prefix cache
@@ -896,7 +896,11 @@ def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, t
     (kv_digest.py); ``release``: each request's KV compared token for token
     as decode loaded it and as prefill held it when it released it (the
     test hook ``ORBITKV_TESTING_KV_DIGEST``, :func:`release_digest_check`),
-    which then decides the pair's KV verdict."""
+    which then decides the pair's KV verdict; ``in_kv_cache``: the pair's
+    source staging is in vLLM's KV cache (``orbitkv.pd.staging_memory``
+    ``kv_cache``), and the pair passes only if the prefill's scheduler took
+    blocks for it, its worker cut pieces out of them and layers went from
+    those pieces into decode's pages."""
     single, pre, dec = trio
     rng = random.Random(ctx.args.seed + (1 if spec.dtype == "bfloat16" else 0) + (2 if single.eager else 0)
                         + seed_extra)
@@ -1019,6 +1023,10 @@ def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, t
     res["staging_granted"] = d.get("vllm:orbitkv_staging_granted_total")
     res["layers_staged"] = p.get("vllm:orbitkv_layers_staged_total")
     staged_ok = not (ctx.args.staging if staged is None else staged) or (res["staging_granted"] or 0) >= n_pd
+    res["layers_staged_to_pages"] = p.get("vllm:orbitkv_layers_staged_to_pages_total")
+    if in_kv_cache:
+        res["kv_cache_staging"] = kv_cache_staging(pre.log)
+        staged_ok = staged_ok and all(res["kv_cache_staging"].values()) and (res["layers_staged_to_pages"] or 0) > 0
     ok_tokens = all(v in ("equal", "near-tie") for v in flat)
     kvb = res.get("kv_release") or res.get("kv_bytes")
     bytes_ok = kvb is None or bool(kvb.get("ok"))
@@ -1029,6 +1037,15 @@ def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, t
                        and (res["transfers_completed"] or 0) >= n_pd and not res["transfers_failed"]
                        and (res["bytes_written"] or 0) > 0 and staged_ok and bytes_ok)
     return res
+
+
+def kv_cache_staging(log: Path | None) -> dict[str, bool]:
+    """What a prefill's log says of ``orbitkv.pd.staging_memory``
+    ``kv_cache``: its scheduler took blocks out of vLLM's pool, and its
+    worker (rank 0 at least) cut the layer pieces out of them."""
+    text = log.read_text(errors="replace") if log is not None and log.exists() else ""
+    return {"taken": bool(re.search(r"OrbitKV: \d+ of vLLM's \d+ KV cache blocks .* taken for the source staging", text)),
+            "cut": bool(re.search(r"source staging of \d+ MiB in \d+ KV blocks of vLLM's cache", text))}
 
 
 def kv_digest(s: Server, timeout_s: float = 120, slots: list[int] | None = None) -> dict[str, Any]:
@@ -1580,7 +1597,10 @@ def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str, cells: list[Ce
                 ctx.log(f"  {key} {mode}:")
                 r.update(correctness(ctx, g["spec"], [single, pre, dec], purl, tol, seed_extra=100 * i,
                                      boundary=boundary, conc_n=a.cell_concurrent, staged=(mode == "staging"),
-                                     digest=a.kv_digest, split_reps=a.chunk_split_reps, release=a.release_digest))
+                                     # the taken blocks hold pieces in staged order, not KV slots:
+                                     # the per-request release digest checks that pair's bytes
+                                     digest=a.kv_digest and mode != "kv-cache", split_reps=a.chunk_split_reps,
+                                     release=a.release_digest, in_kv_cache=(mode == "kv-cache")))
             except Exception as e:  # noqa: BLE001
                 r["pass"] = False
                 r["error"] = f"{type(e).__name__}: {e}"

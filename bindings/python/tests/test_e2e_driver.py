@@ -280,3 +280,23 @@ def test_the_big_plan_reads_the_gpus_memory_and_runs_what_does_not_fit_in_a_late
         assert plan["gpu_gib"] == 139.0 and "nothing detected" in plan["gpu_gib_source"]
     finally:
         driver.gpu_total_gib = real
+
+
+def test_the_kv_cache_cell_mode_is_known_and_its_pair_is_checked_from_the_prefills_log(tmp_path: Path) -> None:
+    """``--cell-modes kv-cache``: both instances with
+    ``orbitkv.pd.staging_memory`` ``kv_cache``; the pair passes only if the
+    prefill's log shows the scheduler's blocks taken and a worker's pieces
+    cut out of them (the lines as vLLM CPU 0.26 printed them)."""
+    assert "kv-cache" in driver.CELL_MODES and driver.CELL_MODE_SUFFIX["kv-cache"] == "-kv"
+    log = tmp_path / "prefill.log"
+    taken = ("(EngineCore pid=9002) INFO 12-05 15:56:19 [scheduler.py:399] OrbitKV: 24 of vLLM's 256 KV cache "
+             "blocks (12 MiB per rank) taken for the source staging (orbitkv.pd.staging_memory kv_cache); vLLM "
+             "serves requests from the other 232\n")
+    cut = ("(Worker pid=9046) INFO 12-05 15:56:26 [worker.py:375] OrbitKV rank 0: source staging of 12 MiB in 24 KV "
+           "blocks of vLLM's cache (4 segments)\n")
+    log.write_text(taken)
+    assert driver.kv_cache_staging(log) == {"taken": True, "cut": False}
+    log.write_text(taken + cut)
+    assert driver.kv_cache_staging(log) == {"taken": True, "cut": True}
+    assert driver.kv_cache_staging(tmp_path / "none.log") == driver.kv_cache_staging(None) == {
+        "taken": False, "cut": False}
