@@ -247,4 +247,57 @@ mod tests {
         a.add_segment(12 * ALIGN, ALIGN).unwrap();
         assert_eq!(a.segments(), (2, 5 * ALIGN));
     }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(128))]
+        /// Segments of any size and alignment, some touching, and any
+        /// sequence of allocations and frees: a piece is aligned, lies
+        /// inside one segment and overlaps no other live piece; every byte
+        /// freed comes back (all free again: the largest piece each segment
+        /// can hold fits again).
+        #[test]
+        fn pieces_are_disjoint_and_inside_one_segment(
+            gaps in proptest::collection::vec((0u64..3, 1u64..2048), 1..6),
+            ops in proptest::collection::vec((proptest::bool::ANY, 1u64..1500, 0usize..16), 1..80),
+        ) {
+            let mut a = StagingArena::empty();
+            let mut segs = Vec::new();
+            let mut at = 4096 + 17;
+            for (gap, len) in gaps {
+                // gap 0: this segment begins where the last one ended
+                at += gap * 300;
+                if a.add_segment(at, len).is_ok() {
+                    segs.push((at, at + len));
+                }
+                at += len;
+            }
+            let mut live: Vec<(u64, u64)> = Vec::new();
+            for (alloc, len, pick) in ops {
+                if alloc || live.is_empty() {
+                    if let Ok(p) = a.alloc(len) {
+                        proptest::prop_assert_eq!(p % ALIGN, 0);
+                        proptest::prop_assert!(segs.iter().any(|&(s, e)| s <= p && p + len <= e));
+                        proptest::prop_assert!(a.contains(p, len));
+                        proptest::prop_assert!(live.iter().all(|&(q, l)| p + len <= q || q + l <= p));
+                        live.push((p, len));
+                    }
+                } else {
+                    let (p, _) = live.swap_remove(pick % live.len());
+                    a.free(p).unwrap();
+                }
+            }
+            for (p, _) in live.drain(..) {
+                a.free(p).unwrap();
+            }
+            proptest::prop_assert_eq!((a.used_bytes(), a.pieces()), (0, 0));
+            for &(s, e) in &segs {
+                let start = s.div_ceil(ALIGN) * ALIGN;
+                let whole = (e - start) / ALIGN * ALIGN;
+                if whole > 0 {
+                    let p = a.alloc(whole).unwrap();
+                    proptest::prop_assert!(s <= p && p + whole <= e);
+                }
+            }
+        }
+    }
 }
