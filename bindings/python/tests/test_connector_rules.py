@@ -1743,6 +1743,26 @@ def test_a_pool_too_small_for_a_whole_request_gives_nothing_and_a_vllm_that_neve
     assert len(logged) == 1 and "bind_gpu_block_pool" in logged[0], logged
 
 
+def test_a_pool_that_refuses_the_blocks_leaves_the_scheduler_serving_without_staging() -> None:
+    """A block pool (test double) whose ``get_new_blocks`` raises: nothing
+    is taken, nothing is named, the scheduler goes on."""
+
+    class Refusing:
+        num_gpu_blocks = 1001
+
+        def get_num_free_blocks(self) -> int:
+            return 1000
+
+        def get_new_blocks(self, n: int) -> list[Any]:
+            raise RuntimeError("not now")
+
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=BS), parallel_config=SimpleNamespace(tensor_parallel_size=1))
+    s = PdScheduler(cfg, PdConfig.from_extra_config({"orbitkv.pd.staging_memory": "kv_cache"}))  # type: ignore[arg-type]
+    pool = Refusing()
+    s.bind_block_pool(pool, kv_cache_config(1001, 1 << 20), "kv_both")
+    assert s.build_connector_meta(sched_output()).staging_blocks == [] and pool.num_gpu_blocks == 1001
+
+
 def test_the_worker_takes_the_named_blocks_once_and_stages_by_layer_from_then_on(worker: PdWorker) -> None:
     """A worker started for ``kv_cache`` hands the runtime the bytes of the
     named blocks in its own KV tensors the first time a step's metadata

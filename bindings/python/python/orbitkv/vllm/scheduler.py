@@ -387,7 +387,12 @@ class PdScheduler:
                 logger.warning("OrbitKV: a KV cache of %d blocks has none to spare beside a request of %d tokens: "
                                "no source staging", num_blocks, max_len)
             return
-        taken = take_blocks(pool, count)
+        try:
+            taken = take_blocks(pool, count)
+        except Exception as e:  # noqa: BLE001 - a vLLM whose pool works otherwise must still start
+            logger.warning("OrbitKV: vLLM's block pool refused %d blocks for the source staging (%s): every layer "
+                           "is written from the pages", count, e)
+            return
         if not taken:
             logger.warning("OrbitKV: vLLM's block pool gave none of %d blocks for the source staging: every layer "
                            "is written from the pages", count)
