@@ -1039,6 +1039,28 @@ def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, t
     return res
 
 
+def kv_taken(log: Path | None) -> tuple[int, int] | None:
+    """(blocks taken for the source staging, vLLM's blocks in all) from a
+    prefill's log under ``orbitkv.pd.staging_memory`` ``kv_cache``; None
+    when none were taken."""
+    text = log.read_text(errors="replace") if log is not None and log.exists() else ""
+    m = re.search(r"OrbitKV: (\d+) of vLLM's (\d+) KV cache blocks .* taken for the source staging", text)
+    return (int(m[1]), int(m[2])) if m else None
+
+
+def whole_cache_peak(peaks: dict[str, float] | None, taken: tuple[int, int] | None) -> None:
+    """With blocks taken out of vLLM's pool for the staging, vLLM's usage
+    gauge counts only the other ones: adds ``kv_usage_peak_whole``, the peak
+    over the whole cache with every taken block counted in use (an upper
+    bound: the staging is seldom full), and ``kv_taken``."""
+    if not peaks or not taken or peaks.get("kv_usage_peak", -1) < 0:
+        return
+    r, n = taken
+    used = peaks["kv_usage_peak"] * (n - r - 1)
+    peaks["kv_usage_peak_whole"] = round((used + r) / max(n - 1, 1), 4)
+    peaks["kv_taken"] = [r, n]
+
+
 def kv_cache_staging(log: Path | None) -> dict[str, bool]:
     """What a prefill's log says of ``orbitkv.pd.staging_memory``
     ``kv_cache``: its scheduler took blocks out of vLLM's pool, and its
@@ -2295,6 +2317,8 @@ def stage_b(ctx: Ctx, fleet: Fleet, name: str, acc: dict[str, Any] | None = None
                 if "traceback" in entry:
                     r["traceback"] = entry["traceback"][-3000:]
                 r["servers"] = sampler.peaks(entry["start"], entry["end"])
+                for srv in servers:
+                    whole_cache_peak(r["servers"].get(srv.name), kv_taken(srv.log))
                 if sampler.phase_samples:
                     r["orbit_phases"] = sampler.phases(entry["start"], entry["end"])
                 if system in fleet.proxy_logs:
@@ -2725,6 +2749,8 @@ def ratio_rows(r: dict[str, Any]) -> list[str]:
             rat = lambda k, o=o, p=p: (f"{o[k] / p[k]:.2f}" if isinstance(o.get(k), (int, float))  # noqa: E731
                                        and isinstance(p.get(k), (int, float)) and p[k] else "-")
             peak = lambda x: next((f"{v.get('kv_usage_peak', float('nan')):.1%}"  # noqa: E731
+                                   + (f" ({v['kv_usage_peak_whole']:.1%} with the taken blocks)"
+                                      if "kv_usage_peak_whole" in v else "")
                                    for k, v in x.get("servers", {}).items() if "prefill" in k), "-")
             rows.append(f"| {o.get('concurrency')} | {rat('p50_ttft_ms')} | {rat('p99_ttft_ms')} | "
                         f"{rat('output_throughput')} | {peak(o)} | {peak(p)} |")
@@ -2914,7 +2940,10 @@ def report(d: Path) -> str:
                     f"| {system} | {x.get('concurrency')} | {x.get('completed', '-')}/{x.get('failed', '-')} | "
                     f"{f('p50_ttft_ms')} / {f('p99_ttft_ms')} | {f('mean_itl_ms')} / {f('p99_itl_ms')} | "
                     f"{f('mean_tpot_ms')} | {f('output_throughput')} | "
-                    f"{pre.get('kv_usage_peak', float('nan')):.1%} | {dec.get('waiting_peak', '-')} |")
+                    f"{pre.get('kv_usage_peak', float('nan')):.1%}"
+                    + (f" ({pre['kv_usage_peak_whole']:.1%} with the taken blocks)" if "kv_usage_peak_whole" in pre
+                       else "")
+                    + f" | {dec.get('waiting_peak', '-')} |")
         lines.append("")
         lines += ratio_rows(r)
         # where the time goes: the proxies' per-request lines, OrbitKV's

@@ -300,3 +300,23 @@ def test_the_kv_cache_cell_mode_is_known_and_its_pair_is_checked_from_the_prefil
     assert driver.kv_cache_staging(log) == {"taken": True, "cut": True}
     assert driver.kv_cache_staging(tmp_path / "none.log") == driver.kv_cache_staging(None) == {
         "taken": False, "cut": False}
+
+
+def test_a_kv_cache_pairs_prefill_peak_is_also_given_over_the_whole_cache(tmp_path: Path) -> None:
+    """vLLM's usage gauge counts only the blocks it serves from once some
+    were taken for the staging; the load table then also gives the peak over
+    the whole cache with every taken block counted in use."""
+    log = tmp_path / "prefill.log"
+    log.write_text("(EngineCore pid=1) INFO [scheduler.py:399] OrbitKV: 100 of vLLM's 1001 KV cache blocks "
+                   "(100 MiB per rank) taken for the source staging (orbitkv.pd.staging_memory kv_cache); vLLM "
+                   "serves requests from the other 901\n")
+    assert driver.kv_taken(log) == (100, 1001)
+    assert driver.kv_taken(tmp_path / "none.log") is None and driver.kv_taken(None) is None
+    peaks = {"kv_usage_peak": 0.5, "running_peak": 3.0}
+    driver.whole_cache_peak(peaks, driver.kv_taken(log))
+    # 450 of vLLM's 900 usable blocks, plus the 100 taken, of 1000
+    assert peaks["kv_usage_peak_whole"] == 0.55 and peaks["kv_taken"] == [100, 1001]
+    untouched = {"kv_usage_peak": 0.5}
+    driver.whole_cache_peak(untouched, None)
+    driver.whole_cache_peak(None, (1, 2))
+    assert untouched == {"kv_usage_peak": 0.5}
