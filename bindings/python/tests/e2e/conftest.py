@@ -9,7 +9,7 @@ and CI run them)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -61,12 +61,6 @@ STAGING = os.environ.get("ORBITKV_TEST_STAGING", "0") == "1"
 STAGING_CONFIG: dict[str, object] = (
     {"orbitkv.pd.staging_mb": 128, "orbitkv.pd.staging_min_ranges": 1} if STAGING else {}
 )
-# ORBITKV_TEST_KV_STAGING=1 (scripts/test.sh on the newest vLLM): the pair's
-# layer pieces are cut out of blocks taken from vLLM's own KV cache
-# (orbitkv.pd.staging_memory "kv_cache") instead of memory beside it.
-KV_STAGING = os.environ.get("ORBITKV_TEST_KV_STAGING", "0") == "1"
-if KV_STAGING and not STAGING:
-    STAGING_CONFIG = {"orbitkv.pd.staging_memory": "kv_cache"}
 
 
 # The P/D pair also serves vllm-router's / llm-d's `mooncake` dialect
@@ -83,7 +77,23 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """Prefill + decode + proxy, with the test hooks wired to files in the
-    run directory (inert until a test creates those files)."""
+    run directory (inert until a test creates those files), and both
+    vllm-router modes in front."""
+    yield from pd_cluster(tiny_model, tmp_path_factory, STAGING_CONFIG)
+
+
+@pytest.fixture(scope="session")
+def make_pd_cluster() -> Callable[..., Iterator[Cluster]]:
+    """:func:`pd_cluster`, for a module's own ``cluster`` fixture (another
+    staging on the same pair: test_kv_staging_vllm.py)."""
+    return pd_cluster
+
+
+def pd_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory, staging: dict[str, object],
+               routers: bool = True) -> Iterator[Cluster]:
+    """test_pd_vllm.py's pair with ``staging`` (orbitkv.pd.* settings) on
+    both instances; ``routers``: vllm-router in both its modes beside the
+    proxy."""
     run = tmp_path_factory.mktemp("pd-cluster")
     c = Cluster(
         tiny_model,
@@ -94,9 +104,9 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "orbitkv.pd.claim_timeout_s": PD_TIMEOUT_S,
             "orbitkv.pd.quarantine_s": QUARANTINE_S,
             **MOONCAKE_DIALECT,
-            **STAGING_CONFIG,
+            **staging,
         },
-        decode_config={"orbitkv.pd.quarantine_s": QUARANTINE_S, **MOONCAKE_DIALECT, **STAGING_CONFIG},
+        decode_config={"orbitkv.pd.quarantine_s": QUARANTINE_S, **MOONCAKE_DIALECT, **staging},
         prefill_env={
             "ORBITKV_TESTING_WRITE_DELAY": str(run / "write-delay"),
             # vLLM shim (orbitkv/testing/vllm_shims): while this file exists
@@ -107,8 +117,8 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         vllm_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)],
         kv_load_failure_policy="fail",
         trace=True,  # each worker's Chrome trace (orbitkv trace merges them)
-        vllm_router=True,  # vllm-router in front of the same pair, beside the proxy
-        mooncake_router=True,  # and another in its --kv-connector mooncake mode
+        vllm_router=routers,  # vllm-router in front of the same pair, beside the proxy
+        mooncake_router=routers,  # and another in its --kv-connector mooncake mode
     )
     with c:  # started here, stopped after the module
         yield c

@@ -31,7 +31,6 @@ from orbitkv.testing.cluster import Abandoned, Cluster, Completion, Metric, comp
 from orbitkv.vllm.params import mooncake_identity
 
 STAGING = os.environ.get("ORBITKV_TEST_STAGING", "0") == "1"  # conftest.STAGING_CONFIG
-KV_STAGING = not STAGING and os.environ.get("ORBITKV_TEST_KV_STAGING", "0") == "1"
 
 # Prompts no other module shares a prefix with.
 fresh_prompt = prompt_source(1000)
@@ -100,33 +99,6 @@ LENGTHS = {
     "many-blocks": 1000,
     "many-blocks-chunked": 3000,  # 5 prefill steps of 600 tokens
 }
-
-
-@pytest.mark.skipif(not KV_STAGING, reason="this run's source staging is not in vLLM's KV cache "
-                    "(ORBITKV_TEST_KV_STAGING: scripts/test.sh's newest-vLLM phase)")
-def test_the_source_staging_is_cut_out_of_vllms_kv_cache(cluster: Cluster) -> None:
-    """``orbitkv.pd.staging_memory`` ``kv_cache``: the prefill's scheduler
-    took a tenth of vLLM's blocks, its worker cut the layer pieces out of
-    them, a chunked prompt's layers go from those pieces into decode's pages
-    with the bytes of one engine, and idle, vLLM counts 0 % of its KV cache
-    used (the taken blocks are out of its count)."""
-    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
-    before = snapshot(cluster, "prefill")
-    prompt = fresh_prompt(1500)  # three chunked-prefill steps
-    assert pd(cluster, prompt).token_ids == baseline(cluster, prompt)
-    after = snapshot(cluster, "prefill")
-    to_pages = "vllm:orbitkv_layers_staged_to_pages_total"
-    assert after.get(to_pages, 0) > before.get(to_pages, 0), "no layer went from a piece into decode's pages"
-    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
-    log = cluster.log("prefill").read_text(errors="replace")
-    took = re.search(r"OrbitKV: (\d+) of vLLM's (\d+) KV cache blocks \((\d+) MiB per rank\) taken", log)
-    assert took, "the prefill's scheduler took no blocks for the source staging"
-    taken, total = int(took[1]), int(took[2])
-    assert 0 < taken <= total // 10 + 1, (taken, total)
-    # the worker took them at its first step
-    assert re.search(rf"source staging of \d+ MiB in {taken} KV blocks of vLLM's cache", log), (
-        "the prefill's worker did not take the blocks"
-    )
 
 
 @pytest.mark.parametrize("n", list(LENGTHS.values()), ids=list(LENGTHS))
