@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 import secrets
 import subprocess
@@ -29,8 +28,6 @@ import pytest
 import orbitkv.testing.cluster as tc
 from orbitkv.testing.cluster import Abandoned, Cluster, Completion, Metric, complete, prompt_source, wait_until
 from orbitkv.vllm.params import mooncake_identity
-
-STAGING = os.environ.get("ORBITKV_TEST_STAGING", "0") == "1"  # conftest.STAGING_CONFIG
 
 # Prompts no other module shares a prefix with.
 fresh_prompt = prompt_source(1000)
@@ -82,6 +79,14 @@ def snapshot(cluster: Cluster, name: str) -> dict[str, float]:
     return cluster.metrics(name)
 
 
+def staged_by_hand(cluster: Cluster) -> bool:
+    """This module's pair stages every request through grants (a staging
+    size set by hand: conftest.STAGING_CONFIG, ORBITKV_TEST_STAGING=1); else
+    it has the default layer pieces (beside vLLM's KV cache, or in it:
+    test_kv_staging_vllm.py runs some of these tests on such a pair)."""
+    return isinstance(cluster.prefill.extra_config.get("orbitkv.pd.staging_mb"), int)
+
+
 def assert_serves_correctly(cluster: Cluster, n: int = 300) -> None:
     prompt = fresh_prompt(n)
     got = pd(cluster, prompt).token_ids
@@ -121,7 +126,7 @@ def test_pd_equals_single_engine(cluster: Cluster, n: int) -> None:
     assert after_d[Metric.COMPLETED] - before_d[Metric.COMPLETED] == 3, "decode did not load KV for each P/D request"
     assert after_d[Metric.FAILED] == before_d[Metric.FAILED]
     assert after_p[Metric.BYTES] > before_p[Metric.BYTES]
-    if STAGING:
+    if staged_by_hand(cluster):
         # every request staged: gathered on prefill, scattered on decode
         granted, staged = "vllm:orbitkv_staging_granted_total", "vllm:orbitkv_layers_staged_total"
         assert after_d.get(granted, 0) - before_d.get(granted, 0) == 3, "a request was not given staging"
@@ -204,7 +209,7 @@ def test_a_finished_prefill_gives_its_pages_back_before_its_decode_claims_it(clu
     arrives (this prefill has seen a decode that takes pieces); the decode
     half sent afterwards gets the KV from the pieces and answers as one
     engine does."""
-    if STAGING:
+    if staged_by_hand(cluster):
         pytest.skip("a staging size set by hand (this module's run on vLLM 0.26) keeps whole stagings, "
                     "which hold the pages; CI's run on the newest vLLM has the defaults")
     warm = fresh_prompt(200)
