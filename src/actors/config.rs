@@ -178,14 +178,19 @@ pub(super) fn check_staging_regions(cfg: &RuntimeConfig) -> Result<(), RuntimeEr
             "source_staging_later and source_staging_region: one source staging, not both".into(),
         ));
     }
-    if let (Some((a, al)), Some((b, bl))) = (cfg.staging_region, cfg.source_staging_region) {
-        if a < b + bl && b < a + al {
+    if let (Some(a), Some(b)) = (cfg.staging_region, cfg.source_staging_region) {
+        if overlaps(a, b) {
             return Err(invalid_argument(
                 "staging_region and source_staging_region overlap".into(),
             ));
         }
     }
     Ok(())
+}
+
+/// Whether two `(address, bytes)` ranges share a byte.
+pub(super) fn overlaps((a, al): (u64, u64), (b, bl): (u64, u64)) -> bool {
+    a < b.saturating_add(bl) && b < a.saturating_add(al)
 }
 
 /// A setting or argument out of range (raised as `InvalidArgumentError`).

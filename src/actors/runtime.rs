@@ -12,7 +12,7 @@ use actix::prelude::*;
 use crossbeam_channel::{Receiver, Sender};
 
 pub use super::config::RuntimeConfig;
-use super::config::{check_staging_regions, invalid_argument, resolve_range_cap};
+use super::config::{check_staging_regions, invalid_argument, overlaps, resolve_range_cap};
 use super::decode::publisher::{HandshakeJob, Publisher};
 use super::decode::router::NotificationRouter;
 use super::directory::{check_layer, Call, CancelReply, ProducerIndex, RequestDirectory};
@@ -561,11 +561,8 @@ impl Runtime {
                 ))
             }
         };
-        if let Some((g, gl)) = self.cfg.staging_region {
-            if let Some(&(b, l)) = segments
-                .iter()
-                .find(|&&(b, l)| b < g.saturating_add(gl) && g < b.saturating_add(l))
-            {
+        if let Some(grants) = self.cfg.staging_region {
+            if let Some(&(b, l)) = segments.iter().find(|&&seg| overlaps(seg, grants)) {
                 return Err(invalid_argument(format!(
                     "a source staging segment of {l} bytes at {b:#x} overlaps staging_region"
                 )));

@@ -1773,7 +1773,7 @@ def test_the_worker_takes_the_named_blocks_once_and_stages_by_layer_from_then_on
     layout = {"num_blocks": 8, "layers": [{"planes": [
         {"base": kv[i].data_ptr(), "block_stride": 4 * es, "block_bytes": 4 * es} for i in (0, 1)
     ]}]}
-    worker._kv_caches = {"l0": kv}
+    worker._kv_storages = {kv.untyped_storage().data_ptr(): kv.untyped_storage().nbytes()}
     worker._layout = layout
     worker._copier = StagingCopier(layout, 1, [kv])
     rt: RecordingRuntime = worker.runtime  # type: ignore[assignment]

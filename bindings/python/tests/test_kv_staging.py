@@ -171,5 +171,8 @@ def test_staging_memory_setting() -> None:
     assert PdConfig.from_extra_config({"orbitkv.pd.staging_memory": "kv_cache"}).staging_memory == "kv_cache"
     with pytest.raises(ConfigError, match=r"orbitkv\.pd\.staging_memory"):
         PdConfig.from_extra_config({"orbitkv.pd.staging_memory": "gpu"})
+    for bad in (1, True, None, ["kv_cache"]):
+        with pytest.raises(ConfigError, match=r"orbitkv\.pd\.staging_memory"):
+            PdConfig.from_extra_config({"orbitkv.pd.staging_memory": bad})
     with pytest.raises(ConfigError, match="a size set by hand"):
         PdConfig.from_extra_config({"orbitkv.pd.staging_memory": "kv_cache", "orbitkv.pd.staging_mb": 512})

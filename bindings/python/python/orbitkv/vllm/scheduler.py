@@ -369,9 +369,8 @@ class PdScheduler:
         KV cache groups (no staging there), without the KV cache config, or
         when the pool has not the room (logged)."""
         self._pool_seen = True
-        if self.config.staging_memory != "kv_cache" or self.config.staging_mb != "auto":
-            return
-        if self.groups.count > 1:
+        # (kv_cache goes with staging_mb "auto" only: PdConfig refuses the rest)
+        if self.config.staging_memory != "kv_cache" or self.groups.count > 1:
             return
         tensors = getattr(kv_cache_config, "kv_cache_tensors", None)
         num_blocks = getattr(kv_cache_config, "num_blocks", None)

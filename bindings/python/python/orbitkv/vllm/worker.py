@@ -150,6 +150,7 @@ class PdWorker:
         # cache (kv_staging.py); until then every layer goes from the pages.
         self._staging_later = False
         self._layout: dict[str, Any] = {}  # the OrbitKV layout of this rank's KV cache
+        self._kv_storages: dict[int, int] = {}  # its distinct storages: address -> bytes
         # This step's block indices of staging chunks, by P/D id.
         self._step_index: dict[str, BlockIndex] = {}
         self._heads: tuple[bool, int] = (False, 0)
@@ -237,12 +238,12 @@ class PdWorker:
             logger.info("OrbitKV rank %d: Mooncake's submit-time stream wait redirected (%d import slots)",
                         self.tp_rank, n)
         # Register each distinct storage once (layers may share one).
-        seen: set[int] = set()
+        self._kv_storages = {}
         for t in kv_caches.values():
             st = t.untyped_storage()
-            if st.data_ptr() in seen:
+            if st.data_ptr() in self._kv_storages:
                 continue
-            seen.add(st.data_ptr())
+            self._kv_storages[st.data_ptr()] = st.nbytes()
             loc = f"cuda:{t.device.index}" if t.device.type == "cuda" else "cpu:0"
             self.engine.register_memory(st.data_ptr(), st.nbytes(), location=loc)
         grants, sources = self._make_staging(kv_caches)
@@ -311,8 +312,7 @@ class PdWorker:
         mb = self.config.staging_mb
         role = getattr(getattr(self.vllm_config, "kv_transfer_config", None), "kv_role", "kv_both")
         auto = mb == "auto"
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kv_caches.values()}
-        parts = staging_parts(mb, role, sum(storages.values()))
+        parts = staging_parts(mb, role, sum(self._kv_storages.values()))
         if max(parts) <= 0:
             return None, None
         if self._hybrid:
@@ -357,14 +357,13 @@ class PdWorker:
         rank writing every layer from the pages (logged, never retried)."""
         self._staging_later = False
         assert self.runtime is not None
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self._kv_caches.values()}
         try:
             # vLLM's pool hands out its lowest IDs first: before any request
             # that is one run from block 1 (0 is its null block), and the
             # copier's KV views then start past it (StagingCopier.keep_out).
             if len(block_runs) != 1 or block_runs[0][0] != 1 or self._copier is None:
                 raise ValueError(f"blocks {block_runs} are not one run from block 1")
-            segs = kv_segments(self._layout, block_runs, storages.items())
+            segs = kv_segments(self._layout, block_runs, self._kv_storages.items())
             self._copier.keep_out(block_runs[0][1])
             count, nbytes = self.runtime.add_source_staging(segs)
         except Exception as e:  # noqa: BLE001 - nothing may escape vLLM's hook
