@@ -1685,7 +1685,10 @@ def kv_cache_config(num_blocks: int, block_bytes: int) -> Any:
         ({"orbitkv.pd.staging_memory": "kv_cache"}, "kv_producer", 1, 100),
         ({"orbitkv.pd.staging_memory": "kv_cache"}, "kv_consumer", 1, 0),
         ({"orbitkv.pd.staging_memory": "kv_cache"}, "kv_both", 2, 0),  # hybrid: no staging
-        ({}, "kv_both", 1, 0),  # beside: nothing taken
+        ({}, "kv_both", 1, 100),  # the default: kv_cache
+        ({"orbitkv.pd.staging_memory": "beside"}, "kv_both", 1, 0),  # beside: nothing taken
+        ({"orbitkv.pd.staging_mb": 512}, "kv_both", 1, 0),  # a size set by hand: beside
+        ({"orbitkv.pd.staging_mb": 0}, "kv_both", 1, 0),  # staging off
     ],
 )
 def test_the_scheduler_takes_the_staging_out_of_vllms_pool_only_where_it_stages(

@@ -167,8 +167,13 @@ def test_segments_that_touch_across_tensors_stay_apart_and_bad_blocks_are_refuse
 
 
 def test_staging_memory_setting() -> None:
-    assert PdConfig.from_extra_config({}).staging_memory == "beside"
+    # the default: the auto staging inside vLLM's KV cache
+    assert PdConfig.from_extra_config({}).staging_memory == "kv_cache"
     assert PdConfig.from_extra_config({"orbitkv.pd.staging_memory": "kv_cache"}).staging_memory == "kv_cache"
+    assert PdConfig.from_extra_config({"orbitkv.pd.staging_memory": "beside"}).staging_memory == "beside"
+    # a size set by hand is memory beside the KV cache, unless kv_cache is asked for (refused below)
+    assert PdConfig.from_extra_config({"orbitkv.pd.staging_mb": 512}).staging_memory == "beside"
+    assert PdConfig.from_extra_config({"orbitkv.pd.staging_mb": 0}).staging_memory == "beside"
     with pytest.raises(ConfigError, match=r"orbitkv\.pd\.staging_memory"):
         PdConfig.from_extra_config({"orbitkv.pd.staging_memory": "gpu"})
     for bad in (1, True, None, ["kv_cache"]):

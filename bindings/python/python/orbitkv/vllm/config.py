@@ -150,7 +150,7 @@ class ExtraConfig(BaseModel):
     staging_mb: int | Literal["auto"] = Field("auto", alias="orbitkv.pd.staging_mb")
     staging_min_ranges: Positive = Field(int(_RT["staging_min_ranges"]), alias="orbitkv.pd.staging_min_ranges")
     staging_memory: Literal["beside", "kv_cache"] = Field(
-        "beside", alias="orbitkv.pd.staging_memory", description="'beside' or 'kv_cache'"
+        "kv_cache", alias="orbitkv.pd.staging_memory", description="'beside' or 'kv_cache'"
     )
     allowed_prefill: tuple[Endpoints, ...] = Field(DEFAULT_ALLOWED_PREFILL, alias="orbitkv.pd.allowed_prefill")
     side_channel_key_file: Text | None = Field(
@@ -303,10 +303,11 @@ class PdConfig:
     # its KV cache), no grants; docs/configuration.md).
     staging_mb: int | Literal["auto"] = "auto"
     staging_min_ranges: int = ExtraConfig.model_fields["staging_min_ranges"].default
-    # Where an "auto" source staging lives: "beside" vLLM's KV cache (memory
-    # of its own, outside gpu_memory_utilization) or in blocks taken out of
-    # it ("kv_cache": kv_staging.py).
-    staging_memory: str = "beside"
+    # Where the staging lives: in blocks taken out of vLLM's KV cache
+    # ("kv_cache", the default for staging_mb "auto": kv_staging.py) or
+    # "beside" it (memory of its own, outside gpu_memory_utilization; the
+    # only place for a size set by hand).
+    staging_memory: str = "kv_cache"
     # The side channels decode may post to; ANY ("*") allows every one
     # (trusts whoever reaches decode's API).
     allowed_prefill: tuple[Endpoints, ...] = DEFAULT_ALLOWED_PREFILL
@@ -381,7 +382,10 @@ class PdConfig:
             x = ExtraConfig.model_validate(given)
         except ValidationError as e:
             raise _config_error(e) from None
-        if x.staging_memory == "kv_cache" and x.staging_mb != "auto":
+        staging_memory = x.staging_memory
+        if "staging_memory" not in x.model_fields_set and x.staging_mb != "auto":
+            staging_memory = "beside"  # a size set by hand is memory beside the KV cache
+        if staging_memory == "kv_cache" and x.staging_mb != "auto":
             raise ConfigError(
                 "orbitkv.pd.staging_memory: 'kv_cache' holds the layer pieces of orbitkv.pd.staging_mb 'auto'; "
                 f"a size set by hand ({x.staging_mb} MiB) is memory beside the KV cache, got 'kv_cache'"
@@ -408,7 +412,7 @@ class PdConfig:
             trace=x.trace,
             staging_mb=x.staging_mb,
             staging_min_ranges=x.staging_min_ranges,
-            staging_memory=x.staging_memory,
+            staging_memory=staging_memory,
             allowed_prefill=x.allowed_prefill,
             side_channel_key=read_side_channel_key(x.side_channel_key_file),
             claim_timeout_s=x.claim_timeout_s,
