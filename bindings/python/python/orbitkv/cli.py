@@ -213,8 +213,9 @@ def _note_default_exposure(r: Report) -> None:
 
 
 def _note_staging_reservation(r: Report, gpu_bytes: list[int]) -> None:
-    """What the default ``orbitkv.pd.staging_mb`` reserves, and where: beside
-    vLLM's memory budget, so an operator can leave room for it."""
+    """What the default ``orbitkv.pd.staging_mb`` takes, and where: out of
+    vLLM's KV cache (inside its memory budget) by default; beside it with
+    ``staging_memory`` ``beside``, so an operator can leave room for it."""
     from orbitkv.vllm.config import AUTO_STAGING_KV_SHARE, AUTO_STAGING_MAX_MB
 
     share = int(AUTO_STAGING_KV_SHARE * 100)
@@ -224,13 +225,15 @@ def _note_staging_reservation(r: Report, gpu_bytes: list[int]) -> None:
         here = f" ({AUTO_STAGING_MAX_MB} MiB is {100 * (AUTO_STAGING_MAX_MB << 20) / small:.1f} % of this machine's " \
                f"smallest GPU, {small / (1 << 30):.0f} GiB)"
     r.note(
-        f"orbitkv.pd.staging_mb 'auto' (the default): each rank that may prefill (kv_producer, kv_both) reserves "
-        f"min({AUTO_STAGING_MAX_MB} MiB, {share} % of its KV cache) on its KV device for source staging, after vLLM "
-        f"sized its KV cache, so beside gpu_memory_utilization, not inside it{here}; kv_consumer ranks reserve "
-        "nothing. Leave that much free (or set staging_mb to 0 or a size); each worker logs what it took, and one "
-        "without the memory runs without staging. With orbitkv.pd.staging_memory 'kv_cache' the same share is "
-        "taken out of vLLM's KV cache instead (inside gpu_memory_utilization; the prefill's scheduler logs how many "
-        "blocks)"
+        f"orbitkv.pd.staging_mb 'auto' (the default): each rank that may prefill (kv_producer, kv_both) takes "
+        f"min({AUTO_STAGING_MAX_MB} MiB, {share} % of its KV cache) out of vLLM's own KV cache for source staging "
+        "(orbitkv.pd.staging_memory 'kv_cache', the default): inside gpu_memory_utilization, nothing more to leave "
+        "free; vLLM serves requests from the other blocks, and the prefill's scheduler logs how many it took. "
+        "kv_consumer ranks take nothing: start decode-only instances as kv_consumer (as kv_both they give up those "
+        "blocks too). With orbitkv.pd.staging_memory 'beside' (or a staging_mb set by hand) the staging is memory "
+        f"of its own on the KV device, allocated after vLLM sized its KV cache, so beside gpu_memory_utilization, "
+        f"not inside it{here}: leave that much free; each worker logs what it took, and one without the memory "
+        "runs without staging"
     )
 
 

@@ -85,7 +85,7 @@ def cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 @pytest.fixture(scope="session")
 def make_pd_cluster() -> Callable[..., Iterator[Cluster]]:
     """:func:`pd_cluster`, for a module's own ``cluster`` fixture (another
-    staging on the same pair: test_kv_staging_vllm.py)."""
+    staging on the same pair: test_staging_beside_vllm.py)."""
     return pd_cluster
 
 
