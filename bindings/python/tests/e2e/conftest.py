@@ -90,10 +90,12 @@ def make_pd_cluster() -> Callable[..., Iterator[Cluster]]:
 
 
 def pd_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory, staging: dict[str, object],
-               routers: bool = True) -> Iterator[Cluster]:
+               routers: bool = True, decode_staging: dict[str, object] | None = None,
+               kv_roles: tuple[str, str] = ("kv_both", "kv_both")) -> Iterator[Cluster]:
     """test_pd_vllm.py's pair with ``staging`` (orbitkv.pd.* settings) on
-    both instances; ``routers``: vllm-router in both its modes beside the
-    proxy."""
+    both instances (on decode ``decode_staging`` instead, when given) and
+    vLLM's ``kv_roles`` (prefill, decode); ``routers``: vllm-router in both
+    its modes beside the proxy."""
     run = tmp_path_factory.mktemp("pd-cluster")
     c = Cluster(
         tiny_model,
@@ -106,7 +108,9 @@ def pd_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory, stagin
             **MOONCAKE_DIALECT,
             **staging,
         },
-        decode_config={"orbitkv.pd.quarantine_s": QUARANTINE_S, **MOONCAKE_DIALECT, **staging},
+        decode_config={"orbitkv.pd.quarantine_s": QUARANTINE_S, **MOONCAKE_DIALECT,
+                       **(staging if decode_staging is None else decode_staging)},
+        kv_roles=kv_roles,
         prefill_env={
             "ORBITKV_TESTING_WRITE_DELAY": str(run / "write-delay"),
             # vLLM shim (orbitkv/testing/vllm_shims): while this file exists

@@ -234,6 +234,22 @@ def test_a_finished_prefill_gives_its_pages_back_before_its_decode_claims_it(clu
     cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
 
 
+def chunked_prompt_through_pieces(cluster: Cluster) -> str:
+    """A prompt of three chunked-prefill steps equals one engine's answer
+    and at least one of its layers went from a layer piece into decode's
+    pages; both instances idle after. The prefill's log, for what it says
+    of the staging."""
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
+    before = snapshot(cluster, "prefill")
+    prompt = fresh_prompt(1500)
+    assert pd(cluster, prompt).token_ids == baseline(cluster, prompt)
+    after = snapshot(cluster, "prefill")
+    to_pages = "vllm:orbitkv_layers_staged_to_pages_total"
+    assert after.get(to_pages, 0) > before.get(to_pages, 0), "no layer went from a piece into decode's pages"
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
+    return cluster.log("prefill").read_text(errors="replace")
+
+
 def test_the_default_source_staging_is_cut_out_of_vllms_kv_cache(cluster: Cluster) -> None:
     """The defaults (``orbitkv.pd.staging_memory`` ``kv_cache``): the
     prefill's scheduler took a tenth of vLLM's blocks at most, its worker
@@ -244,15 +260,7 @@ def test_the_default_source_staging_is_cut_out_of_vllms_kv_cache(cluster: Cluste
     if staged_by_hand(cluster):
         pytest.skip("a staging size set by hand (this module's run on vLLM 0.26) lies beside vLLM's KV cache; "
                     "CI's run on the newest vLLM has the defaults")
-    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
-    before = snapshot(cluster, "prefill")
-    prompt = fresh_prompt(1500)  # three chunked-prefill steps
-    assert pd(cluster, prompt).token_ids == baseline(cluster, prompt)
-    after = snapshot(cluster, "prefill")
-    to_pages = "vllm:orbitkv_layers_staged_to_pages_total"
-    assert after.get(to_pages, 0) > before.get(to_pages, 0), "no layer went from a piece into decode's pages"
-    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
-    log = cluster.log("prefill").read_text(errors="replace")
+    log = chunked_prompt_through_pieces(cluster)
     took = re.search(r"OrbitKV: (\d+) of vLLM's (\d+) KV cache blocks \((\d+) MiB per rank\) taken", log)
     assert took, "the prefill's scheduler took no blocks for the source staging"
     taken, total = int(took[1]), int(took[2])

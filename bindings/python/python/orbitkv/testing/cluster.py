@@ -171,6 +171,9 @@ class InstanceSpec:
     netns: Any = None
     # Extra vLLM arguments of this instance alone (after the cluster's).
     args: list[str] = field(default_factory=list)
+    # vLLM's kv_role: kv_both (what the README deploys), or kv_producer /
+    # kv_consumer (a prefill-only / decode-only instance).
+    kv_role: str = "kv_both"
 
     @property
     def url(self) -> str:
@@ -203,6 +206,9 @@ class Cluster:
     ``mooncake_router``: another one in its ``--kv-connector mooncake`` mode,
     each prefill's bootstrap port being its side channel port (the instances
     need ``orbitkv.pd.dialects: ["mooncake"]``).
+    ``kv_roles``: vLLM's ``kv_role`` of the prefill (and ``more_prefills``)
+    and of decode (``kv_both`` each by default; ``kv_producer`` /
+    ``kv_consumer`` for a prefill-only / decode-only instance).
     """
 
     def __init__(
@@ -230,6 +236,7 @@ class Cluster:
         more_prefills: int = 0,
         vllm_router: bool = False,
         mooncake_router: bool = False,
+        kv_roles: tuple[str, str] = ("kv_both", "kv_both"),
     ):
         self.model = str(model)
         self.run_dir = Path(run_dir).resolve()
@@ -255,6 +262,7 @@ class Cluster:
             dict(prefill_env or {}),
             tp=prefill_tp,
             args=list(prefill_args),
+            kv_role=kv_roles[0],
         )
         self.decode = InstanceSpec(
             "decode",
@@ -266,6 +274,7 @@ class Cluster:
             kv_load_failure_policy,
             tp=decode_tp,
             args=list(decode_args),
+            kv_role=kv_roles[1],
         )
         self.more_prefills = [
             InstanceSpec(
@@ -276,6 +285,7 @@ class Cluster:
                 dict(self.prefill.extra_config),
                 dict(self.prefill.env),
                 args=list(prefill_args),
+                kv_role=kv_roles[0],
             )
             for i in range(more_prefills)
         ]
@@ -355,7 +365,7 @@ class Cluster:
         return {
             "kv_connector": "PdConnector",
             "kv_connector_module_path": "orbitkv.vllm.pd",
-            "kv_role": "kv_both",
+            "kv_role": spec.kv_role,
             "engine_id": spec.name,
             "kv_load_failure_policy": spec.kv_load_failure_policy,
             "kv_connector_extra_config": {
