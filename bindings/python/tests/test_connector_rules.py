@@ -1746,6 +1746,46 @@ def test_a_pool_too_small_for_a_whole_request_gives_nothing_and_a_vllm_that_neve
     assert len(logged) == 1 and "bind_gpu_block_pool" in logged[0], logged
 
 
+def test_a_kv_both_instance_that_only_decodes_is_told_once_to_start_as_kv_consumer() -> None:
+    """The default takes the staging's blocks on every rank that may
+    prefill, kv_both included: one that has decoded 64 requests and
+    prefilled none says once what it keeps and how to give it back; one
+    that prefilled, or keeps nothing (kv_consumer), says nothing."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    import orbitkv.vllm.scheduler as sm
+
+    def run(role: str, prefill_first: bool, n: int) -> list[str]:
+        cfg = SimpleNamespace(
+            cache_config=SimpleNamespace(block_size=BS), parallel_config=SimpleNamespace(tensor_parallel_size=1),
+            model_config=SimpleNamespace(max_model_len=4096),
+        )
+        s = PdScheduler(cfg, PdConfig.from_extra_config({}))  # type: ignore[arg-type]
+        s.bind_block_pool(BlockPool(num_gpu_blocks=1001, enable_caching=True, hash_block_size=BS),
+                          kv_cache_config(1001, 1 << 20), role)
+        logged: list[str] = []
+        orig = sm.logger.warning
+        sm.logger.warning = lambda msg, *a: logged.append(msg % a)  # type: ignore[method-assign]
+        try:
+            if prefill_first:
+                r = producer("p0", 40, pd="pd-p0")
+                s.get_num_new_matched_tokens(r, 0)
+                s.update_state_after_alloc(r, FakeBlocks([200, 201, 202]), 0)
+            for i in range(n):
+                r = consumer(f"d{i}", 40, pd=f"pd-{i}")
+                assert s.get_num_new_matched_tokens(r, 0) == (40, True)
+                s.update_state_after_alloc(r, FakeBlocks([300 + 3 * i, 301 + 3 * i, 302 + 3 * i]), 40)
+        finally:
+            sm.logger.warning = orig  # type: ignore[method-assign]
+        return [m for m in logged if "kv_consumer" in m]
+
+    assert run("kv_both", False, sm.DECODE_ONLY_HINT_AFTER - 1) == []
+    hint = run("kv_both", False, 2 * sm.DECODE_ONLY_HINT_AFTER)
+    assert len(hint) == 1 and "keeps 100 of its KV cache blocks" in hint[0], hint
+    assert run("kv_both", True, 2 * sm.DECODE_ONLY_HINT_AFTER) == []
+    assert run("kv_consumer", False, 2 * sm.DECODE_ONLY_HINT_AFTER) == []
+
+
 def test_a_pool_that_refuses_the_blocks_leaves_the_scheduler_serving_without_staging() -> None:
     """A block pool (test double) whose ``get_new_blocks`` raises: nothing
     is taken, nothing is named, the scheduler goes on."""

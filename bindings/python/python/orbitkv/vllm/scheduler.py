@@ -89,6 +89,11 @@ def _leading(items: Any, pred: Any) -> Any:
         yield x
 
 
+# Consumer requests after which a kv_both instance that keeps the staging's
+# blocks and never prefilled for a decode is told to start as kv_consumer.
+DECODE_ONLY_HINT_AFTER = 64
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -161,6 +166,10 @@ class PdScheduler:
         # (bind_block_pool), as runs; [] when none.
         self.staging_runs: list[tuple[int, int]] = []
         self._pool_seen = False  # bind_block_pool was called (before the first step)
+        # Requests this instance prefilled for a decode / decoded with KV from
+        # a prefill: a kv_both instance that keeps the staging's blocks and
+        # only ever decodes is told once to start as kv_consumer.
+        self._served = {PRODUCER: 0, CONSUMER: 0}
         # Refusals are client-driven: a flood of them must not flood the log.
         self._refusal_log = RateLimitedLog(logger)
         if MOONCAKE in config.dialects:
@@ -323,9 +332,17 @@ class PdScheduler:
         rid = request.request_id
         if p.role == PRODUCER and rid not in self._producers:
             self._producers[rid] = _Producer(p.request, p.capability, p.decode_tp, len(request.prompt_token_ids or ()))
+            self._served[PRODUCER] += 1
             return
         if p.role != CONSUMER or num_external_tokens <= 0 or rid in self._consumers:
             return
+        self._served[CONSUMER] += 1
+        if self._served[CONSUMER] == DECODE_ONLY_HINT_AFTER and not self._served[PRODUCER] and self.staging_runs:
+            logger.warning(
+                "OrbitKV: this instance decoded %d requests and prefilled none for a decode, yet keeps %d of its KV "
+                "cache blocks for a source staging only a prefill uses (orbitkv.pd.staging_memory kv_cache): start "
+                "an instance that only decodes with kv_role kv_consumer (or orbitkv.pd.staging_mb 0) to give vLLM "
+                "those blocks", DECODE_ONLY_HINT_AFTER, sum(e - b for b, e in self.staging_runs))
         if self.groups.count == 1:
             all_ids = blocks.get_block_ids()[0]
             fresh = blocks.get_unhashed_block_ids()
