@@ -166,10 +166,12 @@ class PdScheduler:
         # (bind_block_pool), as runs; [] when none.
         self.staging_runs: list[tuple[int, int]] = []
         self._pool_seen = False  # bind_block_pool was called (before the first step)
-        # Requests this instance prefilled for a decode / decoded with KV from
-        # a prefill: a kv_both instance that keeps the staging's blocks and
-        # only ever decodes is told once to start as kv_consumer.
-        self._served = {PRODUCER: 0, CONSUMER: 0}
+        # Whether this instance prefilled for a decode, and how many requests
+        # it decoded with KV from a prefill: a kv_both instance that keeps the
+        # staging's blocks and only ever decodes is told once to start as
+        # kv_consumer.
+        self._prefilled = False
+        self._decoded = 0
         # Refusals are client-driven: a flood of them must not flood the log.
         self._refusal_log = RateLimitedLog(logger)
         if MOONCAKE in config.dialects:
@@ -332,12 +334,12 @@ class PdScheduler:
         rid = request.request_id
         if p.role == PRODUCER and rid not in self._producers:
             self._producers[rid] = _Producer(p.request, p.capability, p.decode_tp, len(request.prompt_token_ids or ()))
-            self._served[PRODUCER] += 1
+            self._prefilled = True
             return
         if p.role != CONSUMER or num_external_tokens <= 0 or rid in self._consumers:
             return
-        self._served[CONSUMER] += 1
-        if self._served[CONSUMER] == DECODE_ONLY_HINT_AFTER and not self._served[PRODUCER] and self.staging_runs:
+        self._decoded += 1
+        if self._decoded == DECODE_ONLY_HINT_AFTER and not self._prefilled and self.staging_runs:
             logger.warning(
                 "OrbitKV: this instance decoded %d requests and prefilled none for a decode, yet keeps %d of its KV "
                 "cache blocks for a source staging only a prefill uses (orbitkv.pd.staging_memory kv_cache): start "

@@ -361,7 +361,8 @@ class PdWorker:
             # vLLM's pool hands out its lowest IDs first: before any request
             # that is one run from block 1 (0 is its null block), and the
             # copier's KV views then start past it (StagingCopier.keep_out).
-            if len(block_runs) != 1 or block_runs[0][0] != 1 or self._copier is None:
+            assert self._copier is not None  # made at registration for a later staging
+            if len(block_runs) != 1 or block_runs[0][0] != 1:
                 raise ValueError(f"blocks {block_runs} are not one run from block 1")
             segs = kv_segments(self._layout, block_runs, self._kv_storages.items())
             self._copier.keep_out(block_runs[0][1])
