@@ -45,6 +45,10 @@ impl Mark for Reached {
     fn wait(&mut self) -> Result<(), String> {
         Ok(())
     }
+
+    fn poll(&mut self) -> Option<Result<(), String>> {
+        Some(Ok(()))
+    }
 }
 use orbitkv::{Handshake, Notice, Notification, Outcome, ProducerRank, RequestId, Runtime};
 use support::{cap, scattered_blocks, InstantTransport, REQUEST_BLOCKS};

@@ -276,3 +276,91 @@ fn writes_the_gpu_already_wrote_go_before_a_write_still_waiting_for_the_gpu() {
     assert_eq!((s.layers_written, s.write_batches), (4, 3), "{s:?}");
     assert_eq!(producer.writes_queued(), 0);
 }
+
+/// When no writer lane of a peer is free, a write goes to a lane parked on
+/// the GPU (nothing in flight: it sends a write whose layer the GPU wrote
+/// at once) before one with a batch in Mooncake (which sends it only once
+/// that batch ended). Two lanes: lane 0 holds `busy`'s batch in flight,
+/// lane 1 parks on `computing`'s unreached mark; `ready`'s layer, written
+/// long ago, must be submitted while lane 0's batch is still held (before,
+/// the pick went to the next lane in turn: lane 0, behind the held batch).
+#[test]
+fn with_no_lane_free_a_write_goes_to_a_lane_parked_on_the_gpu_not_one_in_mooncake() {
+    use orbitkv::actors::prefill::gate::GateCall;
+    let layout = KvLayout::packed(0x10_0000, 2, 16, 4096, (0, 1), 1);
+    let cfg = RuntimeConfig {
+        writer_lanes_per_peer: 2,
+        ..RuntimeConfig::default()
+    };
+    let (producer, wire, consumer) = orbitkv::testing::held_fake_pair(&layout, cfg);
+    let open = |name: &str, src: [u32; 2], dst: [u32; 2]| {
+        let req = RequestId::new(name);
+        let hs = orbitkv::testing::open_both(&producer, &consumer, &req, &src, &dst);
+        producer.producer_handshake(hs).unwrap();
+        req
+    };
+    let busy = open("busy", [0, 1], [0, 1]);
+    let computing = open("computing", [2, 3], [2, 3]);
+    let ready = open("ready", [4, 5], [4, 5]);
+    // lane 0 (the first free in turn): `busy`'s layer 0, held in Mooncake
+    producer.layer_ready(&busy, 0, 0..2).unwrap();
+    wire.wait_submits(1);
+    // lane 1 (free): `computing`'s layer 0 behind a mark not reached: parks
+    let (reach, mark) = crossbeam_channel::bounded(1);
+    producer.layers_ready_after(
+        Some(Box::new(Hand(mark))),
+        vec![GateCall::Ready {
+            request: computing.clone(),
+            layer: 0,
+            blocks: 0..2,
+        }],
+    );
+    until("the write behind the mark queued", || {
+        producer.writes_queued() == 1
+    });
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(wire.submits(), 1);
+    // no lane is free: `ready`'s layer goes to the parked lane, at once
+    producer.layer_ready(&ready, 0, 0..2).unwrap();
+    until("the ready write submitted beside the held batch", || {
+        wire.submits() == 2
+    });
+    let ready_dst: Vec<u64> = layout.layers[0]
+        .planes
+        .iter()
+        .flat_map(|p| [4, 5].map(|b| p.block_addr(b)))
+        .collect();
+    let sent: Vec<u64> = wire.submitted()[1..].iter().map(|r| r.dst).collect();
+    assert!(
+        sent.iter().all(|d| ready_dst.contains(d)),
+        "the second batch is the ready write: {sent:x?}"
+    );
+    assert_eq!(producer.stats().writes_ahead_of_gpu, 1);
+    // everything ends well
+    reach.send(()).unwrap();
+    wire.hold(false);
+    for req in [&busy, &computing, &ready] {
+        producer.layer_ready(req, 1, 0..2).unwrap();
+        producer.producer_finish(req).unwrap();
+    }
+    // (in any order: each release is taken as it comes)
+    let mut released = std::collections::BTreeMap::new();
+    while released.len() < 3 {
+        let ev = orbitkv::testing::wait_for(&producer, "the three releases", |e| {
+            matches!(e, orbitkv::RuntimeEvent::ProducerReleased { .. })
+        });
+        if let orbitkv::RuntimeEvent::ProducerReleased {
+            request,
+            outcome,
+            reason,
+            ..
+        } = ev
+        {
+            released.insert(request.to_string(), (outcome, reason));
+        }
+    }
+    for (req, (outcome, why)) in &released {
+        assert_eq!(*outcome, Outcome::Done, "{req}: {why:?}");
+    }
+    assert_eq!(producer.writes_queued(), 0);
+}

@@ -294,3 +294,103 @@ fn a_finished_requests_notice_does_not_wait_behind_a_lane_blocked_on_the_gpu() {
     consumer.runtime.consumer_release(&done).unwrap();
     consumer.runtime.consumer_release(&blocked).unwrap();
 }
+
+/// A writer lane whose front write waits for the GPU does not wait with it:
+/// it parks and keeps taking writes. Under load the GPU runs a step or more
+/// behind the worker, and a request whose prefill already ran (decode
+/// authorized it late) hands its layers to a lane that may be waiting for
+/// another request's next layer. Before, the lane blocked on that mark on
+/// its own thread, and the late request's writes, arriving meanwhile, sat
+/// in its inbox until the GPU reached the mark; now they are written while
+/// the mark is still not reached. One lane, so both requests share it.
+#[test]
+fn a_write_that_reaches_a_lane_waiting_for_the_gpu_is_written_at_once() {
+    let cfg = orbitkv::RuntimeConfig {
+        writer_lanes_per_peer: 1,
+        consumer_timeout: Duration::from_secs(20),
+        ..orbitkv::RuntimeConfig::default()
+    };
+    let producer = orbitkv::testing::host_rank_with(2, 8, 4096, (0, 1), 2, |i| (i % 127) as u8, cfg);
+    let consumer = rank(2, 8, 4096, (0, 1), 2, |_| GUARD);
+    let (p, c) = (&producer.runtime, &consumer.runtime);
+    let computing = RequestId::new("gate-computing");
+    let late = RequestId::new("gate-late");
+    let hs = orbitkv::testing::open_both(p, c, &computing, &[1, 2], &[3, 4]);
+    p.producer_handshake(hs).unwrap();
+    // `late`'s prefill ran (its layers behind a mark the GPU reached, and
+    // finished); decode has not authorized it yet.
+    let late_hs = orbitkv::testing::open_both(p, c, &late, &[5, 6], &[0, 7]);
+    let (reach_late, late_mark) = hand();
+    reach_late.send(Ok(())).unwrap();
+    p.layers_ready_after(
+        Some(late_mark),
+        vec![
+            ready(&late, 0, 2),
+            ready(&late, 1, 2),
+            GateCall::Finish {
+                request: late.clone(),
+            },
+        ],
+    );
+    // `computing`'s layer 0, behind a mark the GPU has not reached: the
+    // lane's only write, at its front.
+    let (reach, mark) = hand();
+    p.layers_ready_after(Some(mark), vec![ready(&computing, 0, 2)]);
+    // Give the lane time to take it and (before) block on its mark.
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(p.stats().bytes_written, 0);
+
+    // decode authorizes `late` now: both its layers reach the lane behind
+    // the write that waits for the GPU, and go at once.
+    p.producer_handshake(late_hs.clone()).unwrap();
+    match next(c, Duration::from_secs(5)) {
+        Some(RuntimeEvent::ConsumerCompleted {
+            request, generation, ..
+        }) => assert_eq!((request, generation), (late.clone(), late_hs.generation)),
+        other => panic!("the late request waited behind the lane's GPU wait: {other:?}"),
+    }
+    for l in 0..2 {
+        assert_eq!(block(&consumer, l, 0), block(&producer, l, 5), "layer {l}");
+        assert_eq!(block(&consumer, l, 7), block(&producer, l, 6), "layer {l}");
+        for b in [3, 4] {
+            assert!(
+                block(&consumer, l, b).iter().all(|&x| x == GUARD),
+                "layer {l} block {b} written before its mark"
+            );
+        }
+    }
+    let s = p.stats();
+    assert!(
+        s.writes_ahead_of_gpu >= 1,
+        "sent ahead of the parked write: {s:?}"
+    );
+    assert_eq!(s.layers_written, 2, "{s:?}");
+
+    // The GPU reaches the mark: the parked write goes, the request ends.
+    reach.send(Ok(())).unwrap();
+    p.layers_ready_after(
+        None,
+        vec![
+            ready(&computing, 1, 2),
+            GateCall::Finish {
+                request: computing.clone(),
+            },
+        ],
+    );
+    match next(c, Duration::from_secs(20)) {
+        Some(RuntimeEvent::ConsumerCompleted { request, .. }) => assert_eq!(request, computing),
+        other => panic!("expected the parked request complete, got {other:?}"),
+    }
+    for l in 0..2 {
+        assert_eq!(block(&consumer, l, 3), block(&producer, l, 1), "layer {l}");
+        assert_eq!(block(&consumer, l, 4), block(&producer, l, 2), "layer {l}");
+    }
+    let s = p.stats();
+    assert!(
+        s.write_gpu_wait_micros >= 100_000,
+        "the park counts as GPU wait: {s:?}"
+    );
+    assert_eq!(p.writes_queued(), 0);
+    c.consumer_release(&late).unwrap();
+    c.consumer_release(&computing).unwrap();
+}

@@ -76,8 +76,10 @@ pub struct Stats {
     /// submitted, in µs: the part of `layer_write_micros` spent queued
     /// (behind the lane's batch in flight, or behind the GPU).
     pub write_queue_micros: Counter,
-    /// Sum of the time writer lanes were blocked waiting for the GPU to
-    /// write the layer at the front of their queue, in µs.
+    /// Sum of the time writer lanes were parked on the GPU, in µs: from a
+    /// lane finding the layer at the front of its queue not yet written
+    /// with nothing else ready, to that layer's mark judged (a parked lane
+    /// still sends what comes ready meanwhile).
     pub write_gpu_wait_micros: Counter,
     /// Group commits that passed over a queued write whose layer the GPU
     /// had not written yet (it goes in a later batch).

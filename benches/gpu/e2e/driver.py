@@ -3023,8 +3023,8 @@ def report(d: Path) -> str:
                       "written and the part of it queued before its first batch, decode's authorization → KV "
                       "complete; group commits ended by the lane's budget / that passed over a layer the GPU had not "
                       "written / writes sent ahead of one waiting for the GPU; "
-                      "the submit call per range in µs; seconds the writer lanes spent blocked on the GPU, all "
-                      "lanes together; staging: layers written from source staging / decode's grants / requests "
+                      "the submit call per range in µs; seconds the writer lanes spent parked on the GPU with "
+                      "nothing else to send, all lanes together; staging: layers written from source staging / decode's grants / requests "
                       "that found decode's staging full; pieces: layers of a chunk that found no room in the source "
                       "region / requests whose pages went back to vLLM before their writes.", "",
                       "| system | layers admitted | launched → admitted | batches | writes grouped | stops: budget / GPU / ahead "

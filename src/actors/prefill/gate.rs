@@ -12,8 +12,18 @@
 //! (worker → system thread → writer lane, as on CPU). Nothing here holds
 //! Python's lock, and the worker never waits.
 //!
-//! Marks are waited for in the order they were pushed, by whichever writer
-//! needs one first (one at a time); a mark reached stays reached. A mark
+//! A writer lane never blocks on a mark: it checks it without blocking
+//! ([`LayerMarks::try_reached`]) and, when its front write's layer is not
+//! written yet and nothing behind it can go, it *parks*: it asks to be
+//! woken once the mark is reached ([`LayerMarks::wake_when_reached`]) and
+//! goes back to its inbox, so a write that comes ready meanwhile (another
+//! request's layer the GPU wrote long ago) goes out at once instead of
+//! waiting behind the GPU. One thread of the runtime (`orbitkv-mark-watch`,
+//! started by the first lane that parks, so never on CPU) waits for the
+//! marks lanes parked on, in push order, and wakes them.
+//!
+//! Marks are waited for in the order they were pushed, by one thread at a
+//! time; a mark reached stays reached. A mark
 //! that cannot be waited for (a CUDA error) fails the writes tagged with
 //! it (their requests fail: the consumer is told, nothing unwritten is
 //! reported as written); marks before and after it are judged on their
@@ -25,10 +35,10 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
-use std::time::Instant;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
 
-use parking_lot::Mutex;
+use parking_lot::{Condvar, Mutex};
 
 use crate::actors::stats::Stats;
 use crate::ids::RequestId;
@@ -100,8 +110,34 @@ pub struct LayerMarks {
     waiter: Mutex<()>,
     /// Marks whose wait failed, with the reason (the newest [`FAILED_KEPT`]).
     failed: Mutex<BTreeMap<MarkSeq, String>>,
+    /// Who is to be woken when which mark is reached, and the thread that
+    /// waits for them.
+    watch: Arc<Watch>,
     stats: Arc<Stats>,
 }
+
+/// A wake asked for by a parked writer lane.
+pub type Wake = Box<dyn FnOnce() + Send>;
+
+/// The wakes of [`LayerMarks::wake_when_reached`], shared with the watcher
+/// thread (which holds the marks themselves only while it waits for one).
+struct Watch {
+    state: Mutex<WatchState>,
+    asked: Condvar,
+}
+
+#[derive(Default)]
+struct WatchState {
+    wakes: Vec<(MarkSeq, Wake)>,
+    /// The watcher thread was started.
+    started: bool,
+    /// The marks were dropped: the watcher ends.
+    stop: bool,
+}
+
+/// How long the idle watcher sleeps between checks that its marks still
+/// exist (it is also woken when they are dropped).
+const WATCH_IDLE: Duration = Duration::from_millis(500);
 
 impl std::fmt::Debug for LayerMarks {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -122,8 +158,40 @@ impl LayerMarks {
             reached: AtomicU64::new(0),
             waiter: Mutex::new(()),
             failed: Mutex::new(BTreeMap::new()),
+            watch: Arc::new(Watch {
+                state: Mutex::new(WatchState::default()),
+                asked: Condvar::new(),
+            }),
             stats,
         }
+    }
+
+    /// Calls `wake` once mark `seq` (and every mark before it) was judged —
+    /// reached, or its wait failed — on the watcher thread, or at once on
+    /// this thread when it already was. Never blocks on the GPU: a writer
+    /// lane parks with it instead of waiting for its front write's mark, and
+    /// keeps sending what comes ready meanwhile. `wake` must not block (it
+    /// sends a message).
+    pub fn wake_when_reached(self: &Arc<Self>, seq: MarkSeq, wake: Wake) {
+        let mut w = self.watch.state.lock();
+        // Checked under the watch lock, which the watcher takes after every
+        // mark it judged: a wake is either due now or seen by it.
+        if self.reached() >= seq {
+            drop(w);
+            wake();
+            return;
+        }
+        w.wakes.push((seq, wake));
+        if !w.started {
+            w.started = true;
+            let (marks, watch) = (Arc::downgrade(self), self.watch.clone());
+            std::thread::Builder::new()
+                .name("orbitkv-mark-watch".into())
+                .spawn(move || watch_marks(&marks, &watch))
+                .expect("spawn the layer mark watcher thread");
+        }
+        drop(w);
+        self.watch.asked.notify_one();
     }
 
     /// Numbers `mark` (after every mark pushed before). Never blocks on the
@@ -226,6 +294,50 @@ impl LayerMarks {
         match self.failed.lock().get(&seq) {
             Some(reason) => Err(reason.clone()),
             None => Ok(()),
+        }
+    }
+}
+
+impl Drop for LayerMarks {
+    fn drop(&mut self) {
+        self.watch.state.lock().stop = true;
+        self.watch.asked.notify_one();
+    }
+}
+
+/// The watcher thread: while a lane is parked, waits for the oldest mark
+/// not yet judged (one at a time, in push order, as [`LayerMarks::wait_for`]
+/// does) and wakes every lane parked on a mark judged by then. Holds the
+/// marks only during a wait; ends when they are dropped.
+fn watch_marks(marks: &Weak<LayerMarks>, watch: &Watch) {
+    loop {
+        {
+            let mut w = watch.state.lock();
+            while w.wakes.is_empty() {
+                if w.stop || marks.strong_count() == 0 {
+                    return;
+                }
+                watch.asked.wait_for(&mut w, WATCH_IDLE);
+            }
+        }
+        let Some(m) = marks.upgrade() else { return };
+        let before = m.reached();
+        let _ = m.wait_for(before + 1);
+        let reached = m.reached();
+        // Nothing pushed was left to wait for (a number from elsewhere):
+        // every wake is due, its lane finds its mark judged.
+        let all = reached == before && m.outstanding() == 0;
+        drop(m);
+        let due: Vec<Wake> = {
+            let mut w = watch.state.lock();
+            let (due, keep) = std::mem::take(&mut w.wakes)
+                .into_iter()
+                .partition(|(seq, _)| all || *seq <= reached);
+            w.wakes = keep;
+            due.into_iter().map(|(_, wake)| wake).collect()
+        };
+        for wake in due {
+            wake();
         }
     }
 }
@@ -351,6 +463,95 @@ mod tests {
         let c = marks.push(c);
         let _w = marks.waiter.lock();
         assert_eq!(marks.try_reached(c), None);
+    }
+
+    /// A wake that says on `tx` which mark it was asked for.
+    fn wake_to(tx: &crossbeam_channel::Sender<MarkSeq>, seq: MarkSeq) -> Wake {
+        let tx = tx.clone();
+        Box::new(move || {
+            let _ = tx.send(seq);
+        })
+    }
+
+    #[test]
+    fn a_parked_lane_is_woken_once_its_mark_is_judged_and_never_before() {
+        let marks = Arc::new(LayerMarks::new(Arc::new(Stats::default())));
+        let waits = Arc::new(AtomicU64::new(0));
+        let (tx, woken) = crossbeam_channel::unbounded();
+        // Reached already: woken at once, on the caller's thread, no thread.
+        let (_c0, m0) = fake(&waits, Some(Ok(())));
+        let a = marks.push(m0);
+        assert_eq!(marks.try_reached(a), Some(Ok(())));
+        marks.wake_when_reached(a, wake_to(&tx, a));
+        assert_eq!(woken.try_recv(), Ok(a));
+        assert!(
+            !marks.watch.state.lock().started,
+            "no watcher for a mark already reached"
+        );
+
+        // Three marks the GPU has not reached; wakes asked out of order.
+        let gates: Vec<_> = (0..3)
+            .map(|_| crossbeam_channel::bounded::<Result<(), String>>(1))
+            .collect();
+        struct Gate(crossbeam_channel::Receiver<Result<(), String>>);
+        impl Mark for Gate {
+            fn wait(&mut self) -> Result<(), String> {
+                self.0.recv().map_err(|e| e.to_string())?
+            }
+        }
+        let seqs: Vec<MarkSeq> = gates
+            .iter()
+            .map(|(_, rx)| marks.push(Box::new(Gate(rx.clone()))))
+            .collect();
+        marks.wake_when_reached(seqs[2], wake_to(&tx, seqs[2]));
+        marks.wake_when_reached(seqs[0], wake_to(&tx, seqs[0]));
+        let quiet = std::time::Duration::from_millis(50);
+        assert!(
+            woken.recv_timeout(quiet).is_err(),
+            "nothing is woken before its mark"
+        );
+        // The first mark reached wakes its lane only.
+        gates[0].0.send(Ok(())).unwrap();
+        assert_eq!(woken.recv_timeout(std::time::Duration::from_secs(5)), Ok(seqs[0]));
+        assert!(
+            woken.recv_timeout(quiet).is_err(),
+            "the later mark is not reached"
+        );
+        // A failed wait wakes too (the lane then finds the failure), and
+        // the marks after it are judged on their own.
+        gates[1].0.send(Err("CUDA error 700".into())).unwrap();
+        gates[2].0.send(Ok(())).unwrap();
+        assert_eq!(woken.recv_timeout(std::time::Duration::from_secs(5)), Ok(seqs[2]));
+        assert_eq!(marks.try_reached(seqs[1]), Some(Err("CUDA error 700".into())));
+        assert_eq!(marks.try_reached(seqs[2]), Some(Ok(())));
+        // A number never pushed wakes at once (nothing to wait for).
+        marks.wake_when_reached(99, wake_to(&tx, 99));
+        assert_eq!(woken.recv_timeout(std::time::Duration::from_secs(5)), Ok(99));
+        assert_eq!(marks.outstanding(), 0);
+    }
+
+    #[test]
+    fn the_watcher_ends_when_its_marks_are_dropped() {
+        let marks = Arc::new(LayerMarks::new(Arc::new(Stats::default())));
+        let (tx, woken) = crossbeam_channel::unbounded();
+        let waits = Arc::new(AtomicU64::new(0));
+        let (cell, m) = fake(&waits, None);
+        let seq = marks.push(m);
+        *cell.0.lock() = Some(Ok(()));
+        marks.wake_when_reached(seq, wake_to(&tx, seq));
+        // `fake` waits return at once: the watcher judged it (or the caller
+        // did, if it was reached when asked).
+        assert_eq!(woken.recv_timeout(std::time::Duration::from_secs(5)), Ok(seq));
+        let watch = marks.watch.clone();
+        assert!(watch.state.lock().started);
+        drop(marks);
+        assert!(watch.state.lock().stop);
+        // The thread let go of its share of the watch state.
+        let deadline = Instant::now() + std::time::Duration::from_secs(5);
+        while Arc::strong_count(&watch) > 1 {
+            assert!(Instant::now() < deadline, "the watcher thread did not end");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
     }
 
     #[test]

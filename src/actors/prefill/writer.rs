@@ -13,7 +13,12 @@
 //! writer's thread as a `WriteLayer` message. Completions always come back
 //! through the writer's thread (poller → writer → producer; the writer runs
 //! the producer's bookkeeping of the write itself when the producer is
-//! idle, see `WriterReports` in [`super::producer`]).
+//! idle, see `WriterReports` in [`super::producer`]). On a GPU a writer
+//! never waits for a layer mark on its thread: with nothing it can send, it
+//! parks on its front write's mark and the mark watcher
+//! ([`super::gate::LayerMarks::wake_when_reached`]) wakes it with
+//! [`MarkReached`]; meanwhile it keeps taking writes and sends those whose
+//! layer the GPU already wrote.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -237,6 +242,9 @@ pub struct LaneRef(Arc<LaneCell>);
 struct LaneState {
     jobs: HashMap<u64, Job>,
     queue: VecDeque<u64>,
+    /// The mark the front write waits for, with nothing else ready, and
+    /// since when the lane has been parked ([`LaneCell::park`]).
+    parked: Option<(MarkSeq, Instant)>,
     /// Batch token -> the batch in flight.
     pending: HashMap<u64, Batch>,
     /// The ranges of a batch that carries several writes (reused).
@@ -310,6 +318,16 @@ impl LaneCell {
                 .is_some_and(|st| st.pending.is_empty() && st.queue.is_empty())
     }
 
+    /// Parked on the GPU with no batch in flight and nothing on its way
+    /// (its lock taken by someone else counts as not).
+    fn parked(&self) -> bool {
+        self.actor.pending() == 0
+            && self
+                .actor
+                .try_lock()
+                .is_some_and(|st| st.parked.is_some() && st.pending.is_empty())
+    }
+
     /// Nothing on its way to this lane, queued, or in flight (its lock
     /// taken by someone else counts as busy).
     fn idle(&self) -> bool {
@@ -372,40 +390,47 @@ impl LaneCell {
                 break;
             }
             let front_mark = job.after;
-            if job.failed.is_none()
-                && job.next == 0
-                && front_mark != 0
-                && self.lane.marks.try_reached(front_mark).is_none()
-            {
-                // On a GPU: not before the kernels that wrote the layer ran.
-                // While they run, a write queued behind whose layer the GPU
-                // already wrote (its decode authorized late, or no mark)
-                // goes first: the lane sends what it can instead of waiting.
-                // Two writes into the same bytes are never queued together
-                // (rule 8 holds the later one in its producer), so only
-                // their order to decode's pages changes, never their bytes.
-                if let Some(pos) = self.ready_behind(st, front_mark) {
-                    let ahead = st.queue.remove(pos).expect("a queued job");
-                    st.queue.push_front(ahead);
-                    self.lane.stats.writes_ahead_of_gpu.inc();
-                    continue;
+            if job.failed.is_none() && job.next == 0 && front_mark != 0 {
+                match self.lane.marks.try_reached(front_mark) {
+                    Some(verdict) => {
+                        if let Err(reason) = verdict {
+                            job.failed = Some(format!("GPU event wait failed: {reason}"));
+                        }
+                        job.after = 0;
+                        if let Some((_, since)) = st.parked.take() {
+                            self.lane
+                                .stats
+                                .write_gpu_wait_micros
+                                .add(since.elapsed().as_micros() as u64);
+                        }
+                    }
+                    None => {
+                        // On a GPU: not before the kernels that wrote the
+                        // layer ran. While they run, a write queued behind
+                        // whose layer the GPU already wrote (its decode
+                        // authorized late, or no mark) goes first: the lane
+                        // sends what it can instead of waiting. Two writes
+                        // into the same bytes are never queued together
+                        // (rule 8 holds the later one in its producer), so
+                        // only their order to decode's pages changes, never
+                        // their bytes.
+                        if let Some(pos) = self.ready_behind(st, front_mark) {
+                            let ahead = st.queue.remove(pos).expect("a queued job");
+                            st.queue.push_front(ahead);
+                            self.lane.stats.writes_ahead_of_gpu.inc();
+                            continue;
+                        }
+                        // Nothing ready: the lane parks (it never waits for
+                        // the GPU on its thread, nor under its lock) and
+                        // goes back to its inbox; a write that reaches it
+                        // meanwhile and can go is sent ahead at once, and the
+                        // watcher wakes it when the mark is reached.
+                        self.park(st, front_mark);
+                        break;
+                    }
                 }
             }
             let job = st.jobs.get_mut(&id).expect("queued job exists");
-            if job.failed.is_none() && job.next == 0 && job.after != 0 {
-                // Nothing ready behind it (or its layer written by now):
-                // this lane waits (what reaches the lane meanwhile waits in
-                // its inbox; later writes were launched later still).
-                let waiting = Instant::now();
-                if let Err(reason) = self.lane.marks.wait_for(job.after) {
-                    job.failed = Some(format!("GPU event wait failed: {reason}"));
-                }
-                self.lane
-                    .stats
-                    .write_gpu_wait_micros
-                    .add(waiting.elapsed().as_micros() as u64);
-                job.after = 0;
-            }
             if job.failed.is_some() || job.next == job.ranges.len() {
                 st.queue.pop_front();
                 self.maybe_finish(st, id);
@@ -545,6 +570,21 @@ impl LaneCell {
         }
     }
 
+    /// Parks the lane on `mark` (its front write's, not reached): the mark
+    /// watcher sends it [`MarkReached`] once the GPU wrote that layer. Asked
+    /// once per mark; a stale wake only runs the pump again.
+    fn park(&self, st: &mut LaneState, mark: MarkSeq) {
+        if st.parked.is_some_and(|(m, _)| m == mark) {
+            return;
+        }
+        let since = st.parked.map_or_else(Instant::now, |(_, since)| since);
+        st.parked = Some((mark, since));
+        let addr = self.actor.addr().clone();
+        self.lane
+            .marks
+            .wake_when_reached(mark, Box::new(move || addr.do_send(MarkReached(mark))));
+    }
+
     /// Whether the GPU wrote the layer of a write marked `after` (`0`: no
     /// mark), without blocking.
     fn gpu_wrote(marks: &LayerMarks, after: MarkSeq) -> bool {
@@ -633,6 +673,29 @@ impl Handler<WriteLayer> for LayerWriter {
     }
 }
 
+/// The mark a parked lane waits for was judged (from the mark watcher).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct MarkReached(pub MarkSeq);
+
+impl Handler<MarkReached> for LayerWriter {
+    type Result = ();
+    fn handle(&mut self, msg: MarkReached, _ctx: &mut Context<Self>) {
+        let cell = &self.cell;
+        let mut st = cell.actor.lock();
+        // A wake for the mark parked on (or a later one) ends the park; the
+        // pump then finds the front write's mark judged. A stale wake (the
+        // lane parked on a later mark since) only runs the pump.
+        if let Some((_, since)) = st.parked.take_if(|(mark, _)| *mark <= msg.0) {
+            cell.lane
+                .stats
+                .write_gpu_wait_micros
+                .add(since.elapsed().as_micros() as u64);
+        }
+        cell.pump(&mut st);
+    }
+}
+
 impl Handler<BatchFinished> for LayerWriter {
     type Result = ();
     fn handle(&mut self, msg: BatchFinished, _ctx: &mut Context<Self>) {
@@ -694,10 +757,11 @@ impl Handler<SendNotice> for LayerWriter {
 /// on several threads, and, with the NVLink transport, on as many CUDA
 /// streams (Mooncake keeps one per submitting thread and reports a batch
 /// done only when its stream is idle). Notices go to a lane of their own
-/// (one more writer per peer that takes no write): a writer lane blocks
-/// while the GPU has not yet written the layer at the front of its queue,
-/// and a finished request's notice must not wait behind that (under load,
-/// for as long as the GPU lags behind the worker). A producer sends its
+/// (one more writer per peer that takes no write): a writer lane's thread
+/// may be in a Mooncake submit, and a finished request's notice must not
+/// wait behind another request's writes (before lanes parked on the GPU,
+/// it also waited behind a lane blocked on a layer mark, for as long as
+/// the GPU lagged behind the worker). A producer sends its
 /// notice only after every write it admitted ended, whatever lane carried
 /// them, so it needs no order with the writes.
 ///
@@ -832,6 +896,7 @@ impl WriterPool {
                     actor: ActorCell::new(LaneState {
                         jobs: HashMap::new(),
                         queue: VecDeque::new(),
+                        parked: None,
                         pending: HashMap::new(),
                         grouped: Vec::new(),
                         next_token: 1,
@@ -868,13 +933,18 @@ impl WriterPool {
     /// The writer for the next write among `lanes` (one peer's, from
     /// [`Self::lanes`]): the first free one (no batch in flight, nothing
     /// queued or on its way) from the lanes in turn, counted over every
-    /// producer of the pool; when none is free, the next in turn.
+    /// producer of the pool; when none is free, the first parked one (no
+    /// batch in flight: its queue waits for the GPU, and a write whose
+    /// layer the GPU wrote goes out at once there, where a lane with a batch
+    /// in Mooncake sends it only once that batch ended); else the next in
+    /// turn.
     pub fn pick<'a>(&self, lanes: &'a [LaneRef]) -> &'a LaneRef {
         let start = self.next_lane.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let n = lanes.len();
-        (0..n)
-            .map(|k| &lanes[(start + k) % n])
+        let in_turn = || (0..n).map(|k| &lanes[(start + k) % n]);
+        in_turn()
             .find(|l| l.0.free())
+            .or_else(|| in_turn().find(|l| l.0.parked()))
             .unwrap_or(&lanes[start % n])
     }
 

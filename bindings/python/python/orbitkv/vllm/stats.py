@@ -257,7 +257,8 @@ _SECONDS = {
     ),
     "write_gpu_wait_micros": (
         "vllm:orbitkv_write_gpu_wait_seconds",
-        "Time writer lanes were blocked waiting for the GPU to write the layer at the front of their queue.",
+        "Time writer lanes were parked waiting for the GPU to write the layer at the front of their queue, with "
+        "nothing else ready to send (a parked lane still sends writes that come ready meanwhile).",
     ),
 }
 
