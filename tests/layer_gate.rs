@@ -305,9 +305,22 @@ fn a_finished_requests_notice_does_not_wait_behind_a_lane_blocked_on_the_gpu() {
 /// the mark is still not reached. One lane, so both requests share it.
 #[test]
 fn a_write_that_reaches_a_lane_waiting_for_the_gpu_is_written_at_once() {
+    late_write_behind_a_lane_waiting_for_the_gpu(true);
+}
+
+/// `lanes_park_on_gpu: false` (`orbitkv.pd.gpu_wait` `block`, kept for A/B
+/// runs) is the lane before: the late request waits for the other's mark,
+/// and both end well once it is reached.
+#[test]
+fn a_lane_told_to_block_on_the_gpu_holds_a_late_write_until_the_mark() {
+    late_write_behind_a_lane_waiting_for_the_gpu(false);
+}
+
+fn late_write_behind_a_lane_waiting_for_the_gpu(park: bool) {
     let cfg = orbitkv::RuntimeConfig {
         writer_lanes_per_peer: 1,
         consumer_timeout: Duration::from_secs(20),
+        lanes_park_on_gpu: park,
         ..orbitkv::RuntimeConfig::default()
     };
     let producer = orbitkv::testing::host_rank_with(2, 8, 4096, (0, 1), 2, |i| (i % 127) as u8, cfg);
@@ -336,22 +349,33 @@ fn a_write_that_reaches_a_lane_waiting_for_the_gpu_is_written_at_once() {
     // lane's only write, at its front.
     let (reach, mark) = hand();
     p.layers_ready_after(Some(mark), vec![ready(&computing, 0, 2)]);
-    // Give the lane time to take it and (before) block on its mark.
+    // Give the lane time to take it and park (or block) on its mark.
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(p.stats().bytes_written, 0);
 
     // decode authorizes `late` now: both its layers reach the lane behind
-    // the write that waits for the GPU, and go at once.
+    // the write that waits for the GPU.
     p.producer_handshake(late_hs.clone()).unwrap();
-    match next(c, Duration::from_secs(5)) {
-        Some(RuntimeEvent::ConsumerCompleted {
-            request, generation, ..
-        }) => assert_eq!((request, generation), (late.clone(), late_hs.generation)),
-        other => panic!("the late request waited behind the lane's GPU wait: {other:?}"),
+    if park {
+        // they go at once
+        match next(c, Duration::from_secs(5)) {
+            Some(RuntimeEvent::ConsumerCompleted {
+                request, generation, ..
+            }) => assert_eq!((request, generation), (late.clone(), late_hs.generation)),
+            other => panic!("the late request waited behind the lane's GPU wait: {other:?}"),
+        }
+        let s = p.stats();
+        assert!(
+            s.writes_ahead_of_gpu >= 1,
+            "sent ahead of the parked write: {s:?}"
+        );
+        assert_eq!(s.layers_written, 2, "{s:?}");
+    } else {
+        // they wait in the blocked lane's inbox until the mark
+        assert_eq!(next(c, Duration::from_millis(300)), None);
+        assert_eq!(p.stats().bytes_written, 0);
     }
     for l in 0..2 {
-        assert_eq!(block(&consumer, l, 0), block(&producer, l, 5), "layer {l}");
-        assert_eq!(block(&consumer, l, 7), block(&producer, l, 6), "layer {l}");
         for b in [3, 4] {
             assert!(
                 block(&consumer, l, b).iter().all(|&x| x == GUARD),
@@ -359,14 +383,8 @@ fn a_write_that_reaches_a_lane_waiting_for_the_gpu_is_written_at_once() {
             );
         }
     }
-    let s = p.stats();
-    assert!(
-        s.writes_ahead_of_gpu >= 1,
-        "sent ahead of the parked write: {s:?}"
-    );
-    assert_eq!(s.layers_written, 2, "{s:?}");
 
-    // The GPU reaches the mark: the parked write goes, the request ends.
+    // The GPU reaches the mark: the waiting write goes, both requests end.
     reach.send(Ok(())).unwrap();
     p.layers_ready_after(
         None,
@@ -377,19 +395,22 @@ fn a_write_that_reaches_a_lane_waiting_for_the_gpu_is_written_at_once() {
             },
         ],
     );
-    match next(c, Duration::from_secs(20)) {
-        Some(RuntimeEvent::ConsumerCompleted { request, .. }) => assert_eq!(request, computing),
-        other => panic!("expected the parked request complete, got {other:?}"),
+    let mut completed = Vec::new();
+    while completed.len() < if park { 1 } else { 2 } {
+        match next(c, Duration::from_secs(20)) {
+            Some(RuntimeEvent::ConsumerCompleted { request, .. }) => completed.push(request),
+            other => panic!("expected the requests complete, got {other:?}"),
+        }
     }
+    assert!(completed.contains(&computing), "{completed:?}");
     for l in 0..2 {
+        assert_eq!(block(&consumer, l, 0), block(&producer, l, 5), "layer {l}");
+        assert_eq!(block(&consumer, l, 7), block(&producer, l, 6), "layer {l}");
         assert_eq!(block(&consumer, l, 3), block(&producer, l, 1), "layer {l}");
         assert_eq!(block(&consumer, l, 4), block(&producer, l, 2), "layer {l}");
     }
     let s = p.stats();
-    assert!(
-        s.write_gpu_wait_micros >= 100_000,
-        "the park counts as GPU wait: {s:?}"
-    );
+    assert!(s.write_gpu_wait_micros >= 100_000, "the wait counts: {s:?}");
     assert_eq!(p.writes_queued(), 0);
     c.consumer_release(&late).unwrap();
     c.consumer_release(&computing).unwrap();

@@ -84,6 +84,12 @@ pub struct RuntimeConfig {
     /// Decode side: a request gets a staging grant only when writing its
     /// pages directly would take at least this many ranges per layer.
     pub staging_min_ranges: usize,
+    /// Prefill side, on a GPU: a writer lane whose front write's layer the
+    /// GPU has not written, with nothing else ready, parks and keeps taking
+    /// writes (`true`); `false`: it waits for that layer on its thread, as
+    /// before 2026-12-05, and writes handed to it meanwhile wait too (kept
+    /// for A/B runs: `orbitkv.pd.gpu_wait` `block`).
+    pub lanes_park_on_gpu: bool,
 }
 
 impl Default for RuntimeConfig {
@@ -109,6 +115,7 @@ impl Default for RuntimeConfig {
             source_staging_region: None,
             source_staging_later: false,
             staging_min_ranges: 16,
+            lanes_park_on_gpu: true,
         }
     }
 }
@@ -232,6 +239,7 @@ pub struct RuntimeSettings {
     pub staging_min_ranges: Option<usize>,
     pub inline_submit_max_ranges: Option<usize>,
     pub peer_idle_reclaim_s: Option<f64>,
+    pub lanes_park_on_gpu: Option<bool>,
 }
 
 /// The most writer lanes per peer a setting may ask for.
@@ -265,6 +273,7 @@ impl RuntimeSettings {
             staging_min_ranges: Some(d.staging_min_ranges),
             inline_submit_max_ranges: Some(d.inline_submit_max_ranges),
             peer_idle_reclaim_s: Some(d.peer_idle_reclaim.as_secs_f64()),
+            lanes_park_on_gpu: Some(d.lanes_park_on_gpu),
         }
     }
 
@@ -327,6 +336,7 @@ impl RuntimeSettings {
             inline_submit_max_ranges: self
                 .inline_submit_max_ranges
                 .unwrap_or(d.inline_submit_max_ranges),
+            lanes_park_on_gpu: self.lanes_park_on_gpu.unwrap_or(d.lanes_park_on_gpu),
         })
     }
 }

@@ -131,6 +131,7 @@ impl Runtime {
                 cfg.peer_idle_reclaim,
                 stats.clone(),
             )
+            .park_on_gpu(cfg.lanes_park_on_gpu)
             .in_system(system.clone()),
         );
         let (events_tx, events_rx) = crossbeam_channel::unbounded();

@@ -55,6 +55,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
                 defaults.set_item(k, n)?;
             } else if let Some(x) = v.as_f64() {
                 defaults.set_item(k, x)?;
+            } else if let Some(b) = v.as_bool() {
+                defaults.set_item(k, b)?;
             }
         }
     }

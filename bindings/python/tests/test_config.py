@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from orbitkv._native import RUNTIME_DEFAULTS, RUNTIME_SETTINGS
 from orbitkv.vllm.config import KEY_ENV, ConfigError, PdConfig
 
 
@@ -138,6 +139,20 @@ def test_mooncake_submit_wait() -> None:
         with pytest.raises(ConfigError, match="mooncake_submit_wait"):
             PdConfig.from_extra_config({"orbitkv.pd.mooncake_submit_wait": bad})
 
+def test_gpu_wait_parks_by_default_and_reaches_the_runtime() -> None:
+    cfg = PdConfig.from_extra_config({})
+    assert cfg.gpu_wait == "park"
+    assert cfg.runtime_settings()["lanes_park_on_gpu"] is True
+    block = PdConfig.from_extra_config({"orbitkv.pd.gpu_wait": "block"})
+    assert block.runtime_settings()["lanes_park_on_gpu"] is False
+    # the runtime takes the setting by that name
+    assert "lanes_park_on_gpu" in RUNTIME_SETTINGS
+    assert RUNTIME_DEFAULTS["lanes_park_on_gpu"] is True
+    for bad in ("", "wait", None, 1, True):
+        with pytest.raises(ConfigError, match="gpu_wait"):
+            PdConfig.from_extra_config({"orbitkv.pd.gpu_wait": bad})
+
+
 def test_dialects_are_off_by_default_and_only_known_ones_are_accepted() -> None:
     assert PdConfig.from_extra_config({}).dialects == ()
     assert PdConfig.from_extra_config({"orbitkv.pd.dialects": []}).dialects == ()
@@ -194,7 +209,8 @@ def test_the_connector_defaults_are_the_runtimes() -> None:
         rt["inline_submit_max_ranges"],
     )
     assert set(rt) >= {"notify_poll_ms", "max_parked", "max_parked_bytes", "publish_timeout_s"}
-    assert all(isinstance(v, (int, float)) and v > 0 for v in rt.values())
+    assert all(isinstance(v, bool) or (isinstance(v, (int, float)) and v > 0) for v in rt.values())
+    assert c.gpu_wait == ("park" if rt["lanes_park_on_gpu"] else "block")
 
 
 def test_every_setting_is_documented() -> None:

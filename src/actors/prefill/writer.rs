@@ -267,6 +267,10 @@ struct LaneSettings {
     /// A write of at most this many ranges may be submitted on the thread
     /// that handed it over (0: never).
     inline_max_ranges: usize,
+    /// A lane with nothing to send parks on its front write's layer mark
+    /// (the default); `false`: it waits for the mark on its thread, as
+    /// before 2026-12-05 (`orbitkv.pd.gpu_wait` `block`, for A/B runs).
+    park_on_gpu: bool,
     stats: Arc<Stats>,
 }
 
@@ -420,13 +424,31 @@ impl LaneCell {
                             self.lane.stats.writes_ahead_of_gpu.inc();
                             continue;
                         }
-                        // Nothing ready: the lane parks (it never waits for
-                        // the GPU on its thread, nor under its lock) and
-                        // goes back to its inbox; a write that reaches it
-                        // meanwhile and can go is sent ahead at once, and the
-                        // watcher wakes it when the mark is reached.
-                        self.park(st, front_mark);
-                        break;
+                        if self.lane.park_on_gpu {
+                            // Nothing ready: the lane parks (it never waits
+                            // for the GPU on its thread, nor under its lock)
+                            // and goes back to its inbox; a write that
+                            // reaches it meanwhile and can go is sent ahead
+                            // at once, and the watcher wakes it when the mark
+                            // is reached.
+                            self.park(st, front_mark);
+                            break;
+                        }
+                        // `orbitkv.pd.gpu_wait` `block` (the lanes before
+                        // 2026-12-05, kept for A/B runs on a GPU): the lane
+                        // waits for the mark here, and what reaches it
+                        // meanwhile waits in its inbox.
+                        let waiting = Instant::now();
+                        let verdict = self.lane.marks.wait_for(front_mark);
+                        self.lane
+                            .stats
+                            .write_gpu_wait_micros
+                            .add(waiting.elapsed().as_micros() as u64);
+                        let job = st.jobs.get_mut(&id).expect("queued job exists");
+                        if let Err(reason) = verdict {
+                            job.failed = Some(format!("GPU event wait failed: {reason}"));
+                        }
+                        job.after = 0;
                     }
                 }
             }
@@ -852,6 +874,7 @@ impl WriterPool {
                 max_in_flight: (max_in_flight / lanes as u64).max(1),
                 max_ranges: (max_ranges / lanes).max(1),
                 inline_max_ranges,
+                park_on_gpu: true,
                 stats,
             },
             lanes,
@@ -860,6 +883,13 @@ impl WriterPool {
             idle_reclaim,
             system: System::try_current(),
         }
+    }
+
+    /// Whether a lane with nothing to send parks on its front write's layer
+    /// mark (`true`, the default) or waits for it on its thread (`false`).
+    pub fn park_on_gpu(mut self, park: bool) -> Self {
+        self.lane.park_on_gpu = park;
+        self
     }
 
     /// The pool's lanes belong to `system` (for a pool made outside it).

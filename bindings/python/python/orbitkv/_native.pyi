@@ -47,7 +47,7 @@ STATS_FIELDS: tuple[str, ...]
 TIMING_NAMES: tuple[str, ...]
 """The request phases `Runtime.take_timings()` times (Rust's `Timing`)."""
 
-RUNTIME_DEFAULTS: dict[str, float | int]
+RUNTIME_DEFAULTS: dict[str, float | int | bool]
 """The runtime's defaults (Rust's `RuntimeConfig::default()`), keyed by
 `Runtime(...)`'s keyword names: the one place they are written."""
 
@@ -330,6 +330,9 @@ class _RuntimeSettings(TypedDict, total=False):
     staging_min_ranges: int | None
     inline_submit_max_ranges: int | None
     peer_idle_reclaim_s: float | None
+    # CUDA prefill: a writer lane with nothing to send parks on its front
+    # write's layer mark (True) or waits for it on its thread (False).
+    lanes_park_on_gpu: bool | None
 
 @final
 class Runtime:

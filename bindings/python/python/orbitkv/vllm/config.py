@@ -146,6 +146,9 @@ class ExtraConfig(BaseModel):
     mooncake_submit_wait: Literal["layer", "device"] = Field(
         "layer", alias="orbitkv.pd.mooncake_submit_wait", description="'layer' or 'device'"
     )
+    gpu_wait: Literal["park", "block"] = Field(
+        "park" if _RT["lanes_park_on_gpu"] else "block", alias="orbitkv.pd.gpu_wait", description="'park' or 'block'"
+    )
     trace: str | None = Field(None, alias="orbitkv.pd.trace", description="a file path")
     staging_mb: int | Literal["auto"] = Field("auto", alias="orbitkv.pd.staging_mb")
     staging_min_ranges: Positive = Field(int(_RT["staging_min_ranges"]), alias="orbitkv.pd.staging_min_ranges")
@@ -297,6 +300,11 @@ class PdConfig:
     # wait on the caller's default stream redirected); "device", as Mooncake
     # does it: also everything queued on the legacy default stream.
     mooncake_submit_wait: str = "layer"
+    # On CUDA, what a writer lane does when the layer at the front of its
+    # queue is not yet written by the GPU and nothing else can go: "park"
+    # (keep taking writes; the mark watcher wakes it) or "block" (wait for
+    # the layer on its thread, as before 2026-12-05; for A/B runs).
+    gpu_wait: str = ExtraConfig.model_fields["gpu_wait"].default
     trace: str | None = None
     # Staging memory per rank, MiB, on the KV device (0: off; "auto": a
     # prefill rank's source staging of min(AUTO_STAGING_MAX_MB, a tenth of
@@ -334,6 +342,7 @@ class PdConfig:
             "side_channel_key": self.side_channel_key,
             "publish_timeout_s": min(10.0, self.timeout_s),
             "staging_min_ranges": self.staging_min_ranges,
+            "lanes_park_on_gpu": self.gpu_wait == "park",
         }
 
     def prefill_allowed(self, host: str, port: int, tp: int = 1) -> bool:
@@ -409,6 +418,7 @@ class PdConfig:
             writer_lanes=x.writer_lanes,
             inline_submit_max_ranges=x.inline_submit_max_ranges,
             mooncake_submit_wait=x.mooncake_submit_wait,
+            gpu_wait=x.gpu_wait,
             trace=x.trace,
             staging_mb=x.staging_mb,
             staging_min_ranges=x.staging_min_ranges,
