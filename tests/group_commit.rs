@@ -364,3 +364,64 @@ fn with_no_lane_free_a_write_goes_to_a_lane_parked_on_the_gpu_not_one_in_mooncak
     }
     assert_eq!(producer.writes_queued(), 0);
 }
+
+/// A parked lane waits for the first mark the GPU reaches among its queued
+/// writes, not only the front one's: a request decode authorized after
+/// the GPU was handed later layers queues behind a write of those later
+/// layers with an earlier mark, and goes as soon as its own layer is
+/// written (before, the lane woke only at the front write's mark).
+#[test]
+fn a_parked_lane_wakes_at_the_earliest_mark_of_its_queue() {
+    use orbitkv::actors::prefill::gate::GateCall;
+    let (layout, producer, wire, consumer) = one_lane_pair(1);
+    wire.hold(false);
+    let ready = |req: &RequestId| GateCall::Ready {
+        request: req.clone(),
+        layer: 0,
+        blocks: 0..2,
+    };
+    // `early`: its layer handed over behind mark 1, its decode not yet
+    // authorized (the write waits in its producer).
+    let early = RequestId::new("early-mark");
+    let early_hs = orbitkv::testing::open_both(&producer, &consumer, &early, &[4, 5], &[4, 5]);
+    let (reach1, mark1) = crossbeam_channel::bounded(1);
+    producer.layers_ready_after(Some(Box::new(Hand(mark1))), vec![ready(&early)]);
+    // `later`: authorized, its layer behind mark 2: the lane's front, parked.
+    let later = RequestId::new("later-mark");
+    opened(&producer, &consumer, &later);
+    let (reach2, mark2) = crossbeam_channel::bounded(1);
+    producer.layers_ready_after(Some(Box::new(Hand(mark2))), vec![ready(&later)]);
+    until("the later write queued", || producer.writes_queued() == 1);
+    // decode authorizes `early`: its write queues behind `later`'s
+    producer.producer_handshake(early_hs).unwrap();
+    until("both writes queued", || producer.writes_queued() == 2);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(wire.submits(), 0);
+    // the GPU reaches mark 1 only: `early`'s write goes, `later`'s waits
+    reach1.send(()).unwrap();
+    until("the early write submitted", || wire.submits() == 1);
+    let early_dst: Vec<u64> = layout.layers[0]
+        .planes
+        .iter()
+        .flat_map(|p| [4, 5].map(|b| p.block_addr(b)))
+        .collect();
+    assert!(wire.submitted().iter().all(|r| early_dst.contains(&r.dst)));
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(wire.submits(), 1, "the later write waits for its own mark");
+    reach2.send(()).unwrap();
+    until("the later write submitted", || wire.submits() == 2);
+    for req in [&early, &later] {
+        producer.producer_finish(req).unwrap();
+    }
+    let mut released = std::collections::BTreeMap::new();
+    while released.len() < 2 {
+        if let orbitkv::RuntimeEvent::ProducerReleased { request, outcome, .. } =
+            orbitkv::testing::wait_for(&producer, "the releases", |e| {
+                matches!(e, orbitkv::RuntimeEvent::ProducerReleased { .. })
+            })
+        {
+            released.insert(request.to_string(), outcome);
+        }
+    }
+    assert!(released.values().all(|o| *o == Outcome::Done), "{released:?}");
+}

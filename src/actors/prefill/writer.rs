@@ -431,7 +431,8 @@ impl LaneCell {
                             // reaches it meanwhile and can go is sent ahead
                             // at once, and the watcher wakes it when the mark
                             // is reached.
-                            self.park(st, front_mark);
+                            let mark = self.first_mark_queued(st, front_mark);
+                            self.park(st, mark);
                             break;
                         }
                         // `orbitkv.pd.gpu_wait` `block` (the lanes before
@@ -592,7 +593,23 @@ impl LaneCell {
         }
     }
 
-    /// Parks the lane on `mark` (its front write's, not reached): the mark
+    /// The earliest layer mark of the writes queued that could go whole
+    /// (`front`, the front write's, at most): the first the GPU reaches, so
+    /// the one to park on. A write queued behind the front one may carry an
+    /// earlier mark (its decode authorized it after the GPU was handed later
+    /// layers); woken at it, the lane sends that write ahead.
+    fn first_mark_queued(&self, st: &LaneState, front: MarkSeq) -> MarkSeq {
+        let now_ms = crate::wire::unix_ms_now();
+        st.queue
+            .iter()
+            .skip(1)
+            .map(|j| &st.jobs[j])
+            .filter(|o| o.after != 0 && o.can_go_whole(now_ms))
+            .map(|o| o.after)
+            .fold(front, MarkSeq::min)
+    }
+
+    /// Parks the lane on `mark` (the first queued write's mark, not reached): the mark
     /// watcher sends it [`MarkReached`] once the GPU wrote that layer. Asked
     /// once per mark; a stale wake only runs the pump again.
     fn park(&self, st: &mut LaneState, mark: MarkSeq) {
