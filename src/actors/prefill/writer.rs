@@ -311,25 +311,25 @@ impl LaneRef {
 }
 
 impl LaneCell {
-    /// No batch in flight and nothing queued or on its way: a write handed
-    /// over now goes out at once (its lock taken by someone else counts as
-    /// not free).
-    fn free(&self) -> bool {
+    /// Nothing on its way to the lane, no batch in flight, and `also` of its
+    /// state (its lock taken by someone else counts as not).
+    fn quiet_and(&self, also: impl FnOnce(&LaneState) -> bool) -> bool {
         self.actor.pending() == 0
             && self
                 .actor
                 .try_lock()
-                .is_some_and(|st| st.pending.is_empty() && st.queue.is_empty())
+                .is_some_and(|st| st.pending.is_empty() && also(&st))
     }
 
-    /// Parked on the GPU with no batch in flight and nothing on its way
-    /// (its lock taken by someone else counts as not).
+    /// No batch in flight and nothing queued or on its way: a write handed
+    /// over now goes out at once.
+    fn free(&self) -> bool {
+        self.quiet_and(|st| st.queue.is_empty())
+    }
+
+    /// Parked on the GPU with no batch in flight and nothing on its way.
     fn parked(&self) -> bool {
-        self.actor.pending() == 0
-            && self
-                .actor
-                .try_lock()
-                .is_some_and(|st| st.parked.is_some() && st.pending.is_empty())
+        self.quiet_and(|st| st.parked.is_some())
     }
 
     /// Nothing on its way to this lane, queued, or in flight (its lock
