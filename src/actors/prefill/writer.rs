@@ -395,19 +395,8 @@ impl LaneCell {
             }
             let front_mark = job.after;
             if job.failed.is_none() && job.next == 0 && front_mark != 0 {
-                match self.lane.marks.try_reached(front_mark) {
-                    Some(verdict) => {
-                        if let Err(reason) = verdict {
-                            job.failed = Some(format!("GPU event wait failed: {reason}"));
-                        }
-                        job.after = 0;
-                        if let Some((_, since)) = st.parked.take() {
-                            self.lane
-                                .stats
-                                .write_gpu_wait_micros
-                                .add(since.elapsed().as_micros() as u64);
-                        }
-                    }
+                let verdict = match self.lane.marks.try_reached(front_mark) {
+                    Some(verdict) => verdict,
                     None => {
                         // On a GPU: not before the kernels that wrote the
                         // layer ran. While they run, a write queued behind
@@ -445,13 +434,17 @@ impl LaneCell {
                             .stats
                             .write_gpu_wait_micros
                             .add(waiting.elapsed().as_micros() as u64);
-                        let job = st.jobs.get_mut(&id).expect("queued job exists");
-                        if let Err(reason) = verdict {
-                            job.failed = Some(format!("GPU event wait failed: {reason}"));
-                        }
-                        job.after = 0;
+                        verdict
                     }
+                };
+                // The front write's mark is judged, and so every mark before
+                // it: a park on any of them is over.
+                self.unpark(st, front_mark);
+                let job = st.jobs.get_mut(&id).expect("queued job exists");
+                if let Err(reason) = verdict {
+                    job.failed = Some(format!("GPU event wait failed: {reason}"));
                 }
+                job.after = 0;
             }
             let job = st.jobs.get_mut(&id).expect("queued job exists");
             if job.failed.is_some() || job.next == job.ranges.len() {
@@ -624,6 +617,17 @@ impl LaneCell {
             .wake_when_reached(mark, Box::new(move || addr.do_send(MarkReached(mark))));
     }
 
+    /// Mark `reached` was judged: a park on it or an earlier mark ends,
+    /// counted in `write_gpu_wait_micros`.
+    fn unpark(&self, st: &mut LaneState, reached: MarkSeq) {
+        if let Some((_, since)) = st.parked.take_if(|(mark, _)| *mark <= reached) {
+            self.lane
+                .stats
+                .write_gpu_wait_micros
+                .add(since.elapsed().as_micros() as u64);
+        }
+    }
+
     /// Whether the GPU wrote the layer of a write marked `after` (`0`: no
     /// mark), without blocking.
     fn gpu_wrote(marks: &LayerMarks, after: MarkSeq) -> bool {
@@ -725,12 +729,7 @@ impl Handler<MarkReached> for LayerWriter {
         // A wake for the mark parked on (or a later one) ends the park; the
         // pump then finds the front write's mark judged. A stale wake (the
         // lane parked on a later mark since) only runs the pump.
-        if let Some((_, since)) = st.parked.take_if(|(mark, _)| *mark <= msg.0) {
-            cell.lane
-                .stats
-                .write_gpu_wait_micros
-                .add(since.elapsed().as_micros() as u64);
-        }
+        cell.unpark(&mut st, msg.0);
         cell.pump(&mut st);
     }
 }
