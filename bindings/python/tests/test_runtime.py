@@ -181,6 +181,8 @@ def test_runtime_errors_are_typed_and_change_nothing(ranks: tuple[Rank, Rank]) -
         ({"staging_region": (1,)}, "staging_region"),
         ({"staging_region": "x"}, "staging_region"),
         ({"side_channel_key": "not bytes"}, "side_channel_key"),
+        ({"lanes_park_on_gpu": "yes"}, "lanes_park_on_gpu"),
+        ({"lanes_park_on_gpu": 1}, "lanes_park_on_gpu"),
     ],
 )
 def test_a_setting_the_core_does_not_take_is_refused_by_name(
