@@ -402,6 +402,7 @@ class Server:
     extra_env: dict[str, str] = field(default_factory=dict)
     extra_args: list[str] = field(default_factory=list)
     orbit_cfg: dict[str, Any] = field(default_factory=dict)  # more kv_connector_extra_config
+    orbit_role: str = "kv_both"  # OrbitKV: vLLM's kv_role (allow_prefill splits a pair)
     mc_role: str = ""  # MooncakeConnector: kv_producer (prefill) | kv_consumer (decode)
     proc: Proc | None = None
     log: Path | None = None
@@ -436,7 +437,7 @@ def server_argv(ctx: Ctx, s: Server) -> list[str]:
         cfg = {
             "kv_connector": "PdConnector",
             "kv_connector_module_path": "orbitkv.vllm.pd",
-            "kv_role": "kv_both",
+            "kv_role": s.orbit_role,
             "engine_id": s.name,
             "kv_connector_extra_config": {
                 "orbitkv.pd.mooncake.bind_host": HOST,
@@ -859,7 +860,7 @@ def small_trio(ctx: Ctx, spec: ModelSpec, model: str, eager: bool, tag: str) -> 
     mk = lambda name, gpu, conn: Server(  # noqa: E731
         f"{tag}-{name}", model, spec, gpu, conn, eager, kv, mml, ctx.port(), ctx.port(), {}, list(extra))
     trio = [mk("single", 0, "none"), mk("prefill", 0, "orbit"), mk("decode", 1, "orbit")]
-    allow_prefill(trio[1], trio[2])
+    allow_prefill(ctx, trio[1], trio[2])
     if ctx.args.staging:
         # every request through staging (orbitkv.pd.staging_mb), gathered on
         # prefill, scattered on decode; the stage then requires it happened
@@ -868,13 +869,22 @@ def small_trio(ctx: Ctx, spec: ModelSpec, model: str, eager: bool, tag: str) -> 
     return trio
 
 
-def allow_prefill(pre: Server, dec: Server) -> None:
+def allow_prefill(ctx: Ctx, pre: Server, dec: Server) -> None:
     """OrbitKV's decode posts handshakes only to declared prefill side
     channels (``orbitkv.pd.allowed_prefill``; the default names only the
     default ports 17500-17563, and the driver's ports are random): without
     this every request would be served as a plain request on decode, and the
-    prefill would hold its KV until the handshake deadline."""
+    prefill would hold its KV until the handshake deadline.
+
+    The roles are the ones docs/configuration.md tells operators to use, and
+    MooncakeConnector's pair runs: the prefill ``kv_producer``, the decode
+    ``kv_consumer`` (as ``kv_both`` a decode gives a tenth of its KV cache
+    to a source staging it never uses: runs up to 42 raced OrbitKV's decode
+    that way against MC's whole cache). ``--orbit-roles both`` keeps
+    ``kv_both`` on both."""
     dec.orbit_cfg["orbitkv.pd.allowed_prefill"] = [f"{HOST}:{pre.side_port}"]
+    if ctx.args.orbit_roles == "split":
+        pre.orbit_role, dec.orbit_role = "kv_producer", "kv_consumer"
 
 
 # --staging: staging memory on both OrbitKV instances, and a threshold of one
@@ -1574,7 +1584,7 @@ def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str, cells: list[Ce
         for mode in cell_modes or modes:
             sfx = CELL_MODE_SUFFIX[mode]
             pre, dec = mk("prefill" + sfx, "orbit"), mk("decode" + sfx, "orbit")
-            allow_prefill(pre, dec)
+            allow_prefill(ctx, pre, dec)
             if mode == "staging":
                 for s in (pre, dec):
                     s.orbit_cfg.update({"orbitkv.pd.staging_mb": a.cell_staging_mb, "orbitkv.pd.staging_min_ranges": 1})
@@ -1847,6 +1857,8 @@ def plan_big(ctx: Ctx, spec: ModelSpec) -> dict[str, Any]:
         plan["warning"] = f"--big-kv-gib {a.big_kv_gib} is more than fits by the estimate ({plan['fit_kv_gib_per_group']})"
     if a.ab == "custom":
         plan["ab_config"] = a.ab_config  # the A/B pair's settings (orbit-custom)
+    plan["orbit_roles"] = ({"prefill": "kv_producer", "decode": "kv_consumer"} if a.orbit_roles == "split"
+                           else {"prefill": "kv_both", "decode": "kv_both"})
     if a.big_decode_kv_gib:
         # decode instances get their own KV size (prefill and single keep kv_gib)
         plan["decode_kv_gib"] = a.big_decode_kv_gib
@@ -1892,7 +1904,7 @@ class Fleet:
         if "orbit" in systems:
             self.opre = mk("orbit-prefill", 0, "orbit", orbit_env)
             self.odec = mk("orbit-decode", 1, "orbit", orbit_env)
-            allow_prefill(self.opre, self.odec)
+            allow_prefill(ctx, self.opre, self.odec)
             if "orbit-router-mc" in systems:
                 # vllm-router's mooncake mode speaks MooncakeConnector's
                 # fields: the pair serves that dialect (requests from
@@ -1945,7 +1957,7 @@ class Fleet:
             if ab == "custom":
                 for s in (self.opre_ab, self.odec_ab):
                     s.orbit_cfg.update(ctx.args.ab_config)
-            allow_prefill(self.opre_ab, self.odec_ab)
+            allow_prefill(ctx, self.opre_ab, self.odec_ab)
             self.pairs[f"orbit-{ab}"] = [self.opre_ab, self.odec_ab]
         if "mc" in systems:
             self.mpre = mk("mc-prefill", 0, "mc")
@@ -3186,6 +3198,11 @@ def main(argv: list[str] | None = None) -> int:
                         "peer, or staging (--ab-staging-*), or nothing (control: an A/A pair, the spread between two "
                         "identical pairs), or the settings of --ab-config (custom); auto: device-wait on two GPUs, "
                         "none with --one-gpu")
+    p.add_argument("--orbit-roles", choices=("split", "both"), default="split",
+                   help="vLLM's kv_role of every OrbitKV pair: split (the prefill kv_producer, the decode "
+                        "kv_consumer, as docs/configuration.md advises and MooncakeConnector's pair runs) or "
+                        "both (kv_both on both instances, as every run up to 42: the decode then gives a tenth "
+                        "of its KV cache to a source staging it never uses)")
     p.add_argument("--ab-config", type=ab_config, default={},
                    help="--ab custom: a JSON object of orbitkv.pd.* settings for both instances of the A/B pair, "
                         "e.g. '{\"orbitkv.pd.writer_lanes\": 16, \"orbitkv.pd.max_inflight_ranges\": 8192}'")

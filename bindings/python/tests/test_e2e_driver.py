@@ -237,7 +237,8 @@ def _big_args(**kw: object) -> object:
     a = dict(instance_overhead_gib=4.75, gpu_gib=0.0, gpu_reserve_gib=2.0, bench_runs="c4:4:48:12,c32:32:256:15",
              ttft_lengths=[1024, 8192, 32768], ttft_gen=1, min_kv_gib=4, one_gpu=True, big_kv_gib=3.0,
              big_kv_cap_gib=40.0, big_decode_kv_gib=5.5, bench_input_len=4609, bench_output_len=64, ab="control",
-             ab_config=None, single=False, router=False, router_mc=False, mc=True, nixl="auto", big_layers=8)
+             ab_config=None, single=False, router=False, router_mc=False, mc=True, nixl="auto", big_layers=8,
+             orbit_roles="split")
     a.update(kw)
     return SimpleNamespace(**a)
 
@@ -337,3 +338,26 @@ def test_a_kv_cache_pairs_prefill_peak_is_also_given_over_the_whole_cache(tmp_pa
     driver.whole_cache_peak(untouched, None)
     driver.whole_cache_peak(None, (1, 2))
     assert untouched == {"kv_usage_peak": 0.5}
+
+
+def test_an_orbitkv_pair_runs_as_producer_and_consumer_unless_told_both(tmp_path: Path) -> None:
+    """Up to run 42 both instances of every OrbitKV pair ran ``kv_both``, so
+    each decode gave a tenth of its KV cache to a source staging it never
+    used, while MooncakeConnector's decode (``kv_consumer``) kept its whole
+    cache: at 32 in flight that decode was full (99.8 %). A pair now runs
+    as docs/configuration.md advises, the prefill ``kv_producer`` and the
+    decode ``kv_consumer``; ``--orbit-roles both`` keeps the old roles."""
+    import json
+    from types import SimpleNamespace
+
+    spec = driver.ModelSpec("small-float32", 2, 256, 4, 2, 64, 512, 2048, 4096, "float32", True)
+    for roles, want in (("split", ("kv_producer", "kv_consumer")), ("both", ("kv_both", "kv_both"))):
+        ctx = SimpleNamespace(args=SimpleNamespace(orbit_roles=roles), cuda=False)
+        pre = driver.Server("p", "m", spec, 0, "orbit", True, 1 << 30, 256, 1, 2)
+        dec = driver.Server("d", "m", spec, 1, "orbit", True, 1 << 30, 256, 3, 4)
+        driver.allow_prefill(ctx, pre, dec)
+        assert (pre.orbit_role, dec.orbit_role) == want
+        assert dec.orbit_cfg["orbitkv.pd.allowed_prefill"] == [f"{driver.HOST}:2"]
+        argv = driver.server_argv(SimpleNamespace(args=SimpleNamespace(python="python3"), cuda=False), dec)
+        cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+        assert cfg["kv_role"] == want[1] and cfg["kv_connector"] == "PdConnector"
