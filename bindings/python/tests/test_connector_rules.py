@@ -1686,6 +1686,7 @@ def kv_cache_config(num_blocks: int, block_bytes: int) -> Any:
         ({"orbitkv.pd.staging_memory": "kv_cache"}, "kv_consumer", 1, 0),
         ({"orbitkv.pd.staging_memory": "kv_cache"}, "kv_both", 2, 0),  # hybrid: no staging
         ({}, "kv_both", 1, 100),  # the default: kv_cache
+        ({"orbitkv.pd.staging_kv_share": 0.25}, "kv_producer", 1, 250),  # a quarter instead of a tenth
         ({"orbitkv.pd.staging_memory": "beside"}, "kv_both", 1, 0),  # beside: nothing taken
         ({"orbitkv.pd.staging_mb": 512}, "kv_both", 1, 0),  # a size set by hand: beside
         ({"orbitkv.pd.staging_mb": 0}, "kv_both", 1, 0),  # staging off
@@ -1694,7 +1695,8 @@ def kv_cache_config(num_blocks: int, block_bytes: int) -> Any:
 def test_the_scheduler_takes_the_staging_out_of_vllms_pool_only_where_it_stages(
     extra: dict[str, Any], role: str, groups: int, taken: int
 ) -> None:
-    """A tenth of a 1001-block pool (1 MiB blocks) on a rank that may
+    """A tenth of a 1001-block pool (1 MiB blocks; ``staging_kv_share`` of
+    it when set) on a rank that may
     prefill with ``staging_memory`` ``kv_cache``: blocks 1..100 from vLLM's
     real block pool, named in every step's metadata; the pool then counts
     only the rest. Nowhere else is anything taken."""

@@ -33,6 +33,10 @@ def test_reserved_blocks_are_a_tenth_of_the_cache_at_most_a_gib_and_leave_a_whol
     assert reserved_blocks(10 * GIB, 10_240, "kv_both", 10_240) == 0
     # nothing to take from
     assert reserved_blocks(0, 10_000, "kv_both", 0) == reserved_blocks(GIB, 1, "kv_both", 0) == 0
+    # orbitkv.pd.staging_kv_share: a quarter of 2 GiB in 1 MiB blocks, still capped at 1 GiB
+    assert reserved_blocks(2 * GIB, 2_048, "kv_producer", 0, 0.25) == 512
+    assert reserved_blocks(10 * GIB, 10_240, "kv_producer", 0, 0.25) == 1024
+    assert reserved_blocks(2 * GIB, 2_048, "kv_consumer", 0, 0.25) == 0
     # a tenth of a small cache is less than a block: none
     assert reserved_blocks(9 << 20, 9, "kv_both", 0) == 0
 

@@ -227,7 +227,7 @@ def _note_staging_reservation(r: Report, gpu_bytes: list[int]) -> None:
     r.note(
         f"orbitkv.pd.staging_mb 'auto' (the default): each rank that may prefill (kv_producer, kv_both) takes "
         f"min({AUTO_STAGING_MAX_MB} MiB, {share} % of its KV cache) out of vLLM's own KV cache for source staging "
-        "(orbitkv.pd.staging_memory 'kv_cache', the default): inside gpu_memory_utilization, nothing more to leave "
+        "(orbitkv.pd.staging_memory 'kv_cache', the default; the share: orbitkv.pd.staging_kv_share): inside gpu_memory_utilization, nothing more to leave "
         "free; vLLM serves requests from the other blocks, and the prefill's scheduler logs how many it took. "
         "kv_consumer ranks take nothing: start decode-only instances as kv_consumer (as kv_both they give up those "
         "blocks too). With orbitkv.pd.staging_memory 'beside' (or a staging_mb set by hand) the staging is memory "

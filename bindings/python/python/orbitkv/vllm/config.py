@@ -75,16 +75,18 @@ AUTO_STAGING_MAX_MB = 1024
 AUTO_STAGING_KV_SHARE = 0.10
 
 
-def staging_parts(staging_mb: int | str, role: str, kv_bytes: int) -> tuple[int, int]:
+def staging_parts(staging_mb: int | str, role: str, kv_bytes: int,
+                  kv_share: float = AUTO_STAGING_KV_SHARE) -> tuple[int, int]:
     """MiB of staging for grants and for sources on a rank of ``role``
     (vLLM's ``kv_role``) whose KV cache holds ``kv_bytes``: ``auto``, a
-    source staging of min(AUTO_STAGING_MAX_MB, AUTO_STAGING_KV_SHARE of
-    the KV cache) where the rank may prefill, no grants; a size, split by
-    role (half each under ``kv_both``)."""
+    source staging of min(AUTO_STAGING_MAX_MB, ``kv_share`` of the KV
+    cache; ``orbitkv.pd.staging_kv_share``, AUTO_STAGING_KV_SHARE by
+    default) where the rank may prefill, no grants; a size, split by role
+    (half each under ``kv_both``)."""
     if staging_mb == "auto":
         if role == "kv_consumer":
             return 0, 0
-        return 0, min(AUTO_STAGING_MAX_MB, int((kv_bytes >> 20) * AUTO_STAGING_KV_SHARE))
+        return 0, min(AUTO_STAGING_MAX_MB, int((kv_bytes >> 20) * kv_share))
     assert isinstance(staging_mb, int)
     mb = staging_mb
     return {"kv_producer": (0, mb), "kv_consumer": (mb, 0)}.get(role, (mb - mb // 2, mb // 2))
@@ -155,6 +157,9 @@ class ExtraConfig(BaseModel):
     staging_memory: Literal["beside", "kv_cache"] = Field(
         "kv_cache", alias="orbitkv.pd.staging_memory", description="'beside' or 'kv_cache'"
     )
+    staging_kv_share: Annotated[
+        float, Field(gt=0, le=0.5, allow_inf_nan=False, description="a share of the KV cache in (0, 0.5]")
+    ] = Field(AUTO_STAGING_KV_SHARE, alias="orbitkv.pd.staging_kv_share")
     allowed_prefill: tuple[Endpoints, ...] = Field(DEFAULT_ALLOWED_PREFILL, alias="orbitkv.pd.allowed_prefill")
     side_channel_key_file: Text | None = Field(
         None, alias="orbitkv.pd.side_channel_key_file", description="a file path"
@@ -316,6 +321,9 @@ class PdConfig:
     # "beside" it (memory of its own, outside gpu_memory_utilization; the
     # only place for a size set by hand).
     staging_memory: str = "kv_cache"
+    # The share of its KV cache a prefill rank's staging_mb "auto" takes,
+    # at most AUTO_STAGING_MAX_MB.
+    staging_kv_share: float = AUTO_STAGING_KV_SHARE
     # The side channels decode may post to; ANY ("*") allows every one
     # (trusts whoever reaches decode's API).
     allowed_prefill: tuple[Endpoints, ...] = DEFAULT_ALLOWED_PREFILL
@@ -399,6 +407,11 @@ class PdConfig:
                 "orbitkv.pd.staging_memory: 'kv_cache' holds the layer pieces of orbitkv.pd.staging_mb 'auto'; "
                 f"a size set by hand ({x.staging_mb} MiB) is memory beside the KV cache, got 'kv_cache'"
             )
+        if "staging_kv_share" in x.model_fields_set and x.staging_mb != "auto":
+            raise ConfigError(
+                "orbitkv.pd.staging_kv_share: sizes the staging of orbitkv.pd.staging_mb 'auto'; "
+                f"with a size set by hand ({x.staging_mb} MiB) it would be ignored"
+            )
         bind_host = x.bind_host or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
         return PdConfig(
             bind_host=bind_host,
@@ -423,6 +436,7 @@ class PdConfig:
             staging_mb=x.staging_mb,
             staging_min_ranges=x.staging_min_ranges,
             staging_memory=staging_memory,
+            staging_kv_share=x.staging_kv_share,
             allowed_prefill=x.allowed_prefill,
             side_channel_key=read_side_channel_key(x.side_channel_key_file),
             claim_timeout_s=x.claim_timeout_s,

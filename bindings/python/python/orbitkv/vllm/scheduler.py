@@ -399,7 +399,7 @@ class PdScheduler:
             return
         kv_bytes = sum(int(t.size) for t in tensors)
         max_len = int(getattr(getattr(self._vllm_config, "model_config", None), "max_model_len", 0) or 0)
-        count = reserved_blocks(kv_bytes, num_blocks, kv_role, _cdiv(max_len, self.block_size))
+        count = reserved_blocks(kv_bytes, num_blocks, kv_role, _cdiv(max_len, self.block_size), self.config.staging_kv_share)
         if count <= 0:
             if kv_role != "kv_consumer":
                 logger.warning("OrbitKV: a KV cache of %d blocks has none to spare beside a request of %d tokens: "
@@ -420,8 +420,9 @@ class PdScheduler:
         if self._unclaimed_block_cap is not None:
             self._unclaimed_block_cap = max(1, int(left * self.config.unclaimed_kv_share))
         logger.info("OrbitKV: %d of vLLM's %d KV cache blocks (%d MiB per rank) taken for the source staging "
-                    "(orbitkv.pd.staging_memory kv_cache); vLLM serves requests from the other %d",
-                    len(taken), num_blocks, (kv_bytes // num_blocks * len(taken)) >> 20, left)
+                    "(orbitkv.pd.staging_memory kv_cache, staging_kv_share %g); vLLM serves requests from the "
+                    "other %d", len(taken), num_blocks, (kv_bytes // num_blocks * len(taken)) >> 20,
+                    self.config.staging_kv_share, left)
 
     def build_connector_meta(self, so: SchedulerOutput) -> PdConnectorMetadata:
         meta, self._next = self._next, PdConnectorMetadata()

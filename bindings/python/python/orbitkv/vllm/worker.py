@@ -312,7 +312,7 @@ class PdWorker:
         mb = self.config.staging_mb
         role = getattr(getattr(self.vllm_config, "kv_transfer_config", None), "kv_role", "kv_both")
         auto = mb == "auto"
-        parts = staging_parts(mb, role, sum(self._kv_storages.values()))
+        parts = staging_parts(mb, role, sum(self._kv_storages.values()), self.config.staging_kv_share)
         if max(parts) <= 0:
             return None, None
         if self._hybrid:
