@@ -1296,6 +1296,20 @@ def release_digest_check(ctx: Ctx, pre: Server, dec: Server, requests: int) -> d
     return out
 
 
+def load_digest_check(ctx: Ctx, pre: Server, dec: Server, sysres: dict[str, Any]) -> dict[str, Any]:
+    """--load-kv-digest: :func:`release_digest_check` over every request a
+    system's load runs completed (the warm-up too), with how many of them
+    gave their prefill pages back before their writes (their prefill
+    digest is taken at that report: the writes then read only the layer
+    pieces, so a piece that differed from the pages shows here)."""
+    requests = sum(int(r.get("completed") or 0) for r in sysres.get("runs", {}).values())
+    out = release_digest_check(ctx, pre, dec, requests)
+    md = sysres.get("metrics_delta", {}).get(pre.name, {})
+    out["pages_given_back"] = md.get("vllm:orbitkv_producer_pages_given_back_total",
+                                     md.get("vllm:orbitkv_producer_pages_given_back"))
+    return out
+
+
 def stage_a(ctx: Ctx, models: dict[str, tuple[ModelSpec, str]], eager: bool, on_ready: Callable[[dict], None] | None
             ) -> dict[str, Any]:
     name = "a-eager" if eager else "a-default"
@@ -1970,6 +1984,12 @@ class Fleet:
             self.ndec = mk("nixl-decode", 1, "nixl")
             self.pairs["nixl"] = [self.npre, self.ndec]
         self.servers = [s for p in self.pairs.values() for s in p]
+        if getattr(ctx.args, "load_kv_digest", False):
+            # --load-kv-digest: per request, decode's KV as loaded and
+            # prefill's as released or given back early (the test hook)
+            for s in self.servers:
+                if s.connector == "orbit":
+                    s.extra_env["ORBITKV_TESTING_KV_DIGEST"] = str(release_dir(ctx, s))
         self.systems = [x for x in ["single", "orbit", *self.fronts,
                                     *(k for k in self.pairs if k.startswith("orbit-")), "mc", "nixl"]
                         if x in self.pairs or x in self.fronts]
@@ -2363,6 +2383,8 @@ def stage_b(ctx: Ctx, fleet: Fleet, name: str, acc: dict[str, Any] | None = None
         for s in servers:
             if s.proc and not s.proc.alive():
                 sysres.setdefault("server_errors", {})[s.name] = error_excerpt(s.log, 60)
+        if "ORBITKV_TESTING_KV_DIGEST" in servers[0].extra_env and len(servers) == 2:
+            sysres["kv_release"] = load_digest_check(ctx, servers[0], servers[1], sysres)
         out["systems"][system] = sysres
         ctx.log(f"  {system}: done in {sysres['client_s']}s, runs "
                 + ", ".join(f"{t}: {r['status'][:40]}" for t, r in sysres["runs"].items()))
@@ -3046,6 +3068,21 @@ def report(d: Path) -> str:
                       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
         rows = []
         for system, sr in r.get("systems", {}).items():
+            kr = sr.get("kv_release")
+            if kr:
+                back = kr.get("pages_given_back")
+                rows.append(f"| {system} | {kr.get('requests_compared', 0)} of {kr.get('requests', 0)} | "
+                            f"{kr.get('tokens_compared', 0)} | {kr.get('tokens_mismatched', 0)} | "
+                            f"{kr.get('requests_mismatched', 0)} | {'-' if back is None else f'{back:.0f}'} | "
+                            f"{'yes' if kr.get('ok') else '**no**'} |")
+        if rows:
+            lines += ["KV under load (--load-kv-digest): per request, decode's KV as loaded against prefill's as "
+                      "released or given back early, token for token over all layers (the digests slow both "
+                      "instances: not a timing run).", "",
+                      "| system | requests compared | tokens compared | tokens differing | requests differing | "
+                      "pages given back early | equal |", "|---|---|---|---|---|---|---|"] + rows + [""]
+        rows = []
+        for system, sr in r.get("systems", {}).items():
             mt = sr.get("mc_transfer_metrics")
             if mt:
                 rows.append(f"| {system} | {mt['transfers']} | {mt['descriptors_per_transfer']:.0f} | "
@@ -3198,6 +3235,12 @@ def main(argv: list[str] | None = None) -> int:
                         "peer, or staging (--ab-staging-*), or nothing (control: an A/A pair, the spread between two "
                         "identical pairs), or the settings of --ab-config (custom); auto: device-wait on two GPUs, "
                         "none with --one-gpu")
+    p.add_argument("--load-kv-digest", action="store_true",
+                   help="b-default: per-request KV digests on every OrbitKV pair (the test hook "
+                        "ORBITKV_TESTING_KV_DIGEST): decode's KV as loaded against prefill's as released or given "
+                        "back early, token for token, over every request of the load runs. The hook hashes each "
+                        "request's KV on its device at load and at release: a correctness call under load, not "
+                        "one to time")
     p.add_argument("--orbit-roles", choices=("split", "both"), default="split",
                    help="vLLM's kv_role of every OrbitKV pair: split (the prefill kv_producer, the decode "
                         "kv_consumer, as docs/configuration.md advises and MooncakeConnector's pair runs) or "

@@ -361,3 +361,57 @@ def test_an_orbitkv_pair_runs_as_producer_and_consumer_unless_told_both(tmp_path
         argv = driver.server_argv(SimpleNamespace(args=SimpleNamespace(python="python3"), cuda=False), dec)
         cfg = json.loads(argv[argv.index("--kv-transfer-config") + 1])
         assert cfg["kv_role"] == want[1] and cfg["kv_connector"] == "PdConnector"
+
+
+def test_the_load_kv_digest_compares_every_request_of_the_load_runs_and_names_the_early_gives(tmp_path: Path) -> None:
+    """--load-kv-digest: after a system's load runs, decode's per-token
+    digests as loaded are compared with prefill's as released (or given
+    back early), over every request the runs completed; one differing
+    token, or fewer records than requests, fails the check, and the report
+    shows the table with the pages given back early."""
+    import base64
+    import json
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    def b64(xs: list[int]) -> str:
+        return base64.b64encode(np.asarray(xs, dtype="<i8").tobytes()).decode()
+
+    ctx = SimpleNamespace(work=tmp_path, log=lambda *_: None)
+    spec = driver.ModelSpec("small-float32", 2, 256, 4, 2, 64, 512, 2048, 4096, "float32", True)
+    pre = driver.Server("big-orbit-prefill", "m", spec, 0, "orbit", True, 1 << 30, 256, 1, 2)
+    dec = driver.Server("big-orbit-decode", "m", spec, 1, "orbit", True, 1 << 30, 256, 3, 4)
+
+    def write(s: driver.Server, recs: list[dict[str, object]]) -> None:
+        d = driver.release_dir(ctx, s)  # type: ignore[arg-type]
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "kvd-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+    prompt = [11, 12, 13, 14, 15, 16]
+    write(pre, [{"pd": f"r{i}", "digests": b64(prompt), "first_token": 0, "end_token": 6, "block_size": 4,
+                 "blocks": [1, 2]} for i in range(3)])
+    loaded = [{"pd": f"r{i}", "digests": b64(prompt[:5]), "first_token": 0, "end_token": 5, "block_size": 4,
+               "blocks": [7, 8]} for i in range(3)]
+    write(dec, loaded)
+    sysres = {"runs": {"warmup": {"completed": 1}, "c1": {"completed": 2}},
+              "metrics_delta": {pre.name: {"vllm:orbitkv_producer_pages_given_back_total": 2.0}}}
+    ok = driver.load_digest_check(ctx, pre, dec, sysres)  # type: ignore[arg-type]
+    assert (ok["ok"], ok["requests_compared"], ok["tokens_compared"], ok["pages_given_back"]) == (True, 3, 15, 2.0)
+    # one request more than the records: not ok
+    sysres["runs"]["c4"] = {"completed": 1}
+    assert driver.load_digest_check(ctx, pre, dec, sysres)["ok"] is False  # type: ignore[arg-type]
+    del sysres["runs"]["c4"]
+    # one token differs in one request
+    loaded[1]["digests"] = b64([11, 12, 99, 14, 15])
+    write(dec, loaded)
+    bad = driver.load_digest_check(ctx, pre, dec, sysres)  # type: ignore[arg-type]
+    assert (bad["ok"], bad["tokens_mismatched"], bad["requests_mismatched"]) == (False, 1, 1)
+    # the report's table
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "b-default.json").write_text(json.dumps({"stage": "b-default", "config": {
+        "input_len": 200, "input_range": 0.5, "output_len": 8}, "systems": {
+        "orbit": {"runs": {}, "kv_release": ok}, "orbit-control": {"runs": {}, "kv_release": bad}}}))
+    text = driver.report(tmp_path / "out")
+    assert "| orbit | 3 of 3 | 15 | 0 | 0 | 2 | yes |" in text
+    assert "| orbit-control | 3 of 3 | 15 | 1 | 1 | 2 | **no** |" in text
