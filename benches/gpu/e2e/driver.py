@@ -1984,7 +1984,7 @@ class Fleet:
             self.ndec = mk("nixl-decode", 1, "nixl")
             self.pairs["nixl"] = [self.npre, self.ndec]
         self.servers = [s for p in self.pairs.values() for s in p]
-        if getattr(ctx.args, "load_kv_digest", False):
+        if ctx.args.load_kv_digest:
             # --load-kv-digest: per request, decode's KV as loaded and
             # prefill's as released or given back early (the test hook)
             for s in self.servers:

@@ -14,8 +14,9 @@
 //! through the writer's thread (poller → writer → producer; the writer runs
 //! the producer's bookkeeping of the write itself when the producer is
 //! idle, see `WriterReports` in [`super::producer`]). On a GPU a writer
-//! never waits for a layer mark on its thread: with nothing it can send, it
-//! parks on its front write's mark and the mark watcher
+//! never waits for a layer mark on its thread (unless told to,
+//! `orbitkv.pd.gpu_wait` `block`): with nothing it can send, it parks on
+//! the earliest mark of its queued writes and the mark watcher
 //! ([`super::gate::LayerMarks::wake_when_reached`]) wakes it with
 //! [`MarkReached`]; meanwhile it keeps taking writes and sends those whose
 //! layer the GPU already wrote.
@@ -267,8 +268,9 @@ struct LaneSettings {
     /// A write of at most this many ranges may be submitted on the thread
     /// that handed it over (0: never).
     inline_max_ranges: usize,
-    /// A lane with nothing to send parks on its front write's layer mark
-    /// (the default); `false`: it waits for the mark on its thread, as
+    /// A lane with nothing to send parks on the earliest layer mark of its
+    /// queued writes (the default); `false`: it waits for its front write's
+    /// mark on its thread, as
     /// before 2026-12-05 (`orbitkv.pd.gpu_wait` `block`, for A/B runs).
     park_on_gpu: bool,
     stats: Arc<Stats>,
@@ -602,7 +604,7 @@ impl LaneCell {
             .fold(front, MarkSeq::min)
     }
 
-    /// Parks the lane on `mark` (the first queued write's mark, not reached): the mark
+    /// Parks the lane on `mark` (from [`Self::first_mark_queued`], not reached): the mark
     /// watcher sends it [`MarkReached`] once the GPU wrote that layer. Asked
     /// once per mark; a stale wake only runs the pump again.
     fn park(&self, st: &mut LaneState, mark: MarkSeq) {
@@ -901,8 +903,9 @@ impl WriterPool {
         }
     }
 
-    /// Whether a lane with nothing to send parks on its front write's layer
-    /// mark (`true`, the default) or waits for it on its thread (`false`).
+    /// Whether a lane with nothing to send parks on the earliest layer mark
+    /// of its queued writes (`true`, the default) or waits for its front
+    /// write's mark on its thread (`false`).
     pub fn park_on_gpu(mut self, park: bool) -> Self {
         self.lane.park_on_gpu = park;
         self

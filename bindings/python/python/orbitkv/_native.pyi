@@ -330,8 +330,9 @@ class _RuntimeSettings(TypedDict, total=False):
     staging_min_ranges: int | None
     inline_submit_max_ranges: int | None
     peer_idle_reclaim_s: float | None
-    # CUDA prefill: a writer lane with nothing to send parks on its front
-    # write's layer mark (True) or waits for it on its thread (False).
+    # CUDA prefill: a writer lane with nothing to send parks on the earliest
+    # layer mark of its queued writes (True) or waits for its front write's
+    # mark on its thread (False).
     lanes_park_on_gpu: bool | None
 
 @final
