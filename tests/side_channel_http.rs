@@ -833,9 +833,13 @@ fn real_requests_get_through_a_flood(trickle: Trickle) {
     let before = side_channel_like();
     assert!((4..=5).contains(&before.len()), "{before:?}");
     // During the flood: the same threads, and at most a second blocking one.
+    // A blocking-pool thread (`tokio-`) may end once idle for tokio's 10 s
+    // keep-alive (a slow, loaded machine): the side channel's own threads
+    // must all stay.
+    let own = |t: &u64| !before[t].starts_with("tokio-");
     let side_channel_threads = || {
         let now = side_channel_like();
-        let kept = before.keys().filter(|t| now.contains_key(t)).count();
+        let kept = before.keys().filter(|t| own(t) && now.contains_key(t)).count();
         let pool = now
             .iter()
             .filter(|(t, n)| !before.contains_key(t) && n.starts_with("tokio-"))
@@ -891,7 +895,12 @@ fn real_requests_get_through_a_flood(trickle: Trickle) {
         served += 1;
         assert!(sc.connections() <= max);
         let (kept, added) = side_channel_threads();
-        assert_eq!(kept, before.len(), "{before:?} {:?}", threads());
+        assert_eq!(
+            kept,
+            before.keys().filter(|t| own(t)).count(),
+            "{before:?} {:?}",
+            threads()
+        );
         most_blocking = most_blocking.max(added);
         std::thread::sleep(Duration::from_millis(100));
     }
