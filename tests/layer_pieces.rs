@@ -580,3 +580,133 @@ fn pages_go_back_once_the_layers_without_a_piece_are_at_decode_while_piece_write
     }
     wait_all_back(&producer);
 }
+
+/// `orbitkv.pd.staging_pieces` `request` (`pieces_whole_requests`): two
+/// requests computed in one forward (their layers gathered in turn) while
+/// decode has not authorized either, in a region with room for two pieces.
+/// By layer both get layer 0 and neither layer 1, so both keep their pages
+/// until decode authorizes and a write reads them. Staged whole, the first
+/// to miss gives back its untaken piece, the other gets every layer and
+/// gives its pages back at once; the first's layers are written from its
+/// pages once decode authorizes, and every range lands in its own
+/// request's authorized blocks.
+#[test]
+fn staged_whole_the_request_that_misses_gives_its_piece_to_one_it_can_stage_whole() {
+    for whole in [false, true] {
+        let region = 2 * 8 * BB + 256;
+        let (producer, wire, consumer) = held_fake_pair(
+            &layout(),
+            RuntimeConfig {
+                pieces_whole_requests: whole,
+                ..cfg(region)
+            },
+        );
+        one_staged_request(&producer, &consumer, &wire);
+        let (a, b) = (RequestId::new("a"), RequestId::new("b"));
+        let src = |r: &RequestId| -> Vec<u32> {
+            if *r == a {
+                (0..8).collect()
+            } else {
+                (8..16).collect()
+            }
+        };
+        let dst = |r: &RequestId| -> Vec<u32> {
+            if *r == a {
+                (0..8).collect()
+            } else {
+                (16..24).collect()
+            }
+        };
+        for r in [&a, &b] {
+            producer
+                .producer_open_by_layer(r.clone(), src(r), capability(), 1, 1)
+                .unwrap();
+            producer.producer_gather_order(r, 0..8, (false, false)).unwrap();
+        }
+        let mut pieces: Vec<(RequestId, u32, LayerSource)> = Vec::new();
+        for l in 0..LAYERS {
+            for r in [&a, &b] {
+                if let Some((p, _)) = producer.producer_stage_layer(r, l, 0..8).unwrap() {
+                    pieces.push((r.clone(), l, p));
+                }
+                producer.layer_ready(r, l, 0..8).unwrap();
+            }
+        }
+        let s = producer.stats();
+        for r in [&a, &b] {
+            producer.producer_finish(r).unwrap();
+        }
+        if whole {
+            // a.l0, b.l0; a.l1 misses and gives a.l0 back; b.l1 takes it
+            assert_eq!(pieces.len(), 3, "{pieces:?}");
+            // a's piece went back unread: a is written from its pages
+            pieces.retain(|(r, _, _)| *r == b);
+            assert_eq!((s.source_staging_full, s.source_pieces_given_up), (1, 1));
+            assert_eq!(producer.source_staging_in_use().1, 2, "b's two layers");
+            wait_given_back(&producer, &b);
+            never_given_back(
+                &producer,
+                &a,
+                PagesBack::NotYet,
+                "a's layers are on its pages only",
+            );
+            assert_eq!(producer.stats().producer_pages_given_back, 1);
+        } else {
+            assert_eq!(pieces.len(), 2, "layer 0 of each: {pieces:?}");
+            assert_eq!((s.source_staging_full, s.source_pieces_given_up), (2, 0));
+            for r in [&a, &b] {
+                never_given_back(&producer, r, PagesBack::NotYet, "layer 1 is on the pages only");
+            }
+        }
+        // decode authorizes both now: every write goes from a live piece of
+        // its own layer, or from its own request's pages
+        let before = wire.submitted().len();
+        for r in [&a, &b] {
+            let hs = consumer
+                .consumer_open(r.clone(), capability(), 0, dst(r), 1)
+                .unwrap();
+            producer.producer_handshake(hs).unwrap();
+        }
+        wire.hold(false);
+        // both releases (`wait_released` drops the other request's event)
+        let mut released = std::collections::BTreeMap::new();
+        while released.len() < 2 {
+            if let orbitkv::RuntimeEvent::ProducerReleased {
+                request,
+                outcome,
+                reason,
+                ..
+            } = orbitkv::testing::wait_for(&producer, "both releases", |e| {
+                matches!(e, orbitkv::RuntimeEvent::ProducerReleased { .. })
+            }) {
+                assert_eq!(outcome, Outcome::Done, "{request:?}: {reason:?}");
+                released.insert(request.0.clone(), ());
+            }
+        }
+        let l = layout();
+        let mut seen = std::collections::BTreeSet::new();
+        for rg in &wire.submitted()[before..] {
+            let (layer, d) = dest_block(rg.dst);
+            let r = if d < 8 { &a } else { &b };
+            let k = dst(r)
+                .iter()
+                .position(|&x| x == d)
+                .unwrap_or_else(|| panic!("{rg:?} outside both authorizations"));
+            let from_piece = pieces
+                .iter()
+                .find(|(pr, pl, _)| pr == r && *pl == layer)
+                .map(|(_, _, p)| p.base + k as u64 * BB);
+            let want = from_piece.unwrap_or_else(|| l.layers[layer as usize].planes[0].block_addr(src(r)[k]));
+            assert_eq!(rg.src, want, "{r:?} layer {layer}: {rg:?}");
+            for i in 0..(rg.len / BB) as u32 {
+                seen.insert((d + i, layer));
+            }
+        }
+        assert_eq!(
+            seen.len() as u32,
+            2 * 8 * LAYERS,
+            "every block of every layer, once"
+        );
+        wait_all_back(&producer);
+    }
+}

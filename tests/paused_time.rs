@@ -99,6 +99,7 @@ impl Rank {
             buffers: Default::default(),
             source_arena: None,
             decode_staged: Default::default(),
+            pieces_whole_requests: cfg.pieces_whole_requests,
         });
         let publisher = Arc::new(Publisher::new(
             1,

@@ -90,6 +90,14 @@ pub struct RuntimeConfig {
     /// before 2026-12-05, and writes handed to it meanwhile wait too (kept
     /// for A/B runs: `orbitkv.pd.gpu_wait` `block`).
     pub lanes_park_on_gpu: bool,
+    /// Prefill side, requests staged by layer: a request one of whose
+    /// layers finds no room in the source staging region gives back every
+    /// piece no write has taken yet and takes no more (`true`), so the
+    /// room goes to requests it can stage whole, whose pages may go back
+    /// before their writes; `false` (the default): that layer alone is
+    /// written from the pages and the request keeps its other pieces
+    /// (`orbitkv.pd.staging_pieces` `request` / `layer`).
+    pub pieces_whole_requests: bool,
 }
 
 impl Default for RuntimeConfig {
@@ -116,6 +124,7 @@ impl Default for RuntimeConfig {
             source_staging_later: false,
             staging_min_ranges: 16,
             lanes_park_on_gpu: true,
+            pieces_whole_requests: false,
         }
     }
 }
@@ -240,6 +249,7 @@ pub struct RuntimeSettings {
     pub inline_submit_max_ranges: Option<usize>,
     pub peer_idle_reclaim_s: Option<f64>,
     pub lanes_park_on_gpu: Option<bool>,
+    pub pieces_whole_requests: Option<bool>,
 }
 
 /// The most writer lanes per peer a setting may ask for.
@@ -274,6 +284,7 @@ impl RuntimeSettings {
             inline_submit_max_ranges: Some(d.inline_submit_max_ranges),
             peer_idle_reclaim_s: Some(d.peer_idle_reclaim.as_secs_f64()),
             lanes_park_on_gpu: Some(d.lanes_park_on_gpu),
+            pieces_whole_requests: Some(d.pieces_whole_requests),
         }
     }
 
@@ -337,6 +348,7 @@ impl RuntimeSettings {
                 .inline_submit_max_ranges
                 .unwrap_or(d.inline_submit_max_ranges),
             lanes_park_on_gpu: self.lanes_park_on_gpu.unwrap_or(d.lanes_park_on_gpu),
+            pieces_whole_requests: self.pieces_whole_requests.unwrap_or(d.pieces_whole_requests),
         })
     }
 }

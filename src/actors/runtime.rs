@@ -162,6 +162,7 @@ impl Runtime {
                 None => None,
             },
             decode_staged: Default::default(),
+            pieces_whole_requests: cfg.pieces_whole_requests,
         });
         let source_arena = shared.source_arena.clone();
         let producers = ProducerIndex::default();

@@ -141,6 +141,11 @@ pub struct Stats {
     /// before their writes ended (every layer in a layer piece or at
     /// decode already, `Runtime::producer_give_back_pages`).
     pub producer_pages_given_back: Counter,
+    /// Prefill side, `orbitkv.pd.staging_pieces` `request`: layer pieces a
+    /// request gave back before any write read them, because a later layer
+    /// of it found no room (its pages stay until those layers are at
+    /// decode, so its pieces go to requests the region can stage whole).
+    pub source_pieces_given_up: Counter,
     /// Prefill side: layers whose `LayerReady` ran on the thread that
     /// handed them over (no message to the system thread).
     pub layers_ready_inline: Counter,
@@ -285,6 +290,7 @@ pub struct StatsSnapshot {
     pub chunks_reordered: u64,
     pub source_staging_full: u64,
     pub producer_pages_given_back: u64,
+    pub source_pieces_given_up: u64,
     pub layers_ready_inline: u64,
     pub writes_inline: u64,
     pub writes_reported_inline: u64,
@@ -343,6 +349,7 @@ impl Stats {
             chunks_reordered: self.chunks_reordered.get(),
             source_staging_full: self.source_staging_full.get(),
             producer_pages_given_back: self.producer_pages_given_back.get(),
+            source_pieces_given_up: self.source_pieces_given_up.get(),
             layers_ready_inline: self.layers_ready_inline.get(),
             writes_inline: self.writes_inline.get(),
             writes_reported_inline: self.writes_reported_inline.get(),

@@ -3040,10 +3040,12 @@ def report(d: Path) -> str:
             staging = (f"{c(pre, 'layers_staged'):.0f} / {c(dec or {}, 'staging_granted'):.0f} / "
                        f"{c(dec or {}, 'staging_exhausted'):.0f}" if has("layers_staged") else "-")
             # the layer pieces' reach: layers of a chunk that found no room in
-            # the source region, and requests whose pages went back to vLLM
-            # before their writes (37f6a3b)
-            pieces = (f"{c(pre, 'source_staging_full'):.0f} / {c(pre, 'producer_pages_given_back'):.0f}"
-                      if has("producer_pages_given_back") else "-")
+            # the source region, pieces given up unread by a request that
+            # missed (orbitkv.pd.staging_pieces "request"), and requests whose
+            # pages went back to vLLM before their writes (37f6a3b)
+            given_up = f"{c(pre, 'source_pieces_given_up'):.0f}" if has("source_pieces_given_up") else "-"
+            pieces = (f"{c(pre, 'source_staging_full'):.0f} / {given_up} / "
+                      f"{c(pre, 'producer_pages_given_back'):.0f}" if has("producer_pages_given_back") else "-")
             rows.append(f"| {system} | {items:.0f} | {per(c(pre, 'ready_lag_seconds'), items)} | {batches:.0f} | "
                         f"{grouped:.0f} | {stops} | "
                         f"{(ranges / batches if batches else 0):.0f} | {(nbytes / ranges / 1024 if ranges else 0):.0f} | "
@@ -3060,11 +3062,12 @@ def report(d: Path) -> str:
                       "the submit call per range in µs; seconds the writer lanes spent parked on the GPU with "
                       "nothing else to send, all lanes together; staging: layers written from source staging / decode's grants / requests "
                       "that found decode's staging full; pieces: layers of a chunk that found no room in the source "
-                      "region / requests whose pages went back to vLLM before their writes.", "",
+                      "region / pieces given back unread by a request a layer of which found none (staging_pieces "
+                      "'request') / requests whose pages went back to vLLM before their writes.", "",
                       "| system | layers admitted | launched → admitted | batches | writes grouped | stops: budget / GPU / ahead "
                       "| ranges per batch | KiB per range | submit call | submit per range, µs | batch | layer writes | "
                       "layer write | queued | lanes on GPU, s | staging: layers / grants / full | "
-                      "pieces: no room / pages back | transfers | authorized → complete |",
+                      "pieces: no room / given up / pages back | transfers | authorized → complete |",
                       "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
         rows = []
         for system, sr in r.get("systems", {}).items():

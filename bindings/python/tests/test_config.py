@@ -153,6 +153,27 @@ def test_gpu_wait_parks_by_default_and_reaches_the_runtime() -> None:
             PdConfig.from_extra_config({"orbitkv.pd.gpu_wait": bad})
 
 
+def test_staging_pieces_go_by_layer_by_default_and_reach_the_runtime() -> None:
+    """``orbitkv.pd.staging_pieces``: ``layer`` by default (the runtime's
+    ``pieces_whole_requests`` off), ``request`` turns it on; refused next to
+    a ``staging_mb`` set by hand (no layer pieces to hand out there)."""
+    cfg = PdConfig.from_extra_config({})
+    assert cfg.staging_pieces == "layer"
+    assert cfg.runtime_settings()["pieces_whole_requests"] is False
+    assert RUNTIME_DEFAULTS["pieces_whole_requests"] is False
+    assert "pieces_whole_requests" in RUNTIME_SETTINGS
+    whole = PdConfig.from_extra_config({"orbitkv.pd.staging_pieces": "request"})
+    assert whole.runtime_settings()["pieces_whole_requests"] is True
+    for bad in ("", "chunk", None, 1, True):
+        with pytest.raises(ConfigError, match="staging_pieces"):
+            PdConfig.from_extra_config({"orbitkv.pd.staging_pieces": bad})
+    with pytest.raises(ConfigError, match=r"orbitkv\.pd\.staging_pieces: hands out the layer pieces"):
+        PdConfig.from_extra_config({"orbitkv.pd.staging_pieces": "request", "orbitkv.pd.staging_mb": 512})
+    # with staging off (0) too: nothing to hand out
+    with pytest.raises(ConfigError, match="staging_pieces"):
+        PdConfig.from_extra_config({"orbitkv.pd.staging_pieces": "layer", "orbitkv.pd.staging_mb": 0})
+
+
 def test_dialects_are_off_by_default_and_only_known_ones_are_accepted() -> None:
     assert PdConfig.from_extra_config({}).dialects == ()
     assert PdConfig.from_extra_config({"orbitkv.pd.dialects": []}).dialects == ()
@@ -211,6 +232,7 @@ def test_the_connector_defaults_are_the_runtimes() -> None:
     assert set(rt) >= {"notify_poll_ms", "max_parked", "max_parked_bytes", "publish_timeout_s"}
     assert all(isinstance(v, bool) or (isinstance(v, (int, float)) and v > 0) for v in rt.values())
     assert c.gpu_wait == ("park" if rt["lanes_park_on_gpu"] else "block")
+    assert c.staging_pieces == ("request" if rt["pieces_whole_requests"] else "layer")
 
 
 def test_every_setting_is_documented() -> None:

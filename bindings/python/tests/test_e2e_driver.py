@@ -102,10 +102,12 @@ def test_the_counters_table_shows_the_submit_per_range_and_staging(tmp_path: Pat
                     bytes_written=1000 * 1024 * 100, writes_grouped=2, write_submit_seconds=0.03,
                     write_batch_seconds=0.2, layer_writes=8, layer_write_seconds=0.8,
                     write_queue_seconds=0.4, write_gpu_wait_seconds=1.5, group_stops_budget=1,
-                    group_stops_gpu=3, writes_ahead_of_gpu=2, layers_staged=6)
+                    group_stops_gpu=3, writes_ahead_of_gpu=2, layers_staged=6, source_staging_full=7,
+                    source_pieces_given_up=4, producer_pages_given_back=9)
     dec = _counters(transfers_completed=2, transfer_seconds=3.0, staging_granted=5, staging_exhausted=1)
-    old = {k: v for k, v in pre.items() if "staged" not in k and "stops" not in k and "ahead" not in k}
-    between = {k: v for k, v in pre.items() if "ahead" not in k}
+    old = {k: v for k, v in pre.items()
+           if not any(x in k for x in ("staged", "stops", "ahead", "source_", "pages_given"))}
+    between = {k: v for k, v in pre.items() if "ahead" not in k and "given_up" not in k}
     stage = {
         "config": {"input_len": 1, "input_range": 0, "output_len": 1},
         "systems": {
@@ -123,6 +125,10 @@ def test_the_counters_table_shows_the_submit_per_range_and_staging(tmp_path: Pat
     assert staged[col["submit per range, µs"]] == "30.0"  # 0.03 s over 1000 ranges
     assert staged[col["staging: layers / grants / full"]] == "6 / 5 / 1"
     assert staged[col["stops: budget / GPU / ahead"]] == "1 / 3 / 2"
+    assert staged[col["pieces: no room / given up / pages back"]] == "7 / 4 / 9"
+    # a wheel from before source_pieces_given_up (staging_pieces)
+    assert rows["| orbit-control"][col["pieces: no room / given up / pages back"]] == "7 / - / 9"
+    assert rows["| orbit"][col["pieces: no room / given up / pages back"]] == "-"
     # a wheel from before writes_ahead_of_gpu
     assert rows["| orbit-control"][col["stops: budget / GPU / ahead"]] == "1 / 3 / -"
     assert rows["| orbit"][col["staging: layers / grants / full"]] == "-"

@@ -50,7 +50,7 @@ def layout_of(caches: list[torch.Tensor], tp: tuple[int, int]) -> dict:
 
 class Rank:
     def __init__(self, fill: float | None, tp: tuple[int, int] = (0, 1), *, grants: bool, sources: bool,
-                 source_floats: int = STAGE_FLOATS, later: bool = False) -> None:
+                 source_floats: int = STAGE_FLOATS, later: bool = False, whole: bool = False) -> None:
         heads = HEADS // tp[1]
         shape = (2, BLOCKS, heads, BLOCK, HEAD_DIM)
         self.caches = [torch.randn(shape) if fill is None else torch.full(shape, fill) for _ in range(LAYERS)]
@@ -69,6 +69,7 @@ class Rank:
             source_staging_region=region(self.sources) if sources else None,
             source_staging_later=later,
             staging_min_ranges=4,
+            pieces_whole_requests=whole,
         )
         units = self.runtime.staged_layout(1)["units"]
         self.copier = StagingCopier(self.layout, units, [*self.caches, self.grants, self.sources])
@@ -405,6 +406,98 @@ def test_pages_go_back_before_decode_authorized_and_decode_gets_the_kv_they_held
         assert p.runtime.source_staging_in_use() == (0, 0)
         c.runtime.consumer_release("early")
         wait_event(c.runtime, {"consumer_released"})
+        assert (p.runtime.live_requests(), c.runtime.live_requests()) == ((0, 0), (0, 0))
+    finally:
+        p.close()
+        c.close()
+
+
+@pytest.mark.parametrize("whole", [False, True])
+def test_two_requests_in_one_forward_share_a_short_region_by_layer_or_one_is_staged_whole(whole: bool) -> None:
+    """Two requests computed in one forward (their layers gathered in turn)
+    before decode authorized either, in a region with room for one
+    request's layers. By layer (the default) both get some layers and
+    neither can give its pages back. Staged whole (``pieces_whole_requests``,
+    ``orbitkv.pd.staging_pieces`` ``request``), ``b`` misses first and gives
+    back its untaken piece, which ``a`` then gathers its last layer into:
+    ``a`` is staged whole and its pages go back (vLLM overwrites them), ``b``
+    is written from its pages. Decode gets each request's computed KV
+    either way, and nothing lands outside what it authorized."""
+    piece5 = 2 * 5 * HEADS * BLOCK * HEAD_DIM
+    p = Rank(None, grants=False, sources=True, source_floats=LAYERS * piece5 + 64, whole=whole)
+    c = Rank(GUARD, grants=False, sources=False)
+    try:
+        # a first request, decode authorizing first: a decode that takes pieces
+        hs = c.runtime.consumer_open("first", CAP, 0, [22, 23], 1)
+        p.runtime.producer_open("first", [0, 1], CAP, 1, staging_group=p.runtime.staging_group(1),
+                                stage_by_layer=True)
+        p.runtime.producer_handshake(hs)
+        stage_chunks(p, "first", [0, 1], [(0, 2)])
+        p.runtime.producer_finish("first")
+        assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
+        assert wait_event(c.runtime, {"consumer_completed", "consumer_failed"}).kind == "consumer_completed"
+        c.runtime.consumer_release("first")
+        wait_event(c.runtime, {"consumer_released"})
+        for t in c.caches:
+            t[:, 22:].fill_(GUARD)
+
+        src = {"a": [2, 3, 4, 5, 6], "b": [7, 8, 9, 10, 11]}
+        dst = {"a": [19, 18, 17, 16, 15], "b": [3, 4, 5, 6, 7]}
+        group = p.runtime.staging_group(1)
+        idx = {}
+        for rid in src:
+            p.runtime.producer_open(rid, src[rid], CAP, 1, staging_group=group, stage_by_layer=True)
+            order = p.runtime.producer_gather_order(rid, 0, 5) or list(range(5))
+            idx[rid] = p.copier.index([src[rid][i] for i in order])
+        given: dict[str, list[int]] = {"a": [], "b": []}
+        for layer in range(LAYERS):
+            for rid in src:
+                got = p.runtime.producer_stage_layer(rid, layer, 0, 5)
+                if got is not None:
+                    given[rid].append(layer)
+                    p.copier.gather_piece(layer, idx[rid], got[0], got[1], group)
+                assert p.runtime.layers_ready(layer, [(rid, 0, 5)]) == []
+        for rid in src:
+            p.runtime.producer_finish(rid)
+        stats = p.runtime.stats()
+        computed = [t.clone() for t in p.caches]
+
+        def pages_back(rid: str) -> str:
+            deadline = time.monotonic() + 0.3  # the finish reaches the producer on its own thread
+            while (back := p.runtime.producer_give_back_pages(rid)) == "not_yet" and time.monotonic() < deadline:
+                time.sleep(0.002)
+            return back
+
+        if whole:
+            # a.l0, b.l0, a.l1; b.l1 misses and gives back b.l0; a.l2 gets it
+            assert given == {"a": [0, 1, 2], "b": [0]}
+            assert (stats["source_staging_full"], stats["source_pieces_given_up"]) == (LAYERS - 1, 1)
+            assert pages_back("a") == "now"
+            assert pages_back("b") == "not_yet", "b's layers are on its pages only"
+            for t in p.caches:
+                t[:, src["a"]] = 123.0  # vLLM gave a's blocks to other requests
+        else:
+            assert given == {"a": [0, 1], "b": [0]}
+            assert (stats["source_staging_full"], stats["source_pieces_given_up"]) == (3, 0)
+            assert (pages_back("a"), pages_back("b")) == ("not_yet", "not_yet")
+        assert p.runtime.source_staging_in_use()[1] == LAYERS
+        # decode authorizes both only now
+        for rid in src:
+            p.runtime.producer_handshake(c.runtime.consumer_open(rid, CAP, 0, dst[rid], 1))
+        for _ in src:
+            assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
+            assert wait_event(c.runtime, {"consumer_completed", "consumer_failed"}).kind == "consumer_completed"
+        every = [d for rid in src for d in dst[rid]]
+        for layer in range(LAYERS):
+            for rid in src:
+                for s_, d in zip(src[rid], dst[rid]):
+                    assert torch.equal(c.caches[layer][:, d], computed[layer][:, s_]), (rid, layer, s_, d)
+            untouched = [b for b in range(BLOCKS) if b not in every]
+            assert bool((c.caches[layer][:, untouched] == GUARD).all()), f"layer {layer}: unauthorized block written"
+        assert p.runtime.source_staging_in_use() == (0, 0)
+        for rid in src:
+            c.runtime.consumer_release(rid)
+            wait_event(c.runtime, {"consumer_released"})
         assert (p.runtime.live_requests(), c.runtime.live_requests()) == ((0, 0), (0, 0))
     finally:
         p.close()

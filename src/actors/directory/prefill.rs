@@ -167,7 +167,11 @@ impl RequestDirectory {
             })
             .collect();
         if let (Some(SourceKind::ByLayer { .. }), Some(arena)) = (staging, &self.shared.source_arena) {
-            src_blocks.stage_by_layer(arena.clone(), members.len() as u32);
+            src_blocks.stage_by_layer(
+                arena.clone(),
+                members.len() as u32,
+                self.shared.pieces_whole_requests,
+            );
         }
         let group = ProducerGroup {
             token,

@@ -68,6 +68,10 @@ pub struct ProducerShared {
     /// What the authorizations of requests staged by layer were like
     /// (whether prefill's pages may go back before decode authorized).
     pub decode_staged: DecodeStaged,
+    /// A request staged by layer that finds no room for a layer gives back
+    /// the pieces no write took and takes no more
+    /// (`RuntimeConfig::pieces_whole_requests`).
+    pub pieces_whole_requests: bool,
 }
 
 /// Whether the decode instances this rank wrote to so far take its layer
@@ -234,6 +238,13 @@ struct Pieces {
     next_id: u64,
     /// The group ended: every piece is back, none is given any more.
     closed: bool,
+    /// `orbitkv.pd.staging_pieces` `request`: a layer that finds no room
+    /// makes the request give back its untaken pieces and take no more.
+    whole: bool,
+    /// Under `whole`: a layer found no room, so no piece is given any more.
+    missed: bool,
+    /// Pieces given back unread on that miss, not yet counted in the stats.
+    given_up: u32,
 }
 
 /// What a write in flight of a request staged by layer reads.
@@ -265,6 +276,27 @@ impl Pieces {
         if let Some(arena) = &self.arena {
             if let Err(e) = arena.lock().free(p.source.base) {
                 tracing::error!(error = %e, "a layer piece was not in use");
+            }
+        }
+    }
+
+    /// Under `whole`, a layer found no room: every live piece no write
+    /// took and none wrote goes back now (its layer is written from the
+    /// pages, which the request keeps until that layer is at decode
+    /// anyway), and no piece is given any more. A piece a write reads, or
+    /// one a member wrote already, stays to its last reader.
+    fn give_up(&mut self) {
+        self.missed = true;
+        let untaken: Vec<_> = self
+            .live
+            .iter()
+            .filter(|(_, x)| x.readers == 0 && x.written == 0)
+            .map(|(&k, _)| k)
+            .collect();
+        for k in untaken {
+            if let Some(x) = self.live.remove(&k) {
+                self.free(&x);
+                self.given_up += 1;
             }
         }
     }
@@ -355,11 +387,13 @@ impl SourceBlocks {
     }
 
     /// Stages request blocks by layer from `arena`, for a group of
-    /// `members` producers.
-    pub(in crate::actors) fn stage_by_layer(&self, arena: SharedArena, members: u32) {
+    /// `members` producers; `whole`: a request is staged whole or not at
+    /// all ([`Self::stage_layer`]).
+    pub(in crate::actors) fn stage_by_layer(&self, arena: SharedArena, members: u32, whole: bool) {
         let mut p = self.0.pieces.lock();
         p.arena = Some(arena);
         p.members = members.max(1);
+        p.whole = whole;
     }
 
     /// A piece of `bytes` for layer `layer` of chunk `blocks`, which the
@@ -367,7 +401,10 @@ impl SourceBlocks {
     /// ([`gather_order`]); it replaces an earlier piece of the same layer
     /// and chunk (freed now, or when the last write reading it ends).
     /// `None`: no room in the region (that layer is written from the
-    /// pages), or the group ended.
+    /// pages), or the group ended. Staged whole ([`Self::stage_by_layer`]):
+    /// the first layer without room also gives back every piece of the
+    /// request no write took ([`Pieces::give_up`]), and no layer gets one
+    /// after it.
     fn stage_layer(&self, layer: u32, blocks: std::ops::Range<u32>, bytes: u64) -> Option<LayerSource> {
         let order = self
             .0
@@ -392,7 +429,15 @@ impl SourceBlocks {
                 p.retired.push(old);
             }
         }
-        let base = p.arena.as_ref()?.lock().alloc(bytes).ok()?;
+        if p.missed {
+            return None;
+        }
+        let Ok(base) = p.arena.as_ref()?.lock().alloc(bytes) else {
+            if p.whole {
+                p.give_up();
+            }
+            return None;
+        };
         let source = LayerSource {
             base,
             start: blocks.start,
@@ -411,6 +456,11 @@ impl SourceBlocks {
             },
         );
         Some(source)
+    }
+
+    /// Pieces given back unread since the last call ([`Pieces::give_up`]).
+    fn take_given_up(&self) -> u32 {
+        std::mem::take(&mut self.0.pieces.lock().given_up)
     }
 
     /// The piece layer `layer` of chunk `blocks` was gathered into, for a
@@ -844,6 +894,9 @@ pub fn stage_layer(
     if got.is_none() {
         // no room: this layer of the chunk is written from the pages
         stats.source_staging_full.inc();
+        stats
+            .source_pieces_given_up
+            .add(src_blocks.take_given_up().into());
     }
     Ok(got.map(|src| (src, slots)))
 }
@@ -1530,7 +1583,7 @@ mod tests {
         let used = || arena.lock().pieces();
         let src = SourceBlocks::new((0..8).collect());
         // two members: each writes its own units of every piece
-        src.stage_by_layer(arena.clone(), 2);
+        src.stage_by_layer(arena.clone(), 2, false);
         let a = src.stage_layer(0, 0..4, 4096).unwrap();
         assert_eq!((a.start, a.blocks, used()), (0, 4, 1));
         let (id, got, order) = src.take_piece(0, &(0..4)).unwrap();
@@ -1568,7 +1621,7 @@ mod tests {
         assert_eq!(used(), 0);
         // a region without room gives none
         let small = SourceBlocks::new((0..8).collect());
-        small.stage_by_layer(arena.clone(), 1);
+        small.stage_by_layer(arena.clone(), 1, false);
         assert!(small.stage_layer(0, 0..8, 1 << 20).is_none());
         assert!(small.stage_layer(0, 0..1, 256).is_some());
         assert_eq!(used(), 1);
@@ -1584,7 +1637,7 @@ mod tests {
         let src = SourceBlocks::new((0..8).collect());
         let ready = [(0, 0..4), (1, 0..4), (0, 4..4)];
         assert_eq!(src.let_pages_go(&ready), PagesBack::Never, "not staged by layer");
-        src.stage_by_layer(arena.clone(), 1);
+        src.stage_by_layer(arena.clone(), 1, false);
         src.stage_layer(0, 0..4, 4096).unwrap();
         assert_eq!(
             src.let_pages_go(&ready),
@@ -1615,7 +1668,7 @@ mod tests {
         assert!(!src.take_pages(), "no write reads them any more");
         // a group that ended has no pieces to write from
         let ended = SourceBlocks::new((0..4).collect());
-        ended.stage_by_layer(arena.clone(), 1);
+        ended.stage_by_layer(arena.clone(), 1, false);
         ended.stage_layer(0, 0..4, 4096).unwrap();
         ended.close(&crate::actors::stats::Timings::default());
         assert_eq!(ended.let_pages_go(&[(0, 0..4)]), PagesBack::Never);
@@ -1633,7 +1686,7 @@ mod tests {
             (0, 1),
             "members in the order they are made"
         );
-        src.stage_by_layer(arena.clone(), 2);
+        src.stage_by_layer(arena.clone(), 2, false);
         src.stage_layer(0, 0..4, 4096).unwrap();
         // layer 1 found no room: both members write it from the pages
         let ready = [(0, 0..4), (1, 0..4)];
@@ -1665,6 +1718,7 @@ mod tests {
                 StagingArena::new(0x10_0000, 256).unwrap(),
             )),
             2,
+            false,
         );
         from_pages(&full, 0, true);
         assert!(full.stage_layer(1, 0..4, 4096).is_none(), "no room");
@@ -1686,6 +1740,126 @@ mod tests {
         );
         assert!(!src.take_pages(), "no write reads them any more");
         assert_eq!(arena.lock().pieces(), 1, "layer 0's piece stays for its writes");
+    }
+
+    /// Two requests gathered layer by layer in one forward (vLLM computes
+    /// a step's requests together), in a region with room for one
+    /// request's layers: taking pieces layer by layer stages both in part,
+    /// so neither can give its pages back early; staged whole
+    /// (`orbitkv.pd.staging_pieces` `request`), the first to miss gives
+    /// back the pieces no write took and the other is staged whole.
+    #[test]
+    fn a_request_staged_whole_gives_back_its_untaken_pieces_on_a_miss_so_another_is_staged_whole() {
+        const LAYERS: u32 = 4;
+        const PIECE: u64 = 4096;
+        let ready: Vec<(u32, std::ops::Range<u32>)> = (0..LAYERS).map(|l| (l, 0..4)).collect();
+        // (requests staged: layers with a piece each, pieces given up,
+        // what each request's pages may do once finished)
+        let run = |whole: bool| {
+            let arena = std::sync::Arc::new(parking_lot::Mutex::new(
+                StagingArena::new(0x10_0000, LAYERS as u64 * PIECE).unwrap(),
+            ));
+            let (a, b) = (
+                SourceBlocks::new((0..4).collect()),
+                SourceBlocks::new((4..8).collect()),
+            );
+            a.stage_by_layer(arena.clone(), 1, whole);
+            b.stage_by_layer(arena.clone(), 1, whole);
+            // layer 0 of both was written already (decode authorized early):
+            // it is at decode, and its piece back
+            for r in [&a, &b] {
+                r.stage_layer(0, 0..4, PIECE).unwrap();
+                let (id, _, _) = r.take_piece(0, &(0..4)).unwrap();
+                r.piece_read(id, true);
+            }
+            // layer 1 of `a` is being written (a write reads its piece)
+            a.stage_layer(1, 0..4, PIECE).unwrap();
+            let (reading, _, _) = a.take_piece(1, &(0..4)).unwrap();
+            let mut got = [0u32; 2];
+            for l in 1..LAYERS {
+                for (i, r) in [&a, &b].into_iter().enumerate() {
+                    if l == 1 && i == 0 {
+                        got[0] += 1;
+                        continue;
+                    }
+                    got[i] += u32::from(r.stage_layer(l, 0..4, PIECE).is_some());
+                }
+            }
+            let given_up = a.take_given_up() + b.take_given_up();
+            let back = [a.let_pages_go(&ready), b.let_pages_go(&ready)];
+            let used = arena.lock().pieces();
+            a.piece_read(reading, true);
+            (got, given_up, back, used)
+        };
+        // by layer: layers 1 and 2 of both fill the region of 4; both miss
+        // layer 3
+        let (got, given_up, back, used) = run(false);
+        assert_eq!(got, [2, 2], "layers 1 and 2 each, layer 3 of neither");
+        assert_eq!(given_up, 0);
+        assert_eq!(back, [PagesBack::NotYet; 2], "each has a layer on its pages only");
+        assert_eq!(used, 4);
+        // whole: `a` misses layer 3 first and gives back layer 2's piece (no
+        // write took it), not layer 1's (read now); b takes the room
+        let (got, given_up, back, used) = run(true);
+        assert_eq!(got, [2, 3], "b got every layer");
+        assert_eq!(given_up, 1, "a's layer 2");
+        assert_eq!(back, [PagesBack::NotYet, PagesBack::Now], "b's pages may go back");
+        assert_eq!(used, 4, "a's layer 1 and b's layers 1 to 3");
+    }
+
+    #[test]
+    fn a_request_that_missed_a_layer_gives_back_only_pieces_no_write_took_and_takes_no_more() {
+        let arena = std::sync::Arc::new(parking_lot::Mutex::new(
+            StagingArena::new(0x10_0000, 3 * 4096).unwrap(),
+        ));
+        let used = || arena.lock().pieces();
+        let src = SourceBlocks::new((0..8).collect());
+        src.stage_by_layer(arena.clone(), 2, true);
+        // layer 0: read by a write now; layer 1: written by one member of
+        // two; layer 2: gathered, no write yet
+        src.stage_layer(0, 0..4, 4096).unwrap();
+        let (reading, _, _) = src.take_piece(0, &(0..4)).unwrap();
+        src.stage_layer(1, 0..4, 4096).unwrap();
+        let (once, _, _) = src.take_piece(1, &(0..4)).unwrap();
+        src.piece_read(once, true);
+        let untaken = src.stage_layer(2, 0..4, 4096).unwrap();
+        assert_eq!(used(), 3);
+        // layer 3 finds no room
+        assert!(src.stage_layer(3, 0..4, 4096).is_none());
+        assert_eq!(src.take_given_up(), 1, "only layer 2's piece");
+        assert_eq!(src.take_given_up(), 0, "counted once");
+        assert_eq!(used(), 2);
+        assert!(
+            src.take_piece(2, &(0..4)).is_none(),
+            "layer 2 is written from the pages"
+        );
+        assert!(
+            src.take_piece(1, &(0..4)).is_some(),
+            "layer 1's second member still reads its piece"
+        );
+        // room again, but the request takes none any more, not even for a
+        // chunk gathered again
+        src.piece_read(reading, true);
+        let other = SourceBlocks::new((0..8).collect());
+        other.stage_by_layer(arena.clone(), 1, true);
+        let reused = other.stage_layer(0, 0..4, 4096).unwrap();
+        assert_eq!(reused.base, untaken.base, "the room went to another request");
+        assert!(src.stage_layer(4, 0..4, 4096).is_none());
+        assert!(src.stage_layer(0, 4..8, 4096).is_none(), "nor a later chunk");
+        assert_eq!(src.take_given_up(), 0);
+        // by layer (the default) a miss gives nothing back
+        let roomy = std::sync::Arc::new(parking_lot::Mutex::new(
+            StagingArena::new(0x10_0000, 2 * 4096).unwrap(),
+        ));
+        let by_layer = SourceBlocks::new((0..8).collect());
+        by_layer.stage_by_layer(roomy.clone(), 1, false);
+        by_layer.stage_layer(0, 0..4, 4096).unwrap();
+        assert!(by_layer.stage_layer(1, 0..8, 1 << 20).is_none());
+        assert!(
+            by_layer.stage_layer(2, 0..4, 4096).is_some(),
+            "a later layer may still find room"
+        );
+        assert_eq!((by_layer.take_given_up(), roomy.lock().pieces()), (0, 2));
     }
 
     #[test]

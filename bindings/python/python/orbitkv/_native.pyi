@@ -334,6 +334,10 @@ class _RuntimeSettings(TypedDict, total=False):
     # layer mark of its queued writes (True) or waits for its front write's
     # mark on its thread (False).
     lanes_park_on_gpu: bool | None
+    # Prefill, requests staged by layer: a request a layer of which finds no
+    # room gives back the pieces no write took and takes no more (True), or
+    # only that layer goes page to page (False).
+    pieces_whole_requests: bool | None
 
 @final
 class Runtime:

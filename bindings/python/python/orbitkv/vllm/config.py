@@ -160,6 +160,11 @@ class ExtraConfig(BaseModel):
     staging_kv_share: Annotated[
         float, Field(gt=0, le=0.5, allow_inf_nan=False, description="a share of the KV cache in (0, 0.5]")
     ] = Field(AUTO_STAGING_KV_SHARE, alias="orbitkv.pd.staging_kv_share")
+    staging_pieces: Literal["layer", "request"] = Field(
+        "request" if _RT["pieces_whole_requests"] else "layer",
+        alias="orbitkv.pd.staging_pieces",
+        description="'layer' or 'request'",
+    )
     allowed_prefill: tuple[Endpoints, ...] = Field(DEFAULT_ALLOWED_PREFILL, alias="orbitkv.pd.allowed_prefill")
     side_channel_key_file: Text | None = Field(
         None, alias="orbitkv.pd.side_channel_key_file", description="a file path"
@@ -324,6 +329,12 @@ class PdConfig:
     # The share of its KV cache a prefill rank's staging_mb "auto" takes,
     # at most AUTO_STAGING_MAX_MB.
     staging_kv_share: float = AUTO_STAGING_KV_SHARE
+    # How staging_mb "auto"'s layer pieces are handed out when the region is
+    # short: "layer" (a layer without room alone is written from the pages)
+    # or "request" (a request a layer of which finds no room gives back the
+    # pieces no write took and takes no more: the room goes to requests it
+    # can stage whole, whose pages may go back before their writes).
+    staging_pieces: str = ExtraConfig.model_fields["staging_pieces"].default
     # The side channels decode may post to; ANY ("*") allows every one
     # (trusts whoever reaches decode's API).
     allowed_prefill: tuple[Endpoints, ...] = DEFAULT_ALLOWED_PREFILL
@@ -351,6 +362,7 @@ class PdConfig:
             "publish_timeout_s": min(10.0, self.timeout_s),
             "staging_min_ranges": self.staging_min_ranges,
             "lanes_park_on_gpu": self.gpu_wait == "park",
+            "pieces_whole_requests": self.staging_pieces == "request",
         }
 
     def prefill_allowed(self, host: str, port: int, tp: int = 1) -> bool:
@@ -412,6 +424,11 @@ class PdConfig:
                 "orbitkv.pd.staging_kv_share: sizes the staging of orbitkv.pd.staging_mb 'auto'; "
                 f"with a size set by hand ({x.staging_mb} MiB) it would be ignored"
             )
+        if "staging_pieces" in x.model_fields_set and x.staging_mb != "auto":
+            raise ConfigError(
+                "orbitkv.pd.staging_pieces: hands out the layer pieces of orbitkv.pd.staging_mb 'auto'; "
+                f"with a size set by hand ({x.staging_mb} MiB) it would be ignored"
+            )
         bind_host = x.bind_host or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
         return PdConfig(
             bind_host=bind_host,
@@ -437,6 +454,7 @@ class PdConfig:
             staging_min_ranges=x.staging_min_ranges,
             staging_memory=staging_memory,
             staging_kv_share=x.staging_kv_share,
+            staging_pieces=x.staging_pieces,
             allowed_prefill=x.allowed_prefill,
             side_channel_key=read_side_channel_key(x.side_channel_key_file),
             claim_timeout_s=x.claim_timeout_s,

@@ -205,6 +205,11 @@ _PROM = {
         "was in a layer piece of the source staging (the default) or already at decode; the remaining writes "
         "then read the pieces.",
     ),
+    "source_pieces_given_up": (
+        "vllm:orbitkv_source_pieces_given_up",
+        "Prefill layer pieces a request gave back before any write read them, because a later layer of it found no "
+        "room (orbitkv.pd.staging_pieces 'request': the room goes to requests the region can stage whole).",
+    ),
     "layers_ready_inline": (
         "vllm:orbitkv_layers_ready_inline",
         "Prefill layers handed to their producer on the worker's own thread (no message to the runtime's thread).",
