@@ -53,7 +53,7 @@ from orbitkv.testing.tiny_model import make_tiny_model
 from orbitkv.vllm.stats import _PROM
 
 COUNTERS = ("write_ranges", "layers_written", "layers_staged_to_pages", "chunks_reordered", "bytes_written",
-            "source_staging_full", "producer_pages_given_back")
+            "source_staging_full", "producer_pages_given_back", "source_pieces_given_up")
 
 
 class KvUse:
@@ -161,6 +161,13 @@ def main(argv: list[str] | None = None) -> int:
                         "instead of OrbitKV's proxy (both halves at once)")
     p.add_argument("--whole", action="store_true",
                    help="a third cluster: whole-prompt source stagings of the default's region size")
+    p.add_argument("--pieces-whole", action="store_true",
+                   help="a cluster more: the default with orbitkv.pd.staging_pieces 'request' (a request a layer of "
+                        "which finds no room gives back its untaken pieces and takes no more)")
+    p.add_argument("--no-page-to-page", action="store_true", help="leave out the page-to-page cluster")
+    p.add_argument("--config", type=json.loads, default={},
+                   help="orbitkv.pd.* settings (a JSON object) of the default cluster and --pieces-whole's, e.g. "
+                        "'{\"orbitkv.pd.staging_kv_share\": 0.03}' for a short region")
     a = p.parse_args(argv)
     run_dir = (a.run_dir or Path(tempfile.mkdtemp(prefix="orbitkv-ranges-"))).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -173,26 +180,30 @@ def main(argv: list[str] | None = None) -> int:
     # staging each (a size set by hand: half of it for sources under kv_both;
     # decode 0, so no grant): the default before layer pieces
     whole_mb = 2 * int(a.prefill_kv_mib * 0.10)
-    rows = [
-        run(model, run_dir, "page-to-page", {"orbitkv.pd.staging_mb": 0}, prompts, a),
-        run(model, run_dir, "default", {}, prompts, a),
-    ]
+    rows = [] if a.no_page_to_page else [
+        run(model, run_dir, "page-to-page", {"orbitkv.pd.staging_mb": 0}, prompts, a)]
+    rows.append(run(model, run_dir, "default", dict(a.config), prompts, a))
+    if a.pieces_whole:
+        rows.append(run(model, run_dir, "pieces-whole-requests", {**a.config, "orbitkv.pd.staging_pieces": "request"},
+                        prompts, a))
     if a.whole:
         rows.append(run(model, run_dir, f"whole-prompt-{whole_mb // 2}MiB", {"orbitkv.pd.staging_mb": whole_mb},
                         prompts, a, decode_config={"orbitkv.pd.staging_mb": 0}))
     print("| writes | requests | P/D != prefill alone | layer writes | ranges | ranges per layer write "
           "| layers from staging into pages | chunks reordered | no room in the source region "
-          "| pages back before the writes | prefill KV in use: peak / mean | decode loads failed (recomputed) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| pieces given up on a miss | pages back before the writes | prefill KV in use: peak / mean "
+          "| decode loads failed (recomputed) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['name']} | {r['requests']} | {r['mismatches']} | {r['layers_written']:.0f} | "
               f"{r['write_ranges']:.0f} | {r['ranges_per_layer_write']:.2f} | {r['layers_staged_to_pages']:.0f} | "
               f"{r['chunks_reordered']:.0f} | {r['source_staging_full']:.0f} | "
-              f"{r['producer_pages_given_back']:.0f} | {100 * r['prefill_kv_peak']:.1f} / "
+              f"{r['source_pieces_given_up']:.0f} | {r['producer_pages_given_back']:.0f} | {100 * r['prefill_kv_peak']:.1f} / "
               f"{100 * r['prefill_kv_mean']:.1f} % | {r['decode_loads_failed']:.0f} |")
-    a0, b0 = rows[:2]
-    print(f"\npage to page / default, ranges per layer write: "
-          f"{a0['ranges_per_layer_write'] / max(1e-9, b0['ranges_per_layer_write']):.1f}")
+    if not a.no_page_to_page:
+        a0, b0 = rows[:2]
+        print(f"\npage to page / default, ranges per layer write: "
+              f"{a0['ranges_per_layer_write'] / max(1e-9, b0['ranges_per_layer_write']):.1f}")
     if a.json:
         a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "rows": rows}, indent=1))
     return 0 if all(r["mismatches"] == 0 for r in rows) else 1

@@ -351,6 +351,25 @@ def stage_chunks(p: Rank, rid: str, src: list[int], chunks: list[tuple[int, int]
             assert p.runtime.layers_ready(layer, [(rid, lo, hi)]) == []
 
 
+def a_decode_that_takes_pieces(p: Rank, c: Rank) -> None:
+    """A first request staged by layer, decode authorizing first, written
+    and released: `p` has seen a decode that takes layer pieces (so pages
+    may go back before decode authorized). Decode's blocks 22 and 23 are
+    reset to the guard."""
+    hs = c.runtime.consumer_open("first", CAP, 0, [22, 23], 1)
+    p.runtime.producer_open("first", [0, 1], CAP, 1, staging_group=p.runtime.staging_group(1),
+                            stage_by_layer=True)
+    p.runtime.producer_handshake(hs)
+    stage_chunks(p, "first", [0, 1], [(0, 2)])
+    p.runtime.producer_finish("first")
+    assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
+    assert wait_event(c.runtime, {"consumer_completed", "consumer_failed"}).kind == "consumer_completed"
+    c.runtime.consumer_release("first")
+    wait_event(c.runtime, {"consumer_released"})
+    for t in c.caches:
+        t[:, 22:].fill_(GUARD)
+
+
 def test_pages_go_back_before_decode_authorized_and_decode_gets_the_kv_they_held() -> None:
     """The prefill's pages go back to vLLM once every layer of every chunk is
     in a layer piece and vLLM finished the request, before decode even
@@ -361,19 +380,7 @@ def test_pages_go_back_before_decode_authorized_and_decode_gets_the_kv_they_held
     p = Rank(None, grants=False, sources=True)
     c = Rank(GUARD, grants=False, sources=False)
     try:
-        # a first request, decode authorizing first: a decode that takes pieces
-        hs = c.runtime.consumer_open("first", CAP, 0, [22, 23], 1)
-        p.runtime.producer_open("first", [0, 1], CAP, 1, staging_group=p.runtime.staging_group(1),
-                                stage_by_layer=True)
-        p.runtime.producer_handshake(hs)
-        stage_chunks(p, "first", [0, 1], [(0, 2)])
-        p.runtime.producer_finish("first")
-        assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
-        assert wait_event(c.runtime, {"consumer_completed", "consumer_failed"}).kind == "consumer_completed"
-        c.runtime.consumer_release("first")
-        wait_event(c.runtime, {"consumer_released"})
-        for t in c.caches:
-            t[:, 22:].fill_(GUARD)
+        a_decode_that_takes_pieces(p, c)
 
         src = [2, 3, 4, 5, 6, 7, 8, 9, 10, 11]
         dst = [19, 18, 17, 16, 15, 14, 13, 12, 11, 3]
@@ -427,19 +434,7 @@ def test_two_requests_in_one_forward_share_a_short_region_by_layer_or_one_is_sta
     p = Rank(None, grants=False, sources=True, source_floats=LAYERS * piece5 + 64, whole=whole)
     c = Rank(GUARD, grants=False, sources=False)
     try:
-        # a first request, decode authorizing first: a decode that takes pieces
-        hs = c.runtime.consumer_open("first", CAP, 0, [22, 23], 1)
-        p.runtime.producer_open("first", [0, 1], CAP, 1, staging_group=p.runtime.staging_group(1),
-                                stage_by_layer=True)
-        p.runtime.producer_handshake(hs)
-        stage_chunks(p, "first", [0, 1], [(0, 2)])
-        p.runtime.producer_finish("first")
-        assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
-        assert wait_event(c.runtime, {"consumer_completed", "consumer_failed"}).kind == "consumer_completed"
-        c.runtime.consumer_release("first")
-        wait_event(c.runtime, {"consumer_released"})
-        for t in c.caches:
-            t[:, 22:].fill_(GUARD)
+        a_decode_that_takes_pieces(p, c)
 
         src = {"a": [2, 3, 4, 5, 6], "b": [7, 8, 9, 10, 11]}
         dst = {"a": [19, 18, 17, 16, 15], "b": [3, 4, 5, 6, 7]}
