@@ -387,8 +387,9 @@ impl SourceBlocks {
     }
 
     /// Stages request blocks by layer from `arena`, for a group of
-    /// `members` producers; `whole`: a request is staged whole or not at
-    /// all ([`Self::stage_layer`]).
+    /// `members` producers; `whole`: a request that misses a layer gives
+    /// back the pieces no write took and takes no more
+    /// ([`Self::stage_layer`]).
     pub(in crate::actors) fn stage_by_layer(&self, arena: SharedArena, members: u32, whole: bool) {
         let mut p = self.0.pieces.lock();
         p.arena = Some(arena);
