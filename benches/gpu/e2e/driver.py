@@ -1773,6 +1773,22 @@ def ab_config(text: str) -> dict[str, Any]:
     return cfg
 
 
+# --ab-more NAME: the names --ab and the fronts take already
+AB_MORE_TAKEN = {"none", "auto", "one-lane", "device-wait", "wide-ranges", "narrow-ranges", "lanes-16", "staging",
+                 "control", "custom", "router", "python-gate", "py"}
+
+
+def ab_more(text: str) -> tuple[str, dict[str, Any]]:
+    """--ab-more NAME=JSON: one more OrbitKV pair, the system ``orbit-NAME``
+    (NAME: lower-case letters and digits, not a name --ab or a front takes),
+    with the orbitkv.pd.* settings of JSON on both instances."""
+    name, sep, cfg = text.partition("=")
+    if not sep or not re.fullmatch(r"[a-z0-9]{1,16}", name) or name in AB_MORE_TAKEN:
+        raise argparse.ArgumentTypeError(
+            f"NAME=JSON with NAME of 1-16 lower-case letters and digits, not one of {sorted(AB_MORE_TAKEN)}: {text!r}")
+    return name, ab_config(cfg)
+
+
 def wanted_systems(ctx: Ctx) -> list[str]:
     a = ctx.args
     out = ["single", "orbit"] if a.single else ["orbit"]
@@ -1782,6 +1798,7 @@ def wanted_systems(ctx: Ctx) -> list[str]:
         out.append("orbit-router-mc")  # and behind vllm-router in its mooncake mode
     if a.ab != "none":
         out.append(f"orbit-{a.ab}")
+    out += [f"orbit-{name}" for name, _ in a.ab_more]
     if a.mc:
         out.append("mc")
     if a.nixl == "yes" or (a.nixl == "auto" and not (a.one_gpu and ctx.cuda)):
@@ -1871,6 +1888,8 @@ def plan_big(ctx: Ctx, spec: ModelSpec) -> dict[str, Any]:
         plan["warning"] = f"--big-kv-gib {a.big_kv_gib} is more than fits by the estimate ({plan['fit_kv_gib_per_group']})"
     if a.ab == "custom":
         plan["ab_config"] = a.ab_config  # the A/B pair's settings (orbit-custom)
+    if a.ab_more:
+        plan["ab_more"] = dict(a.ab_more)  # orbit-NAME's settings, by NAME
     plan["orbit_roles"] = ({"prefill": "kv_producer", "decode": "kv_consumer"} if a.orbit_roles == "split"
                            else {"prefill": "kv_both", "decode": "kv_both"})
     if a.big_decode_kv_gib:
@@ -1973,6 +1992,16 @@ class Fleet:
                     s.orbit_cfg.update(ctx.args.ab_config)
             allow_prefill(ctx, self.opre_ab, self.odec_ab)
             self.pairs[f"orbit-{ab}"] = [self.opre_ab, self.odec_ab]
+        # --ab-more NAME=JSON: one more pair each, with those settings
+        for name, cfg in ctx.args.ab_more:
+            if f"orbit-{name}" not in systems:
+                continue
+            pair = [mk(f"orbit{name}-prefill", 0, "orbit", dict(orbit_env)),
+                    mk(f"orbit{name}-decode", 1, "orbit", dict(orbit_env))]
+            for s in pair:
+                s.orbit_cfg.update(cfg)
+            allow_prefill(ctx, *pair)
+            self.pairs[f"orbit-{name}"] = pair
         if "mc" in systems:
             self.mpre = mk("mc-prefill", 0, "mc")
             self.mpre.mc_role = "kv_producer"
@@ -2789,7 +2818,13 @@ def ratio_rows(r: dict[str, Any]) -> list[str]:
     with each system's prefill KV usage peak."""
     systems = r.get("systems", {})
     out: list[str] = []
-    for num, den, num_label, den_label, title in RATIOS:
+    known = {row[0] for row in RATIOS}
+    # --ab-more's pairs (orbit-NAME, settings in plan.json's ab_more)
+    more = [(x, base, f"OrbitKV, {x[6:]}", lab, f"OrbitKV with {x[6:]} (plan.json's ab_more) ÷ {what}")
+            for x in systems if x.startswith("orbit-") and x not in known
+            for base, lab, what in (("mc", "MooncakeConnector", "MooncakeConnector"),
+                                    ("orbit", "defaults", "defaults (the A/B pair)"))]
+    for num, den, num_label, den_label, title in (*RATIOS, *more):
         if "runs" not in systems.get(num, {}) or "runs" not in systems.get(den, {}):
             continue
         rows = []
@@ -3252,6 +3287,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ab-config", type=ab_config, default={},
                    help="--ab custom: a JSON object of orbitkv.pd.* settings for both instances of the A/B pair, "
                         "e.g. '{\"orbitkv.pd.writer_lanes\": 16, \"orbitkv.pd.max_inflight_ranges\": 8192}'")
+    p.add_argument("--ab-more", type=ab_more, action="append", default=[], metavar="NAME=JSON",
+                   help="one more OrbitKV pair, the system orbit-NAME, with the orbitkv.pd.* settings of JSON on both "
+                        "instances (repeatable; beside --ab): several A/Bs against the same orbit and mc runs in "
+                        "one call, e.g. --ab-more 'share25={\"orbitkv.pd.staging_kv_share\": 0.25}'")
     p.add_argument("--ab-staging-mb", type=int, default=8192,
                    help="--ab staging: orbitkv.pd.staging_mb on both instances of the A/B pair")
     p.add_argument("--ab-staging-min-ranges", type=int, default=1,
@@ -3357,6 +3396,9 @@ def main(argv: list[str] | None = None) -> int:
         a.ab = "none" if (a.one_gpu and a.device == "cuda") else "device-wait"
     if (a.ab == "custom") != bool(a.ab_config):
         p.error("--ab custom and --ab-config go together")
+    names = [name for name, _ in a.ab_more]
+    if len(set(names)) != len(names):
+        p.error(f"--ab-more: a NAME given twice ({names})")
     return run(Ctx(a))
 
 

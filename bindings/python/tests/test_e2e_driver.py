@@ -4,6 +4,7 @@ log. The driver itself runs on the device (docs/gpu-e2e.md)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import sys
@@ -45,6 +46,49 @@ def test_ab_custom_and_its_config_go_together(argv: list[str], tmp_path: Path) -
                      "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")])
     assert e.value.code == 2
     assert not (tmp_path / "o").exists()  # refused before anything ran
+
+
+def test_ab_more_adds_named_pairs_planned_after_the_first_group_and_compared_with_the_defaults_and_mc(
+        tmp_path: Path) -> None:
+    """--ab-more NAME=JSON (repeatable): one more OrbitKV pair each, the
+    system orbit-NAME with those settings, so several A/Bs share one call's
+    orbit and mc runs; each gets its ratio tables against the defaults and
+    MooncakeConnector. A bad or repeated NAME is refused before anything
+    runs."""
+    from types import SimpleNamespace
+
+    share = '{"orbitkv.pd.staging_kv_share": 0.25}'
+    assert driver.ab_more(f"share25={share}") == ("share25", {"orbitkv.pd.staging_kv_share": 0.25})
+    for bad in ("share25", "=" + share, f"Share={share}", f"control={share}", f"a-b={share}", "x={}",
+                'x={"vllm.y": 1}', f"{'x' * 17}={share}"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            driver.ab_more(bad)
+    for argv in (["--ab-more", "x"], ["--ab-more", f"x={share}", "--ab-more", f"x={share}"]):
+        with pytest.raises(SystemExit) as e:
+            driver.main([*argv, "--device", "cpu", "--stages", "none", "--deadline-s", "5",
+                         "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")])
+        assert e.value.code == 2
+        assert not (tmp_path / "o").exists()
+    more = [("share25", {"orbitkv.pd.staging_kv_share": 0.25}), ("whole", {"orbitkv.pd.staging_pieces": "request"})]
+    real = driver.gpu_total_gib
+    try:
+        driver.gpu_total_gib = lambda smi="": 79.65
+        ctx = SimpleNamespace(args=_big_args(ab_more=more), cuda=True)
+        assert driver.wanted_systems(ctx) == ["orbit", "orbit-control", "orbit-share25", "orbit-whole", "mc"]
+        plan = driver.plan_big(ctx, driver.big_spec(ctx))
+    finally:
+        driver.gpu_total_gib = real
+    assert plan["groups"][0] == ["orbit", "mc"]
+    assert sorted(x for g in plan["groups"][1:] for x in g) == ["orbit-control", "orbit-share25", "orbit-whole"]
+    assert plan["ab_more"] == dict(more)
+    run = {"concurrency": 4, "p50_ttft_ms": 100.0, "p99_ttft_ms": 200.0, "output_throughput": 50.0}
+    r = {"systems": {x: {"runs": {"c4": dict(run, p50_ttft_ms=v)}}
+                     for x, v in (("orbit", 100.0), ("mc", 200.0), ("orbit-share25", 80.0))}}
+    lines = driver.ratio_rows(r)
+    # a table: its title, a blank line, the header, the rule, a row a level
+    row = lambda title: lines[next(i for i, x in enumerate(lines) if x.startswith(title)) + 4]  # noqa: E731
+    assert row("OrbitKV with share25 (plan.json's ab_more) ÷ defaults").startswith("| 4 | 0.80 | 1.00 | 1.00 |")
+    assert row("OrbitKV with share25 (plan.json's ab_more) ÷ MooncakeConnector").startswith("| 4 | 0.40 |")
 
 
 def test_e2e_driver_args_split_like_shell_words_so_a_json_with_spaces_stays_one() -> None:
@@ -244,7 +288,7 @@ def _big_args(**kw: object) -> object:
              ttft_lengths=[1024, 8192, 32768], ttft_gen=1, min_kv_gib=4, one_gpu=True, big_kv_gib=3.0,
              big_kv_cap_gib=40.0, big_decode_kv_gib=5.5, bench_input_len=4609, bench_output_len=64, ab="control",
              ab_config=None, single=False, router=False, router_mc=False, mc=True, nixl="auto", big_layers=8,
-             orbit_roles="split")
+             orbit_roles="split", ab_more=[])
     a.update(kw)
     return SimpleNamespace(**a)
 
