@@ -1778,12 +1778,18 @@ AB_MORE_TAKEN = {"none", "auto", "one-lane", "device-wait", "wide-ranges", "narr
                  "control", "custom", "router", "python-gate", "py"}
 
 
+def ab_more_name(name: str) -> bool:
+    """Whether ``orbit-NAME`` is an --ab-more pair's system: NAME of 1-16
+    lower-case letters and digits, not a name --ab or a front takes."""
+    return bool(re.fullmatch(r"[a-z0-9]{1,16}", name)) and name not in AB_MORE_TAKEN
+
+
 def ab_more(text: str) -> tuple[str, dict[str, Any]]:
     """--ab-more NAME=JSON: one more OrbitKV pair, the system ``orbit-NAME``
-    (NAME: lower-case letters and digits, not a name --ab or a front takes),
-    with the orbitkv.pd.* settings of JSON on both instances."""
+    (:func:`ab_more_name`), with the orbitkv.pd.* settings of JSON on both
+    instances."""
     name, sep, cfg = text.partition("=")
-    if not sep or not re.fullmatch(r"[a-z0-9]{1,16}", name) or name in AB_MORE_TAKEN:
+    if not sep or not ab_more_name(name):
         raise argparse.ArgumentTypeError(
             f"NAME=JSON with NAME of 1-16 lower-case letters and digits, not one of {sorted(AB_MORE_TAKEN)}: {text!r}")
     return name, ab_config(cfg)
@@ -2818,10 +2824,9 @@ def ratio_rows(r: dict[str, Any]) -> list[str]:
     with each system's prefill KV usage peak."""
     systems = r.get("systems", {})
     out: list[str] = []
-    known = {row[0] for row in RATIOS}
     # --ab-more's pairs (orbit-NAME, settings in plan.json's ab_more)
     more = [(x, base, f"OrbitKV, {x[6:]}", lab, f"OrbitKV with {x[6:]} (plan.json's ab_more) ÷ {what}")
-            for x in systems if x.startswith("orbit-") and x not in known
+            for x in systems if x.startswith("orbit-") and ab_more_name(x[6:])
             for base, lab, what in (("mc", "MooncakeConnector", "MooncakeConnector"),
                                     ("orbit", "defaults", "defaults (the A/B pair)"))]
     for num, den, num_label, den_label, title in (*RATIOS, *more):

@@ -83,8 +83,11 @@ def test_ab_more_adds_named_pairs_planned_after_the_first_group_and_compared_wit
     assert plan["ab_more"] == dict(more)
     run = {"concurrency": 4, "p50_ttft_ms": 100.0, "p99_ttft_ms": 200.0, "output_throughput": 50.0}
     r = {"systems": {x: {"runs": {"c4": dict(run, p50_ttft_ms=v)}}
-                     for x, v in (("orbit", 100.0), ("mc", 200.0), ("orbit-share25", 80.0))}}
+                     for x, v in (("orbit", 100.0), ("mc", 200.0), ("orbit-share25", 80.0),
+                                  ("orbit-device-wait", 90.0))}}
     lines = driver.ratio_rows(r)
+    # an --ab pair is no --ab-more pair
+    assert not [x for x in lines if "device-wait (plan.json's ab_more)" in x]
     # a table: its title, a blank line, the header, the rule, a row a level
     row = lambda title: lines[next(i for i, x in enumerate(lines) if x.startswith(title)) + 4]  # noqa: E731
     assert row("OrbitKV with share25 (plan.json's ab_more) ÷ defaults").startswith("| 4 | 0.80 | 1.00 | 1.00 |")

@@ -183,6 +183,8 @@ def test_runtime_errors_are_typed_and_change_nothing(ranks: tuple[Rank, Rank]) -
         ({"side_channel_key": "not bytes"}, "side_channel_key"),
         ({"lanes_park_on_gpu": "yes"}, "lanes_park_on_gpu"),
         ({"lanes_park_on_gpu": 1}, "lanes_park_on_gpu"),
+        ({"pieces_whole_requests": "request"}, "pieces_whole_requests"),
+        ({"pieces_whole_requests": 0}, "pieces_whole_requests"),
     ],
 )
 def test_a_setting_the_core_does_not_take_is_refused_by_name(

@@ -419,16 +419,13 @@ class PdConfig:
                 "orbitkv.pd.staging_memory: 'kv_cache' holds the layer pieces of orbitkv.pd.staging_mb 'auto'; "
                 f"a size set by hand ({x.staging_mb} MiB) is memory beside the KV cache, got 'kv_cache'"
             )
-        if "staging_kv_share" in x.model_fields_set and x.staging_mb != "auto":
-            raise ConfigError(
-                "orbitkv.pd.staging_kv_share: sizes the staging of orbitkv.pd.staging_mb 'auto'; "
-                f"with a size set by hand ({x.staging_mb} MiB) it would be ignored"
-            )
-        if "staging_pieces" in x.model_fields_set and x.staging_mb != "auto":
-            raise ConfigError(
-                "orbitkv.pd.staging_pieces: hands out the layer pieces of orbitkv.pd.staging_mb 'auto'; "
-                f"with a size set by hand ({x.staging_mb} MiB) it would be ignored"
-            )
+        # settings of staging_mb "auto" alone, ignored beside a size set by hand
+        for key, what in (("staging_kv_share", "sizes the staging"), ("staging_pieces", "hands out the layer pieces")):
+            if key in x.model_fields_set and x.staging_mb != "auto":
+                raise ConfigError(
+                    f"orbitkv.pd.{key}: {what} of orbitkv.pd.staging_mb 'auto'; "
+                    f"with a size set by hand ({x.staging_mb} MiB) it would be ignored"
+                )
         bind_host = x.bind_host or os.environ.get("VLLM_HOST_IP") or "127.0.0.1"
         return PdConfig(
             bind_host=bind_host,
