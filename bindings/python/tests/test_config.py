@@ -336,12 +336,13 @@ def test_staging_defaults_to_a_source_staging_on_prefill_only() -> None:
 
     assert PdConfig.from_extra_config({}).staging_mb == "auto"
     gib = 1 << 30
-    # a tenth of the KV cache, at most 1 GiB, only where the rank may prefill
-    assert staging_parts("auto", "kv_producer", 4 * gib) == (0, 409)
-    assert staging_parts("auto", "kv_both", 4 * gib) == (0, 409)
+    # a quarter of the KV cache, at most 1 GiB, only where the rank may prefill
+    assert staging_parts("auto", "kv_producer", 2 * gib) == (0, 512)
+    assert staging_parts("auto", "kv_both", 2 * gib) == (0, 512)
+    assert staging_parts("auto", "kv_producer", 4 * gib) == (0, 1024)
     assert staging_parts("auto", "kv_producer", 64 * gib) == (0, 1024)
     assert staging_parts("auto", "kv_consumer", 64 * gib) == (0, 0)
-    assert staging_parts("auto", "kv_producer", 5 << 20) == (0, 0)
+    assert staging_parts("auto", "kv_producer", 3 << 20) == (0, 0)
     # a size: split by role as before
     assert staging_parts(256, "kv_producer", gib) == (0, 256)
     assert staging_parts(256, "kv_consumer", gib) == (256, 0)
@@ -351,17 +352,17 @@ def test_staging_defaults_to_a_source_staging_on_prefill_only() -> None:
 
 def test_the_auto_stagings_share_of_the_kv_cache_is_a_setting_for_auto_only() -> None:
     """``orbitkv.pd.staging_kv_share`` sizes ``staging_mb`` ``auto`` (a
-    tenth by default, still at most 1 GiB); anything but a share in
+    quarter by default, still at most 1 GiB); anything but a share in
     (0, 0.5], or a share beside a size set by hand (which it would not
     size), is refused by name."""
     from orbitkv.vllm.config import AUTO_STAGING_KV_SHARE, staging_parts
 
-    assert PdConfig.from_extra_config({}).staging_kv_share == AUTO_STAGING_KV_SHARE == 0.10
-    assert PdConfig.from_extra_config({"orbitkv.pd.staging_kv_share": 0.25}).staging_kv_share == 0.25
+    assert PdConfig.from_extra_config({}).staging_kv_share == AUTO_STAGING_KV_SHARE == 0.25
+    assert PdConfig.from_extra_config({"orbitkv.pd.staging_kv_share": 0.1}).staging_kv_share == 0.1
     gib = 1 << 30
-    assert staging_parts("auto", "kv_producer", 2 * gib, 0.25) == (0, 512)
-    assert staging_parts("auto", "kv_producer", 8 * gib, 0.25) == (0, 1024)  # the 1 GiB cap holds
-    assert staging_parts("auto", "kv_consumer", 2 * gib, 0.25) == (0, 0)
+    assert staging_parts("auto", "kv_producer", 2 * gib, 0.1) == (0, 204)
+    assert staging_parts("auto", "kv_producer", 16 * gib, 0.1) == (0, 1024)  # the 1 GiB cap holds
+    assert staging_parts("auto", "kv_consumer", 2 * gib, 0.1) == (0, 0)
     for bad in (0, -0.1, 0.6, 1, float("nan"), "a quarter", None):
         with pytest.raises(ConfigError, match=r"orbitkv\.pd\.staging_kv_share"):
             PdConfig.from_extra_config({"orbitkv.pd.staging_kv_share": bad})

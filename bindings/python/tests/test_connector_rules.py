@@ -1681,12 +1681,12 @@ def kv_cache_config(num_blocks: int, block_bytes: int) -> Any:
 @pytest.mark.parametrize(
     "extra,role,groups,taken",
     [
-        ({"orbitkv.pd.staging_memory": "kv_cache"}, "kv_both", 1, 100),
-        ({"orbitkv.pd.staging_memory": "kv_cache"}, "kv_producer", 1, 100),
+        ({"orbitkv.pd.staging_memory": "kv_cache"}, "kv_both", 1, 250),
+        ({"orbitkv.pd.staging_memory": "kv_cache"}, "kv_producer", 1, 250),
         ({"orbitkv.pd.staging_memory": "kv_cache"}, "kv_consumer", 1, 0),
         ({"orbitkv.pd.staging_memory": "kv_cache"}, "kv_both", 2, 0),  # hybrid: no staging
-        ({}, "kv_both", 1, 100),  # the default: kv_cache
-        ({"orbitkv.pd.staging_kv_share": 0.25}, "kv_producer", 1, 250),  # a quarter instead of a tenth
+        ({}, "kv_both", 1, 250),  # the default: kv_cache
+        ({"orbitkv.pd.staging_kv_share": 0.1}, "kv_producer", 1, 100),  # a tenth instead of a quarter
         ({"orbitkv.pd.staging_memory": "beside"}, "kv_both", 1, 0),  # beside: nothing taken
         ({"orbitkv.pd.staging_mb": 512}, "kv_both", 1, 0),  # a size set by hand: beside
         ({"orbitkv.pd.staging_mb": 0}, "kv_both", 1, 0),  # staging off
@@ -1695,9 +1695,9 @@ def kv_cache_config(num_blocks: int, block_bytes: int) -> Any:
 def test_the_scheduler_takes_the_staging_out_of_vllms_pool_only_where_it_stages(
     extra: dict[str, Any], role: str, groups: int, taken: int
 ) -> None:
-    """A tenth of a 1001-block pool (1 MiB blocks; ``staging_kv_share`` of
+    """A quarter of a 1001-block pool (1 MiB blocks; ``staging_kv_share`` of
     it when set) on a rank that may
-    prefill with ``staging_memory`` ``kv_cache``: blocks 1..100 from vLLM's
+    prefill with ``staging_memory`` ``kv_cache``: blocks 1..250 from vLLM's
     real block pool, named in every step's metadata; the pool then counts
     only the rest. Nowhere else is anything taken."""
     from vllm.v1.core.block_pool import BlockPool
@@ -1783,7 +1783,7 @@ def test_a_kv_both_instance_that_only_decodes_is_told_once_to_start_as_kv_consum
 
     assert run("kv_both", False, sm.DECODE_ONLY_HINT_AFTER - 1) == []
     hint = run("kv_both", False, 2 * sm.DECODE_ONLY_HINT_AFTER)
-    assert len(hint) == 1 and "keeps 100 of its KV cache blocks" in hint[0], hint
+    assert len(hint) == 1 and "keeps 250 of its KV cache blocks" in hint[0], hint
     assert run("kv_both", True, 2 * sm.DECODE_ONLY_HINT_AFTER) == []
     assert run("kv_consumer", False, 2 * sm.DECODE_ONLY_HINT_AFTER) == []
 

@@ -18,12 +18,12 @@ from orbitkv.vllm.layout import kv_layout_of
 GIB = 1 << 30
 
 
-def test_reserved_blocks_are_a_tenth_of_the_cache_at_most_a_gib_and_leave_a_whole_request() -> None:
-    # 10 GiB in 10240 blocks of 1 MiB: a tenth is 1 GiB, 1024 blocks
+def test_reserved_blocks_are_a_quarter_of_the_cache_at_most_a_gib_and_leave_a_whole_request() -> None:
+    # 10 GiB in 10240 blocks of 1 MiB: a quarter is over 1 GiB: 1024 blocks
     assert reserved_blocks(10 * GIB, 10_240, "kv_both", 0) == 1024
     assert reserved_blocks(10 * GIB, 10_240, "kv_producer", 0) == 1024
-    # 5 GiB: a tenth, 512 blocks
-    assert reserved_blocks(5 * GIB, 5_120, "kv_both", 0) == 512
+    # 2 GiB: a quarter, 512 blocks
+    assert reserved_blocks(2 * GIB, 2_048, "kv_both", 0) == 512
     # 40 GiB in blocks of 4 MiB: capped at 1 GiB, 256 blocks
     assert reserved_blocks(40 * GIB, 10_240, "kv_both", 0) == 256
     # decode only takes none
@@ -33,12 +33,12 @@ def test_reserved_blocks_are_a_tenth_of_the_cache_at_most_a_gib_and_leave_a_whol
     assert reserved_blocks(10 * GIB, 10_240, "kv_both", 10_240) == 0
     # nothing to take from
     assert reserved_blocks(0, 10_000, "kv_both", 0) == reserved_blocks(GIB, 1, "kv_both", 0) == 0
-    # orbitkv.pd.staging_kv_share: a quarter of 2 GiB in 1 MiB blocks, still capped at 1 GiB
-    assert reserved_blocks(2 * GIB, 2_048, "kv_producer", 0, 0.25) == 512
-    assert reserved_blocks(10 * GIB, 10_240, "kv_producer", 0, 0.25) == 1024
-    assert reserved_blocks(2 * GIB, 2_048, "kv_consumer", 0, 0.25) == 0
-    # a tenth of a small cache is less than a block: none
-    assert reserved_blocks(9 << 20, 9, "kv_both", 0) == 0
+    # orbitkv.pd.staging_kv_share: a tenth of 5 GiB in 1 MiB blocks, still capped at 1 GiB
+    assert reserved_blocks(5 * GIB, 5_120, "kv_producer", 0, 0.1) == 512
+    assert reserved_blocks(20 * GIB, 20_480, "kv_producer", 0, 0.1) == 1024
+    assert reserved_blocks(5 * GIB, 5_120, "kv_consumer", 0, 0.1) == 0
+    # a quarter of a small cache is less than a block: none
+    assert reserved_blocks(3 << 20, 3, "kv_both", 0) == 0
 
 
 def test_runs_of_block_ids() -> None:

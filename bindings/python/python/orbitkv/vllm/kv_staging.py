@@ -30,7 +30,7 @@ def reserved_blocks(kv_bytes: int, num_blocks: int, role: str, min_free: int,
     """How many blocks of a KV cache of ``num_blocks`` blocks (``kv_bytes``
     on each rank) the source staging takes: the bytes ``staging_parts``
     gives an ``auto`` staging on a rank of ``role`` (min(1 GiB,
-    ``kv_share`` of the KV cache, a tenth by default); none on
+    ``kv_share`` of the KV cache, a quarter by default); none on
     ``kv_consumer``), in whole blocks, leaving at least ``min_free``
     blocks (a request of the model's whole length) to vLLM besides the
     null block. 0: none."""
