@@ -50,6 +50,7 @@ os.environ.setdefault("ORBITKV_TESTING_SHM_SPIN_S", "1")
 
 from orbitkv.testing.cluster import Cluster, Metric, complete
 from orbitkv.testing.tiny_model import make_tiny_model
+from orbitkv.vllm.config import AUTO_STAGING_KV_SHARE
 from orbitkv.vllm.stats import _PROM
 
 COUNTERS = ("write_ranges", "layers_written", "layers_staged_to_pages", "chunks_reordered", "bytes_written",
@@ -176,10 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(a.seed)
     prompts = [[rng.randrange(3, 1024) for _ in range(rng.randint(300, 1400))]
                for _ in range(a.warmup + a.requests)]
-    # the default's source region (10 % of the prefill's KV) as a whole-prompt
-    # staging each (a size set by hand: half of it for sources under kv_both;
-    # decode 0, so no grant): the default before layer pieces
-    whole_mb = 2 * int(a.prefill_kv_mib * 0.10)
+    # the default cluster's source region (its staging_kv_share of the prefill's KV)
+    # as a whole-prompt staging each (a size set by hand: half of it for
+    # sources under kv_both; decode 0, so no grant): the default before layer
+    # pieces
+    whole_mb = 2 * int(a.prefill_kv_mib * float(a.config.get("orbitkv.pd.staging_kv_share", AUTO_STAGING_KV_SHARE)))
     rows = [] if a.no_page_to_page else [
         run(model, run_dir, "page-to-page", {"orbitkv.pd.staging_mb": 0}, prompts, a)]
     rows.append(run(model, run_dir, "default", dict(a.config), prompts, a))
