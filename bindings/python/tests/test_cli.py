@@ -38,6 +38,7 @@ def test_doctor_passes_here_and_moves_bytes() -> None:
     assert ("(orbitkv.pd.staging_memory 'kv_cache', the default; the share: orbitkv.pd.staging_kv_share): inside "
             "gpu_memory_utilization") in r.stdout
     assert "start decode-only instances as kv_consumer" in r.stdout
+    assert "until they have decoded 64 P/D requests and prefilled none, then give them back" in r.stdout
     assert "With orbitkv.pd.staging_memory 'beside' (or a staging_mb set by hand)" in r.stdout
     assert "beside gpu_memory_utilization, not inside it" in r.stdout
 

@@ -971,6 +971,35 @@ def test_staged_by_layer_each_layer_is_gathered_into_the_piece_the_runtime_gives
     assert not [c for c in calls if c[0] in ("producer_abort", "note_source_staging_full")]
 
 
+def test_once_the_staging_blocks_went_back_a_request_in_the_same_step_opens_from_the_pages(worker: PdWorker) -> None:
+    """The scheduler gave the staging's blocks back to vLLM (a kv_both
+    instance that only decoded): the step that says so, and any after,
+    opens its producers from the pages (not staged by layer), asks the
+    runtime for no piece and gathers nothing, while the layers are still
+    handed over; a worker that had not taken the blocks yet never takes
+    them."""
+    worker.runtime = PiecesRuntime()  # type: ignore[assignment]
+    worker._copier = PieceCopier([])  # type: ignore[assignment]
+    worker._by_layer = True
+    worker._heads = (False, 2)
+    worker._layer_index = {"layer.0": 0, "layer.1": 1}
+    chunk = ProducerChunk("p1", "pd-1", CAP, 1, True, [10, 11], 0, 2, True, 2)
+    worker.start_load_kv(PdConnectorMetadata(producer_chunks=[chunk], staging_released=True))
+    calls = worker.runtime.calls  # type: ignore[attr-defined]
+    opens = [c for c in calls if c[0] == "producer_open"]
+    assert [c[1] for c in opens] == ["pd-1"] and not [x for x in opens[0] if x == ("stage_by_layer", True)], opens
+    worker.save_kv_layer("layer.0", None)  # type: ignore[arg-type]
+    worker.save_kv_layer("layer.1", None)  # type: ignore[arg-type]
+    assert not [c for c in calls if c[0] == "producer_stage_layer"]
+    assert worker._copier.gathered == []  # type: ignore[attr-defined]
+    assert len([c for c in calls if c[0] == "layers_ready"]) == 2
+    assert not worker._by_layer
+    # not taken yet: named and released in one step, never taken
+    worker._staging_later = True
+    worker.start_load_kv(PdConnectorMetadata(staging_blocks=[], staging_released=True))
+    assert not worker._staging_later and not [c for c in calls if c[0] == "add_source_staging"]
+
+
 class PagesBackRuntime(PiecesRuntime):
     """`PiecesRuntime` that lets `pd-1`'s pages go as soon as it is asked,
     `pd-2`'s not yet (a layer found no room), `pd-4`'s never (its decode's
@@ -1748,23 +1777,28 @@ def test_a_pool_too_small_for_a_whole_request_gives_nothing_and_a_vllm_that_neve
     assert len(logged) == 1 and "bind_gpu_block_pool" in logged[0], logged
 
 
-def test_a_kv_both_instance_that_only_decodes_is_told_once_to_start_as_kv_consumer() -> None:
+def test_a_kv_both_instance_that_only_decodes_gives_the_staging_blocks_back_once() -> None:
     """The default takes the staging's blocks on every rank that may
     prefill, kv_both included: one that has decoded 64 requests and
-    prefilled none says once what it keeps and how to give it back; one
-    that prefilled, or keeps nothing (kv_consumer), says nothing."""
+    prefilled none gives them back to vLLM's real block pool at the 64th
+    (the pool counts all its blocks again, every one free that no request
+    holds), says so once with the advice to start as kv_consumer, and names
+    no staging but ``staging_released`` in every later step's metadata; one
+    that prefilled first, or took nothing (kv_consumer), keeps what it has
+    and says nothing. A pool that cannot take them back keeps them, and the
+    warning says how many it keeps."""
     from vllm.v1.core.block_pool import BlockPool
 
     import orbitkv.vllm.scheduler as sm
 
-    def run(role: str, prefill_first: bool, n: int) -> list[str]:
+    def run(role: str, prefill_first: bool, n: int, pool: Any = None) -> tuple[list[str], PdScheduler, Any]:
         cfg = SimpleNamespace(
-            cache_config=SimpleNamespace(block_size=BS), parallel_config=SimpleNamespace(tensor_parallel_size=1),
-            model_config=SimpleNamespace(max_model_len=4096),
+            cache_config=SimpleNamespace(block_size=BS, num_gpu_blocks=1001),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1), model_config=SimpleNamespace(max_model_len=4096),
         )
         s = PdScheduler(cfg, PdConfig.from_extra_config({}))  # type: ignore[arg-type]
-        s.bind_block_pool(BlockPool(num_gpu_blocks=1001, enable_caching=True, hash_block_size=BS),
-                          kv_cache_config(1001, 1 << 20), role)
+        pool = pool or BlockPool(num_gpu_blocks=1001, enable_caching=True, hash_block_size=BS)
+        s.bind_block_pool(pool, kv_cache_config(1001, 1 << 20), role)
         logged: list[str] = []
         orig = sm.logger.warning
         sm.logger.warning = lambda msg, *a: logged.append(msg % a)  # type: ignore[method-assign]
@@ -1777,15 +1811,44 @@ def test_a_kv_both_instance_that_only_decodes_is_told_once_to_start_as_kv_consum
                 r = consumer(f"d{i}", 40, pd=f"pd-{i}")
                 assert s.get_num_new_matched_tokens(r, 0) == (40, True)
                 s.update_state_after_alloc(r, FakeBlocks([300 + 3 * i, 301 + 3 * i, 302 + 3 * i]), 40)
+                if i == sm.DECODE_ONLY_HINT_AFTER - 2:
+                    # one short of the count: the blocks are still the staging's
+                    meta = s.build_connector_meta(sched_output())
+                    assert (meta.staging_blocks, meta.staging_released) == (s.staging_runs, False)
         finally:
             sm.logger.warning = orig  # type: ignore[method-assign]
-        return [m for m in logged if "kv_consumer" in m]
+        return [m for m in logged if "kv_consumer" in m], s, pool
 
-    assert run("kv_both", False, sm.DECODE_ONLY_HINT_AFTER - 1) == []
-    hint = run("kv_both", False, 2 * sm.DECODE_ONLY_HINT_AFTER)
-    assert len(hint) == 1 and "keeps 250 of its KV cache blocks" in hint[0], hint
-    assert run("kv_both", True, 2 * sm.DECODE_ONLY_HINT_AFTER) == []
-    assert run("kv_consumer", False, 2 * sm.DECODE_ONLY_HINT_AFTER) == []
+    said, s, pool = run("kv_both", False, sm.DECODE_ONLY_HINT_AFTER - 1)
+    assert said == [] and s.staging_runs == [(1, 251)] and pool.num_gpu_blocks == 1001 - 250
+    said, s, pool = run("kv_both", False, 2 * sm.DECODE_ONLY_HINT_AFTER)
+    assert len(said) == 1 and "the 250 KV cache blocks it took" in said[0] and "given back to vLLM" in said[0], said
+    # vLLM's pool has every block again, all free (the test's requests hold
+    # none of the pool's own), the null block aside
+    assert (pool.num_gpu_blocks, pool.get_num_free_blocks()) == (1001, 1000)
+    assert all(pool.blocks[b].ref_cnt == 0 for b in range(1, 251))
+    assert s._unclaimed_block_cap == int(1001 * 0.25)
+    for _ in range(2):
+        meta = s.build_connector_meta(sched_output())
+        assert (meta.staging_blocks, meta.staging_released) == ([], True)
+    # what was given back is handed out again by vLLM as any block
+    again = pool.get_new_blocks(1000)
+    assert {b.block_id for b in again} == set(range(1, 1001))
+    said, s, pool = run("kv_both", True, 2 * sm.DECODE_ONLY_HINT_AFTER)
+    assert said == [] and s.staging_runs == [(1, 251)] and not s.staging_released and pool.num_gpu_blocks == 751
+    said, s, pool = run("kv_consumer", False, 2 * sm.DECODE_ONLY_HINT_AFTER)
+    assert said == [] and s.staging_runs == [] and pool.num_gpu_blocks == 1001
+
+    class NoFree(BlockPool):  # test double: a vLLM whose pool has no free_blocks to call
+        def __getattribute__(self, name: str) -> Any:
+            if name == "free_blocks":
+                raise AttributeError(name)
+            return super().__getattribute__(name)
+
+    said, s, pool = run("kv_both", False, 2 * sm.DECODE_ONLY_HINT_AFTER,
+                        NoFree(num_gpu_blocks=1001, enable_caching=True, hash_block_size=BS))
+    assert len(said) == 1 and "keeps 250 of its KV cache blocks" in said[0], said
+    assert s.staging_runs == [(1, 251)] and not s.staging_released and pool.num_gpu_blocks == 751
 
 
 def test_a_pool_that_refuses_the_blocks_leaves_the_scheduler_serving_without_staging() -> None:

@@ -12,7 +12,7 @@ import torch
 from test_gpu_layouts import BS, DT, ES, HPC, NB, PACKED, ROCM, Backend, llama, name, padded_layer
 
 from orbitkv.vllm.config import ConfigError, PdConfig
-from orbitkv.vllm.kv_staging import reserved_blocks, runs, segments, take_blocks
+from orbitkv.vllm.kv_staging import give_blocks_back, reserved_blocks, runs, segments, take_blocks
 from orbitkv.vllm.layout import kv_layout_of
 
 GIB = 1 << 30
@@ -69,6 +69,30 @@ def test_vllms_block_pool_gives_the_blocks_for_good_and_counts_only_the_rest() -
     assert (pool.num_gpu_blocks, pool.get_num_free_blocks()) == (91, 90)
     # a pool without what this needs (another vLLM): nothing
     assert take_blocks(object(), 3) == []
+
+
+def test_the_taken_blocks_go_back_to_vllms_pool_whole_or_not_at_all() -> None:
+    """``give_blocks_back``: the staging's blocks back in vLLM's real pool,
+    counted and free again, handed out before the rest (vLLM puts unhashed
+    freed blocks first); nothing changes for a run past the pool, the null
+    block, a block something else holds too (not the staging's alone), or
+    a pool without what this needs."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(num_gpu_blocks=101, enable_caching=True, hash_block_size=BS)
+    taken = runs(take_blocks(pool, 10))
+    assert taken == [(1, 11)]
+    for bad in ([(95, 102)], [(0, 2)], []):
+        assert give_blocks_back(pool, bad) == 0
+    pool.blocks[3].ref_cnt += 1  # held by something else as well
+    assert give_blocks_back(pool, taken) == 0
+    pool.blocks[3].ref_cnt -= 1
+    assert give_blocks_back(object(), taken) == 0
+    assert (pool.num_gpu_blocks, pool.get_num_free_blocks()) == (91, 90)
+    assert give_blocks_back(pool, taken) == 10
+    assert (pool.num_gpu_blocks, pool.get_num_free_blocks()) == (101, 100)
+    assert pool.get_usage() == 0.0 and pool.reset_prefix_cache()
+    assert sorted(b.block_id for b in pool.get_new_blocks(10)) == list(range(1, 11)), "the freed blocks first"
 
 
 def covered(segs: list[tuple[int, int]], raws: list[torch.Tensor]) -> list[torch.Tensor]:

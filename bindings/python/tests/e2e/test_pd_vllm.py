@@ -270,6 +270,42 @@ def test_the_default_source_staging_is_cut_out_of_vllms_kv_cache(cluster: Cluste
     )
 
 
+GIVEN_BACK = re.compile(r"the (\d+) KV cache blocks it took for a source staging only a prefill uses are given back")
+
+
+def test_a_kv_both_decode_that_only_decodes_gives_its_staging_blocks_back_to_vllm(cluster: Cluster) -> None:
+    """The defaults on a decode started as ``kv_both`` (the pair of this
+    module): it took the source staging's blocks like a prefill, and once it
+    has decoded 64 P/D requests and prefilled none, it gives them back to
+    vLLM's pool (its log says how many, the same count it took) and its
+    worker stages no more. vLLM hands unhashed freed blocks out first, so
+    the P/D requests right after land in those blocks: they equal one
+    engine, and decode is back to idle."""
+    if staged_by_hand(cluster):
+        pytest.skip("a staging size set by hand (this module's run on vLLM 0.26) takes no blocks out of vLLM's "
+                    "KV cache; CI's run on the newest vLLM has the defaults")
+    import orbitkv.vllm.scheduler as sm
+
+    def decode_log() -> str:
+        return Path(cluster.log("decode")).read_text(errors="replace")
+
+    took = re.search(r"OrbitKV: (\d+) of vLLM's \d+ KV cache blocks \(\d+ MiB per rank\) taken", decode_log())
+    assert took, "the kv_both decode took no blocks for a source staging"
+    sent = 0
+    while not GIVEN_BACK.search(decode_log()) and sent < sm.DECODE_ONLY_HINT_AFTER:
+        prompt = fresh_prompt(40)
+        assert ok(pd(cluster, prompt), "P/D to count decodes").token_ids == baseline(cluster, prompt)
+        sent += 1
+    back = GIVEN_BACK.search(decode_log())
+    assert back, f"decode gave no blocks back after {sent} more P/D requests"
+    assert int(back[1]) == int(took[1]), (back[1], took[1])
+    assert "the source staging's KV blocks went back to vLLM" in decode_log(), "decode's worker was not told"
+    for n in (40, 700, 2500):  # 1, 6 and 20 blocks: the freed ones first
+        prompt = fresh_prompt(n)
+        assert ok(pd(cluster, prompt), f"P/D after the give-back, {n} tokens").token_ids == baseline(cluster, prompt)
+    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
+
+
 # ---- (a2) the same P/D through vllm-router --------------------------------------
 #
 # vllm-router (pinned 0.1.17, --vllm-pd-disaggregation, its default `nixl`

@@ -57,6 +57,26 @@ def take_blocks(pool: Any, count: int) -> list[int]:
     return sorted(int(b.block_id) for b in blocks)
 
 
+def give_blocks_back(pool: Any, block_runs: Sequence[tuple[int, int]]) -> int:
+    """Returns the blocks ``take_blocks`` took (as runs) to vLLM's block
+    pool: each one's reference dropped (vLLM's ``free_blocks``, which puts
+    an unhashed block at the front of the free queue) and the pool's
+    ``num_gpu_blocks`` grown by as many, so its usage counts them again.
+    How many went back; 0, with nothing changed, when the pool lacks what
+    this needs or a block is not one held only by the staging."""
+    if not block_runs or not all(hasattr(pool, a) for a in ("blocks", "free_blocks", "num_gpu_blocks")):
+        return 0
+    ids = [b for start, end in block_runs for b in range(start, end)]
+    if any(not 0 < b < len(pool.blocks) for b in ids):
+        return 0
+    blocks = [pool.blocks[b] for b in ids]
+    if any(getattr(b, "ref_cnt", None) != 1 or getattr(b, "block_hash", None) is not None for b in blocks):
+        return 0
+    pool.free_blocks(blocks)
+    pool.num_gpu_blocks += len(blocks)
+    return len(blocks)
+
+
 def runs(block_ids: Iterable[int]) -> list[tuple[int, int]]:
     """Sorted block IDs as runs ``[start, end)`` of consecutive IDs."""
     out: list[tuple[int, int]] = []

@@ -108,3 +108,7 @@ class PdConnectorMetadata(KVConnectorMetadata):
     # staging (orbitkv.pd.staging_memory "kv_cache"), as runs [start, end):
     # in every step's metadata, taken by each worker the first time.
     staging_blocks: list[tuple[int, int]] = field(default_factory=list)
+    # Set in every step's metadata once the scheduler gave those blocks back
+    # to vLLM (a kv_both instance that only decoded): the workers stage no
+    # more (they never gathered into the blocks, as no request prefilled).
+    staging_released: bool = False

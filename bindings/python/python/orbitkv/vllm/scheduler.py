@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 from orbitkv._native import new_capability
 from orbitkv.vllm.config import ANY, PdConfig
 from orbitkv.vllm.groups import GroupsError, KvGroups, blocks_of
-from orbitkv.vllm.kv_staging import reserved_blocks, runs, take_blocks
+from orbitkv.vllm.kv_staging import give_blocks_back, reserved_blocks, runs, take_blocks
 from orbitkv.vllm.metadata import (
     ConsumerCancel,
     ConsumerOpen,
@@ -167,11 +167,14 @@ class PdScheduler:
         self.staging_runs: list[tuple[int, int]] = []
         self._pool_seen = False  # bind_block_pool was called (before the first step)
         # Whether this instance prefilled for a decode, and how many requests
-        # it decoded with KV from a prefill: a kv_both instance that keeps the
-        # staging's blocks and only ever decodes is told once to start as
-        # kv_consumer.
+        # it decoded with KV from a prefill: a kv_both instance that took the
+        # staging's blocks and has only decoded gives them back to vLLM at
+        # the DECODE_ONLY_HINT_AFTER-th decode (and is told to start as
+        # kv_consumer); its workers stage no more from then on.
         self._prefilled = False
         self._decoded = 0
+        self._pool: Any = None
+        self.staging_released = False
         # Refusals are client-driven: a flood of them must not flood the log.
         self._refusal_log = RateLimitedLog(logger)
         if MOONCAKE in config.dialects:
@@ -340,11 +343,7 @@ class PdScheduler:
             return
         self._decoded += 1
         if self._decoded == DECODE_ONLY_HINT_AFTER and not self._prefilled and self.staging_runs:
-            logger.warning(
-                "OrbitKV: this instance decoded %d requests and prefilled none for a decode, yet keeps %d of its KV "
-                "cache blocks for a source staging only a prefill uses (orbitkv.pd.staging_memory kv_cache): start "
-                "an instance that only decodes with kv_role kv_consumer (or orbitkv.pd.staging_mb 0) to give vLLM "
-                "those blocks", DECODE_ONLY_HINT_AFTER, sum(e - b for b, e in self.staging_runs))
+            self._release_staging()
         if self.groups.count == 1:
             all_ids = blocks.get_block_ids()[0]
             fresh = blocks.get_unhashed_block_ids()
@@ -379,6 +378,36 @@ class PdScheduler:
                 tokens=self._loaded_tokens(request),
             )
         )
+
+    def _release_staging(self) -> None:
+        """A kv_both instance that decoded DECODE_ONLY_HINT_AFTER requests
+        and prefilled none: the source staging's blocks go back to vLLM's
+        pool (no request ever prefilled here, so no gather wrote them and no
+        write reads them), and every later step's metadata tells the workers
+        to stage no more: a prefill here later writes its layers from the
+        pages. A pool that refuses keeps them (the warning says so)."""
+        held = sum(e - b for b, e in self.staging_runs)
+        try:
+            back = give_blocks_back(self._pool, self.staging_runs)
+        except Exception as e:  # noqa: BLE001 - a pool that refuses must not stop the step
+            logger.warning("OrbitKV: vLLM's block pool refused the source staging's %d blocks back (%s)", held, e)
+            back = 0
+        if back == 0:
+            logger.warning(
+                "OrbitKV: this instance decoded %d requests and prefilled none for a decode, yet keeps %d of its KV "
+                "cache blocks for a source staging only a prefill uses (orbitkv.pd.staging_memory kv_cache): start "
+                "an instance that only decodes with kv_role kv_consumer (or orbitkv.pd.staging_mb 0) to give vLLM "
+                "those blocks", DECODE_ONLY_HINT_AFTER, held)
+            return
+        self.staging_runs = []
+        self.staging_released = True
+        if self._unclaimed_block_cap is not None and isinstance(self._pool.num_gpu_blocks, int):
+            self._unclaimed_block_cap = max(1, int(self._pool.num_gpu_blocks * self.config.unclaimed_kv_share))
+        logger.warning(
+            "OrbitKV: this instance decoded %d requests and prefilled none for a decode: the %d KV cache blocks it "
+            "took for a source staging only a prefill uses are given back to vLLM (a prefill here from now on "
+            "writes its layers from the pages); start an instance that only decodes with kv_role kv_consumer, "
+            "which takes none", DECODE_ONLY_HINT_AFTER, back)
 
     def bind_block_pool(self, pool: Any, kv_cache_config: Any, kv_role: str) -> None:
         """vLLM's block pool, before any request: with ``staging_memory``
@@ -416,6 +445,7 @@ class PdScheduler:
                            "is written from the pages", count)
             return
         self.staging_runs = runs(taken)
+        self._pool = pool
         left = num_blocks - len(taken)
         if self._unclaimed_block_cap is not None:
             self._unclaimed_block_cap = max(1, int(left * self.config.unclaimed_kv_share))
@@ -427,6 +457,7 @@ class PdScheduler:
     def build_connector_meta(self, so: SchedulerOutput) -> PdConnectorMetadata:
         meta, self._next = self._next, PdConnectorMetadata()
         meta.staging_blocks = self.staging_runs
+        meta.staging_released = self.staging_released
         if not self._pool_seen:
             self._pool_seen = True
             if self.config.staging_memory == "kv_cache":

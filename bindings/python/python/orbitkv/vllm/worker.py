@@ -380,6 +380,13 @@ class PdWorker:
         assert rt is not None, "register_kv_caches was not called"
         if self._staging_later and meta.staging_blocks:
             self._take_kv_staging(meta.staging_blocks)
+        if meta.staging_released and (self._by_layer or self._staging_later):
+            # the scheduler gave the staging's blocks back to vLLM (this
+            # instance only decoded): nothing was gathered into them, and
+            # from this step on nothing is; requests open from the pages
+            self._by_layer = self._staging_later = False
+            logger.info("OrbitKV rank %d: the source staging's KV blocks went back to vLLM: every layer a prefill "
+                        "here writes goes from the pages", self.tp_rank)
         led = self.ledger
         if meta.refused and self.tp_rank == 0:
             rt.note_params_refused(meta.refused)
