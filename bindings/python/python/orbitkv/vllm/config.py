@@ -72,7 +72,7 @@ DEFAULT_UNCLAIMED_GRACE_S = 2.0
 # chunk in decode's block order into a source staging of at most this many
 # MiB, and at most AUTO_STAGING_KV_SHARE of its KV cache. A quarter, not
 # the tenth it was up to 2026-12-06: on one H100 at 16 and 32 requests of
-# 4.6k tokens in flight a tenth (two requests' KV) left 35-41 % of the
+# 4.6k tokens in flight a tenth (two requests' KV) left 42-43 % of the
 # layers without a piece, written from the pages in 6x more ranges, and the
 # prefill's KV peaked at 75-94 %; a quarter left none without one and
 # peaked at 56-57 % with the taken blocks (docs/qualification.md, run 44).
