@@ -156,10 +156,9 @@ class PdScheduler:
         self._claims: dict[str, int] = {}
         # The cap in blocks; None when vLLM did not say how many it has.
         num_blocks = getattr(vllm_config.cache_config, "num_gpu_blocks", None)
-        self._unclaimed_block_cap = (
-            max(1, int(num_blocks * config.unclaimed_kv_share)) if isinstance(num_blocks, int) and num_blocks > 0
-            else None
-        )
+        self._unclaimed_block_cap: int | None = None
+        if isinstance(num_blocks, int) and num_blocks > 0:
+            self._cap_unclaimed(num_blocks)
         self._clock = time.monotonic
         self._vllm_config = vllm_config
         # The blocks taken out of vLLM's pool for the source staging
@@ -173,8 +172,7 @@ class PdScheduler:
         # kv_consumer); its workers stage no more from then on.
         self._prefilled = False
         self._decoded = 0
-        self._pool: Any = None
-        self.staging_released = False
+        self._pool: Any = None  # vLLM's block pool, once the staging's blocks were taken from it
         # Refusals are client-driven: a flood of them must not flood the log.
         self._refusal_log = RateLimitedLog(logger)
         if MOONCAKE in config.dialects:
@@ -379,6 +377,16 @@ class PdScheduler:
             )
         )
 
+    def _cap_unclaimed(self, num_blocks: int) -> None:
+        """The unclaimed cap: ``unclaimed_kv_share`` of the ``num_blocks``
+        vLLM serves requests from, at least one."""
+        self._unclaimed_block_cap = max(1, int(num_blocks * self.config.unclaimed_kv_share))
+
+    @property
+    def staging_released(self) -> bool:
+        """The staging's blocks were taken and given back (_release_staging)."""
+        return self._pool is not None and not self.staging_runs
+
     def _release_staging(self) -> None:
         """A kv_both instance that decoded DECODE_ONLY_HINT_AFTER requests
         and prefilled none: the source staging's blocks go back to vLLM's
@@ -400,9 +408,8 @@ class PdScheduler:
                 "those blocks", DECODE_ONLY_HINT_AFTER, held)
             return
         self.staging_runs = []
-        self.staging_released = True
-        if self._unclaimed_block_cap is not None and isinstance(self._pool.num_gpu_blocks, int):
-            self._unclaimed_block_cap = max(1, int(self._pool.num_gpu_blocks * self.config.unclaimed_kv_share))
+        if self._unclaimed_block_cap is not None:
+            self._cap_unclaimed(self._pool.num_gpu_blocks)
         logger.warning(
             "OrbitKV: this instance decoded %d requests and prefilled none for a decode: the %d KV cache blocks it "
             "took for a source staging only a prefill uses are given back to vLLM (a prefill here from now on "
@@ -448,7 +455,7 @@ class PdScheduler:
         self._pool = pool
         left = num_blocks - len(taken)
         if self._unclaimed_block_cap is not None:
-            self._unclaimed_block_cap = max(1, int(left * self.config.unclaimed_kv_share))
+            self._cap_unclaimed(left)
         logger.info("OrbitKV: %d of vLLM's %d KV cache blocks (%d MiB per rank) taken for the source staging "
                     "(orbitkv.pd.staging_memory kv_cache, staging_kv_share %g); vLLM serves requests from the "
                     "other %d", len(taken), num_blocks, (kv_bytes // num_blocks * len(taken)) >> 20,
