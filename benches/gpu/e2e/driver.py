@@ -1060,15 +1060,61 @@ def kv_taken(log: Path | None) -> tuple[int, int] | None:
 
 def whole_cache_peak(peaks: dict[str, float] | None, taken: tuple[int, int] | None) -> None:
     """With blocks taken out of vLLM's pool for the staging, vLLM's usage
-    gauge counts only the other ones: adds ``kv_usage_peak_whole``, the peak
-    over the whole cache with every taken block counted in use (an upper
-    bound: the staging is seldom full), and ``kv_taken``."""
+    gauge counts only the other ones (a share of ``n - r - 1`` blocks, not of
+    the whole cache): adds ``kv_usage_peak_pages``, the requests' pages at
+    that peak as a share of the whole cache (comparable with a pair that took
+    nothing), ``kv_usage_peak_whole``, the same with every taken block
+    counted in use (an upper bound: the staging is seldom full), and
+    ``kv_taken``."""
     if not peaks or not taken or peaks.get("kv_usage_peak", -1) < 0:
         return
     r, n = taken
     used = peaks["kv_usage_peak"] * (n - r - 1)
+    peaks["kv_usage_peak_pages"] = round(used / max(n - 1, 1), 4)
     peaks["kv_usage_peak_whole"] = round((used + r) / max(n - 1, 1), 4)
     peaks["kv_taken"] = [r, n]
+
+
+def _with_whole(v: dict[str, Any]) -> dict[str, Any]:
+    """``v`` with the whole-cache shares (re)derived from its ``kv_taken``
+    (stage files written before ``kv_usage_peak_pages`` existed have
+    ``kv_taken`` and the gauge)."""
+    taken = v.get("kv_taken")
+    if isinstance(taken, list) and len(taken) == 2:
+        v = dict(v)
+        whole_cache_peak(v, (int(taken[0]), int(taken[1])))
+    return v
+
+
+def peak_cell(v: dict[str, Any]) -> str:
+    """A prefill's KV usage peak for the tables: vLLM's gauge and, where
+    blocks were taken for the staging, the whole cache's share in request
+    pages and with the taken blocks."""
+    v = _with_whole(v)
+    out = f"{v.get('kv_usage_peak', float('nan')):.1%}"
+    if "kv_usage_peak_whole" in v:
+        out += (f" (of the whole cache: {v['kv_usage_peak_pages']:.1%} in request pages, "
+                if "kv_usage_peak_pages" in v else " (")
+        out += f"{v['kv_usage_peak_whole']:.1%} with the taken blocks)"
+    return out
+
+
+def whole_cache_ratio(o: dict[str, Any], p: dict[str, Any]) -> str:
+    """The first system's prefill KV peak over the whole cache ÷ the second's,
+    in request pages / with the taken blocks (a pair that took none: its
+    gauge is already over the whole cache); '-' where a peak is missing."""
+    def pre(x: dict[str, Any]) -> dict[str, Any]:
+        return _with_whole(next((v for k, v in x.get("servers", {}).items() if "prefill" in k), {}))
+    a, b = pre(o), pre(p)
+
+    def share(v: dict[str, Any], key: str) -> float | None:
+        x = v.get(key, v.get("kv_usage_peak"))
+        return x if isinstance(x, (int, float)) and x >= 0 else None
+    cells = []
+    for key in ("kv_usage_peak_pages", "kv_usage_peak_whole"):
+        x, y = share(a, key), share(b, key)
+        cells.append(f"{x / y:.2f}" if x is not None and y else "-")
+    return " / ".join(cells)
 
 
 def kv_cache_staging(log: Path | None) -> dict[str, bool]:
@@ -2839,17 +2885,16 @@ def ratio_rows(r: dict[str, Any]) -> list[str]:
                 continue
             rat = lambda k, o=o, p=p: (f"{o[k] / p[k]:.2f}" if isinstance(o.get(k), (int, float))  # noqa: E731
                                        and isinstance(p.get(k), (int, float)) and p[k] else "-")
-            peak = lambda x: next((f"{v.get('kv_usage_peak', float('nan')):.1%}"  # noqa: E731
-                                   + (f" ({v['kv_usage_peak_whole']:.1%} with the taken blocks)"
-                                      if "kv_usage_peak_whole" in v else "")
+            peak = lambda x: next((peak_cell(v)  # noqa: E731
                                    for k, v in x.get("servers", {}).items() if "prefill" in k), "-")
             rows.append(f"| {o.get('concurrency')} | {rat('p50_ttft_ms')} | {rat('p99_ttft_ms')} | "
-                        f"{rat('output_throughput')} | {peak(o)} | {peak(p)} |")
+                        f"{rat('output_throughput')} | {peak(o)} | {peak(p)} | {whole_cache_ratio(o, p)} |")
         if rows:
             out += [f"{title}, same prompts (TTFT below 1 and tok/s above 1: {num_label} ahead):", "",
                     f"| in flight | TTFT p50 | TTFT p99 | output tok/s | {num_label} prefill KV peak | "
-                    f"{den_label} prefill KV peak |",
-                    "|---|---|---|---|---|---|"] + rows + [""]
+                    f"{den_label} prefill KV peak | KV peak over the whole cache, ratio: request pages / "
+                    "with the taken blocks |",
+                    "|---|---|---|---|---|---|---|"] + rows + [""]
     return out
 
 
@@ -3031,10 +3076,7 @@ def report(d: Path) -> str:
                     f"| {system} | {x.get('concurrency')} | {x.get('completed', '-')}/{x.get('failed', '-')} | "
                     f"{f('p50_ttft_ms')} / {f('p99_ttft_ms')} | {f('mean_itl_ms')} / {f('p99_itl_ms')} | "
                     f"{f('mean_tpot_ms')} | {f('output_throughput')} | "
-                    f"{pre.get('kv_usage_peak', float('nan')):.1%}"
-                    + (f" ({pre['kv_usage_peak_whole']:.1%} with the taken blocks)" if "kv_usage_peak_whole" in pre
-                       else "")
-                    + f" | {dec.get('waiting_peak', '-')} |")
+                    f"{peak_cell(pre)} | {dec.get('waiting_peak', '-')} |")
         lines.append("")
         lines += ratio_rows(r)
         # where the time goes: the proxies' per-request lines, OrbitKV's

@@ -92,6 +92,8 @@ def test_ab_more_adds_named_pairs_planned_after_the_first_group_and_compared_wit
     row = lambda title: lines[next(i for i, x in enumerate(lines) if x.startswith(title)) + 4]  # noqa: E731
     assert row("OrbitKV with share25 (plan.json's ab_more) ÷ defaults").startswith("| 4 | 0.80 | 1.00 | 1.00 |")
     assert row("OrbitKV with share25 (plan.json's ab_more) ÷ MooncakeConnector").startswith("| 4 | 0.40 |")
+    # no peaks sampled: the peak cells and the whole-cache ratio say so
+    assert row("OrbitKV with share25 (plan.json's ab_more) ÷ defaults").endswith("| - | - | - / - |")
 
 
 def test_e2e_driver_args_split_like_shell_words_so_a_json_with_spaces_stays_one() -> None:
@@ -385,12 +387,26 @@ def test_a_kv_cache_pairs_prefill_peak_is_also_given_over_the_whole_cache(tmp_pa
     assert driver.kv_taken(tmp_path / "none.log") is None and driver.kv_taken(None) is None
     peaks = {"kv_usage_peak": 0.5, "running_peak": 3.0}
     driver.whole_cache_peak(peaks, driver.kv_taken(log))
-    # 450 of vLLM's 900 usable blocks, plus the 100 taken, of 1000
-    assert peaks["kv_usage_peak_whole"] == 0.55 and peaks["kv_taken"] == [100, 1001]
+    # 450 of vLLM's 900 usable blocks: 45 % of the 1000 in request pages, 55 % with the 100 taken
+    assert peaks["kv_usage_peak_pages"] == 0.45 and peaks["kv_usage_peak_whole"] == 0.55
+    assert peaks["kv_taken"] == [100, 1001]
+    assert driver.peak_cell(peaks) == "50.0% (of the whole cache: 45.0% in request pages, 55.0% with the taken blocks)"
     untouched = {"kv_usage_peak": 0.5}
     driver.whole_cache_peak(untouched, None)
     driver.whole_cache_peak(None, (1, 2))
-    assert untouched == {"kv_usage_peak": 0.5}
+    assert untouched == {"kv_usage_peak": 0.5} and driver.peak_cell(untouched) == "50.0%"
+    # against a pair that took nothing (its gauge is over the whole cache): 0.45 / 0.5, 0.55 / 0.5;
+    # the gauge's own 0.5 / 0.5 would hide both
+    orbit = {"servers": {"big-orbit-prefill": peaks, "big-orbit-decode": {"kv_usage_peak": 0.9}}}
+    mc = {"servers": {"big-mc-prefill": {"kv_usage_peak": 0.5}}}
+    assert driver.whole_cache_ratio(orbit, mc) == "0.90 / 1.10"
+    assert driver.whole_cache_ratio(mc, mc) == "1.00 / 1.00"
+    # a stage file from before kv_usage_peak_pages: derived from its kv_taken
+    old = {"servers": {"big-orbit-prefill": {"kv_usage_peak": 0.5, "kv_usage_peak_whole": 0.55, "kv_taken": [100, 1001]}}}
+    assert driver.whole_cache_ratio(old, mc) == "0.90 / 1.10"
+    assert driver.peak_cell(old["servers"]["big-orbit-prefill"]) == driver.peak_cell(peaks)
+    assert driver.whole_cache_ratio(orbit, {"servers": {}}) == "- / -"
+    assert driver.whole_cache_ratio(orbit, {"servers": {"p-prefill": {"kv_usage_peak": -1}}}) == "- / -"
 
 
 def test_an_orbitkv_pair_runs_as_producer_and_consumer_unless_told_both(tmp_path: Path) -> None:
