@@ -35,6 +35,8 @@ def test_doctor_passes_here_and_moves_bytes() -> None:
     assert "decode's default orbitkv.pd.allowed_prefill: ports 17500-17507 on 127.0.0.1, localhost, ::1" in r.stdout
     # what the default staging takes, and that it lies inside vLLM's budget (beside it only when asked)
     assert "takes min(1024 MiB, 25 % of its KV cache) out of vLLM's own KV cache" in r.stdout
+    assert ("(above 1024 MiB where 3 steps of max_num_batched_tokens' KV, every layer, are more: up to them, at most "
+            "10 % of the KV cache" in r.stdout)
     assert ("(orbitkv.pd.staging_memory 'kv_cache', the default; the share: orbitkv.pd.staging_kv_share): inside "
             "gpu_memory_utilization") in r.stdout
     assert "start decode-only instances as kv_consumer" in r.stdout

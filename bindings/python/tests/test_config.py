@@ -368,3 +368,31 @@ def test_the_auto_stagings_share_of_the_kv_cache_is_a_setting_for_auto_only() ->
             PdConfig.from_extra_config({"orbitkv.pd.staging_kv_share": bad})
     with pytest.raises(ConfigError, match=r"orbitkv\.pd\.staging_kv_share: sizes the staging of"):
         PdConfig.from_extra_config({"orbitkv.pd.staging_kv_share": 0.25, "orbitkv.pd.staging_mb": 512})
+
+
+def test_the_auto_staging_grows_past_a_gib_to_three_steps_of_a_deep_model_within_a_tenth_of_the_cache() -> None:
+    """A layer piece is held from its layer's launch to its write's end,
+    about three scheduler steps under load: where three steps of
+    ``max_num_batched_tokens`` (every layer) are more than 1 GiB the region
+    may grow to them, but never past a tenth of the KV cache nor the share;
+    where they are less, the rule is the quarter at most 1 GiB as before
+    (the configurations measured on GPU keep their size)."""
+    from orbitkv.vllm.config import auto_staging_mb, staging_parts
+
+    gib, mib = 1 << 30, 1 << 20
+    # Llama-3-8B, 32 layers at 128 KiB a token, 8192 tokens a step: 1 GiB a step
+    step = 8192 * 128 * 1024
+    assert auto_staging_mb(48 * gib, step_bytes=step) == 3 * 1024  # 6.25 % of the cache
+    assert staging_parts("auto", "kv_producer", 48 * gib, step_bytes=step) == (0, 3072)
+    assert staging_parts("auto", "kv_consumer", 48 * gib, step_bytes=step) == (0, 0)
+    # a tenth of the cache bounds it (20 GiB: 2 GiB), and the share below that
+    assert auto_staging_mb(20 * gib, step_bytes=step) == 2048
+    assert auto_staging_mb(20 * gib, 0.05, step_bytes=step) == 1024
+    # a cache whose tenth is under 1 GiB keeps the 1 GiB cap
+    assert auto_staging_mb(8 * gib, step_bytes=step) == 1024
+    # runs 44-45's prefill: 8 layers, 3 GiB, 256 MiB a step: three steps are the quarter, 768 MiB, as before
+    assert auto_staging_mb(3 * gib, step_bytes=256 * mib) == auto_staging_mb(3 * gib) == 768
+    # small steps never shrink it below the rule before
+    assert auto_staging_mb(64 * gib, step_bytes=mib) == auto_staging_mb(64 * gib) == 1024
+    assert auto_staging_mb(64 * gib, step_bytes=None) == auto_staging_mb(64 * gib, step_bytes=0) == 1024
+

@@ -1751,6 +1751,76 @@ def test_the_scheduler_takes_the_staging_out_of_vllms_pool_only_where_it_stages(
         assert s._unclaimed_block_cap == int((1001 - taken) * 0.25)
 
 
+@pytest.mark.parametrize("mnbt,taken,warned", [
+    (None, 250, False),  # no scheduler config: the quarter, at most 1 GiB
+    (96 * BS, 250, False),  # 96 blocks a step: the quarter is 2.6 steps
+    (200 * BS, 250, True),  # 200 blocks a step: the quarter holds 1.25 steps, and the log says so
+])
+def test_the_scheduler_counts_the_staging_in_steps_of_max_num_batched_tokens_and_warns_below_two(
+    mnbt: int | None, taken: int, warned: bool
+) -> None:
+    """A 1001-block pool of 1 MiB blocks (1000 MiB): a quarter, 250 blocks,
+    is under 1 GiB, so a step's size leaves it as it is; the info line says
+    how many steps of ``max_num_batched_tokens`` the region holds, and a
+    warning names the setting to raise when it holds fewer than two (its
+    pieces are held about three steps under load)."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    import orbitkv.vllm.scheduler as sm
+
+    cfg = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=BS, num_gpu_blocks=1001),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1), model_config=SimpleNamespace(max_model_len=4096),
+    )
+    if mnbt is not None:
+        cfg.scheduler_config = SimpleNamespace(max_num_batched_tokens=mnbt)
+    s = PdScheduler(cfg, PdConfig.from_extra_config({}))  # type: ignore[arg-type]
+    pool = BlockPool(num_gpu_blocks=1001, enable_caching=True, hash_block_size=BS)
+    infos: list[str] = []
+    warnings: list[str] = []
+    orig = sm.logger.info, sm.logger.warning
+    sm.logger.info = lambda msg, *a: infos.append(msg % a)  # type: ignore[method-assign]
+    sm.logger.warning = lambda msg, *a: warnings.append(msg % a)  # type: ignore[method-assign]
+    try:
+        s.bind_block_pool(pool, kv_cache_config(1001, 1 << 20), "kv_producer")
+    finally:
+        sm.logger.info, sm.logger.warning = orig  # type: ignore[method-assign]
+    assert s.build_connector_meta(sched_output()).staging_blocks == [(1, 1 + taken)]
+    steps = "steps unknown" if mnbt is None else f"{taken / (mnbt // BS):.1f} steps of max_num_batched_tokens"
+    assert [x for x in infos if "taken for the source staging" in x and steps in x], infos
+    low = [x for x in warnings if "raise orbitkv.pd.staging_kv_share" in x]
+    assert bool(low) is warned, warnings
+    if warned:
+        assert "holds 1.2 steps of max_num_batched_tokens" in low[0], low
+
+
+def test_a_deep_models_step_grows_the_staging_past_a_gib_within_a_tenth_of_the_cache() -> None:
+    """48 GiB in 24,576 blocks of 2 MiB (Llama-3-8B's block of 16 tokens),
+    8192 tokens a step (512 blocks, 1 GiB): the scheduler takes three steps,
+    1536 blocks (3 GiB, 6.25 % of the cache), out of vLLM's real pool, not
+    the 512 of the 1 GiB cap, and does not warn."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    import orbitkv.vllm.scheduler as sm
+
+    cfg = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=24_576),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1), model_config=SimpleNamespace(max_model_len=8192),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192),
+    )
+    s = PdScheduler(cfg, PdConfig.from_extra_config({}))  # type: ignore[arg-type]
+    pool = BlockPool(num_gpu_blocks=24_576, enable_caching=True, hash_block_size=16)
+    warnings: list[str] = []
+    orig = sm.logger.warning
+    sm.logger.warning = lambda msg, *a: warnings.append(msg % a)  # type: ignore[method-assign]
+    try:
+        s.bind_block_pool(pool, kv_cache_config(24_576, 2 << 20), "kv_producer")
+    finally:
+        sm.logger.warning = orig  # type: ignore[method-assign]
+    assert s.build_connector_meta(sched_output()).staging_blocks == [(1, 1 + 1536)]
+    assert pool.num_gpu_blocks == 24_576 - 1536 and not warnings, warnings
+
+
 def test_a_pool_too_small_for_a_whole_request_gives_nothing_and_a_vllm_that_never_binds_is_said() -> None:
     from vllm.v1.core.block_pool import BlockPool
 

@@ -39,6 +39,16 @@ def test_reserved_blocks_are_a_quarter_of_the_cache_at_most_a_gib_and_leave_a_wh
     assert reserved_blocks(5 * GIB, 5_120, "kv_consumer", 0, 0.1) == 0
     # a quarter of a small cache is less than a block: none
     assert reserved_blocks(3 << 20, 3, "kv_both", 0) == 0
+    # steps of max_num_batched_tokens: 48 GiB in 24576 blocks of 2 MiB, 512 blocks a step (Llama-3-8B at
+    # 8192 tokens): three steps, 1536 blocks (3 GiB, 6.25 %), not 512 (1 GiB)
+    assert reserved_blocks(48 * GIB, 24_576, "kv_producer", 0, step_blocks=512) == 1536
+    assert reserved_blocks(48 * GIB, 24_576, "kv_producer", 0) == 512
+    assert reserved_blocks(48 * GIB, 24_576, "kv_consumer", 0, step_blocks=512) == 0
+    # runs 44-45's prefill: 6144 blocks of 512 KiB (3 GiB), 512 blocks a step: the quarter, 1536, as before
+    assert reserved_blocks(3 * GIB, 6_144, "kv_producer", 0, step_blocks=512) == 1536
+    assert reserved_blocks(3 * GIB, 6_144, "kv_producer", 0) == 1536
+    # still leaves a whole request to vLLM
+    assert reserved_blocks(48 * GIB, 24_576, "kv_producer", 24_000, step_blocks=512) == 575
 
 
 def test_runs_of_block_ids() -> None:

@@ -216,7 +216,12 @@ def _note_staging_reservation(r: Report, gpu_bytes: list[int]) -> None:
     """What the default ``orbitkv.pd.staging_mb`` takes, and where: out of
     vLLM's KV cache (inside its memory budget) by default; beside it with
     ``staging_memory`` ``beside``, so an operator can leave room for it."""
-    from orbitkv.vllm.config import AUTO_STAGING_KV_SHARE, AUTO_STAGING_MAX_MB
+    from orbitkv.vllm.config import (
+        AUTO_STAGING_BUDGET_SHARE,
+        AUTO_STAGING_KV_SHARE,
+        AUTO_STAGING_MAX_MB,
+        AUTO_STAGING_STEPS,
+    )
 
     share = int(AUTO_STAGING_KV_SHARE * 100)
     here = ""
@@ -227,6 +232,9 @@ def _note_staging_reservation(r: Report, gpu_bytes: list[int]) -> None:
     r.note(
         f"orbitkv.pd.staging_mb 'auto' (the default): each rank that may prefill (kv_producer, kv_both) takes "
         f"min({AUTO_STAGING_MAX_MB} MiB, {share} % of its KV cache) out of vLLM's own KV cache for source staging "
+        f"(above {AUTO_STAGING_MAX_MB} MiB where {AUTO_STAGING_STEPS} steps of max_num_batched_tokens' KV, every "
+        f"layer, are more: up to them, at most {int(AUTO_STAGING_BUDGET_SHARE * 100)} % of the KV cache; the log "
+        "says how many steps it holds) "
         "(orbitkv.pd.staging_memory 'kv_cache', the default; the share: orbitkv.pd.staging_kv_share): inside gpu_memory_utilization, nothing more to leave "
         "free; vLLM serves requests from the other blocks, and the prefill's scheduler logs how many it took. "
         "kv_consumer ranks take nothing: start decode-only instances as kv_consumer (as kv_both they hold those "

@@ -78,20 +78,50 @@ DEFAULT_UNCLAIMED_GRACE_S = 2.0
 # peaked at 56-57 % with the taken blocks (docs/qualification.md, run 44).
 AUTO_STAGING_MAX_MB = 1024
 AUTO_STAGING_KV_SHARE = 0.25
+# A layer piece is taken when its layer's kernels are launched and given
+# back when its write ended, so the region holds the pieces of every step
+# the GPU has not finished writing: with vLLM's async scheduling about
+# three steps of max_num_batched_tokens, every layer (on one H100, 8192
+# tokens a step: 1.2 steps' room left 40 % of the layers without a piece,
+# 3.0 steps none; 16 layers on one H200, 1.3 steps: 33-38 % without;
+# docs/qualification.md, runs 40, 44, 45). A deep model's step outgrows
+# AUTO_STAGING_MAX_MB (Llama-3-8B at 8192 tokens: 1 GiB a step), so where
+# three steps are more, the region may grow to them, up to
+# AUTO_STAGING_BUDGET_SHARE of the KV cache (issue 48's memory bound: 1 GiB
+# or a tenth of the cache) and never beyond ``staging_kv_share``. Only the
+# staging taken out of vLLM's KV cache grows so (the scheduler knows the
+# step); ``staging_memory`` ``beside``, outside vLLM's budget, stays at
+# most AUTO_STAGING_MAX_MB.
+AUTO_STAGING_STEPS = 3
+AUTO_STAGING_BUDGET_SHARE = 0.10
+
+
+def auto_staging_mb(kv_bytes: int, kv_share: float = AUTO_STAGING_KV_SHARE, step_bytes: int | None = None) -> int:
+    """MiB of source staging ``staging_mb`` ``auto`` gives a rank that may
+    prefill, whose KV cache holds ``kv_bytes`` and one step of
+    ``max_num_batched_tokens`` of which (every layer) is ``step_bytes``
+    (None: unknown): ``kv_share`` of the KV cache, at most
+    AUTO_STAGING_MAX_MB, or at most AUTO_STAGING_STEPS steps where those are
+    more, up to AUTO_STAGING_BUDGET_SHARE of the cache."""
+    kv_mb = kv_bytes >> 20
+    cap = AUTO_STAGING_MAX_MB
+    if step_bytes is not None and step_bytes > 0:
+        cap = max(cap, min((AUTO_STAGING_STEPS * step_bytes) >> 20, int(kv_mb * AUTO_STAGING_BUDGET_SHARE)))
+    return min(cap, int(kv_mb * kv_share))
 
 
 def staging_parts(staging_mb: int | str, role: str, kv_bytes: int,
-                  kv_share: float = AUTO_STAGING_KV_SHARE) -> tuple[int, int]:
+                  kv_share: float = AUTO_STAGING_KV_SHARE, step_bytes: int | None = None) -> tuple[int, int]:
     """MiB of staging for grants and for sources on a rank of ``role``
     (vLLM's ``kv_role``) whose KV cache holds ``kv_bytes``: ``auto``, a
-    source staging of min(AUTO_STAGING_MAX_MB, ``kv_share`` of the KV
-    cache; ``orbitkv.pd.staging_kv_share``, AUTO_STAGING_KV_SHARE by
-    default) where the rank may prefill, no grants; a size, split by role
-    (half each under ``kv_both``)."""
+    source staging of ``auto_staging_mb`` (``kv_share``:
+    ``orbitkv.pd.staging_kv_share``, AUTO_STAGING_KV_SHARE by default) where
+    the rank may prefill, no grants; a size, split by role (half each under
+    ``kv_both``)."""
     if staging_mb == "auto":
         if role == "kv_consumer":
             return 0, 0
-        return 0, min(AUTO_STAGING_MAX_MB, int((kv_bytes >> 20) * kv_share))
+        return 0, auto_staging_mb(kv_bytes, kv_share, step_bytes)
     assert isinstance(staging_mb, int)
     mb = staging_mb
     return {"kv_producer": (0, mb), "kv_consumer": (mb, 0)}.get(role, (mb - mb // 2, mb // 2))
@@ -322,8 +352,9 @@ class PdConfig:
     gpu_wait: str = ExtraConfig.model_fields["gpu_wait"].default
     trace: str | None = None
     # Staging memory per rank, MiB, on the KV device (0: off; "auto": a
-    # prefill rank's source staging of min(AUTO_STAGING_MAX_MB, a quarter
-    # of its KV cache), no grants; docs/configuration.md).
+    # prefill rank's source staging of auto_staging_mb, a quarter of its
+    # KV cache at most 1 GiB or three steps' KV, no grants;
+    # docs/configuration.md).
     staging_mb: int | Literal["auto"] = "auto"
     staging_min_ranges: int = ExtraConfig.model_fields["staging_min_ranges"].default
     # Where the staging lives: in blocks taken out of vLLM's KV cache
@@ -332,7 +363,7 @@ class PdConfig:
     # only place for a size set by hand).
     staging_memory: str = "kv_cache"
     # The share of its KV cache a prefill rank's staging_mb "auto" takes,
-    # at most AUTO_STAGING_MAX_MB.
+    # at most auto_staging_mb's cap.
     staging_kv_share: float = AUTO_STAGING_KV_SHARE
     # How staging_mb "auto"'s layer pieces are handed out when the region is
     # short: "layer" (a layer without room alone is written from the pages)

@@ -26,18 +26,21 @@ from orbitkv.vllm.config import AUTO_STAGING_KV_SHARE, staging_parts
 
 
 def reserved_blocks(kv_bytes: int, num_blocks: int, role: str, min_free: int,
-                    kv_share: float = AUTO_STAGING_KV_SHARE) -> int:
+                    kv_share: float = AUTO_STAGING_KV_SHARE, step_blocks: int = 0) -> int:
     """How many blocks of a KV cache of ``num_blocks`` blocks (``kv_bytes``
     on each rank) the source staging takes: the bytes ``staging_parts``
-    gives an ``auto`` staging on a rank of ``role`` (min(1 GiB,
-    ``kv_share`` of the KV cache, a quarter by default); none on
-    ``kv_consumer``), in whole blocks, leaving at least ``min_free``
-    blocks (a request of the model's whole length) to vLLM besides the
-    null block. 0: none."""
+    gives an ``auto`` staging on a rank of ``role`` (``kv_share`` of the KV
+    cache, a quarter by default, at most 1 GiB or, where more,
+    AUTO_STAGING_STEPS steps of ``step_blocks`` blocks, vLLM's
+    ``max_num_batched_tokens``, up to a tenth of the cache; none on
+    ``kv_consumer``), in whole blocks, leaving at least ``min_free`` blocks
+    (a request of the model's whole length) to vLLM besides the null block.
+    0: none."""
     if kv_bytes <= 0 or num_blocks <= 1:
         return 0
     per_block = -(-kv_bytes // num_blocks)
-    want = (staging_parts("auto", role, kv_bytes, kv_share)[1] << 20) // per_block
+    step = step_blocks * per_block if step_blocks > 0 else None
+    want = (staging_parts("auto", role, kv_bytes, kv_share, step)[1] << 20) // per_block
     return max(0, min(want, num_blocks - 1 - max(min_free, 0)))
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from orbitkv._native import new_capability
-from orbitkv.vllm.config import ANY, PdConfig
+from orbitkv.vllm.config import ANY, AUTO_STAGING_STEPS, PdConfig
 from orbitkv.vllm.groups import GroupsError, KvGroups, blocks_of
 from orbitkv.vllm.kv_staging import give_blocks_back, reserved_blocks, runs, take_blocks
 from orbitkv.vllm.metadata import (
@@ -96,6 +96,16 @@ DECODE_ONLY_HINT_AFTER = 64
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _step_blocks(vllm_config: Any, block_size: int) -> int:
+    """Blocks of one scheduler step (vLLM's ``max_num_batched_tokens``;
+    each block every layer's KV of its tokens), which sizes the source
+    staging (``config.auto_staging_mb``); 0 when unknown."""
+    mnbt = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
+    if not isinstance(mnbt, int) or isinstance(mnbt, bool) or mnbt <= 0 or block_size <= 0:
+        return 0
+    return _cdiv(mnbt, block_size)
 
 
 @dataclass
@@ -435,7 +445,9 @@ class PdScheduler:
             return
         kv_bytes = sum(int(t.size) for t in tensors)
         max_len = int(getattr(getattr(self._vllm_config, "model_config", None), "max_model_len", 0) or 0)
-        count = reserved_blocks(kv_bytes, num_blocks, kv_role, _cdiv(max_len, self.block_size), self.config.staging_kv_share)
+        step_blocks = _step_blocks(self._vllm_config, self.block_size)
+        count = reserved_blocks(kv_bytes, num_blocks, kv_role, _cdiv(max_len, self.block_size),
+                                self.config.staging_kv_share, step_blocks)
         if count <= 0:
             if kv_role != "kv_consumer":
                 logger.warning("OrbitKV: a KV cache of %d blocks has none to spare beside a request of %d tokens: "
@@ -456,10 +468,18 @@ class PdScheduler:
         left = num_blocks - len(taken)
         if self._unclaimed_block_cap is not None:
             self._cap_unclaimed(left)
+        steps = f"{len(taken) / step_blocks:.1f} steps of max_num_batched_tokens" if step_blocks else "steps unknown"
         logger.info("OrbitKV: %d of vLLM's %d KV cache blocks (%d MiB per rank) taken for the source staging "
-                    "(orbitkv.pd.staging_memory kv_cache, staging_kv_share %g); vLLM serves requests from the "
+                    "(orbitkv.pd.staging_memory kv_cache, staging_kv_share %g; %s); vLLM serves requests from the "
                     "other %d", len(taken), num_blocks, (kv_bytes // num_blocks * len(taken)) >> 20,
-                    self.config.staging_kv_share, left)
+                    self.config.staging_kv_share, steps, left)
+        if step_blocks and len(taken) < 2 * step_blocks:
+            logger.warning("OrbitKV: the source staging holds %.1f steps of max_num_batched_tokens (%d tokens, %d "
+                           "blocks a step); its pieces are held from a layer's launch to its write's end, about "
+                           "%d steps under load, so some layers will find no room and go from the pages "
+                           "(vllm:orbitkv_source_staging_full): raise orbitkv.pd.staging_kv_share or lower "
+                           "max_num_batched_tokens", len(taken) / step_blocks, step_blocks * self.block_size,
+                           step_blocks, AUTO_STAGING_STEPS)
 
     def build_connector_meta(self, so: SchedulerOutput) -> PdConnectorMetadata:
         meta, self._next = self._next, PdConnectorMetadata()
