@@ -142,7 +142,7 @@ fi
 [ -z "$(git -C "$WT" status --porcelain)" ] || { say "$WT is not clean"; git -C "$WT" status --short; exit 1; }
 ln -sfn "$ROOT/.venv" "$WT/.venv"
 say "building the wheel and transport bundle in $WT (its benches/gpu/prepare.sh; cargo target $E2E_CACHE/cargo-target)"
-(cd "$WT" && CARGO_TARGET_DIR=$E2E_CACHE/cargo-target ORBITKV_GPU_CACHE=$CACHE bash benches/gpu/prepare.sh) \
+(cd "$WT" && CARGO_TARGET_DIR=$E2E_CACHE/cargo-target ORBITKV_GPU_CACHE=$CACHE ORBITKV_GPU_PARTS=1 bash benches/gpu/prepare.sh) \
   >"$E2E_CACHE/transport-prepare.log" 2>&1 || { tail -30 "$E2E_CACHE/transport-prepare.log"; exit 1; }
 grep -E 'commit:|wheel:' "$WT/.gpu/BUILD_INFO"
 WHEEL=$(ls "$WT"/.gpu/orbitkv-*.whl)
