@@ -1788,10 +1788,40 @@ def test_the_scheduler_counts_the_staging_in_steps_of_max_num_batched_tokens_and
     assert s.build_connector_meta(sched_output()).staging_blocks == [(1, 1 + taken)]
     steps = "steps unknown" if mnbt is None else f"{taken / (mnbt // BS):.1f} steps of max_num_batched_tokens"
     assert [x for x in infos if "taken for the source staging" in x and steps in x], infos
-    low = [x for x in warnings if "raise orbitkv.pd.staging_kv_share" in x]
+    low = [x for x in warnings if "holds 1.2 steps of max_num_batched_tokens" in x]
     assert bool(low) is warned, warnings
     if warned:
-        assert "holds 1.2 steps of max_num_batched_tokens" in low[0], low
+        # the quarter binds here (250 MiB of 1000, under the cap): the share is the setting to raise
+        assert "raise orbitkv.pd.staging_kv_share (now 0.25)" in low[0], low
+
+
+def test_a_staging_at_its_cap_below_two_steps_names_the_step_not_the_share() -> None:
+    """8 GiB in 4096 blocks of 2 MiB, 8192 tokens a step (512 blocks, 1
+    GiB): a tenth of the cache is under 1 GiB, so the region is the 1 GiB
+    cap, one step, which a larger share would not change: the warning says
+    to lower max_num_batched_tokens and names the cap, not the share."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    import orbitkv.vllm.scheduler as sm
+
+    cfg = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=4096),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1), model_config=SimpleNamespace(max_model_len=8192),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192),
+    )
+    s = PdScheduler(cfg, PdConfig.from_extra_config({}))  # type: ignore[arg-type]
+    pool = BlockPool(num_gpu_blocks=4096, enable_caching=True, hash_block_size=16)
+    warnings: list[str] = []
+    orig = sm.logger.warning
+    sm.logger.warning = lambda msg, *a: warnings.append(msg % a)  # type: ignore[method-assign]
+    try:
+        s.bind_block_pool(pool, kv_cache_config(4096, 2 << 20), "kv_producer")
+    finally:
+        sm.logger.warning = orig  # type: ignore[method-assign]
+    assert s.build_connector_meta(sched_output()).staging_blocks == [(1, 1 + 512)]
+    assert len(warnings) == 1 and "holds 1.0 steps" in warnings[0], warnings
+    assert "lower max_num_batched_tokens (the region is at its cap" in warnings[0]
+    assert "staging_kv_share" not in warnings[0]
 
 
 def test_a_deep_models_step_grows_the_staging_past_a_gib_within_a_tenth_of_the_cache() -> None:

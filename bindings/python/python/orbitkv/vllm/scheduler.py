@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from orbitkv._native import new_capability
-from orbitkv.vllm.config import ANY, AUTO_STAGING_STEPS, PdConfig
+from orbitkv.vllm.config import ANY, AUTO_STAGING_STEPS, PdConfig, auto_staging_mb
 from orbitkv.vllm.groups import GroupsError, KvGroups, blocks_of
 from orbitkv.vllm.kv_staging import give_blocks_back, reserved_blocks, runs, take_blocks
 from orbitkv.vllm.metadata import (
@@ -474,12 +474,19 @@ class PdScheduler:
                     "other %d", len(taken), num_blocks, (kv_bytes // num_blocks * len(taken)) >> 20,
                     self.config.staging_kv_share, steps, left)
         if step_blocks and len(taken) < 2 * step_blocks:
+            # what bounds it: the share (a setting), or the cap / a request of max_model_len (not a setting)
+            share_mb = int((kv_bytes >> 20) * self.config.staging_kv_share)
+            by_share = share_mb <= auto_staging_mb(kv_bytes, self.config.staging_kv_share,
+                                                   step_blocks * _cdiv(kv_bytes, num_blocks))
+            fix = (f"raise orbitkv.pd.staging_kv_share (now {self.config.staging_kv_share:g}) or lower "
+                   "max_num_batched_tokens" if by_share else
+                   "lower max_num_batched_tokens (the region is at its cap: 1 GiB, or three steps up to a tenth "
+                   "of the KV cache, and a request of max_model_len left to vLLM)")
             logger.warning("OrbitKV: the source staging holds %.1f steps of max_num_batched_tokens (%d tokens, %d "
                            "blocks a step); its pieces are held from a layer's launch to its write's end, about "
                            "%d steps under load, so some layers will find no room and go from the pages "
-                           "(vllm:orbitkv_source_staging_full): raise orbitkv.pd.staging_kv_share or lower "
-                           "max_num_batched_tokens", len(taken) / step_blocks, step_blocks * self.block_size,
-                           step_blocks, AUTO_STAGING_STEPS)
+                           "(vllm:orbitkv_source_staging_full): %s", len(taken) / step_blocks,
+                           step_blocks * self.block_size, step_blocks, AUTO_STAGING_STEPS, fix)
 
     def build_connector_meta(self, so: SchedulerOutput) -> PdConnectorMetadata:
         meta, self._next = self._next, PdConnectorMetadata()
