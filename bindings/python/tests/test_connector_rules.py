@@ -1751,6 +1751,36 @@ def test_the_scheduler_takes_the_staging_out_of_vllms_pool_only_where_it_stages(
         assert s._unclaimed_block_cap == int((1001 - taken) * 0.25)
 
 
+def bind_logged(num_blocks: int, block_bytes: int, block_size: int, mnbt: int | None,
+                max_len: int = 4096) -> tuple[PdScheduler, Any, list[str], list[str]]:
+    """A default kv_producer scheduler bound to vLLM's real block pool of
+    ``num_blocks`` blocks of ``block_bytes`` (``max_num_batched_tokens``
+    ``mnbt``, None: no scheduler config): the scheduler, the pool, and what
+    it logged at info and at warning while binding."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    import orbitkv.vllm.scheduler as sm
+
+    cfg = SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=block_size, num_gpu_blocks=num_blocks),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1), model_config=SimpleNamespace(max_model_len=max_len),
+    )
+    if mnbt is not None:
+        cfg.scheduler_config = SimpleNamespace(max_num_batched_tokens=mnbt)
+    s = PdScheduler(cfg, PdConfig.from_extra_config({}))  # type: ignore[arg-type]
+    pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=block_size)
+    infos: list[str] = []
+    warnings: list[str] = []
+    orig = sm.logger.info, sm.logger.warning
+    sm.logger.info = lambda msg, *a: infos.append(msg % a)  # type: ignore[method-assign]
+    sm.logger.warning = lambda msg, *a: warnings.append(msg % a)  # type: ignore[method-assign]
+    try:
+        s.bind_block_pool(pool, kv_cache_config(num_blocks, block_bytes), "kv_producer")
+    finally:
+        sm.logger.info, sm.logger.warning = orig  # type: ignore[method-assign]
+    return s, pool, infos, warnings
+
+
 @pytest.mark.parametrize("mnbt,taken,warned", [
     (None, 250, False),  # no scheduler config: the quarter, at most 1 GiB
     (96 * BS, 250, False),  # 96 blocks a step: the quarter is 2.6 steps
@@ -1764,27 +1794,7 @@ def test_the_scheduler_counts_the_staging_in_steps_of_max_num_batched_tokens_and
     how many steps of ``max_num_batched_tokens`` the region holds, and a
     warning names the setting to raise when it holds fewer than two (its
     pieces are held about three steps under load)."""
-    from vllm.v1.core.block_pool import BlockPool
-
-    import orbitkv.vllm.scheduler as sm
-
-    cfg = SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=BS, num_gpu_blocks=1001),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1), model_config=SimpleNamespace(max_model_len=4096),
-    )
-    if mnbt is not None:
-        cfg.scheduler_config = SimpleNamespace(max_num_batched_tokens=mnbt)
-    s = PdScheduler(cfg, PdConfig.from_extra_config({}))  # type: ignore[arg-type]
-    pool = BlockPool(num_gpu_blocks=1001, enable_caching=True, hash_block_size=BS)
-    infos: list[str] = []
-    warnings: list[str] = []
-    orig = sm.logger.info, sm.logger.warning
-    sm.logger.info = lambda msg, *a: infos.append(msg % a)  # type: ignore[method-assign]
-    sm.logger.warning = lambda msg, *a: warnings.append(msg % a)  # type: ignore[method-assign]
-    try:
-        s.bind_block_pool(pool, kv_cache_config(1001, 1 << 20), "kv_producer")
-    finally:
-        sm.logger.info, sm.logger.warning = orig  # type: ignore[method-assign]
+    s, _, infos, warnings = bind_logged(1001, 1 << 20, BS, mnbt)
     assert s.build_connector_meta(sched_output()).staging_blocks == [(1, 1 + taken)]
     steps = "steps unknown" if mnbt is None else f"{taken / (mnbt // BS):.1f} steps of max_num_batched_tokens"
     assert [x for x in infos if "taken for the source staging" in x and steps in x], infos
@@ -1800,24 +1810,7 @@ def test_a_staging_at_its_cap_below_two_steps_names_the_step_not_the_share() -> 
     GiB): a tenth of the cache is under 1 GiB, so the region is the 1 GiB
     cap, one step, which a larger share would not change: the warning says
     to lower max_num_batched_tokens and names the cap, not the share."""
-    from vllm.v1.core.block_pool import BlockPool
-
-    import orbitkv.vllm.scheduler as sm
-
-    cfg = SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=4096),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1), model_config=SimpleNamespace(max_model_len=8192),
-        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192),
-    )
-    s = PdScheduler(cfg, PdConfig.from_extra_config({}))  # type: ignore[arg-type]
-    pool = BlockPool(num_gpu_blocks=4096, enable_caching=True, hash_block_size=16)
-    warnings: list[str] = []
-    orig = sm.logger.warning
-    sm.logger.warning = lambda msg, *a: warnings.append(msg % a)  # type: ignore[method-assign]
-    try:
-        s.bind_block_pool(pool, kv_cache_config(4096, 2 << 20), "kv_producer")
-    finally:
-        sm.logger.warning = orig  # type: ignore[method-assign]
+    s, _, _, warnings = bind_logged(4096, 2 << 20, 16, 8192, max_len=8192)
     assert s.build_connector_meta(sched_output()).staging_blocks == [(1, 1 + 512)]
     assert len(warnings) == 1 and "holds 1.0 steps" in warnings[0], warnings
     assert "lower max_num_batched_tokens (the region is at its cap" in warnings[0]
@@ -1829,26 +1822,10 @@ def test_a_deep_models_step_grows_the_staging_past_a_gib_within_a_tenth_of_the_c
     8192 tokens a step (512 blocks, 1 GiB): the scheduler takes three steps,
     1536 blocks (3 GiB, 6.25 % of the cache), out of vLLM's real pool, not
     the 512 of the 1 GiB cap, and does not warn."""
-    from vllm.v1.core.block_pool import BlockPool
-
-    import orbitkv.vllm.scheduler as sm
-
-    cfg = SimpleNamespace(
-        cache_config=SimpleNamespace(block_size=16, num_gpu_blocks=24_576),
-        parallel_config=SimpleNamespace(tensor_parallel_size=1), model_config=SimpleNamespace(max_model_len=8192),
-        scheduler_config=SimpleNamespace(max_num_batched_tokens=8192),
-    )
-    s = PdScheduler(cfg, PdConfig.from_extra_config({}))  # type: ignore[arg-type]
-    pool = BlockPool(num_gpu_blocks=24_576, enable_caching=True, hash_block_size=16)
-    warnings: list[str] = []
-    orig = sm.logger.warning
-    sm.logger.warning = lambda msg, *a: warnings.append(msg % a)  # type: ignore[method-assign]
-    try:
-        s.bind_block_pool(pool, kv_cache_config(24_576, 2 << 20), "kv_producer")
-    finally:
-        sm.logger.warning = orig  # type: ignore[method-assign]
+    s, pool, infos, warnings = bind_logged(24_576, 2 << 20, 16, 8192, max_len=8192)
     assert s.build_connector_meta(sched_output()).staging_blocks == [(1, 1 + 1536)]
     assert pool.num_gpu_blocks == 24_576 - 1536 and not warnings, warnings
+    assert [x for x in infos if "(3072 MiB per rank)" in x and "3.0 steps of max_num_batched_tokens" in x], infos
 
 
 def test_a_pool_too_small_for_a_whole_request_gives_nothing_and_a_vllm_that_never_binds_is_said() -> None:
