@@ -1805,6 +1805,19 @@ def test_the_scheduler_counts_the_staging_in_steps_of_max_num_batched_tokens_and
         assert "raise orbitkv.pd.staging_kv_share (now 0.25)" in low[0], low
 
 
+@pytest.mark.parametrize("mnbt", [0, -8192, True, "8192", 8192.0])
+def test_a_max_num_batched_tokens_that_is_no_count_of_tokens_sizes_no_step(mnbt: Any) -> None:
+    """vLLM's ``max_num_batched_tokens`` read as a step only when it is a
+    positive int: anything else is no step (the quarter at most 1 GiB, "steps
+    unknown" in the log), never an exception at bind time."""
+    from orbitkv.vllm.scheduler import _step_blocks
+
+    assert _step_blocks(SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=mnbt)), BS) == 0
+    s, _, infos, warnings = bind_logged(1001, 1 << 20, BS, mnbt)
+    assert s.build_connector_meta(sched_output()).staging_blocks == [(1, 251)]
+    assert [x for x in infos if "steps unknown" in x] and not warnings, (infos, warnings)
+
+
 def test_a_staging_at_its_cap_below_two_steps_names_the_step_not_the_share() -> None:
     """8 GiB in 4096 blocks of 2 MiB, 8192 tokens a step (512 blocks, 1
     GiB): a tenth of the cache is under 1 GiB, so the region is the 1 GiB

@@ -96,18 +96,23 @@ AUTO_STAGING_STEPS = 3
 AUTO_STAGING_BUDGET_SHARE = 0.10
 
 
+def auto_staging_cap_mb(kv_bytes: int, step_bytes: int | None = None) -> int:
+    """The most MiB ``staging_mb`` ``auto`` takes whatever the share, on a
+    rank whose KV cache holds ``kv_bytes`` and one step of
+    ``max_num_batched_tokens`` of which (every layer) is ``step_bytes``
+    (None: unknown): AUTO_STAGING_MAX_MB, or AUTO_STAGING_STEPS steps where
+    those are more, up to AUTO_STAGING_BUDGET_SHARE of the cache."""
+    if step_bytes is None or step_bytes <= 0:
+        return AUTO_STAGING_MAX_MB
+    steps_mb = (AUTO_STAGING_STEPS * step_bytes) >> 20
+    return max(AUTO_STAGING_MAX_MB, min(steps_mb, int((kv_bytes >> 20) * AUTO_STAGING_BUDGET_SHARE)))
+
+
 def auto_staging_mb(kv_bytes: int, kv_share: float = AUTO_STAGING_KV_SHARE, step_bytes: int | None = None) -> int:
     """MiB of source staging ``staging_mb`` ``auto`` gives a rank that may
-    prefill, whose KV cache holds ``kv_bytes`` and one step of
-    ``max_num_batched_tokens`` of which (every layer) is ``step_bytes``
-    (None: unknown): ``kv_share`` of the KV cache, at most
-    AUTO_STAGING_MAX_MB, or at most AUTO_STAGING_STEPS steps where those are
-    more, up to AUTO_STAGING_BUDGET_SHARE of the cache."""
-    kv_mb = kv_bytes >> 20
-    cap = AUTO_STAGING_MAX_MB
-    if step_bytes is not None and step_bytes > 0:
-        cap = max(cap, min((AUTO_STAGING_STEPS * step_bytes) >> 20, int(kv_mb * AUTO_STAGING_BUDGET_SHARE)))
-    return min(cap, int(kv_mb * kv_share))
+    prefill: ``kv_share`` of its KV cache of ``kv_bytes``, at most
+    ``auto_staging_cap_mb``."""
+    return min(auto_staging_cap_mb(kv_bytes, step_bytes), int((kv_bytes >> 20) * kv_share))
 
 
 def staging_parts(staging_mb: int | str, role: str, kv_bytes: int,
@@ -363,7 +368,7 @@ class PdConfig:
     # only place for a size set by hand).
     staging_memory: str = "kv_cache"
     # The share of its KV cache a prefill rank's staging_mb "auto" takes,
-    # at most auto_staging_mb's cap.
+    # at most auto_staging_cap_mb.
     staging_kv_share: float = AUTO_STAGING_KV_SHARE
     # How staging_mb "auto"'s layer pieces are handed out when the region is
     # short: "layer" (a layer without room alone is written from the pages)

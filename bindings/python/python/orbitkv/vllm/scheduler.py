@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from orbitkv._native import new_capability
-from orbitkv.vllm.config import ANY, AUTO_STAGING_STEPS, PdConfig, auto_staging_mb
+from orbitkv.vllm.config import ANY, AUTO_STAGING_STEPS, PdConfig, auto_staging_cap_mb
 from orbitkv.vllm.groups import GroupsError, KvGroups, blocks_of
 from orbitkv.vllm.kv_staging import give_blocks_back, reserved_blocks, runs, take_blocks
 from orbitkv.vllm.metadata import (
@@ -101,7 +101,7 @@ def _cdiv(a: int, b: int) -> int:
 def _step_blocks(vllm_config: Any, block_size: int) -> int:
     """Blocks of one scheduler step (vLLM's ``max_num_batched_tokens``;
     each block every layer's KV of its tokens), which sizes the source
-    staging (``config.auto_staging_mb``); 0 when unknown."""
+    staging (``config.auto_staging_cap_mb``); 0 when unknown."""
     mnbt = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
     if not isinstance(mnbt, int) or isinstance(mnbt, bool) or mnbt <= 0 or block_size <= 0:
         return 0
@@ -475,9 +475,11 @@ class PdScheduler:
                     self.config.staging_kv_share, steps, left)
         if step_blocks and len(taken) < 2 * step_blocks:
             # what bounds it: the share (a setting), or the cap / a request of max_model_len (not a setting)
+            # the share binds where it is under the cap and nothing cut the count below it
             share_mb = int((kv_bytes >> 20) * self.config.staging_kv_share)
-            by_share = share_mb <= auto_staging_mb(kv_bytes, self.config.staging_kv_share,
-                                                   step_blocks * _cdiv(kv_bytes, num_blocks))
+            per_block = _cdiv(kv_bytes, num_blocks)
+            by_share = (share_mb <= auto_staging_cap_mb(kv_bytes, step_blocks * per_block)
+                        and len(taken) >= (share_mb << 20) // per_block)
             fix = (f"raise orbitkv.pd.staging_kv_share (now {self.config.staging_kv_share:g}) or lower "
                    "max_num_batched_tokens" if by_share else
                    "lower max_num_batched_tokens (the region is at its cap: 1 GiB, or three steps up to a tenth "
