@@ -44,7 +44,9 @@ pub mod wire;
 #[cfg(feature = "runtime")]
 pub use actors::stats::Timing;
 #[cfg(feature = "runtime")]
-pub use actors::{PagesBack, Runtime, RuntimeConfig, RuntimeEvent, RuntimeSettings, StatsSnapshot};
+pub use actors::{
+    GatherCopy, PagesBack, Runtime, RuntimeConfig, RuntimeEvent, RuntimeSettings, StatsSnapshot,
+};
 pub use error::{
     GeometryError, ProtocolError, RuntimeError, SideChannelError, TransportError, TransportResult,
 };

@@ -98,6 +98,14 @@ pub struct RuntimeConfig {
     /// written from the pages and the request keeps its other pieces
     /// (`orbitkv.pd.staging_pieces` `request` / `layer`).
     pub pieces_whole_requests: bool,
+    /// Prefill side, with a source staging region: a writer lane gathers a
+    /// layer write whose sources are scattered into one piece of the region
+    /// once the layer is computed, and writes the piece
+    /// (`orbitkv.pd.staging_pieces` `write`; [`super::prefill::gather`]),
+    /// from the moment the worker says how to copy
+    /// (`Runtime::set_writer_gather`). Requests then open without staging
+    /// of their own.
+    pub gather_in_writer: bool,
 }
 
 impl Default for RuntimeConfig {
@@ -125,6 +133,7 @@ impl Default for RuntimeConfig {
             staging_min_ranges: 16,
             lanes_park_on_gpu: true,
             pieces_whole_requests: false,
+            gather_in_writer: false,
         }
     }
 }
@@ -250,6 +259,7 @@ pub struct RuntimeSettings {
     pub peer_idle_reclaim_s: Option<f64>,
     pub lanes_park_on_gpu: Option<bool>,
     pub pieces_whole_requests: Option<bool>,
+    pub gather_in_writer: Option<bool>,
 }
 
 /// The most writer lanes per peer a setting may ask for.
@@ -285,6 +295,7 @@ impl RuntimeSettings {
             peer_idle_reclaim_s: Some(d.peer_idle_reclaim.as_secs_f64()),
             lanes_park_on_gpu: Some(d.lanes_park_on_gpu),
             pieces_whole_requests: Some(d.pieces_whole_requests),
+            gather_in_writer: Some(d.gather_in_writer),
         }
     }
 
@@ -349,6 +360,7 @@ impl RuntimeSettings {
                 .unwrap_or(d.inline_submit_max_ranges),
             lanes_park_on_gpu: self.lanes_park_on_gpu.unwrap_or(d.lanes_park_on_gpu),
             pieces_whole_requests: self.pieces_whole_requests.unwrap_or(d.pieces_whole_requests),
+            gather_in_writer: self.gather_in_writer.unwrap_or(d.gather_in_writer),
         })
     }
 }

@@ -192,6 +192,9 @@ pub struct SendNotice(pub Notice);
 pub struct BatchFinished {
     pub token: u64,
     pub result: Result<u64, String>,
+    /// Given up at its deadline while Mooncake still held it (it may still
+    /// read its sources).
+    pub abandoned: bool,
 }
 
 // ---- to the notification router -----------------------------------------

@@ -38,5 +38,5 @@ pub mod stats;
 
 pub use config::RuntimeSettings;
 pub use messages::{PagesBack, RuntimeEvent};
-pub use runtime::{Runtime, RuntimeConfig};
+pub use runtime::{GatherCopy, Runtime, RuntimeConfig};
 pub use stats::StatsSnapshot;

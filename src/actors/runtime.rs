@@ -18,6 +18,7 @@ use super::decode::router::NotificationRouter;
 use super::directory::{check_layer, Call, CancelReply, ProducerIndex, RequestDirectory};
 use super::messages::*;
 use super::prefill::gate::LayerMarks;
+use super::prefill::gather::{LocalCopy, WriterGather};
 use super::prefill::producer::{ProducerActor, ProducerShared};
 use super::prefill::writer::{spawn_poller, PollJob, WriterPool};
 use super::stats::{Stats, StatsSnapshot, Timing};
@@ -36,6 +37,17 @@ const FENCE_WAIT: Duration = Duration::from_secs(2);
 /// Threads that send a decode rank's handshakes, cancels and fences (a
 /// handshake refused `503` holds its thread while it waits to try again).
 const PUBLISH_THREADS: usize = 8;
+
+/// How the writer lanes copy a gathered write ([`Runtime::set_writer_gather`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GatherCopy {
+    /// Not at all: writes go from the pages.
+    Off,
+    /// `memcpy`: the KV cache is host memory.
+    Host,
+    /// Device copies on the GPU of the caller's CUDA context.
+    Cuda,
+}
 
 /// The request runtime of one rank.
 pub struct Runtime {
@@ -65,6 +77,8 @@ pub struct Runtime {
     /// The source staging region's pieces (layer pieces of requests staged
     /// by layer), shared with the producers.
     source_arena: Option<crate::staging::SharedArena>,
+    /// The writer lanes' gather (`gather_in_writer` with a source region).
+    gather: Option<Arc<WriterGather>>,
 }
 
 impl std::fmt::Debug for Runtime {
@@ -119,6 +133,21 @@ impl Runtime {
         let poller_stop = Arc::new(AtomicBool::new(false));
         let poller_thread = spawn_poller(transport.clone(), poller_rx, poller_stop.clone(), stats.clone());
         let marks = Arc::new(LayerMarks::new(stats.clone()));
+        // `validate` refused a region the arena cannot take.
+        let source_arena = match cfg.source_staging_region {
+            Some((base, len)) => crate::staging::arena::StagingArena::new(base, len)
+                .map(|a| Arc::new(parking_lot::Mutex::new(a)))
+                .ok(),
+            // segments come later (`add_source_staging`)
+            None if cfg.source_staging_later => Some(Arc::new(parking_lot::Mutex::new(
+                crate::staging::arena::StagingArena::empty(),
+            ))),
+            None => None,
+        };
+        let gather = source_arena
+            .as_ref()
+            .filter(|_| cfg.gather_in_writer)
+            .map(|a| Arc::new(WriterGather::new(a.clone(), stats.clone())));
         let writers = Arc::new(
             WriterPool::new(
                 transport.clone(),
@@ -132,6 +161,7 @@ impl Runtime {
                 stats.clone(),
             )
             .park_on_gpu(cfg.lanes_park_on_gpu)
+            .gather(gather.clone())
             .in_system(system.clone()),
         );
         let (events_tx, events_rx) = crossbeam_channel::unbounded();
@@ -150,17 +180,7 @@ impl Runtime {
             staging_min_ranges: cfg.staging_min_ranges,
             stats: stats.clone(),
             buffers: Default::default(),
-            // `validate` refused a region the arena cannot take.
-            source_arena: match cfg.source_staging_region {
-                Some((base, len)) => crate::staging::arena::StagingArena::new(base, len)
-                    .map(|a| Arc::new(parking_lot::Mutex::new(a)))
-                    .ok(),
-                // segments come later (`add_source_staging`)
-                None if cfg.source_staging_later => Some(Arc::new(parking_lot::Mutex::new(
-                    crate::staging::arena::StagingArena::empty(),
-                ))),
-                None => None,
-            },
+            source_arena,
             decode_staged: Default::default(),
             pieces_whole_requests: cfg.pieces_whole_requests,
         });
@@ -193,7 +213,40 @@ impl Runtime {
             publisher,
             stats,
             source_arena,
+            gather,
         })
+    }
+
+    /// Prefill side, a runtime started with `gather_in_writer` and a source
+    /// staging region: from now on the writer lanes gather scattered layer
+    /// writes into pieces of the region ([`super::prefill::gather`]),
+    /// copying with `copy`: [`GatherCopy::Cuda`], the GPU whose CUDA
+    /// context is current on this thread (the worker's, where its KV cache
+    /// lives), or [`GatherCopy::Host`], `memcpy` (a KV cache in host
+    /// memory). The local layout's and the region's addresses must be this
+    /// process's memory of that kind (what the rank registered).
+    /// [`GatherCopy::Off`] stops it, for a region given back; only while no
+    /// write is in flight (a gathered write still reads its piece).
+    /// Without the setting: `InvalidArgument`; without a CUDA driver or
+    /// context: `Transport`.
+    pub fn set_writer_gather(&self, copy: GatherCopy) -> Result<(), RuntimeError> {
+        let Some(g) = &self.gather else {
+            return Err(invalid_argument(
+                "the writer's gather needs a runtime started with gather_in_writer and a source staging region"
+                    .into(),
+            ));
+        };
+        g.set_copy(match copy {
+            GatherCopy::Cuda => LocalCopy::Cuda(crate::transport::cuda::CudaCopier::for_current_context()?),
+            GatherCopy::Host => LocalCopy::Host,
+            GatherCopy::Off => LocalCopy::Off,
+        });
+        Ok(())
+    }
+
+    /// Whether the writer lanes gather ([`Self::set_writer_gather`] ran).
+    pub fn writer_gathers(&self) -> bool {
+        self.gather.as_ref().is_some_and(|g| g.on())
     }
 
     /// Runs `f` on the request directory and waits for its answer

@@ -146,6 +146,21 @@ pub struct Stats {
     /// of it found no room (its pages stay until those layers are at
     /// decode, so its pieces go to requests the region can stage whole).
     pub source_pieces_given_up: Counter,
+    /// Prefill side, `staging_pieces` `write`: layer writes a lane gathered
+    /// into a piece of the source region and wrote from there.
+    pub writes_gathered: Counter,
+    /// Ranges those writes saved (direct ranges less the piece's).
+    pub gather_ranges_saved: Counter,
+    /// Sum of the gathers' copy times (waited for), in µs.
+    pub gather_micros: Counter,
+    /// Writes that would have paid to gather but found no room (from the
+    /// pages instead).
+    pub gather_no_room: Counter,
+    /// Gathers whose copy failed (the write went from the pages).
+    pub gather_failed: Counter,
+    /// Gathered pieces kept out of the region for good: a batch reading one
+    /// was given up while Mooncake still held it.
+    pub gather_pieces_leaked: Counter,
     /// Prefill side: layers whose `LayerReady` ran on the thread that
     /// handed them over (no message to the system thread).
     pub layers_ready_inline: Counter,
@@ -291,6 +306,12 @@ pub struct StatsSnapshot {
     pub source_staging_full: u64,
     pub producer_pages_given_back: u64,
     pub source_pieces_given_up: u64,
+    pub writes_gathered: u64,
+    pub gather_ranges_saved: u64,
+    pub gather_micros: u64,
+    pub gather_no_room: u64,
+    pub gather_failed: u64,
+    pub gather_pieces_leaked: u64,
     pub layers_ready_inline: u64,
     pub writes_inline: u64,
     pub writes_reported_inline: u64,
@@ -350,6 +371,12 @@ impl Stats {
             source_staging_full: self.source_staging_full.get(),
             producer_pages_given_back: self.producer_pages_given_back.get(),
             source_pieces_given_up: self.source_pieces_given_up.get(),
+            writes_gathered: self.writes_gathered.get(),
+            gather_ranges_saved: self.gather_ranges_saved.get(),
+            gather_micros: self.gather_micros.get(),
+            gather_no_room: self.gather_no_room.get(),
+            gather_failed: self.gather_failed.get(),
+            gather_pieces_leaked: self.gather_pieces_leaked.get(),
             layers_ready_inline: self.layers_ready_inline.get(),
             writes_inline: self.writes_inline.get(),
             writes_reported_inline: self.writes_reported_inline.get(),

@@ -27,6 +27,10 @@ struct Handle(*mut c_void);
 // SAFETY: CUDA driver handles are process-wide identifiers, valid on any
 // thread; the driver serialises its own use of them.
 unsafe impl Send for Handle {}
+// SAFETY: as above: sharing a handle only shares the identifier; every use
+// goes through the driver (a stream is used by one caller at a time, taken
+// from its pool).
+unsafe impl Sync for Handle {}
 
 /// The events of one process's GPU worker: a pool, and the CUDA context they
 /// belong to (the one current on the worker's thread when the first was made).
@@ -153,24 +157,7 @@ impl GpuMark {
     /// lane's thread, whose own context, if any, is put back after); `f`
     /// says `None` when its driver call failed.
     fn in_context<T>(&self, f: impl FnOnce() -> Option<T>) -> TransportResult<T> {
-        let mut prev: *mut c_void = std::ptr::null_mut();
-        // SAFETY: prev is a valid out-pointer for the call's duration; the
-        // context set is the one the event was made in (a thread may make
-        // any context current).
-        unsafe {
-            if ffi::okv_cuda_current_context(&mut prev) != 0 {
-                return Err(cuda_err());
-            }
-            if prev != self.context.0 && ffi::okv_cuda_set_context(self.context.0) != 0 {
-                return Err(cuda_err());
-            }
-        }
-        let out = f().ok_or_else(cuda_err);
-        if prev != self.context.0 {
-            // SAFETY: the context that was current before (or none: null).
-            unsafe { ffi::okv_cuda_set_context(prev) };
-        }
-        out
+        with_context(self.context, f)
     }
 }
 
@@ -180,6 +167,116 @@ impl Drop for GpuMark {
             self.pool.lock().push(ev);
         }
     }
+}
+
+/// Copies on the GPU for a writer lane's gather (`orbitkv.pd.staging_pieces`
+/// `write`): device-to-device copies on streams of its own, in the CUDA
+/// context of the worker that made it, each waited for before it returns.
+#[derive(Debug)]
+pub struct CudaCopier {
+    context: Handle,
+    /// Streams not in use; a copy takes one (or makes one) and puts it back.
+    streams: Mutex<Vec<Handle>>,
+}
+
+impl CudaCopier {
+    /// Loads the CUDA driver and takes the calling thread's current
+    /// context (the vLLM worker's, where its KV cache lives). Fails with
+    /// [`TransportError::Cuda`] without a driver or a current context.
+    pub fn for_current_context() -> TransportResult<Self> {
+        // SAFETY: loads libcuda.so.1 and resolves symbols; no pointers passed.
+        if unsafe { ffi::okv_cuda_load() } != 0 {
+            return Err(cuda_err());
+        }
+        let mut ctx: *mut c_void = std::ptr::null_mut();
+        // SAFETY: ctx is a valid out-pointer for the call's duration.
+        if unsafe { ffi::okv_cuda_current_context(&mut ctx) } != 0 {
+            return Err(cuda_err());
+        }
+        if ctx.is_null() {
+            return Err(TransportError::Cuda(
+                "no CUDA context is current on the thread that set up the writer's gather".into(),
+            ));
+        }
+        Ok(Self {
+            context: Handle(ctx),
+            streams: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// Copies every range (`src` to `dst`, `len` bytes; device or unified
+    /// addresses of this context) and returns once the GPU ran the copies.
+    /// The calling thread's current context is the same after.
+    pub fn copy(&self, ranges: &[crate::transport::WriteRange]) -> TransportResult<()> {
+        if ranges.is_empty() {
+            return Ok(());
+        }
+        let dst: Vec<u64> = ranges.iter().map(|r| r.dst).collect();
+        let src: Vec<u64> = ranges.iter().map(|r| r.src).collect();
+        let len: Vec<u64> = ranges.iter().map(|r| r.len).collect();
+        with_context(self.context, || {
+            let stream = match self.streams.lock().pop() {
+                Some(s) => s,
+                None => {
+                    let mut s: *mut c_void = std::ptr::null_mut();
+                    // SAFETY: s is a valid out-pointer; the stream is made in
+                    // the context made current above.
+                    if unsafe { ffi::okv_cuda_stream_new(&mut s) } != 0 {
+                        return None;
+                    }
+                    Handle(s)
+                }
+            };
+            // SAFETY: the three arrays hold `ranges.len()` entries each and
+            // outlive the call, which waits for the copies; the stream is
+            // this copier's, used by one caller at a time (taken from the
+            // pool). The addresses are the caller's to vouch for.
+            let rc = unsafe {
+                ffi::okv_cuda_copy_wait(stream.0, dst.as_ptr(), src.as_ptr(), len.as_ptr(), dst.len())
+            };
+            self.streams.lock().push(stream);
+            (rc == 0).then_some(())
+        })
+    }
+}
+
+impl Drop for CudaCopier {
+    fn drop(&mut self) {
+        let streams = std::mem::take(&mut *self.streams.lock());
+        if streams.is_empty() {
+            return;
+        }
+        let _ = with_context(self.context, || {
+            for s in streams {
+                // SAFETY: a stream this copier made, idle (every copy waited
+                // for its own), destroyed once.
+                unsafe { ffi::okv_cuda_stream_free(s.0) };
+            }
+            Some(())
+        });
+    }
+}
+
+/// Runs `f` with `context` current on this thread, whose own context (if
+/// any) is put back after; `f` says `None` when its driver call failed.
+fn with_context<T>(context: Handle, f: impl FnOnce() -> Option<T>) -> TransportResult<T> {
+    let mut prev: *mut c_void = std::ptr::null_mut();
+    // SAFETY: prev is a valid out-pointer for the call's duration; the
+    // context set is a live one (a thread may make any context current).
+    unsafe {
+        if ffi::okv_cuda_current_context(&mut prev) != 0 {
+            return Err(cuda_err());
+        }
+        if prev != context.0 && ffi::okv_cuda_set_context(context.0) != 0 {
+            return Err(cuda_err());
+        }
+    }
+    let out = f().ok_or_else(cuda_err);
+    if prev != context.0 {
+        // SAFETY: the context that was current before (or none: null).
+        unsafe { ffi::okv_cuda_set_context(prev) };
+    }
+    out
 }
 
 #[cfg(test)]

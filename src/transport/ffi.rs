@@ -76,6 +76,15 @@ extern "C" {
     pub fn okv_cuda_event_wait(ev: *mut c_void) -> c_int;
     pub fn okv_cuda_event_query(ev: *mut c_void) -> c_int;
     pub fn okv_cuda_event_free(ev: *mut c_void) -> c_int;
+    pub fn okv_cuda_stream_new(stream: *mut *mut c_void) -> c_int;
+    pub fn okv_cuda_copy_wait(
+        stream: *mut c_void,
+        dst: *const u64,
+        src: *const u64,
+        len: *const u64,
+        n: usize,
+    ) -> c_int;
+    pub fn okv_cuda_stream_free(stream: *mut c_void) -> c_int;
 
     // Mooncake's submit-time wait on the caller's default stream: see
     // `mooncake.rs`, `redirect_submit_wait`.

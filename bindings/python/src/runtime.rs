@@ -629,6 +629,39 @@ impl PyRuntime {
             .map_err(|e| runtime_error(py, e))
     }
 
+    /// Prefill side, a runtime made with `gather_in_writer` and a source
+    /// staging region: from now on the writer lanes gather scattered layer
+    /// writes into pieces of the region (`orbitkv.pd.staging_pieces`
+    /// `write`), copying with `copy`: `"cuda"` on the GPU whose CUDA context
+    /// is current on the calling thread (call it on the worker's thread),
+    /// `"host"` with memcpy (a KV cache in host memory); `"off"` stops it
+    /// (a region given back, no write in flight). `InvalidArgumentError`
+    /// without the setting or for another word; `TransportError` without a
+    /// CUDA driver or context.
+    fn set_writer_gather(&self, py: Python<'_>, copy: &str) -> PyResult<()> {
+        let copy = match copy {
+            "cuda" => orbitkv::GatherCopy::Cuda,
+            "host" => orbitkv::GatherCopy::Host,
+            "off" => orbitkv::GatherCopy::Off,
+            other => {
+                return Err(runtime_error(
+                    py,
+                    orbitkv::RuntimeError::InvalidArgument(format!(
+                        "the writer's gather copies with 'cuda', 'host' or 'off', not {other:?}"
+                    )),
+                ))
+            }
+        };
+        self.rt(py)?
+            .set_writer_gather(copy)
+            .map_err(|e| runtime_error(py, e))
+    }
+
+    /// Whether the writer lanes gather (`set_writer_gather` ran).
+    fn writer_gathers(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.rt(py)?.writer_gathers())
+    }
+
     /// `(bytes, pieces)` of the source staging region given out as layer
     /// pieces now (`(0, 0)` once every write from them ended).
     fn source_staging_in_use(&self, py: Python<'_>) -> PyResult<(u64, usize)> {

@@ -50,7 +50,8 @@ def layout_of(caches: list[torch.Tensor], tp: tuple[int, int]) -> dict:
 
 class Rank:
     def __init__(self, fill: float | None, tp: tuple[int, int] = (0, 1), *, grants: bool, sources: bool,
-                 source_floats: int = STAGE_FLOATS, later: bool = False, whole: bool = False) -> None:
+                 source_floats: int = STAGE_FLOATS, later: bool = False, whole: bool = False,
+                 gather: bool = False) -> None:
         heads = HEADS // tp[1]
         shape = (2, BLOCKS, heads, BLOCK, HEAD_DIM)
         self.caches = [torch.randn(shape) if fill is None else torch.full(shape, fill) for _ in range(LAYERS)]
@@ -70,6 +71,7 @@ class Rank:
             source_staging_later=later,
             staging_min_ranges=4,
             pieces_whole_requests=whole,
+            gather_in_writer=gather,
         )
         units = self.runtime.staged_layout(1)["units"]
         self.copier = StagingCopier(self.layout, units, [*self.caches, self.grants, self.sources])
@@ -757,6 +759,67 @@ def test_layer_pieces_cut_from_the_producers_own_kv_blocks() -> None:
             c.runtime.add_source_staging(segs)
         for rid in ("early", "kv"):
             c.runtime.consumer_release(rid)
+    finally:
+        p.close()
+        c.close()
+
+
+@pytest.mark.parametrize("room", ["enough", "none"])
+def test_the_writer_gathers_scattered_pages_into_a_piece_for_the_write_alone(room: str) -> None:
+    """``staging_pieces`` ``write``: nothing is gathered at the layer's
+    launch; a writer lane about to send a layer write whose source blocks
+    are scattered copies them (memcpy here) into one piece of the source
+    region in decode's order and writes one range per plane and run of
+    decode blocks, then gives the piece back. Two chunks sharing block 4
+    (chunked prefill), decode's blocks one run. Decode's pages equal the
+    prefill's blocks either way, nothing is written outside them, and a
+    region without room for a layer writes from the pages."""
+    piece = 2 * 6 * HEADS * BLOCK * HEAD_DIM  # floats of the larger chunk's layer (6 blocks)
+    p = Rank(None, grants=False, sources=True, gather=True,
+             source_floats=STAGE_FLOATS if room == "enough" else piece // 2)
+    c = Rank(GUARD, grants=False, sources=False)
+    try:
+        assert not p.runtime.writer_gathers()
+        with pytest.raises(orbitkv.InvalidArgumentError):
+            p.runtime.set_writer_gather("gpu")
+        with pytest.raises(orbitkv.InvalidArgumentError):
+            c.runtime.set_writer_gather("host")  # no gather_in_writer there
+        p.runtime.set_writer_gather("host")
+        assert p.runtime.writer_gathers()
+        src = [2, 9, 4, 11, 6, 13, 8, 15, 10, 17]  # no two consecutive
+        dst = list(range(5, 15))
+        hs = c.runtime.consumer_open("gathered", CAP, 0, dst, 1)
+        p.runtime.producer_open("gathered", src, CAP, 1)
+        p.runtime.producer_handshake(hs)
+        for lo, hi in ((0, 5), (4, 10)):
+            for layer in range(LAYERS):
+                assert p.runtime.layers_ready(layer, [("gathered", lo, hi)]) == []
+        p.runtime.producer_finish("gathered")
+        assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
+        ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
+        assert ev.kind == "consumer_completed" and ev.staged is None, ev
+        check_pages(p, c, src, dst)
+        stats = p.runtime.stats()
+        writes = 2 * LAYERS  # two chunks, every layer
+        if room == "enough":
+            assert stats["writes_gathered"] == writes
+            # per layer write: one range per plane (decode's blocks one run)
+            assert stats["write_ranges"] == writes * 2, stats
+            assert stats["gather_ranges_saved"] == LAYERS * 2 * (5 - 1 + 6 - 1)
+            assert stats["gather_no_room"] == 0
+        else:
+            assert stats["writes_gathered"] == 0
+            assert stats["gather_no_room"] == writes
+            assert stats["write_ranges"] == LAYERS * 2 * (5 + 6), "a range per plane and block"
+        assert stats["gather_failed"] == stats["gather_pieces_leaked"] == 0
+        assert stats["layers_staged_to_pages"] == 0, "no layer piece was given at launch"
+        assert p.runtime.source_staging_in_use() == (0, 0), "every piece back"
+        c.runtime.consumer_release("gathered")
+        wait_event(c.runtime, {"consumer_released"})
+        assert (p.runtime.live_requests(), c.runtime.live_requests()) == ((0, 0), (0, 0))
+        # off: the next request writes from the pages
+        p.runtime.set_writer_gather("off")
+        assert not p.runtime.writer_gathers()
     finally:
         p.close()
         c.close()

@@ -31,6 +31,7 @@ use crossbeam_channel::{Receiver, RecvTimeoutError, Sender};
 use parking_lot::Mutex;
 
 use super::gate::{LayerMarks, MarkSeq};
+use super::gather::WriterGather;
 use crate::actors::cell::{ActorCell, Wait};
 use crate::actors::messages::{BatchFinished, LayerWriteFailed, LayerWritten, SendNotice, WriteLayer};
 use crate::actors::stats::Stats;
@@ -110,6 +111,7 @@ pub fn spawn_poller(
                 let before = live.len();
                 let now = Instant::now();
                 live.retain_mut(|job| {
+                    let mut gave_up = false;
                     let result = match transport.poll(&mut job.handle) {
                         Ok(BatchState::InFlight) if now < job.deadline => {
                             if now >= job.late_at && !job.warned {
@@ -129,6 +131,7 @@ pub fn spawn_poller(
                                 "write batch given up while Mooncake still holds it: \
                                  its bytes may yet land after the request's blocks were freed");
                             abandoned.push(std::mem::replace(&mut job.handle, BatchHandle::new(0, "", 0, 0)));
+                            gave_up = true;
                             Err(format!(
                                 "timed out after {waited} ms (write timeout and quarantine passed; \
                                  Mooncake had not ended the batch)"
@@ -141,6 +144,7 @@ pub fn spawn_poller(
                     job.reply.do_send(BatchFinished {
                         token: job.token,
                         result,
+                        abandoned: gave_up,
                     });
                     false
                 });
@@ -182,6 +186,13 @@ struct Job {
     span: tracing::Span,
     /// When the writer took the write.
     admitted: Instant,
+    /// The writer's gather was considered (once, before the first batch).
+    gather_tried: bool,
+    /// The piece of the source region `ranges` read from, once gathered
+    /// (freed when the job ends).
+    piece: Option<u64>,
+    /// A batch of it was given up while Mooncake still held it.
+    abandoned: bool,
 }
 
 impl Job {
@@ -273,6 +284,9 @@ struct LaneSettings {
     /// mark on its thread, as
     /// before 2026-12-05 (`orbitkv.pd.gpu_wait` `block`, for A/B runs).
     park_on_gpu: bool,
+    /// `staging_pieces` `write`: writes gathered into a piece of the
+    /// source region once their layer is computed ([`super::gather`]).
+    gather: Option<Arc<WriterGather>>,
     stats: Arc<Stats>,
 }
 
@@ -370,6 +384,9 @@ impl LaneCell {
                 reply_to: msg.reply_to,
                 span,
                 admitted: Instant::now(),
+                gather_tried: false,
+                piece: None,
+                abandoned: false,
             },
         );
         st.queue.push_back(id);
@@ -454,6 +471,8 @@ impl LaneCell {
                 self.maybe_finish(st, id);
                 continue;
             }
+            // Its layer is computed: gathered now, if that pays.
+            self.gather(job);
             let end = (job.next + self.lane.max_ranges).min(job.ranges.len());
             let chunk = &job.ranges[job.next..end];
             let bytes: u64 = chunk.iter().map(|r| r.len).sum();
@@ -471,8 +490,7 @@ impl LaneCell {
                 let now_ms = crate::wire::unix_ms_now();
                 let mut passed_over = false;
                 for &other in st.queue.iter().skip(1) {
-                    let o = &st.jobs[&other];
-                    let (on, ob) = (o.ranges.len(), o.bytes);
+                    let o = st.jobs.get_mut(&other).expect("queued job exists");
                     if !o.can_go_whole(now_ms) {
                         // failed, expired or begun: reported in its turn
                         break;
@@ -481,6 +499,8 @@ impl LaneCell {
                         passed_over = true;
                         continue;
                     }
+                    self.gather(o);
+                    let (on, ob) = (o.ranges.len(), o.bytes);
                     // The lane's budgets bound its one batch.
                     if total_n + on > self.lane.max_ranges || total_bytes + ob > self.lane.max_in_flight {
                         self.lane.stats.group_stops_budget.inc();
@@ -660,6 +680,20 @@ impl LaneCell {
             .map(|p| p + 1)
     }
 
+    /// The writer's gather of `job` (once, before anything of it is sent;
+    /// its layer computed): its ranges become the piece's when that pays
+    /// and the region has room.
+    fn gather(&self, job: &mut Job) {
+        if job.gather_tried || job.next != 0 || job.failed.is_some() {
+            return;
+        }
+        job.gather_tried = true;
+        if let Some((piece, ranges)) = self.lane.gather.as_ref().and_then(|g| g.gather(&job.ranges)) {
+            job.piece = Some(piece);
+            job.ranges = ranges;
+        }
+    }
+
     /// Reports a job once nothing of it is in flight and nothing is left to submit.
     fn maybe_finish(&self, st: &mut LaneState, id: u64) {
         let Some(job) = st.jobs.get(&id) else { return };
@@ -667,7 +701,12 @@ impl LaneCell {
         if job.outstanding > 0 || !(submitted_all || job.failed.is_some()) {
             return;
         }
-        let job = st.jobs.remove(&id).expect("checked above");
+        let mut job = st.jobs.remove(&id).expect("checked above");
+        if let (Some(piece), Some(g)) = (job.piece.take(), &self.lane.gather) {
+            // Nothing of it in flight: Mooncake read the piece (or never
+            // will, unless a batch was given up while it still held it).
+            g.free(piece, job.abandoned);
+        }
         self.lane
             .stats
             .layer_write_micros
@@ -752,6 +791,7 @@ impl Handler<BatchFinished> for LayerWriter {
         for (id, bytes) in batch.parts {
             if let Some(job) = st.jobs.get_mut(&id) {
                 job.outstanding -= 1;
+                job.abandoned |= msg.abandoned;
                 match &msg.result {
                     // Mooncake reports a batch's bytes; a write that shared
                     // it is credited with its own ranges' bytes.
@@ -893,6 +933,7 @@ impl WriterPool {
                 max_ranges: (max_ranges / lanes).max(1),
                 inline_max_ranges,
                 park_on_gpu: true,
+                gather: None,
                 stats,
             },
             lanes,
@@ -908,6 +949,13 @@ impl WriterPool {
     /// write's mark on its thread (`false`).
     pub fn park_on_gpu(mut self, park: bool) -> Self {
         self.lane.park_on_gpu = park;
+        self
+    }
+
+    /// Writes are gathered into pieces before they go
+    /// (`staging_pieces` `write`, [`super::gather`]).
+    pub fn gather(mut self, gather: Option<Arc<WriterGather>>) -> Self {
+        self.lane.gather = gather;
         self
     }
 

@@ -37,6 +37,10 @@ struct CudaApi {
   CUresult (*event_query)(CUev) = nullptr;
   CUresult (*event_destroy)(CUev) = nullptr;
   CUresult (*get_error_string)(CUresult, const char**) = nullptr;
+  CUresult (*stream_create)(CUstream*, unsigned) = nullptr;
+  CUresult (*stream_synchronize)(CUstream) = nullptr;
+  CUresult (*stream_destroy)(CUstream) = nullptr;
+  CUresult (*memcpy_async)(uint64_t, uint64_t, size_t, CUstream) = nullptr;
 };
 CudaApi g_cuda;
 std::atomic<bool> g_cuda_loaded{false};
@@ -80,6 +84,10 @@ int okv_cuda_load() {
         {"cuEventQuery", reinterpret_cast<void**>(&g_cuda.event_query)},
         {"cuEventDestroy_v2", reinterpret_cast<void**>(&g_cuda.event_destroy)},
         {"cuGetErrorString", reinterpret_cast<void**>(&g_cuda.get_error_string)},
+        {"cuStreamCreate", reinterpret_cast<void**>(&g_cuda.stream_create)},
+        {"cuStreamSynchronize", reinterpret_cast<void**>(&g_cuda.stream_synchronize)},
+        {"cuStreamDestroy_v2", reinterpret_cast<void**>(&g_cuda.stream_destroy)},
+        {"cuMemcpyAsync", reinterpret_cast<void**>(&g_cuda.memcpy_async)},
     };
     if (!resolve_all(h, syms, "libcuda.so.1")) return -1;
     g_cuda_loaded.store(true);
@@ -150,6 +158,51 @@ int okv_cuda_event_free(void* ev) {
     if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_event_free");
     CUresult r = g_cuda.event_destroy(ev);
     return r == 0 ? 0 : cuda_failed("cuEventDestroy", r);
+  });
+}
+
+// ---- the writer's gather (orbitkv.pd.staging_pieces `write`) ---------------
+//
+// A writer lane copies a layer's scattered source bytes into one piece of
+// the source staging region once the GPU computed the layer, on a stream of
+// its own, and waits for the copy before Mooncake reads the piece.
+
+// Creates a non-blocking stream in the calling thread's current context.
+int okv_cuda_stream_new(void** stream) {
+  return guarded("okv_cuda_stream_new", [&]() -> int {
+    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_stream_new");
+    constexpr unsigned kNonBlocking = 0x1;  // CU_STREAM_NON_BLOCKING
+    CUresult r = g_cuda.stream_create(reinterpret_cast<CUstream*>(stream), kNonBlocking);
+    return r == 0 ? 0 : cuda_failed("cuStreamCreate", r);
+  });
+}
+
+// Queues `n` copies (dst[i] <- src[i], len[i] bytes; unified addresses) on
+// `stream`, then waits until the stream ran them. On an error the copies
+// queued before it are still waited for (nothing is left running on memory
+// the caller frees next).
+int okv_cuda_copy_wait(void* stream, const uint64_t* dst, const uint64_t* src, const uint64_t* len,
+                       size_t n) {
+  return guarded("okv_cuda_copy_wait", [&]() -> int {
+    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_copy_wait");
+    CUstream s = reinterpret_cast<CUstream>(stream);
+    for (size_t i = 0; i < n; ++i) {
+      CUresult r = g_cuda.memcpy_async(dst[i], src[i], static_cast<size_t>(len[i]), s);
+      if (r != 0) {
+        g_cuda.stream_synchronize(s);
+        return cuda_failed("cuMemcpyAsync", r);
+      }
+    }
+    CUresult r = g_cuda.stream_synchronize(s);
+    return r == 0 ? 0 : cuda_failed("cuStreamSynchronize", r);
+  });
+}
+
+int okv_cuda_stream_free(void* stream) {
+  return guarded("okv_cuda_stream_free", [&]() -> int {
+    if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_stream_free");
+    CUresult r = g_cuda.stream_destroy(reinterpret_cast<CUstream>(stream));
+    return r == 0 ? 0 : cuda_failed("cuStreamDestroy", r);
   });
 }
 

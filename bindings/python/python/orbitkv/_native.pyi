@@ -338,6 +338,10 @@ class _RuntimeSettings(TypedDict, total=False):
     # room gives back the pieces no write took and takes no more (True), or
     # only that layer goes page to page (False).
     pieces_whole_requests: bool | None
+    # Prefill, with a source staging region: a writer lane gathers a layer
+    # write whose sources are scattered into one piece of the region once
+    # the layer is computed, and writes the piece (from set_writer_gather on).
+    gather_in_writer: bool | None
 
 @final
 class Runtime:
@@ -473,6 +477,17 @@ class Runtime:
         segment empty, at 0, overflowing or overlapping). Returns the
         region's `(segments, bytes)`."""
 
+    def set_writer_gather(self, copy: str) -> None:
+        """Prefill, a runtime made with `gather_in_writer=True` and a source
+        staging region: from now on the writer lanes gather scattered layer
+        writes into pieces of the region, copying with `copy`: "cuda" on
+        the GPU whose CUDA context is current on the calling thread, "host"
+        with memcpy (a KV cache in host memory); "off" stops it (a region
+        given back, no write in flight). `InvalidArgumentError` without the
+        setting or for another word; `TransportError` without a CUDA driver
+        or context."""
+    def writer_gathers(self) -> bool:
+        """Whether the writer lanes gather (`set_writer_gather` ran)."""
     def source_staging_in_use(self) -> tuple[int, int]:
         """`(bytes, pieces)` of the source staging region given out as layer
         pieces now (`(0, 0)` once every write from them ended)."""

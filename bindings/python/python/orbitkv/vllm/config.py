@@ -200,10 +200,10 @@ class ExtraConfig(BaseModel):
     staging_kv_share: Annotated[
         float, Field(gt=0, le=0.5, allow_inf_nan=False, description="a share of the KV cache in (0, 0.5]")
     ] = Field(AUTO_STAGING_KV_SHARE, alias="orbitkv.pd.staging_kv_share")
-    staging_pieces: Literal["layer", "request"] = Field(
-        "request" if _RT["pieces_whole_requests"] else "layer",
+    staging_pieces: Literal["layer", "request", "write"] = Field(
+        "write" if _RT["gather_in_writer"] else "request" if _RT["pieces_whole_requests"] else "layer",
         alias="orbitkv.pd.staging_pieces",
-        description="'layer' or 'request'",
+        description="'layer', 'request' or 'write'",
     )
     allowed_prefill: tuple[Endpoints, ...] = Field(DEFAULT_ALLOWED_PREFILL, alias="orbitkv.pd.allowed_prefill")
     side_channel_key_file: Text | None = Field(
@@ -374,7 +374,9 @@ class PdConfig:
     # short: "layer" (a layer without room alone is written from the pages)
     # or "request" (a request a layer of which finds no room gives back the
     # pieces no write took and takes no more: the room goes to requests it
-    # can stage whole, whose pages may go back before their writes).
+    # can stage whole, whose pages may go back before their writes); or
+    # "write" (no piece at the layer's launch: a writer lane gathers a
+    # computed layer's scattered pages into a piece only for its write).
     staging_pieces: str = ExtraConfig.model_fields["staging_pieces"].default
     # The side channels decode may post to; ANY ("*") allows every one
     # (trusts whoever reaches decode's API).
@@ -404,6 +406,7 @@ class PdConfig:
             "staging_min_ranges": self.staging_min_ranges,
             "lanes_park_on_gpu": self.gpu_wait == "park",
             "pieces_whole_requests": self.staging_pieces == "request",
+            "gather_in_writer": self.staging_pieces == "write",
         }
 
     def prefill_allowed(self, host: str, port: int, tp: int = 1) -> bool:

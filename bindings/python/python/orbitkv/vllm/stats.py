@@ -210,6 +210,29 @@ _PROM = {
         "Prefill layer pieces a request gave back before any write read them, because a later layer of it found no "
         "room (orbitkv.pd.staging_pieces 'request': the room goes to requests the region can stage whole).",
     ),
+    "writes_gathered": (
+        "vllm:orbitkv_writes_gathered",
+        "Prefill layer writes a writer lane gathered into one piece of the source staging once the layer was "
+        "computed, and wrote from there (orbitkv.pd.staging_pieces 'write').",
+    ),
+    "gather_ranges_saved": (
+        "vllm:orbitkv_gather_ranges_saved",
+        "Mooncake ranges those gathered writes saved (their direct ranges less the piece's).",
+    ),
+    "gather_no_room": (
+        "vllm:orbitkv_gather_no_room",
+        "Layer writes that would have paid to gather but found no room in the source staging (written from the "
+        "pages instead; a rising count says the region is small).",
+    ),
+    "gather_failed": (
+        "vllm:orbitkv_gather_failures",
+        "Writer gathers whose copy failed (the write went from the pages).",
+    ),
+    "gather_pieces_leaked": (
+        "vllm:orbitkv_gather_pieces_leaked",
+        "Gathered pieces kept out of the source staging for good because a batch reading one was given up while "
+        "Mooncake still held it.",
+    ),
     "layers_ready_inline": (
         "vllm:orbitkv_layers_ready_inline",
         "Prefill layers handed to their producer on the worker's own thread (no message to the runtime's thread).",
@@ -259,6 +282,10 @@ _SECONDS = {
     "write_queue_micros": (
         "vllm:orbitkv_write_queue_seconds",
         "Sum over layer writes of admitted-to-first-batch-submitted time (the queued part of layer_write_seconds).",
+    ),
+    "gather_micros": (
+        "vllm:orbitkv_gather_seconds",
+        "Time writer lanes spent copying layer writes into pieces of the source staging (waited for).",
     ),
     "write_gpu_wait_micros": (
         "vllm:orbitkv_write_gpu_wait_seconds",

@@ -271,6 +271,8 @@ class PdWorker:
                 # pieces per layer and chunk from the region itself.
                 self._source_arena = StagingArena(*sources)
             self._by_layer = bool(sources) and self.config.staging_mb == "auto"
+            if self._by_layer:
+                self._start_writer_gather()
             if self._staging_later:
                 logger.info("OrbitKV rank %d: source staging in KV blocks the scheduler takes out of vLLM's cache "
                             "(orbitkv.pd.staging_memory kv_cache), from the first step on", self.tp_rank)
@@ -374,6 +376,23 @@ class PdWorker:
         self._by_layer = True
         logger.info("OrbitKV rank %d: source staging of %d MiB in %d KV blocks of vLLM's cache (%d segments)",
                     self.tp_rank, nbytes >> 20, sum(z - a for a, z in block_runs), count)
+        self._start_writer_gather()
+
+    def _start_writer_gather(self) -> None:
+        """``staging_pieces`` ``write``: the writer lanes gather a computed
+        layer's scattered pages into a piece of the region for its write
+        alone (on the GPU of this thread's CUDA context, or with memcpy).
+        A failure leaves every layer written from the pages (logged)."""
+        if self.config.staging_pieces != "write" or self.runtime is None:
+            return
+        try:
+            self.runtime.set_writer_gather("cuda" if self.is_cuda else "host")
+        except OrbitKVError as e:
+            logger.warning("OrbitKV rank %d: the writer's gather cannot start (%s): every layer is written from "
+                           "the pages", self.tp_rank, e)
+            return
+        logger.info("OrbitKV rank %d: writer lanes gather scattered layer writes into pieces of the source staging "
+                    "(orbitkv.pd.staging_pieces write)", self.tp_rank)
 
     def start_load_kv(self, meta: PdConnectorMetadata) -> None:
         rt = self.runtime
@@ -385,6 +404,9 @@ class PdWorker:
             # instance only decoded): nothing was gathered into them, and
             # from this step on nothing is; requests open from the pages
             self._by_layer = self._staging_later = False
+            if self.config.staging_pieces == "write":
+                # no prefill ran here, so no gathered write reads the region
+                rt.set_writer_gather("off")
             logger.info("OrbitKV rank %d: the source staging's KV blocks went back to vLLM: every layer a prefill "
                         "here writes goes from the pages", self.tp_rank)
         led = self.ledger
@@ -486,7 +508,7 @@ class PdWorker:
         is written)."""
         rt = self.runtime
         assert rt is not None
-        if self._by_layer:
+        if self._by_layer and self.config.staging_pieces != "write":
             group = rt.staging_group(ch.consumer_tp)
             # By default decode gives no grant, so a staging only pays where
             # it can go into decode's pages (each decode block one group of
