@@ -226,22 +226,32 @@ impl Runtime {
     /// memory). The local layout's and the region's addresses must be this
     /// process's memory of that kind (what the rank registered).
     /// [`GatherCopy::Off`] stops it, for a region given back; only while no
-    /// write is in flight (a gathered write still reads its piece).
-    /// Without the setting: `InvalidArgument`; without a CUDA driver or
+    /// write is in flight (a gathered write still reads its piece). Returns
+    /// how it copies (`cuMemcpyBatchAsync`, `cuMemcpyAsync per range`,
+    /// `memcpy`, `off`). Without the setting: `InvalidArgument`; without a CUDA driver or
     /// context: `Transport`.
-    pub fn set_writer_gather(&self, copy: GatherCopy) -> Result<(), RuntimeError> {
+    pub fn set_writer_gather(&self, copy: GatherCopy) -> Result<&'static str, RuntimeError> {
         let Some(g) = &self.gather else {
             return Err(invalid_argument(
                 "the writer's gather needs a runtime started with gather_in_writer and a source staging region"
                     .into(),
             ));
         };
-        g.set_copy(match copy {
-            GatherCopy::Cuda => LocalCopy::Cuda(crate::transport::cuda::CudaCopier::for_current_context()?),
-            GatherCopy::Host => LocalCopy::Host,
-            GatherCopy::Off => LocalCopy::Off,
-        });
-        Ok(())
+        let (copy, how) = match copy {
+            GatherCopy::Cuda => {
+                let c = crate::transport::cuda::CudaCopier::for_current_context()?;
+                let how = if c.batched() {
+                    "cuMemcpyBatchAsync"
+                } else {
+                    "cuMemcpyAsync per range"
+                };
+                (LocalCopy::Cuda(c), how)
+            }
+            GatherCopy::Host => (LocalCopy::Host, "memcpy"),
+            GatherCopy::Off => (LocalCopy::Off, "off"),
+        };
+        g.set_copy(copy);
+        Ok(how)
     }
 
     /// Whether the writer lanes gather ([`Self::set_writer_gather`] ran).

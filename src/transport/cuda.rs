@@ -204,6 +204,13 @@ impl CudaCopier {
         })
     }
 
+    /// Whether the driver copies a batch in one call (CUDA 13's
+    /// `cuMemcpyBatchAsync`); else one `cuMemcpyAsync` per range.
+    pub fn batched(&self) -> bool {
+        // SAFETY: reads a flag the shim set when it loaded the driver.
+        unsafe { ffi::okv_cuda_has_batch_copy() == 1 }
+    }
+
     /// Copies every range (`src` to `dst`, `len` bytes; device or unified
     /// addresses of this context) and returns once the GPU ran the copies.
     /// The calling thread's current context is the same after.

@@ -85,6 +85,7 @@ extern "C" {
         n: usize,
     ) -> c_int;
     pub fn okv_cuda_stream_free(stream: *mut c_void) -> c_int;
+    pub fn okv_cuda_has_batch_copy() -> c_int;
 
     // Mooncake's submit-time wait on the caller's default stream: see
     // `mooncake.rs`, `redirect_submit_wait`.

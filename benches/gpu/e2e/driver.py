@@ -1569,9 +1569,10 @@ def cell_key(backend: str | None, dtype: str | None) -> str:
 # --cell-staging-mb (grants); kv-cache: orbitkv.pd.staging_memory kv_cache set
 # by hand (the default's own setting); beside: the layer pieces in memory of
 # their own beside vLLM's KV cache (orbitkv.pd.staging_memory beside, the
-# default before e642ecd)
-CELL_MODES = ("direct", "staging", "kv-cache", "beside")
-CELL_MODE_SUFFIX = {"direct": "", "staging": "-st", "kv-cache": "-kv", "beside": "-bs"}
+# default before e642ecd); write: orbitkv.pd.staging_pieces write (a writer
+# lane gathers a computed layer's scattered pages into a piece for its write)
+CELL_MODES = ("direct", "staging", "kv-cache", "beside", "write")
+CELL_MODE_SUFFIX = {"direct": "", "staging": "-st", "kv-cache": "-kv", "beside": "-bs", "write": "-wr"}
 
 
 def in_kv_cache(s: Server) -> bool:
@@ -1651,6 +1652,9 @@ def stage_cells(ctx: Ctx, name: str, spec: ModelSpec, model: str, cells: list[Ce
             elif mode in ("kv-cache", "beside"):
                 for s in (pre, dec):
                     s.orbit_cfg["orbitkv.pd.staging_memory"] = mode.replace("-", "_")
+            elif mode == "write":
+                for s in (pre, dec):
+                    s.orbit_cfg["orbitkv.pd.staging_pieces"] = "write"
             g["pairs"][mode] = (pre, dec)
         groups[key] = g
     members = {k: [g["single"], *(x for p in g["pairs"].values() for x in p)] for k, g in groups.items()}

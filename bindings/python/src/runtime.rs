@@ -635,10 +635,11 @@ impl PyRuntime {
     /// `write`), copying with `copy`: `"cuda"` on the GPU whose CUDA context
     /// is current on the calling thread (call it on the worker's thread),
     /// `"host"` with memcpy (a KV cache in host memory); `"off"` stops it
-    /// (a region given back, no write in flight). `InvalidArgumentError`
-    /// without the setting or for another word; `TransportError` without a
+    /// (a region given back, no write in flight). Returns how it copies
+    /// (`cuMemcpyBatchAsync`, `cuMemcpyAsync per range`, `memcpy`, `off`).
+    /// `InvalidArgumentError` without the setting or for another word; `TransportError` without a
     /// CUDA driver or context.
-    fn set_writer_gather(&self, py: Python<'_>, copy: &str) -> PyResult<()> {
+    fn set_writer_gather(&self, py: Python<'_>, copy: &str) -> PyResult<&'static str> {
         let copy = match copy {
             "cuda" => orbitkv::GatherCopy::Cuda,
             "host" => orbitkv::GatherCopy::Host,

@@ -784,7 +784,7 @@ def test_the_writer_gathers_scattered_pages_into_a_piece_for_the_write_alone(roo
             p.runtime.set_writer_gather("gpu")
         with pytest.raises(orbitkv.InvalidArgumentError):
             c.runtime.set_writer_gather("host")  # no gather_in_writer there
-        p.runtime.set_writer_gather("host")
+        assert p.runtime.set_writer_gather("host") == "memcpy"
         assert p.runtime.writer_gathers()
         src = [2, 9, 4, 11, 6, 13, 8, 15, 10, 17]  # no two consecutive
         dst = list(range(5, 15))
@@ -818,7 +818,7 @@ def test_the_writer_gathers_scattered_pages_into_a_piece_for_the_write_alone(roo
         wait_event(c.runtime, {"consumer_released"})
         assert (p.runtime.live_requests(), c.runtime.live_requests()) == ((0, 0), (0, 0))
         # off: the next request writes from the pages
-        p.runtime.set_writer_gather("off")
+        assert p.runtime.set_writer_gather("off") == "off"
         assert not p.runtime.writer_gathers()
     finally:
         p.close()

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "common.h"
 
@@ -41,7 +42,21 @@ struct CudaApi {
   CUresult (*stream_synchronize)(CUstream) = nullptr;
   CUresult (*stream_destroy)(CUstream) = nullptr;
   CUresult (*memcpy_async)(uint64_t, uint64_t, size_t, CUstream) = nullptr;
+  // CUDA 13's batch copy (optional: older drivers lack it).
+  CUresult (*memcpy_batch)(uint64_t*, uint64_t*, size_t*, size_t, void*, size_t*, size_t,
+                           CUstream) = nullptr;
 };
+// CUmemcpyAttributes (cuda.h, CUDA >= 12.8): the order the copies read their
+// sources in, location hints (unused: 0), flags.
+struct CopyAttributes {
+  int src_access_order;
+  int src_loc[2];
+  int dst_loc[2];
+  unsigned flags;
+};
+constexpr int kSrcAccessOrderStream = 0x1;  // CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+// Copies per batch call (the driver's limit is not documented).
+constexpr size_t kBatchMax = 1024;
 CudaApi g_cuda;
 std::atomic<bool> g_cuda_loaded{false};
 std::mutex g_cuda_mutex;
@@ -90,6 +105,10 @@ int okv_cuda_load() {
         {"cuMemcpyAsync", reinterpret_cast<void**>(&g_cuda.memcpy_async)},
     };
     if (!resolve_all(h, syms, "libcuda.so.1")) return -1;
+    // Optional: CUDA 13's signature (without failIdx); absent, copies go one
+    // by one.
+    g_cuda.memcpy_batch = reinterpret_cast<decltype(g_cuda.memcpy_batch)>(
+        dlsym(h, "cuMemcpyBatchAsync_v2"));
     g_cuda_loaded.store(true);
     return 0;
   });
@@ -186,16 +205,40 @@ int okv_cuda_copy_wait(void* stream, const uint64_t* dst, const uint64_t* src, c
   return guarded("okv_cuda_copy_wait", [&]() -> int {
     if (!g_cuda_loaded.load()) return cuda_not_loaded("okv_cuda_copy_wait");
     CUstream s = reinterpret_cast<CUstream>(stream);
-    for (size_t i = 0; i < n; ++i) {
-      CUresult r = g_cuda.memcpy_async(dst[i], src[i], static_cast<size_t>(len[i]), s);
-      if (r != 0) {
-        g_cuda.stream_synchronize(s);
-        return cuda_failed("cuMemcpyAsync", r);
+    if (g_cuda.memcpy_batch != nullptr && n > 1) {
+      // One driver call per kBatchMax copies; the arrays are read during
+      // the call only. (The driver takes non-const pointers.)
+      std::vector<size_t> sizes(len, len + n);
+      CopyAttributes attrs{kSrcAccessOrderStream, {0, 0}, {0, 0}, 0};
+      for (size_t at = 0; at < n; at += kBatchMax) {
+        size_t k = n - at < kBatchMax ? n - at : kBatchMax;
+        size_t first = 0;
+        CUresult r = g_cuda.memcpy_batch(const_cast<uint64_t*>(dst + at), const_cast<uint64_t*>(src + at),
+                                         sizes.data() + at, k, &attrs, &first, 1, s);
+        if (r != 0) {
+          g_cuda.stream_synchronize(s);
+          return cuda_failed("cuMemcpyBatchAsync", r);
+        }
+      }
+    } else {
+      for (size_t i = 0; i < n; ++i) {
+        CUresult r = g_cuda.memcpy_async(dst[i], src[i], static_cast<size_t>(len[i]), s);
+        if (r != 0) {
+          g_cuda.stream_synchronize(s);
+          return cuda_failed("cuMemcpyAsync", r);
+        }
       }
     }
     CUresult r = g_cuda.stream_synchronize(s);
     return r == 0 ? 0 : cuda_failed("cuStreamSynchronize", r);
   });
+}
+
+// 1 when the driver has CUDA 13's batch copy (one call per 1024 copies),
+// 0 when copies go one by one, -1 before okv_cuda_load.
+int okv_cuda_has_batch_copy() {
+  if (!g_cuda_loaded.load()) return -1;
+  return g_cuda.memcpy_batch != nullptr ? 1 : 0;
 }
 
 int okv_cuda_stream_free(void* stream) {

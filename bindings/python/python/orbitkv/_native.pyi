@@ -477,13 +477,15 @@ class Runtime:
         segment empty, at 0, overflowing or overlapping). Returns the
         region's `(segments, bytes)`."""
 
-    def set_writer_gather(self, copy: str) -> None:
+    def set_writer_gather(self, copy: str) -> str:
         """Prefill, a runtime made with `gather_in_writer=True` and a source
         staging region: from now on the writer lanes gather scattered layer
         writes into pieces of the region, copying with `copy`: "cuda" on
         the GPU whose CUDA context is current on the calling thread, "host"
         with memcpy (a KV cache in host memory); "off" stops it (a region
-        given back, no write in flight). `InvalidArgumentError` without the
+        given back, no write in flight). Returns how it copies
+        ("cuMemcpyBatchAsync", "cuMemcpyAsync per range", "memcpy", "off").
+        `InvalidArgumentError` without the
         setting or for another word; `TransportError` without a CUDA driver
         or context."""
     def writer_gathers(self) -> bool:

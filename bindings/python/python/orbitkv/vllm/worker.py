@@ -386,13 +386,13 @@ class PdWorker:
         if self.config.staging_pieces != "write" or self.runtime is None:
             return
         try:
-            self.runtime.set_writer_gather("cuda" if self.is_cuda else "host")
+            how = self.runtime.set_writer_gather("cuda" if self.is_cuda else "host")
         except OrbitKVError as e:
             logger.warning("OrbitKV rank %d: the writer's gather cannot start (%s): every layer is written from "
                            "the pages", self.tp_rank, e)
             return
         logger.info("OrbitKV rank %d: writer lanes gather scattered layer writes into pieces of the source staging "
-                    "(orbitkv.pd.staging_pieces write)", self.tp_rank)
+                    "(orbitkv.pd.staging_pieces write; copies: %s)", self.tp_rank, how)
 
     def start_load_kv(self, meta: PdConnectorMetadata) -> None:
         rt = self.runtime
