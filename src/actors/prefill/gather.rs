@@ -26,7 +26,7 @@ use crate::staging::SharedArena;
 use crate::transport::cuda::CudaCopier;
 use crate::transport::WriteRange;
 
-/// A write is gathered only when that saves at least this many ranges...
+/// A write is gathered only when that saves at least this many ranges.
 pub const MIN_RANGES_SAVED: usize = 8;
 
 /// How the lane copies the source bytes into the piece.
@@ -47,49 +47,72 @@ pub struct WriterGather {
     stats: Arc<Stats>,
 }
 
-/// A write planned through a piece: the copies into it, the writes out of
-/// it (offsets from the piece's start until [`Bounce::at`]), its bytes.
+/// A write planned through a piece: the copies into it, the ranges to
+/// write (those of `from_piece` read the piece: offsets from its start
+/// until [`Bounce::at`]; the others read the pages as planned), the bytes
+/// the piece holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Bounce {
     pub gather: Vec<WriteRange>,
     pub write: Vec<WriteRange>,
+    pub from_piece: Vec<bool>,
     pub bytes: u64,
 }
 
 impl Bounce {
-    /// The plan for `ranges` through a piece at offset 0: the ranges in the
-    /// order of their destinations, laid one after another in the piece;
-    /// copies merged where both sides are consecutive, writes where the
-    /// destinations are (the piece side is, by construction). `None` on an
-    /// overflow.
+    /// The plan for `ranges` through a piece at offset 0. The ranges are
+    /// taken in the order of their destinations and cut into runs of
+    /// consecutive destination bytes; a run of several ranges (its sources
+    /// apart: the producer merged those that were not) is laid out in the
+    /// piece one range after another and written as one range from there;
+    /// a range alone in its run is written from the pages as planned (a
+    /// copy would save nothing: a partial block's rows, a stray block).
+    /// Copies are merged where both sides run on. `None` on an overflow.
     pub fn plan(ranges: &[WriteRange]) -> Option<Self> {
         let mut order: Vec<usize> = (0..ranges.len()).collect();
         order.sort_by_key(|&i| ranges[i].dst);
-        let (mut gather, mut write) = (Vec::new(), Vec::new());
+        let (mut gather, mut write, mut from_piece) = (Vec::new(), Vec::new(), Vec::new());
         let mut off: u64 = 0;
-        for i in order {
-            let r = ranges[i];
-            push_merged(
-                &mut gather,
-                WriteRange {
-                    src: r.src,
-                    dst: off,
-                    len: r.len,
-                },
-            );
-            push_merged(
-                &mut write,
-                WriteRange {
-                    src: off,
-                    dst: r.dst,
-                    len: r.len,
-                },
-            );
-            off = off.checked_add(r.len)?;
+        let mut i = 0;
+        while i < order.len() {
+            // the run of consecutive destinations from order[i]
+            let mut j = i + 1;
+            let mut end = ranges[order[i]].dst.checked_add(ranges[order[i]].len)?;
+            while j < order.len() && ranges[order[j]].dst == end {
+                end = end.checked_add(ranges[order[j]].len)?;
+                j += 1;
+            }
+            if j - i == 1 {
+                write.push(ranges[order[i]]);
+                from_piece.push(false);
+            } else {
+                let first = ranges[order[i]].dst;
+                let at = off;
+                for &k in &order[i..j] {
+                    let r = ranges[k];
+                    push_merged(
+                        &mut gather,
+                        WriteRange {
+                            src: r.src,
+                            dst: off,
+                            len: r.len,
+                        },
+                    );
+                    off = off.checked_add(r.len)?;
+                }
+                write.push(WriteRange {
+                    src: at,
+                    dst: first,
+                    len: end - first,
+                });
+                from_piece.push(true);
+            }
+            i = j;
         }
         Some(Self {
             gather,
             write,
+            from_piece,
             bytes: off,
         })
     }
@@ -100,16 +123,18 @@ impl Bounce {
         for r in &mut self.gather {
             r.dst += base;
         }
-        for r in &mut self.write {
-            r.src += base;
+        for (r, &p) in self.write.iter_mut().zip(&self.from_piece) {
+            if p {
+                r.src += base;
+            }
         }
         Some(self)
     }
 
     /// Whether writing through the piece pays for the copy: it saves at
-    /// least [`MIN_RANGES_SAVED`] ranges and at least halves them.
+    /// least [`MIN_RANGES_SAVED`] of the `direct` ranges.
     pub fn pays(&self, direct: usize) -> bool {
-        direct >= self.write.len() + MIN_RANGES_SAVED && self.write.len() * 2 <= direct
+        self.bytes > 0 && direct >= self.write.len() + MIN_RANGES_SAVED
     }
 }
 
@@ -232,15 +257,17 @@ mod tests {
         WriteRange { src, dst, len }
     }
 
-    /// Scattered sources into two runs of destinations: two writes, the
-    /// copies merged only where both sides run on, every byte's source and
-    /// destination kept.
+    /// Scattered sources into two runs of destinations and a range alone:
+    /// each run one write from the piece, the range alone from the pages,
+    /// the copies merged only where both sides run on, every byte's source
+    /// kept.
     #[test]
     fn a_plan_writes_one_range_per_run_of_destinations_and_keeps_every_byte() {
-        // destinations 0..4 ×100 and 10..12 ×100, sources shuffled
+        // destinations 0..4 ×100 and 10..12 ×100, sources shuffled; 50..51 alone
         let ranges = [
             r(9000, 1100, 100),
             r(5000, 0, 100),
+            r(4400, 5000, 100),
             r(5100, 100, 100),
             r(7000, 300, 100),
             r(1000, 200, 100),
@@ -248,7 +275,15 @@ mod tests {
         ];
         let p = Bounce::plan(&ranges).unwrap().at(1 << 20).unwrap();
         assert_eq!(p.bytes, 600);
-        assert_eq!(p.write, vec![r(1 << 20, 0, 400), r((1 << 20) + 400, 1000, 200)]);
+        assert_eq!(
+            p.write,
+            vec![
+                r(1 << 20, 0, 400),
+                r((1 << 20) + 400, 1000, 200),
+                r(4400, 5000, 100)
+            ]
+        );
+        assert_eq!(p.from_piece, vec![true, true, false]);
         assert_eq!(
             p.gather,
             vec![
@@ -263,18 +298,24 @@ mod tests {
         // write would have read
         for d in ranges {
             for k in [0, d.len - 1] {
-                let w = p
+                let (w, &piece) = p
                     .write
                     .iter()
-                    .find(|w| w.dst <= d.dst + k && d.dst + k < w.dst + w.len)
+                    .zip(&p.from_piece)
+                    .find(|(w, _)| w.dst <= d.dst + k && d.dst + k < w.dst + w.len)
                     .unwrap();
                 let at = w.src + (d.dst + k - w.dst);
-                let g = p
-                    .gather
-                    .iter()
-                    .find(|g| g.dst <= at && at < g.dst + g.len)
-                    .unwrap();
-                assert_eq!(g.src + (at - g.dst), d.src + k);
+                let src = if piece {
+                    let g = p
+                        .gather
+                        .iter()
+                        .find(|g| g.dst <= at && at < g.dst + g.len)
+                        .unwrap();
+                    g.src + (at - g.dst)
+                } else {
+                    at
+                };
+                assert_eq!(src, d.src + k);
             }
         }
     }
@@ -285,12 +326,21 @@ mod tests {
         let p = Bounce::plan(&scattered).unwrap();
         assert_eq!(p.write.len(), 1);
         assert!(p.pays(16));
-        // already one range per destination run: nothing to save
+        // already one range per destination run: nothing to copy or save
         let runs: Vec<_> = (0..16).map(|i| r(10_000 * i, 1000 * i, 64)).collect();
-        assert!(!Bounce::plan(&runs).unwrap().pays(16));
+        let p = Bounce::plan(&runs).unwrap();
+        assert_eq!((p.bytes, p.write.len()), (0, 16));
+        assert!(!p.pays(16));
         // saves 7 of 8: below the floor
         let few: Vec<_> = (0..8).map(|i| r(10_000 * (8 - i), 64 * i, 64)).collect();
         assert!(!Bounce::plan(&few).unwrap().pays(8));
+        // a run of 9 beside 100 ranges alone (a partial block's rows): the
+        // run is copied and saves 8, the others stay
+        let mut mixed: Vec<_> = (0..9).map(|i| r(10_000 * (9 - i), 64 * i, 64)).collect();
+        mixed.extend((0..100).map(|i| r(1 << 30 | (i * 128), 1 << 20 | (i * 128), 64)));
+        let p = Bounce::plan(&mixed).unwrap();
+        assert_eq!((p.bytes, p.write.len()), (9 * 64, 101));
+        assert!(p.pays(mixed.len()));
         assert!(Bounce::plan(&[r(0, u64::MAX - 1, 8), r(8, 0, u64::MAX)]).is_none());
         assert!(Bounce::plan(&scattered).unwrap().at(u64::MAX - 10).is_none());
     }

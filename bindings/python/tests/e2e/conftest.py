@@ -91,11 +91,13 @@ def make_pd_cluster() -> Callable[..., Iterator[Cluster]]:
 
 def pd_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory, staging: dict[str, object],
                routers: bool = True, decode_staging: dict[str, object] | None = None,
-               kv_roles: tuple[str, str] = ("kv_both", "kv_both")) -> Iterator[Cluster]:
+               kv_roles: tuple[str, str] = ("kv_both", "kv_both"),
+               prefill_env: dict[str, str] | None = None, vllm_args: tuple[str, ...] = ()) -> Iterator[Cluster]:
     """test_pd_vllm.py's pair with ``staging`` (orbitkv.pd.* settings) on
     both instances (on decode ``decode_staging`` instead, when given) and
     vLLM's ``kv_roles`` (prefill, decode); ``routers``: vllm-router in both
-    its modes beside the proxy."""
+    its modes beside the proxy; ``prefill_env``: more of the prefill's
+    environment (test hooks); ``vllm_args``: more arguments of both servers."""
     run = tmp_path_factory.mktemp("pd-cluster")
     c = Cluster(
         tiny_model,
@@ -116,9 +118,10 @@ def pd_cluster(tiny_model: str, tmp_path_factory: pytest.TempPathFactory, stagin
             # vLLM shim (orbitkv/testing/vllm_shims): while this file exists
             # the attention layers skip vLLM's per-layer connector hooks.
             "ORBITKV_TESTING_SKIP_LAYER_HOOK": str(run / "skip-layer-hook"),
+            **(prefill_env or {}),
         },
         decode_env={"ORBITKV_TESTING_CORRUPT_AFTER_LOAD": str(run / "corrupt-next-load")},
-        vllm_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS)],
+        vllm_args=["--max-num-batched-tokens", str(MAX_BATCHED_TOKENS), *vllm_args],
         kv_load_failure_policy="fail",
         trace=True,  # each worker's Chrome trace (orbitkv trace merges them)
         vllm_router=routers,  # vllm-router in front of the same pair, beside the proxy

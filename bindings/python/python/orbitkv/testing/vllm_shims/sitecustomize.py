@@ -8,6 +8,10 @@ its ``ORBITKV_TESTING_*`` variable is set. Other processes never load it.
    (``maybe_transfer_kv_layer``: ``wait_for_layer_load`` and
    ``save_kv_layer``), as some model paths do (vllm-project/vllm#56762), so a
    test can show the connector sending those layers at ``wait_for_save``.
+3. ``ORBITKV_TESTING_SCATTER_FREE_BLOCKS=1``: vLLM's block pool hands out
+   its free blocks even IDs first, then odd ones (2, 4, 6, ..., 1, 3, ...),
+   so that a request's blocks are never consecutive, as in a pool
+   fragmented by load; a test of the writer's gather runs on it.
 
 The TP hang:
 
@@ -103,6 +107,21 @@ def _patch_layer_hook(module: ModuleType) -> None:
     setattr(module, "maybe_transfer_kv_layer", maybe_transfer_kv_layer)  # noqa: B010 - a vLLM module
 
 
+_POOL_TARGET = "vllm.v1.core.block_pool"
+
+
+def _patch_block_pool(module: ModuleType) -> None:
+    cls = module.BlockPool
+    init = cls.__init__
+
+    def scattered_init(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        free = self.free_block_queue.get_all_free_blocks()  # 1, 2, 3, ... (0 is the null block)
+        self.free_block_queue = module.FreeKVCacheBlockQueue(free[1::2] + free[0::2])
+
+    cls.__init__ = scattered_init
+
+
 class _Loader(importlib.abc.Loader):
     def __init__(self, inner: importlib.abc.Loader, patch: Patch) -> None:
         self.inner = inner
@@ -137,5 +156,7 @@ if os.environ.get("ORBITKV_TESTING_SHM_RECHECK_MS"):
     _patches[_TARGET] = _patch
 if os.environ.get("ORBITKV_TESTING_SKIP_LAYER_HOOK"):
     _patches[_HOOK_TARGET] = _patch_layer_hook
+if os.environ.get("ORBITKV_TESTING_SCATTER_FREE_BLOCKS") == "1":
+    _patches[_POOL_TARGET] = _patch_block_pool
 if _patches:
     sys.meta_path.insert(0, _Finder(_patches))
