@@ -164,6 +164,13 @@ def test_staging_pieces_go_by_layer_by_default_and_reach_the_runtime() -> None:
     assert "pieces_whole_requests" in RUNTIME_SETTINGS
     whole = PdConfig.from_extra_config({"orbitkv.pd.staging_pieces": "request"})
     assert whole.runtime_settings()["pieces_whole_requests"] is True
+    assert whole.runtime_settings()["gather_in_writer"] is False
+    # write: no piece at the layer's launch, the writer lanes gather
+    write = PdConfig.from_extra_config({"orbitkv.pd.staging_pieces": "write"})
+    assert write.runtime_settings()["gather_in_writer"] is True
+    assert write.runtime_settings()["pieces_whole_requests"] is False
+    assert cfg.runtime_settings()["gather_in_writer"] is False
+    assert "gather_in_writer" in RUNTIME_SETTINGS and RUNTIME_DEFAULTS["gather_in_writer"] is False
     for bad in ("", "chunk", None, 1, True):
         with pytest.raises(ConfigError, match="staging_pieces"):
             PdConfig.from_extra_config({"orbitkv.pd.staging_pieces": bad})
