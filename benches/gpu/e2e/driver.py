@@ -1034,9 +1034,15 @@ def correctness(ctx: Ctx, spec: ModelSpec, trio: list[Server], proxy_url: str, t
     res["layers_staged"] = p.get("vllm:orbitkv_layers_staged_total")
     staged_ok = not (ctx.args.staging if staged is None else staged) or (res["staging_granted"] or 0) >= n_pd
     res["layers_staged_to_pages"] = p.get("vllm:orbitkv_layers_staged_to_pages_total")
+    res["writes_gathered"] = p.get("vllm:orbitkv_writes_gathered_total")
     if in_kv_cache:
         res["kv_cache_staging"] = kv_cache_staging(pre.log)
-        staged_ok = staged_ok and all(res["kv_cache_staging"].values()) and (res["layers_staged_to_pages"] or 0) > 0
+        staged_ok = staged_ok and all(res["kv_cache_staging"].values())
+        # layer pieces: some layer went from one into decode's pages; the
+        # writer's gather (staging_pieces write) copies only where that saves
+        # ranges, and a fresh pool may give it none (writes_gathered: 0)
+        if pre.orbit_cfg.get("orbitkv.pd.staging_pieces") != "write":
+            staged_ok = staged_ok and (res["layers_staged_to_pages"] or 0) > 0
     ok_tokens = all(v in ("equal", "near-tie") for v in flat)
     kvb = res.get("kv_release") or res.get("kv_bytes")
     bytes_ok = kvb is None or bool(kvb.get("ok"))

@@ -368,7 +368,9 @@ def test_a_pair_whose_staging_is_in_the_kv_cache_is_known_from_its_settings_the_
     from types import SimpleNamespace
 
     assert "beside" in driver.CELL_MODES and driver.CELL_MODE_SUFFIX["beside"] == "-bs"
-    for cfg, want in (({}, True), ({"orbitkv.pd.staging_memory": "kv_cache"}, True),
+    # the writer's gather: its region is the default's, in the KV cache
+    assert "write" in driver.CELL_MODES and driver.CELL_MODE_SUFFIX["write"] == "-wr"
+    for cfg, want in (({}, True), ({"orbitkv.pd.staging_pieces": "write"}, True), ({"orbitkv.pd.staging_memory": "kv_cache"}, True),
                       ({"orbitkv.pd.staging_memory": "beside"}, False),
                       ({"orbitkv.pd.staging_mb": 1024, "orbitkv.pd.staging_min_ranges": 1}, False),
                       ({"orbitkv.pd.staging_mb": 0}, False)):
