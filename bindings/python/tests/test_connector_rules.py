@@ -1752,7 +1752,7 @@ def test_the_scheduler_takes_the_staging_out_of_vllms_pool_only_where_it_stages(
 
 
 def bind_logged(num_blocks: int, block_bytes: int, block_size: int, mnbt: int | None,
-                max_len: int = 4096) -> tuple[PdScheduler, Any, list[str], list[str]]:
+                max_len: int = 4096, extra: dict[str, Any] | None = None) -> tuple[PdScheduler, Any, list[str], list[str]]:
     """A default kv_producer scheduler bound to vLLM's real block pool of
     ``num_blocks`` blocks of ``block_bytes`` (``max_num_batched_tokens``
     ``mnbt``, None: no scheduler config): the scheduler, the pool, and what
@@ -1767,7 +1767,7 @@ def bind_logged(num_blocks: int, block_bytes: int, block_size: int, mnbt: int | 
     )
     if mnbt is not None:
         cfg.scheduler_config = SimpleNamespace(max_num_batched_tokens=mnbt)
-    s = PdScheduler(cfg, PdConfig.from_extra_config({}))  # type: ignore[arg-type]
+    s = PdScheduler(cfg, PdConfig.from_extra_config(extra or {}))  # type: ignore[arg-type]
     pool = BlockPool(num_gpu_blocks=num_blocks, enable_caching=True, hash_block_size=block_size)
     infos: list[str] = []
     warnings: list[str] = []
@@ -1803,6 +1803,11 @@ def test_the_scheduler_counts_the_staging_in_steps_of_max_num_batched_tokens_and
     if warned:
         # the quarter binds here (250 MiB of 1000, under the cap): the share is the setting to raise
         assert "raise orbitkv.pd.staging_kv_share (now 0.25)" in low[0], low
+    # staging_pieces write: a piece is held for its write alone, so the
+    # steps warn of nothing (the same blocks are taken)
+    s, _, _, warnings = bind_logged(1001, 1 << 20, BS, mnbt, extra={"orbitkv.pd.staging_pieces": "write"})
+    assert s.build_connector_meta(sched_output()).staging_blocks == [(1, 1 + taken)]
+    assert not [x for x in warnings if "steps of max_num_batched_tokens" in x], warnings
 
 
 @pytest.mark.parametrize("mnbt", [0, -8192, True, "8192", 8192.0])

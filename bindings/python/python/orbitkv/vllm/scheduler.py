@@ -473,7 +473,9 @@ class PdScheduler:
                     "(orbitkv.pd.staging_memory kv_cache, staging_kv_share %g; %s); vLLM serves requests from the "
                     "other %d", len(taken), num_blocks, (kv_bytes // num_blocks * len(taken)) >> 20,
                     self.config.staging_kv_share, steps, left)
-        if step_blocks and len(taken) < 2 * step_blocks:
+        # under staging_pieces write a piece is held only for its write, not
+        # from the layer's launch: the steps say nothing of its room
+        if step_blocks and len(taken) < 2 * step_blocks and self.config.staging_pieces != "write":
             # what bounds it: the share (a setting), or the cap / a request of max_model_len (not a setting)
             # the share binds where it is under the cap and nothing cut the count below it
             share_mb = int((kv_bytes >> 20) * self.config.staging_kv_share)
