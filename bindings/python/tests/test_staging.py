@@ -119,6 +119,18 @@ def check_pages(p: Rank, c: Rank, src: list[int], dst: list[int], heads: slice =
         assert bool((c.caches[layer][:, untouched] == GUARD).all()), f"layer {layer}: unauthorized block written"
 
 
+def finished_into_pages(p: Rank, c: Rank, rid: str, src: list[int], dst: list[int]) -> dict:
+    """Finishes `rid` on the producer: released done, the consumer completed
+    with nothing to scatter, its pages equal the producer's blocks and
+    nothing else written. The producer's stats after."""
+    p.runtime.producer_finish(rid)
+    assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
+    ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
+    assert ev.kind == "consumer_completed" and ev.staged is None, ev
+    check_pages(p, c, src, dst)
+    return p.runtime.stats()
+
+
 def test_scattered_blocks_go_through_staging_as_few_ranges(pair: tuple[Rank, Rank]) -> None:
     p, c = pair
     src = [3, 17, 5, 9, 21, 0, 12, 7, 14, 2]
@@ -237,12 +249,7 @@ def test_a_chunk_gathered_in_decode_order_goes_into_its_pages_as_one_range_per_r
             for layer in range(LAYERS):
                 p.copier.gather(layer, idx, lo, base, cap, slots, group)
                 assert p.runtime.layers_ready(layer, [("sorted", lo, hi)]) == []
-        p.runtime.producer_finish("sorted")
-        assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
-        ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
-        assert ev.kind == "consumer_completed" and ev.staged is None, ev
-        check_pages(p, c, src, dst)
-        stats = p.runtime.stats()
+        stats = finished_into_pages(p, c, "sorted", src, dst)
         assert stats["layers_staged"] == stats["layers_staged_to_pages"] == 2 * LAYERS
         assert stats["chunks_reordered"] == 2
         # chunk 0..5: decode 16..19 and the pinned 15; chunk 4..10: the pinned
@@ -310,12 +317,7 @@ def test_layers_staged_by_chunk_go_into_decode_pages_and_their_pieces_come_back_
                     all_back(p)
         # every piece back while the request is still open
         all_back(p)
-        p.runtime.producer_finish("layers")
-        assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
-        ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
-        assert ev.kind == "consumer_completed" and ev.staged is None, ev
-        check_pages(p, c, src, dst)
-        stats = p.runtime.stats()
+        stats = finished_into_pages(p, c, "layers", src, dst)
         assert stats["chunks_reordered"] == 2
         assert stats["layers_staged_to_pages"] == given
         if not short:
@@ -794,12 +796,7 @@ def test_the_writer_gathers_scattered_pages_into_a_piece_for_the_write_alone(roo
         for lo, hi in ((0, 5), (4, 10)):
             for layer in range(LAYERS):
                 assert p.runtime.layers_ready(layer, [("gathered", lo, hi)]) == []
-        p.runtime.producer_finish("gathered")
-        assert wait_event(p.runtime, {"producer_released"}).outcome == "done"
-        ev = wait_event(c.runtime, {"consumer_completed", "consumer_failed"})
-        assert ev.kind == "consumer_completed" and ev.staged is None, ev
-        check_pages(p, c, src, dst)
-        stats = p.runtime.stats()
+        stats = finished_into_pages(p, c, "gathered", src, dst)
         writes = 2 * LAYERS  # two chunks, every layer
         if room == "enough":
             assert stats["writes_gathered"] == writes

@@ -15,14 +15,13 @@ The prefill ``kv_producer``, the decode ``kv_consumer``."""
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Callable, Iterator
 
 import pytest
-from test_pd_vllm import GEN, baseline, fresh_prompt, ok, pd, test_abort_during_transfer
+from test_pd_vllm import baseline, fresh_prompt, pd, run_concurrently, test_abort_during_transfer
 
 import orbitkv.testing.cluster as tc
-from orbitkv.testing.cluster import Cluster, Completion, complete
+from orbitkv.testing.cluster import Cluster
 
 __all__ = ["test_abort_during_transfer"]
 
@@ -75,20 +74,8 @@ def test_a_chunked_prompt_over_scattered_pages_is_gathered_by_the_writer(cluster
 
 def test_prompts_at_once_over_scattered_pages_equal_one_engine(cluster: Cluster) -> None:
     """Four prompts of 40 to 1500 tokens at once (writes of several requests
-    gathered in one lane's batches): each equals one engine."""
-    prompts = [fresh_prompt(n) for n in (40, 128, 700, 1500)]
-    results: dict[int, Completion] = {}
+    gathered in one lane's batches): each equals one engine, and some layer
+    writes were gathered."""
     before = counters(cluster)
-
-    def run(i: int) -> None:
-        results[i] = complete(cluster.proxy_url, prompts[i], GEN, timeout_s=tc.REQ_TIMEOUT_S)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(tc.REQ_TIMEOUT_S + 10)
-    for i, prompt in enumerate(prompts):
-        assert ok(results[i], f"#{i}").token_ids == baseline(cluster, prompt), f"request #{i}"
+    run_concurrently(cluster, cluster.proxy_url, "P/D over scattered pages")
     assert counters(cluster)[GATHERED] > before[GATHERED]
-    cluster.wait_idle(timeout_s=tc.IDLE_TIMEOUT_S)
