@@ -126,7 +126,10 @@ def test_pd_equals_single_engine_and_every_kv_is_received(cluster: Cluster) -> N
         t0 = time.monotonic()
         got = ok(complete(cluster.proxy_url, prompt, GEN, timeout_s=tc.REQ_TIMEOUT_S), f"P/D {what}")
         took = time.monotonic() - t0
-        assert took < PD_TIMEOUT_S / 2, f"{what}: {took:.1f}s"
+        # not a speed check: a decode that waited for its KV past the
+        # consumer timeout (and recomputed) takes at least PD_TIMEOUT_S; on
+        # two busy cores the longest prompt took 7.8 s once (CI, 2026-12-06)
+        assert took < PD_TIMEOUT_S, f"{what}: {took:.1f}s (the consumer timeout is {PD_TIMEOUT_S:g} s)"
         want = reference(cluster, prompt, what)
         assert got == want, f"{what}: P/D {got} != one engine {want}"
     d1, p1 = cluster.metrics("decode"), cluster.metrics("prefill")
