@@ -156,3 +156,81 @@ fn a_write_queued_past_the_deadline_is_not_submitted() {
         "the queued layer was submitted after the deadline"
     );
 }
+
+/// `staging_pieces` `write` (the writer's gather, over host memory here):
+/// a gathered piece is held while its batch is in the transport and goes
+/// back when the batch ends; a piece whose batch was given up at the
+/// quarantine while the transport still held it is kept out of the source
+/// region for good, since the transport may still read it.
+#[test]
+fn a_gathered_piece_stays_out_of_the_region_while_the_transport_may_read_it() {
+    const BLOCKS: u32 = 24;
+    const BLOCK: u64 = 4096;
+    // real memory: the lane copies from it (the double moves no byte)
+    let kv = vec![7u8; (BLOCKS as u64 * BLOCK) as usize];
+    let region = vec![0u8; 1 << 20];
+    let layout = KvLayout::packed(kv.as_ptr() as u64, 1, BLOCKS, BLOCK, (0, 1), 1);
+    let cfg = RuntimeConfig {
+        write_timeout: Duration::from_millis(200),
+        quarantine: Duration::from_millis(600),
+        writer_lanes_per_peer: 1,
+        source_staging_region: Some((region.as_ptr() as u64, region.len() as u64)),
+        gather_in_writer: true,
+        ..RuntimeConfig::default()
+    };
+    let (producer, wire, consumer) = orbitkv::testing::held_fake_pair(&layout, cfg);
+    assert_eq!(
+        producer.set_writer_gather(orbitkv::GatherCopy::Host).unwrap(),
+        "memcpy"
+    );
+    let in_region = |r: &orbitkv::WriteRange| {
+        r.src >= region.as_ptr() as u64 && r.src + r.len <= region.as_ptr() as u64 + region.len() as u64
+    };
+    // eleven blocks apart on prefill into one run on decode: one range
+    let src: Vec<u32> = (0..11).map(|i| 2 * i).collect();
+    let dst: Vec<u32> = (12..23).collect();
+    let piece = 11 * BLOCK;
+    for (name, ends) in [("ends", true), ("given-up", false)] {
+        let req = RequestId::new(name);
+        let hs = orbitkv::testing::open_both(&producer, &consumer, &req, &src, &dst);
+        producer.producer_handshake(hs).unwrap();
+        let before = wire.submits();
+        producer.layer_ready(&req, 0, 0..11).unwrap();
+        producer.producer_finish(&req).unwrap();
+        wire.wait_submits(before + 1);
+        let sent = wire.submitted();
+        let last = sent.last().expect("a batch");
+        assert!(
+            in_region(last) && last.len == piece,
+            "not written from one piece: {last:?}"
+        );
+        assert_eq!(
+            producer.source_staging_in_use(),
+            (piece, 1),
+            "held while in the transport"
+        );
+        if ends {
+            wire.hold(false);
+            let (outcome, _) = released(&producer, Duration::from_secs(5)).expect("released");
+            assert_eq!(outcome, Outcome::Done);
+            assert_eq!(
+                producer.source_staging_in_use(),
+                (0, 0),
+                "back once the batch ended"
+            );
+            wire.hold(true);
+        } else {
+            let (outcome, _) = released(&producer, Duration::from_secs(10)).expect("given up");
+            assert_eq!(outcome, Outcome::Failed);
+            assert_eq!(
+                producer.source_staging_in_use(),
+                (piece, 1),
+                "never handed out again"
+            );
+        }
+    }
+    let s = producer.stats();
+    assert_eq!((s.writes_gathered, s.gather_ranges_saved), (2, 20), "{s:?}");
+    assert_eq!((s.writes_abandoned, s.gather_pieces_leaked), (1, 1), "{s:?}");
+    drop((producer, consumer));
+}

@@ -60,17 +60,7 @@ impl CudaEvents {
     pub fn record(&self, stream: u64) -> TransportResult<GpuMark> {
         let mut context = self.context.lock();
         if context.is_none() {
-            let mut ctx: *mut c_void = std::ptr::null_mut();
-            // SAFETY: ctx is a valid out-pointer for the call's duration.
-            if unsafe { ffi::okv_cuda_current_context(&mut ctx) } != 0 {
-                return Err(cuda_err());
-            }
-            if ctx.is_null() {
-                return Err(TransportError::Cuda(
-                    "no CUDA context is current on the thread that records layer events".into(),
-                ));
-            }
-            *context = Some(Handle(ctx));
+            *context = Some(current_context("records layer events")?);
         }
         let ctx = context.expect("set above");
         drop(context);
@@ -188,18 +178,8 @@ impl CudaCopier {
         if unsafe { ffi::okv_cuda_load() } != 0 {
             return Err(cuda_err());
         }
-        let mut ctx: *mut c_void = std::ptr::null_mut();
-        // SAFETY: ctx is a valid out-pointer for the call's duration.
-        if unsafe { ffi::okv_cuda_current_context(&mut ctx) } != 0 {
-            return Err(cuda_err());
-        }
-        if ctx.is_null() {
-            return Err(TransportError::Cuda(
-                "no CUDA context is current on the thread that set up the writer's gather".into(),
-            ));
-        }
         Ok(Self {
-            context: Handle(ctx),
+            context: current_context("set up the writer's gather")?,
             streams: Mutex::new(Vec::new()),
         })
     }
@@ -262,6 +242,22 @@ impl Drop for CudaCopier {
             Some(())
         });
     }
+}
+
+/// The calling thread's current CUDA context; a thread with none (one that
+/// never touched the GPU) is an error naming what it did (`what`).
+fn current_context(what: &str) -> TransportResult<Handle> {
+    let mut ctx: *mut c_void = std::ptr::null_mut();
+    // SAFETY: ctx is a valid out-pointer for the call's duration.
+    if unsafe { ffi::okv_cuda_current_context(&mut ctx) } != 0 {
+        return Err(cuda_err());
+    }
+    if ctx.is_null() {
+        return Err(TransportError::Cuda(format!(
+            "no CUDA context is current on the thread that {what}"
+        )));
+    }
+    Ok(Handle(ctx))
 }
 
 /// Runs `f` with `context` current on this thread, whose own context (if
