@@ -45,8 +45,12 @@ pub enum GatherCopy {
     Off,
     /// `memcpy`: the KV cache is host memory.
     Host,
-    /// Device copies on the GPU of the caller's CUDA context.
+    /// On the GPU of the caller's CUDA context: OrbitKV's gather kernel on
+    /// the SMs (the copy engines where it does not load).
     Cuda,
+    /// On the GPU of the caller's CUDA context, on the copy engines
+    /// (`cuMemcpyBatchAsync`): run 46's path, kept to compare against.
+    CudaCopyEngines,
 }
 
 /// The request runtime of one rank.
@@ -227,10 +231,11 @@ impl Runtime {
     /// process's memory of that kind (what the rank registered).
     /// [`GatherCopy::Off`] stops it, for a region given back; only while no
     /// write is in flight (a gathered write still reads its piece). Returns
-    /// how it copies (`cuMemcpyBatchAsync`, `cuMemcpyAsync per range`,
-    /// `memcpy`, `off`). Without the setting: `InvalidArgument`; without a CUDA driver or
-    /// context: `Transport`.
-    pub fn set_writer_gather(&self, copy: GatherCopy) -> Result<&'static str, RuntimeError> {
+    /// how it copies (`gather kernel`, `cuMemcpyBatchAsync`, `cuMemcpyAsync
+    /// per range`, `memcpy`, `off`; where the kernel was asked for and did
+    /// not load, the copy engines' words and why). Without the setting:
+    /// `InvalidArgument`; without a CUDA driver or context: `Transport`.
+    pub fn set_writer_gather(&self, copy: GatherCopy) -> Result<String, RuntimeError> {
         let Some(g) = &self.gather else {
             return Err(invalid_argument(
                 "the writer's gather needs a runtime started with gather_in_writer and a source staging region"
@@ -238,17 +243,16 @@ impl Runtime {
             ));
         };
         let (copy, how) = match copy {
-            GatherCopy::Cuda => {
-                let c = crate::transport::cuda::CudaCopier::for_current_context()?;
-                let how = if c.batched() {
-                    "cuMemcpyBatchAsync"
-                } else {
-                    "cuMemcpyAsync per range"
+            GatherCopy::Cuda | GatherCopy::CudaCopyEngines => {
+                let c = crate::transport::cuda::CudaCopier::for_current_context(copy == GatherCopy::Cuda)?;
+                let how = match c.kernel_error() {
+                    None => c.path().describe().to_owned(),
+                    Some(why) => format!("{} (the gather kernel did not load: {why})", c.path().describe()),
                 };
                 (LocalCopy::Cuda(c), how)
             }
-            GatherCopy::Host => (LocalCopy::Host, "memcpy"),
-            GatherCopy::Off => (LocalCopy::Off, "off"),
+            GatherCopy::Host => (LocalCopy::Host, "memcpy".to_owned()),
+            GatherCopy::Off => (LocalCopy::Off, "off".to_owned()),
         };
         g.set_copy(copy);
         Ok(how)

@@ -159,36 +159,115 @@ impl Drop for GpuMark {
     }
 }
 
+/// The gather kernel's PTX (`shim/gather_kernel.cu`, compiled by
+/// `scripts/gen_gather_ptx.sh`), JIT-compiled by the driver for the GPU it
+/// runs on.
+const GATHER_PTX: &str = concat!(include_str!("shim/gather_kernel.ptx"), "\0");
+
+/// How a [`CudaCopier`] copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CudaCopyPath {
+    /// OrbitKV's gather kernel on the SMs, one launch a write, on a stream
+    /// of the highest priority.
+    Kernel,
+    /// The copy engines: CUDA 13's `cuMemcpyBatchAsync`, one call per 1024
+    /// ranges.
+    BatchCopy,
+    /// The copy engines, one `cuMemcpyAsync` per range (a driver without
+    /// the batch call).
+    CopyPerRange,
+}
+
+impl CudaCopyPath {
+    /// The words the worker's log and the binding use.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Kernel => "gather kernel",
+            Self::BatchCopy => "cuMemcpyBatchAsync",
+            Self::CopyPerRange => "cuMemcpyAsync per range",
+        }
+    }
+}
+
+/// A stream of a [`CudaCopier`] and, for the kernel, its device buffer for
+/// the list of copies (grown by the shim; 0 / 0 until the first launch).
+#[derive(Debug)]
+struct CopyStream {
+    stream: Handle,
+    list: u64,
+    list_bytes: usize,
+}
+
 /// Copies on the GPU for a writer lane's gather (`orbitkv.pd.staging_pieces`
 /// `write`): device-to-device copies on streams of its own, in the CUDA
-/// context of the worker that made it, each waited for before it returns.
+/// context of the worker that made it, each waited for before it returns;
+/// with the gather kernel where it loaded, else on the copy engines.
 #[derive(Debug)]
 pub struct CudaCopier {
     context: Handle,
+    /// The loaded kernel module and its function, when the path is the
+    /// kernel.
+    kernel: Option<(Handle, Handle)>,
+    path: CudaCopyPath,
+    /// Why the kernel is not used (it failed to load), for the log.
+    kernel_error: Option<String>,
     /// Streams not in use; a copy takes one (or makes one) and puts it back.
-    streams: Mutex<Vec<Handle>>,
+    streams: Mutex<Vec<CopyStream>>,
 }
 
 impl CudaCopier {
     /// Loads the CUDA driver and takes the calling thread's current
-    /// context (the vLLM worker's, where its KV cache lives). Fails with
+    /// context (the vLLM worker's, where its KV cache lives). With `kernel`,
+    /// loads the gather kernel there (falling back to the copy engines, the
+    /// reason kept, when it does not load). Fails with
     /// [`TransportError::Cuda`] without a driver or a current context.
-    pub fn for_current_context() -> TransportResult<Self> {
+    pub fn for_current_context(kernel: bool) -> TransportResult<Self> {
         // SAFETY: loads libcuda.so.1 and resolves symbols; no pointers passed.
         if unsafe { ffi::okv_cuda_load() } != 0 {
             return Err(cuda_err());
         }
+        let context = current_context("set up the writer's gather")?;
+        let (loaded, kernel_error) = if kernel {
+            let mut module: *mut c_void = std::ptr::null_mut();
+            let mut function: *mut c_void = std::ptr::null_mut();
+            // SAFETY: GATHER_PTX is NUL-terminated and static; the two
+            // out-pointers are valid for the call; the module is loaded into
+            // the calling thread's current context (checked above).
+            let rc =
+                unsafe { ffi::okv_cuda_gather_load(GATHER_PTX.as_ptr().cast(), &mut module, &mut function) };
+            if rc == 0 {
+                (Some((Handle(module), Handle(function))), None)
+            } else {
+                (None, Some(ffi::last_error()))
+            }
+        } else {
+            (None, None)
+        };
+        // SAFETY: reads a flag the shim set when it loaded the driver.
+        let batched = unsafe { ffi::okv_cuda_has_batch_copy() == 1 };
+        let path = match (loaded.is_some(), batched) {
+            (true, _) => CudaCopyPath::Kernel,
+            (false, true) => CudaCopyPath::BatchCopy,
+            (false, false) => CudaCopyPath::CopyPerRange,
+        };
         Ok(Self {
-            context: current_context("set up the writer's gather")?,
+            context,
+            kernel: loaded,
+            path,
+            kernel_error,
             streams: Mutex::new(Vec::new()),
         })
     }
 
-    /// Whether the driver copies a batch in one call (CUDA 13's
-    /// `cuMemcpyBatchAsync`); else one `cuMemcpyAsync` per range.
-    pub fn batched(&self) -> bool {
-        // SAFETY: reads a flag the shim set when it loaded the driver.
-        unsafe { ffi::okv_cuda_has_batch_copy() == 1 }
+    /// How it copies.
+    pub fn path(&self) -> CudaCopyPath {
+        self.path
+    }
+
+    /// Why the gather kernel, asked for, did not load (`None` when it did
+    /// or was not asked for).
+    pub fn kernel_error(&self) -> Option<&str> {
+        self.kernel_error.as_deref()
     }
 
     /// Copies every range (`src` to `dst`, `len` bytes; device or unified
@@ -202,26 +281,61 @@ impl CudaCopier {
         let src: Vec<u64> = ranges.iter().map(|r| r.src).collect();
         let len: Vec<u64> = ranges.iter().map(|r| r.len).collect();
         with_context(self.context, || {
-            let stream = match self.streams.lock().pop() {
+            let mut slot = match self.streams.lock().pop() {
                 Some(s) => s,
                 None => {
                     let mut s: *mut c_void = std::ptr::null_mut();
                     // SAFETY: s is a valid out-pointer; the stream is made in
                     // the context made current above.
-                    if unsafe { ffi::okv_cuda_stream_new(&mut s) } != 0 {
+                    let rc = unsafe {
+                        if self.kernel.is_some() {
+                            ffi::okv_cuda_stream_new_urgent(&mut s)
+                        } else {
+                            ffi::okv_cuda_stream_new(&mut s)
+                        }
+                    };
+                    if rc != 0 {
                         return None;
                     }
-                    Handle(s)
+                    CopyStream {
+                        stream: Handle(s),
+                        list: 0,
+                        list_bytes: 0,
+                    }
                 }
             };
-            // SAFETY: the three arrays hold `ranges.len()` entries each and
-            // outlive the call, which waits for the copies; the stream is
-            // this copier's, used by one caller at a time (taken from the
-            // pool). The addresses are the caller's to vouch for.
-            let rc = unsafe {
-                ffi::okv_cuda_copy_wait(stream.0, dst.as_ptr(), src.as_ptr(), len.as_ptr(), dst.len())
+            let rc = match self.kernel {
+                // SAFETY: the three arrays hold `ranges.len()` entries each
+                // and outlive the call, which waits for the kernel; the
+                // function is this copier's, loaded in this context; the
+                // stream and its list buffer are the slot's, used by one
+                // caller at a time (taken from the pool), and the shim grows
+                // the buffer through the two pointers. The addresses are the
+                // caller's to vouch for.
+                Some((_, function)) => unsafe {
+                    ffi::okv_cuda_gather_wait(
+                        function.0,
+                        slot.stream.0,
+                        &mut slot.list,
+                        &mut slot.list_bytes,
+                        dst.as_ptr(),
+                        src.as_ptr(),
+                        len.as_ptr(),
+                        dst.len(),
+                    )
+                },
+                // SAFETY: as above, for the copy engines' call (no buffer).
+                None => unsafe {
+                    ffi::okv_cuda_copy_wait(
+                        slot.stream.0,
+                        dst.as_ptr(),
+                        src.as_ptr(),
+                        len.as_ptr(),
+                        dst.len(),
+                    )
+                },
             };
-            self.streams.lock().push(stream);
+            self.streams.lock().push(slot);
             (rc == 0).then_some(())
         })
     }
@@ -230,14 +344,26 @@ impl CudaCopier {
 impl Drop for CudaCopier {
     fn drop(&mut self) {
         let streams = std::mem::take(&mut *self.streams.lock());
-        if streams.is_empty() {
+        let kernel = self.kernel.take();
+        if streams.is_empty() && kernel.is_none() {
             return;
         }
         let _ = with_context(self.context, || {
             for s in streams {
                 // SAFETY: a stream this copier made, idle (every copy waited
-                // for its own), destroyed once.
-                unsafe { ffi::okv_cuda_stream_free(s.0) };
+                // for its own), destroyed once; its list buffer (0: none) was
+                // allocated by the shim in this context and is freed once.
+                unsafe {
+                    ffi::okv_cuda_stream_free(s.stream.0);
+                    if s.list != 0 {
+                        ffi::okv_cuda_mem_free(s.list);
+                    }
+                }
+            }
+            if let Some((module, _)) = kernel {
+                // SAFETY: the module this copier loaded, no launch of it
+                // running (each waited for), unloaded once.
+                unsafe { ffi::okv_cuda_module_free(module.0) };
             }
             Some(())
         });
@@ -285,6 +411,38 @@ fn with_context<T>(context: Handle, f: impl FnOnce() -> Option<T>) -> TransportR
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The gather kernel's PTX is what the shim asks for: one entry point
+    /// `okv_gather(copies: u64, n: u32)` (the shim passes a device pointer
+    /// and a 32-bit count), PTX the driver can JIT (ISA 6.0, sm_70 and up),
+    /// and the one NUL at its end that the driver reads to.
+    #[test]
+    fn the_gather_kernels_ptx_has_the_entry_point_the_shim_launches() {
+        let body = GATHER_PTX.strip_suffix('\0').expect("NUL-terminated");
+        assert!(!body.contains('\0'));
+        assert!(
+            body.starts_with("// Generated from gather_kernel.cu"),
+            "not the generated file"
+        );
+        assert!(body.contains(".version 6.0") && body.contains(".target sm_70"));
+        assert_eq!(body.matches(".entry").count(), 1);
+        let params: Vec<&str> = body
+            .split(".visible .entry okv_gather(")
+            .nth(1)
+            .expect("okv_gather is the entry point")
+            .split(')')
+            .next()
+            .unwrap()
+            .split(',')
+            .map(str::trim)
+            .collect();
+        assert_eq!(
+            params,
+            [".param .u64 okv_gather_param_0", ".param .u32 okv_gather_param_1"]
+        );
+        // no stack: the 16-byte words stay in registers
+        assert!(!body.contains(".local"));
+    }
 
     /// Without a CUDA driver (CI), loading fails with a typed error that
     /// names the library, and nothing else is touched.

@@ -86,6 +86,25 @@ extern "C" {
     ) -> c_int;
     pub fn okv_cuda_stream_free(stream: *mut c_void) -> c_int;
     pub fn okv_cuda_has_batch_copy() -> c_int;
+    pub fn okv_cuda_gather_load(
+        ptx: *const c_char,
+        module: *mut *mut c_void,
+        function: *mut *mut c_void,
+    ) -> c_int;
+    pub fn okv_cuda_module_free(module: *mut c_void) -> c_int;
+    pub fn okv_cuda_stream_new_urgent(stream: *mut *mut c_void) -> c_int;
+    #[allow(clippy::too_many_arguments)]
+    pub fn okv_cuda_gather_wait(
+        function: *mut c_void,
+        stream: *mut c_void,
+        buf: *mut u64,
+        cap: *mut usize,
+        dst: *const u64,
+        src: *const u64,
+        len: *const u64,
+        n: usize,
+    ) -> c_int;
+    pub fn okv_cuda_mem_free(ptr: u64) -> c_int;
 
     // Mooncake's submit-time wait on the caller's default stream: see
     // `mooncake.rs`, `redirect_submit_wait`.

@@ -634,21 +634,25 @@ impl PyRuntime {
     /// writes into pieces of the region (`orbitkv.pd.staging_pieces`
     /// `write`), copying with `copy`: `"cuda"` on the GPU whose CUDA context
     /// is current on the calling thread (call it on the worker's thread),
+    /// with OrbitKV's gather kernel (the copy engines where it does not
+    /// load); `"cuda-copy-engines"` there on the copy engines only;
     /// `"host"` with memcpy (a KV cache in host memory); `"off"` stops it
     /// (a region given back, no write in flight). Returns how it copies
-    /// (`cuMemcpyBatchAsync`, `cuMemcpyAsync per range`, `memcpy`, `off`).
-    /// `InvalidArgumentError` without the setting or for another word; `TransportError` without a
+    /// (`gather kernel`, `cuMemcpyBatchAsync`, `cuMemcpyAsync per range`,
+    /// `memcpy`, `off`; with why, where the kernel did not load).
+    /// `InvalidArgumentError` without the setting or for another word; `CudaError` without a
     /// CUDA driver or context.
-    fn set_writer_gather(&self, py: Python<'_>, copy: &str) -> PyResult<&'static str> {
+    fn set_writer_gather(&self, py: Python<'_>, copy: &str) -> PyResult<String> {
         let copy = match copy {
             "cuda" => orbitkv::GatherCopy::Cuda,
+            "cuda-copy-engines" => orbitkv::GatherCopy::CudaCopyEngines,
             "host" => orbitkv::GatherCopy::Host,
             "off" => orbitkv::GatherCopy::Off,
             other => {
                 return Err(runtime_error(
                     py,
                     orbitkv::RuntimeError::InvalidArgument(format!(
-                        "the writer's gather copies with 'cuda', 'host' or 'off', not {other:?}"
+                        "the writer's gather copies with 'cuda', 'cuda-copy-engines', 'host' or 'off', not {other:?}"
                     )),
                 ))
             }

@@ -481,13 +481,15 @@ class Runtime:
         """Prefill, a runtime made with `gather_in_writer=True` and a source
         staging region: from now on the writer lanes gather scattered layer
         writes into pieces of the region, copying with `copy`: "cuda" on
-        the GPU whose CUDA context is current on the calling thread, "host"
-        with memcpy (a KV cache in host memory); "off" stops it (a region
-        given back, no write in flight). Returns how it copies
-        ("cuMemcpyBatchAsync", "cuMemcpyAsync per range", "memcpy", "off").
-        `InvalidArgumentError` without the
-        setting or for another word; `TransportError` without a CUDA driver
-        or context."""
+        the GPU whose CUDA context is current on the calling thread, with
+        OrbitKV's gather kernel on the SMs (the copy engines where it does
+        not load), "cuda-copy-engines" there on the copy engines only,
+        "host" with memcpy (a KV cache in host memory); "off" stops it (a
+        region given back, no write in flight). Returns how it copies
+        ("gather kernel", "cuMemcpyBatchAsync", "cuMemcpyAsync per range",
+        "memcpy", "off"; with why, where the kernel did not load).
+        `InvalidArgumentError` without the setting or for another word;
+        `CudaError` without a CUDA driver or context."""
     def writer_gathers(self) -> bool:
         """Whether the writer lanes gather (`set_writer_gather` ran)."""
     def source_staging_in_use(self) -> tuple[int, int]:
