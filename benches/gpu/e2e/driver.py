@@ -3138,13 +3138,18 @@ def report(d: Path) -> str:
             given_up = f"{c(pre, 'source_pieces_given_up'):.0f}" if has("source_pieces_given_up") else "-"
             pieces = (f"{c(pre, 'source_staging_full'):.0f} / {given_up} / "
                       f"{c(pre, 'producer_pages_given_back'):.0f}" if has("producer_pages_given_back") else "-")
+            # the writer's gather (staging_pieces "write"): writes gathered,
+            # those that found no room, and the mean copy a gathered write
+            gathered = c(pre, "writes_gathered")
+            gather = (f"{gathered:.0f} / {c(pre, 'gather_no_room'):.0f} / {per(c(pre, 'gather_seconds'), gathered)}"
+                      if has("writes_gathered") else "-")
             rows.append(f"| {system} | {items:.0f} | {per(c(pre, 'ready_lag_seconds'), items)} | {batches:.0f} | "
                         f"{grouped:.0f} | {stops} | "
                         f"{(ranges / batches if batches else 0):.0f} | {(nbytes / ranges / 1024 if ranges else 0):.0f} | "
                         f"{per(c(pre, 'write_submit_seconds'), batches)} | {per_range} | "
                         f"{per(c(pre, 'write_batch_seconds'), batches)} | "
                         f"{lw:.0f} | {per(c(pre, 'layer_write_seconds'), lw)} | {queued} | {on_gpu} | {staging} | "
-                        f"{pieces} | {done:.0f} | {per(c(dec or {}, 'transfer_seconds'), done)} |")
+                        f"{pieces} | {gather} | {done:.0f} | {per(c(dec or {}, 'transfer_seconds'), done)} |")
         if rows:
             lines += ["OrbitKV's counters over the whole system run (mean ms): a step's layer launched → admitted "
                       "(GPU lag + gate), Mooncake submit call, batch submitted → ended, layer write admitted → "
@@ -3155,12 +3160,14 @@ def report(d: Path) -> str:
                       "nothing else to send, all lanes together; staging: layers written from source staging / decode's grants / requests "
                       "that found decode's staging full; pieces: layers of a chunk that found no room in the source "
                       "region / pieces given back unread by a request a layer of which found none (staging_pieces "
-                      "'request') / requests whose pages went back to vLLM before their writes.", "",
+                      "'request') / requests whose pages went back to vLLM before their writes; gather (staging_pieces "
+                      "'write'): layer writes a lane gathered / that found no room / mean ms a gathered write's copy.", "",
                       "| system | layers admitted | launched → admitted | batches | writes grouped | stops: budget / GPU / ahead "
                       "| ranges per batch | KiB per range | submit call | submit per range, µs | batch | layer writes | "
                       "layer write | queued | lanes on GPU, s | staging: layers / grants / full | "
-                      "pieces: no room / given up / pages back | transfers | authorized → complete |",
-                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
+                      "pieces: no room / given up / pages back | gather: writes / no room / ms | transfers | "
+                      "authorized → complete |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
         rows = []
         for system, sr in r.get("systems", {}).items():
             kr = sr.get("kv_release")
