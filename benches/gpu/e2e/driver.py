@@ -1952,6 +1952,8 @@ def plan_big(ctx: Ctx, spec: ModelSpec) -> dict[str, Any]:
         plan["ab_config"] = a.ab_config  # the A/B pair's settings (orbit-custom)
     if a.ab_more:
         plan["ab_more"] = dict(a.ab_more)  # orbit-NAME's settings, by NAME
+    if getattr(a, "big_orbit_block_sizes", None):
+        plan["orbit_block_sizes"] = dict(zip(("prefill", "decode"), a.big_orbit_block_sizes, strict=True))
     plan["orbit_roles"] = ({"prefill": "kv_producer", "decode": "kv_consumer"} if a.orbit_roles == "split"
                            else {"prefill": "kv_both", "decode": "kv_both"})
     if a.big_decode_kv_gib:
@@ -1968,6 +1970,31 @@ def plan_big(ctx: Ctx, spec: ModelSpec) -> dict[str, Any]:
                                    f"the widest load level's in-flight requests on average ({plan['widest_level_tokens']}): "
                                    "there, requests wait for KV (see 'decode waiting peak')")
     return plan
+
+
+def block_size_pair(text: str) -> tuple[int, int]:
+    """--big-orbit-block-sizes P:D: two vLLM block sizes (powers of two,
+    1-1024: what vLLM takes)."""
+    p, sep, d = text.partition(":")
+    try:
+        sizes = (int(p), int(d))
+    except ValueError:
+        sizes = (0, 0)
+    if not sep or any(n < 1 or n > 1024 or n & (n - 1) for n in sizes):
+        raise argparse.ArgumentTypeError(f"want PREFILL:DECODE block sizes, powers of two up to 1024, not {text!r}")
+    return sizes
+
+
+def orbit_block_sizes(servers: list[Server], sizes: tuple[int, int]) -> None:
+    """Gives every OrbitKV prefill (a server named ``...-prefill``) vLLM's
+    ``--block-size`` sizes[0] and every OrbitKV decode sizes[1]; the other
+    connectors' instances and the single engine keep vLLM's default."""
+    for s in servers:
+        if s.connector != "orbit":
+            continue
+        side = 0 if s.name.endswith("-prefill") else 1 if s.name.endswith("-decode") else None
+        if side is not None:
+            s.extra_args += ["--block-size", str(sizes[side])]
 
 
 class Fleet:
@@ -2075,6 +2102,8 @@ class Fleet:
             self.ndec = mk("nixl-decode", 1, "nixl")
             self.pairs["nixl"] = [self.npre, self.ndec]
         self.servers = [s for p in self.pairs.values() for s in p]
+        if getattr(ctx.args, "big_orbit_block_sizes", None):
+            orbit_block_sizes(self.servers, ctx.args.big_orbit_block_sizes)
         if ctx.args.load_kv_digest:
             # --load-kv-digest: per request, decode's KV as loaded and
             # prefill's as released or given back early (the test hook)
@@ -3309,6 +3338,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="KV of each Llama-3-8B-shaped decode instance (0: --big-kv-gib's): a decode with room for "
                         "the widest load level keeps the comparison from being one of decode's KV admission")
     p.add_argument("--big-kv-cap-gib", type=float, default=12)
+    p.add_argument("--big-orbit-block-sizes", type=block_size_pair, default=None, metavar="P:D",
+                   help="vLLM's --block-size of every OrbitKV prefill (P) and decode (D) of the Llama-3-8B-shaped "
+                        "instances, e.g. 16:64 (prefill blocks smaller than decode's: written page to page by "
+                        "default, gathered by staging_pieces 'write'); the other systems keep vLLM's default")
     p.add_argument("--min-kv-gib", type=float, default=4,
                    help="systems that would leave less KV than this (or than the longest TTFT prompt) per instance "
                         "run in a later group, after the first group's instances are stopped")

@@ -486,3 +486,35 @@ def test_the_load_kv_digest_compares_every_request_of_the_load_runs_and_names_th
     text = driver.report(tmp_path / "out")
     assert "| orbit | 3 of 3 | 15 | 0 | 0 | 2 | yes |" in text
     assert "| orbit-control | 3 of 3 | 15 | 1 | 1 | 2 | **no** |" in text
+
+
+def test_big_orbit_block_sizes_give_orbitkvs_prefill_and_decode_their_own_block_size(tmp_path: Path) -> None:
+    """``--big-orbit-block-sizes 16:64``: the untimed case of the writer's
+    gather (prefill blocks smaller than decode's, which the defaults write
+    page to page) under load. Every OrbitKV prefill gets ``--block-size
+    16`` and every OrbitKV decode ``64``, A/B pairs included; MC and the
+    single engine keep vLLM's default; a pair that is not two powers of two
+    is refused before anything runs."""
+    from types import SimpleNamespace
+
+    spec = driver.ModelSpec("small-float32", 2, 256, 4, 2, 64, 512, 2048, 4096, "float32", True)
+    mk = lambda name, conn: driver.Server(name, "m", spec, 0, conn, True, 1 << 30, 256, 1, 2)  # noqa: E731
+    servers = [mk("big-orbit-prefill", "orbit"), mk("big-orbit-decode", "orbit"),
+               mk("big-g2-orbitw6-prefill", "orbit"), mk("big-g2-orbitw6-decode", "orbit"),
+               mk("big-mc-prefill", "mc"), mk("big-mc-decode", "mc"), mk("big-single", "none")]
+    driver.orbit_block_sizes(servers, driver.block_size_pair("16:64"))
+    ctx = SimpleNamespace(args=SimpleNamespace(python="python3"), cuda=False)
+    got = {}
+    for s in servers:
+        argv = driver.server_argv(ctx, s) if s.connector != "mc" else s.extra_args
+        got[s.name] = argv[argv.index("--block-size") + 1] if "--block-size" in argv else None
+    assert got == {"big-orbit-prefill": "16", "big-orbit-decode": "64", "big-g2-orbitw6-prefill": "16",
+                   "big-g2-orbitw6-decode": "64", "big-mc-prefill": None, "big-mc-decode": None, "big-single": None}
+    for bad in ("16", "16:48", "0:16", "16:2048", "a:b", "16:64:1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            driver.block_size_pair(bad)
+    with pytest.raises(SystemExit) as e:
+        driver.main(["--big-orbit-block-sizes", "16:48", "--device", "cpu", "--stages", "none", "--deadline-s", "5",
+                     "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")])
+    assert e.value.code == 2
+    assert not (tmp_path / "o").exists()  # refused before anything ran
