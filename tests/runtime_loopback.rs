@@ -1148,10 +1148,12 @@ fn blocks_of_another_size_are_written_token_by_token_through_mooncake() {
 /// The durations of a request's phases (`Runtime::take_timings`, vLLM's
 /// histograms): the transfer's tail after vLLM finished the prefill, how
 /// long the prefill's pages stayed held after it, and how long decode's
-/// completion waited to be taken. Decode authorizes 60 ms after the finish
-/// and the completion is taken 40 ms after it came, so each duration is at
-/// least that; an aborted request is not counted as written; each is
-/// taken once.
+/// completion waited to be taken; and the two parts of the tail, decode's
+/// handshake and the last write's first batch after the finish. Decode
+/// authorizes 60 ms after the finish and the completion is taken 40 ms
+/// after it came, so each duration is at least that; a request authorized
+/// and sent before its finish has both parts 0; an aborted request is not
+/// counted as written; each is taken once.
 #[test]
 fn the_time_after_the_prefill_finished_is_timed_on_both_sides() {
     let (layers, blocks, bb) = (2, 8, 4096);
@@ -1195,6 +1197,17 @@ fn the_time_after_the_prefill_finished_is_timed_on_both_sides() {
     assert!(written[0] >= 60_000 && pages[0] >= 60_000, "{p:?}");
     let span = (Duration::from_millis(60) + since_authorized).as_micros() + 50_000;
     assert!(u128::from(pages[0]) <= span, "{p:?}");
+    // where the tail went: decode's handshake 60 ms after the finish, the
+    // last write's first batch after it, both within the written time
+    let (shaken, sent) = (
+        of(&p, orbitkv::Timing::HandshakeAfterFinish),
+        of(&p, orbitkv::Timing::SentAfterFinish),
+    );
+    assert_eq!((shaken.len(), sent.len()), (1, 1), "{p:?}");
+    assert!(
+        shaken[0] >= 60_000 && shaken[0] <= sent[0] && sent[0] <= written[0],
+        "{p:?}"
+    );
     assert!(
         of(&p, orbitkv::Timing::CompleteToTaken).is_empty(),
         "prefill completes nothing"
@@ -1222,4 +1235,34 @@ fn the_time_after_the_prefill_finished_is_timed_on_both_sides() {
     let p = producer.runtime.take_timings();
     assert!(of(&p, orbitkv::Timing::WrittenAfterFinish).is_empty(), "{p:?}");
     assert_eq!(of(&p, orbitkv::Timing::PagesHeldAfterFinish).len(), 1, "{p:?}");
+    assert!(of(&p, orbitkv::Timing::HandshakeAfterFinish).is_empty(), "{p:?}");
+    assert!(of(&p, orbitkv::Timing::SentAfterFinish).is_empty(), "{p:?}");
+
+    // the streaming flow's order: decode authorized and every layer sent
+    // before vLLM finished: both parts of the tail are 0
+    let early = RequestId::new("timed-early");
+    let before = producer.runtime.stats().layers_written;
+    let hs = orbitkv::testing::open_both(
+        &producer.runtime,
+        &consumer.runtime,
+        &early,
+        &[0, 1, 2],
+        &[3, 4, 5],
+    );
+    producer.runtime.producer_handshake(hs).unwrap();
+    for l in 0..layers {
+        producer.runtime.layer_ready(&early, l, 0..3).unwrap();
+    }
+    let until = Instant::now() + Duration::from_secs(5);
+    while producer.runtime.stats().layers_written < before + layers as u64 {
+        assert!(Instant::now() < until, "the early writes never ended");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    producer.runtime.producer_finish(&early).unwrap();
+    let (done, why) = wait_released(&producer.runtime, &early);
+    assert_eq!(done, Outcome::Done, "{why:?}");
+    let p = producer.runtime.take_timings();
+    assert_eq!(of(&p, orbitkv::Timing::HandshakeAfterFinish), vec![0], "{p:?}");
+    assert_eq!(of(&p, orbitkv::Timing::SentAfterFinish), vec![0], "{p:?}");
 }

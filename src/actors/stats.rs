@@ -196,13 +196,25 @@ pub enum Timing {
     /// Decode side: every producer reported done (the KV is in place) → the
     /// vLLM worker took the completion (`Runtime::poll_events`).
     CompleteToTaken,
+    /// Prefill side, with [`Self::WrittenAfterFinish`] (a request written
+    /// in full): vLLM finished the request → decode's handshake (its
+    /// authorization) reached the producer; 0 when it came before the
+    /// finish (the streaming flow's usual order).
+    HandshakeAfterFinish,
+    /// Prefill side, with [`Self::WrittenAfterFinish`]: vLLM finished the
+    /// request → its last write's first batch went to Mooncake (the lane
+    /// had seen the GPU reach its layer); 0 when every write was sent
+    /// before the finish. Written minus this is the last batch's flight.
+    SentAfterFinish,
 }
 
 impl Timing {
-    pub const ALL: [Timing; 3] = [
+    pub const ALL: [Timing; 5] = [
         Timing::WrittenAfterFinish,
         Timing::PagesHeldAfterFinish,
         Timing::CompleteToTaken,
+        Timing::HandshakeAfterFinish,
+        Timing::SentAfterFinish,
     ];
 
     /// The name the binding and the metrics use.
@@ -211,6 +223,8 @@ impl Timing {
             Timing::WrittenAfterFinish => "written_after_finish",
             Timing::PagesHeldAfterFinish => "pages_held_after_finish",
             Timing::CompleteToTaken => "complete_to_taken",
+            Timing::HandshakeAfterFinish => "handshake_after_finish",
+            Timing::SentAfterFinish => "sent_after_finish",
         }
     }
 }
@@ -221,7 +235,7 @@ impl Timing {
 /// not kept: the runtime never grows without bound when nobody takes them.
 #[derive(Debug, Default)]
 pub struct Timings {
-    kept: parking_lot::Mutex<[Vec<u32>; 3]>,
+    kept: parking_lot::Mutex<[Vec<u32>; Timing::ALL.len()]>,
     dropped: Counter,
 }
 

@@ -671,6 +671,11 @@ struct ProducerCore {
     /// When vLLM finished the request here (`Finish`), for
     /// [`Timing::WrittenAfterFinish`].
     finished_at: Option<Instant>,
+    /// When decode's handshake first reached it, for
+    /// [`Timing::HandshakeAfterFinish`].
+    handshake_at: Option<Instant>,
+    /// The latest first batch of its writes, for [`Timing::SentAfterFinish`].
+    last_sent: Option<Instant>,
     /// This actor (for its own `Stop`).
     me: Addr<ProducerActor>,
     /// Where the writers report (this actor, [`WriterReports`]).
@@ -1088,6 +1093,8 @@ impl ProducerCore {
             member,
             staged: None,
             finished_at: None,
+            handshake_at: None,
+            last_sent: None,
         }
     }
 
@@ -1135,6 +1142,9 @@ impl ProducerCore {
             match &ev {
                 ProducerEvent::WriteDone { write, .. } => self.read_ended(*write, true),
                 ProducerEvent::WriteFailed { write, .. } => self.read_ended(*write, false),
+                ProducerEvent::Handshake(_) if self.handshake_at.is_none() => {
+                    self.handshake_at = Some(Instant::now());
+                }
                 ProducerEvent::Finish if self.finished_at.is_none() => {
                     let now = Instant::now();
                     self.finished_at = Some(now);
@@ -1338,10 +1348,14 @@ impl ProducerCore {
                 // the stats after the release in the same step, so a
                 // request's timing is never left for a step that may not come.
                 if let (crate::wire::Outcome::Done, Some(at)) = (outcome, self.finished_at) {
-                    self.shared
-                        .stats
-                        .timings
-                        .observe(Timing::WrittenAfterFinish, at.elapsed());
+                    let timings = &self.shared.stats.timings;
+                    timings.observe(Timing::WrittenAfterFinish, at.elapsed());
+                    // where the tail went: decode's authorization, then the
+                    // last write's first batch (0 when before the finish)
+                    let after =
+                        |t: Option<Instant>| t.map_or(Duration::ZERO, |t| t.saturating_duration_since(at));
+                    timings.observe(Timing::HandshakeAfterFinish, after(self.handshake_at));
+                    timings.observe(Timing::SentAfterFinish, after(self.last_sent));
                 }
                 self.shared.writers.get(&auth.endpoint).notice(notice);
                 None
@@ -1496,6 +1510,9 @@ impl ProducerCore {
         let _g = span.enter();
         // A few in reserve: as many as writes are usually in flight;
         // beyond that, for any producer of this runtime.
+        if m.first_sent > self.last_sent {
+            self.last_sent = m.first_sent;
+        }
         if self.spare.len() < 8 && m.spare.capacity() > 0 {
             self.spare.push(m.spare);
         } else {

@@ -186,6 +186,8 @@ struct Job {
     span: tracing::Span,
     /// When the writer took the write.
     admitted: Instant,
+    /// When its first batch went to Mooncake.
+    first_sent: Option<Instant>,
     /// The writer's gather was considered (once, before the first batch).
     gather_tried: bool,
     /// The piece of the source region `ranges` read from, once gathered
@@ -384,6 +386,7 @@ impl LaneCell {
                 reply_to: msg.reply_to,
                 span,
                 admitted: Instant::now(),
+                first_sent: None,
                 gather_tried: false,
                 piece: None,
                 abandoned: false,
@@ -587,6 +590,7 @@ impl LaneCell {
             }
             for &(j, _) in &parts {
                 let o = st.jobs.get_mut(&j).expect("queued job exists");
+                o.first_sent.get_or_insert(now);
                 o.next = if j == id { end } else { o.ranges.len() };
                 o.after = 0;
                 o.outstanding += 1;
@@ -724,6 +728,7 @@ impl LaneCell {
                     generation: job.generation,
                     bytes: job.written,
                     spare,
+                    first_sent: job.first_sent,
                 });
             }
             Some(reason) => {

@@ -311,6 +311,17 @@ _HISTOGRAMS = {
         "vllm:orbitkv_complete_to_taken_seconds",
         "Decode: from a request's KV complete (every producer done) to the vLLM worker taking the completion.",
     ),
+    "handshake_after_finish": (
+        "vllm:orbitkv_handshake_after_finish_seconds",
+        "Prefill, per request written in full: from vLLM finishing it to decode's handshake (authorization) reaching "
+        "the producer; 0 when it came before the finish (the streaming flow's usual order).",
+    ),
+    "sent_after_finish": (
+        "vllm:orbitkv_sent_after_finish_seconds",
+        "Prefill, per request written in full: from vLLM finishing it to its last layer write's first batch going to "
+        "Mooncake (the GPU had run that layer); 0 when every write went before the finish. "
+        "written_after_finish less this is the last batch's flight.",
+    ),
 }
 
 
