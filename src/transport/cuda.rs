@@ -208,7 +208,6 @@ pub struct CudaCopier {
     /// The loaded kernel module and its function, when the path is the
     /// kernel.
     kernel: Option<(Handle, Handle)>,
-    path: CudaCopyPath,
     /// Why the kernel is not used (it failed to load), for the log.
     kernel_error: Option<String>,
     /// Streams not in use; a copy takes one (or makes one) and puts it back.
@@ -243,17 +242,9 @@ impl CudaCopier {
         } else {
             (None, None)
         };
-        // SAFETY: reads a flag the shim set when it loaded the driver.
-        let batched = unsafe { ffi::okv_cuda_has_batch_copy() == 1 };
-        let path = match (loaded.is_some(), batched) {
-            (true, _) => CudaCopyPath::Kernel,
-            (false, true) => CudaCopyPath::BatchCopy,
-            (false, false) => CudaCopyPath::CopyPerRange,
-        };
         Ok(Self {
             context,
             kernel: loaded,
-            path,
             kernel_error,
             streams: Mutex::new(Vec::new()),
         })
@@ -261,7 +252,15 @@ impl CudaCopier {
 
     /// How it copies.
     pub fn path(&self) -> CudaCopyPath {
-        self.path
+        if self.kernel.is_some() {
+            return CudaCopyPath::Kernel;
+        }
+        // SAFETY: reads a flag the shim set when it loaded the driver.
+        if unsafe { ffi::okv_cuda_has_batch_copy() } == 1 {
+            CudaCopyPath::BatchCopy
+        } else {
+            CudaCopyPath::CopyPerRange
+        }
     }
 
     /// Why the gather kernel, asked for, did not load (`None` when it did

@@ -1952,7 +1952,7 @@ def plan_big(ctx: Ctx, spec: ModelSpec) -> dict[str, Any]:
         plan["ab_config"] = a.ab_config  # the A/B pair's settings (orbit-custom)
     if a.ab_more:
         plan["ab_more"] = dict(a.ab_more)  # orbit-NAME's settings, by NAME
-    if getattr(a, "big_orbit_block_sizes", None):
+    if a.big_orbit_block_sizes:
         plan["orbit_block_sizes"] = dict(zip(("prefill", "decode"), a.big_orbit_block_sizes, strict=True))
     plan["orbit_roles"] = ({"prefill": "kv_producer", "decode": "kv_consumer"} if a.orbit_roles == "split"
                            else {"prefill": "kv_both", "decode": "kv_both"})
@@ -2102,7 +2102,7 @@ class Fleet:
             self.ndec = mk("nixl-decode", 1, "nixl")
             self.pairs["nixl"] = [self.npre, self.ndec]
         self.servers = [s for p in self.pairs.values() for s in p]
-        if getattr(ctx.args, "big_orbit_block_sizes", None):
+        if ctx.args.big_orbit_block_sizes:
             orbit_block_sizes(self.servers, ctx.args.big_orbit_block_sizes)
         if ctx.args.load_kv_digest:
             # --load-kv-digest: per request, decode's KV as loaded and

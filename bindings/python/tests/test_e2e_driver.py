@@ -298,7 +298,7 @@ def _big_args(**kw: object) -> object:
              ttft_lengths=[1024, 8192, 32768], ttft_gen=1, min_kv_gib=4, one_gpu=True, big_kv_gib=3.0,
              big_kv_cap_gib=40.0, big_decode_kv_gib=5.5, bench_input_len=4609, bench_output_len=64, ab="control",
              ab_config=None, single=False, router=False, router_mc=False, mc=True, nixl="auto", big_layers=8,
-             orbit_roles="split", ab_more=[])
+             orbit_roles="split", ab_more=[], big_orbit_block_sizes=None)
     a.update(kw)
     return SimpleNamespace(**a)
 
