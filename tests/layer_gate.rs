@@ -131,6 +131,50 @@ fn layers_are_written_only_after_their_mark_and_the_finish_waits_for_them() {
     assert!(s.write_batches >= 2 && s.layer_write_micros > 0, "{s:?}");
 }
 
+/// The GPU's lag after vLLM's finish, as the producer times it: the finish
+/// is handed over when the last step was *launched* (the gate's marks not
+/// reached), so a request authorized early still holds its pages until the
+/// GPU computed its last layer; `computed_after_finish` times that part,
+/// `sent_after_finish` and `written_after_finish` follow it.
+#[test]
+fn the_gpus_lag_after_the_finish_is_timed_as_computed_after_finish() {
+    let req = RequestId::new("gate-lag");
+    let (producer, consumer, _hs) = pair(&req, &[1, 2], &[3, 4]);
+    let rt = &producer.runtime;
+    let (reach0, mark0) = hand();
+    let (reach1, mark1) = hand();
+    rt.layers_ready_after(Some(mark0), vec![ready(&req, 0, 2)]);
+    rt.layers_ready_after(Some(mark1), vec![ready(&req, 1, 2)]);
+    rt.layers_ready_after(None, vec![GateCall::Finish { request: req.clone() }]);
+    // the GPU reaches layer 0 at once, layer 1 80 ms after the finish
+    reach0.send(Ok(())).unwrap();
+    std::thread::sleep(Duration::from_millis(80));
+    reach1.send(Ok(())).unwrap();
+    let ev = next(&consumer.runtime, Duration::from_secs(20)).expect("an outcome");
+    assert!(matches!(ev, RuntimeEvent::ConsumerCompleted { .. }), "{ev:?}");
+    let timings = rt.take_timings();
+    let of = |w: orbitkv::Timing| {
+        let v = &timings
+            .iter()
+            .find(|(x, _)| *x == w)
+            .expect("every timing listed")
+            .1;
+        assert_eq!(v.len(), 1, "{w:?} once: {timings:?}");
+        v[0]
+    };
+    let (shaken, computed, sent, written) = (
+        of(orbitkv::Timing::HandshakeAfterFinish),
+        of(orbitkv::Timing::ComputedAfterFinish),
+        of(orbitkv::Timing::SentAfterFinish),
+        of(orbitkv::Timing::WrittenAfterFinish),
+    );
+    assert_eq!(shaken, 0, "decode authorized before the finish: {timings:?}");
+    assert!(
+        computed >= 80_000 && computed <= sent && sent <= written,
+        "{timings:?}"
+    );
+}
+
 #[test]
 fn a_mark_that_fails_aborts_its_requests_and_writes_nothing_of_that_layer() {
     let layers = 2;

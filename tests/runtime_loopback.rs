@@ -1198,14 +1198,17 @@ fn the_time_after_the_prefill_finished_is_timed_on_both_sides() {
     let span = (Duration::from_millis(60) + since_authorized).as_micros() + 50_000;
     assert!(u128::from(pages[0]) <= span, "{p:?}");
     // where the tail went: decode's handshake 60 ms after the finish, the
-    // last write's first batch after it, both within the written time
-    let (shaken, sent) = (
+    // lane finding the last layer computed (no GPU mark here: when the
+    // write reached it, after the handshake), the last write's first
+    // batch after that, all within the written time
+    let (shaken, computed, sent) = (
         of(&p, orbitkv::Timing::HandshakeAfterFinish),
+        of(&p, orbitkv::Timing::ComputedAfterFinish),
         of(&p, orbitkv::Timing::SentAfterFinish),
     );
-    assert_eq!((shaken.len(), sent.len()), (1, 1), "{p:?}");
+    assert_eq!((shaken.len(), computed.len(), sent.len()), (1, 1, 1), "{p:?}");
     assert!(
-        shaken[0] >= 60_000 && shaken[0] <= sent[0] && sent[0] <= written[0],
+        shaken[0] >= 60_000 && shaken[0] <= computed[0] && computed[0] <= sent[0] && sent[0] <= written[0],
         "{p:?}"
     );
     assert!(
@@ -1237,6 +1240,7 @@ fn the_time_after_the_prefill_finished_is_timed_on_both_sides() {
     assert_eq!(of(&p, orbitkv::Timing::PagesHeldAfterFinish).len(), 1, "{p:?}");
     assert!(of(&p, orbitkv::Timing::HandshakeAfterFinish).is_empty(), "{p:?}");
     assert!(of(&p, orbitkv::Timing::SentAfterFinish).is_empty(), "{p:?}");
+    assert!(of(&p, orbitkv::Timing::ComputedAfterFinish).is_empty(), "{p:?}");
 
     // the streaming flow's order: decode authorized and every layer sent
     // before vLLM finished: both parts of the tail are 0
@@ -1265,4 +1269,5 @@ fn the_time_after_the_prefill_finished_is_timed_on_both_sides() {
     let p = producer.runtime.take_timings();
     assert_eq!(of(&p, orbitkv::Timing::HandshakeAfterFinish), vec![0], "{p:?}");
     assert_eq!(of(&p, orbitkv::Timing::SentAfterFinish), vec![0], "{p:?}");
+    assert_eq!(of(&p, orbitkv::Timing::ComputedAfterFinish), vec![0], "{p:?}");
 }

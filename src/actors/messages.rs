@@ -42,6 +42,9 @@ pub struct LayerWritten {
     /// The write's range list, emptied, for the producer to plan into
     /// again (the per-layer path then allocates none).
     pub spare: Vec<WriteRange>,
+    /// When its lane saw the GPU had computed the layer (`None`: never
+    /// judged), for [`crate::Timing::ComputedAfterFinish`].
+    pub computed: Option<std::time::Instant>,
     /// When its first batch went to Mooncake (`None`: nothing was sent,
     /// an empty write), for [`crate::Timing::SentAfterFinish`].
     pub first_sent: Option<std::time::Instant>,

@@ -202,6 +202,13 @@ pub enum Timing {
     /// finish (the streaming flow's usual order).
     HandshakeAfterFinish,
     /// Prefill side, with [`Self::WrittenAfterFinish`]: vLLM finished the
+    /// request → the lane of its last-computed write saw the GPU had
+    /// computed that layer (its mark reached; a lane busy with earlier
+    /// batches sees it late); 0 when every layer was computed before the
+    /// finish. Under vLLM's async scheduling the finish comes when the last
+    /// step was *launched*, so this is the GPU's lag behind the launches.
+    ComputedAfterFinish,
+    /// Prefill side, with [`Self::WrittenAfterFinish`]: vLLM finished the
     /// request → its last write's first batch went to Mooncake (the lane
     /// had seen the GPU reach its layer); 0 when every write was sent
     /// before the finish. Written minus this is the last batch's flight.
@@ -209,12 +216,13 @@ pub enum Timing {
 }
 
 impl Timing {
-    pub const ALL: [Timing; 5] = [
+    pub const ALL: [Timing; 6] = [
         Timing::WrittenAfterFinish,
         Timing::PagesHeldAfterFinish,
         Timing::CompleteToTaken,
         Timing::HandshakeAfterFinish,
         Timing::SentAfterFinish,
+        Timing::ComputedAfterFinish,
     ];
 
     /// The name the binding and the metrics use.
@@ -225,6 +233,7 @@ impl Timing {
             Timing::CompleteToTaken => "complete_to_taken",
             Timing::HandshakeAfterFinish => "handshake_after_finish",
             Timing::SentAfterFinish => "sent_after_finish",
+            Timing::ComputedAfterFinish => "computed_after_finish",
         }
     }
 }

@@ -2216,7 +2216,7 @@ def mooncake_lines(log: Path | None, limit: int = 12) -> list[str]:
 # OrbitKV's histograms of a request's phases after its prefill answered
 # (docs/configuration.md, metrics): the prefill's and the decode's.
 PHASES = ("written_after_finish", "pages_held_after_finish", "complete_to_taken", "handshake_after_finish",
-          "sent_after_finish")
+          "sent_after_finish", "computed_after_finish")
 
 
 def phase_buckets(m: dict[str, float]) -> dict[str, dict[float, float]]:
@@ -2263,7 +2263,8 @@ def phase_cells(ph: dict[str, Any]) -> str:
     def h(phase: str) -> str:
         q = ph.get(phase)
         return f"{q['p50_ms']:.0f} / {q['p90_ms']:.0f} ({q['n']:.0f})" if q else "-"
-    return (f"{h('handshake_after_finish')} | {h('sent_after_finish')} | {h('written_after_finish')} | "
+    return (f"{h('handshake_after_finish')} | {h('computed_after_finish')} | {h('sent_after_finish')} | "
+            f"{h('written_after_finish')} | "
             f"{h('pages_held_after_finish')} | {h('complete_to_taken')} |")
 
 
@@ -3125,13 +3126,14 @@ def report(d: Path) -> str:
         rows = level_rows(r, "orbit_phases", phase_cells)
         if rows:
             lines += ["OrbitKV's phase histograms per level (ms, p50 / p90 from the buckets, (requests)): prefill: "
-                      "vLLM finished the request → decode's handshake reached it (0: before), → its last write's "
+                      "vLLM finished the request → decode's handshake reached it (0: before), → its last layer "
+                      "seen computed by its writer lane (the GPU's lag; 0: before), → its last write's "
                       "first batch went out (0: before), → its last write ended and its notice went out, → its pages "
                       "back to vLLM; decode: KV complete → taken by vLLM's worker. '-': a wheel without that "
                       "histogram.", "",
-                      "| system | in flight | handshake after finish | last write sent after finish | written after "
-                      "finish | pages held after finish | complete → taken |",
-                      "|---|---|---|---|---|---|---|"] + rows + [""]
+                      "| system | in flight | handshake after finish | last layer computed after finish | last write "
+                      "sent after finish | written after finish | pages held after finish | complete → taken |",
+                      "|---|---|---|---|---|---|---|---|"] + rows + [""]
         rows = level_rows(r, "proxy_breakdown", proxy_cells)
         if rows:
             lines += ["Proxy view per request (ms after the proxy took it, p50 / p90): when the prefill "

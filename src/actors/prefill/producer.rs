@@ -676,6 +676,9 @@ struct ProducerCore {
     handshake_at: Option<Instant>,
     /// The latest first batch of its writes, for [`Timing::SentAfterFinish`].
     last_sent: Option<Instant>,
+    /// The latest layer its lanes saw computed, for
+    /// [`Timing::ComputedAfterFinish`].
+    last_computed: Option<Instant>,
     /// This actor (for its own `Stop`).
     me: Addr<ProducerActor>,
     /// Where the writers report (this actor, [`WriterReports`]).
@@ -1095,6 +1098,7 @@ impl ProducerCore {
             finished_at: None,
             handshake_at: None,
             last_sent: None,
+            last_computed: None,
         }
     }
 
@@ -1350,11 +1354,13 @@ impl ProducerCore {
                 if let (crate::wire::Outcome::Done, Some(at)) = (outcome, self.finished_at) {
                     let timings = &self.shared.stats.timings;
                     timings.observe(Timing::WrittenAfterFinish, at.elapsed());
-                    // where the tail went: decode's authorization, then the
-                    // last write's first batch (0 when before the finish)
+                    // where the tail went: decode's authorization, the GPU
+                    // computing the last layer, then the last write's first
+                    // batch (each 0 when before the finish)
                     let after =
                         |t: Option<Instant>| t.map_or(Duration::ZERO, |t| t.saturating_duration_since(at));
                     timings.observe(Timing::HandshakeAfterFinish, after(self.handshake_at));
+                    timings.observe(Timing::ComputedAfterFinish, after(self.last_computed));
                     timings.observe(Timing::SentAfterFinish, after(self.last_sent));
                 }
                 self.shared.writers.get(&auth.endpoint).notice(notice);
@@ -1512,6 +1518,9 @@ impl ProducerCore {
         // beyond that, for any producer of this runtime.
         if m.first_sent > self.last_sent {
             self.last_sent = m.first_sent;
+        }
+        if m.computed > self.last_computed {
+            self.last_computed = m.computed;
         }
         if self.spare.len() < 8 && m.spare.capacity() > 0 {
             self.spare.push(m.spare);

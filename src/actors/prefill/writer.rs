@@ -186,6 +186,10 @@ struct Job {
     span: tracing::Span,
     /// When the writer took the write.
     admitted: Instant,
+    /// When the lane saw the GPU had computed its layer (its mark reached;
+    /// at admission when it carried none), for
+    /// [`crate::Timing::ComputedAfterFinish`].
+    computed: Option<Instant>,
     /// When its first batch went to Mooncake.
     first_sent: Option<Instant>,
     /// The writer's gather was considered (once, before the first batch).
@@ -369,6 +373,7 @@ impl LaneCell {
             bytes = msg.bytes, result = tracing::field::Empty);
         let id = st.next_job;
         st.next_job += 1;
+        let now = Instant::now();
         st.jobs.insert(
             id,
             Job {
@@ -385,7 +390,8 @@ impl LaneCell {
                 expires_unix_ms: msg.expires_unix_ms,
                 reply_to: msg.reply_to,
                 span,
-                admitted: Instant::now(),
+                admitted: now,
+                computed: (msg.after == 0).then_some(now),
                 first_sent: None,
                 gather_tried: false,
                 piece: None,
@@ -466,6 +472,7 @@ impl LaneCell {
                 if let Err(reason) = verdict {
                     job.failed = Some(format!("GPU event wait failed: {reason}"));
                 }
+                job.computed.get_or_insert_with(Instant::now);
                 job.after = 0;
             }
             let job = st.jobs.get_mut(&id).expect("queued job exists");
@@ -590,6 +597,7 @@ impl LaneCell {
             }
             for &(j, _) in &parts {
                 let o = st.jobs.get_mut(&j).expect("queued job exists");
+                o.computed.get_or_insert(now);
                 o.first_sent.get_or_insert(now);
                 o.next = if j == id { end } else { o.ranges.len() };
                 o.after = 0;
@@ -728,6 +736,7 @@ impl LaneCell {
                     generation: job.generation,
                     bytes: job.written,
                     spare,
+                    computed: job.computed,
                     first_sent: job.first_sent,
                 });
             }

@@ -148,7 +148,8 @@ def test_pd_equals_single_engine(cluster: Cluster, n: int) -> None:
 # docs/configuration.md#metrics), by the side that times them.
 WRITTEN = "vllm:orbitkv_written_after_finish_seconds"
 # timed with WRITTEN, per request written in full: the two parts of its tail
-TAIL = (WRITTEN, "vllm:orbitkv_handshake_after_finish_seconds", "vllm:orbitkv_sent_after_finish_seconds")
+TAIL = (WRITTEN, "vllm:orbitkv_handshake_after_finish_seconds", "vllm:orbitkv_computed_after_finish_seconds",
+        "vllm:orbitkv_sent_after_finish_seconds")
 PHASES = {"prefill": (*TAIL, "vllm:orbitkv_pages_held_after_finish_seconds"),
           "decode": ("vllm:orbitkv_complete_to_taken_seconds",)}
 

@@ -316,6 +316,12 @@ _HISTOGRAMS = {
         "Prefill, per request written in full: from vLLM finishing it to decode's handshake (authorization) reaching "
         "the producer; 0 when it came before the finish (the streaming flow's usual order).",
     ),
+    "computed_after_finish": (
+        "vllm:orbitkv_computed_after_finish_seconds",
+        "Prefill, per request written in full: from vLLM finishing it to the writer lane of its last-computed layer "
+        "seeing the GPU had computed that layer (or the write reaching the lane, if later); 0 when before the finish. "
+        "Under async scheduling the finish comes when the last step was launched: this is the GPU's lag.",
+    ),
     "sent_after_finish": (
         "vllm:orbitkv_sent_after_finish_seconds",
         "Prefill, per request written in full: from vLLM finishing it to its last layer write's first batch going to "
