@@ -2216,7 +2216,7 @@ def mooncake_lines(log: Path | None, limit: int = 12) -> list[str]:
 # OrbitKV's histograms of a request's phases after its prefill answered
 # (docs/configuration.md, metrics): the prefill's and the decode's.
 PHASES = ("written_after_finish", "pages_held_after_finish", "complete_to_taken", "handshake_after_finish",
-          "sent_after_finish", "computed_after_finish")
+          "sent_after_finish", "computed_after_finish", "ended_after_finish", "reported_after_finish")
 
 
 def phase_buckets(m: dict[str, float]) -> dict[str, dict[float, float]]:
@@ -2264,7 +2264,7 @@ def phase_cells(ph: dict[str, Any]) -> str:
         q = ph.get(phase)
         return f"{q['p50_ms']:.0f} / {q['p90_ms']:.0f} ({q['n']:.0f})" if q else "-"
     return (f"{h('handshake_after_finish')} | {h('computed_after_finish')} | {h('sent_after_finish')} | "
-            f"{h('written_after_finish')} | "
+            f"{h('written_after_finish')} | {h('ended_after_finish')} | {h('reported_after_finish')} | "
             f"{h('pages_held_after_finish')} | {h('complete_to_taken')} |")
 
 
@@ -3128,12 +3128,15 @@ def report(d: Path) -> str:
             lines += ["OrbitKV's phase histograms per level (ms, p50 / p90 from the buckets, (requests)): prefill: "
                       "vLLM finished the request → decode's handshake reached it (0: before), → its last layer "
                       "seen computed by its writer lane (the GPU's lag; 0: before), → its last write's "
-                      "first batch went out (0: before), → its last write ended and its notice went out, → its pages "
-                      "back to vLLM; decode: KV complete → taken by vLLM's worker. '-': a wheel without that "
+                      "first batch went out (0: before), → its last write ended and its notice went out; → vLLM's "
+                      "scheduler told the worker it ended the request (vLLM's own pipeline), → the worker reported "
+                      "it sent (vLLM frees its blocks with that step); → its pages back to vLLM (the runtime's side); "
+                      "decode: KV complete → taken by vLLM's worker. '-': a wheel without that "
                       "histogram.", "",
                       "| system | in flight | handshake after finish | last layer computed after finish | last write "
-                      "sent after finish | written after finish | pages held after finish | complete → taken |",
-                      "|---|---|---|---|---|---|---|---|"] + rows + [""]
+                      "sent after finish | written after finish | vLLM ended after finish | reported sent after "
+                      "finish | pages held after finish | complete → taken |",
+                      "|---|---|---|---|---|---|---|---|---|---|"] + rows + [""]
         rows = level_rows(r, "proxy_breakdown", proxy_cells)
         if rows:
             lines += ["Proxy view per request (ms after the proxy took it, p50 / p90): when the prefill "

@@ -282,13 +282,14 @@ def test_each_level_gets_its_phase_quantiles_from_the_sampled_buckets(tmp_path: 
     (tmp_path / "b-default.json").write_text(json.dumps(stage))
     lines = driver.report(tmp_path).splitlines()
     header = lines.index("| system | in flight | handshake after finish | last layer computed after finish | last write "
-                         "sent after finish | written after finish | pages held after finish | complete → taken |")
+                         "sent after finish | written after finish | vLLM ended after finish | reported sent after "
+                         "finish | pages held after finish | complete → taken |")
     row = lines[header + 2]
-    assert row == "| orbit | 32 | - | - | - | 117 / 183 (10) | - | - |"
+    assert row == "| orbit | 32 | - | - | - | 117 / 183 (10) | - | - | - | - |"
     # the two parts of the tail (a wheel that has them) are sampled too
     assert set(driver.phase_buckets({f'vllm:orbitkv_{ph}_seconds_bucket{{le="0.1"}}': 1.0 for ph in driver.PHASES})) \
         == {"written_after_finish", "pages_held_after_finish", "complete_to_taken", "handshake_after_finish",
-            "sent_after_finish", "computed_after_finish"}
+            "sent_after_finish", "computed_after_finish", "ended_after_finish", "reported_after_finish"}
 
 
 def _big_args(**kw: object) -> object:

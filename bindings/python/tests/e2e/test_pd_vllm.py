@@ -150,7 +150,9 @@ WRITTEN = "vllm:orbitkv_written_after_finish_seconds"
 # timed with WRITTEN, per request written in full: the two parts of its tail
 TAIL = (WRITTEN, "vllm:orbitkv_handshake_after_finish_seconds", "vllm:orbitkv_computed_after_finish_seconds",
         "vllm:orbitkv_sent_after_finish_seconds")
-PHASES = {"prefill": (*TAIL, "vllm:orbitkv_pages_held_after_finish_seconds"),
+# timed by the prefill's vLLM worker itself, once per request finished
+ENDED, REPORTED = "vllm:orbitkv_ended_after_finish_seconds", "vllm:orbitkv_reported_after_finish_seconds"
+PHASES = {"prefill": (*TAIL, "vllm:orbitkv_pages_held_after_finish_seconds", ENDED, REPORTED),
           "decode": ("vllm:orbitkv_complete_to_taken_seconds",)}
 
 
@@ -182,6 +184,10 @@ def assert_phases_timed(cluster: Cluster, before_p: dict[str, float], before_d: 
     assert all(abs(got[k] - n) <= early for k in TAIL), got
     # the tail's parts are timed together: one each per request written
     assert len({got[k] for k in TAIL}) == 1, got
+    # a request is reported sent only once vLLM ended it: never sooner
+    now = snapshot(cluster, "prefill")
+    total = {k: now.get(f"{k}_sum", 0) - before_p.get(f"{k}_sum", 0) for k in (ENDED, REPORTED)}
+    assert total[REPORTED] >= total[ENDED] > 0, total
 
 
 def test_pd_text_prompts_and_streaming(cluster: Cluster) -> None:

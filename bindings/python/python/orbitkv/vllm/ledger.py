@@ -99,6 +99,9 @@ class ProducerRecord:
     released: bool = False
     # producer_finish (or an abort) was called.
     finished: bool = False
+    # When producer_finish was called (time.monotonic(); None: aborted, or
+    # not yet): the clock of the worker's own phases (PY_TIMINGS).
+    finished_at: float | None = None
     # Source staging (orbitkv.staging): (address, capacity in blocks, the
     # staged layout's slots, its group), freed once the runtime released the
     # request and vLLM no longer schedules it (nothing reads or gathers into it).

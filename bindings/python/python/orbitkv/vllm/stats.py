@@ -22,6 +22,13 @@ COUNTERS: tuple[str, ...] = tuple(STATS_FIELDS)
 # seconds under ``data["timings"]`` and become Prometheus histograms.
 TIMINGS: tuple[str, ...] = tuple(TIMING_NAMES)
 
+# Request phases the vLLM worker times itself (prefill), from its
+# producer_finish call: vLLM telling the worker it ended the request (a
+# step or more later under async scheduling), and the worker reporting it
+# sent (finished_sending: vLLM frees its blocks when it takes that step's
+# output). Under the same ``data["timings"]``.
+PY_TIMINGS: tuple[str, ...] = ("ended_after_finish", "reported_after_finish")
+
 # The histograms' buckets, seconds: from a step's worth to the consumer's
 # default timeout.
 TIMING_BUCKETS: tuple[float, ...] = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
@@ -321,6 +328,17 @@ _HISTOGRAMS = {
         "Prefill, per request written in full: from vLLM finishing it to the writer lane of its last-computed layer "
         "seeing the GPU had computed that layer (or the write reaching the lane, if later); 0 when before the finish. "
         "Under async scheduling the finish comes when the last step was launched: this is the GPU's lag.",
+    ),
+    "ended_after_finish": (
+        "vllm:orbitkv_ended_after_finish_seconds",
+        "Prefill, per request finished: from the worker handing vLLM's finish to the runtime (at the forward's launch) "
+        "to vLLM's scheduler telling the worker it ended the request (its blocks then wait only for OrbitKV's word).",
+    ),
+    "reported_after_finish": (
+        "vllm:orbitkv_reported_after_finish_seconds",
+        "Prefill, per request finished: from the worker handing vLLM's finish to the runtime to the worker reporting "
+        "it sent (finished_sending; vLLM frees its blocks with that step's output). Never before ended_after_finish: "
+        "the difference is what OrbitKV's writes added to vLLM's own hold.",
     ),
     "sent_after_finish": (
         "vllm:orbitkv_sent_after_finish_seconds",

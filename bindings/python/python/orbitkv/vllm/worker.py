@@ -38,7 +38,7 @@ from orbitkv.vllm.layout import cpu_kernel_parts, kv_layout_of
 from orbitkv.vllm.ledger import Ledger
 from orbitkv.vllm.metadata import PdConnectorMetadata, ProducerChunk
 from orbitkv.vllm.params import MOONCAKE
-from orbitkv.vllm.stats import COUNTERS, PdConnectorStats
+from orbitkv.vllm.stats import COUNTERS, PY_TIMINGS, PdConnectorStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -138,6 +138,9 @@ class PdWorker:
         # recomputes them).
         self._refused_consumers: set[str] = set()
         self._last_stats = {k: 0 for k in COUNTERS}
+        # The phases this worker times itself (stats.PY_TIMINGS), seconds,
+        # until the next get_kv_connector_stats takes them.
+        self._py_timings: dict[str, list[float]] = {k: [] for k in PY_TIMINGS}
         # Staging (orbitkv.pd.staging_mb): the memory, the copies, and the
         # allocator of this rank's source staging.
         self._staging_tensors: list[torch.Tensor] = []
@@ -420,11 +423,12 @@ class PdWorker:
                 # its blocks; an abort of a request vLLM still runs (it was
                 # preempted) must not free anything.
                 prod.ended = True
+                self._time_after_finish("ended_after_finish", prod)
             if end.aborted:
                 self._producer_call(rt.producer_abort, end.pd_id, end.reason or "aborted")
                 led.producers.tidy(end.pd_id)
             elif not prod.finished:
-                prod.finished = True
+                prod.finished, prod.finished_at = True, time.monotonic()
                 self._producer_call(rt.producer_finish, end.pd_id)
         for end in meta.consumers_end:
             if end.after_load:
@@ -815,7 +819,7 @@ class PdWorker:
         for ch in self._step_chunks:
             prod = self.ledger.producers.get(ch.pd_id) if ch.last else None
             if prod is not None and not prod.finished:
-                prod.finished = True
+                prod.finished, prod.finished_at = True, time.monotonic()
                 # After the layers handed over before it, by the same path.
                 finish = rt.producer_finish_after if self._rust_gate else rt.producer_finish
                 self._producer_call(finish, ch.pd_id)
@@ -902,8 +906,15 @@ class PdWorker:
             if prod.req_id is not None and not prod.pages_back:
                 self._faults.before_send_done(self._kv_caches, self._num_blocks, pd)
                 sending.add(prod.req_id)
+                self._time_after_finish("reported_after_finish", prod)
             led.producers.pop(pd)
         return (sending or None), (recving or None)
+
+    def _time_after_finish(self, phase: str, prod: Any) -> None:
+        """Times ``phase`` (a ``PY_TIMINGS`` name) of a producer request
+        from its ``producer_finish`` call, if it had one (not an abort)."""
+        if prod.finished_at is not None:
+            self._py_timings[phase].append(time.monotonic() - prod.finished_at)
 
     def _give_back_pages(self, sending: set[str]) -> None:
         """Reports as sent the requests staged by layer that vLLM finished
@@ -930,6 +941,7 @@ class PdWorker:
                 prod.pages_back, prod.back_at = True, time.monotonic()
                 self._faults.before_send_done(self._kv_caches, self._num_blocks, pd)
                 sending.add(prod.req_id)
+                self._time_after_finish("reported_after_finish", prod)
         # vLLM no longer counts them among the finished requests that wait
         # for a decode (the scheduler's claim deadline and caps): the claim
         # deadline is kept here, so a decode that never comes (a stranger's
@@ -1010,6 +1022,9 @@ class PdWorker:
         self._last_stats = {k: now.get(k, 0) for k in COUNTERS}
         data: dict[str, Any] = dict(delta)
         data["timings"] = {k: v for k, v in self.runtime.take_timings().items() if v}
+        for k, v in self._py_timings.items():
+            if v:
+                data["timings"][k], self._py_timings[k] = v, []
         stats = PdConnectorStats(data=data)
         return None if stats.is_empty() else stats
 
