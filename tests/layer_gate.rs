@@ -146,7 +146,7 @@ fn the_gpus_lag_after_the_finish_is_timed_as_computed_after_finish() {
     rt.layers_ready_after(Some(mark0), vec![ready(&req, 0, 2)]);
     rt.layers_ready_after(Some(mark1), vec![ready(&req, 1, 2)]);
     rt.layers_ready_after(None, vec![GateCall::Finish { request: req.clone() }]);
-    // the GPU reaches layer 0 at once, layer 1 80 ms after the finish
+    // the GPU reaches layer 0 at once, layer 1 about 80 ms after the finish
     reach0.send(Ok(())).unwrap();
     std::thread::sleep(Duration::from_millis(80));
     reach1.send(Ok(())).unwrap();
@@ -169,8 +169,12 @@ fn the_gpus_lag_after_the_finish_is_timed_as_computed_after_finish() {
         of(orbitkv::Timing::WrittenAfterFinish),
     );
     assert_eq!(shaken, 0, "decode authorized before the finish: {timings:?}");
+    // The finish is stamped when the producer actor handles it, a little
+    // after the call above returned (79 ms was seen on a busy 2-core
+    // machine); a lane's admission time instead would give 0 (the writes
+    // were admitted at the launch, before the finish).
     assert!(
-        computed >= 80_000 && computed <= sent && sent <= written,
+        computed >= 50_000 && computed <= sent && sent <= written,
         "{timings:?}"
     );
 }

@@ -1197,7 +1197,8 @@ fn the_time_after_the_prefill_finished_is_timed_on_both_sides() {
     assert!(written[0] >= 60_000 && pages[0] >= 60_000, "{p:?}");
     let span = (Duration::from_millis(60) + since_authorized).as_micros() + 50_000;
     assert!(u128::from(pages[0]) <= span, "{p:?}");
-    // where the tail went: decode's handshake 60 ms after the finish, the
+    // where the tail went: decode's handshake 60 ms after the finish (less
+    // the time the actor took to handle the finish, stamped then), the
     // lane finding the last layer computed (no GPU mark here: when the
     // write reached it, after the handshake), the last write's first
     // batch after that, all within the written time
@@ -1208,7 +1209,7 @@ fn the_time_after_the_prefill_finished_is_timed_on_both_sides() {
     );
     assert_eq!((shaken.len(), computed.len(), sent.len()), (1, 1, 1), "{p:?}");
     assert!(
-        shaken[0] >= 60_000 && shaken[0] <= computed[0] && computed[0] <= sent[0] && sent[0] <= written[0],
+        shaken[0] >= 50_000 && shaken[0] <= computed[0] && computed[0] <= sent[0] && sent[0] <= written[0],
         "{p:?}"
     );
     assert!(
