@@ -3006,8 +3006,10 @@ def cell_report(st: str, r: dict[str, Any]) -> list[str]:
                 f"{'yes' if m.get('pass') else '**no**'} |")
     lines += ["", "(at once: equal/near-tie/mismatch counts of the prompts sent at once. KV slots (idle): "
               "digests of every slot once both instances are idle (kv_digest.py); KV at release: per request, "
-              "decode's tokens as loaded against prefill's as released (ORBITKV_TESTING_KV_DIGEST), which "
-              "decides the pass when present.)", ""]
+              "decode's tokens as loaded against prefill's as released (ORBITKV_TESTING_KV_DIGEST). Pass: no token "
+              "differing in that byte check (else the idle-time one) where present, AND every answer equal or a "
+              "near-tie, every P/D request transferred, none failed, both instances idle after: a mismatch "
+              "fails the cell even when the KV is byte-exact.)", ""]
     pr = r.get("backend_probe") or {}
     if pr:
         lines += [f"vLLM's attention selector on this GPU ({pr.get('capability', '?')}): valid backends in priority "
