@@ -123,6 +123,9 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_client import parse_runs  # noqa: E402  (the client's own run syntax; imports no vLLM)
+
 HOST = "127.0.0.1"
 T0 = time.monotonic()
 GIB = 1 << 30
@@ -1902,7 +1905,7 @@ def plan_big(ctx: Ctx, spec: ModelSpec) -> dict[str, Any]:
     gpu_gib = a.gpu_gib or detected or 139.0
     gpu_gib_source = "--gpu-gib" if a.gpu_gib else ("nvidia-smi" if detected else "an H200's (nothing detected)")
     tok = kv_token_bytes(spec)
-    widest = max((int(r.split(":")[1]) for r in a.bench_runs.split(",") if r), default=1)
+    widest = max((r.concurrency for r in parse_runs(a.bench_runs)), default=1)
     # the floor: the longest TTFT prompt must fit (a load level wider than the KV
     # only makes requests wait for KV on decode: recorded, not avoided)
     need_tokens = max(a.ttft_lengths, default=0) + a.ttft_gen + 64
@@ -2250,10 +2253,17 @@ def bucket_quantile(cum: dict[float, float], q: float) -> float | None:
     return lo
 
 
+def level(run: dict[str, Any]) -> str:
+    """A load level as the summary names it: the requests in flight (a closed
+    loop), or for an open loop its rate and the in-flight cap."""
+    rate = run.get("request_rate", "inf")
+    return str(run.get("concurrency")) if rate in ("inf", None) else f"{rate}/s (at most {run.get('concurrency')})"
+
+
 def level_rows(stage: dict[str, Any], key: str, cells: Callable[[Any], str]) -> list[str]:
     """A summary row per system and load level (warm-ups left out) whose
     run has ``key``: ``| system | in flight | `` and ``cells(run[key])``."""
-    return [f"| {system} | {x.get('concurrency')} | {cells(x[key])}"
+    return [f"| {system} | {level(x)} | {cells(x[key])}"
             for system, sr in stage.get("systems", {}).items()
             for tag, x in sr.get("runs", {}).items() if not tag.startswith("warm") and x.get(key)]
 
@@ -2480,6 +2490,7 @@ def stage_b(ctx: Ctx, fleet: Fleet, name: str, acc: dict[str, Any] | None = None
         with contextlib.suppress(OSError, ValueError):
             for entry in json.loads((bdir / f"{system}-runs.json").read_text()):
                 r = {"status": entry["status"], "concurrency": entry["concurrency"],
+                     "request_rate": entry.get("request_rate", "inf"),
                      "num_prompts": entry["num_prompts"], "seed": entry["seed"]}
                 with contextlib.suppress(OSError, ValueError):
                     full = json.loads((bdir / f"{system}-{entry['tag']}.json").read_text())
@@ -2929,7 +2940,7 @@ def ratio_rows(r: dict[str, Any]) -> list[str]:
                                        and isinstance(p.get(k), (int, float)) and p[k] else "-")
             peak = lambda x: next((peak_cell(v)  # noqa: E731
                                    for k, v in x.get("servers", {}).items() if "prefill" in k), "-")
-            rows.append(f"| {o.get('concurrency')} | {rat('p50_ttft_ms')} | {rat('p99_ttft_ms')} | "
+            rows.append(f"| {level(o)} | {rat('p50_ttft_ms')} | {rat('p99_ttft_ms')} | "
                         f"{rat('output_throughput')} | {peak(o)} | {peak(p)} | {whole_cache_ratio(o, p)} |")
         if rows:
             out += [f"{title}, same prompts (TTFT below 1 and tok/s above 1: {num_label} ahead):", "",
@@ -3117,7 +3128,7 @@ def report(d: Path) -> str:
                 dec = next((v for k, v in srv.items() if "decode" in k or k.endswith("single")), {})
                 f = lambda k, x=x: f"{x[k]:.1f}" if isinstance(x.get(k), (int, float)) else "-"  # noqa: E731
                 lines.append(
-                    f"| {system} | {x.get('concurrency')} | {x.get('completed', '-')}/{x.get('failed', '-')} | "
+                    f"| {system} | {level(x)} | {x.get('completed', '-')}/{x.get('failed', '-')} | "
                     f"{f('p50_ttft_ms')} / {f('p99_ttft_ms')} | {f('mean_itl_ms')} / {f('p99_itl_ms')} | "
                     f"{f('mean_tpot_ms')} | {f('output_throughput')} | "
                     f"{peak_cell(pre)} | {dec.get('waiting_peak', '-')} |")
@@ -3421,7 +3432,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bench-output-len", type=int, default=64)
     p.add_argument("--bench-warmup", default="warmup:4:8:1000")
     p.add_argument("--bench-runs", default="c1:1:12:11,c4:4:32:12,c8:8:32:14,c16:16:64:13,c32:32:96:15",
-                   help="TAG:IN_FLIGHT:PROMPTS:SEED,... (issue 33's levels 1, 4, 8, 16, 32)")
+                   help="TAG:IN_FLIGHT:PROMPTS:SEED[:RATE],... (issue 33's levels 1, 4, 8, 16, 32); RATE: "
+                        "requests/s of an open loop (Poisson arrivals; IN_FLIGHT then a cap), inf (the default) "
+                        "a closed loop of IN_FLIGHT clients")
     p.add_argument("--bench-system-timeout-s", type=float, default=360)
     p.add_argument("--ttft-lengths", default="1024,8192,32768")
     p.add_argument("--ttft-reps", type=int, default=7)
@@ -3508,6 +3521,11 @@ def main(argv: list[str] | None = None) -> int:
     names = [name for name, _ in a.ab_more]
     if len(set(names)) != len(names):
         p.error(f"--ab-more: a NAME given twice ({names})")
+    for opt in ("bench_runs", "bench_warmup"):
+        try:
+            parse_runs(getattr(a, opt))
+        except ValueError as e:
+            p.error(f"--{opt.replace('_', '-')}: {e}")
     return run(Ctx(a))
 
 

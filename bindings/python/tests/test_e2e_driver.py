@@ -524,3 +524,33 @@ def test_big_orbit_block_sizes_give_orbitkvs_prefill_and_decode_their_own_block_
                      "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")])
     assert e.value.code == 2
     assert not (tmp_path / "o").exists()  # refused before anything ran
+
+
+def test_a_load_run_is_a_closed_loop_by_default_and_an_open_loop_with_a_rate() -> None:
+    """--bench-runs TAG:IN_FLIGHT:PROMPTS:SEED[:RATE]: without RATE (or with
+    inf) vllm bench serve keeps IN_FLIGHT requests in flight, each client
+    sending its next when its last ended; with RATE requests arrive at that
+    rate (Poisson) and IN_FLIGHT only caps them. The summary names the level
+    by what it was."""
+    closed, open_, inf = driver.parse_runs("c32:32:256:105,r8:32:200:7:8.5,c1:1:16:101:inf")
+    assert closed == ("c32", 32, 256, 105, None) and closed.rate_arg == "inf"
+    assert open_ == ("r8", 32, 200, 7, 8.5) and open_.rate_arg == "8.5"
+    assert inf.rate is None
+    assert driver.level({"concurrency": 32, "request_rate": "inf"}) == "32"
+    assert driver.level({"concurrency": 32}) == "32"  # a record from before the field
+    assert driver.level({"concurrency": 32, "request_rate": "8.5"}) == "8.5/s (at most 32)"
+    for bad, why in [("c1:1:16", "TAG:CONCURRENCY"), (":1:16:1", "TAG:CONCURRENCY"), ("c1:x:16:1", "integers"),
+                     ("c1:1:16:1:fast", "integers"), ("c1:0:16:1", "at least 1"), ("c1:1:0:1", "at least 1"),
+                     ("c1:1:16:-1", "not negative"), ("c1:1:16:1:0", "RATE above 0"),
+                     ("c1:1:16:1:nan", "RATE above 0"), ("c1:1:16:1,c1:4:8:2", "TAG given twice")]:
+        with pytest.raises(ValueError, match=why):
+            driver.parse_runs(bad)
+
+
+@pytest.mark.parametrize("opt", ["--bench-runs", "--bench-warmup"])
+def test_a_malformed_load_run_is_refused_before_anything_runs(opt: str, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as e:
+        driver.main([opt, "c1:1:16:1:0", "--device", "cpu", "--stages", "none", "--deadline-s", "5",
+                     "--out", str(tmp_path / "o"), "--work", str(tmp_path / "w")])
+    assert e.value.code == 2
+    assert not (tmp_path / "o").exists()
