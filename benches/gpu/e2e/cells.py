@@ -173,8 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("samples", nargs="+", help="LABEL=DIR, DIR a driver result directory of a b-default stage")
     args = ap.parse_args(argv)
     names = [s.split("=", 1)[0] for s in args.samples]
+    if len(set(names)) != len(names) or any("=" not in s for s in args.samples):
+        ap.error("each sample is LABEL=DIR, every LABEL once")
     with tempfile.TemporaryDirectory() as t:
         samples = {s.split("=", 1)[0]: load_sample(Path(s.split("=", 1)[1]), Path(t)) for s in args.samples}
+    for n, sample in samples.items():
+        missing = {"orbit", "mc"} - set(sample["stage"]["systems"])
+        if missing:
+            ap.error(f"sample {n}: no {' and no '.join(sorted(missing))} system in its b-default stage")
     w = sys.stdout.write
     w("# Issue 48's load cells, the shipped defaults against vLLM's MooncakeConnector, sample by sample\n\n")
     w("Samples: " + ", ".join(f"`{s}`" for s in args.samples) + "\n\n")

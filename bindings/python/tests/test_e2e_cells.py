@@ -115,3 +115,26 @@ def test_old_wheels_without_the_pages_share_count_vllms_blocks_only(tmp_path: Pa
     r = cells.ratios(a, b, "c16")
     assert r["kv_pages"] == pytest.approx(0.4 * 0.75 / 0.5)
     assert r["kv_whole"] == pytest.approx(0.55 / 0.5)
+
+
+def test_a_sample_without_both_systems_or_a_label_twice_is_refused(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    times = {"orbit": (50.0, 60.0), "mc": (40.0, 100.0)}
+    a = _sample(tmp_path, "a", control=False, prefill_ms=times)
+    with pytest.raises(SystemExit) as e:
+        cells.main([f"a={a}", f"a={a}"])
+    assert e.value.code == 2 and "every LABEL once" in capsys.readouterr().err
+    stage = tmp_path / "x"
+    with tarfile.open(a / "results.tar.xz") as tf:
+        tf.extractall(stage, filter="data")
+    data = json.loads((stage / "results" / "b-default.json").read_text())
+    del data["systems"]["mc"]
+    (stage / "results" / "b-default.json").write_text(json.dumps(data))
+    b = tmp_path / "b"
+    b.mkdir()
+    with tarfile.open(b / "results.tar.xz", "w:xz") as tf:
+        tf.add(stage / "results", arcname="results")
+    (b / "logs.tar.xz").write_bytes((a / "logs.tar.xz").read_bytes())
+    with pytest.raises(SystemExit) as e:
+        cells.main([f"b={b}"])
+    assert e.value.code == 2 and "sample b: no mc system" in capsys.readouterr().err
